@@ -1,0 +1,229 @@
+"""Hugging Face layout checkpoints: config.json, generation_config.json, *.safetensors (+ index).
+
+Tensor names are those of the public ERNIE-4.5 PT checkpoints (per-expert MoE tensors,
+`mlp.moe_statics.e_score_correction_bias`). Only safetensors is read or written: no pickle.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import warnings
+from dataclasses import dataclass
+
+import paddle
+from safetensors import safe_open
+
+from erniekit.errors import CheckpointError
+from erniekit.models.ernie4_5.configuration import Ernie4_5Config
+from erniekit.models.ernie4_5.modeling import Ernie4_5ForCausalLM
+from erniekit.utils.io import atomic_write, atomic_write_json
+
+WEIGHTS_NAME = "model.safetensors"
+INDEX_NAME = "model.safetensors.index.json"
+_IGNORED_UNEXPECTED = re.compile(r"^(mtp|model\.mtp)|rotary_emb\.inv_freq$")
+
+
+@dataclass
+class _Spec:
+    """How one of our parameters maps to HF tensors: 'copy', 'transpose' (Linear [in,out] vs
+    [out,in]) or 'experts' (our [E, in, out] stack <-> E tensors of [out, in])."""
+
+    kind: str
+    hf_names: list[str]
+
+
+def _specs(model: Ernie4_5ForCausalLM) -> dict[str, _Spec]:
+    specs: dict[str, _Spec] = {}
+    for name, p in model.named_parameters():
+        m = re.match(r"(.*\.mlp)\.experts\.(gate_proj|up_proj|down_proj)$", name)
+        if m:
+            n = p.shape[0]
+            specs[name] = _Spec("experts", [f"{m[1]}.experts.{e}.{m[2]}.weight" for e in range(n)])
+        elif name.endswith(".gate.e_score_correction_bias"):
+            specs[name] = _Spec("copy", [name.replace(".gate.e_score_correction_bias", ".moe_statics.e_score_correction_bias")])
+        elif name.endswith(".weight") and p.ndim == 2 and not name.endswith("embed_tokens.weight"):
+            specs[name] = _Spec("transpose", [name])
+        else:
+            specs[name] = _Spec("copy", [name])
+    return specs
+
+
+class _ShardReader:
+    """Opens each shard once; tensors are read lazily by name."""
+
+    def __init__(self, path: str):
+        index = os.path.join(path, INDEX_NAME)
+        single = os.path.join(path, WEIGHTS_NAME)
+        if os.path.isfile(index):
+            with open(index, encoding="utf-8") as f:
+                weight_map = json.load(f)["weight_map"]
+        elif os.path.isfile(single):
+            weight_map = None
+        else:
+            found = [f for f in os.listdir(path) if f.endswith((".bin", ".pdparams", ".pt"))]
+            hint = f" (found {found[0]}: convert it to safetensors; pickle files are not loaded)" if found else ""
+            raise CheckpointError(f"{path}: no {WEIGHTS_NAME} or {INDEX_NAME}{hint}")
+        self._files: dict[str, object] = {}
+        if weight_map is None:
+            h = self._open(single)
+            self.where = {k: single for k in h.keys()}
+        else:
+            self.where = {k: os.path.join(path, v) for k, v in weight_map.items()}
+
+    def _open(self, file: str):
+        if file not in self._files:
+            if not os.path.isfile(file):
+                raise CheckpointError(f"{file}: shard listed in {INDEX_NAME} is missing")
+            self._files[file] = safe_open(file, framework="paddle")
+        return self._files[file]
+
+    def shape(self, name: str) -> list[int]:
+        return list(self._open(self.where[name]).get_slice(name).get_shape())
+
+    def get(self, name: str) -> paddle.Tensor:
+        return self._open(self.where[name]).get_tensor(name)
+
+
+def load_state_into(model: Ernie4_5ForCausalLM, path: str) -> None:
+    """Fill `model` from the checkpoint at `path`; errors name the tensor that is missing or misshaped."""
+    reader = _ShardReader(path)
+    used: set[str] = set()
+    for name, p in model.named_parameters():
+        spec = _specs_cache(model)[name]
+        missing = [n for n in spec.hf_names if n not in reader.where]
+        if missing:
+            raise CheckpointError(f"{path}: tensor {missing[0]} is missing from the checkpoint (needed for {name})")
+        expected = list(p.shape)
+        if spec.kind == "experts":
+            want = [expected[2], expected[1]]
+            for n in spec.hf_names:
+                _check_shape(path, n, reader.shape(n), want)
+            value = paddle.stack([reader.get(n).astype(p.dtype).T for n in spec.hf_names])
+        else:
+            n = spec.hf_names[0]
+            want = expected[::-1] if spec.kind == "transpose" else expected
+            _check_shape(path, n, reader.shape(n), want)
+            value = reader.get(n).astype(p.dtype)
+            if spec.kind == "transpose":
+                value = value.T
+        p.set_value(value)
+        used.update(spec.hf_names)
+    extra = [n for n in reader.where if n not in used and not _IGNORED_UNEXPECTED.search(n)]
+    if model.config.tie_word_embeddings:
+        extra = [n for n in extra if n != "lm_head.weight"]
+    if extra:
+        warnings.warn(f"{path}: {len(extra)} checkpoint tensors were not used, e.g. {extra[:3]}")
+
+
+_SPEC_ATTR = "_erniekit_hf_specs"
+
+
+def _specs_cache(model: Ernie4_5ForCausalLM) -> dict[str, _Spec]:
+    specs = model.__dict__.get(_SPEC_ATTR)
+    if specs is None:
+        specs = _specs(model)
+        object.__setattr__(model, _SPEC_ATTR, specs)
+    return specs
+
+
+def _check_shape(path: str, name: str, got: list[int], want: list[int]) -> None:
+    if list(got) != list(want):
+        raise CheckpointError(
+            f"{path}: tensor {name} has shape {list(got)}, the model config expects {list(want)}: "
+            "config.json and weights disagree"
+        )
+
+
+def hf_state_dict(model: Ernie4_5ForCausalLM, dtype: str | None = None) -> dict[str, paddle.Tensor]:
+    """Our parameters renamed and reshaped to the HF layout (contiguous, ready for safetensors)."""
+    out: dict[str, paddle.Tensor] = {}
+    for name, p in model.named_parameters():
+        spec = _specs_cache(model)[name]
+        t = p.detach()
+        if dtype and "e_score_correction_bias" not in name and ".mlp.gate.weight" not in name:
+            t = t.astype(dtype)
+        if spec.kind == "experts":
+            for e, n in enumerate(spec.hf_names):
+                out[n] = t[e].T.contiguous()
+        elif spec.kind == "transpose":
+            out[spec.hf_names[0]] = t.T.contiguous()
+        else:
+            out[spec.hf_names[0]] = t.contiguous()
+    return out
+
+
+def _parse_size(size: int | str) -> int:
+    if isinstance(size, int):
+        return size
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMG]?B)\s*", size.upper())
+    if not m:
+        raise CheckpointError(f"max_shard_size={size!r}: use bytes or a size like '5GB'")
+    return int(float(m[1]) * {"B": 1, "KB": 2**10, "MB": 2**20, "GB": 2**30}[m[2]])
+
+
+def save_pretrained(
+    model: Ernie4_5ForCausalLM,
+    path: str,
+    tokenizer=None,
+    max_shard_size: int | str = "5GB",
+    dtype: str | None = None,
+) -> None:
+    """Write config, generation config, weights (sharded above `max_shard_size`) and tokenizer."""
+    from safetensors.paddle import save_file
+
+    os.makedirs(path, exist_ok=True)
+    model.config.save_pretrained(path)
+    c = model.config
+    atomic_write_json(
+        os.path.join(path, "generation_config.json"),
+        {"bos_token_id": c.bos_token_id, "eos_token_id": c.eos_token_id, "pad_token_id": c.pad_token_id,
+         "do_sample": True, "top_p": 0.8, "temperature": 0.8},
+    )
+    state = hf_state_dict(model, dtype)
+    limit = _parse_size(max_shard_size)
+    shards: list[dict[str, paddle.Tensor]] = [{}]
+    size = 0
+    for n, t in state.items():
+        nbytes = t.numel().item() * t.element_size()
+        if shards[-1] and size + nbytes > limit:
+            shards.append({})
+            size = 0
+        shards[-1][n] = t
+        size += nbytes
+    for stale in os.listdir(path):  # a previous save with another shard count must not linger
+        if re.fullmatch(r"model(-\d+-of-\d+)?\.safetensors|model\.safetensors\.index\.json", stale):
+            os.remove(os.path.join(path, stale))
+    meta = {"format": "pt"}
+    if len(shards) == 1:
+        atomic_write(os.path.join(path, WEIGHTS_NAME), lambda tmp: save_file(shards[0], tmp, metadata=meta))
+    else:
+        weight_map = {}
+        total = 0
+        for i, shard in enumerate(shards):
+            fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+            atomic_write(os.path.join(path, fname), lambda tmp, s=shard: save_file(s, tmp, metadata=meta))
+            for n, t in shard.items():
+                weight_map[n] = fname
+                total += t.numel().item() * t.element_size()
+        atomic_write_json(os.path.join(path, INDEX_NAME), {"metadata": {"total_size": total}, "weight_map": weight_map})
+    if tokenizer is not None:
+        tokenizer.save_pretrained(path)
+
+
+def from_pretrained(path: str, dtype: str = "float32", config_overrides: dict | None = None) -> Ernie4_5ForCausalLM:
+    """Build the model from `path`/config.json and load its weights."""
+    if not os.path.isdir(path):
+        raise CheckpointError(f"{path}: checkpoint directory not found")
+    config = Ernie4_5Config.from_pretrained(path)
+    if config_overrides:
+        config = config.replace(**config_overrides)
+    prev = paddle.get_default_dtype()
+    paddle.set_default_dtype(dtype)
+    try:
+        model = Ernie4_5ForCausalLM(config)
+    finally:
+        paddle.set_default_dtype(prev)
+    load_state_into(model, path)
+    return model

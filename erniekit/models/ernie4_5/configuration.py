@@ -1,0 +1,185 @@
+"""ERNIE 4.5 model config: field names and defaults of the public ERNIE-4.5 `config.json` files.
+
+One dataclass covers the dense (`model_type: ernie4_5`) and MoE (`ernie4_5_moe`) models;
+`moe_num_experts == 0` means dense. Presets live next to it so tests, the embedded default
+and users share the same shapes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+from erniekit.errors import CheckpointError
+
+# Keys of config.json that we understand but do not need for the computation.
+_PASSTHROUGH_KEYS = {
+    "architectures", "torch_dtype", "dtype", "transformers_version", "use_cache", "model_type",
+    "rope_scaling", "rope_parameters", "_name_or_path", "output_router_logits", "initializer_range",
+}
+
+
+@dataclass
+class Ernie4_5Config:
+    vocab_size: int = 103424
+    hidden_size: int = 1024
+    intermediate_size: int = 3072
+    num_hidden_layers: int = 18
+    num_attention_heads: int = 16
+    num_key_value_heads: int = 2
+    head_dim: int | None = None  # None -> hidden_size // num_attention_heads
+    hidden_act: str = "silu"
+    max_position_embeddings: int = 131072
+    rms_norm_eps: float = 1e-5
+    use_bias: bool = False
+    tie_word_embeddings: bool = True
+    rope_theta: float = 500000.0
+    pad_token_id: int = 0
+    bos_token_id: int = 1
+    eos_token_id: int | list[int] = 2
+    initializer_range: float = 0.02
+    # MoE (ERNIE-4.5-21B-A3B names); moe_num_experts == 0 -> dense model
+    moe_num_experts: int = 0
+    moe_k: int = 6
+    moe_intermediate_size: int = 1536
+    moe_num_shared_experts: int = 0
+    moe_layer_start_index: int = 1
+    moe_layer_end_index: int = -1
+    moe_layer_interval: int = 1
+    moe_norm_min: float = 1e-12
+    router_aux_loss_coef: float = 0.0
+    extra: dict[str, Any] = field(default_factory=dict)  # unknown config.json keys, written back as read
+
+    def __post_init__(self) -> None:
+        if self.head_dim is None:
+            self.head_dim = self.hidden_size // self.num_attention_heads
+        if self.moe_layer_end_index == -1:
+            self.moe_layer_end_index = self.num_hidden_layers - 1
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise CheckpointError(
+                f"num_attention_heads={self.num_attention_heads} is not a multiple of "
+                f"num_key_value_heads={self.num_key_value_heads}: fix config.json"
+            )
+        if self.is_moe and not 0 < self.moe_k <= self.moe_num_experts:
+            raise CheckpointError(f"moe_k={self.moe_k} must be in [1, moe_num_experts={self.moe_num_experts}]")
+
+    @property
+    def is_moe(self) -> bool:
+        return self.moe_num_experts > 0
+
+    @property
+    def model_type(self) -> str:
+        return "ernie4_5_moe" if self.is_moe else "ernie4_5"
+
+    def is_moe_layer(self, layer_idx: int) -> bool:
+        """Same rule as the reference implementation (transformers' Ernie4_5_MoeDecoderLayer)."""
+        return (
+            self.is_moe
+            and (layer_idx + 1) % self.moe_layer_interval == 0
+            and self.moe_layer_start_index <= layer_idx <= self.moe_layer_end_index
+        )
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        return list(self.eos_token_id) if isinstance(self.eos_token_id, (list, tuple)) else [self.eos_token_id]
+
+    # ---- config.json io -------------------------------------------------------------------
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "Ernie4_5Config":
+        d = dict(d)
+        rope = d.get("rope_parameters") or {}
+        if "rope_theta" not in d and isinstance(rope, dict) and "rope_theta" in rope:
+            d["rope_theta"] = rope["rope_theta"]  # transformers 5 writes it nested
+        if isinstance(rope, dict) and rope.get("rope_type", "default") != "default":
+            raise CheckpointError(f"rope_type={rope['rope_type']!r} is not supported (only 'default')")
+        names = {f.name for f in dataclasses.fields(cls)} - {"extra"}
+        known = {k: v for k, v in d.items() if k in names}
+        extra = {k: v for k, v in d.items() if k not in names and k not in _PASSTHROUGH_KEYS}
+        if d.get("model_type") == "ernie4_5" or "moe_num_experts" not in d:
+            known["moe_num_experts"] = 0
+        cfg = cls(**known)
+        cfg.extra = extra
+        return cfg
+
+    def to_dict(self) -> dict[str, Any]:
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "extra"}
+        if not self.is_moe:
+            for k in list(d):
+                if k.startswith("moe_") or k == "router_aux_loss_coef":
+                    d.pop(k)
+        d.update(self.extra)
+        arch = "Ernie4_5_MoeForCausalLM" if self.is_moe else "Ernie4_5ForCausalLM"
+        # both rope spellings, so transformers 4.x/5.x and PaddleFormers all read it
+        d["rope_parameters"] = {"rope_theta": self.rope_theta, "rope_type": "default"}
+        return {"architectures": [arch], "model_type": self.model_type, **d, "torch_dtype": "float32"}
+
+    @classmethod
+    def from_pretrained(cls, path: str) -> "Ernie4_5Config":
+        file = os.path.join(path, "config.json") if os.path.isdir(path) else path
+        if not os.path.isfile(file):
+            raise CheckpointError(f"{file}: config.json not found; point model_name_or_path at a checkpoint directory")
+        try:
+            with open(file, encoding="utf-8") as f:
+                d = json.load(f)
+        except json.JSONDecodeError as e:
+            raise CheckpointError(f"{file}:{e.lineno}: invalid JSON ({e.msg})") from None
+        if d.get("model_type") not in (None, "ernie4_5", "ernie4_5_moe"):
+            raise CheckpointError(f"{file}: model_type={d.get('model_type')!r} is not an ERNIE 4.5 text model")
+        try:
+            return cls.from_dict(d)
+        except TypeError as e:
+            raise CheckpointError(f"{file}: bad config value ({e})") from None
+
+    def save_pretrained(self, path: str) -> None:
+        from erniekit.utils.io import atomic_write_text
+
+        os.makedirs(path, exist_ok=True)
+        atomic_write_text(os.path.join(path, "config.json"), json.dumps(self.to_dict(), indent=2) + "\n")
+
+    def replace(self, **changes: Any) -> "Ernie4_5Config":
+        unknown = set(changes) - {f.name for f in dataclasses.fields(self)}
+        if unknown:
+            raise CheckpointError(f"model_overrides: unknown model config field(s) {sorted(unknown)}")
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        if "num_hidden_layers" in changes and self.moe_layer_end_index == self.num_hidden_layers - 1:
+            d["moe_layer_end_index"] = -1
+        d.update(changes)
+        return Ernie4_5Config(**d)
+
+
+# Presets: public shapes, plus the tiny models of the embedded default and the tests.
+PRESETS: dict[str, Ernie4_5Config] = {
+    "ERNIE-4.5-0.3B": Ernie4_5Config(
+        vocab_size=103424, hidden_size=1024, intermediate_size=3072, num_hidden_layers=18,
+        num_attention_heads=16, num_key_value_heads=2, head_dim=128, max_position_embeddings=131072,
+        tie_word_embeddings=True,
+    ),
+    "ERNIE-4.5-21B-A3B": Ernie4_5Config(
+        vocab_size=103424, hidden_size=2560, intermediate_size=12288, num_hidden_layers=28,
+        num_attention_heads=20, num_key_value_heads=4, head_dim=128, tie_word_embeddings=True,
+        moe_num_experts=64, moe_k=6, moe_intermediate_size=1536, moe_num_shared_experts=2,
+        moe_layer_start_index=1, moe_layer_interval=1,
+    ),
+    # Embedded default: ERNIE 4.5 MoE architecture at laptop size; vocab matches the shipped tokenizer.
+    "tiny-moe": Ernie4_5Config(
+        vocab_size=1024, hidden_size=128, intermediate_size=384, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=2048,
+        tie_word_embeddings=True, rope_theta=10000.0,
+        moe_num_experts=8, moe_k=2, moe_intermediate_size=128, moe_num_shared_experts=1,
+        moe_layer_start_index=1, moe_layer_interval=1, router_aux_loss_coef=0.01,
+    ),
+    "tiny-dense": Ernie4_5Config(
+        vocab_size=1024, hidden_size=128, intermediate_size=384, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=2048,
+        tie_word_embeddings=True, rope_theta=10000.0,
+    ),
+}
+
+
+def get_preset(name: str) -> Ernie4_5Config:
+    if name not in PRESETS:
+        raise CheckpointError(f"unknown model preset {name!r}; choose one of {sorted(PRESETS)} or a checkpoint directory")
+    return dataclasses.replace(PRESETS[name], extra={})

@@ -1,0 +1,182 @@
+"""ERNIE 4.5 text model (dense and MoE) in Paddle, top to bottom.
+
+Module and parameter names follow the Hugging Face layout (`model.layers.N.self_attn.q_proj`...)
+so checkpoints map one to one; Linear weights are stored in Paddle's [in, out] orientation and
+transposed by `checkpoint.py` on the way in and out.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import paddle
+import paddle.nn as nn
+import paddle.nn.functional as F
+
+from erniekit.models.ernie4_5.configuration import Ernie4_5Config
+from erniekit.nn.attention import apply_rope, attention, build_attention_mask, rope_cos_sin
+from erniekit.nn.moe import MoEBlock
+
+
+class RMSNorm(nn.Layer):
+    def __init__(self, hidden_size: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = self.create_parameter([hidden_size], default_initializer=nn.initializer.Constant(1.0))
+
+    def forward(self, x: paddle.Tensor) -> paddle.Tensor:
+        # computed in float32 whatever the activation dtype, as the reference does
+        h = x.astype("float32")
+        h = h * paddle.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.astype(x.dtype)
+
+
+class MLP(nn.Layer):
+    """SwiGLU feed-forward: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, config: Ernie4_5Config, intermediate_size: int | None = None):
+        super().__init__()
+        inter = intermediate_size or config.intermediate_size
+        b = config.use_bias
+        self.gate_proj = nn.Linear(config.hidden_size, inter, bias_attr=None if b else False)
+        self.up_proj = nn.Linear(config.hidden_size, inter, bias_attr=None if b else False)
+        self.down_proj = nn.Linear(inter, config.hidden_size, bias_attr=None if b else False)
+
+    def forward(self, x: paddle.Tensor) -> paddle.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class KVCache:
+    """Preallocated per-layer key/value buffers [B, max_len, KVH, D]; `length` tokens are valid."""
+
+    def __init__(self, config: Ernie4_5Config, batch_size: int, max_len: int, dtype: str = "float32"):
+        shape = [batch_size, max_len, config.num_key_value_heads, config.head_dim]
+        self.k = [paddle.zeros(shape, dtype=dtype) for _ in range(config.num_hidden_layers)]
+        self.v = [paddle.zeros(shape, dtype=dtype) for _ in range(config.num_hidden_layers)]
+        self.length = 0
+        self.max_len = max_len
+
+    def update(self, layer: int, k: paddle.Tensor, v: paddle.Tensor) -> tuple[paddle.Tensor, paddle.Tensor]:
+        start, end = self.length, self.length + k.shape[1]
+        if end > self.max_len:
+            raise ValueError(f"KV cache full: {end} tokens > max_len={self.max_len}")
+        self.k[layer][:, start:end] = k
+        self.v[layer][:, start:end] = v
+        return self.k[layer][:, :end], self.v[layer][:, :end]
+
+
+class Attention(nn.Layer):
+    def __init__(self, config: Ernie4_5Config, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        b = None if config.use_bias else False
+        h = config.hidden_size
+        self.q_proj = nn.Linear(h, self.num_heads * self.head_dim, bias_attr=b)
+        self.k_proj = nn.Linear(h, self.num_kv_heads * self.head_dim, bias_attr=b)
+        self.v_proj = nn.Linear(h, self.num_kv_heads * self.head_dim, bias_attr=b)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, h, bias_attr=b)
+
+    def forward(self, x, cos, sin, mask, cache: KVCache | None):
+        B, S, _ = x.shape
+        q = self.q_proj(x).reshape([B, S, self.num_heads, self.head_dim])
+        k = self.k_proj(x).reshape([B, S, self.num_kv_heads, self.head_dim])
+        v = self.v_proj(x).reshape([B, S, self.num_kv_heads, self.head_dim])
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if cache is not None:
+            k, v = cache.update(self.layer_idx, k, v)
+        out = attention(q, k, v, mask, causal=True, scale=self.head_dim**-0.5)
+        return self.o_proj(out.reshape([B, S, self.num_heads * self.head_dim]))
+
+
+class DecoderLayer(nn.Layer):
+    def __init__(self, config: Ernie4_5Config, layer_idx: int):
+        super().__init__()
+        self.self_attn = Attention(config, layer_idx)
+        self.mlp = MoEBlock(config, MLP) if config.is_moe_layer(layer_idx) else MLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, x, cos, sin, mask, cache):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Ernie4_5Model(nn.Layer):
+    def __init__(self, config: Ernie4_5Config):
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.LayerList([DecoderLayer(config, i) for i in range(config.num_hidden_layers)])
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, input_ids, position_ids=None, segment_ids=None, attention_mask=None, cache=None):
+        B, S = input_ids.shape
+        past = cache.length if cache is not None else 0
+        if position_ids is None:
+            if attention_mask is not None:  # left padding: positions count real tokens only
+                pos = paddle.cumsum(attention_mask.astype("int64"), axis=-1) - 1
+                position_ids = paddle.clip(pos, min=0)[:, past:past + S]
+            else:
+                position_ids = paddle.arange(past, past + S, dtype="int64").unsqueeze(0).expand([B, S])
+        cos, sin = rope_cos_sin(position_ids, self.config.head_dim, self.config.rope_theta)
+        mask = None
+        if segment_ids is not None or attention_mask is not None or (past > 0 and S > 1):
+            mask = build_attention_mask(S, past + S, segment_ids, attention_mask)
+        elif past > 0:  # one new token attends to the whole cache: no mask needed
+            mask = paddle.ones([1, 1, 1, past + S], dtype="bool")
+        h = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            h = layer(h, cos, sin, mask, cache)
+        if cache is not None:
+            cache.length = past + S
+        return self.norm(h)
+
+
+@dataclass
+class CausalLMOutput:
+    logits: paddle.Tensor
+    aux_loss: paddle.Tensor | None = None  # sum of MoE load-balancing losses (training only)
+
+
+class Ernie4_5ForCausalLM(nn.Layer):
+    """`Ernie4_5ForCausalLM` / `Ernie4_5_MoeForCausalLM` of the HF layout, one class for both."""
+
+    def __init__(self, config: Ernie4_5Config):
+        super().__init__()
+        self.config = config
+        self.model = Ernie4_5Model(config)
+        if not config.tie_word_embeddings:
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias_attr=False)
+        self.init_weights()
+
+    def init_weights(self) -> None:
+        """Normal(0, initializer_range) for matrices, as the reference's `_init_weights`."""
+        std = self.config.initializer_range
+        init = nn.initializer.Normal(0.0, std)
+        for name, p in self.named_parameters():
+            if p.ndim >= 2 and "e_score_correction_bias" not in name:
+                init(p)
+            elif name.endswith(".bias"):
+                nn.initializer.Constant(0.0)(p)
+
+    def moe_layers(self) -> list[MoEBlock]:
+        return [l.mlp for l in self.model.layers if isinstance(l.mlp, MoEBlock)]
+
+    def forward(
+        self, input_ids, position_ids=None, segment_ids=None, attention_mask=None, cache=None, logits_to_keep: int = 0
+    ) -> CausalLMOutput:
+        h = self.model(input_ids, position_ids, segment_ids, attention_mask, cache)
+        if logits_to_keep:
+            h = h[:, -logits_to_keep:]
+        if self.config.tie_word_embeddings:
+            logits = paddle.matmul(h, self.model.embed_tokens.weight, transpose_y=True)
+        else:
+            logits = self.lm_head(h)
+        aux = None
+        if self.training and self.config.is_moe:
+            losses = [m.aux_loss for m in self.moe_layers() if m.aux_loss is not None]
+            aux = paddle.add_n(losses) if losses else None
+        return CausalLMOutput(logits=logits, aux_loss=aux)
