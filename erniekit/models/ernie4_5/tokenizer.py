@@ -20,6 +20,7 @@ Where the defaults come from:
 from __future__ import annotations
 
 import json
+import operator
 import os
 import re
 from typing import Any, Iterable, Sequence
@@ -67,7 +68,8 @@ DEFAULT_SPECIAL_TOKENS = {
 # ERNIE control tokens beyond the role tokens (user-defined pieces in the shipped model).
 DEFAULT_ADDITIONAL_SPECIAL_TOKENS = ["<|endofprompt|>"] + [f"<mask:{i}>" for i in range(8)]
 SPECIAL_KEYS = tuple(DEFAULT_SPECIAL_TOKENS)
-RESOURCE_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "resources", "tokenizer")
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+RESOURCE_DIR = os.path.join(_PACKAGE_DIR, "resources", "tokenizer")
 
 
 def _content(value: Any) -> str | None:
@@ -164,10 +166,12 @@ class ErnieTokenizer:
         special = {k: v for k, v in special.items() if v}
         additional = [_content(t) for t in smap.get("additional_special_tokens", config.get("additional_special_tokens", []))]
         # hub role tokens without a standard attribute (sys_start_token = "<mask:4>", ...)
-        additional += [v for k, v in {**config, **smap}.items() if k.endswith("_token") and k not in SPECIAL_KEYS and isinstance(v, str)]
+        additional += [
+            v for k, v in {**config, **smap}.items() if k.endswith("_token") and k not in SPECIAL_KEYS and isinstance(v, str)
+        ]
         added: dict[str, int] = {}
         for tid, entry in (config.get("added_tokens_decoder") or {}).items():
-            if _content(entry) and (not isinstance(entry, dict) or entry.get("special", True)):
+            if _content(entry):
                 added[_content(entry)] = int(tid)
         added_path = os.path.join(path, "added_tokens.json")
         if os.path.isfile(added_path):
@@ -180,11 +184,11 @@ class ErnieTokenizer:
         if isinstance(template, list):  # transformers' named-template list form
             named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
             template = named.get("default") or next(iter(named.values()), None)
-        known = set(SPECIAL_KEYS) | {"additional_special_tokens", "added_tokens_decoder", "chat_template", "add_bos_token", "add_eos_token"}
+        known = {*SPECIAL_KEYS, "additional_special_tokens", "added_tokens_decoder", "chat_template", "add_bos_token", "add_eos_token"}
         return cls(
             proto,
             special_tokens=special,
-            additional_special_tokens=[t for t in additional if t],
+            additional_special_tokens=list(dict.fromkeys(t for t in additional if t)),
             added_tokens=added,
             chat_template=template,
             add_bos_token=bool(config.get("add_bos_token", False)),
@@ -223,6 +227,8 @@ class ErnieTokenizer:
             "tokenizer_config.json": json.dumps(config, indent=2, ensure_ascii=False) + "\n",
             "special_tokens_map.json": json.dumps(smap, indent=2, ensure_ascii=False) + "\n",
         }
+        if os.path.isfile(os.path.join(save_dir, "chat_template.jinja")):  # would shadow the config's template
+            files["chat_template.jinja"] = self.chat_template
         beyond = {t: i for t, i in self.added_tokens.items() if i >= base}
         if beyond:
             files["added_tokens.json"] = json.dumps(beyond, indent=2, ensure_ascii=False) + "\n"
@@ -272,10 +278,11 @@ class ErnieTokenizer:
 
     def convert_ids_to_tokens(self, ids: int | Iterable[int]) -> str | list[str]:
         """Id(s) to token string(s) (sentencepiece pieces, e.g. '▁the')."""
-        if isinstance(ids, int) or hasattr(ids, "__index__"):
-            i = int(ids)
-            return self._id_to_added[i] if i in self._id_to_added else self.sp.id_to_piece(i)
-        return [self.convert_ids_to_tokens(i) for i in ids]
+        try:
+            i = operator.index(ids)  # int or numpy integer
+        except TypeError:
+            return [self.convert_ids_to_tokens(i) for i in ids]
+        return self._id_to_added[i] if i in self._id_to_added else self.sp.id_to_piece(i)
 
     # ---------------------------------------------------------------- encode / decode
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
@@ -332,8 +339,7 @@ class ErnieTokenizer:
         text = _compile(self.chat_template).render(
             messages=messages,
             add_generation_prompt=add_generation_prompt,
-            **{k: v for k, v in self.special_tokens.items()},
-            **kwargs,
+            **{**self.special_tokens, **kwargs},
         )
         return self.encode(text) if tokenize else text
 

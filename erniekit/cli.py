@@ -1,0 +1,180 @@
+"""`erniekit <verb> ...`: each verb is a plain function that imports its own dependencies.
+
+Lazy imports keep `erniekit help` and `erniekit version` working on a broken install.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import difflib
+import io
+import os
+import sys
+import warnings
+from typing import Callable
+
+import erniekit
+from erniekit.errors import ErniekitError
+
+# Import name -> pip package name, for the missing-dependency message.
+PIP_NAMES = {"paddle": "paddlepaddle", "yaml": "pyyaml"}
+TRAIN_USAGE = "usage: erniekit train CONFIG.yaml [key=value ...]"
+
+
+def _import_paddle() -> None:
+    """Import paddle using every CPU core, without its start-up noise.
+
+    Paddle's CPU kernels default to one OpenMP thread (about 2x slower GEMMs on 2 cores), so
+    OMP_NUM_THREADS defaults to the core count; paddle then warns about that setting and about
+    ccache on every import, which we drop. Any other output passes through.
+    """
+    os.environ.setdefault("OMP_NUM_THREADS", str(os.cpu_count() or 1))
+    captured = io.StringIO()
+    try:
+        with warnings.catch_warnings(), contextlib.redirect_stderr(captured):
+            warnings.filterwarnings("ignore", message="No ccache found")
+            import paddle  # noqa: F401
+    finally:
+        noise = ("WARNING: OMP_NUM_THREADS set to", "PLEASE USE OMP_NUM_THREADS WISELY")
+        kept = [line for line in captured.getvalue().splitlines(True) if not line.startswith(noise)]
+        sys.stderr.write("".join(kept))
+
+
+def train(args: list[str]) -> int:
+    """Train from a YAML config plus key=value overrides."""
+    if args and args[0] in ("-h", "--help"):
+        print(_train_help())
+        return 0
+    if not args:
+        raise ErniekitError(f"train needs a config file; {TRAIN_USAGE}")
+    path, overrides = (None, args) if "=" in args[0] else (args[0], args[1:])
+    from erniekit.config import load_config, validate
+
+    cfg = load_config(path, overrides)  # before paddle: YAML mistakes are reported in 0.1 s
+    _import_paddle()
+    cfg = validate(cfg)
+    from erniekit.train.runner import run_train
+
+    result = run_train(cfg)
+    return result if isinstance(result, int) and not isinstance(result, bool) else 0
+
+
+def _chat_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="erniekit chat", description="Chat with a checkpoint.")
+    p.add_argument("model_dir", help="checkpoint directory (Hugging Face layout)")
+    p.add_argument("--prompt", help="answer this one message and exit (no interactive session)")
+    p.add_argument("--system", help="system message")
+    p.add_argument("--max-new-tokens", type=int, default=256, help="most tokens per reply")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
+    p.add_argument("--seed", type=int, default=None, help="random seed for sampling")
+    return p
+
+
+def chat(args: list[str]) -> int:
+    """Interactive or one-shot chat with a checkpoint."""
+    ns = _chat_parser().parse_args(args)
+    if ns.max_new_tokens < 1:
+        raise ErniekitError(f"--max-new-tokens={ns.max_new_tokens} must be >= 1")
+    if ns.temperature < 0:
+        raise ErniekitError(f"--temperature={ns.temperature} must be >= 0 (0 = greedy)")
+    if not 0 < ns.top_p <= 1:
+        raise ErniekitError(f"--top-p={ns.top_p} must be in (0, 1]")
+    _import_paddle()
+    from erniekit.infer.chat import run_chat
+
+    result = run_chat(ns)
+    return result if isinstance(result, int) and not isinstance(result, bool) else 0
+
+
+def version(args: list[str]) -> int:
+    """Print erniekit and paddlepaddle versions."""
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="No ccache found")
+            import paddle
+        paddle_version = f"paddlepaddle {paddle.__version__}"
+    except (ImportError, OSError):
+        paddle_version = "paddlepaddle not installed"
+    print(f"erniekit {erniekit.__version__}, {paddle_version}")
+    return 0
+
+
+def show_help(args: list[str]) -> int:
+    """Show the verbs, or one verb's usage."""
+    if not args:
+        lines = ["usage: erniekit <command> [args]", "", "commands:"]
+        lines += [f"  {name:<9} {summary}" for name, (_, summary) in VERBS.items()]
+        lines += ["", "run 'erniekit help <command>' for details, e.g. the config keys of train"]
+        print("\n".join(lines))
+        return 0
+    topic = args[0]
+    if topic == "train":
+        print(_train_help())
+    elif topic == "chat":
+        _chat_parser().print_help()
+    elif topic in VERBS:
+        print(f"usage: erniekit {topic}\n\n{VERBS[topic][1]}")
+    else:
+        raise ErniekitError(_unknown_verb(topic))
+    return 0
+
+
+def _train_help() -> str:
+    from erniekit.config.schema import field_types, fields, format_value
+
+    types = field_types()
+    lines = [TRAIN_USAGE, "", "Keys (YAML or key=value; dict keys take dotted sub-keys):"]
+    for f in fields():
+        default = f.default_factory() if callable(f.default_factory) else f.default
+        tp = getattr(types[f.name], "__name__", str(types[f.name]))
+        lines.append(f"  {f.name}={format_value(default)}  [{tp}]\n      {f.metadata['help']}")
+    return "\n".join(lines)
+
+
+def _unknown_verb(verb: str) -> str:
+    close = difflib.get_close_matches(verb, list(VERBS), n=1)
+    hint = f"did you mean '{close[0]}'?" if close else "run 'erniekit help' to list commands"
+    return f"unknown command '{verb}'; {hint}"
+
+
+# One line per verb: name -> (function taking the remaining argv, one-line summary).
+VERBS: dict[str, tuple[Callable[[list[str]], int], str]] = {
+    "train": (train, "train a model: erniekit train CONFIG.yaml [key=value ...]"),
+    "chat": (chat, "chat with a checkpoint: erniekit chat MODEL_DIR [--prompt TEXT]"),
+    "version": (version, "print erniekit and paddlepaddle versions"),
+    "help": (show_help, "show this help, or 'erniekit help <command>'"),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point; returns the process exit code (2 for user errors, printed as one line)."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    verb = args.pop(0) if args else "help"
+    verb = {"-h": "help", "--help": "help", "-V": "version", "--version": "version"}.get(verb, verb)
+    try:
+        if verb not in VERBS:
+            raise ErniekitError(_unknown_verb(verb))
+        return VERBS[verb][0](args)
+    except ErniekitError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except ModuleNotFoundError as e:
+        if not e.name or e.name.split(".")[0] == "erniekit":
+            raise
+        top = e.name.split(".")[0]
+        print(
+            f"error: 'erniekit {verb}' needs the Python package '{PIP_NAMES.get(top, top)}', "
+            f"which is not installed; install it (pip install -r requirements.txt)",
+            file=sys.stderr,
+        )
+        return 2
+    except SystemExit as e:  # argparse exits on --help and on bad arguments
+        return e.code if isinstance(e.code, int) else (0 if e.code is None else 2)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:  # `erniekit help train | head`: the reader left, not an error
+        sys.stdout = open(os.devnull, "w")
+        return 0

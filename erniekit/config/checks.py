@@ -1,0 +1,134 @@
+"""Semantic checks run before the first step, so a bad run fails in a second, not an hour in."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+from erniekit.config.schema import TrainConfig, fields
+from erniekit.errors import ConfigError
+
+
+def validate(cfg: TrainConfig) -> TrainConfig:
+    """Return a normalised copy of cfg, or raise ConfigError naming the first bad key."""
+    changes = _normalise_choices(cfg)
+    if cfg.logging_dir is None:
+        changes["logging_dir"] = os.path.join(cfg.output_dir, "vdl_log")
+    cfg = dataclasses.replace(cfg, **changes)
+    _check_ranges(cfg)
+    _check_length(cfg)
+    _check_paths(cfg)
+    _check_precision(cfg)
+    return cfg
+
+
+def _normalise_choices(cfg: TrainConfig) -> dict[str, str]:
+    """Map case-insensitive spellings (sft, PT, LORA...) to canonical names."""
+    changes = {}
+    for f in fields():
+        choices = f.metadata.get("choices")
+        if choices is None:
+            continue
+        value = getattr(cfg, f.name)
+        canonical = choices.get(str(value).lower())
+        if canonical is None:
+            allowed = ", ".join(dict.fromkeys(choices.values()))
+            raise ConfigError(
+                f"{f.name}={value!r} is not supported; set {f.name} to one of: {allowed}"
+            )
+        changes[f.name] = canonical
+    return changes
+
+
+def _require(ok: bool, key: str, value: object, rule: str) -> None:
+    if not ok:
+        raise ConfigError(f"{key}={value!r} is invalid: it must be {rule}; change {key}")
+
+
+def _check_ranges(cfg: TrainConfig) -> None:
+    for key in ("per_device_train_batch_size", "per_device_eval_batch_size",
+                "gradient_accumulation_steps", "logging_steps", "save_steps", "eval_steps",
+                "eval_max_new_tokens", "eval_max_samples"):
+        _require(getattr(cfg, key) >= 1, key, getattr(cfg, key), ">= 1")
+    for key in ("warmup_steps", "save_total_limit", "dataloader_num_workers", "seed",
+                "weight_decay", "max_grad_norm", "min_lr"):
+        _require(getattr(cfg, key) >= 0, key, getattr(cfg, key), ">= 0")
+    _require(cfg.max_seq_len >= 8, "max_seq_len", cfg.max_seq_len, ">= 8")
+    _require(cfg.learning_rate > 0, "learning_rate", cfg.learning_rate, "> 0")
+    _require(cfg.min_lr <= cfg.learning_rate, "min_lr", cfg.min_lr,
+             f"<= learning_rate ({cfg.learning_rate})")
+    _require(cfg.adam_epsilon > 0, "adam_epsilon", cfg.adam_epsilon, "> 0")
+    for key in ("adam_beta1", "adam_beta2"):
+        _require(0 <= getattr(cfg, key) < 1, key, getattr(cfg, key), "in [0, 1)")
+    for key in ("warmup_ratio", "decay_ratio"):
+        _require(0 <= getattr(cfg, key) <= 1, key, getattr(cfg, key), "in [0, 1]")
+
+
+def _check_length(cfg: TrainConfig) -> None:
+    if cfg.do_train and cfg.max_steps <= 0 and cfg.num_train_epochs <= 0:
+        raise ConfigError(
+            f"max_steps={cfg.max_steps} and num_train_epochs={cfg.num_train_epochs} give no "
+            f"training length; set max_steps > 0 or num_train_epochs > 0"
+        )
+
+
+def _check_paths(cfg: TrainConfig) -> None:
+    datasets = [("eval_dataset_path", cfg.eval_dataset_path)]
+    if cfg.do_train:
+        datasets.insert(0, ("train_dataset_path", cfg.train_dataset_path))
+    for key, value in datasets:
+        if value is None:
+            continue
+        paths = [p.strip() for p in value.split(",") if p.strip()]
+        _require(bool(paths), key, value, "one or more comma-separated file paths")
+        for p in paths:
+            if not os.path.exists(p):
+                raise ConfigError(
+                    f"{key}: file not found: {p}; fix the path "
+                    f"(relative paths start at {os.getcwd()})"
+                )
+    _check_model(cfg.model_name_or_path)
+    resume = cfg.resume_from_checkpoint
+    if resume is not None and resume != "auto" and not os.path.isdir(resume):
+        raise ConfigError(
+            f"resume_from_checkpoint: directory not found: {resume}; "
+            f"give a checkpoint directory, 'auto' for the latest in output_dir, or null"
+        )
+
+
+def _check_model(name: str) -> None:
+    """A directory must hold config.json; anything else must be a built-in preset."""
+    if os.path.isdir(name):
+        if not os.path.isfile(os.path.join(name, "config.json")):
+            raise ConfigError(
+                f"model_name_or_path: {name} has no config.json; "
+                f"point it at a Hugging Face-layout checkpoint directory"
+            )
+        return
+    try:
+        from erniekit.models.ernie4_5.configuration import PRESETS
+    except ImportError as e:
+        raise ConfigError(
+            f"model_name_or_path: {name!r} is not a directory and built-in presets are unavailable "
+            f"({e}); point it at a checkpoint directory"
+        ) from None
+    if name not in PRESETS:
+        raise ConfigError(
+            f"model_name_or_path: {name!r} is neither a directory nor a preset; "
+            f"use a checkpoint directory or one of: {', '.join(PRESETS)}"
+        )
+
+
+def _check_precision(cfg: TrainConfig) -> None:
+    if cfg.bf16 and cfg.fp16:
+        raise ConfigError("bf16=true and fp16=true are both set; pick one (set the other to false)")
+    if not (cfg.bf16 or cfg.fp16):
+        return
+    key = "bf16" if cfg.bf16 else "fp16"
+    import paddle
+
+    if not paddle.device.is_compiled_with_cuda() or paddle.device.cuda.device_count() == 0:
+        raise ConfigError(
+            f"{key}=true needs a CUDA GPU, but this paddlepaddle has none (the CPU build trains in "
+            f"float32); set {key}=false"
+        )

@@ -1,0 +1,155 @@
+"""The training config: one flat dataclass whose keys follow ERNIEKit/PaddleFormers names.
+
+Kept free of yaml and paddle imports so `erniekit help train` can list keys on any install.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any
+
+
+def _spellings(*names: str, **aliases: str) -> dict[str, str]:
+    """Map each accepted lower-case spelling to its canonical name."""
+    table = {name.lower(): name for name in names}
+    table.update({alias.lower(): table[target.lower()] for alias, target in aliases.items()})
+    return table
+
+
+# Allowed values, the single place to extend when a stage or method lands.
+# Keys are lower-case spellings the user may write; values are the canonical names.
+STAGES = _spellings("pretrain", "SFT", PT="pretrain")
+FINE_TUNING = _spellings("Full")
+DATASET_TYPES = _spellings("auto", "erniekit", "alpaca", "messages", "text")
+TRUNCATION = _spellings("error", "truncate")
+LR_SCHEDULERS = _spellings("cosine", "constant", "linear", "wsd")
+
+
+def _opt(default: Any, help: str, choices: dict[str, str] | None = None) -> Any:
+    """A dataclass field carrying its help line (and allowed values) in metadata."""
+    meta: dict[str, Any] = {"help": help}
+    if choices is not None:
+        meta["choices"] = choices
+    if isinstance(default, (dict, list)):
+        return field(default_factory=lambda: type(default)(default), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+@dataclass
+class TrainConfig:
+    """Everything one `erniekit train` run needs; the resolved copy is saved in output_dir."""
+
+    # ### stage
+    stage: str = _opt("SFT", "training stage: pretrain (alias PT) or SFT", STAGES)
+    fine_tuning: str = _opt("Full", "which weights train: Full", FINE_TUNING)
+
+    # ### model
+    model_name_or_path: str = _opt(
+        "tiny-moe", "checkpoint directory in Hugging Face layout, or a built-in preset name"
+    )
+    tokenizer_name_or_path: str | None = _opt(
+        None, "tokenizer directory; null uses the one next to the model"
+    )
+    model_overrides: dict = _opt(
+        {}, "model config fields to override, e.g. model_overrides.num_hidden_layers=2"
+    )
+
+    # ### data
+    train_dataset_path: str = _opt(
+        "examples/data/arithmetic/train.jsonl", "training data file(s), comma-separated"
+    )
+    train_dataset_type: str = _opt(
+        "auto", "format of train data: auto, erniekit, alpaca, messages, text", DATASET_TYPES
+    )
+    eval_dataset_path: str | None = _opt(None, "held-out data file(s), comma-separated")
+    eval_dataset_type: str = _opt(
+        "auto", "format of eval data (as train_dataset_type)", DATASET_TYPES
+    )
+    max_seq_len: int = _opt(512, "longest token sequence fed to the model")
+    packing: bool = _opt(False, "pack several short examples into one max_seq_len row")
+    truncation: str = _opt(
+        "error", "what to do with examples over max_seq_len: error or truncate", TRUNCATION
+    )
+
+    # ### batch and length
+    per_device_train_batch_size: int = _opt(8, "examples per micro-batch on each device")
+    per_device_eval_batch_size: int = _opt(32, "examples per eval batch on each device")
+    gradient_accumulation_steps: int = _opt(1, "micro-batches summed per optimizer step")
+    max_steps: int = _opt(-1, "optimizer steps to run; > 0 overrides num_train_epochs")
+    num_train_epochs: float = _opt(1.0, "passes over the training data when max_steps <= 0")
+
+    # ### optimizer (AdamW)
+    learning_rate: float = _opt(3e-4, "peak learning rate")
+    min_lr: float = _opt(0.0, "learning rate at the end of the decay")
+    weight_decay: float = _opt(0.01, "AdamW decoupled weight decay")
+    adam_beta1: float = _opt(0.9, "AdamW beta1")
+    adam_beta2: float = _opt(0.95, "AdamW beta2")
+    adam_epsilon: float = _opt(1e-8, "AdamW epsilon")
+    max_grad_norm: float = _opt(1.0, "clip the global gradient norm to this; 0 disables clipping")
+
+    # ### schedule
+    lr_scheduler_type: str = _opt(
+        "cosine", "learning-rate schedule: cosine, constant, linear, wsd", LR_SCHEDULERS
+    )
+    warmup_steps: int = _opt(0, "linear warmup steps; > 0 overrides warmup_ratio")
+    warmup_ratio: float = _opt(0.0, "fraction of total steps used for warmup")
+    decay_ratio: float = _opt(0.1, "fraction of total steps used for the final decay (wsd)")
+
+    # ### run, logging, checkpoints
+    seed: int = _opt(42, "random seed for weights init, data order and sampling")
+    output_dir: str = _opt("output", "where checkpoints, logs and the resolved config go")
+    logging_dir: str | None = _opt(None, "VisualDL log directory; null means output_dir/vdl_log")
+    logging_steps: int = _opt(10, "log metrics every N optimizer steps")
+    save_steps: int = _opt(500, "save a checkpoint every N optimizer steps")
+    eval_steps: int = _opt(500, "evaluate every N optimizer steps")
+    save_total_limit: int = _opt(
+        2, "checkpoints kept in output_dir (oldest deleted first); 0 keeps all"
+    )
+    resume_from_checkpoint: str | None = _opt(
+        None, "checkpoint directory to resume from, or auto for the latest in output_dir"
+    )
+
+    # ### evaluation
+    do_train: bool = _opt(True, "run training")
+    do_eval: bool = _opt(True, "run evaluation")
+    eval_generation: bool = _opt(True, "also score exact match of greedy generations")
+    eval_max_new_tokens: int = _opt(16, "tokens generated per example in generation eval")
+    eval_max_samples: int = _opt(500, "examples scored in generation eval")
+
+    # ### precision and runtime
+    bf16: bool = _opt(False, "train in bfloat16 (needs a GPU)")
+    fp16: bool = _opt(False, "train in float16 with loss scaling (needs a GPU)")
+    disable_tqdm: bool = _opt(False, "hide the terminal progress bar")
+    dataloader_num_workers: int = _opt(
+        0, "data loading worker processes; 0 loads in the main process"
+    )
+
+
+def field_types() -> dict[str, Any]:
+    """Resolved type of each TrainConfig field (annotations are strings under __future__)."""
+    return typing.get_type_hints(TrainConfig)
+
+
+def unwrap_optional(tp: Any) -> tuple[Any, bool]:
+    """Split `X | None` into (X, True); any other type into (type, False)."""
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        return args[0], len(args) < len(typing.get_args(tp))
+    return tp, False
+
+
+def format_value(value: Any) -> str:
+    """Write a value the way a user types it after `key=` (true, null, 3e-4, {})."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if value is None:
+        return "null"
+    return value if isinstance(value, str) else str(value)
+
+
+def fields() -> tuple[dataclasses.Field, ...]:
+    """TrainConfig fields in declaration order (for help and dumping)."""
+    return dataclasses.fields(TrainConfig)

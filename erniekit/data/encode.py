@@ -1,0 +1,211 @@
+"""Turn conversations and documents into token ids, loss labels and packed rows.
+
+Labels are NOT pre-shifted: ``labels[t]`` is the token at position t (or -100 when that
+token is not trained). The loss compares ``logits[:, t]`` with ``labels[:, t + 1]`` (the
+causal shift happens inside the loss).
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import TYPE_CHECKING, Sequence
+
+import numpy as np
+
+from erniekit.data.formats import Conversation
+from erniekit.errors import DataError
+
+if TYPE_CHECKING:  # importing the model package would pull in paddle
+    from erniekit.models.ernie4_5.tokenizer import ErnieTokenizer
+
+IGNORE_INDEX = -100
+
+
+def _render_pieces(conv: Conversation, tokenizer: ErnieTokenizer) -> list[tuple[str, bool]]:
+    """Split the chat-template rendering of ``conv`` into (text, trained) chunks.
+
+    Uses the tokenizer's own template: the chunk before reply i is what
+    ``apply_chat_template(..., add_generation_prompt=True)`` adds for user turn i, and the
+    trained chunk is what the assistant message adds after it (reply + sep for ERNIE).
+    """
+    msgs = conv.messages()
+    first = 1 if conv.system else 0
+    pieces, done = [], ""
+    for i, train in enumerate(conv.train_on):
+        prompt = tokenizer.apply_chat_template(msgs[: first + 2 * i + 1], add_generation_prompt=True)
+        full = tokenizer.apply_chat_template(msgs[: first + 2 * i + 2], add_generation_prompt=False)
+        if not (prompt.startswith(done) and full.startswith(prompt)):
+            raise DataError(
+                f"{conv.source or 'conversation'}: the chat template does not render turns as a growing prefix; "
+                "use the ERNIE template or one without history-dependent output"
+            )
+        pieces += [(prompt[len(done) :], False), (full[len(prompt) :], train)]
+        done = full
+    return [(text, train) for text, train in pieces if text]
+
+
+def _encode_full(conv: Conversation, tokenizer: ErnieTokenizer) -> tuple[list[int], list[int]]:
+    ids: list[int] = []
+    labels: list[int] = []
+    for text, train in _render_pieces(conv, tokenizer):
+        piece = tokenizer.encode(text)
+        ids += piece
+        labels += piece if train else [IGNORE_INDEX] * len(piece)
+    return ids, labels
+
+
+def _too_long(conv: Conversation, n: int, max_seq_len: int, index: int | None) -> DataError:
+    num = "" if index is None else f" {index}"
+    return DataError(
+        f"example{num} ({conv.source or 'conversation'}) has {n} tokens > max_seq_len={max_seq_len}; "
+        "raise max_seq_len or set truncation='truncate'"
+    )
+
+
+def encode_conversation(
+    conv: Conversation,
+    tokenizer: ErnieTokenizer,
+    max_seq_len: int,
+    truncation: str = "error",
+    index: int | None = None,
+) -> tuple[list[int], list[int]]:
+    """Return (input_ids, labels) for one conversation; labels are -100 where not trained.
+
+    The ids are the chat-template rendering (the same text the model sees at inference)
+    and the loss covers each trained reply plus its end-of-reply sep token. Each rendered
+    chunk is tokenized separately, so the prompt tokens are exactly
+    ``encode(apply_chat_template(history, add_generation_prompt=True))`` as at inference;
+    the price is that sentencepiece cannot merge across a prompt/reply boundary, where
+    encoding the whole string at once might (the decoded text is identical either way).
+
+    truncation="error" raises DataError when too long; "truncate" cuts from the end (use
+    :func:`encode_conversations` for dropping and one warning with counts).
+    """
+    if truncation not in ("error", "truncate"):
+        raise DataError(f"truncation='{truncation}'; use 'error' or 'truncate'")
+    ids, labels = _encode_full(conv, tokenizer)
+    if len(ids) > max_seq_len:
+        if truncation == "error":
+            raise _too_long(conv, len(ids), max_seq_len, index)
+        ids, labels = ids[:max_seq_len], labels[:max_seq_len]
+    return ids, labels
+
+
+def encode_conversations(
+    convs: Sequence[Conversation], tokenizer: ErnieTokenizer, max_seq_len: int, truncation: str = "error"
+) -> list[tuple[list[int], list[int]]]:
+    """Encode many conversations; warn once for truncated ones, drop those with no trained token."""
+    if truncation not in ("error", "truncate"):
+        raise DataError(f"truncation='{truncation}'; use 'error' or 'truncate'")
+    out, truncated, dropped = [], 0, 0
+    for i, conv in enumerate(convs):
+        ids, labels = _encode_full(conv, tokenizer)
+        if len(ids) > max_seq_len:
+            if truncation == "error":
+                raise _too_long(conv, len(ids), max_seq_len, i)
+            ids, labels = ids[:max_seq_len], labels[:max_seq_len]
+            truncated += 1
+        if all(label == IGNORE_INDEX for label in labels):
+            dropped += 1
+            continue
+        out.append((ids, labels))
+    if truncated:
+        warnings.warn(f"{truncated} of {len(convs)} conversations truncated to max_seq_len={max_seq_len}", stacklevel=2)
+    if dropped:
+        warnings.warn(
+            f"{dropped} of {len(convs)} conversations dropped: no trained tokens left (truncated, or every label 0)",
+            stacklevel=2,
+        )
+    return out
+
+
+def encode_pretrain(text: str, tokenizer: ErnieTokenizer) -> list[int]:
+    """Ids of one pretraining document: no BOS, then eos ``</s>``.
+
+    ERNIE 4.5's tokenizer adds no BOS (add_bos_token=False; chat uses the cls token instead),
+    and the EOS marks where the document ends, so a packed row never runs two documents together.
+    """
+    return tokenizer.encode(text) + [tokenizer.eos_token_id]
+
+
+def _as_pair(item) -> tuple[np.ndarray, np.ndarray]:
+    if isinstance(item, tuple):
+        ids, labels = item
+    else:  # bare ids (pretraining): every token is a target
+        ids = labels = item
+    ids, labels = np.asarray(ids, dtype=np.int64), np.asarray(labels, dtype=np.int64)
+    if ids.shape != labels.shape or ids.ndim != 1:
+        raise DataError(f"pack: input_ids {ids.shape} and labels {labels.shape} must be equal-length 1-D sequences")
+    return ids, labels
+
+
+def _row(docs: list[tuple[np.ndarray, np.ndarray]], max_seq_len: int, pad_id: int) -> dict[str, np.ndarray]:
+    lens = np.array([len(d[0]) for d in docs])
+    n = int(lens.sum())
+    starts = np.cumsum(lens) - lens
+    row = {
+        "input_ids": np.full(max_seq_len, pad_id, dtype=np.int64),
+        "labels": np.full(max_seq_len, IGNORE_INDEX, dtype=np.int64),
+        "position_ids": np.zeros(max_seq_len, dtype=np.int64),
+        "segment_ids": np.zeros(max_seq_len, dtype=np.int64),
+    }
+    row["input_ids"][:n] = np.concatenate([d[0] for d in docs])
+    row["labels"][:n] = np.concatenate([d[1] for d in docs])
+    row["labels"][starts] = IGNORE_INDEX  # a document's first token is never predicted from the previous one
+    row["position_ids"][:n] = np.arange(n) - np.repeat(starts, lens)
+    row["segment_ids"][:n] = np.repeat(np.arange(1, len(docs) + 1), lens)
+    return row
+
+
+def pack(sequences: Sequence, max_seq_len: int, pad_id: int = 0) -> list[dict[str, np.ndarray]]:
+    """Greedily pack sequences into rows of exactly ``max_seq_len`` tokens.
+
+    ``sequences`` holds (input_ids, labels) tuples, or bare id lists for pretraining
+    (labels = ids). In input order, each sequence goes into the current row if it fits,
+    else starts a new one; sequences longer than max_seq_len are first cut into
+    max_seq_len chunks. Each row has int64 arrays ``input_ids``, ``labels``,
+    ``position_ids`` (restarting at 0 per document) and ``segment_ids`` (1, 2, 3... per
+    document, 0 for padding) so attention can be kept inside each document. The first
+    label of every document is set to -100: with the causal shift it would otherwise be
+    predicted from the end of the previous document.
+    """
+    if max_seq_len < 1:
+        raise DataError(f"pack: max_seq_len={max_seq_len}; use a positive value")
+    rows, current, used = [], [], 0
+    for item in sequences:
+        ids, labels = _as_pair(item)
+        for s in range(0, len(ids), max_seq_len):
+            chunk = (ids[s : s + max_seq_len], labels[s : s + max_seq_len])
+            if current and used + len(chunk[0]) > max_seq_len:
+                rows.append(_row(current, max_seq_len, pad_id))
+                current, used = [], 0
+            current.append(chunk)
+            used += len(chunk[0])
+    if current:
+        rows.append(_row(current, max_seq_len, pad_id))
+    return rows
+
+
+def pad_batch(examples: Sequence, pad_id: int = 0, max_len: int | None = None) -> dict[str, np.ndarray]:
+    """Right-pad (input_ids, labels) examples into [batch, length] int64 arrays.
+
+    Returns input_ids (pad_id on padding), labels (-100 on padding), position_ids 0..n-1 and
+    segment_ids (1 on real tokens, 0 on padding). Labels are not shifted (see module doc).
+    """
+    pairs = [_as_pair(e) for e in examples]
+    if not pairs:
+        raise DataError("pad_batch: empty batch; check the data loader")
+    lens = np.array([len(p[0]) for p in pairs])
+    width = int(lens.max()) if max_len is None else max_len
+    if lens.max() > width:
+        raise DataError(f"pad_batch: example of {lens.max()} tokens exceeds max_len={width}; raise max_len or truncate")
+    real = np.arange(width)[None, :] < lens[:, None]
+    batch = {
+        "input_ids": np.full((len(pairs), width), pad_id, dtype=np.int64),
+        "labels": np.full((len(pairs), width), IGNORE_INDEX, dtype=np.int64),
+    }
+    batch["input_ids"][real] = np.concatenate([p[0] for p in pairs])
+    batch["labels"][real] = np.concatenate([p[1] for p in pairs])
+    batch["position_ids"] = np.where(real, np.arange(width)[None, :], 0).astype(np.int64)
+    batch["segment_ids"] = real.astype(np.int64)
+    return batch

@@ -1,0 +1,207 @@
+"""Dataset readers: validate every record up front and normalise to one internal form.
+
+SFT formats (one record per line in .jsonl, or a JSON list in .json):
+- erniekit: {"system"?: str, "src": [str, ...], "tgt": [str, ...], "label"?: [0|1, ...]}
+  src[i] is user turn i, tgt[i] the assistant reply; label[i] = 0 means "do not train on
+  reply i". A bare string src/tgt is read as a one-turn list.
+- alpaca:   {"instruction": str, "input"?: str, "output": str, "system"?: str,
+             "history"?: [[query, reply], ...]}; the user turn is instruction + "\\n" + input.
+- messages: {"messages": [{"role": "system"|"user"|"assistant", "content": str}, ...]}
+  (optional leading system, then user/assistant alternating, ending with assistant).
+Pretrain: .jsonl/.json records {"text": str}, or a plain-text file with one document per
+non-empty line (use jsonl for documents that contain newlines).
+
+Every problem raises DataError naming the file and line.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Iterator
+
+from erniekit.errors import DataError
+
+SFT_FORMATS = ("auto", "erniekit", "alpaca", "messages")
+
+
+@dataclass
+class Conversation:
+    """One SFT example: optional system prompt, (user, assistant) turns, which replies to train on."""
+
+    system: str | None
+    turns: list[tuple[str, str]]
+    train_on: list[bool]
+    source: str = field(default="", compare=False)  # "file:line", for error messages
+
+    def messages(self) -> list[dict]:
+        """The conversation as OpenAI-style messages (what the chat template renders)."""
+        out = [{"role": "system", "content": self.system}] if self.system else []
+        for user, reply in self.turns:
+            out += [{"role": "user", "content": user}, {"role": "assistant", "content": reply}]
+        return out
+
+
+def split_paths(path: str) -> list[str]:
+    """A dataset path may be one file or a comma-separated list; each must exist."""
+    paths = [p.strip() for p in str(path).split(",") if p.strip()]
+    if not paths:
+        raise DataError("empty dataset path; set it to a .jsonl/.json file or a comma-separated list of files")
+    for p in paths:
+        if not os.path.isfile(p):
+            where = "is a directory, not a file" if os.path.isdir(p) else "not found"
+            raise DataError(f"dataset file {where}: {p} (cwd {os.getcwd()}); check the path or its spelling")
+    return paths
+
+
+def _records(path: str) -> Iterator[tuple[int, object]]:
+    """Yield (line, record) from a .jsonl file or a .json list (line = 1-based position)."""
+    with open(path, encoding="utf-8") as f:
+        text = f.read()
+    data = None
+    if text.lstrip().startswith("["):  # a JSON list of records, whatever the extension
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise DataError(f"{path}:{e.lineno}: invalid JSON ({e.msg}); fix the file") from e
+    elif path.endswith(".json"):  # one JSON object, or JSON lines misnamed .json
+        try:
+            data = [json.loads(text)]
+        except json.JSONDecodeError:
+            data = None
+    if data is not None:
+        if not isinstance(data, list):
+            raise DataError(f"{path}:1: expected a JSON list of records, got {type(data).__name__}")
+        yield from enumerate(data, 1)  # position in the list stands in for the line
+        return
+    for lineno, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            yield lineno, json.loads(line)
+        except json.JSONDecodeError as e:
+            raise DataError(f"{path}:{lineno}: invalid JSON ({e.msg} at column {e.colno}); fix or remove this line") from e
+
+
+def _str(rec: dict, key: str, where: str, required: bool = True) -> str | None:
+    value = rec.get(key)
+    if value is None and not required:
+        return None
+    if not isinstance(value, str):
+        what = "missing" if key not in rec else f"must be a string, got {type(value).__name__}"
+        raise DataError(f"{where}: field '{key}' {what}")
+    return value
+
+
+def _str_list(rec: dict, key: str, where: str) -> list[str]:
+    value = rec.get(key)
+    if isinstance(value, str):
+        return [value]
+    if not isinstance(value, list) or not value or not all(isinstance(v, str) for v in value):
+        what = "missing" if key not in rec else "must be a non-empty list of strings"
+        raise DataError(f"{where}: field '{key}' {what}")
+    return value
+
+
+def _from_erniekit(rec: dict, where: str) -> Conversation:
+    src, tgt = _str_list(rec, "src", where), _str_list(rec, "tgt", where)
+    if len(src) != len(tgt):
+        raise DataError(f"{where}: 'src' has {len(src)} turns but 'tgt' has {len(tgt)}; they must pair up")
+    label = rec.get("label")
+    if label is None:
+        train_on = [True] * len(tgt)
+    elif isinstance(label, list) and len(label) == len(tgt) and all(v in (0, 1) and not isinstance(v, float) for v in label):
+        train_on = [bool(v) for v in label]
+    else:
+        raise DataError(f"{where}: field 'label' must be a list of {len(tgt)} values 0/1 (one per tgt turn)")
+    return Conversation(_str(rec, "system", where, required=False), list(zip(src, tgt)), train_on, where)
+
+
+def _from_alpaca(rec: dict, where: str) -> Conversation:
+    instruction, output = _str(rec, "instruction", where), _str(rec, "output", where)
+    extra = _str(rec, "input", where, required=False)
+    query = f"{instruction}\n{extra}" if extra else instruction
+    history = rec.get("history") or []
+    if not isinstance(history, list) or not all(
+        isinstance(h, (list, tuple)) and len(h) == 2 and all(isinstance(x, str) for x in h) for h in history
+    ):
+        raise DataError(f"{where}: field 'history' must be a list of [query, reply] string pairs")
+    turns = [(q, a) for q, a in history] + [(query, output)]
+    return Conversation(_str(rec, "system", where, required=False), turns, [True] * len(turns), where)
+
+
+def _from_messages(rec: dict, where: str) -> Conversation:
+    msgs = rec.get("messages")
+    if not isinstance(msgs, list) or not msgs:
+        raise DataError(f"{where}: field 'messages' {'missing' if msgs is None else 'must be a non-empty list'}")
+    for i, m in enumerate(msgs):
+        if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant") or not isinstance(m.get("content"), str):
+            raise DataError(f"{where}: field 'messages[{i}]' must be {{'role': 'system'|'user'|'assistant', 'content': str}}")
+    system = msgs[0]["content"] if msgs[0]["role"] == "system" else None
+    body = msgs[1:] if system is not None else msgs
+    roles = [m["role"] for m in body]
+    expected = ["user", "assistant"] * (len(body) // 2)
+    if roles != expected or not body:
+        raise DataError(
+            f"{where}: field 'messages' roles {roles} must alternate user/assistant after an optional system and end with assistant"
+        )
+    turns = [(body[i]["content"], body[i + 1]["content"]) for i in range(0, len(body), 2)]
+    return Conversation(system, turns, [True] * len(turns), where)
+
+
+_READERS = {"erniekit": _from_erniekit, "alpaca": _from_alpaca, "messages": _from_messages}
+
+
+def detect_format(rec: object, where: str) -> str:
+    """Guess the SFT format from a record's keys."""
+    if isinstance(rec, dict):
+        if "messages" in rec:
+            return "messages"
+        if "instruction" in rec:
+            return "alpaca"
+        if "src" in rec or "tgt" in rec:
+            return "erniekit"
+    keys = sorted(rec) if isinstance(rec, dict) else type(rec).__name__
+    raise DataError(
+        f"{where}: cannot tell the data format from keys {keys}; use erniekit (src/tgt), alpaca (instruction/output) or messages"
+    )
+
+
+def load_sft_examples(path: str, fmt: str = "auto") -> list[Conversation]:
+    """Read and validate SFT files (comma-separated list allowed); auto-detects per file."""
+    if fmt not in SFT_FORMATS:
+        raise DataError(f"unknown data format '{fmt}'; use one of {', '.join(SFT_FORMATS)}")
+    out: list[Conversation] = []
+    for p in split_paths(path):
+        file_fmt = None if fmt == "auto" else fmt
+        before = len(out)
+        for lineno, rec in _records(p):
+            where = f"{p}:{lineno}"
+            if file_fmt is None:
+                file_fmt = detect_format(rec, where)
+            if not isinstance(rec, dict):
+                raise DataError(f"{where}: expected a JSON object, got {type(rec).__name__}")
+            out.append(_READERS[file_fmt](rec, where))
+        if len(out) == before:
+            raise DataError(f"{p}: no examples; the file is empty or has only blank lines")
+    return out
+
+
+def load_pretrain_texts(path: str) -> list[str]:
+    """Read pretraining documents from .jsonl/.json ({"text": ...}) or plain-text files."""
+    texts: list[str] = []
+    for p in split_paths(path):
+        before = len(texts)
+        if p.endswith((".jsonl", ".json")):
+            for lineno, rec in _records(p):
+                where = f"{p}:{lineno}"
+                if not isinstance(rec, dict):
+                    raise DataError(f"{where}: expected a JSON object with a 'text' field, got {type(rec).__name__}")
+                texts.append(_str(rec, "text", where))
+        else:
+            with open(p, encoding="utf-8") as f:
+                texts.extend(line.rstrip("\r\n") for line in f if line.strip())
+        if len(texts) == before:
+            raise DataError(f"{p}: no examples; the file is empty or has only blank lines")
+    return texts

@@ -1,0 +1,136 @@
+"""Deterministic synthetic arithmetic task with exactly checkable answers.
+
+Problems look like ``"12+345="`` with answer ``"357"``. The held-out split is a fixed,
+seed-independent partition of the problem space (a stable hash of the problem text), so an
+eval problem can never appear in training data, whatever seeds the two sides use.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+from typing import Iterable, Sequence
+
+from erniekit.errors import DataError
+
+OPS = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b}
+DEFAULT_HELDOUT_FRACTION = 0.05
+
+
+def is_heldout(problem: str, fraction: float = DEFAULT_HELDOUT_FRACTION) -> bool:
+    """True when ``problem`` (e.g. "12+3=") belongs to the eval partition (stable across runs)."""
+    h = int.from_bytes(hashlib.blake2b(problem.encode(), digest_size=8).digest(), "big")
+    return h % 1_000_000 < fraction * 1_000_000
+
+
+def split_heldout(
+    rows: Iterable[dict], fraction: float = DEFAULT_HELDOUT_FRACTION
+) -> tuple[list[dict], list[dict]]:
+    """Partition rows ``{"src": [problem], ...}`` into (train, eval) by :func:`is_heldout`."""
+    train, held = [], []
+    for row in rows:
+        (held if is_heldout(row["src"][0], fraction) else train).append(row)
+    return train, held
+
+
+def _operand(rng: random.Random, min_digits: int, max_digits: int) -> int:
+    digits = rng.randint(min_digits, max_digits)
+    low = 0 if digits == 1 else 10 ** (digits - 1)
+    return rng.randint(low, 10**digits - 1)
+
+
+def make_arithmetic(
+    n: int,
+    seed: int,
+    min_digits: int = 1,
+    max_digits: int = 2,
+    ops: Sequence[str] = ("+", "-"),
+    split: str | None = None,
+    heldout_fraction: float = DEFAULT_HELDOUT_FRACTION,
+    unique: bool = False,
+) -> list[dict]:
+    """Return ``n`` rows ``{"src": ["a+b="], "tgt": ["answer"]}``.
+
+    Each operand first draws its digit count uniformly in [min_digits, max_digits], so short
+    and long numbers are equally common. ``split`` = "train" keeps only non-held-out problems,
+    "eval" only held-out ones, None keeps all. ``unique`` forbids repeated problems.
+    """
+    if not 1 <= min_digits <= max_digits:
+        raise DataError(f"make_arithmetic: need 1 <= min_digits <= max_digits, got {min_digits}..{max_digits}")
+    bad = [op for op in ops if op not in OPS]
+    if bad or not ops:
+        raise DataError(f"make_arithmetic: unknown ops {bad or list(ops)}; use some of {sorted(OPS)}")
+    if split not in (None, "train", "eval"):
+        raise DataError(f"make_arithmetic: split={split!r}; use None, 'train' or 'eval'")
+    rng = random.Random(f"arith-{seed}-{split}")
+    rows, seen, tries = [], set(), 0
+    max_tries = 1000 * n + 10_000
+    while len(rows) < n:
+        tries += 1
+        if tries > max_tries:
+            raise DataError(
+                f"make_arithmetic: only {len(rows)} of {n} {split or 'any'} problems found with "
+                f"{min_digits}-{max_digits} digits; ask for fewer or allow more digits/ops"
+            )
+        a, b = _operand(rng, min_digits, max_digits), _operand(rng, min_digits, max_digits)
+        op = ops[rng.randrange(len(ops))]
+        problem = f"{a}{op}{b}="
+        if split is not None and is_heldout(problem, heldout_fraction) != (split == "eval"):
+            continue
+        if unique:
+            if problem in seen:
+                continue
+            seen.add(problem)
+        rows.append({"src": [problem], "tgt": [str(OPS[op](a, b))]})
+    return rows
+
+
+def answer(problem: str) -> str:
+    """Compute the exact answer of a problem string like "12-345=" (used to check rows)."""
+    body = problem.rstrip("=")
+    for i in range(1, len(body)):  # operator is the first op char after a leading digit
+        if body[i] in OPS:
+            return str(OPS[body[i]](int(body[:i]), int(body[i + 1 :])))
+    raise DataError(f"answer: {problem!r} is not of the form 'a<op>b='")
+
+
+def exact_match(prediction: str, reference: str) -> bool:
+    """Exact string match after stripping surrounding whitespace."""
+    return prediction.strip() == reference.strip()
+
+
+def _write_jsonl(path: str, rows: Iterable[dict]) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        for row in rows:
+            f.write(json.dumps(row, ensure_ascii=False, separators=(",", ":")) + "\n")
+    os.replace(tmp, path)
+
+
+def write_arithmetic_dataset(
+    out_dir: str,
+    n_train: int,
+    n_eval: int,
+    seed: int,
+    min_digits: int = 1,
+    max_digits: int = 2,
+    ops: Sequence[str] = ("+", "-"),
+    heldout_fraction: float = DEFAULT_HELDOUT_FRACTION,
+) -> dict[str, str]:
+    """Write train.jsonl / eval.jsonl (SFT form) and pretrain.jsonl (``{"text": "1+2=3"}``).
+
+    Eval problems are distinct and come from the held-out partition; train and pretrain rows
+    come from the rest (repeats allowed when n_train exceeds the problem space).
+    """
+    kw = dict(min_digits=min_digits, max_digits=max_digits, ops=ops, heldout_fraction=heldout_fraction)
+    train = make_arithmetic(n_train, seed, split="train", **kw)
+    evals = make_arithmetic(n_eval, seed, split="eval", unique=True, **kw)
+    pretrain = make_arithmetic(n_train, seed + 1, split="train", **kw)
+    os.makedirs(out_dir, exist_ok=True)
+    paths = {name: os.path.join(out_dir, f"{name}.jsonl") for name in ("train", "eval", "pretrain")}
+    _write_jsonl(paths["train"], train)
+    _write_jsonl(paths["eval"], evals)
+    _write_jsonl(paths["pretrain"], ({"text": r["src"][0] + r["tgt"][0]} for r in pretrain))
+    return paths

@@ -1,0 +1,1 @@
+"""The one training core: loop, optimizer, schedules, checkpoints and logging; stages plug in."""

@@ -1,0 +1,103 @@
+"""Training checkpoints: model in HF layout + optimizer state + trainer state, written atomically.
+
+A checkpoint is built in `checkpoint-N.tmp/` and renamed to `checkpoint-N/` only when complete,
+so a crash mid-save never leaves a checkpoint that `resume_from_checkpoint: auto` would pick.
+Optimizer tensors are keyed by our structured parameter names (not Paddle's auto-generated
+ones), stored in safetensors: no pickle.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+
+import paddle
+
+from erniekit.errors import CheckpointError
+from erniekit.models.ernie4_5.checkpoint import load_state_into, save_pretrained
+from erniekit.utils.io import atomic_write_json, replace_dir
+
+OPTIMIZER_NAME = "optimizer.safetensors"
+STATE_NAME = "trainer_state.json"
+_CKPT_RE = re.compile(r"^checkpoint-(\d+)$")
+
+
+def _opt_state_by_param_name(model, optimizer) -> dict[str, paddle.Tensor]:
+    by_auto = {p.name: n for n, p in model.named_parameters()}
+    out = {}
+    for key, value in optimizer.state_dict().items():
+        if not isinstance(value, paddle.Tensor):
+            continue
+        auto = max((a for a in by_auto if key.startswith(a + "_")), key=len, default=None)
+        if auto is None:
+            continue
+        out[by_auto[auto] + "::" + key[len(auto) + 1:]] = value.contiguous()
+    return out
+
+
+def save_checkpoint(path: str, model, tokenizer, optimizer, state: dict) -> None:
+    from safetensors.paddle import save_file
+
+    tmp = path + ".tmp"
+    if os.path.exists(tmp):
+        shutil.rmtree(tmp)
+    save_pretrained(model, tmp, tokenizer=tokenizer)
+    save_file(_opt_state_by_param_name(model, optimizer), os.path.join(tmp, OPTIMIZER_NAME))
+    atomic_write_json(os.path.join(tmp, STATE_NAME), state)
+    replace_dir(tmp, path)
+
+
+def load_checkpoint(path: str, model, optimizer) -> dict:
+    """Restore model weights and optimizer state; return the trainer state."""
+    from safetensors import safe_open
+
+    state_file = os.path.join(path, STATE_NAME)
+    if not os.path.isfile(state_file):
+        raise CheckpointError(f"resume_from_checkpoint={path}: no {STATE_NAME}; is this a training checkpoint?")
+    with open(state_file, encoding="utf-8") as f:
+        state = json.load(f)
+    load_state_into(model, path)
+    opt_file = os.path.join(path, OPTIMIZER_NAME)
+    if optimizer is not None and os.path.isfile(opt_file):
+        by_struct = {n: p.name for n, p in model.named_parameters()}
+        sd = {}
+        with safe_open(opt_file, framework="paddle") as f:
+            for key in f.keys():
+                struct, acc = key.split("::", 1)
+                if struct not in by_struct:
+                    raise CheckpointError(f"{opt_file}: optimizer state for unknown parameter {struct}")
+                sd[f"{by_struct[struct]}_{acc}"] = f.get_tensor(key)
+        optimizer.set_state_dict(sd)
+    return state
+
+
+def list_checkpoints(output_dir: str) -> list[tuple[int, str]]:
+    if not os.path.isdir(output_dir):
+        return []
+    found = []
+    for name in os.listdir(output_dir):
+        m = _CKPT_RE.match(name)
+        if m and os.path.isfile(os.path.join(output_dir, name, STATE_NAME)):
+            found.append((int(m[1]), os.path.join(output_dir, name)))
+    return sorted(found)
+
+
+def resolve_resume(value: str | None, output_dir: str) -> str | None:
+    """`auto` -> newest complete checkpoint in output_dir (or None); a path must exist."""
+    if not value:
+        return None
+    if value == "auto":
+        ckpts = list_checkpoints(output_dir)
+        return ckpts[-1][1] if ckpts else None
+    if not os.path.isdir(value):
+        raise CheckpointError(f"resume_from_checkpoint={value}: directory not found")
+    return value
+
+
+def rotate_checkpoints(output_dir: str, keep: int) -> None:
+    if keep <= 0:
+        return
+    for _, path in list_checkpoints(output_dir)[:-keep]:
+        shutil.rmtree(path, ignore_errors=True)

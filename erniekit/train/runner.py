@@ -1,0 +1,86 @@
+"""`erniekit train`: build tokenizer, model, stage data and run the shared loop."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import paddle
+
+from erniekit.config import dump_config
+from erniekit.errors import ConfigError
+from erniekit.train.stages import get_stage
+from erniekit.train.trainer import Trainer
+from erniekit.utils.io import atomic_write_json
+
+
+def select_device() -> str:
+    """GPU when this Paddle build has CUDA and a device is visible, else CPU (float32)."""
+    if paddle.device.is_compiled_with_cuda() and paddle.device.cuda.device_count() > 0:
+        return paddle.set_device("gpu")
+    return paddle.set_device("cpu")
+
+
+def load_tokenizer(cfg):
+    from erniekit.models.ernie4_5.tokenizer import ErnieTokenizer, default_tokenizer
+
+    if cfg.tokenizer_name_or_path:
+        return ErnieTokenizer.from_pretrained(cfg.tokenizer_name_or_path)
+    if os.path.isdir(cfg.model_name_or_path):
+        return ErnieTokenizer.from_pretrained(cfg.model_name_or_path)
+    return default_tokenizer()
+
+
+def load_model(cfg, tokenizer):
+    from erniekit.models.ernie4_5 import Ernie4_5ForCausalLM, from_pretrained, get_preset
+
+    if os.path.isdir(cfg.model_name_or_path):
+        model = from_pretrained(cfg.model_name_or_path, config_overrides=cfg.model_overrides or None)
+    else:
+        config = get_preset(cfg.model_name_or_path)
+        if cfg.model_overrides:
+            config = config.replace(**cfg.model_overrides)
+        model = Ernie4_5ForCausalLM(config)  # from scratch, seeded by paddle.seed(cfg.seed)
+    if tokenizer.vocab_size > model.config.vocab_size:
+        raise ConfigError(
+            f"tokenizer has {tokenizer.vocab_size} tokens but the model's vocab_size is {model.config.vocab_size}: "
+            "use the tokenizer that belongs to model_name_or_path (tokenizer_name_or_path)"
+        )
+    return model
+
+
+def run_train(cfg, log=print) -> dict:
+    device = select_device()
+    paddle.seed(cfg.seed)
+    os.makedirs(cfg.output_dir, exist_ok=True)
+    dump_config(cfg, os.path.join(cfg.output_dir, "run_config.yaml"))
+    tokenizer = load_tokenizer(cfg)
+    model = load_model(cfg, tokenizer)
+    stage = get_stage(cfg.stage)
+    t0 = time.perf_counter()
+    train_rows = stage.build_train_rows(cfg, tokenizer) if cfg.do_train else []
+    eval_data = stage.build_eval_data(cfg, tokenizer) if cfg.do_eval else None
+    n_params = sum(int(p.numel()) for p in model.parameters())
+    log(f"erniekit: stage={cfg.stage} model={cfg.model_name_or_path} ({n_params / 1e6:.2f}M params, "
+        f"{model.config.model_type}) device={device} threads={os.environ.get('OMP_NUM_THREADS', '1')} "
+        f"train_rows={len(train_rows)} data_prep={time.perf_counter() - t0:.1f}s")
+    trainer = Trainer(cfg, model, tokenizer, stage, train_rows, eval_data, log=log)
+    results: dict = {}
+    if cfg.do_train:
+        t1 = time.perf_counter()
+        results["train"] = trainer.train()
+        results["train_runtime_s"] = time.perf_counter() - t1
+    if cfg.do_eval and eval_data is not None:
+        results["eval"] = trainer.evaluate()
+        ev = results["eval"]
+        if "exact_match" in ev:
+            base = ev.get("baseline_exact_match")
+            log(f"held-out exact match: {ev['exact_match']:.3f}" + (f" (majority-answer baseline {base:.3f})" if base is not None else ""))
+    from erniekit.models.ernie4_5.checkpoint import save_pretrained
+
+    save_pretrained(model, cfg.output_dir, tokenizer=tokenizer)
+    atomic_write_json(os.path.join(cfg.output_dir, "train_results.json"), {"global_step": trainer.step, **results})
+    trainer.logger.close()
+    log(f"saved model (Hugging Face layout) to {cfg.output_dir}; VisualDL logs in {trainer.logger_dir}")
+    return results

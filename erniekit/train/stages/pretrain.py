@@ -1,0 +1,32 @@
+"""stage: pretrain — causal LM on raw text, packed into max_seq_len rows with per-document
+attention isolation (position ids restart and attention stops at document boundaries)."""
+
+from __future__ import annotations
+
+from erniekit.data.encode import encode_pretrain, pack
+from erniekit.data.formats import load_pretrain_texts
+from erniekit.errors import DataError
+from erniekit.train.stage import Stage, eval_loss
+
+
+class PretrainStage(Stage):
+    name = "pretrain"
+
+    def _rows(self, path: str, cfg, tokenizer):
+        docs = [encode_pretrain(t, tokenizer) for t in load_pretrain_texts(path)]
+        rows = pack([(d, d) for d in docs], cfg.max_seq_len, pad_id=tokenizer.pad_token_id)
+        if not rows:
+            raise DataError(f"{path}: no tokens after encoding; check the text field")
+        return rows
+
+    def build_train_rows(self, cfg, tokenizer):
+        return self._rows(cfg.train_dataset_path, cfg, tokenizer)
+
+    def build_eval_data(self, cfg, tokenizer):
+        return self._rows(cfg.eval_dataset_path, cfg, tokenizer) if cfg.eval_dataset_path else None
+
+    def evaluate(self, model, tokenizer, eval_data, cfg):
+        return eval_loss(model, eval_data, cfg.per_device_eval_batch_size, tokenizer.pad_token_id)
+
+
+STAGE = PretrainStage()

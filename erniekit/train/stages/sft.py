@@ -1,0 +1,70 @@
+"""stage: SFT (fine_tuning: Full) — loss on assistant replies only, multi-turn, optional packing.
+
+Evaluation: held-out loss, and exact match of greedy generations against the reference reply
+(the training format is the chat template, so what is measured is what `erniekit chat` does).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from erniekit.data.encode import encode_conversations, pack
+from erniekit.data.formats import Conversation, load_sft_examples
+from erniekit.infer.generate import SamplingParams, generate
+from erniekit.train.stage import Stage, eval_loss
+
+
+def _rows(convs: list[Conversation], cfg, tokenizer, packing: bool):
+    pairs = encode_conversations(convs, tokenizer, cfg.max_seq_len, cfg.truncation)
+    if packing:
+        return pack(pairs, cfg.max_seq_len, pad_id=tokenizer.pad_token_id)
+    import numpy as np
+
+    return [{"input_ids": np.asarray(i, np.int64), "labels": np.asarray(l, np.int64)} for i, l in pairs]
+
+
+def prompt_ids(conv: Conversation, tokenizer) -> list[int]:
+    """Everything before the last assistant reply, ending with the generation prompt."""
+    msgs = conv.messages()[:-1]
+    return tokenizer.encode(tokenizer.apply_chat_template(msgs, add_generation_prompt=True))
+
+
+def exact_match_eval(model, tokenizer, convs: list[Conversation], batch_size: int, max_new_tokens: int) -> float:
+    stops = [tokenizer.sep_token_id, tokenizer.eos_token_id]
+    params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0, stop_token_ids=stops)
+    hits = 0
+    for i in range(0, len(convs), batch_size):
+        chunk = convs[i:i + batch_size]
+        outs = generate(model, [prompt_ids(c, tokenizer) for c in chunk], params, pad_id=tokenizer.pad_token_id)
+        hits += sum(tokenizer.decode(o).strip() == c.turns[-1][1].strip() for o, c in zip(outs, chunk))
+    return hits / max(len(convs), 1)
+
+
+class SFTStage(Stage):
+    name = "SFT"
+
+    def build_train_rows(self, cfg, tokenizer):
+        convs = load_sft_examples(cfg.train_dataset_path, cfg.train_dataset_type)
+        # trivial baseline for exact match: always answer the most common training reply
+        self.majority_reply = Counter(c.turns[-1][1].strip() for c in convs).most_common(1)[0][0]
+        return _rows(convs, cfg, tokenizer, cfg.packing)
+
+    def build_eval_data(self, cfg, tokenizer):
+        if not cfg.eval_dataset_path:
+            return None
+        convs = load_sft_examples(cfg.eval_dataset_path, cfg.eval_dataset_type)
+        return {"convs": convs, "rows": _rows(convs, cfg, tokenizer, packing=False)}
+
+    def evaluate(self, model, tokenizer, eval_data, cfg):
+        res = eval_loss(model, eval_data["rows"], cfg.per_device_eval_batch_size, tokenizer.pad_token_id)
+        if cfg.eval_generation:
+            convs = eval_data["convs"][: cfg.eval_max_samples]
+            res["exact_match"] = exact_match_eval(model, tokenizer, convs, cfg.per_device_eval_batch_size,
+                                                  cfg.eval_max_new_tokens)
+            majority = getattr(self, "majority_reply", None)
+            if majority is not None:
+                res["baseline_exact_match"] = sum(c.turns[-1][1].strip() == majority for c in convs) / max(len(convs), 1)
+        return res
+
+
+STAGE = SFTStage()

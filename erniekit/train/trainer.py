@@ -1,0 +1,188 @@
+"""The training loop shared by every stage.
+
+A stage supplies data rows, a loss and an evaluation; this module owns the rest: optimizer,
+LR schedule, gradient accumulation and clipping, AMP on GPU, periodic eval, atomic
+checkpoints, resume, VisualDL scalars and the progress bar.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import sys
+import time
+
+import numpy as np
+import paddle
+
+from erniekit.train.batching import MicroBatches
+from erniekit.train.checkpointing import load_checkpoint, resolve_resume, rotate_checkpoints, save_checkpoint
+from erniekit.train.losses import count_target_tokens
+from erniekit.train.optim import build_optimizer, clip_grad_norm_
+from erniekit.train.schedules import lr_at
+from erniekit.train.stage import Stage
+
+
+class ScalarLogger:
+    """VisualDL scalars plus a JSON-lines copy (easy to read in tests and tools)."""
+
+    def __init__(self, logdir: str, enabled: bool = True):
+        self.enabled = enabled
+        self.writer = None
+        self.jsonl = None
+        if enabled:
+            from visualdl import LogWriter
+
+            os.makedirs(logdir, exist_ok=True)
+            self.writer = LogWriter(logdir=logdir)
+            self.jsonl = open(os.path.join(logdir, "scalars.jsonl"), "a", encoding="utf-8")
+
+    def log(self, step: int, values: dict[str, float]) -> None:
+        if not self.enabled:
+            return
+        import json
+
+        for k, v in values.items():
+            self.writer.add_scalar(tag=k, value=float(v), step=step)
+        self.jsonl.write(json.dumps({"step": step, **{k: float(v) for k, v in values.items()}}) + "\n")
+        self.jsonl.flush()
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+            self.jsonl.close()
+
+
+def amp_context(cfg):
+    """bf16/fp16 autocast on GPU; float32 elsewhere (config validation rejects AMP on CPU)."""
+    if not (cfg.bf16 or cfg.fp16):
+        return contextlib.nullcontext()
+    return paddle.amp.auto_cast(enable=True, dtype="bfloat16" if cfg.bf16 else "float16", level="O1")
+
+
+class Trainer:
+    def __init__(self, cfg, model, tokenizer, stage: Stage, train_rows, eval_data=None, log=print):
+        self.cfg, self.model, self.tokenizer, self.stage = cfg, model, tokenizer, stage
+        self.eval_data = eval_data
+        self.log = log
+        self.batches = MicroBatches(train_rows, cfg.per_device_train_batch_size, cfg.seed, tokenizer.pad_token_id)
+        accum = cfg.gradient_accumulation_steps
+        if cfg.max_steps > 0:
+            self.total_steps = cfg.max_steps
+        else:
+            self.total_steps = max(1, math.ceil(cfg.num_train_epochs * self.batches.per_epoch / accum))
+        warmup = cfg.warmup_steps or int(round(cfg.warmup_ratio * self.total_steps))
+        self.warmup = min(warmup, self.total_steps)
+        self.optimizer = build_optimizer(model, cfg)
+        self.params = [p for p in model.parameters() if not p.stop_gradient]
+        self.scaler = paddle.amp.GradScaler(init_loss_scaling=2.0**15) if cfg.fp16 else None
+        self.step = 0
+        self.consumed = 0  # micro-batches consumed: the data position
+        self.logger_dir = cfg.logging_dir or os.path.join(cfg.output_dir, "vdl_log")
+        self.logger = ScalarLogger(self.logger_dir)
+
+    # ---- state -----------------------------------------------------------------------------
+    def state(self) -> dict:
+        return {"global_step": self.step, "consumed_micro_batches": self.consumed, "total_steps": self.total_steps,
+                "seed": self.cfg.seed, "rng": "paddle.seed(seed + global_step) before every step"}
+
+    def maybe_resume(self) -> None:
+        path = resolve_resume(self.cfg.resume_from_checkpoint, self.cfg.output_dir)
+        if path is None:
+            return
+        st = load_checkpoint(path, self.model, self.optimizer)
+        self.step, self.consumed = st["global_step"], st["consumed_micro_batches"]
+        self.log(f"resumed from {path} at step {self.step}")
+
+    def save(self) -> str:
+        path = os.path.join(self.cfg.output_dir, f"checkpoint-{self.step}")
+        save_checkpoint(path, self.model, self.tokenizer, self.optimizer, self.state())
+        rotate_checkpoints(self.cfg.output_dir, self.cfg.save_total_limit)
+        return path
+
+    # ---- one optimizer step ----------------------------------------------------------------
+    def train_step(self) -> dict[str, float]:
+        cfg = self.cfg
+        paddle.seed(cfg.seed + self.step)
+        micro = [self.batches.get(self.consumed + i) for i in range(cfg.gradient_accumulation_steps)]
+        n_tokens = sum(count_target_tokens(b) for b in micro)
+        lr = lr_at(self.step, self.total_steps, cfg.learning_rate, cfg.lr_scheduler_type, self.warmup,
+                   cfg.min_lr, cfg.decay_ratio)
+        self.optimizer.set_lr(lr)
+        loss_sum, aux_sum = 0.0, 0.0
+        coef = getattr(self.model.config, "router_aux_loss_coef", 0.0)
+        for b in micro:
+            with amp_context(cfg):
+                out = self.stage.loss(self.model, b)
+            loss = out.loss_sum / max(n_tokens, 1)
+            if out.aux_loss is not None and coef > 0:
+                loss = loss + coef * out.aux_loss / len(micro)
+                aux_sum += float(out.aux_loss) / len(micro)
+            (self.scaler.scale(loss) if self.scaler else loss).backward()
+            loss_sum += float(out.loss_sum)
+        if self.scaler:
+            self.scaler.unscale_(self.optimizer)
+        grad_norm = clip_grad_norm_(self.params, cfg.max_grad_norm)
+        if self.scaler:
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+        else:
+            self.optimizer.step()
+        self.optimizer.clear_grad()
+        self.step += 1
+        self.consumed += len(micro)
+        tokens = int(sum((b["segment_ids"] > 0).sum() for b in micro))  # real (non-padding) tokens
+        metrics = {"train/loss": loss_sum / max(n_tokens, 1), "train/lr": lr, "train/grad_norm": grad_norm,
+                   "train/tokens": tokens}
+        if aux_sum:
+            metrics["train/aux_loss"] = aux_sum
+        return metrics
+
+    # ---- the loop --------------------------------------------------------------------------
+    def train(self) -> dict[str, float]:
+        cfg = self.cfg
+        self.maybe_resume()
+        self.model.train()
+        bar = None
+        if not cfg.disable_tqdm:
+            from tqdm import tqdm
+
+            bar = tqdm(total=self.total_steps, initial=self.step, desc="train", dynamic_ncols=True,
+                       file=sys.stdout, mininterval=0.5)
+        window_tokens, window_start = 0, time.perf_counter()
+        last: dict[str, float] = {}
+        while self.step < self.total_steps:
+            m = self.train_step()
+            window_tokens += m.pop("train/tokens")
+            if self.step % cfg.logging_steps == 0 or self.step == self.total_steps:
+                dt = time.perf_counter() - window_start
+                m["train/tokens_per_sec"] = window_tokens / max(dt, 1e-9)
+                self.logger.log(self.step, m)
+                window_tokens, window_start = 0, time.perf_counter()
+                last = m
+                if bar is not None:
+                    bar.set_postfix(loss=f"{m['train/loss']:.4f}", lr=f"{m['train/lr']:.2e}",
+                                    tok_s=f"{m['train/tokens_per_sec']:.0f}")
+                else:
+                    self.log(f"step {self.step}/{self.total_steps} loss {m['train/loss']:.4f} "
+                             f"lr {m['train/lr']:.2e} grad_norm {m['train/grad_norm']:.3f} "
+                             f"tokens/s {m['train/tokens_per_sec']:.0f}")
+            if bar is not None:
+                bar.update(1)
+            if cfg.do_eval and self.eval_data is not None and cfg.eval_steps > 0 and self.step % cfg.eval_steps == 0 \
+                    and self.step < self.total_steps:
+                self.evaluate()
+            if cfg.save_steps > 0 and self.step % cfg.save_steps == 0 and self.step < self.total_steps:
+                self.save()
+        if bar is not None:
+            bar.close()
+        self.save()
+        return last
+
+    def evaluate(self) -> dict[str, float]:
+        results = self.stage.evaluate(self.model, self.tokenizer, self.eval_data, self.cfg)
+        self.logger.log(self.step, {f"eval/{k}": v for k, v in results.items()})
+        self.log("eval " + " ".join(f"{k}={v:.4f}" for k, v in results.items()))
+        self.model.train()
+        return results

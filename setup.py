@@ -1,0 +1,21 @@
+from setuptools import find_packages, setup
+
+
+def _version() -> str:
+    ns: dict = {}
+    exec(open("erniekit/__init__.py").read(), ns)
+    return ns["__version__"]
+
+
+setup(
+    name="erniekit",
+    version=_version(),
+    description="PaddlePaddle-native toolkit for ERNIE 4.5: pretrain, SFT, chat, HF-layout checkpoints",
+    packages=find_packages(include=["erniekit", "erniekit.*"]),
+    package_data={"erniekit": ["resources/tokenizer/*"]},
+    include_package_data=True,
+    python_requires=">=3.10",
+    install_requires=[line.strip() for line in open("requirements.txt") if line.strip() and not line.startswith("#")],
+    extras_require={"test": ["pytest>=8", "pytest-xdist>=3", "torch==2.13.0", "transformers>=5.3"]},
+    entry_points={"console_scripts": ["erniekit=erniekit.cli:main"]},
+)
