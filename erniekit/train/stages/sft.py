@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from erniekit.data.encode import encode_conversations, pack
+from erniekit.data.encode import IGNORE_INDEX, encode_conversation, encode_conversations, pack
 from erniekit.data.formats import Conversation, load_sft_examples
 from erniekit.infer.generate import SamplingParams, generate
 from erniekit.train.stage import Stage, eval_loss
@@ -24,9 +24,11 @@ def _rows(convs: list[Conversation], cfg, tokenizer, packing: bool):
 
 
 def prompt_ids(conv: Conversation, tokenizer) -> list[int]:
-    """Everything before the last assistant reply, ending with the generation prompt."""
-    msgs = conv.messages()[:-1]
-    return tokenizer.encode(tokenizer.apply_chat_template(msgs, add_generation_prompt=True))
+    """Everything before the last assistant reply, tokenized exactly as in training."""
+    last = Conversation(conv.system, conv.turns, [False] * (len(conv.turns) - 1) + [True], conv.source)
+    ids, labels = encode_conversation(last, tokenizer, max_seq_len=10**9)
+    first_trained = next(i for i, l in enumerate(labels) if l != IGNORE_INDEX)
+    return ids[:first_trained]
 
 
 def exact_match_eval(model, tokenizer, convs: list[Conversation], batch_size: int, max_new_tokens: int) -> float:

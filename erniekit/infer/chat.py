@@ -1,0 +1,145 @@
+"""`erniekit chat`: one-shot or interactive chat with a checkpoint, streamed token by token.
+
+Prompts are tokenized the way SFT trains them (erniekit.data.encode): each rendered chunk of
+the chat template (the prompt up to "Assistant: ", then the reply plus its sep token) is
+encoded on its own, so a multi-turn history gives the model the ids it was trained on.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any, TextIO
+
+from erniekit.errors import CheckpointError
+
+CLEAR, EXIT = "/clear", ("/exit", "/quit")
+
+
+def load_chat_model(model_dir: str):
+    """Model + tokenizer from one checkpoint directory; a missing piece is a one-line error."""
+    from erniekit.models.ernie4_5 import from_pretrained
+    from erniekit.models.ernie4_5.tokenizer import ErnieTokenizer
+
+    if not os.path.isdir(model_dir):
+        raise CheckpointError(f"{model_dir}: checkpoint directory not found; pass a directory written by "
+                              "'erniekit train' or a Hugging Face ERNIE-4.5 checkpoint")
+    if not os.path.isfile(os.path.join(model_dir, "tokenizer.model")):
+        raise CheckpointError(f"{model_dir}: no tokenizer files (tokenizer.model); chat needs the tokenizer "
+                              "saved next to the weights: copy it from the original checkpoint")
+    tokenizer = ErnieTokenizer.from_pretrained(model_dir)
+    model = from_pretrained(model_dir)
+    model.eval()
+    return model, tokenizer
+
+
+def stop_ids(model, tokenizer) -> list[int]:
+    """End of a reply: the template's sep token, eos, and the config's eos ids."""
+    ids = [tokenizer.sep_token_id, tokenizer.eos_token_id, *model.config.eos_token_ids]
+    return sorted({int(i) for i in ids if i is not None})
+
+
+class ChatSession:
+    """A conversation: the messages list plus the token ids its rendering has been encoded to."""
+
+    def __init__(self, model, tokenizer, params, system: str | None = None, out: TextIO | None = None):
+        self.model, self.tokenizer, self.params = model, tokenizer, params
+        self.system = system
+        self.out = out
+        self.clear()
+
+    def clear(self) -> None:
+        self.messages: list[dict[str, str]] = [{"role": "system", "content": self.system}] if self.system else []
+        self._text = ""  # rendered text covered by self._ids
+        self._ids: list[int] = []
+
+    def _extend(self, rendered: str) -> list[int]:
+        """Ids of `rendered`, encoding only what was added since the last call (as training does)."""
+        if rendered.startswith(self._text):
+            self._ids = self._ids + self.tokenizer.encode(rendered[len(self._text):])
+        else:  # a template whose output is not a growing prefix: encode it whole
+            self._ids = self.tokenizer.encode(rendered)
+        self._text = rendered
+        return self._ids
+
+    def prompt_ids(self) -> list[int]:
+        """Ids of the whole history with the generation prompt ("Assistant: ") appended."""
+        return list(self._extend(self.tokenizer.apply_chat_template(self.messages, add_generation_prompt=True)))
+
+    def reply(self, user: str) -> str:
+        """Add a user turn, stream the assistant's answer to `out`, keep it in the history."""
+        from erniekit.infer.generate import generate_stream
+
+        self.messages.append({"role": "user", "content": user})
+        ids = self.prompt_ids()
+        stops = set(self.params.stop_token_ids)
+        new: list[int] = []
+        shown = ""
+        for step in generate_stream(self.model, [ids], self.params, pad_id=self.tokenizer.pad_token_id or 0):
+            tok = int(step[0])
+            if tok < 0 or tok in stops:
+                break
+            new.append(tok)
+            shown = self._emit(new, shown)
+        text = self.tokenizer.decode(new)
+        self._write(text[len(shown):] if text.startswith(shown) else "")
+        self.messages.append({"role": "assistant", "content": text})
+        # the reply chunk (text + sep) as training encodes it, so the next turn reuses these ids
+        self._extend(self.tokenizer.apply_chat_template(self.messages, add_generation_prompt=False))
+        return text
+
+    def _emit(self, new: list[int], shown: str) -> str:
+        """Decode everything generated so far and print the unseen suffix.
+
+        A trailing U+FFFD is an incomplete multi-byte character (byte-fallback pieces still
+        to come): it is held back until the next token completes it.
+        """
+        text = self.tokenizer.decode(new).rstrip("\ufffd")
+        if len(text) > len(shown) and text.startswith(shown):
+            self._write(text[len(shown):])
+            return text
+        return shown
+
+    def _write(self, s: str) -> None:
+        if s and self.out is not None:
+            self.out.write(s)
+            self.out.flush()
+
+
+def run_chat(args: Any) -> int:
+    """Entry of `erniekit chat` (args from cli._chat_parser): one-shot with --prompt, else a REPL."""
+    from erniekit.infer.generate import SamplingParams
+
+    model, tokenizer = load_chat_model(args.model_dir)
+    params = SamplingParams(
+        max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+        stop_token_ids=stop_ids(model, tokenizer), seed=args.seed,
+    )
+    session = ChatSession(model, tokenizer, params, system=args.system, out=sys.stdout)
+    if args.prompt is not None:
+        session.reply(args.prompt)
+        print(flush=True)
+        return 0
+    interactive = sys.stdin.isatty()
+    if interactive:
+        print(f"chatting with {args.model_dir}; {CLEAR} resets the history, {EXIT[0]} or Ctrl-D quits", flush=True)
+    while True:
+        try:
+            line = input("User: ")
+        except EOFError:
+            print()
+            return 0
+        if not interactive:  # a piped line is not echoed: write it so the transcript reads as a dialogue
+            print(line, flush=True)
+        line = line.strip()
+        if not line:
+            continue
+        if line in EXIT:
+            return 0
+        if line == CLEAR:
+            session.clear()
+            print("(history cleared)", flush=True)
+            continue
+        sys.stdout.write("Assistant: ")
+        session.reply(line)
+        print(flush=True)
