@@ -32,7 +32,7 @@ def load_tokenizer(cfg):
     return default_tokenizer()
 
 
-def load_model(cfg, tokenizer):
+def load_model(cfg):
     from erniekit.models.ernie4_5 import Ernie4_5ForCausalLM, from_pretrained, get_preset
 
     if os.path.isdir(cfg.model_name_or_path):
@@ -42,12 +42,15 @@ def load_model(cfg, tokenizer):
         if cfg.model_overrides:
             config = config.replace(**cfg.model_overrides)
         model = Ernie4_5ForCausalLM(config)  # from scratch, seeded by paddle.seed(cfg.seed)
+    return model
+
+
+def check_vocab(model, tokenizer) -> None:
     if tokenizer.vocab_size > model.config.vocab_size:
         raise ConfigError(
             f"tokenizer has {tokenizer.vocab_size} tokens but the model's vocab_size is {model.config.vocab_size}: "
             "use the tokenizer that belongs to model_name_or_path (tokenizer_name_or_path)"
         )
-    return model
 
 
 def run_train(cfg, log=print) -> dict:
@@ -55,8 +58,9 @@ def run_train(cfg, log=print) -> dict:
     paddle.seed(cfg.seed)
     os.makedirs(cfg.output_dir, exist_ok=True)
     dump_config(cfg, os.path.join(cfg.output_dir, "run_config.yaml"))
+    model = load_model(cfg)  # first: a broken config.json is reported before tokenizer issues
     tokenizer = load_tokenizer(cfg)
-    model = load_model(cfg, tokenizer)
+    check_vocab(model, tokenizer)
     stage = get_stage(cfg.stage)
     t0 = time.perf_counter()
     train_rows = stage.build_train_rows(cfg, tokenizer) if cfg.do_train else []

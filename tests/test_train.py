@@ -1,0 +1,176 @@
+"""Training core: resume equivalence, accumulation, schedules, logs, checkpoints, stages, bad input."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from erniekit.config import load_config, validate
+from erniekit.train.schedules import lr_at
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DATA = os.path.join(ROOT, "examples", "data", "arithmetic")
+
+# a very small run: 2 layers, short sequences, few steps
+SMALL = [
+    "model_overrides.num_hidden_layers=2", "model_overrides.hidden_size=64", "model_overrides.intermediate_size=128",
+    "model_overrides.moe_intermediate_size=64", "per_device_train_batch_size=8", "max_seq_len=32",
+    "learning_rate=3e-3", "logging_steps=1", "disable_tqdm=true", "eval_generation=false",
+    f"train_dataset_path={DATA}/train.jsonl", f"eval_dataset_path={DATA}/eval.jsonl", "per_device_eval_batch_size=64",
+]
+
+
+def _run(tmp_path, name, *overrides, expect_ok=True):
+    from erniekit.train.runner import run_train
+
+    cfg = validate(load_config(None, SMALL + [f"output_dir={tmp_path / name}", *overrides]))
+    logs: list[str] = []
+    res = run_train(cfg, log=logs.append)
+    return res, logs
+
+
+def _scalars(path):
+    with open(os.path.join(path, "vdl_log", "scalars.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def _losses(path):
+    return {r["step"]: r["train/loss"] for r in _scalars(path) if "train/loss" in r}
+
+
+def test_resume_matches_uninterrupted_run(tmp_path):
+    _run(tmp_path, "full", "max_steps=6", "save_steps=3", "save_total_limit=0", "do_eval=false")
+    full = _losses(tmp_path / "full")
+    assert sorted(full) == [1, 2, 3, 4, 5, 6]
+    # an interrupted run: only checkpoint-3 survives; resuming must replay steps 4..6 exactly
+    os.makedirs(tmp_path / "resumed")
+    os.rename(tmp_path / "full" / "checkpoint-3", tmp_path / "resumed" / "checkpoint-3")
+    (tmp_path / "resumed" / "checkpoint-9.tmp").mkdir()  # a half-written save must be ignored
+    _, logs = _run(tmp_path, "resumed", "max_steps=6", "save_steps=3", "resume_from_checkpoint=auto", "do_eval=false")
+    assert any("resumed from" in line and "checkpoint-3" in line for line in logs)
+    resumed = _losses(tmp_path / "resumed")
+    assert sorted(resumed) == [4, 5, 6]
+    for s in (4, 5, 6):
+        assert resumed[s] == pytest.approx(full[s], rel=1e-5, abs=1e-6)
+    from safetensors.numpy import load_file
+
+    a = load_file(str(tmp_path / "full" / "model.safetensors"))
+    b = load_file(str(tmp_path / "resumed" / "model.safetensors"))
+    for k in a:
+        np.testing.assert_allclose(a[k], b[k], atol=1e-5, err_msg=k)
+
+
+def test_gradient_accumulation_equals_big_batch(tmp_path):
+    common = ["max_steps=3", "do_eval=false", "model_name_or_path=tiny-dense"]
+    _run(tmp_path, "big", *common, "per_device_train_batch_size=8", "gradient_accumulation_steps=1")
+    _run(tmp_path, "acc", *common, "per_device_train_batch_size=4", "gradient_accumulation_steps=2")
+    big, acc = _losses(tmp_path / "big"), _losses(tmp_path / "acc")
+    for s in (1, 2, 3):
+        assert acc[s] == pytest.approx(big[s], rel=1e-4)
+
+
+def test_run_writes_hf_checkpoint_logs_and_eval(tmp_path):
+    res, logs = _run(tmp_path, "run", "max_steps=4", "save_steps=2", "eval_steps=2")
+    out = tmp_path / "run"
+    for f in ("config.json", "generation_config.json", "model.safetensors", "tokenizer.model",
+              "tokenizer_config.json", "run_config.yaml", "train_results.json"):
+        assert (out / f).exists(), f
+    assert (out / "checkpoint-4" / "optimizer.safetensors").exists()
+    assert not (out / "checkpoint-2").exists() or (out / "checkpoint-4").exists()
+    rows = _scalars(out)
+    assert {"train/loss", "train/lr", "train/grad_norm", "train/tokens_per_sec"} <= set().union(*rows)
+    assert any("eval/loss" in r for r in rows)
+    assert res["eval"]["loss"] > 0 and math.isfinite(res["eval"]["perplexity"])
+    from visualdl import LogReader
+
+    vdl = [f for f in os.listdir(out / "vdl_log") if f.startswith("vdlrecords")]
+    reader = LogReader(file_path=str(out / "vdl_log" / vdl[0]))
+    losses = reader.get_data("scalar", "train/loss")
+    assert [int(x.id) for x in losses] == [1, 2, 3, 4]
+    # the saved model reloads in a fresh loader with the same config
+    from erniekit.models.ernie4_5 import from_pretrained
+
+    assert from_pretrained(str(out)).config.num_hidden_layers == 2
+
+
+def test_loss_goes_down(tmp_path):
+    _run(tmp_path, "down", "max_steps=30", "do_eval=false", "warmup_steps=3")
+    losses = _losses(tmp_path / "down")
+    assert np.mean([losses[s] for s in range(26, 31)]) < 0.6 * np.mean([losses[s] for s in range(1, 6)])
+
+
+def test_pretrain_stage_packs_and_learns(tmp_path):
+    _run(tmp_path, "pt", "stage=pretrain", f"train_dataset_path={DATA}/pretrain.jsonl",
+         f"eval_dataset_path={DATA}/pretrain.jsonl", "max_steps=25", "max_seq_len=64", "eval_steps=100",
+         "warmup_steps=2")
+    losses = _losses(tmp_path / "pt")
+    assert losses[25] < 0.7 * losses[1]
+    from erniekit.data.encode import encode_pretrain, pack
+    from erniekit.models.ernie4_5.tokenizer import default_tokenizer
+
+    tok = default_tokenizer()
+    docs = [encode_pretrain(t, tok) for t in ["1+2=3", "10-4=6", "7+7=14"]]
+    rows = pack([(d, d) for d in docs], 64)
+    assert len(rows) == 1 and rows[0]["segment_ids"].max() == 3
+
+
+@pytest.mark.parametrize("kind", ["cosine", "linear", "constant", "wsd"])
+def test_lr_schedules(kind):
+    total, warm, peak, floor = 100, 10, 1.0, 0.1
+    lrs = [lr_at(s, total, peak, kind, warm, floor, decay_ratio=0.2) for s in range(total)]
+    assert lrs[0] == pytest.approx(0.1) and lrs[9] == pytest.approx(1.0)  # linear warmup
+    if kind == "constant":
+        assert all(x == 1.0 for x in lrs[10:])
+    elif kind == "wsd":
+        assert all(x == 1.0 for x in lrs[10:80]) and lrs[-1] == pytest.approx(floor)
+        assert lrs[90] == pytest.approx(1.0 + (floor - 1.0) * 11 / 20)
+    elif kind == "cosine":
+        s = 55
+        assert lrs[s] == pytest.approx(floor + (peak - floor) * 0.5 * (1 + math.cos(math.pi * (s - 10) / 90)))
+    else:
+        assert lrs[55] == pytest.approx(1.0 + (floor - 1.0) * 45 / 90)
+    assert all(a >= b - 1e-12 for a, b in zip(lrs[10:], lrs[11:]))  # never increases after warmup
+
+
+def _cli(tmp_path, *args):
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    return subprocess.run([sys.executable, "-m", "erniekit", "train", *args], capture_output=True, text=True,
+                          cwd=ROOT, env=env, timeout=300)
+
+
+@pytest.mark.parametrize("content,pattern", [
+    ('{"src": ["1+1="], "tgt": ["2"]}\n{"src": ["1+2=", "tgt": ["3"]}\n', r"bad\.jsonl:2"),
+    ("", r"no examples"),
+    ('{"src": ["1+1="]}\n', r"bad\.jsonl:1.*tgt"),
+    ('{"src": ["' + "1+1=" * 40 + '"], "tgt": ["2"]}\n', r"max_seq_len"),
+])
+def test_bad_data_is_one_line_error(tmp_path, content, pattern):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(content)
+    r = _cli(tmp_path, f"train_dataset_path={bad}", "max_seq_len=32", f"output_dir={tmp_path / 'o'}", "max_steps=1",
+             "do_eval=false")
+    assert r.returncode == 2, r.stderr
+    err = [line for line in r.stderr.splitlines() if line.strip()]
+    assert len(err) == 1 and err[0].startswith("error:"), r.stderr
+    import re
+
+    assert re.search(pattern, err[0]), err[0]
+
+
+def test_long_examples_truncate_with_warning(tmp_path):
+    bad = tmp_path / "long.jsonl"
+    bad.write_text('{"src": ["' + "1+1=" * 40 + '"], "tgt": ["2"]}\n{"src": ["1+1="], "tgt": ["2"]}\n')
+    with pytest.warns(UserWarning, match="truncat"):
+        _run(tmp_path, "trunc", f"train_dataset_path={bad}", "truncation=truncate", "max_steps=1", "do_eval=false")
+
+
+def test_bad_checkpoint_dir_is_named(tmp_path):
+    d = tmp_path / "ckpt"
+    d.mkdir()
+    (d / "config.json").write_text("{not json")
+    r = _cli(tmp_path, f"model_name_or_path={d}", "max_steps=1", f"output_dir={tmp_path / 'o'}")
+    assert r.returncode == 2 and "config.json:1" in r.stderr, r.stderr
