@@ -2,8 +2,7 @@
 
 A checkpoint is built in `checkpoint-N.tmp/` and renamed to `checkpoint-N/` only when complete,
 so a crash mid-save never leaves a checkpoint that `resume_from_checkpoint: auto` would pick.
-Optimizer tensors are keyed by our structured parameter names (not Paddle's auto-generated
-ones), stored in safetensors: no pickle.
+Optimizer tensors are keyed by structured parameter names, stored in safetensors: no pickle.
 """
 
 from __future__ import annotations
@@ -24,19 +23,6 @@ STATE_NAME = "trainer_state.json"
 _CKPT_RE = re.compile(r"^checkpoint-(\d+)$")
 
 
-def _opt_state_by_param_name(model, optimizer) -> dict[str, paddle.Tensor]:
-    by_auto = {p.name: n for n, p in model.named_parameters()}
-    out = {}
-    for key, value in optimizer.state_dict().items():
-        if not isinstance(value, paddle.Tensor):
-            continue
-        auto = max((a for a in by_auto if key.startswith(a + "_")), key=len, default=None)
-        if auto is None:
-            continue
-        out[by_auto[auto] + "::" + key[len(auto) + 1:]] = value.contiguous()
-    return out
-
-
 def save_checkpoint(path: str, model, tokenizer, optimizer, state: dict) -> None:
     from safetensors.paddle import save_file
 
@@ -44,7 +30,7 @@ def save_checkpoint(path: str, model, tokenizer, optimizer, state: dict) -> None
     if os.path.exists(tmp):
         shutil.rmtree(tmp)
     save_pretrained(model, tmp, tokenizer=tokenizer)
-    save_file(_opt_state_by_param_name(model, optimizer), os.path.join(tmp, OPTIMIZER_NAME))
+    save_file({k: v.contiguous() for k, v in optimizer.state_dict().items()}, os.path.join(tmp, OPTIMIZER_NAME))
     atomic_write_json(os.path.join(tmp, STATE_NAME), state)
     replace_dir(tmp, path)
 
@@ -61,15 +47,12 @@ def load_checkpoint(path: str, model, optimizer) -> dict:
     load_state_into(model, path)
     opt_file = os.path.join(path, OPTIMIZER_NAME)
     if optimizer is not None and os.path.isfile(opt_file):
-        by_struct = {n: p.name for n, p in model.named_parameters()}
-        sd = {}
         with safe_open(opt_file, framework="paddle") as f:
-            for key in f.keys():
-                struct, acc = key.split("::", 1)
-                if struct not in by_struct:
-                    raise CheckpointError(f"{opt_file}: optimizer state for unknown parameter {struct}")
-                sd[f"{by_struct[struct]}_{acc}"] = f.get_tensor(key)
-        optimizer.set_state_dict(sd)
+            sd = {key: f.get_tensor(key) for key in f.keys()}
+        try:
+            optimizer.set_state_dict(sd)
+        except KeyError as e:
+            raise CheckpointError(f"{opt_file}: optimizer state for unknown parameter {e.args[0]}") from None
     return state
 
 

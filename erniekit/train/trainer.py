@@ -76,7 +76,8 @@ class Trainer:
         self.warmup = min(warmup, self.total_steps)
         self.optimizer = build_optimizer(model, cfg)
         self.params = [p for p in model.parameters() if not p.stop_gradient]
-        self.scaler = paddle.amp.GradScaler(init_loss_scaling=2.0**15) if cfg.fp16 else None
+        self.loss_scale = 2.0**15 if cfg.fp16 else 1.0  # dynamic loss scaling for fp16 only
+        self.good_steps = 0
         self.step = 0
         self.consumed = 0  # micro-batches consumed: the data position
         self.logger_dir = cfg.logging_dir or os.path.join(cfg.output_dir, "vdl_log")
@@ -119,16 +120,25 @@ class Trainer:
             if out.aux_loss is not None and coef > 0:
                 loss = loss + coef * out.aux_loss / len(micro)
                 aux_sum += float(out.aux_loss) / len(micro)
-            (self.scaler.scale(loss) if self.scaler else loss).backward()
+            (loss * self.loss_scale if cfg.fp16 else loss).backward()
             loss_sum += float(out.loss_sum)
-        if self.scaler:
-            self.scaler.unscale_(self.optimizer)
+        if cfg.fp16:
+            with paddle.no_grad():
+                for p in self.params:
+                    if p.grad is not None:
+                        p.grad.scale_(1.0 / self.loss_scale)
         grad_norm = clip_grad_norm_(self.params, cfg.max_grad_norm)
-        if self.scaler:
-            self.scaler.step(self.optimizer)
-            self.scaler.update()
-        else:
+        if math.isfinite(grad_norm):
             self.optimizer.step()
+            self.good_steps += 1
+            if cfg.fp16 and self.good_steps % 1000 == 0:
+                self.loss_scale *= 2.0
+        elif cfg.fp16:  # overflow: skip this update and halve the scale
+            self.loss_scale /= 2.0
+            self.good_steps = 0
+        else:
+            raise FloatingPointError(f"step {self.step + 1}: gradient norm is {grad_norm}; lower learning_rate "
+                                     "or check the data (the last checkpoint is intact)")
         self.optimizer.clear_grad()
         self.step += 1
         self.consumed += len(micro)
