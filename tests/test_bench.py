@@ -32,7 +32,10 @@ def test_bench_tool_writes_positive_throughput_and_mfu(tmp_path):
     (r,) = rep["results"]
     assert r["model"] == "tiny-moe" and r["batch_size"] == 64 and r["steps_timed"] == 2
     assert r["tokens_per_s"] > 0 and r["step_time_s_mean"] > 0
-    assert 0 < r["mfu"] <= 1 and 0 < r["mfu_vs_numpy_peak"] <= 1
+    assert 0 < r["mfu"] <= 1
+    # numpy's peak only > 0: with the other pytest worker busy, OpenBLAS' spinning threads can
+    # measure far below the real peak for a moment, so a bound of 1 would test the neighbours
+    assert r["mfu_vs_numpy_peak"] > 0
     assert r["finite_loss"]
     assert "6 * N_active" in rep["flops_formula"]
 

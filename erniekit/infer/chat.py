@@ -9,14 +9,19 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
 from erniekit.errors import CheckpointError
+
+if TYPE_CHECKING:  # paddle is imported only when chat runs
+    from erniekit.infer.generate import SamplingParams
+    from erniekit.models.ernie4_5 import Ernie4_5ForCausalLM
+    from erniekit.models.ernie4_5.tokenizer import ErnieTokenizer
 
 CLEAR, EXIT = "/clear", ("/exit", "/quit")
 
 
-def load_chat_model(model_dir: str):
+def load_chat_model(model_dir: str) -> tuple[Ernie4_5ForCausalLM, ErnieTokenizer]:
     """Model + tokenizer from one checkpoint directory; a missing piece is a one-line error."""
     from erniekit.models.ernie4_5 import from_pretrained
     from erniekit.models.ernie4_5.tokenizer import ErnieTokenizer
@@ -33,7 +38,7 @@ def load_chat_model(model_dir: str):
     return model, tokenizer
 
 
-def stop_ids(model, tokenizer) -> list[int]:
+def stop_ids(model: Ernie4_5ForCausalLM, tokenizer: ErnieTokenizer) -> list[int]:
     """End of a reply: the template's sep token, eos, and the config's eos ids."""
     ids = [tokenizer.sep_token_id, tokenizer.eos_token_id, *model.config.eos_token_ids]
     return sorted({int(i) for i in ids if i is not None})
@@ -42,7 +47,8 @@ def stop_ids(model, tokenizer) -> list[int]:
 class ChatSession:
     """A conversation: the messages list plus the token ids its rendering has been encoded to."""
 
-    def __init__(self, model, tokenizer, params, system: str | None = None, out: TextIO | None = None):
+    def __init__(self, model: Ernie4_5ForCausalLM | None, tokenizer: ErnieTokenizer, params: SamplingParams,
+                 system: str | None = None, out: TextIO | None = None):
         self.model, self.tokenizer, self.params = model, tokenizer, params
         self.system = system
         self.out = out
