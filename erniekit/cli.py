@@ -75,12 +75,12 @@ def _chat_parser() -> argparse.ArgumentParser:
 def chat(args: list[str]) -> int:
     """Interactive or one-shot chat with a checkpoint."""
     ns = _chat_parser().parse_args(args)
-    if ns.max_new_tokens < 1:
-        raise ErniekitError(f"--max-new-tokens={ns.max_new_tokens} must be >= 1")
-    if ns.temperature < 0:
-        raise ErniekitError(f"--temperature={ns.temperature} must be >= 0 (0 = greedy)")
-    if not 0 < ns.top_p <= 1:
-        raise ErniekitError(f"--top-p={ns.top_p} must be in (0, 1]")
+    from erniekit.infer.sampling import SamplingParams
+
+    try:  # the same checks generation applies, before paddle's slow import
+        SamplingParams(max_new_tokens=ns.max_new_tokens, temperature=ns.temperature, top_p=ns.top_p)
+    except ValueError as e:
+        raise ErniekitError(f"chat: {e}") from None
     _import_paddle()
     from erniekit.infer.chat import run_chat
 

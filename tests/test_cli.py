@@ -152,6 +152,6 @@ def test_chat_arguments(fake_chat):
 
 def test_chat_rejects_bad_sampling(fake_chat, capsys):
     assert main(["chat", "ckpt", "--top-p", "1.5"]) == 2
-    assert "--top-p=1.5 must be in (0, 1]" in capsys.readouterr().err
+    assert "top_p=1.5 must be in (0, 1]" in capsys.readouterr().err
     assert main(["chat"]) == 2  # argparse: model_dir missing
     assert fake_chat == []

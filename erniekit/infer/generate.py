@@ -6,31 +6,16 @@ serve the whole batch; the only Python loop is over decode steps.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
 import numpy as np
 import paddle
 import paddle.nn.functional as F
 
+from erniekit.infer.sampling import SamplingParams
 from erniekit.models.ernie4_5.modeling import Ernie4_5ForCausalLM, KVCache
 
-
-@dataclass
-class SamplingParams:
-    max_new_tokens: int = 64
-    temperature: float = 0.0  # 0 -> greedy
-    top_p: float = 1.0
-    stop_token_ids: list[int] = field(default_factory=list)
-    seed: int | None = None
-
-    def __post_init__(self) -> None:
-        if self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens={self.max_new_tokens} must be >= 1")
-        if self.temperature < 0:
-            raise ValueError(f"temperature={self.temperature} must be >= 0")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p={self.top_p} must be in (0, 1]")
+__all__ = ["SamplingParams", "generate", "generate_stream", "sample_next"]
 
 
 def sample_next(logits: paddle.Tensor, temperature: float, top_p: float) -> paddle.Tensor:
@@ -39,7 +24,8 @@ def sample_next(logits: paddle.Tensor, temperature: float, top_p: float) -> padd
         return paddle.argmax(logits, axis=-1)
     probs = F.softmax(logits / temperature, axis=-1)
     if top_p < 1.0:
-        sorted_p, sorted_idx = paddle.sort(probs, axis=-1, descending=True), paddle.argsort(probs, axis=-1, descending=True)
+        sorted_idx = paddle.argsort(probs, axis=-1, descending=True)
+        sorted_p = paddle.take_along_axis(probs, sorted_idx, axis=-1)
         keep = (paddle.cumsum(sorted_p, axis=-1) - sorted_p) < top_p  # smallest set reaching top_p
         sorted_p = paddle.where(keep, sorted_p, paddle.zeros_like(sorted_p))
         choice = paddle.multinomial(sorted_p / sorted_p.sum(-1, keepdim=True), 1)
