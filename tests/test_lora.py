@@ -252,6 +252,15 @@ def test_adapter_errors_name_the_file_and_tensor(tmp_path):
     assert "[384, 4]" in msg and "[256, 4]" in msg, msg
     assert not lora_layers(other)  # checked before anything changed
 
+    cfg_file = tmp_path / "a" / "adapter_config.json"
+    cfg = json.loads(cfg_file.read_text())
+    cfg["target_modules"] = ["v_proj"]  # the file still holds q_proj, k_proj, ... tensors
+    cfg_file.write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match=r"_proj\.lora_[AB]\.weight is for module .* does not select"):
+        load_adapter(_model("tiny-dense", num_hidden_layers=3), str(tmp_path / "a"))
+    with pytest.raises(ConfigError, match="no LoRA adapters"):
+        set_adapters_enabled(_model("tiny-dense"), False)
+
 
 def test_bf16_base_runs_on_cpu_and_matches_fp32_base(tmp_path):
     m = _model()

@@ -62,6 +62,12 @@ def _check_ranges(cfg: TrainConfig) -> None:
         _require(0 <= getattr(cfg, key) < 1, key, getattr(cfg, key), "in [0, 1)")
     for key in ("warmup_ratio", "decay_ratio"):
         _require(0 <= getattr(cfg, key) <= 1, key, getattr(cfg, key), "in [0, 1]")
+    _require(cfg.beta > 0, "beta", cfg.beta, "> 0")
+    _require(0 <= cfg.label_smoothing < 0.5, "label_smoothing", cfg.label_smoothing, "in [0, 0.5)")
+    _require(cfg.sft_loss_ratio >= 0, "sft_loss_ratio", cfg.sft_loss_ratio, ">= 0")
+    if cfg.label_smoothing > 0 and cfg.loss_type not in ("sigmoid", "simpo"):
+        raise ConfigError(f"label_smoothing={cfg.label_smoothing} applies to loss_type sigmoid or simpo only, "
+                          f"not {cfg.loss_type}; set label_smoothing=0")
 
 
 def _check_length(cfg: TrainConfig) -> None:

@@ -21,9 +21,10 @@ def _spellings(*names: str, **aliases: str) -> dict[str, str]:
 
 # Allowed values, the single place to extend when a stage or method lands.
 # Keys are lower-case spellings the user may write; values are the canonical names.
-STAGES = _spellings("pretrain", "SFT", PT="pretrain")
+STAGES = _spellings("pretrain", "SFT", "DPO", PT="pretrain")
+DPO_LOSS_TYPES = _spellings("sigmoid", "hinge", "ipo", "simpo", "orpo", "kto_pair", "sppo_hard", "nca_pair", "dpop")
 FINE_TUNING = _spellings("Full")
-DATASET_TYPES = _spellings("auto", "erniekit", "alpaca", "messages", "text")
+DATASET_TYPES = _spellings("auto", "erniekit", "alpaca", "messages", "text", "prompt")
 TRUNCATION = _spellings("error", "truncate")
 LR_SCHEDULERS = _spellings("cosine", "constant", "linear", "wsd")
 
@@ -43,7 +44,7 @@ class TrainConfig:
     """Everything one `erniekit train` run needs; the resolved copy is saved in output_dir."""
 
     # ### stage
-    stage: str = _opt("SFT", "training stage: pretrain (alias PT) or SFT", STAGES)
+    stage: str = _opt("SFT", "training stage: pretrain (alias PT), SFT or DPO", STAGES)
     fine_tuning: str = _opt("Full", "which weights train: Full", FINE_TUNING)
 
     # ### model
@@ -118,6 +119,18 @@ class TrainConfig:
     eval_generation: bool = _opt(True, "also score exact match of greedy generations")
     eval_max_new_tokens: int = _opt(16, "tokens generated per example in generation eval")
     eval_max_samples: int = _opt(500, "examples scored in generation eval")
+
+    # ### DPO (stage: DPO); names as PaddleFormers' DPO arguments
+    beta: float = _opt(0.1, "DPO temperature: strength of the pull towards the reference model")
+    loss_type: str = _opt(
+        "sigmoid", "preference loss: sigmoid, hinge, ipo, simpo, orpo, kto_pair, sppo_hard, nca_pair, dpop",
+        DPO_LOSS_TYPES,
+    )
+    label_smoothing: float = _opt(0.0, "conservative DPO: assumed fraction of flipped preference labels")
+    reference_free: bool = _opt(False, "drop the reference model (its log-probs count as 0)")
+    sft_loss_ratio: float = _opt(0.0, "weight of the chosen reply's NLL added to the preference loss")
+    simpo_gamma: float = _opt(0.5, "SimPO target reward margin")
+    dpop_lambda: float = _opt(50.0, "DPO-Positive penalty weight")
 
     # ### precision and runtime
     bf16: bool = _opt(False, "train in bfloat16 (needs a GPU)")

@@ -109,6 +109,34 @@ def _write_jsonl(path: str, rows: Iterable[dict]) -> None:
     os.replace(tmp, path)
 
 
+def wrong_answer(problem: str, rng: random.Random) -> str:
+    """A plausible mistake for `problem`: off by one, a dropped/extra carry (+-10), a flipped sign,
+    or swapped digits; never the right answer."""
+    right = int(answer(problem))
+    candidates = [right + 1, right - 1, right + 10, right - 10]
+    if right != 0:
+        candidates.append(-right)
+    digits = str(abs(right))
+    if len(digits) >= 2 and digits[0] != digits[1]:
+        candidates.append(int(("-" if right < 0 else "") + digits[1] + digits[0] + digits[2:]))
+    return str(rng.choice([c for c in candidates if c != right]))
+
+
+def make_arithmetic_preferences(rows: Sequence[dict], seed: int) -> list[dict]:
+    """ERNIEKit DPO rows: the right answer is chosen, a plausible wrong one rejected; the order
+    inside `response` is random and `sort` ranks them (higher = chosen)."""
+    rng = random.Random(f"arith-pref-{seed}")
+    out = []
+    for r in rows:
+        problem, right = r["src"][0], r["tgt"][0]
+        wrong = wrong_answer(problem, rng)
+        if rng.random() < 0.5:
+            out.append({"src": [problem], "tgt": [], "response": [[right], [wrong]], "sort": [1, 0]})
+        else:
+            out.append({"src": [problem], "tgt": [], "response": [[wrong], [right]], "sort": [0, 1]})
+    return out
+
+
 def write_arithmetic_dataset(
     out_dir: str,
     n_train: int,
@@ -119,7 +147,8 @@ def write_arithmetic_dataset(
     ops: Sequence[str] = ("+", "-"),
     heldout_fraction: float = DEFAULT_HELDOUT_FRACTION,
 ) -> dict[str, str]:
-    """Write train.jsonl / eval.jsonl (SFT form) and pretrain.jsonl (``{"text": "1+2=3"}``).
+    """Write train.jsonl / eval.jsonl (SFT form), pretrain.jsonl (``{"text": "1+2=3"}``) and
+    dpo_train.jsonl / dpo_eval.jsonl (preference pairs, ERNIEKit DPO form, n_train // 5 for training).
 
     Eval problems are distinct and come from the held-out partition; train and pretrain rows
     come from the rest (repeats allowed when n_train exceeds the problem space).
@@ -129,8 +158,12 @@ def write_arithmetic_dataset(
     evals = make_arithmetic(n_eval, seed, split="eval", unique=True, **kw)
     pretrain = make_arithmetic(n_train, seed + 1, split="train", **kw)
     os.makedirs(out_dir, exist_ok=True)
-    paths = {name: os.path.join(out_dir, f"{name}.jsonl") for name in ("train", "eval", "pretrain")}
+    names = ("train", "eval", "pretrain", "dpo_train", "dpo_eval")
+    paths = {name: os.path.join(out_dir, f"{name}.jsonl") for name in names}
     _write_jsonl(paths["train"], train)
     _write_jsonl(paths["eval"], evals)
     _write_jsonl(paths["pretrain"], ({"text": r["src"][0] + r["tgt"][0]} for r in pretrain))
+    dpo_rows = make_arithmetic(n_train // 5, seed + 2, split="train", **kw)
+    _write_jsonl(paths["dpo_train"], make_arithmetic_preferences(dpo_rows, seed))
+    _write_jsonl(paths["dpo_eval"], make_arithmetic_preferences(evals, seed + 1))
     return paths

@@ -11,7 +11,6 @@ Formulas and references: docs/lora.md.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import json
 import math
 import os
@@ -292,7 +291,9 @@ class LoraStackedExperts(_LoraMixin, StackedExperts):
                 return ((y.astype(self.compute_dtype) + lora) * G[p][e]).astype(y.dtype)
             return y + lora.astype(y.dtype)
 
-        outs = [proj("down_proj", F.silu(proj("gate_proj", g, e)) * proj("up_proj", g, e), e) for g, e in zip(groups, used)]
+        outs = [
+            proj("down_proj", F.silu(proj("gate_proj", g, e)) * proj("up_proj", g, e), e) for g, e in zip(groups, used)
+        ]
         out = paddle.concat(outs, axis=0) if len(outs) > 1 else outs[0]
         w_sorted = paddle.gather(topk_weight.reshape([-1]), order).astype(x.dtype)
         return paddle.index_add(paddle.zeros_like(x), tok_sorted, 0, out * w_sorted.unsqueeze(-1))
@@ -431,7 +432,7 @@ def apply_lora(model: nn.Layer, config: LoraConfig) -> list[str]:
     frozen = {}
     for n, p in model.named_parameters():
         frozen[n] = p.stop_gradient
-        p.stop_gradient = p.stop_gradient
+        p.stop_gradient = True
     subs = dict(model.named_sublayers())
     for name, layer, projs in plan:
         new = LoraLinear(layer, config) if isinstance(layer, nn.Linear) else LoraStackedExperts(layer, config, projs)
@@ -443,9 +444,12 @@ def apply_lora(model: nn.Layer, config: LoraConfig) -> list[str]:
 
 def set_adapters_enabled(model: nn.Layer, enabled: bool) -> None:
     """Disabled adapters compute the base model exactly (a DPO/RL reference without a second copy)."""
+    _state(model, "set_adapters_enabled")
     for name, layer in lora_layers(model):
         if layer.merged and not enabled:
-            raise ConfigError(f"set_adapters_enabled: adapters of {name} are merged into its weights; call unmerge_lora(model) first")
+            raise ConfigError(
+                f"set_adapters_enabled: adapters of {name} are merged into its weights; call unmerge_lora(model) first"
+            )
         layer.adapters_enabled = bool(enabled)
 
 
@@ -548,7 +552,10 @@ def save_adapter(model: nn.Layer, path: str, config: LoraConfig | None = None,
     applied = st.config
     for k in ("r", "lora_alpha", "use_rslora", "use_dora"):
         if getattr(config, k) != getattr(applied, k):
-            raise ConfigError(f"save_adapter: config {k}={getattr(config, k)!r} differs from the applied {getattr(applied, k)!r}; pass the config given to apply_lora")
+            raise ConfigError(
+                f"save_adapter: config {k}={getattr(config, k)!r} differs from the applied {getattr(applied, k)!r}; "
+                "pass the config given to apply_lora (or none)"
+            )
     tensors: dict[str, paddle.Tensor] = {}
     for name, layer in lora_layers(model):
         for key, spec in layer.peft_tensors(name).items():
@@ -565,7 +572,8 @@ def save_adapter(model: nn.Layer, path: str, config: LoraConfig | None = None,
         "rank_pattern": {}, "alpha_pattern": {},
     }
     os.makedirs(path, exist_ok=True)
-    atomic_write(os.path.join(path, ADAPTER_WEIGHTS_NAME), lambda tmp: save_file(tensors, tmp, metadata={"format": "pt"}))
+    weights = os.path.join(path, ADAPTER_WEIGHTS_NAME)
+    atomic_write(weights, lambda tmp: save_file(tensors, tmp, metadata={"format": "pt"}))
     atomic_write_json(os.path.join(path, ADAPTER_CONFIG_NAME), cfg)
 
 
@@ -583,7 +591,8 @@ def _read_adapter_config(path: str) -> LoraConfig:
         (d.get("bias", "none") != "none", f"bias={d.get('bias')!r} (only 'none' is supported)"),
         (bool(d.get("fan_in_fan_out")), "fan_in_fan_out=true (only Linear layers are supported)"),
         (bool(d.get("modules_to_save")), "modules_to_save (fully trained extra modules are not supported)"),
-        (bool(d.get("rank_pattern")) or bool(d.get("alpha_pattern")), "rank_pattern/alpha_pattern (one r and alpha for all modules)"),
+        (bool(d.get("rank_pattern")) or bool(d.get("alpha_pattern")),
+         "rank_pattern/alpha_pattern (one r and alpha for all modules)"),
         (d.get("layers_to_transform") is not None, "layers_to_transform (use a target_modules regex)"),
     ]
     for bad, what in unsupported:
@@ -599,8 +608,10 @@ def _read_adapter_config(path: str) -> LoraConfig:
     else:
         raise CheckpointError(f"{file}: target_modules={tm!r}: expected a list of module names or a regex")
     try:
-        return LoraConfig(r=d.get("r", 8), lora_alpha=d.get("lora_alpha", 8), lora_dropout=d.get("lora_dropout", 0.0),
-                          target_modules=patterns, use_rslora=bool(d.get("use_rslora")), use_dora=bool(d.get("use_dora")))
+        return LoraConfig(
+            r=d.get("r", 8), lora_alpha=d.get("lora_alpha", 8), lora_dropout=d.get("lora_dropout", 0.0),
+            target_modules=patterns, use_rslora=bool(d.get("use_rslora")), use_dora=bool(d.get("use_dora")),
+        )
     except ConfigError as e:
         raise CheckpointError(f"{file}: {e}") from None
 
@@ -643,10 +654,12 @@ def load_adapter(model: nn.Layer, path: str, base_dtype: str | None = None) -> L
         known = {n for n, _ in _candidates(model)}
         for n in names:
             if n not in expected:
-                module = re.sub(r"^" + re.escape(PEFT_PREFIX) + r"|\.(lora_A\.weight|lora_B\.weight|lora_magnitude_vector)$", "", n)
-                why = ("which adapter_config.json target_modules does not select" if module in known
-                       or re.sub(r"\.\d+\.\w+$", "", module) in known else "which the model does not have")
-                raise CheckpointError(f"{file}: tensor {n} is for module {module}, {why}: the adapter was made for another base model")
+                module = re.sub(r"\.(lora_A\.weight|lora_B\.weight|lora_magnitude_vector)$", "", n)
+                module = module[len(PEFT_PREFIX):] if module.startswith(PEFT_PREFIX) else module
+                owned = module in known or re.sub(r"\.\d+\.\w+$", "", module) in known
+                why = ("which adapter_config.json target_modules does not select: the two files disagree" if owned
+                       else "which the model does not have: the adapter was made for another base model")
+                raise CheckpointError(f"{file}: tensor {n} is for module {module}, {why}")
         for n, want in expected.items():
             if n not in names:
                 raise CheckpointError(f"{file}: tensor {n} is missing (adapter_config.json targets its module)")

@@ -13,8 +13,10 @@ class MicroBatches:
     """Micro-batch number `i` is a pure function of (seed, i): epoch e = i // per_epoch uses
     permutation rng(seed + e), so resuming at `consumed` reproduces the rest of the run."""
 
-    def __init__(self, rows: Sequence[dict[str, np.ndarray]], batch_size: int, seed: int, pad_id: int, shuffle: bool = True):
+    def __init__(self, rows: Sequence[dict[str, np.ndarray]], batch_size: int, seed: int, pad_id: int, shuffle: bool = True,
+                 collate_fn=None):
         self.rows, self.batch_size, self.seed, self.pad_id, self.shuffle = rows, batch_size, seed, pad_id, shuffle
+        self.collate_fn = collate_fn or collate
         self.per_epoch = max(1, -(-len(rows) // batch_size))
         self._perm_epoch, self._perm = -1, None
 
@@ -28,7 +30,7 @@ class MicroBatches:
     def get(self, i: int) -> dict[str, np.ndarray]:
         epoch, k = divmod(i, self.per_epoch)
         idx = self._order(epoch)[k * self.batch_size:(k + 1) * self.batch_size]
-        return collate([self.rows[j] for j in idx], self.pad_id)
+        return self.collate_fn([self.rows[j] for j in idx], self.pad_id)
 
 
 def collate(rows: Sequence[dict[str, np.ndarray]], pad_id: int) -> dict[str, np.ndarray]:

@@ -65,6 +65,7 @@ def run_train(cfg, log=print) -> dict:
     t0 = time.perf_counter()
     train_rows = stage.build_train_rows(cfg, tokenizer) if cfg.do_train else []
     eval_data = stage.build_eval_data(cfg, tokenizer) if cfg.do_eval else None
+    stage.prepare(model, train_rows, eval_data, cfg, tokenizer)  # before any resume: model = reference
     n_params = sum(int(p.numel()) for p in model.parameters())
     log(f"erniekit: stage={cfg.stage} model={cfg.model_name_or_path} ({n_params / 1e6:.2f}M params, "
         f"{model.config.model_type}) device={device} threads={os.environ.get('OMP_NUM_THREADS', '1')} "

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -13,8 +13,9 @@ from erniekit.train.losses import causal_lm_loss_sum, count_target_tokens
 
 @dataclass
 class LossOutput:
-    loss_sum: paddle.Tensor  # summed over trained tokens; the loop divides by the step's token count
+    loss_sum: paddle.Tensor  # summed over the batch's units; the loop divides by the step's `normalizer`
     aux_loss: paddle.Tensor | None = None  # MoE load-balancing loss, weighted by router_aux_loss_coef
+    metrics: dict[str, float] = field(default_factory=dict)  # sums over units, averaged like the loss
 
 
 def model_inputs(batch: dict[str, np.ndarray]) -> dict[str, paddle.Tensor | None]:
@@ -37,6 +38,19 @@ class Stage:
 
     def build_eval_data(self, cfg, tokenizer) -> Any:
         return None
+
+    def prepare(self, model, train_rows, eval_data, cfg, tokenizer) -> None:
+        """Called once before training, while `model` still holds the starting weights (before a
+        resume loads a checkpoint): where a stage computes what depends on the reference model."""
+
+    def collate(self, rows: list[dict[str, np.ndarray]], pad_id: int) -> dict[str, np.ndarray]:
+        from erniekit.train.batching import collate
+
+        return collate(rows, pad_id)
+
+    def normalizer(self, batch: dict[str, np.ndarray]) -> int:
+        """Units the loss is averaged over: trained tokens here, pairs for preference stages."""
+        return count_target_tokens(batch)
 
     def loss(self, model, batch: dict[str, np.ndarray]) -> LossOutput:
         out = model(**model_inputs(batch))

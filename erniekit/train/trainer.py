@@ -18,7 +18,6 @@ import paddle
 
 from erniekit.train.batching import MicroBatches
 from erniekit.train.checkpointing import load_checkpoint, resolve_resume, rotate_checkpoints, save_checkpoint
-from erniekit.train.losses import count_target_tokens
 from erniekit.train.optim import build_optimizer, clip_grad_norm_
 from erniekit.train.schedules import lr_at
 from erniekit.train.stage import Stage
@@ -66,7 +65,8 @@ class Trainer:
         self.cfg, self.model, self.tokenizer, self.stage = cfg, model, tokenizer, stage
         self.eval_data = eval_data
         self.log = log
-        self.batches = MicroBatches(train_rows, cfg.per_device_train_batch_size, cfg.seed, tokenizer.pad_token_id)
+        self.batches = MicroBatches(train_rows, cfg.per_device_train_batch_size, cfg.seed, tokenizer.pad_token_id,
+                                    collate_fn=stage.collate)
         accum = cfg.gradient_accumulation_steps
         if cfg.max_steps > 0:
             self.total_steps = cfg.max_steps
@@ -107,21 +107,24 @@ class Trainer:
         cfg = self.cfg
         paddle.seed(cfg.seed + self.step)
         micro = [self.batches.get(self.consumed + i) for i in range(cfg.gradient_accumulation_steps)]
-        n_tokens = sum(count_target_tokens(b) for b in micro)
+        n_units = sum(self.stage.normalizer(b) for b in micro)  # trained tokens (LM) or pairs (DPO)
         lr = lr_at(self.step, self.total_steps, cfg.learning_rate, cfg.lr_scheduler_type, self.warmup,
                    cfg.min_lr, cfg.decay_ratio)
         self.optimizer.set_lr(lr)
         loss_sum, aux_sum = 0.0, 0.0
+        extra: dict[str, float] = {}
         coef = getattr(self.model.config, "router_aux_loss_coef", 0.0)
         for b in micro:
             with amp_context(cfg):
                 out = self.stage.loss(self.model, b)
-            loss = out.loss_sum / max(n_tokens, 1)
+            loss = out.loss_sum / max(n_units, 1)
             if out.aux_loss is not None and coef > 0:
                 loss = loss + coef * out.aux_loss / len(micro)
                 aux_sum += float(out.aux_loss) / len(micro)
             (loss * self.loss_scale if cfg.fp16 else loss).backward()
             loss_sum += float(out.loss_sum)
+            for k, v in out.metrics.items():
+                extra[k] = extra.get(k, 0.0) + v / max(n_units, 1)
         if cfg.fp16:
             with paddle.no_grad():
                 for p in self.params:
@@ -143,8 +146,8 @@ class Trainer:
         self.step += 1
         self.consumed += len(micro)
         tokens = int(sum((b["segment_ids"] > 0).sum() for b in micro))  # real (non-padding) tokens
-        metrics = {"train/loss": loss_sum / max(n_tokens, 1), "train/lr": lr, "train/grad_norm": grad_norm,
-                   "train/tokens": tokens}
+        metrics = {"train/loss": loss_sum / max(n_units, 1), "train/lr": lr, "train/grad_norm": grad_norm,
+                   "train/tokens": tokens, **{f"train/{k}": v for k, v in extra.items()}}
         if aux_sum:
             metrics["train/aux_loss"] = aux_sum
         return metrics

@@ -9,6 +9,7 @@ from erniekit.train.stage import Stage
 STAGE_MODULES = {
     "pretrain": "erniekit.train.stages.pretrain",
     "SFT": "erniekit.train.stages.sft",
+    "DPO": "erniekit.train.stages.dpo",
 }
 
 

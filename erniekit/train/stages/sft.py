@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from collections import Counter
 
-from erniekit.data.encode import IGNORE_INDEX, encode_conversation, encode_conversations, pack
+from erniekit.data.encode import encode_conversations, pack
 from erniekit.data.formats import Conversation, load_sft_examples
-from erniekit.infer.generate import SamplingParams, generate
+from erniekit.train.evaluation import exact_match_eval
 from erniekit.train.stage import Stage, eval_loss
 
 
@@ -21,25 +21,6 @@ def _rows(convs: list[Conversation], cfg, tokenizer, packing: bool):
     import numpy as np
 
     return [{"input_ids": np.asarray(i, np.int64), "labels": np.asarray(l, np.int64)} for i, l in pairs]
-
-
-def prompt_ids(conv: Conversation, tokenizer) -> list[int]:
-    """Everything before the last assistant reply, tokenized exactly as in training."""
-    last = Conversation(conv.system, conv.turns, [False] * (len(conv.turns) - 1) + [True], conv.source)
-    ids, labels = encode_conversation(last, tokenizer, max_seq_len=10**9)
-    first_trained = next(i for i, l in enumerate(labels) if l != IGNORE_INDEX)
-    return ids[:first_trained]
-
-
-def exact_match_eval(model, tokenizer, convs: list[Conversation], batch_size: int, max_new_tokens: int) -> float:
-    stops = [tokenizer.sep_token_id, tokenizer.eos_token_id]
-    params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0, stop_token_ids=stops)
-    hits = 0
-    for i in range(0, len(convs), batch_size):
-        chunk = convs[i:i + batch_size]
-        outs = generate(model, [prompt_ids(c, tokenizer) for c in chunk], params, pad_id=tokenizer.pad_token_id)
-        hits += sum(tokenizer.decode(o).strip() == c.turns[-1][1].strip() for o, c in zip(outs, chunk))
-    return hits / max(len(convs), 1)
 
 
 class SFTStage(Stage):
