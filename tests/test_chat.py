@@ -18,7 +18,7 @@ from erniekit.infer.chat import run_chat
 from erniekit.infer.generate import SamplingParams, generate
 from erniekit.models.ernie4_5 import Ernie4_5ForCausalLM, from_pretrained, get_preset, save_pretrained
 from erniekit.models.ernie4_5.tokenizer import ErnieTokenizer, default_tokenizer
-from erniekit.train.stages.sft import prompt_ids
+from erniekit.train.evaluation import prompt_ids
 
 ROOT = Path(__file__).resolve().parents[1]
 

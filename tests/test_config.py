@@ -166,7 +166,7 @@ def test_validate_accepts_and_normalises(valid):
 @pytest.mark.parametrize(
     "override, key",
     [
-        ("stage=DPO", "stage"),
+        ("stage=KTO", "stage"),
         ("fine_tuning=LoRA", "fine_tuning"),
         ("train_dataset_type=csv", "train_dataset_type"),
         ("truncation=drop", "truncation"),

@@ -22,7 +22,7 @@ from erniekit.data import (
     split_heldout,
     write_arithmetic_dataset,
 )
-from erniekit.data.synthetic import is_heldout
+from erniekit.data.synthetic import answer, is_heldout
 from erniekit.errors import DataError
 from erniekit.models.ernie4_5.tokenizer import default_tokenizer
 
@@ -69,7 +69,14 @@ def test_train_and_eval_problems_are_disjoint():
 
 def test_write_dataset_and_bundled_dataset(tmp_path):
     paths = write_arithmetic_dataset(str(tmp_path), n_train=300, n_eval=50, seed=0)
-    assert sorted(os.path.basename(p) for p in paths.values()) == ["eval.jsonl", "pretrain.jsonl", "train.jsonl"]
+    assert sorted(os.path.basename(p) for p in paths.values()) == [
+        "dpo_eval.jsonl", "dpo_train.jsonl", "eval.jsonl", "pretrain.jsonl", "train.jsonl"]
+    from erniekit.data.preference import load_preference_pairs
+
+    pairs = load_preference_pairs(paths["dpo_train"])
+    assert len(pairs) == 60 and all(p.chosen == answer(p.prompt) != p.rejected for p in pairs)
+    held = load_preference_pairs(paths["dpo_eval"])
+    assert {p.prompt for p in held} == {c["src"][0] for c in map(json.loads, open(paths["eval"]))}
     pre = load_pretrain_texts(paths["pretrain"])
     assert len(pre) == 300 and all(_check_answer(*t.split("=")) for t in pre)
     # the shipped copy: sizes, correctness, disjointness
