@@ -167,7 +167,7 @@ def test_validate_accepts_and_normalises(valid):
     "override, key",
     [
         ("stage=KTO", "stage"),
-        ("fine_tuning=LoRA", "fine_tuning"),
+        ("fine_tuning=QLoRA", "fine_tuning"),
         ("train_dataset_type=csv", "train_dataset_type"),
         ("truncation=drop", "truncation"),
         ("max_seq_len=4", "max_seq_len"),

@@ -202,3 +202,47 @@ def test_sft_packing_gives_the_same_loss_as_separate_examples():
     a = float(STAGE.loss(model, sep).loss_sum)
     b = float(STAGE.loss(model, pk).loss_sum)
     assert b == pytest.approx(a, rel=1e-4)
+
+
+def test_lora_training_trains_only_adapters_and_resumes(tmp_path):
+    """fine_tuning=LoRA from a full checkpoint: base frozen, PEFT adapter saved, exact resume, chat loads it."""
+    _run(tmp_path, "base", "max_steps=2", "do_eval=false", "model_name_or_path=tiny-dense")
+    base = str(tmp_path / "base")
+    lora = ["fine_tuning=LoRA", f"model_name_or_path={base}", "lora_rank=4", "learning_rate=1e-2", "do_eval=false",
+            "lora_plus_scale=4", "max_steps=4", "save_steps=2", "save_total_limit=0"]
+    res, logs = _run(tmp_path, "lora", *lora)
+    out = tmp_path / "lora"
+    assert (out / "adapter_config.json").exists() and (out / "adapter_model.safetensors").exists()
+    assert not (out / "model.safetensors").exists()  # the base is not copied
+    assert any("trainable" in line for line in logs)
+    full = _losses(out)
+    os.makedirs(tmp_path / "lora2")
+    os.rename(out / "checkpoint-2", tmp_path / "lora2" / "checkpoint-2")
+    _run(tmp_path, "lora2", *lora, "resume_from_checkpoint=auto")
+    resumed = _losses(tmp_path / "lora2")
+    for s in (3, 4):
+        assert resumed[s] == pytest.approx(full[s], rel=1e-5)
+    # the adapter changes the model, and chat's loader merges it onto the base
+    import paddle
+
+    from erniekit.infer.chat import load_model_or_adapter
+    from erniekit.models.ernie4_5 import from_pretrained
+
+    ids = paddle.to_tensor([[3, 281, 971, 949, 958]])
+    merged = load_model_or_adapter(str(out))
+    plain = from_pretrained(base)
+    assert not np.allclose(merged(ids).logits.numpy(), plain(ids).logits.numpy(), atol=1e-4)
+
+
+def test_dpo_stage_runs_and_improves_preferences(tmp_path):
+    _run(tmp_path, "sft", "max_steps=30", "do_eval=false", "warmup_steps=3")
+    res, _ = _run(tmp_path, "dpo", "stage=DPO", f"model_name_or_path={tmp_path / 'sft'}",
+                  f"train_dataset_path={DATA}/dpo_train.jsonl", f"eval_dataset_path={DATA}/dpo_eval.jsonl",
+                  "max_steps=8", "eval_steps=100", "learning_rate=1e-3", "beta=0.1")
+    rows = _scalars(tmp_path / "dpo")
+    assert {"train/rewards/chosen", "train/rewards/rejected", "train/rewards/margins",
+            "train/rewards/accuracies"} <= set().union(*rows)
+    ev = res["eval"]
+    assert ev["reward_margin"] > 0 and ev["reward_accuracy"] > 0.5  # moved towards the chosen answers
+    losses = _losses(tmp_path / "dpo")
+    assert losses[1] == pytest.approx(np.log(2), abs=1e-3)  # policy == reference at the start

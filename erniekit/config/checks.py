@@ -63,6 +63,11 @@ def _check_ranges(cfg: TrainConfig) -> None:
     for key in ("warmup_ratio", "decay_ratio"):
         _require(0 <= getattr(cfg, key) <= 1, key, getattr(cfg, key), "in [0, 1]")
     _require(cfg.beta > 0, "beta", cfg.beta, "> 0")
+    _require(cfg.lora_rank >= 1, "lora_rank", cfg.lora_rank, ">= 1")
+    _require(0 <= cfg.lora_dropout < 1, "lora_dropout", cfg.lora_dropout, "in [0, 1)")
+    _require(cfg.lora_plus_scale > 0, "lora_plus_scale", cfg.lora_plus_scale, "> 0")
+    _require(cfg.lora_base_dtype in (None, "bfloat16", "float16", "float32"), "lora_base_dtype",
+             cfg.lora_base_dtype, "null, bfloat16, float16 or float32")
     _require(0 <= cfg.label_smoothing < 0.5, "label_smoothing", cfg.label_smoothing, "in [0, 0.5)")
     _require(cfg.sft_loss_ratio >= 0, "sft_loss_ratio", cfg.sft_loss_ratio, ">= 0")
     if cfg.label_smoothing > 0 and cfg.loss_type not in ("sigmoid", "simpo"):

@@ -23,7 +23,7 @@ def _spellings(*names: str, **aliases: str) -> dict[str, str]:
 # Keys are lower-case spellings the user may write; values are the canonical names.
 STAGES = _spellings("pretrain", "SFT", "DPO", PT="pretrain")
 DPO_LOSS_TYPES = _spellings("sigmoid", "hinge", "ipo", "simpo", "orpo", "kto_pair", "sppo_hard", "nca_pair", "dpop")
-FINE_TUNING = _spellings("Full")
+FINE_TUNING = _spellings("Full", "LoRA")
 DATASET_TYPES = _spellings("auto", "erniekit", "alpaca", "messages", "text", "prompt")
 TRUNCATION = _spellings("error", "truncate")
 LR_SCHEDULERS = _spellings("cosine", "constant", "linear", "wsd")
@@ -45,7 +45,7 @@ class TrainConfig:
 
     # ### stage
     stage: str = _opt("SFT", "training stage: pretrain (alias PT), SFT or DPO", STAGES)
-    fine_tuning: str = _opt("Full", "which weights train: Full", FINE_TUNING)
+    fine_tuning: str = _opt("Full", "which weights train: Full or LoRA (adapters only, base frozen)", FINE_TUNING)
 
     # ### model
     model_name_or_path: str = _opt(
@@ -119,6 +119,18 @@ class TrainConfig:
     eval_generation: bool = _opt(True, "also score exact match of greedy generations")
     eval_max_new_tokens: int = _opt(16, "tokens generated per example in generation eval")
     eval_max_samples: int = _opt(500, "examples scored in generation eval")
+
+    # ### LoRA (fine_tuning: LoRA)
+    lora_rank: int = _opt(8, "LoRA rank r")
+    lora_alpha: float = _opt(16.0, "LoRA alpha: the update is scaled by alpha / r (alpha / sqrt(r) with rslora)")
+    lora_dropout: float = _opt(0.0, "dropout on the adapter input")
+    lora_target_modules: str | None = _opt(
+        None, "regex (re.fullmatch) of module names to adapt; null = attention, MLP and expert projections"
+    )
+    rslora: bool = _opt(False, "rank-stabilised scaling alpha / sqrt(r)")
+    use_dora: bool = _opt(False, "weight-decomposed LoRA (DoRA)")
+    lora_plus_scale: float = _opt(1.0, "LoRA+: learning-rate multiplier of the B matrices")
+    lora_base_dtype: str | None = _opt(None, "hold the frozen base in this dtype (bfloat16) to save memory")
 
     # ### DPO (stage: DPO); names as PaddleFormers' DPO arguments
     beta: float = _opt(0.1, "DPO temperature: strength of the pull towards the reference model")

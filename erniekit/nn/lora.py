@@ -669,18 +669,37 @@ def load_adapter(model: nn.Layer, path: str, base_dtype: str | None = None) -> L
                     f"{file}: tensor {n} has shape {got}, the model expects {want}: "
                     "the adapter's base model has other shapes (check base_model_name_or_path)")
         apply_lora(model, config)
-        with paddle.no_grad():
-            for name, layer in lora_layers(model):
-                specs = layer.peft_tensors(name)
-                if isinstance(layer, LoraLinear):
-                    for key, (p, tr) in specs.items():
-                        t = f.get_tensor(key).astype(p.dtype)
-                        p.set_value(t.T if tr else t)
-                    continue
-                stacks: dict[int, list] = {}
-                for key, (p, e, tr) in specs.items():
-                    t = f.get_tensor(key).astype(p.dtype)
-                    stacks.setdefault(id(p), [p, []])[1].append(t.T if tr else t)
-                for p, ts in stacks.values():  # peft_tensors lists experts in order
-                    p.set_value(paddle.stack(ts))
+        _fill_adapters(model, f)
     return config
+
+
+def _fill_adapters(model: nn.Layer, f) -> None:
+    """Copy PEFT-layout tensors from an open safetensors file into the model's adapters."""
+    with paddle.no_grad():
+        for name, layer in lora_layers(model):
+            specs = layer.peft_tensors(name)
+            if isinstance(layer, LoraLinear):
+                for key, (p, tr) in specs.items():
+                    t = f.get_tensor(key).astype(p.dtype)
+                    p.set_value(t.T if tr else t)
+                continue
+            stacks: dict[int, list] = {}
+            for key, (p, e, tr) in specs.items():
+                t = f.get_tensor(key).astype(p.dtype)
+                stacks.setdefault(id(p), [p, []])[1].append(t.T if tr else t)
+            for p, ts in stacks.values():  # peft_tensors lists experts in order
+                p.set_value(paddle.stack(ts))
+
+
+def load_adapter_weights(model: nn.Layer, path: str) -> None:
+    """Refill the adapters of a model that already has LoRA applied (resume), from `path`."""
+    from safetensors import safe_open
+
+    file = os.path.join(path, ADAPTER_WEIGHTS_NAME)
+    if not lora_layers(model):
+        raise CheckpointError(f"{path}: holds a LoRA adapter but the model has none; set fine_tuning=LoRA")
+    with safe_open(file, framework="paddle") as f:
+        missing = [k for name, layer in lora_layers(model) for k in layer.peft_tensors(name) if k not in f.keys()]
+        if missing:
+            raise CheckpointError(f"{file}: tensor {missing[0]} is missing; the adapter was saved with other lora settings")
+        _fill_adapters(model, f)

@@ -23,13 +23,25 @@ STATE_NAME = "trainer_state.json"
 _CKPT_RE = re.compile(r"^checkpoint-(\d+)$")
 
 
-def save_checkpoint(path: str, model, tokenizer, optimizer, state: dict) -> None:
+def save_model_or_adapter(model, path: str, tokenizer, base_model_name_or_path: str | None = None) -> None:
+    """Full model in HF layout, or, for a LoRA run, only the adapter (PEFT layout) + tokenizer."""
+    from erniekit.nn.lora import lora_layers, save_adapter
+
+    if lora_layers(model):
+        save_adapter(model, path, base_model_name_or_path=base_model_name_or_path)
+        model.config.save_pretrained(path)  # shapes of the base, so the directory is self-describing
+        tokenizer.save_pretrained(path)
+    else:
+        save_pretrained(model, path, tokenizer=tokenizer)
+
+
+def save_checkpoint(path: str, model, tokenizer, optimizer, state: dict, base_model_name_or_path: str | None = None) -> None:
     from safetensors.paddle import save_file
 
     tmp = path + ".tmp"
     if os.path.exists(tmp):
         shutil.rmtree(tmp)
-    save_pretrained(model, tmp, tokenizer=tokenizer)
+    save_model_or_adapter(model, tmp, tokenizer, base_model_name_or_path)
     save_file({k: v.contiguous() for k, v in optimizer.state_dict().items()}, os.path.join(tmp, OPTIMIZER_NAME))
     atomic_write_json(os.path.join(tmp, STATE_NAME), state)
     replace_dir(tmp, path)
@@ -44,7 +56,12 @@ def load_checkpoint(path: str, model, optimizer) -> dict:
         raise CheckpointError(f"resume_from_checkpoint={path}: no {STATE_NAME}; is this a training checkpoint?")
     with open(state_file, encoding="utf-8") as f:
         state = json.load(f)
-    load_state_into(model, path)
+    from erniekit.nn.lora import ADAPTER_CONFIG_NAME, load_adapter_weights
+
+    if os.path.isfile(os.path.join(path, ADAPTER_CONFIG_NAME)):
+        load_adapter_weights(model, path)
+    else:
+        load_state_into(model, path)
     opt_file = os.path.join(path, OPTIMIZER_NAME)
     if optimizer is not None and os.path.isfile(opt_file):
         with safe_open(opt_file, framework="paddle") as f:

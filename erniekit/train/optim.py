@@ -22,10 +22,11 @@ class AdamW:
 
     def __init__(self, named_params: list[tuple[str, paddle.Tensor]], lr: float, beta1: float = 0.9,
                  beta2: float = 0.999, epsilon: float = 1e-8, weight_decay: float = 0.0,
-                 no_decay: set[str] = frozenset()):
+                 no_decay: set[str] = frozenset(), lr_mult: dict[str, float] | None = None):
         self.params = [(n, p) for n, p in named_params if not p.stop_gradient]
         self.lr, self.beta1, self.beta2, self.eps, self.wd = lr, beta1, beta2, epsilon, weight_decay
         self.no_decay = set(no_decay)
+        self.lr_mult = dict(lr_mult or {})  # per-parameter learning-rate multipliers (LoRA+)
         self.t = 0
         self.m: dict[str, paddle.Tensor] = {}
         self.v: dict[str, paddle.Tensor] = {}
@@ -50,11 +51,12 @@ class AdamW:
                 self.m[name] = paddle.zeros(p.shape, "float32")
                 self.v[name] = paddle.zeros(p.shape, "float32")
             m, v = self.m[name], self.v[name]
+            plr = lr * self.lr_mult.get(name, 1.0)
             m.scale_(b1).add_(g * (1 - b1))
             v.scale_(b2).add_(g * g * (1 - b2))
             if self.wd and name not in self.no_decay:
-                p.scale_(1 - lr * self.wd)
-            p.add_((-(lr / bc1) * m / (paddle.sqrt(v / bc2) + self.eps)).astype(p.dtype))
+                p.scale_(1 - plr * self.wd)
+            p.add_((-(plr / bc1) * m / (paddle.sqrt(v / bc2) + self.eps)).astype(p.dtype))
 
     def clear_grad(self) -> None:
         for _, p in self.params:
@@ -82,8 +84,13 @@ class AdamW:
 def build_optimizer(model: paddle.nn.Layer, cfg) -> AdamW:
     named = list(model.named_parameters())
     no_decay = {n for n, p in named if p.ndim < 2 or "norm" in n or "embed_tokens" in n}
+    lr_mult = None
+    if getattr(cfg, "fine_tuning", "Full") == "LoRA" and cfg.lora_plus_scale != 1.0:
+        from erniekit.nn.lora import lora_param_groups
+
+        lr_mult = lora_param_groups(model, cfg.lora_plus_scale)
     return AdamW(named, cfg.learning_rate, cfg.adam_beta1, cfg.adam_beta2, cfg.adam_epsilon,
-                 cfg.weight_decay, no_decay)
+                 cfg.weight_decay, no_decay, lr_mult)
 
 
 @paddle.no_grad()

@@ -42,6 +42,13 @@ def load_model(cfg):
         if cfg.model_overrides:
             config = config.replace(**cfg.model_overrides)
         model = Ernie4_5ForCausalLM(config)  # from scratch, seeded by paddle.seed(cfg.seed)
+    if cfg.fine_tuning == "LoRA":
+        from erniekit.nn.lora import LoraConfig, apply_lora
+
+        kw = {"target_modules": cfg.lora_target_modules} if cfg.lora_target_modules else {}
+        apply_lora(model, LoraConfig(r=cfg.lora_rank, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
+                                     use_rslora=cfg.rslora, use_dora=cfg.use_dora,
+                                     lora_plus_scale=cfg.lora_plus_scale, base_dtype=cfg.lora_base_dtype, **kw))
     return model
 
 
@@ -67,7 +74,8 @@ def run_train(cfg, log=print) -> dict:
     eval_data = stage.build_eval_data(cfg, tokenizer) if cfg.do_eval else None
     stage.prepare(model, train_rows, eval_data, cfg, tokenizer)  # before any resume: model = reference
     n_params = sum(int(p.numel()) for p in model.parameters())
-    log(f"erniekit: stage={cfg.stage} model={cfg.model_name_or_path} ({n_params / 1e6:.2f}M params, "
+    n_train = sum(int(p.numel()) for p in model.parameters() if not p.stop_gradient)
+    log(f"erniekit: stage={cfg.stage} model={cfg.model_name_or_path} ({n_params / 1e6:.2f}M params, {n_train / 1e6:.2f}M trainable, "
         f"{model.config.model_type}) device={device} threads={os.environ.get('OMP_NUM_THREADS', '1')} "
         f"train_rows={len(train_rows)} data_prep={time.perf_counter() - t0:.1f}s")
     trainer = Trainer(cfg, model, tokenizer, stage, train_rows, eval_data, log=log)
@@ -82,10 +90,11 @@ def run_train(cfg, log=print) -> dict:
         if "exact_match" in ev:
             base = ev.get("baseline_exact_match")
             log(f"held-out exact match: {ev['exact_match']:.3f}" + (f" (majority-answer baseline {base:.3f})" if base is not None else ""))
-    from erniekit.models.ernie4_5.checkpoint import save_pretrained
+    from erniekit.train.checkpointing import save_model_or_adapter
 
-    save_pretrained(model, cfg.output_dir, tokenizer=tokenizer)
+    save_model_or_adapter(model, cfg.output_dir, tokenizer, cfg.model_name_or_path)
     atomic_write_json(os.path.join(cfg.output_dir, "train_results.json"), {"global_step": trainer.step, **results})
     trainer.logger.close()
-    log(f"saved model (Hugging Face layout) to {cfg.output_dir}; VisualDL logs in {trainer.logger_dir}")
+    what = "LoRA adapter (PEFT layout)" if cfg.fine_tuning == "LoRA" else "model (Hugging Face layout)"
+    log(f"saved {what} to {cfg.output_dir}; VisualDL logs in {trainer.logger_dir}")
     return results

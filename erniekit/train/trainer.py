@@ -98,7 +98,7 @@ class Trainer:
 
     def save(self) -> str:
         path = os.path.join(self.cfg.output_dir, f"checkpoint-{self.step}")
-        save_checkpoint(path, self.model, self.tokenizer, self.optimizer, self.state())
+        save_checkpoint(path, self.model, self.tokenizer, self.optimizer, self.state(), self.cfg.model_name_or_path)
         rotate_checkpoints(self.cfg.output_dir, self.cfg.save_total_limit)
         return path
 
