@@ -88,6 +88,22 @@ def chat(args: list[str]) -> int:
     return result if isinstance(result, int) and not isinstance(result, bool) else 0
 
 
+def export(args: list[str]) -> int:
+    """Merge LoRA (if any) and write a self-contained Hugging Face-layout directory."""
+    p = argparse.ArgumentParser(prog="erniekit export", description=export.__doc__)
+    p.add_argument("src", help="checkpoint or LoRA adapter directory (output of erniekit train)")
+    p.add_argument("--output", "-o", required=True, help="directory to write")
+    p.add_argument("--max-shard-size", default="5GB", help="split weights into files of at most this size")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
+                   help="weight dtype in the files (default: as trained)")
+    ns = p.parse_args(args)
+    _import_paddle()
+    from erniekit.export.hf import export_hf
+
+    print(f"exported {ns.src} -> {export_hf(ns.src, ns.output, ns.max_shard_size, ns.dtype)}")
+    return 0
+
+
 def version(args: list[str]) -> int:
     """Print erniekit and paddlepaddle versions."""
     try:
@@ -143,6 +159,7 @@ def _unknown_verb(verb: str) -> str:
 VERBS: dict[str, tuple[Callable[[list[str]], int], str]] = {
     "train": (train, "train a model: erniekit train CONFIG.yaml [key=value ...]"),
     "chat": (chat, "chat with a checkpoint: erniekit chat MODEL_DIR [--prompt TEXT]"),
+    "export": (export, "merge LoRA and write a Hugging Face-layout directory: erniekit export SRC -o OUT"),
     "version": (version, "print erniekit and paddlepaddle versions"),
     "help": (show_help, "show this help, or 'erniekit help <command>'"),
 }

@@ -225,7 +225,7 @@ def test_lora_training_trains_only_adapters_and_resumes(tmp_path):
     # the adapter changes the model, and chat's loader merges it onto the base
     import paddle
 
-    from erniekit.infer.chat import load_model_or_adapter
+    from erniekit.models.ernie4_5.checkpoint import load_model_or_adapter
     from erniekit.models.ernie4_5 import from_pretrained
 
     ids = paddle.to_tensor([[3, 281, 971, 949, 958]])

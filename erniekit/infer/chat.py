@@ -33,30 +33,13 @@ def load_chat_model(model_dir: str) -> tuple[Ernie4_5ForCausalLM, ErnieTokenizer
         raise CheckpointError(f"{model_dir}: no tokenizer files (tokenizer.model); chat needs the tokenizer "
                               "saved next to the weights: copy it from the original checkpoint")
     tokenizer = ErnieTokenizer.from_pretrained(model_dir)
+    from erniekit.models.ernie4_5.checkpoint import load_model_or_adapter
+
     model = load_model_or_adapter(model_dir)
     model.eval()
     return model, tokenizer
 
 
-def load_model_or_adapter(path: str) -> Ernie4_5ForCausalLM:
-    """A full checkpoint, or a LoRA adapter directory (PEFT layout) on top of its base checkpoint,
-    merged for inference speed."""
-    import json
-
-    from erniekit.models.ernie4_5 import from_pretrained
-    from erniekit.nn.lora import ADAPTER_CONFIG_NAME, load_adapter, merge_and_unload
-
-    cfg_file = os.path.join(path, ADAPTER_CONFIG_NAME)
-    if not os.path.isfile(cfg_file):
-        return from_pretrained(path)
-    with open(cfg_file, encoding="utf-8") as f:
-        base = json.load(f).get("base_model_name_or_path")
-    if not base or not os.path.isdir(base):
-        raise CheckpointError(f"{cfg_file}: base_model_name_or_path={base!r} is not a checkpoint directory; "
-                              "edit it to point at the base model the adapter was trained on")
-    model = from_pretrained(base)
-    load_adapter(model, path)
-    return merge_and_unload(model)
 
 
 def stop_ids(model: Ernie4_5ForCausalLM, tokenizer: ErnieTokenizer) -> list[int]:
