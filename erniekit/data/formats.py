@@ -168,24 +168,31 @@ def detect_format(rec: object, where: str) -> str:
     )
 
 
-def load_sft_examples(path: str, fmt: str = "auto") -> list[Conversation]:
-    """Read and validate SFT files (comma-separated list allowed); auto-detects per file."""
-    if fmt not in SFT_FORMATS:
-        raise DataError(f"unknown data format '{fmt}'; use one of {', '.join(SFT_FORMATS)}")
-    out: list[Conversation] = []
+def load_records(path: str, fmt: str, readers: dict, detect, kind: str = "examples") -> list:
+    """Read every JSON record of the (comma-separated) files at `path` through `readers[fmt]`,
+    detecting the format per file when fmt == "auto"; shared by SFT and preference data."""
+    if fmt != "auto" and fmt not in readers:
+        what = "preference data" if "preference" in kind else "data"
+        raise DataError(f"unknown {what} format '{fmt}'; use one of {', '.join(['auto', *readers])}")
+    out: list = []
     for p in split_paths(path):
         file_fmt = None if fmt == "auto" else fmt
         before = len(out)
         for lineno, rec in _records(p):
             where = f"{p}:{lineno}"
             if file_fmt is None:
-                file_fmt = detect_format(rec, where)
+                file_fmt = detect(rec, where)
             if not isinstance(rec, dict):
                 raise DataError(f"{where}: expected a JSON object, got {type(rec).__name__}")
-            out.append(_READERS[file_fmt](rec, where))
+            out.append(readers[file_fmt](rec, where))
         if len(out) == before:
-            raise DataError(f"{p}: no examples; the file is empty or has only blank lines")
+            raise DataError(f"{p}: no {kind}; the file is empty or has only blank lines")
     return out
+
+
+def load_sft_examples(path: str, fmt: str = "auto") -> list[Conversation]:
+    """Read and validate SFT files (comma-separated list allowed); auto-detects per file."""
+    return load_records(path, fmt, _READERS, detect_format)
 
 
 def load_pretrain_texts(path: str) -> list[str]:

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Sequence
 
 from erniekit.data.encode import IGNORE_INDEX, encode_conversation
-from erniekit.data.formats import Conversation, _records, _str, split_paths
+from erniekit.data.formats import Conversation, _str, load_records
 from erniekit.errors import DataError
 
 if TYPE_CHECKING:  # importing the model package would pull in paddle
@@ -221,22 +221,7 @@ def detect_preference_format(rec: object, where: str) -> str:
 
 def load_preference_pairs(path: str, fmt: str = "auto") -> list[PreferencePair]:
     """Read and validate preference files (comma-separated list allowed); auto-detects per file."""
-    if fmt not in PREFERENCE_FORMATS:
-        raise DataError(f"unknown preference data format '{fmt}'; use one of {', '.join(PREFERENCE_FORMATS)}")
-    out: list[PreferencePair] = []
-    for p in split_paths(path):
-        file_fmt = None if fmt == "auto" else fmt
-        before = len(out)
-        for lineno, rec in _records(p):
-            where = f"{p}:{lineno}"
-            if file_fmt is None:
-                file_fmt = detect_preference_format(rec, where)
-            if not isinstance(rec, dict):
-                raise DataError(f"{where}: expected a JSON object, got {type(rec).__name__}")
-            out.append(_READERS[file_fmt](rec, where))
-        if len(out) == before:
-            raise DataError(f"{p}: no preference examples; the file is empty or has only blank lines")
-    return out
+    return load_records(path, fmt, _READERS, detect_preference_format, "preference examples")
 
 
 # ------------------------------------------------------------------ encoding
