@@ -168,12 +168,11 @@ def detect_format(rec: object, where: str) -> str:
     )
 
 
-def load_records(path: str, fmt: str, readers: dict, detect, kind: str = "examples") -> list:
+def load_records(path: str, fmt: str, readers: dict, detect, label: str = "data", kind: str = "examples") -> list:
     """Read every JSON record of the (comma-separated) files at `path` through `readers[fmt]`,
     detecting the format per file when fmt == "auto"; shared by SFT and preference data."""
     if fmt != "auto" and fmt not in readers:
-        what = "preference data" if "preference" in kind else "data"
-        raise DataError(f"unknown {what} format '{fmt}'; use one of {', '.join(['auto', *readers])}")
+        raise DataError(f"unknown {label} format '{fmt}'; use one of {', '.join(['auto', *readers])}")
     out: list = []
     for p in split_paths(path):
         file_fmt = None if fmt == "auto" else fmt
