@@ -246,3 +246,10 @@ def test_dpo_stage_runs_and_improves_preferences(tmp_path):
     assert ev["reward_margin"] > 0 and ev["reward_accuracy"] > 0.5  # moved towards the chosen answers
     losses = _losses(tmp_path / "dpo")
     assert losses[1] == pytest.approx(np.log(2), abs=1e-3)  # policy == reference at the start
+
+
+def test_diverging_run_stops_with_one_line_error(tmp_path):
+    r = _cli(tmp_path, *SMALL, "learning_rate=1e30", "max_grad_norm=0", "max_steps=5", "do_eval=false",
+             f"output_dir={tmp_path / 'o'}")
+    assert r.returncode == 2, r.stderr[-500:]
+    assert "gradient norm is nan" in r.stderr and r.stderr.count("\n") == 1, r.stderr[-500:]

@@ -16,6 +16,7 @@ import time
 import numpy as np
 import paddle
 
+from erniekit.errors import ErniekitError
 from erniekit.train.batching import MicroBatches
 from erniekit.train.checkpointing import load_checkpoint, resolve_resume, rotate_checkpoints, save_checkpoint
 from erniekit.train.optim import build_optimizer, clip_grad_norm_
@@ -140,8 +141,8 @@ class Trainer:
             self.loss_scale /= 2.0
             self.good_steps = 0
         else:
-            raise FloatingPointError(f"step {self.step + 1}: gradient norm is {grad_norm}; lower learning_rate "
-                                     "or check the data (the last checkpoint is intact)")
+            raise ErniekitError(f"step {self.step + 1}: gradient norm is {grad_norm}; lower learning_rate "
+                                "or check the data (the last checkpoint is intact)")
         self.optimizer.clear_grad()
         self.step += 1
         self.consumed += len(micro)
