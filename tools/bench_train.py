@@ -27,7 +27,6 @@ itself with OMP_NUM_THREADS = cpu count when it is not set.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics

@@ -23,7 +23,6 @@ CLEAR, EXIT = "/clear", ("/exit", "/quit")
 
 def load_chat_model(model_dir: str) -> tuple[Ernie4_5ForCausalLM, ErnieTokenizer]:
     """Model + tokenizer from one checkpoint directory; a missing piece is a one-line error."""
-    from erniekit.models.ernie4_5 import from_pretrained
     from erniekit.models.ernie4_5.tokenizer import ErnieTokenizer
 
     if not os.path.isdir(model_dir):

@@ -11,7 +11,6 @@ Formulas and references: docs/lora.md.
 from __future__ import annotations
 
 import contextlib
-import json
 import math
 import os
 import re
@@ -24,6 +23,7 @@ import paddle.nn.functional as F
 
 from erniekit.errors import CheckpointError, ConfigError
 from erniekit.nn.moe import StackedExperts
+from erniekit.utils.io import read_json_object
 
 ADAPTER_CONFIG_NAME = "adapter_config.json"
 ADAPTER_WEIGHTS_NAME = "adapter_model.safetensors"
@@ -581,11 +581,7 @@ def _read_adapter_config(path: str) -> LoraConfig:
     file = os.path.join(path, ADAPTER_CONFIG_NAME)
     if not os.path.isfile(file):
         raise CheckpointError(f"{file}: not found; point at a directory written by save_adapter or PEFT's save_pretrained")
-    try:
-        with open(file, encoding="utf-8") as f:
-            d = json.load(f)
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"{file}:{e.lineno}: invalid JSON ({e.msg})") from None
+    d = read_json_object(file, "fix adapter_config.json")
     unsupported = [
         (d.get("peft_type", "LORA") != "LORA", f"peft_type={d.get('peft_type')!r} (only LORA is supported)"),
         (d.get("bias", "none") != "none", f"bias={d.get('bias')!r} (only 'none' is supported)"),

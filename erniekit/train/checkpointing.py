@@ -7,16 +7,13 @@ Optimizer tensors are keyed by structured parameter names, stored in safetensors
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import shutil
 
-import paddle
-
 from erniekit.errors import CheckpointError
 from erniekit.models.ernie4_5.checkpoint import load_state_into, save_pretrained
-from erniekit.utils.io import atomic_write_json, replace_dir
+from erniekit.utils.io import atomic_write_json, read_json_object, replace_dir
 
 OPTIMIZER_NAME = "optimizer.safetensors"
 STATE_NAME = "trainer_state.json"
@@ -54,8 +51,7 @@ def load_checkpoint(path: str, model, optimizer) -> dict:
     state_file = os.path.join(path, STATE_NAME)
     if not os.path.isfile(state_file):
         raise CheckpointError(f"resume_from_checkpoint={path}: no {STATE_NAME}; is this a training checkpoint?")
-    with open(state_file, encoding="utf-8") as f:
-        state = json.load(f)
+    state = read_json_object(state_file, "the checkpoint is damaged: resume from an earlier one")
     from erniekit.nn.lora import ADAPTER_CONFIG_NAME, load_adapter_weights
 
     if os.path.isfile(os.path.join(path, ADAPTER_CONFIG_NAME)):

@@ -28,6 +28,13 @@ def model_inputs(batch: dict[str, np.ndarray]) -> dict[str, paddle.Tensor | None
     }
 
 
+def lm_loss(model, batch: dict[str, np.ndarray]) -> LossOutput:
+    """Summed next-token loss over trained targets; a target in another document is never trained
+    (segment_ids: 0 padding, 1.. documents), matching `count_target_tokens`."""
+    out = model(**model_inputs(batch))
+    return LossOutput(causal_lm_loss_sum(out.logits, batch["labels"], batch["segment_ids"]), out.aux_loss)
+
+
 class Stage:
     """Base: causal LM on rows of input_ids/labels/position_ids/segment_ids."""
 
@@ -53,9 +60,7 @@ class Stage:
         return count_target_tokens(batch)
 
     def loss(self, model, batch: dict[str, np.ndarray]) -> LossOutput:
-        out = model(**model_inputs(batch))
-        seg = batch["segment_ids"] if (batch["segment_ids"] > 1).any() else None
-        return LossOutput(causal_lm_loss_sum(out.logits, batch["labels"], seg), out.aux_loss)
+        return lm_loss(model, batch)
 
     def evaluate(self, model, tokenizer, eval_data, cfg) -> dict[str, float]:
         return {}
@@ -70,9 +75,7 @@ def eval_loss(model, rows: list[dict[str, np.ndarray]], batch_size: int, pad_id:
     total, n = 0.0, 0
     for i in range(0, len(rows), batch_size):
         b = collate(rows[i:i + batch_size], pad_id)
-        out = model(**model_inputs(b))
-        seg = b["segment_ids"] if (b["segment_ids"] > 1).any() else None
-        total += float(causal_lm_loss_sum(out.logits, b["labels"], seg))
+        total += float(lm_loss(model, b).loss_sum)
         n += count_target_tokens(b)
     loss = total / max(n, 1)
     return {"loss": loss, "perplexity": float(np.exp(min(loss, 50.0)))}

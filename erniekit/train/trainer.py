@@ -8,12 +8,12 @@ checkpoints, resume, VisualDL scalars and the progress bar.
 from __future__ import annotations
 
 import contextlib
+import json
 import math
 import os
 import sys
 import time
 
-import numpy as np
 import paddle
 
 from erniekit.errors import ErniekitError
@@ -41,8 +41,6 @@ class ScalarLogger:
     def log(self, step: int, values: dict[str, float]) -> None:
         if not self.enabled:
             return
-        import json
-
         for k, v in values.items():
             self.writer.add_scalar(tag=k, value=float(v), step=step)
         self.jsonl.write(json.dumps({"step": step, **{k: float(v) for k, v in values.items()}}) + "\n")

@@ -37,6 +37,20 @@ def atomic_write_json(path: str, obj: Any) -> None:
     atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=False) + "\n")
 
 
+def read_json_object(path: str, hint: str = "fix or regenerate the file") -> dict:
+    """A JSON object from `path`; malformed JSON or a non-object is a one-line CheckpointError."""
+    from erniekit.errors import CheckpointError
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{path}:{e.lineno}: invalid JSON ({e.msg}); {hint}") from None
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{path}: expected a JSON object at top level; {hint}")
+    return data
+
+
 def replace_dir(tmp_dir: str, final_dir: str) -> None:
     """Publish a fully written directory under its final name (old one removed after the swap)."""
     old = None

@@ -6,7 +6,6 @@ Tensor names are those of the public ERNIE-4.5 PT checkpoints (per-expert MoE te
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import warnings
@@ -18,7 +17,7 @@ from safetensors import safe_open
 from erniekit.errors import CheckpointError
 from erniekit.models.ernie4_5.configuration import Ernie4_5Config
 from erniekit.models.ernie4_5.modeling import Ernie4_5ForCausalLM
-from erniekit.utils.io import atomic_write, atomic_write_json
+from erniekit.utils.io import atomic_write, atomic_write_json, read_json_object
 
 WEIGHTS_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
@@ -57,8 +56,9 @@ class _ShardReader:
         index = os.path.join(path, INDEX_NAME)
         single = os.path.join(path, WEIGHTS_NAME)
         if os.path.isfile(index):
-            with open(index, encoding="utf-8") as f:
-                weight_map = json.load(f)["weight_map"]
+            weight_map = read_json_object(index, f"fix {INDEX_NAME}").get("weight_map")
+            if not isinstance(weight_map, dict):
+                raise CheckpointError(f"{index}: no 'weight_map' object; rewrite the index or re-save the checkpoint")
         elif os.path.isfile(single):
             weight_map = None
         else:
@@ -232,15 +232,12 @@ def from_pretrained(path: str, dtype: str = "float32", config_overrides: dict | 
 def load_model_or_adapter(path: str) -> Ernie4_5ForCausalLM:
     """A full checkpoint, or a LoRA adapter directory (PEFT layout) on top of its base checkpoint,
     merged for inference speed."""
-    import json
-
     from erniekit.nn.lora import ADAPTER_CONFIG_NAME, load_adapter, merge_and_unload
 
     cfg_file = os.path.join(path, ADAPTER_CONFIG_NAME)
     if not os.path.isfile(cfg_file):
         return from_pretrained(path)
-    with open(cfg_file, encoding="utf-8") as f:
-        base = json.load(f).get("base_model_name_or_path")
+    base = read_json_object(cfg_file, "fix adapter_config.json").get("base_model_name_or_path")
     if not base or not os.path.isdir(base):
         raise CheckpointError(f"{cfg_file}: base_model_name_or_path={base!r} is not a checkpoint directory; "
                               "edit it to point at the base model the adapter was trained on")

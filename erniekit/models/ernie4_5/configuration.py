@@ -121,11 +121,9 @@ class Ernie4_5Config:
         file = os.path.join(path, "config.json") if os.path.isdir(path) else path
         if not os.path.isfile(file):
             raise CheckpointError(f"{file}: config.json not found; point model_name_or_path at a checkpoint directory")
-        try:
-            with open(file, encoding="utf-8") as f:
-                d = json.load(f)
-        except json.JSONDecodeError as e:
-            raise CheckpointError(f"{file}:{e.lineno}: invalid JSON ({e.msg})") from None
+        from erniekit.utils.io import read_json_object
+
+        d = read_json_object(file, "fix config.json")
         if d.get("model_type") not in (None, "ernie4_5", "ernie4_5_moe"):
             raise CheckpointError(f"{file}: model_type={d.get('model_type')!r} is not an ERNIE 4.5 text model")
         try:

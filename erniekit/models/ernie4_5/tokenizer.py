@@ -28,6 +28,7 @@ from typing import Any, Iterable, Sequence
 import sentencepiece as spm
 
 from erniekit.errors import CheckpointError, DataError
+from erniekit.utils.io import atomic_write, read_json_object
 
 # Verbatim from the ERNIE-4.5 hub tokenizer_config.json / transformers' ERNIE 4.5 port.
 ERNIE_CHAT_TEMPLATE = (
@@ -80,21 +81,15 @@ def _content(value: Any) -> str | None:
 
 
 def _read_json(path: str) -> dict:
-    try:
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"{path}:{e.lineno}: invalid JSON ({e.msg}); fix or regenerate the tokenizer file") from e
-    if not isinstance(data, dict):
-        raise CheckpointError(f"{path}: expected a JSON object at top level; regenerate the tokenizer file")
-    return data
+    return read_json_object(path, "fix or regenerate the tokenizer file")
 
 
 def _write_atomic(path: str, data: bytes | str) -> None:
-    tmp = path + ".tmp"
-    with open(tmp, "wb") as f:
-        f.write(data.encode("utf-8") if isinstance(data, str) else data)
-    os.replace(tmp, path)
+    def write(tmp: str) -> None:
+        with open(tmp, "wb") as f:
+            f.write(data.encode("utf-8") if isinstance(data, str) else data)
+
+    atomic_write(path, write)
 
 
 class ErnieTokenizer:

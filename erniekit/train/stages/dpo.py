@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import paddle
 
-from erniekit.data.encode import IGNORE_INDEX, pad_batch
+from erniekit.data.encode import pad_batch
 from erniekit.data.preference import encode_preference_pairs, load_preference_pairs
 from erniekit.data.formats import Conversation
 from erniekit.train.evaluation import exact_match_eval
