@@ -104,6 +104,53 @@ def export(args: list[str]) -> int:
     return 0
 
 
+def _eval_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="erniekit eval", description="Analyse a checkpoint on a dataset.")
+    p.add_argument("model_dir", help="checkpoint directory (Hugging Face layout, or a LoRA adapter)")
+    kind = p.add_mutually_exclusive_group(required=True)  # one report per run; add report kinds here
+    kind.add_argument("--routing", dest="report", action="store_const", const="routing",
+                      help="MoE routing: per-layer entropy, load imbalance, load and modality heatmaps")
+    p.add_argument("--data", metavar="PATH", help="jsonl/json/txt dataset, SFT or pretraining format "
+                                  "(default: the bundled examples/data/arithmetic/eval.jsonl)")
+    p.add_argument("--out", metavar="DIR", help="directory for pictures and JSON (default: MODEL_DIR/routing)")
+    p.add_argument("--batch-size", type=int, metavar="N", default=16, help="sequences per forward pass")
+    p.add_argument("--max-seq-len", type=int, metavar="N", default=1024, help="longer sequences are cut into pieces")
+    return p
+
+
+def _default_eval_data() -> str | None:
+    """The bundled arithmetic eval set, when running from a source checkout."""
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(erniekit.__file__))),
+                        "examples", "data", "arithmetic", "eval.jsonl")
+    return path if os.path.isfile(path) else None
+
+
+def _eval_routing(ns: argparse.Namespace) -> int:
+    data = ns.data or _default_eval_data()
+    if data is None:
+        raise ErniekitError("eval --routing needs --data PATH (the bundled examples/data is not next to this install)")
+    if ns.batch_size < 1 or ns.max_seq_len < 1:
+        raise ErniekitError(f"--batch-size {ns.batch_size} --max-seq-len {ns.max_seq_len}: both must be positive")
+    _import_paddle()
+    from erniekit.evaluate.routing import format_routing_table, routing_report
+
+    stats = routing_report(ns.model_dir, data, ns.out, batch_size=ns.batch_size, max_seq_len=ns.max_seq_len)
+    print(format_routing_table(stats))
+    for what, path in stats["pictures"].items():
+        print(f"{what} picture: {path}")
+    print(f"stats: {stats['stats_path']}")
+    return 0
+
+
+EVAL_REPORTS: dict[str, Callable[[argparse.Namespace], int]] = {"routing": _eval_routing}
+
+
+def eval_(args: list[str]) -> int:
+    """Reports on a checkpoint over a dataset (forward passes only, no training)."""
+    ns = _eval_parser().parse_args(args)
+    return EVAL_REPORTS[ns.report](ns)
+
+
 def version(args: list[str]) -> int:
     """Print erniekit and paddlepaddle versions."""
     try:
@@ -130,6 +177,8 @@ def show_help(args: list[str]) -> int:
         print(_train_help())
     elif topic == "chat":
         _chat_parser().print_help()
+    elif topic == "eval":
+        _eval_parser().print_help()
     elif topic in VERBS:
         print(f"usage: erniekit {topic}\n\n{VERBS[topic][1]}")
     else:
@@ -160,6 +209,7 @@ VERBS: dict[str, tuple[Callable[[list[str]], int], str]] = {
     "train": (train, "train a model: erniekit train CONFIG.yaml [key=value ...]"),
     "chat": (chat, "chat with a checkpoint: erniekit chat MODEL_DIR [--prompt TEXT]"),
     "export": (export, "merge LoRA and write a Hugging Face-layout directory: erniekit export SRC -o OUT"),
+    "eval": (eval_, "report on a checkpoint: erniekit eval MODEL_DIR --routing [--data PATH]"),
     "version": (version, "print erniekit and paddlepaddle versions"),
     "help": (show_help, "show this help, or 'erniekit help <command>'"),
 }

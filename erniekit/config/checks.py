@@ -14,6 +14,9 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     changes = _normalise_choices(cfg)
     if cfg.logging_dir is None:
         changes["logging_dir"] = os.path.join(cfg.output_dir, "vdl_log")
+    compute = changes.get("compute_type", cfg.compute_type)
+    if compute in ("bf16", "fp16", "fp8"):
+        changes[compute] = True
     cfg = dataclasses.replace(cfg, **changes)
     _check_ranges(cfg)
     _check_length(cfg)
@@ -50,7 +53,7 @@ def _check_ranges(cfg: TrainConfig) -> None:
                 "gradient_accumulation_steps", "logging_steps", "save_steps", "eval_steps",
                 "eval_max_new_tokens", "eval_max_samples"):
         _require(getattr(cfg, key) >= 1, key, getattr(cfg, key), ">= 1")
-    for key in ("warmup_steps", "save_total_limit", "dataloader_num_workers", "seed",
+    for key in ("warmup_steps", "save_total_limit", "routing_plot_steps", "dataloader_num_workers", "seed",
                 "weight_decay", "max_grad_norm", "min_lr"):
         _require(getattr(cfg, key) >= 0, key, getattr(cfg, key), ">= 0")
     _require(cfg.max_seq_len >= 8, "max_seq_len", cfg.max_seq_len, ">= 8")
@@ -70,6 +73,8 @@ def _check_ranges(cfg: TrainConfig) -> None:
              cfg.lora_base_dtype, "null, bfloat16, float16 or float32")
     _require(0 <= cfg.label_smoothing < 0.5, "label_smoothing", cfg.label_smoothing, "in [0, 0.5)")
     _require(cfg.sft_loss_ratio >= 0, "sft_loss_ratio", cfg.sft_loss_ratio, ">= 0")
+    _require(0 <= cfg.ema_decay < 1, "ema_decay", cfg.ema_decay, "in [0, 1) (0 turns the EMA off)")
+    _require(cfg.fp8_block_size >= 1, "fp8_block_size", cfg.fp8_block_size, ">= 1")
     if cfg.label_smoothing > 0 and cfg.loss_type not in ("sigmoid", "simpo"):
         raise ConfigError(f"label_smoothing={cfg.label_smoothing} applies to loss_type sigmoid or simpo only, "
                           f"not {cfg.loss_type}; set label_smoothing=0")

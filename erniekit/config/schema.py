@@ -27,6 +27,7 @@ FINE_TUNING = _spellings("Full", "LoRA")
 DATASET_TYPES = _spellings("auto", "erniekit", "alpaca", "messages", "text", "prompt")
 TRUNCATION = _spellings("error", "truncate")
 LR_SCHEDULERS = _spellings("cosine", "constant", "linear", "wsd")
+COMPUTE_TYPES = _spellings("fp32", "bf16", "fp16", "fp8")
 
 
 def _opt(default: Any, help: str, choices: dict[str, str] | None = None) -> Any:
@@ -105,6 +106,9 @@ class TrainConfig:
     logging_dir: str | None = _opt(None, "VisualDL log directory; null means output_dir/vdl_log")
     logging_steps: int = _opt(10, "log metrics every N optimizer steps")
     save_steps: int = _opt(500, "save a checkpoint every N optimizer steps")
+    routing_plot_steps: int = _opt(
+        500, "MoE models: write routing heatmaps (output_dir/routing/*.png, VisualDL) every N steps; 0 = at the end only"
+    )
     eval_steps: int = _opt(500, "evaluate every N optimizer steps")
     save_total_limit: int = _opt(
         2, "checkpoints kept in output_dir (oldest deleted first); 0 keeps all"
@@ -144,9 +148,19 @@ class TrainConfig:
     simpo_gamma: float = _opt(0.5, "SimPO target reward margin")
     dpop_lambda: float = _opt(50.0, "DPO-Positive penalty weight")
 
+    # ### weight EMA (ERNIE 4.5: a constant LR plus an EMA of the weights instead of LR decay)
+    ema_decay: float = _opt(0.0, "keep an EMA of the trainable weights with this decay (0 = off), e.g. 0.999")
+    save_ema: bool = _opt(True, "with ema_decay > 0: the final model saved in output_dir is the EMA")
+
     # ### precision and runtime
     bf16: bool = _opt(False, "train in bfloat16 (needs a GPU)")
     fp16: bool = _opt(False, "train in float16 with loss scaling (needs a GPU)")
+    fp8: bool = _opt(False, "run the MoE expert GEMMs (forward and backward) in block-scaled FP8 e4m3")
+    fp8_block_size: int = _opt(128, "FP8 scaling tile: activations 1 x N, weights N x N")
+    compute_type: str = _opt(
+        "fp32", "ERNIEKit spelling: bf16, fp16 or fp8 turn on that flag; fp32 leaves the flags as set",
+        COMPUTE_TYPES,
+    )
     disable_tqdm: bool = _opt(False, "hide the terminal progress bar")
     dataloader_num_workers: int = _opt(
         0, "data loading worker processes; 0 loads in the main process"

@@ -241,6 +241,7 @@ class LoraStackedExperts(_LoraMixin, StackedExperts):
         nn.Layer.__init__(self)
         self._init_flags(base, config, base.gate_proj)
         self.num_experts = base.num_experts
+        self.fp8_block = base.fp8_block
         self.projs = tuple(projs)
         for p in _EXPERT_PROJS:
             setattr(self, p, getattr(base, p))
@@ -261,16 +262,8 @@ class LoraStackedExperts(_LoraMixin, StackedExperts):
     def _delta(self, p: str) -> paddle.Tensor:
         return self.scaling * paddle.bmm(getattr(self, f"{p}_lora_A"), getattr(self, f"{p}_lora_B"))
 
-    def forward(self, x: paddle.Tensor, topk_idx: paddle.Tensor, topk_weight: paddle.Tensor) -> paddle.Tensor:
-        """Same dispatch as StackedExperts.forward (sort by expert, one group per expert, index_add)."""
-        E = self.num_experts
-        k = topk_idx.shape[1]
-        flat_e = topk_idx.reshape([-1])
-        order = paddle.argsort(flat_e, stable=True)
-        tok_sorted = order // k
-        counts = paddle.bincount(flat_e, minlength=E).tolist()
-        groups = paddle.split(paddle.gather(x, tok_sorted), [c for c in counts if c > 0], axis=0)
-        used = [e for e in range(E) if counts[e] > 0]
+    def prepare(self):
+        """StackedExperts' dispatch, with the adapter added to each adapted projection."""
         W = {p: paddle.unbind(getattr(self, p)) for p in _EXPERT_PROJS}
         active = self.projs if self._active() else ()
         A = {p: paddle.unbind(getattr(self, f"{p}_lora_A")) for p in active}
@@ -283,7 +276,8 @@ class LoraStackedExperts(_LoraMixin, StackedExperts):
                 G[p] = paddle.unbind(getattr(self, f"{p}_lora_magnitude_vector") / norm)
 
         def proj(p: str, h: paddle.Tensor, e: int) -> paddle.Tensor:
-            y = _mm(h, W[p][e])
+            w = W[p][e]
+            y = self.matmul(h, w) if self.fp8_block else _mm(h, w)
             if p not in A:
                 return y
             lora = self.scaling * paddle.matmul(paddle.matmul(self._drop(h), A[p][e]), B[p][e])
@@ -291,12 +285,7 @@ class LoraStackedExperts(_LoraMixin, StackedExperts):
                 return ((y.astype(self.compute_dtype) + lora) * G[p][e]).astype(y.dtype)
             return y + lora.astype(y.dtype)
 
-        outs = [
-            proj("down_proj", F.silu(proj("gate_proj", g, e)) * proj("up_proj", g, e), e) for g, e in zip(groups, used)
-        ]
-        out = paddle.concat(outs, axis=0) if len(outs) > 1 else outs[0]
-        w_sorted = paddle.gather(topk_weight.reshape([-1]), order).astype(x.dtype)
-        return paddle.index_add(paddle.zeros_like(x), tok_sorted, 0, out * w_sorted.unsqueeze(-1))
+        return proj
 
     @paddle.no_grad()
     def merge(self) -> None:

@@ -16,6 +16,7 @@ from erniekit.models.ernie4_5.checkpoint import load_state_into, save_pretrained
 from erniekit.utils.io import atomic_write_json, read_json_object, replace_dir
 
 OPTIMIZER_NAME = "optimizer.safetensors"
+EMA_NAME = "ema.safetensors"
 STATE_NAME = "trainer_state.json"
 _CKPT_RE = re.compile(r"^checkpoint-(\d+)$")
 
@@ -32,7 +33,8 @@ def save_model_or_adapter(model, path: str, tokenizer, base_model_name_or_path: 
         save_pretrained(model, path, tokenizer=tokenizer)
 
 
-def save_checkpoint(path: str, model, tokenizer, optimizer, state: dict, base_model_name_or_path: str | None = None) -> None:
+def save_checkpoint(path: str, model, tokenizer, optimizer, state: dict, base_model_name_or_path: str | None = None,
+                    extra_tensors: dict[str, dict] | None = None) -> None:
     from safetensors.paddle import save_file
 
     tmp = path + ".tmp"
@@ -40,6 +42,8 @@ def save_checkpoint(path: str, model, tokenizer, optimizer, state: dict, base_mo
         shutil.rmtree(tmp)
     save_model_or_adapter(model, tmp, tokenizer, base_model_name_or_path)
     save_file({k: v.contiguous() for k, v in optimizer.state_dict().items()}, os.path.join(tmp, OPTIMIZER_NAME))
+    for name, tensors in (extra_tensors or {}).items():  # e.g. ema.safetensors
+        save_file({k: v.contiguous() for k, v in tensors.items()}, os.path.join(tmp, name))
     atomic_write_json(os.path.join(tmp, STATE_NAME), state)
     replace_dir(tmp, path)
 

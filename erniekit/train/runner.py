@@ -41,6 +41,8 @@ def load_model(cfg):
         if cfg.model_overrides:
             config = config.replace(**cfg.model_overrides)
         model = Ernie4_5ForCausalLM(config)  # from scratch, seeded by paddle.seed(cfg.seed)
+    if cfg.fp8:
+        model.set_fp8(cfg.fp8_block_size)
     if cfg.fine_tuning == "LoRA":
         from erniekit.nn.lora import LoraConfig, apply_lora
 
@@ -57,6 +59,17 @@ def check_vocab(model, tokenizer) -> None:
             f"tokenizer has {tokenizer.vocab_size} tokens but the model's vocab_size is {model.config.vocab_size}: "
             "use the tokenizer that belongs to model_name_or_path (tokenizer_name_or_path)"
         )
+
+
+def _exact_match_line(ev: dict, start: dict | None) -> str:
+    line = f"held-out exact match: {ev['exact_match']:.3f}"
+    if "ema_exact_match" in ev:
+        line += f", EMA weights {ev['ema_exact_match']:.3f}"
+    if start is not None and "exact_match" in start:
+        line += f" (start {start['exact_match']:.3f}, gain {ev['exact_match'] - start['exact_match']:+.3f})"
+    elif ev.get("baseline_exact_match") is not None:
+        line += f" (majority-answer baseline {ev['baseline_exact_match']:.3f})"
+    return line
 
 
 def run_train(cfg, log=print) -> dict:
@@ -79,6 +92,11 @@ def run_train(cfg, log=print) -> dict:
         f"train_rows={len(train_rows)} data_prep={time.perf_counter() - t0:.1f}s")
     trainer = Trainer(cfg, model, tokenizer, stage, train_rows, eval_data, log=log)
     results: dict = {}
+    from erniekit.train.checkpointing import resolve_resume
+
+    fresh = resolve_resume(cfg.resume_from_checkpoint, cfg.output_dir) is None
+    if cfg.do_train and cfg.do_eval and eval_data is not None and os.path.isdir(cfg.model_name_or_path) and fresh:
+        results["eval_start"] = trainer.evaluate()  # the starting point, so the run can report its gain
     if cfg.do_train:
         t1 = time.perf_counter()
         results["train"] = trainer.train()
@@ -87,11 +105,15 @@ def run_train(cfg, log=print) -> dict:
         results["eval"] = trainer.evaluate()
         ev = results["eval"]
         if "exact_match" in ev:
-            base = ev.get("baseline_exact_match")
-            log(f"held-out exact match: {ev['exact_match']:.3f}" + (f" (majority-answer baseline {base:.3f})" if base is not None else ""))
+            log(_exact_match_line(ev, results.get("eval_start")))
     from erniekit.train.checkpointing import save_model_or_adapter
 
-    save_model_or_adapter(model, cfg.output_dir, tokenizer, cfg.model_name_or_path)
+    if trainer.ema is not None and cfg.save_ema:
+        with trainer.ema.applied():
+            save_model_or_adapter(model, cfg.output_dir, tokenizer, cfg.model_name_or_path)
+        log(f"output_dir holds the EMA weights (ema_decay {cfg.ema_decay}); the raw weights are in the last checkpoint")
+    else:
+        save_model_or_adapter(model, cfg.output_dir, tokenizer, cfg.model_name_or_path)
     atomic_write_json(os.path.join(cfg.output_dir, "train_results.json"), {"global_step": trainer.step, **results})
     trainer.logger.close()
     what = "LoRA adapter (PEFT layout)" if cfg.fine_tuning == "LoRA" else "model (Hugging Face layout)"

@@ -18,7 +18,8 @@ import paddle
 
 from erniekit.errors import ErniekitError
 from erniekit.train.batching import MicroBatches
-from erniekit.train.checkpointing import load_checkpoint, resolve_resume, rotate_checkpoints, save_checkpoint
+from erniekit.train.checkpointing import EMA_NAME, load_checkpoint, resolve_resume, rotate_checkpoints, save_checkpoint
+from erniekit.train.routing_monitor import RoutingMonitor
 from erniekit.train.optim import build_optimizer, clip_grad_norm_
 from erniekit.train.schedules import lr_at
 from erniekit.train.stage import Stage
@@ -75,12 +76,18 @@ class Trainer:
         self.warmup = min(warmup, self.total_steps)
         self.optimizer = build_optimizer(model, cfg)
         self.params = [p for p in model.parameters() if not p.stop_gradient]
+        self.ema = None
+        if cfg.ema_decay > 0:
+            from erniekit.train.ema import WeightEMA
+
+            self.ema = WeightEMA([(n, p) for n, p in model.named_parameters() if not p.stop_gradient], cfg.ema_decay)
         self.loss_scale = 2.0**15 if cfg.fp16 else 1.0  # dynamic loss scaling for fp16 only
         self.good_steps = 0
         self.step = 0
         self.consumed = 0  # micro-batches consumed: the data position
         self.logger_dir = cfg.logging_dir or os.path.join(cfg.output_dir, "vdl_log")
         self.logger = ScalarLogger(self.logger_dir)
+        self.routing = RoutingMonitor(model, cfg.output_dir, every_steps=cfg.routing_plot_steps)
 
     # ---- state -----------------------------------------------------------------------------
     def state(self) -> dict:
@@ -93,11 +100,21 @@ class Trainer:
             return
         st = load_checkpoint(path, self.model, self.optimizer)
         self.step, self.consumed = st["global_step"], st["consumed_micro_batches"]
+        ema_file = os.path.join(path, EMA_NAME)
+        if self.ema is not None and os.path.isfile(ema_file):
+            from safetensors.paddle import load_file
+
+            self.ema.load_state_dict(load_file(ema_file), ema_file)
+        elif self.ema is not None:
+            self.log(f"{path} has no {EMA_NAME}: the weight EMA restarts from the resumed weights")
+            self.ema = type(self.ema)(list(self.ema.params.items()), self.ema.decay)
         self.log(f"resumed from {path} at step {self.step}")
 
     def save(self) -> str:
         path = os.path.join(self.cfg.output_dir, f"checkpoint-{self.step}")
-        save_checkpoint(path, self.model, self.tokenizer, self.optimizer, self.state(), self.cfg.model_name_or_path)
+        extra = {EMA_NAME: self.ema.state_dict()} if self.ema is not None else None
+        save_checkpoint(path, self.model, self.tokenizer, self.optimizer, self.state(), self.cfg.model_name_or_path,
+                        extra_tensors=extra)
         rotate_checkpoints(self.cfg.output_dir, self.cfg.save_total_limit)
         return path
 
@@ -112,13 +129,13 @@ class Trainer:
         self.optimizer.set_lr(lr)
         loss_sum, aux_sum = 0.0, 0.0
         extra: dict[str, float] = {}
-        coef = getattr(self.model.config, "router_aux_loss_coef", 0.0)
         for b in micro:
             with amp_context(cfg):
                 out = self.stage.loss(self.model, b)
+            self.routing.after_forward(b["segment_ids"] > 0)
             loss = out.loss_sum / max(n_units, 1)
-            if out.aux_loss is not None and coef > 0:
-                loss = loss + coef * out.aux_loss / len(micro)
+            if out.aux_loss is not None:  # router losses, already weighted by their coefficients
+                loss = loss + out.aux_loss / len(micro)
                 aux_sum += float(out.aux_loss) / len(micro)
             (loss * self.loss_scale if cfg.fp16 else loss).backward()
             loss_sum += float(out.loss_sum)
@@ -132,6 +149,8 @@ class Trainer:
         grad_norm = clip_grad_norm_(self.params, cfg.max_grad_norm)
         if math.isfinite(grad_norm):
             self.optimizer.step()
+            if self.ema is not None:
+                self.ema.update()
             self.good_steps += 1
             if cfg.fp16 and self.good_steps % 1000 == 0:
                 self.loss_scale *= 2.0
@@ -142,14 +161,37 @@ class Trainer:
             raise ErniekitError(f"step {self.step + 1}: gradient norm is {grad_norm}; lower learning_rate "
                                 "or check the data (the last checkpoint is intact)")
         self.optimizer.clear_grad()
+        self.after_update()
         self.step += 1
         self.consumed += len(micro)
         tokens = int(sum((b["segment_ids"] > 0).sum() for b in micro))  # real (non-padding) tokens
         metrics = {"train/loss": loss_sum / max(n_units, 1), "train/lr": lr, "train/grad_norm": grad_norm,
                    "train/tokens": tokens, **{f"train/{k}": v for k, v in extra.items()}}
         if aux_sum:
-            metrics["train/aux_loss"] = aux_sum
+            metrics["train/router_loss"] = aux_sum
+        metrics.update(self.moe_metrics())
         return metrics
+
+    def after_update(self) -> None:
+        """Work that follows each optimizer update: aux-loss-free router bias correction."""
+        rate = getattr(self.model.config, "moe_bias_update_rate", 0.0)
+        if rate > 0:
+            for m in self._moe_layers():
+                m.update_correction_bias(rate)
+
+    def _moe_layers(self) -> list:
+        return self.model.moe_layers() if hasattr(self.model, "moe_layers") else []
+
+    def moe_metrics(self) -> dict[str, float]:
+        """Unweighted router losses of the last micro-batch, averaged over MoE layers."""
+        layers = self._moe_layers()
+        out: dict[str, float] = {}
+        for m in layers:
+            for k, v in m.loss_parts.items():
+                out[f"train/moe_{k}_loss"] = out.get(f"train/moe_{k}_loss", 0.0) + float(v) / len(layers)
+        if layers and layers[0].capacity_factor > 0:
+            out["train/moe_dropped_fraction"] = sum(m.last_dropped for m in layers) / len(layers)
+        return out
 
     # ---- the loop --------------------------------------------------------------------------
     def train(self) -> dict[str, float]:
@@ -170,6 +212,7 @@ class Trainer:
             if self.step % cfg.logging_steps == 0 or self.step == self.total_steps:
                 dt = time.perf_counter() - window_start
                 m["train/tokens_per_sec"] = window_tokens / max(dt, 1e-9)
+                m.update(self.routing.scalars())
                 self.logger.log(self.step, m)
                 window_tokens, window_start = 0, time.perf_counter()
                 last = m
@@ -180,6 +223,7 @@ class Trainer:
                     self.log(f"step {self.step}/{self.total_steps} loss {m['train/loss']:.4f} "
                              f"lr {m['train/lr']:.2e} grad_norm {m['train/grad_norm']:.3f} "
                              f"tokens/s {m['train/tokens_per_sec']:.0f}")
+            self.routing.maybe_write_pictures(self.step, self.logger.writer)
             if bar is not None:
                 bar.update(1)
             if cfg.do_eval and self.eval_data is not None and cfg.eval_steps > 0 and self.step % cfg.eval_steps == 0 \
@@ -189,12 +233,22 @@ class Trainer:
                 self.save()
         if bar is not None:
             bar.close()
+        self.routing.maybe_write_pictures(self.step, self.logger.writer, final=True)
         self.save()
         return last
 
     def evaluate(self) -> dict[str, float]:
+        """Scores of the current weights; with an EMA also of the EMA weights (eval_ema/*)."""
+        results = self._evaluate("eval")
+        if self.ema is not None:
+            with self.ema.applied():
+                ema = self._evaluate("eval_ema")
+            results.update({f"ema_{k}": v for k, v in ema.items()})
+        return results
+
+    def _evaluate(self, prefix: str) -> dict[str, float]:
         results = self.stage.evaluate(self.model, self.tokenizer, self.eval_data, self.cfg)
-        self.logger.log(self.step, {f"eval/{k}": v for k, v in results.items()})
-        self.log("eval " + " ".join(f"{k}={v:.4f}" for k, v in results.items()))
+        self.logger.log(self.step, {f"{prefix}/{k}": v for k, v in results.items()})
+        self.log(f"{prefix} " + " ".join(f"{k}={v:.4f}" for k, v in results.items()))
         self.model.train()
         return results

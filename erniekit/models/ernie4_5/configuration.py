@@ -51,6 +51,12 @@ class Ernie4_5Config:
     moe_layer_interval: int = 1
     moe_norm_min: float = 1e-12
     router_aux_loss_coef: float = 0.0
+    # ERNIE training techniques (docs/moe.md, docs/fp8.md, docs/gpas.md); all off by default
+    router_z_loss_coef: float = 0.0
+    router_orthogonal_loss_coef: float = 0.0
+    moe_capacity_factor: float = 0.0  # 0: no capacity limit (no token dropping)
+    moe_bias_update_rate: float = 0.0  # aux-loss-free balancing: step of e_score_correction_bias per update
+    use_gpas: bool = False  # gradient-preserving activation scaling of the residual stream
     extra: dict[str, Any] = field(default_factory=dict)  # unknown config.json keys, written back as read
 
     def __post_init__(self) -> None:
@@ -65,6 +71,8 @@ class Ernie4_5Config:
             )
         if self.is_moe and not 0 < self.moe_k <= self.moe_num_experts:
             raise CheckpointError(f"moe_k={self.moe_k} must be in [1, moe_num_experts={self.moe_num_experts}]")
+        if self.moe_capacity_factor < 0:
+            raise CheckpointError(f"moe_capacity_factor={self.moe_capacity_factor} must be >= 0 (0 = no limit)")
 
     @property
     def is_moe(self) -> bool:
@@ -108,7 +116,7 @@ class Ernie4_5Config:
         d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "extra"}
         if not self.is_moe:
             for k in list(d):
-                if k.startswith("moe_") or k == "router_aux_loss_coef":
+                if k.startswith(("moe_", "router_")):
                     d.pop(k)
         d.update(self.extra)
         arch = "Ernie4_5_MoeForCausalLM" if self.is_moe else "Ernie4_5ForCausalLM"

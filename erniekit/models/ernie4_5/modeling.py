@@ -13,10 +13,12 @@ import paddle
 import paddle.nn as nn
 import paddle.nn.functional as F
 
+from erniekit.errors import CheckpointError
 from erniekit.models.ernie4_5.configuration import Ernie4_5Config
 from erniekit.nn.attention import (
     additive_mask, apply_rope, attention, build_attention_mask, math_attention, rope_cos_sin, use_fused_attention,
 )
+from erniekit.nn.gpas import GPAS
 from erniekit.nn.moe import MoEBlock
 
 
@@ -103,10 +105,12 @@ class DecoderLayer(nn.Layer):
         self.mlp = MoEBlock(config, MLP) if config.is_moe_layer(layer_idx) else MLP(config)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.gpas = GPAS() if config.use_gpas else None
 
     def forward(self, x, cos, sin, mask, cache):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, cache)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        x = x + self.mlp(self.post_attention_layernorm(x))
+        return self.gpas(x) if self.gpas is not None else x
 
 
 class Ernie4_5Model(nn.Layer):
@@ -145,7 +149,7 @@ class Ernie4_5Model(nn.Layer):
 @dataclass
 class CausalLMOutput:
     logits: paddle.Tensor
-    aux_loss: paddle.Tensor | None = None  # sum of MoE load-balancing losses (training only)
+    aux_loss: paddle.Tensor | None = None  # sum over MoE layers of the weighted router losses (training only)
 
 
 class Ernie4_5ForCausalLM(nn.Layer):
@@ -172,6 +176,20 @@ class Ernie4_5ForCausalLM(nn.Layer):
     def moe_layers(self) -> list[MoEBlock]:
         return [l.mlp for l in self.model.layers if isinstance(l.mlp, MoEBlock)]
 
+    def set_fp8(self, block_size: int) -> None:
+        """Run every routed-expert GEMM in block-scaled FP8 (0 turns it off). A training-time
+        setting: it is not written to config.json, so exported checkpoints load in full precision."""
+        c = self.config
+        if block_size and not c.is_moe:
+            raise CheckpointError("fp8: FP8 applies to MoE expert GEMMs and this model is dense; set fp8: false")
+        for name in ("hidden_size", "moe_intermediate_size"):
+            size = getattr(c, name)
+            if block_size and (block_size < 0 or size % block_size):
+                raise CheckpointError(f"fp8_block_size={block_size} does not divide {name}={size}: set "
+                                      "fp8_block_size to a divisor of both hidden_size and moe_intermediate_size")
+        for m in self.moe_layers():
+            m.experts.fp8_block = block_size
+
     def forward(
         self, input_ids, position_ids=None, segment_ids=None, attention_mask=None, cache=None, logits_to_keep: int = 0
     ) -> CausalLMOutput:
@@ -184,6 +202,6 @@ class Ernie4_5ForCausalLM(nn.Layer):
             logits = self.lm_head(h)
         aux = None
         if self.training and self.config.is_moe:
-            losses = [m.aux_loss for m in self.moe_layers() if m.aux_loss is not None]
+            losses = [m.router_loss for m in self.moe_layers() if m.router_loss is not None]
             aux = paddle.add_n(losses) if losses else None
         return CausalLMOutput(logits=logits, aux_loss=aux)

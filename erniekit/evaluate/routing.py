@@ -1,0 +1,163 @@
+"""`erniekit eval MODEL_DIR --routing`: how an MoE checkpoint routes the tokens of a dataset.
+
+Runs the model forward (no generation, no gradients) over SFT or pretraining data, adds up the
+routing of every MoE layer with padding excluded (erniekit.nn.routing_stats), and writes
+`routing-load.png` (layer x expert load), `routing-modality.png` (only with more than one
+modality) and `routing_stats.json` into the output directory.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Any
+
+from erniekit.errors import CheckpointError, DataError, ErniekitError
+
+REPORT_VERSION = 1
+
+
+def _is_text_file(path: str) -> bool:
+    """Pretraining text (plain lines or {"text": ...} records) rather than conversations."""
+    if not path.endswith((".jsonl", ".json")):
+        return True
+    from erniekit.data.formats import _records
+
+    first = next(_records(path), (0, None))[1]
+    sft_keys = ("src", "tgt", "messages", "instruction")
+    return isinstance(first, dict) and "text" in first and not any(k in first for k in sft_keys)
+
+
+def load_sequences(data_path: str, tokenizer: Any, max_seq_len: int) -> list[list[int]]:
+    """Token ids of every example, as training would see them (chat template for SFT data,
+    text + eos for pretraining data), cut into pieces of at most max_seq_len tokens."""
+    from erniekit.data.encode import encode_conversation, encode_pretrain
+    from erniekit.data.formats import load_pretrain_texts, load_sft_examples, split_paths
+
+    seqs: list[list[int]] = []
+    for path in split_paths(data_path):
+        if _is_text_file(path):
+            docs = [encode_pretrain(t, tokenizer) for t in load_pretrain_texts(path)]
+        else:
+            docs = [encode_conversation(c, tokenizer, 10**9)[0] for c in load_sft_examples(path)]
+        seqs += [d[s:s + max_seq_len] for d in docs for s in range(0, len(d), max_seq_len)]
+    seqs = [s for s in seqs if s]
+    if not seqs:
+        raise DataError(f"{data_path}: no tokens after encoding; check the data")
+    return seqs
+
+
+def _check_moe_config(model_dir: str) -> None:
+    """Fail before loading weights when config.json says the model is dense."""
+    from erniekit.models.ernie4_5.configuration import Ernie4_5Config
+
+    if os.path.isfile(os.path.join(model_dir, "config.json")) and not Ernie4_5Config.from_pretrained(model_dir).is_moe:
+        raise ErniekitError(f"{model_dir} has no MoE layers: routing report needs an MoE model")
+
+
+def load_model_and_tokenizer(model_dir: str) -> tuple[Any, Any]:
+    """Checkpoint (full or LoRA adapter, merged) in eval mode, and its tokenizer."""
+    from erniekit.models.ernie4_5.checkpoint import load_model_or_adapter
+    from erniekit.models.ernie4_5.tokenizer import ErnieTokenizer
+
+    if not os.path.isdir(model_dir):
+        raise CheckpointError(f"{model_dir}: checkpoint directory not found; pass a directory written by "
+                              "'erniekit train' or a Hugging Face ERNIE-4.5 checkpoint")
+    _check_moe_config(model_dir)
+    tokenizer = ErnieTokenizer.from_pretrained(model_dir)
+    model = load_model_or_adapter(model_dir)
+    if not model.moe_layers():
+        raise ErniekitError(f"{model_dir} has no MoE layers: routing report needs an MoE model")
+    model.eval()
+    return model, tokenizer
+
+
+def accumulate_routing(model: Any, seqs: list[list[int]], batch_size: int, pad_id: int):
+    """RoutingAccumulator over all sequences (batched by length, padding masked out)."""
+    import numpy as np
+    import paddle
+
+    from erniekit.data.encode import pad_batch
+    from erniekit.nn.routing_stats import RoutingAccumulator
+
+    acc = RoutingAccumulator()
+    order = np.argsort([len(s) for s in seqs], kind="stable")  # similar lengths together: less padding
+    with paddle.no_grad():
+        for i in range(0, len(order), batch_size):
+            b = pad_batch([seqs[j] for j in order[i:i + batch_size]], pad_id=pad_id)
+            model(paddle.to_tensor(b["input_ids"]))  # right padding + causal attention: real tokens unaffected
+            acc.update(model, b["segment_ids"] > 0)
+    return acc
+
+
+def _finite(x: Any) -> Any:
+    """JSON-safe: NaN/inf become null (json.dumps would write the non-standard NaN)."""
+    if isinstance(x, float):
+        return x if math.isfinite(x) else None
+    if isinstance(x, dict):
+        return {k: _finite(v) for k, v in x.items()}
+    if isinstance(x, list):
+        return [_finite(v) for v in x]
+    return x
+
+
+def routing_report(model_dir: str, data_path: str, out_dir: str | None = None, batch_size: int = 16,
+                   max_seq_len: int = 1024) -> dict:
+    """Route `data_path` through the MoE checkpoint at `model_dir`; write pictures and
+    routing_stats.json into `out_dir` (default MODEL_DIR/routing) and return the stats."""
+    from erniekit.utils.io import atomic_write_json
+    from erniekit.utils.routing_plots import save_load_heatmap, save_modality_usage
+
+    if batch_size < 1 or max_seq_len < 1:
+        raise ErniekitError(f"batch_size={batch_size}, max_seq_len={max_seq_len}: both must be positive")
+    out_dir = out_dir or os.path.join(model_dir, "routing")
+    model, tokenizer = load_model_and_tokenizer(model_dir)
+    seqs = load_sequences(data_path, tokenizer, max_seq_len)
+    acc = accumulate_routing(model, seqs, batch_size, tokenizer.pad_token_id or 0)
+    name = os.path.basename(os.path.normpath(model_dir))
+    pictures = {"load": save_load_heatmap(acc.load_matrix(), os.path.join(out_dir, "routing-load.png"),
+                                          f"{name}: expert load on {os.path.basename(data_path)}", acc.layer_ids)}
+    if acc.num_modalities > 1:
+        pictures["modality"] = save_modality_usage(acc.modality_matrix(), os.path.join(out_dir, "routing-modality.png"),
+                                                   f"{name}: expert usage per modality")
+    load = acc.load_matrix()
+    layers = [{**row, "load": load[r].tolist()} for r, row in enumerate(acc.layer_table())]
+    stats = {
+        "version": REPORT_VERSION,
+        "model_dir": model_dir,
+        "data": data_path,
+        "sequences": len(seqs),
+        "tokens": int(sum(len(s) for s in seqs)),
+        "num_experts": acc.num_experts,
+        "moe_k": int(model.config.moe_k),
+        "num_modalities": acc.num_modalities,
+        "summary": {k: v for k, v in acc.scalars(prefix="").items() if not k.startswith("layer")},  # per layer: below
+        "layers": layers,
+        "pictures": pictures,
+    }
+    if acc.num_modalities > 1:
+        stats["modality_usage"] = acc.modality_matrix().tolist()
+    stats = _finite(stats)
+    stats["stats_path"] = os.path.join(out_dir, "routing_stats.json")
+    atomic_write_json(stats["stats_path"], stats)
+    return stats
+
+
+def _num(x: float | None, fmt: str) -> str:
+    return "-" if x is None else format(x, fmt)
+
+
+def format_routing_table(stats: dict) -> str:
+    """The per-layer table `erniekit eval --routing` prints."""
+    k, e = stats["moe_k"], stats["num_experts"]
+    lines = [f"routing of {stats['tokens']} tokens ({stats['sequences']} sequences), top-{k} of {e} experts "
+             f"(uniform share {100 / e:.1f}%)",
+             f"{'layer':>5}  {'entropy':>7}  {'/log E':>6}  {'imbalance':>9}  {'cv':>5}  top expert (share)"]
+    for row in stats["layers"]:
+        lines.append(f"{row['layer']:>5}  {_num(row['entropy'], '7.3f')}  {_num(row['entropy_norm'], '6.3f')}  "
+                     f"{_num(row['load_imbalance'], '9.2f')}  {_num(row['load_cv'], '5.2f')}  "
+                     f"{row['top_expert']:>3} ({100 * row['top_expert_share']:.1f}%)")
+    s = stats["summary"]
+    lines.append(f"{'mean':>5}  {_num(s.get('entropy'), '7.3f')}  {_num(s.get('entropy_norm'), '6.3f')}  "
+                 f"{_num(s.get('load_imbalance'), '9.2f')}  {_num(s.get('load_cv'), '5.2f')}")
+    return "\n".join(lines)

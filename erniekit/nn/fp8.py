@@ -1,0 +1,286 @@
+"""Block-scaled FP8 (e4m3) matmul for the MoE expert GEMMs: the DeepSeek-V3 / ERNIE 4.5 recipe.
+
+Every GEMM (the forward and both backward ones) multiplies two FP8 operands whose scales are
+fine-grained along the GEMM's reduction dimension, and accumulates in float32:
+
+    forward  Y  = X   @ W      reduction K: X tiled 1 x b along K,   W tiled b x b
+    backward dX = dY  @ W^T    reduction N: dY tiled 1 x b along N,  W^T tiled b x b (same tiles as W)
+    backward dW = X^T @ dY     reduction M: X^T tiled 1 x b along M, dY tiled b x 1 along M
+
+Per tile: scale = amax(|tile|) / 448, q = round_e4m3(v / scale) (round to nearest even), and the
+GEMM is Y = sum over reduction blocks of (q_a . q_b) * s_a * s_b. e4m3 (not e5m2) is used for
+gradients too: with one scale per 128 values the dynamic range inside a tile is small, so the
+extra mantissa bit of e4m3 buys more than the extra exponent bit of e5m2 (DeepSeek-V3 does the same).
+
+Backends (`fp8_backend()`): "gpu" calls Paddle's cuBLASLt blockwise FP8 GEMM on the quantised
+operands; "emulated" (CPU, and any GPU without the kernel) rounds exactly to e4m3 by casting to
+`paddle.float8_e4m3fn` and back, then runs the float32 GEMM on the dequantised operands. The two
+compute the same sum of the same products and differ only in fp32 accumulation order.
+No bf16/fp8 matmul exists in the CPU wheel, hence the emulation. Formulas and numbers: docs/fp8.md.
+"""
+
+from __future__ import annotations
+
+import paddle
+from paddle.autograd import PyLayer
+
+from erniekit.errors import ConfigError
+
+E4M3_MAX = 448.0  # largest finite float8_e4m3fn
+E4M3_MANTISSA_BITS = 3
+E4M3_MIN_NORMAL = 2.0**-6
+E4M3_SUBNORMAL_SPACING = 2.0**-9
+_SCALE_FLOOR = 2.0**-126  # smallest normal float32: an all-zero tile gets this scale, so q = 0, not 0/0
+_FP8 = paddle.float8_e4m3fn
+_BLOCK_HINT = "set fp8_block_size to a divisor of hidden_size and moe_intermediate_size, e.g. 64"
+
+# Paddle ops that could run the block-scaled GEMM on a GPU, probed by name at run time.
+# paddle.linalg.fp8_fp8_half_gemm_fused is NOT a candidate: it takes one per-tensor scale.
+_GPU_GEMM_CANDIDATES = (("paddle.incubate.nn.functional", "fp8_gemm_blockwise"),)
+_GPU_MIN_CAPABILITY = (8, 9)  # first arch with FP8 tensor cores (Ada); Hopper is 9.0
+_GPU_BLOCK = 128  # the cuBLASLt kernel's only tile size
+
+
+class FP8ShapeError(ConfigError, ValueError):
+    """A GEMM dimension that FP8 tiles cannot cover: one line, for the CLI, also a ValueError."""
+
+
+def e4m3_relative_bound() -> float:
+    """Round-to-nearest relative error bound of e4m3 for normal values: 2^-(mantissa bits + 1).
+
+    Why this bounds a whole tile: v = x / scale lies in [-448, 448]. If |v| >= 2^-6 (normal) the
+    spacing near v is <= |v| * 2^-3, so |round(v) - v| <= |v| * 2^-4. If |v| < 2^-6 (subnormal)
+    the spacing is 2^-9, so |round(v) - v| <= 2^-10. Multiplying back by the tile's scale
+    (amax / 448), every element of the tile satisfies
+
+        |dequant(x) - x| <= max(|x| * 2^-4, scale * 2^-10)  (+ fp32 rounding, ~|x| * 2^-23)
+
+    which is the bound tests/test_fp8.py checks. The tile's amax maps to exactly +-448, so no
+    element saturates; elements with |x| <= scale * 2^-10 (~ amax * 2^-18.8) flush to 0.
+    """
+    return 2.0 ** -(E4M3_MANTISSA_BITS + 1)
+
+
+def e4m3_subnormal_half_spacing() -> float:
+    """Absolute rounding bound (in units of the tile scale) for values in the subnormal range."""
+    return E4M3_SUBNORMAL_SPACING / 2
+
+
+# ---- tile quantisation ---------------------------------------------------------------------
+def _tiled(x: paddle.Tensor, rows: int, cols: int) -> paddle.Tensor:
+    """View [R, C] as tiles of rows x cols; 1-sized tile dims are dropped (cheaper reductions)."""
+    R, C = x.shape
+    if rows == 1:
+        return x.reshape([R, C // cols, cols])
+    if cols == 1:
+        return x.reshape([R // rows, rows, C])
+    return x.reshape([R // rows, rows, C // cols, cols])
+
+
+def _tile_amax(v: paddle.Tensor, rows: int, cols: int) -> paddle.Tensor:
+    """amax per tile, keepdim so it broadcasts over the tiled view (one axis at a time: faster)."""
+    a = v.abs()
+    if rows == 1:
+        return a.max(axis=2, keepdim=True)
+    if cols == 1:
+        return a.max(axis=1, keepdim=True)
+    return a.max(axis=3, keepdim=True).max(axis=1, keepdim=True)
+
+
+def _quant(x: paddle.Tensor, rows: int, cols: int) -> tuple[paddle.Tensor, paddle.Tensor]:
+    """(q e4m3 in the tiled view, scale broadcastable to it). x float32, dims divisible by tile.
+
+    No clip before the cast: |x / scale| <= 448 * (1 + 2^-23), far below 464, the point from which
+    Paddle's CPU cast stops rounding to 448 (it gives NaN on (464, 480)); see docs/fp8.md.
+    """
+    v = _tiled(x, rows, cols)
+    scale = (_tile_amax(v, rows, cols) / E4M3_MAX).clip(min=_SCALE_FLOOR)  # NaN amax stays NaN
+    return (v / scale).astype(_FP8), scale
+
+
+def _dequant(q: paddle.Tensor, scale: paddle.Tensor, shape: list[int]) -> paddle.Tensor:
+    return (q.astype("float32") * scale).reshape(shape)
+
+
+def _fake_quant(x: paddle.Tensor, rows: int, cols: int) -> paddle.Tensor:
+    """x rounded through e4m3 with per-tile scales, back in float32 (the emulated operand)."""
+    q, scale = _quant(x, rows, cols)
+    return _dequant(q, scale, x.shape)
+
+
+def _scale_2d(scale: paddle.Tensor, shape: list[int], rows: int, cols: int) -> paddle.Tensor:
+    return scale.reshape([shape[0] // rows, shape[1] // cols])
+
+
+def _check_2d_multiple(x: paddle.Tensor, rows: int, cols: int, what: str) -> None:
+    if len(x.shape) != 2:
+        raise ValueError(f"{what}: expected a 2-D tensor, got shape {list(x.shape)}")
+    for axis, t in ((0, rows), (1, cols)):
+        if x.shape[axis] % t:
+            raise FP8ShapeError(
+                f"{what}: dim {axis} has size {x.shape[axis]}, not a multiple of the FP8 block size {t}; {_BLOCK_HINT}"
+            )
+
+
+def quantize_rowwise(x: paddle.Tensor, block: int = 128) -> tuple[paddle.Tensor, paddle.Tensor]:
+    """Activations [M, K] -> (q float8_e4m3fn [M, K], scale float32 [M, K/block]), 1 x block tiles.
+
+    scale = amax / 448 per tile (floored at 2^-126 so an all-zero tile stays zero); x ~= q * scale.
+    """
+    x = x.astype("float32")
+    _check_2d_multiple(x, 1, block, "quantize_rowwise")
+    q, scale = _quant(x, 1, block)
+    return q.reshape(x.shape), _scale_2d(scale, x.shape, 1, block)
+
+
+def quantize_blockwise(w: paddle.Tensor, block: int = 128) -> tuple[paddle.Tensor, paddle.Tensor]:
+    """Weights [K, N] -> (q float8_e4m3fn [K, N], scale float32 [K/block, N/block]), block x block tiles.
+
+    A block x block tiling is transpose-invariant, so the same q, scale serve W^T in the dX GEMM.
+    """
+    w = w.astype("float32")
+    _check_2d_multiple(w, block, block, "quantize_blockwise")
+    q, scale = _quant(w, block, block)
+    return q.reshape(w.shape), _scale_2d(scale, w.shape, block, block)
+
+
+def dequantize_rowwise(q: paddle.Tensor, scale: paddle.Tensor, block: int = 128) -> paddle.Tensor:
+    """Inverse of quantize_rowwise: float32 [M, K] = q * scale broadcast over each 1 x block tile."""
+    M, K = q.shape
+    return _dequant(q.reshape([M, K // block, block]), scale.reshape([M, K // block, 1]), [M, K])
+
+
+def dequantize_blockwise(q: paddle.Tensor, scale: paddle.Tensor, block: int = 128) -> paddle.Tensor:
+    """Inverse of quantize_blockwise: float32 [K, N] = q * scale broadcast over each block x block tile."""
+    K, N = q.shape
+    s = scale.reshape([K // block, 1, N // block, 1])
+    return _dequant(q.reshape([K // block, block, N // block, block]), s, [K, N])
+
+
+# ---- backend --------------------------------------------------------------------------------
+def _gpu_gemm_op():
+    """Paddle's block-scaled FP8 GEMM callable, or None when this build lacks every candidate."""
+    import importlib
+
+    for module, name in _GPU_GEMM_CANDIDATES:
+        op = getattr(importlib.import_module(module), name, None)
+        if op is not None:
+            return op
+    return None
+
+
+def fp8_backend() -> str:
+    """'gpu' if CUDA build + visible GPU with compute capability >= 8.9 + a blockwise FP8 GEMM op, else 'emulated'."""
+    if not paddle.is_compiled_with_cuda() or paddle.device.cuda.device_count() == 0:
+        return "emulated"
+    if tuple(paddle.device.cuda.get_device_capability()) < _GPU_MIN_CAPABILITY:
+        return "emulated"
+    return "gpu" if _gpu_gemm_op() is not None else "emulated"
+
+
+def _gpu_nt(a, a_scale, a_1d: bool, b, b_scale, b_1d: bool) -> paddle.Tensor:
+    """a [R, K] @ b [S, K]^T in float32 on the cuBLASLt kernel. Scales come in this module's layout
+    (rowwise [R, K/128], blockwise [R/128, K/128]); the kernel wants 1-D scales as [K/128, R].
+    Untested here (no GPU on the dev machine); kept small so review is easy.
+    """
+    a_scale = a_scale.transpose([1, 0]).contiguous() if a_1d else a_scale
+    b_scale = b_scale.transpose([1, 0]).contiguous() if b_1d else b_scale
+    return _gpu_gemm_op()(a, a_scale, b, b_scale, paddle.float32, is_a_1d_scaled=a_1d, is_b_1d_scaled=b_1d)
+
+
+def _pad_rows(x: paddle.Tensor, block: int) -> paddle.Tensor:
+    """Zero rows up to a multiple of block: zeros add nothing to a product reduced over rows."""
+    pad = -x.shape[0] % block
+    return x if pad == 0 else paddle.concat([x, paddle.zeros([pad, x.shape[1]], x.dtype)], axis=0)
+
+
+# ---- the three GEMMs, per backend ---------------------------------------------------------------
+def _fwd(x: paddle.Tensor, w: paddle.Tensor, block: int, backend: str) -> paddle.Tensor:
+    """Y = X @ W: X 1 x block along K, W block x block."""
+    if backend == "gpu":
+        xq, xs = quantize_rowwise(x, block)
+        wq, ws = quantize_blockwise(w.transpose([1, 0]), block)  # W^T [N, K]
+        return _gpu_nt(wq, ws, False, xq, xs, True).transpose([1, 0])
+    return paddle.matmul(_fake_quant(x, 1, block), _fake_quant(w, block, block))
+
+
+def _grad_x(dy: paddle.Tensor, w: paddle.Tensor, block: int, backend: str) -> paddle.Tensor:
+    """dX = dY @ W^T: dY 1 x block along N, W^T block x block (the forward's tiles of W)."""
+    if backend == "gpu":
+        dq, ds = quantize_rowwise(dy, block)
+        wq, ws = quantize_blockwise(w, block)  # W [K, N]: K rows, reduction N last
+        return _gpu_nt(wq, ws, False, dq, ds, True).transpose([1, 0])
+    return paddle.matmul(_fake_quant(dy, 1, block), _fake_quant(w, block, block), transpose_y=True)
+
+
+def _grad_w(x: paddle.Tensor, dy: paddle.Tensor, block: int, backend: str) -> paddle.Tensor:
+    """dW = X^T @ dY: both tiled along M in block-long runs (M zero-padded to a multiple of block)."""
+    xp, dp = _pad_rows(x, block), _pad_rows(dy, block)
+    if backend == "gpu":
+        xq, xs = quantize_rowwise(xp.transpose([1, 0]), block)  # X^T [K, Mp]
+        dq, ds = quantize_rowwise(dp.transpose([1, 0]), block)  # dY^T [N, Mp]
+        return _gpu_nt(xq, xs, True, dq, ds, True)
+    return paddle.matmul(_fake_quant(xp, block, 1), _fake_quant(dp, block, 1), transpose_x=True)
+
+
+class _FP8MatMul(PyLayer):
+    """Y = X @ W with all three GEMMs in block-scaled FP8. Saves only the master X and W (what a
+    plain matmul keeps too) and re-quantises in backward with the backward GEMMs' own tilings."""
+
+    @staticmethod
+    def forward(ctx, x, w, block: int, backend: str):
+        ctx.block, ctx.backend = block, backend
+        ctx.dtypes = (x.dtype, w.dtype)
+        ctx.need = (not x.stop_gradient, not w.stop_gradient)
+        ctx.save_for_backward(x, w)
+        y = _fwd(x.astype("float32"), w.astype("float32"), block, backend)
+        return y.astype(x.dtype)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, w = ctx.saved_tensor()
+        dy = dy.astype("float32")
+        dx = dw = None
+        if ctx.need[0]:
+            dx = _grad_x(dy, w.astype("float32"), ctx.block, ctx.backend).astype(ctx.dtypes[0])
+        if ctx.need[1]:
+            dw = _grad_w(x.astype("float32"), dy, ctx.block, ctx.backend).astype(ctx.dtypes[1])
+        return dx, dw
+
+
+def _check_gemm(x: paddle.Tensor, w: paddle.Tensor, block: int, backend: str) -> None:
+    if block <= 0:
+        raise FP8ShapeError(f"fp8_matmul: block size must be positive, got {block}; {_BLOCK_HINT}")
+    if len(w.shape) != 2 or len(x.shape) < 2 or x.shape[-1] != w.shape[0]:
+        raise ValueError(f"fp8_matmul: need x [..., K] and w [K, N], got {list(x.shape)} and {list(w.shape)}")
+    for name, size in (("K (x.shape[-1], w.shape[0])", w.shape[0]), ("N (w.shape[1])", w.shape[1])):
+        if size % block:
+            raise FP8ShapeError(
+                f"fp8_matmul: {name} = {size} is not a multiple of the FP8 block size {block}; {_BLOCK_HINT}"
+            )
+    if backend not in ("gpu", "emulated"):
+        raise ValueError(f"fp8_matmul: backend must be 'gpu' or 'emulated', got {backend!r}")
+    if backend == "gpu" and block != _GPU_BLOCK:
+        raise FP8ShapeError(
+            f"fp8_matmul: the GPU FP8 kernel only tiles by {_GPU_BLOCK}, got fp8_block_size {block}; "
+            f"use 128 or backend='emulated'"
+        )
+
+
+def fp8_matmul(x: paddle.Tensor, w: paddle.Tensor, block: int = 128, backend: str | None = None) -> paddle.Tensor:
+    """Differentiable x @ w (x [..., K], w [K, N]; float32/bf16 masters) with every GEMM in block-scaled FP8.
+
+    K and N must be multiples of `block` (else FP8ShapeError, a ValueError); the token count M is
+    free. Output and gradients come back in the inputs' dtypes. `backend` None picks `fp8_backend()`
+    when x lives on a GPU and "emulated" otherwise (a CPU tensor cannot use the GPU kernel).
+    Nothing is cached between calls, so updated weights are always re-quantised.
+    """
+    if backend is None:
+        backend = fp8_backend() if x.place.is_gpu_place() else "emulated"
+    _check_gemm(x, w, block, backend)
+    lead = list(x.shape[:-1])
+    m = 1
+    for d in lead:
+        m *= d
+    y = _FP8MatMul.apply(x.reshape([m, x.shape[-1]]), w, block, backend)
+    return y.reshape(lead + [w.shape[1]])
