@@ -1,0 +1,132 @@
+"""ERNIE techniques inside real training runs: FP8 experts, weight EMA, bias correction, routing logs."""
+
+import json
+import os
+
+import numpy as np
+import pytest
+
+from erniekit.config import load_config, validate
+from erniekit.errors import ConfigError
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DATA = os.path.join(ROOT, "examples", "data", "arithmetic")
+
+# tiny-moe shapes (hidden 128, expert 128: one 128-block) at 2 layers
+BASE = [
+    "model_overrides.num_hidden_layers=2", "per_device_train_batch_size=16", "max_seq_len=32",
+    "learning_rate=3e-3", "logging_steps=10", "disable_tqdm=true", "do_eval=false", "save_steps=1000",
+    f"train_dataset_path={DATA}/train.jsonl",
+]
+
+
+def _run(tmp_path, name, *overrides):
+    from erniekit.train.runner import run_train
+
+    cfg = validate(load_config(None, BASE + [f"output_dir={tmp_path / name}", *overrides]))
+    logs: list[str] = []
+    run_train(cfg, log=logs.append)
+    return cfg, logs
+
+
+def _scalars(path):
+    with open(os.path.join(path, "vdl_log", "scalars.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def test_fp8_training_ends_within_2_percent_of_fp32(tmp_path):
+    _run(tmp_path, "fp32", "max_steps=200")
+    _run(tmp_path, "fp8", "max_steps=200", "compute_type=fp8")
+    last = {}
+    for name in ("fp32", "fp8"):
+        rows = [r["train/loss"] for r in _scalars(tmp_path / name) if "train/loss" in r]
+        assert len(rows) == 20
+        last[name] = float(np.mean(rows[-3:]))  # steps 180-200
+    assert last["fp8"] == pytest.approx(last["fp32"], rel=0.02)
+    first = [r["train/loss"] for r in _scalars(tmp_path / "fp8") if "train/loss" in r][0]
+    assert last["fp8"] < 0.7 * first  # it did learn
+    # the two runs really differ (FP8 is not silently off): losses are not bit-identical
+    a = [r["train/loss"] for r in _scalars(tmp_path / "fp32") if "train/loss" in r]
+    b = [r["train/loss"] for r in _scalars(tmp_path / "fp8") if "train/loss" in r]
+    assert a != b
+
+
+def test_fp8_model_is_saved_without_the_training_flag(tmp_path):
+    _run(tmp_path, "r", "max_steps=2", "fp8=true")
+    cfg = json.load(open(tmp_path / "r" / "config.json"))
+    assert not any("fp8" in k for k in cfg)
+
+
+def test_fp8_block_not_dividing_hidden_is_one_line_error(tmp_path):
+    from erniekit.errors import CheckpointError
+
+    with pytest.raises(CheckpointError, match="fp8_block_size=96 does not divide hidden_size=128"):
+        _run(tmp_path, "bad", "max_steps=1", "fp8=true", "fp8_block_size=96")
+
+
+def test_weight_ema_follows_formula_saves_and_resumes(tmp_path):
+    from safetensors.numpy import load_file
+
+    # the recurrence itself is checked in test_weight_ema_update_matches_recurrence
+    _run(tmp_path, "ema", "max_steps=4", "ema_decay=0.5", "save_steps=2", "save_total_limit=0", "lr_scheduler_type=constant")
+    out = tmp_path / "ema"
+    name = "model.layers.1.mlp.gate.weight"
+    ema = load_file(str(out / "checkpoint-4" / "ema.safetensors"))
+    raw = {s: load_file(str(out / f"checkpoint-{s}" / "model.safetensors")) for s in (2, 4)}
+    ema2 = load_file(str(out / "checkpoint-2" / "ema.safetensors"))
+    assert int(ema["__updates__"][0]) == 4 and int(ema2["__updates__"][0]) == 2
+    final = load_file(str(out / "model.safetensors"))  # save_ema: output_dir holds the EMA
+    np.testing.assert_allclose(final[name], ema[name].T, rtol=1e-6)  # HF layout stores [E, H]
+    assert not np.allclose(final[name], raw[4][name])  # and it is not the raw weights
+    # resume from checkpoint-2: EMA continues exactly as the uninterrupted run
+    os.makedirs(tmp_path / "resumed")
+    os.rename(out / "checkpoint-2", tmp_path / "resumed" / "checkpoint-2")
+    _run(tmp_path, "resumed", "max_steps=4", "ema_decay=0.5", "save_steps=2", "save_total_limit=0",
+         "lr_scheduler_type=constant", "resume_from_checkpoint=auto")
+    ema_r = load_file(str(tmp_path / "resumed" / "checkpoint-4" / "ema.safetensors"))
+    np.testing.assert_allclose(ema_r[name], ema[name], rtol=1e-5, atol=1e-7)
+
+
+def test_weight_ema_update_matches_recurrence():
+    import paddle
+
+    from erniekit.train.ema import WeightEMA
+
+    w = paddle.create_parameter([3], "float32")
+    w.set_value(paddle.to_tensor([1.0, 2.0, 3.0]))
+    ema = WeightEMA([("w", w)], decay=0.9)
+    ref = np.array([1.0, 2.0, 3.0])
+    for t, new in enumerate([[2.0, 2.0, 2.0], [0.0, 1.0, 5.0], [4.0, 4.0, 4.0]]):
+        w.set_value(paddle.to_tensor(new))
+        d = min(0.9, (1 + t) / (10 + t))
+        ema.update()
+        ref = d * ref + (1 - d) * np.array(new)
+        np.testing.assert_allclose(ema.shadow["w"].numpy(), ref, rtol=1e-6)
+    with ema.applied():
+        np.testing.assert_allclose(w.numpy(), ref, rtol=1e-6)
+    np.testing.assert_allclose(w.numpy(), [4.0, 4.0, 4.0])  # restored
+
+
+def test_bias_update_and_router_losses_in_a_run(tmp_path):
+    from safetensors.numpy import load_file
+
+    _run(tmp_path, "b", "max_steps=5", "model_overrides.moe_bias_update_rate=0.01",
+         "model_overrides.router_z_loss_coef=0.001", "model_overrides.router_orthogonal_loss_coef=0.01",
+         "model_overrides.moe_capacity_factor=1.0", "logging_steps=5", "routing_plot_steps=5")
+    w = load_file(str(tmp_path / "b" / "model.safetensors"))
+    bias = w["model.layers.1.mlp.moe_statics.e_score_correction_bias"]
+    # five sign steps of 0.01 each: every entry is a multiple of 0.01 within [-0.05, 0.05], not all zero
+    assert np.abs(bias).max() <= 0.05 + 1e-6 and np.abs(bias).max() > 0
+    np.testing.assert_allclose(bias / 0.01, np.round(bias / 0.01), atol=1e-4)
+    row = [r for r in _scalars(tmp_path / "b") if r["step"] == 5 and "train/loss" in r][0]
+    for key in ("train/moe_aux_loss", "train/moe_z_loss", "train/moe_orthogonal_loss", "train/router_loss",
+                "train/moe_dropped_fraction", "routing/entropy", "routing/load_imbalance"):
+        assert np.isfinite(row[key]), key
+    assert os.path.isfile(tmp_path / "b" / "routing" / "step-000005-load.png")
+
+
+def test_compute_type_fp8_sets_flag_and_bad_ema_decay_is_rejected():
+    cfg = validate(load_config(None, ["compute_type=FP8"]))
+    assert cfg.fp8 and cfg.compute_type == "fp8"
+    with pytest.raises(ConfigError, match="ema_decay"):
+        validate(load_config(None, ["ema_decay=1.0"]))
