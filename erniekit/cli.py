@@ -69,6 +69,9 @@ def _chat_parser() -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
     p.add_argument("--seed", type=int, default=None, help="random seed for sampling")
+    p.add_argument("--speculative", action="store_true",
+                   help="greedy self-speculative decoding with the model's MTP heads: same reply, fewer "
+                        "forward passes (needs num_nextn_predict_layers >= 1; docs/mtp.md)")
     return p
 
 
@@ -81,6 +84,9 @@ def chat(args: list[str]) -> int:
         SamplingParams(max_new_tokens=ns.max_new_tokens, temperature=ns.temperature, top_p=ns.top_p)
     except ValueError as e:
         raise ErniekitError(f"chat: {e}") from None
+    if ns.speculative and ns.temperature > 0:
+        raise ErniekitError(f"chat: --speculative supports greedy decoding only: use --temperature 0 "
+                            f"(got {ns.temperature})")
     _import_paddle()
     from erniekit.infer.chat import run_chat
 
@@ -96,11 +102,19 @@ def export(args: list[str]) -> int:
     p.add_argument("--max-shard-size", default="5GB", help="split weights into files of at most this size")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
                    help="weight dtype in the files (default: as trained)")
-    ns = p.parse_args(args)
+    p.add_argument("elastic", nargs="*", metavar="elastic.KEY=N",
+                   help="write an elastic sub-model: elastic.depth=N elastic.experts=N elastic.top_k=N "
+                        "(docs/elastic.md)")
+    ns = p.parse_intermixed_args(args)
+    from erniekit.nn.elastic import parse_settings
+
+    spec = parse_settings(ns.elastic)  # before paddle: a typo is reported at once
     _import_paddle()
     from erniekit.export.hf import export_hf
 
-    print(f"exported {ns.src} -> {export_hf(ns.src, ns.output, ns.max_shard_size, ns.dtype)}")
+    out = export_hf(ns.src, ns.output, ns.max_shard_size, ns.dtype, elastic=spec)
+    what = "" if spec.is_full else f" (elastic sub-model depth={spec.depth} experts={spec.experts} top_k={spec.top_k})"
+    print(f"exported {ns.src} -> {out}{what}")
     return 0
 
 
@@ -110,12 +124,26 @@ def _eval_parser() -> argparse.ArgumentParser:
     kind = p.add_mutually_exclusive_group(required=True)  # one report per run; add report kinds here
     kind.add_argument("--routing", dest="report", action="store_const", const="routing",
                       help="MoE routing: per-layer entropy, load imbalance, load and modality heatmaps")
+    kind.add_argument("--elastic", dest="report", action="store_const", const="elastic",
+                      help="elastic sub-models: parameters, held-out exact match and decode tokens/s of each")
     p.add_argument("--data", metavar="PATH", help="jsonl/json/txt dataset, SFT or pretraining format "
                                   "(default: the bundled examples/data/arithmetic/eval.jsonl)")
-    p.add_argument("--out", metavar="DIR", help="directory for pictures and JSON (default: MODEL_DIR/routing)")
+    p.add_argument("--out", metavar="DIR",
+                   help="directory for pictures and JSON (default: MODEL_DIR/routing; --elastic: MODEL_DIR)")
     p.add_argument("--batch-size", type=int, metavar="N", default=16, help="sequences per forward pass")
     p.add_argument("--max-seq-len", type=int, metavar="N", default=1024, help="longer sequences are cut into pieces")
+    for flag, what in (("--depths", "depths"), ("--experts", "expert counts"), ("--top-k", "top-k values")):
+        p.add_argument(flag, type=_int_csv, metavar="N,N", default=[],
+                       help=f"--elastic: {what} to tabulate (default: the run's elastic_* choices)")
+    p.add_argument("--max-samples", type=int, metavar="N", default=500, help="--elastic: examples scored")
     return p
+
+
+def _int_csv(text: str) -> list[int]:
+    try:
+        return [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers, e.g. 2,4") from None
 
 
 def _default_eval_data() -> str | None:
@@ -142,7 +170,21 @@ def _eval_routing(ns: argparse.Namespace) -> int:
     return 0
 
 
-EVAL_REPORTS: dict[str, Callable[[argparse.Namespace], int]] = {"routing": _eval_routing}
+def _eval_elastic(ns: argparse.Namespace) -> int:
+    data = ns.data or _default_eval_data()
+    if data is None:
+        raise ErniekitError("eval --elastic needs --data PATH (the bundled examples/data is not next to this install)")
+    _import_paddle()
+    from erniekit.evaluate.elastic import elastic_report, format_elastic_table
+
+    table = elastic_report(ns.model_dir, data, ns.depths, ns.experts, ns.top_k, max_samples=ns.max_samples,
+                           batch_size=ns.batch_size, out_dir=ns.out)
+    print(format_elastic_table(table))
+    print(f"table: {table['path']}")
+    return 0
+
+
+EVAL_REPORTS: dict[str, Callable[[argparse.Namespace], int]] = {"routing": _eval_routing, "elastic": _eval_elastic}
 
 
 def eval_(args: list[str]) -> int:
@@ -209,7 +251,7 @@ VERBS: dict[str, tuple[Callable[[list[str]], int], str]] = {
     "train": (train, "train a model: erniekit train CONFIG.yaml [key=value ...]"),
     "chat": (chat, "chat with a checkpoint: erniekit chat MODEL_DIR [--prompt TEXT]"),
     "export": (export, "merge LoRA and write a Hugging Face-layout directory: erniekit export SRC -o OUT"),
-    "eval": (eval_, "report on a checkpoint: erniekit eval MODEL_DIR --routing [--data PATH]"),
+    "eval": (eval_, "report on a checkpoint: erniekit eval MODEL_DIR --routing|--elastic [--data PATH]"),
     "version": (version, "print erniekit and paddlepaddle versions"),
     "help": (show_help, "show this help, or 'erniekit help <command>'"),
 }

@@ -78,7 +78,9 @@ def test_write_dataset_and_bundled_dataset(tmp_path):
     held = load_preference_pairs(paths["dpo_eval"])
     assert {p.prompt for p in held} == {c["src"][0] for c in map(json.loads, open(paths["eval"]))}
     pre = load_pretrain_texts(paths["pretrain"])
-    assert len(pre) == 300 and all(_check_answer(*t.split("=")) for t in pre)
+    bare = [t.removeprefix("Q: ").replace("=\nA: ", "=") for t in pre]  # both pretraining formats
+    assert len(pre) == 300 and all(_check_answer(*t.split("=")) for t in bare)
+    assert sum(t.startswith("Q: ") for t in pre) == 150
     # the shipped copy: sizes, correctness, disjointness
     train = load_sft_examples(os.path.join(BUNDLED, "train.jsonl"))
     evals = load_sft_examples(os.path.join(BUNDLED, "eval.jsonl"))

@@ -130,3 +130,8 @@ def test_compute_type_fp8_sets_flag_and_bad_ema_decay_is_rejected():
     assert cfg.fp8 and cfg.compute_type == "fp8"
     with pytest.raises(ConfigError, match="ema_decay"):
         validate(load_config(None, ["ema_decay=1.0"]))
+
+
+def test_token_balanced_loss_is_rejected_outside_lm_stages():
+    with pytest.raises(ConfigError, match="loss_token_balance applies to the pretrain and SFT stages, not DPO"):
+        validate(load_config(None, ["stage=DPO", "loss_token_balance=true"]))

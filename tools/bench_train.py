@@ -110,11 +110,12 @@ def active_params(config) -> dict[str, int]:
     total = active = 0
     for i in range(config.num_hidden_layers):
         if config.is_moe_layer(i):
-            expert = 3 * h * config.moe_intermediate_size
+            sizes, counts = config.expert_sizes, config.experts_per_modality  # one entry per modality
+            expert = 3 * h * sizes[0]
             shared = expert * config.moe_num_shared_experts
-            router = h * config.moe_num_experts
-            total += attn + norms + router + shared + expert * config.moe_num_experts
-            active += attn + norms + router + shared + expert * config.moe_k
+            router = h * config.total_experts
+            total += attn + norms + router + shared + sum(3 * h * s * n for s, n in zip(sizes, counts))
+            active += attn + norms + router + shared + expert * config.moe_k  # a text token
         else:
             mlp = 3 * h * config.intermediate_size
             total += attn + norms + mlp

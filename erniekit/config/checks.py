@@ -17,6 +17,7 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     compute = changes.get("compute_type", cfg.compute_type)
     if compute in ("bf16", "fp16", "fp8"):
         changes[compute] = True
+    changes.update(_normalise_elastic(cfg))
     cfg = dataclasses.replace(cfg, **changes)
     _check_ranges(cfg)
     _check_length(cfg)
@@ -73,11 +74,42 @@ def _check_ranges(cfg: TrainConfig) -> None:
              cfg.lora_base_dtype, "null, bfloat16, float16 or float32")
     _require(0 <= cfg.label_smoothing < 0.5, "label_smoothing", cfg.label_smoothing, "in [0, 0.5)")
     _require(cfg.sft_loss_ratio >= 0, "sft_loss_ratio", cfg.sft_loss_ratio, ">= 0")
+    if cfg.loss_token_balance and cfg.stage not in ("pretrain", "SFT"):
+        raise ConfigError(f"loss_token_balance applies to the pretrain and SFT stages, not {cfg.stage}; "
+                          "set loss_token_balance=false")
     _require(0 <= cfg.ema_decay < 1, "ema_decay", cfg.ema_decay, "in [0, 1) (0 turns the EMA off)")
     _require(cfg.fp8_block_size >= 1, "fp8_block_size", cfg.fp8_block_size, ">= 1")
     if cfg.label_smoothing > 0 and cfg.loss_type not in ("sigmoid", "simpo"):
         raise ConfigError(f"label_smoothing={cfg.label_smoothing} applies to loss_type sigmoid or simpo only, "
                           f"not {cfg.loss_type}; set label_smoothing=0")
+
+
+def _int_list(key: str, value: object) -> list[int]:
+    """[2, 3], "2,3", 2 or [] -> a list of ints; anything else is a one-line ConfigError."""
+    items = [v.strip() for v in value.split(",") if v.strip()] if isinstance(value, str) else value
+    items = [items] if isinstance(items, int) and not isinstance(items, bool) else items
+    try:
+        out = [int(v) for v in items]
+        ok = all(not isinstance(v, (bool, float)) or float(v).is_integer() for v in items)
+    except (TypeError, ValueError):
+        ok = False
+    if not ok:
+        raise ConfigError(f"{key}={value!r} is invalid: it must be a list of integers such as [2, 4]; change {key}")
+    return out
+
+
+def _normalise_elastic(cfg: TrainConfig) -> dict:
+    """Elastic sub-model choices as sorted unique int lists, range-checked against each other;
+    ranges against the model (depth <= num_hidden_layers, experts <= moe_num_experts) are checked
+    when the model is loaded (erniekit.nn.elastic.ElasticTraining.from_config)."""
+    out = {k: sorted(set(_int_list(k, getattr(cfg, k)))) for k in ("elastic_depth", "elastic_experts", "elastic_top_k")}
+    for key, values in out.items():
+        _require(all(v >= 1 for v in values), key, values, "a list of integers >= 1")
+    if out["elastic_top_k"] and out["elastic_experts"]:
+        _require(max(out["elastic_top_k"]) <= min(out["elastic_experts"]), "elastic_top_k", out["elastic_top_k"],
+                 f"<= min(elastic_experts) = {min(out['elastic_experts'])}")
+    _require(0 <= cfg.elastic_full_prob <= 1, "elastic_full_prob", cfg.elastic_full_prob, "in [0, 1]")
+    return out
 
 
 def _check_length(cfg: TrainConfig) -> None:

@@ -152,6 +152,21 @@ class TrainConfig:
     ema_decay: float = _opt(0.0, "keep an EMA of the trainable weights with this decay (0 = off), e.g. 0.999")
     save_ema: bool = _opt(True, "with ema_decay > 0: the final model saved in output_dir is the EMA")
 
+    # ### MoE (model-side keys: model_overrides.router_*_coef, moe_capacity_factor, ... docs/moe.md)
+    loss_token_balance: bool = _opt(
+        False, "ERNIE 4.5 token-balanced loss: average each example's loss over its own tokens, then over examples"
+    )
+
+    # ### elastic sub-models (ERNIE 5): each step trains a sampled sub-model (docs/elastic.md)
+    elastic_depth: list[int] = _opt(
+        [], "candidate depths (layers kept: first, last, the rest evenly spread); [] = always full depth")
+    elastic_experts: list[int] = _opt(
+        [], "candidate routed-expert counts (the first n experts of every MoE layer); [] = all")
+    elastic_top_k: list[int] = _opt(
+        [], "candidate routing top-k values (each <= min(elastic_experts)); [] = the model's moe_k")
+    elastic_full_prob: float = _opt(
+        0.25, "with elastic_* set: probability that a step trains the full model (sandwich rule)")
+
     # ### precision and runtime
     bf16: bool = _opt(False, "train in bfloat16 (needs a GPU)")
     fp16: bool = _opt(False, "train in float16 with loss scaling (needs a GPU)")

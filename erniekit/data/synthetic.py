@@ -137,6 +137,18 @@ def make_arithmetic_preferences(rows: Sequence[dict], seed: int) -> list[dict]:
     return out
 
 
+def pretrain_text(row: dict, index: int) -> str:
+    """A pretraining document in one of the formats arithmetic appears in on the web: bare
+    (``12+34=46``) or as a question/answer transcript (``Q: 12+34=\nA: 46``), alternating.
+
+    The second keeps the answer a few tokens after the problem, as a chat template does, so a
+    base model pretrained on both has seen the skill at chat-like distances and LoRA SFT only has
+    to teach the chat format (measured in issue #4: bare-only pretraining left LoRA at ~0.1).
+    """
+    problem, ans = row["src"][0], row["tgt"][0]
+    return f"Q: {problem}\nA: {ans}" if index % 2 else problem + ans
+
+
 def write_arithmetic_dataset(
     out_dir: str,
     n_train: int,
@@ -147,7 +159,8 @@ def write_arithmetic_dataset(
     ops: Sequence[str] = ("+", "-"),
     heldout_fraction: float = DEFAULT_HELDOUT_FRACTION,
 ) -> dict[str, str]:
-    """Write train.jsonl / eval.jsonl (SFT form), pretrain.jsonl (``{"text": "1+2=3"}``) and
+    """Write train.jsonl / eval.jsonl (SFT form), pretrain.jsonl (``{"text": ...}``, see
+    pretrain_text) and
     dpo_train.jsonl / dpo_eval.jsonl (preference pairs, ERNIEKit DPO form, n_train // 5 for training).
 
     Eval problems are distinct and come from the held-out partition; train and pretrain rows
@@ -162,7 +175,7 @@ def write_arithmetic_dataset(
     paths = {name: os.path.join(out_dir, f"{name}.jsonl") for name in names}
     _write_jsonl(paths["train"], train)
     _write_jsonl(paths["eval"], evals)
-    _write_jsonl(paths["pretrain"], ({"text": r["src"][0] + r["tgt"][0]} for r in pretrain))
+    _write_jsonl(paths["pretrain"], ({"text": pretrain_text(r, i)} for i, r in enumerate(pretrain)))
     dpo_rows = make_arithmetic(n_train // 5, seed + 2, split="train", **kw)
     _write_jsonl(paths["dpo_train"], make_arithmetic_preferences(dpo_rows, seed))
     _write_jsonl(paths["dpo_eval"], make_arithmetic_preferences(evals, seed + 1))

@@ -9,7 +9,8 @@ import os
 from erniekit.errors import CheckpointError
 
 
-def export_hf(src: str, out: str, max_shard_size: str = "5GB", dtype: str | None = None) -> str:
+def export_hf(src: str, out: str, max_shard_size: str = "5GB", dtype: str | None = None, elastic=None) -> str:
+    """`elastic` (an erniekit.nn.elastic.ElasticSpec) writes that sub-model as an ordinary smaller checkpoint."""
     from erniekit.models.ernie4_5.checkpoint import load_model_or_adapter, save_pretrained
     from erniekit.models.ernie4_5.tokenizer import ErnieTokenizer
 
@@ -17,5 +18,9 @@ def export_hf(src: str, out: str, max_shard_size: str = "5GB", dtype: str | None
         raise CheckpointError(f"export: --output {out} is the source directory; choose a new directory")
     tokenizer = ErnieTokenizer.from_pretrained(src)
     model = load_model_or_adapter(src)
+    if elastic is not None and not elastic.is_full:
+        from erniekit.nn.elastic import extract_submodel
+
+        model = extract_submodel(model, elastic)
     save_pretrained(model, out, tokenizer=tokenizer, max_shard_size=max_shard_size, dtype=dtype)
     return out

@@ -51,8 +51,9 @@ class ChatSession:
     """A conversation: the messages list plus the token ids its rendering has been encoded to."""
 
     def __init__(self, model: Ernie4_5ForCausalLM | None, tokenizer: ErnieTokenizer, params: SamplingParams,
-                 system: str | None = None, out: TextIO | None = None):
+                 system: str | None = None, out: TextIO | None = None, speculative: bool = False):
         self.model, self.tokenizer, self.params = model, tokenizer, params
+        self.speculative = speculative  # greedy self-speculative decoding with the MTP heads (docs/mtp.md)
         self.system = system
         self.out = out
         self.clear()
@@ -79,12 +80,15 @@ class ChatSession:
         """Add a user turn, stream the assistant's answer to `out`, keep it in the history."""
         from erniekit.infer.generate import generate_stream
 
+        stream = generate_stream
+        if self.speculative:  # same tokens as greedy generate_stream, fewer trunk forwards
+            from erniekit.infer.speculative import speculative_stream as stream
         self.messages.append({"role": "user", "content": user})
         ids = self.prompt_ids()
         stops = set(self.params.stop_token_ids)
         new: list[int] = []
         shown = ""
-        for step in generate_stream(self.model, [ids], self.params, pad_id=self.tokenizer.pad_token_id or 0):
+        for step in stream(self.model, [ids], self.params, pad_id=self.tokenizer.pad_token_id or 0):
             tok = int(step[0])
             if tok < 0 or tok in stops:
                 break
@@ -124,7 +128,12 @@ def run_chat(args: Any) -> int:
         max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
         stop_token_ids=stop_ids(model, tokenizer), seed=args.seed,
     )
-    session = ChatSession(model, tokenizer, params, system=args.system, out=sys.stdout)
+    speculative = bool(getattr(args, "speculative", False))
+    if speculative:
+        from erniekit.infer.speculative import check_speculative
+
+        check_speculative(model, params)
+    session = ChatSession(model, tokenizer, params, system=args.system, out=sys.stdout, speculative=speculative)
     if args.prompt is not None:
         session.reply(args.prompt)
         print(flush=True)

@@ -242,6 +242,7 @@ class LoraStackedExperts(_LoraMixin, StackedExperts):
         self._init_flags(base, config, base.gate_proj)
         self.num_experts = base.num_experts
         self.fp8_block = base.fp8_block
+        self.expert_offset = base.expert_offset
         self.projs = tuple(projs)
         for p in _EXPERT_PROJS:
             setattr(self, p, getattr(base, p))
@@ -329,7 +330,7 @@ class LoraStackedExperts(_LoraMixin, StackedExperts):
         out = {}
         for p in self.projs:
             for e in range(self.num_experts):
-                base = f"{PEFT_PREFIX}{name}.{e}.{p}"
+                base = f"{PEFT_PREFIX}{expert_module_name(name, self, e)}.{p}"
                 out[f"{base}.lora_A.weight"] = (getattr(self, f"{p}_lora_A"), e, True)
                 out[f"{base}.lora_B.weight"] = (getattr(self, f"{p}_lora_B"), e, True)
                 if self.use_dora:
@@ -350,6 +351,17 @@ def _state(model: nn.Layer, what: str) -> _State:
     if st is None:
         raise ConfigError(f"{what}: the model has no LoRA adapters; call apply_lora(model, config) or load_adapter first")
     return st
+
+
+def expert_module_name(name: str, layer: StackedExperts, e: int) -> str:
+    """HF/PEFT name of expert e of the routed-experts module `name`: modality m's experts
+    (`mlp.experts_m`) are numbered after the experts of modalities < m (`mlp.experts.<offset+e>`),
+    as ERNIE-VL checkpoints number them, so adapters name the tensors the checkpoint names."""
+    return f"{_hf_experts_name(name)}.{layer.expert_offset + e}"
+
+
+def _hf_experts_name(name: str) -> str:
+    return re.sub(r"\.experts_\d+$", ".experts", name)
 
 
 def lora_layers(model: nn.Layer) -> list[tuple[str, LoraLinear | LoraStackedExperts]]:
@@ -390,10 +402,10 @@ def _plan(model: nn.Layer, config: LoraConfig) -> list[tuple[str, nn.Layer, tupl
             if match(name):
                 plan.append((name, layer, ()))
             continue
-        whole = match(name)
+        whole = match(name) or match(_hf_experts_name(name))
         projs = []
         for p in _EXPERT_PROJS:
-            per = [match(f"{name}.{e}.{p}") for e in range(layer.num_experts)]
+            per = [match(f"{expert_module_name(name, layer, e)}.{p}") for e in range(layer.num_experts)]
             if any(per) and not all(per) and not whole:
                 raise ConfigError(
                     f"LoraConfig: target_modules select only some experts of {name}.*.{p}; "
@@ -512,9 +524,9 @@ def _peft_targets(model: nn.Layer, config: LoraConfig) -> list[str] | str:
         elif isinstance(layer, StackedExperts):
             for e in range(layer.num_experts):
                 for p in _EXPERT_PROJS:
-                    known.append(f"{name}.{e}.{p}")
+                    known.append(f"{expert_module_name(name, layer, e)}.{p}")
                     if name in layers and p in layer.projs:
-                        adapted.add(f"{name}.{e}.{p}")
+                        adapted.add(f"{expert_module_name(name, layer, e)}.{p}")
 
     def exact(sel) -> bool:
         return {n for n in known if sel(n)} == adapted
@@ -607,7 +619,7 @@ def _expected_shapes(model: nn.Layer, plan, r: int, dora: bool) -> dict[str, lis
         if isinstance(layer, nn.Linear):
             shapes = [(PEFT_PREFIX + name, layer.weight.shape)]
         else:
-            shapes = [(f"{PEFT_PREFIX}{name}.{e}.{p}", getattr(layer, p).shape[1:])
+            shapes = [(f"{PEFT_PREFIX}{expert_module_name(name, layer, e)}.{p}", getattr(layer, p).shape[1:])
                       for p in projs for e in range(layer.num_experts)]
         for base, (fan_in, fan_out) in shapes:
             out[f"{base}.lora_A.weight"] = [r, fan_in]

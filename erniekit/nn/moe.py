@@ -7,6 +7,9 @@ with one index_add. The only Python loop is over experts (a grouped GEMM, see St
 Router losses (formulas in docs/moe.md), each weighted by its coefficient in the model config:
 Switch load balancing (`router_aux_loss_coef`), z-loss (`router_z_loss_coef`) and ERNIE 4.5's
 orthogonal loss on the router vectors (`router_orthogonal_loss_coef`).
+
+Modality-isolated routing (ERNIE-4.5-VL): with per-modality expert lists in the config, each
+token is routed only among its modality's experts (MoEBlock; docs/moe.md).
 """
 
 from __future__ import annotations
@@ -18,6 +21,8 @@ from typing import Callable
 import paddle
 import paddle.nn as nn
 import paddle.nn.functional as F
+
+from erniekit.errors import DataError
 
 _MASKED = -1e9  # logit of an expert outside the active (elastic) subset: softmax gives ~1e-28
 
@@ -128,6 +133,7 @@ class StackedExperts(nn.Layer):
         super().__init__()
         self.num_experts = num_experts
         self.fp8_block = fp8_block
+        self.expert_offset = 0  # global id of expert 0 (modality-isolated routing: experts of earlier modalities)
         self.gate_proj = self.create_parameter([num_experts, hidden_size, intermediate_size])
         self.up_proj = self.create_parameter([num_experts, hidden_size, intermediate_size])
         self.down_proj = self.create_parameter([num_experts, intermediate_size, hidden_size])
@@ -190,74 +196,171 @@ def router_orthogonal_loss(weight: paddle.Tensor, num_active: int | None = None)
     return (g * g).mean()
 
 
+def check_modality_ids(modality: paddle.Tensor, num_tokens: int, num_modalities: int) -> paddle.Tensor:
+    """Flat int64 modality ids, checked with one min/max: an id outside [0, M) would silently skip
+    its tokens' routed experts."""
+    mod = modality.reshape([-1]).astype("int64")
+    if mod.shape[0] != num_tokens:
+        raise DataError(f"token_type_ids has {mod.shape[0]} entries for {num_tokens} tokens: give one modality id per input token")
+    if not num_tokens:
+        return mod
+    lo, hi = int(mod.min()), int(mod.max())
+    if lo < 0 or hi >= num_modalities:
+        raise DataError(
+            f"token_type_ids holds modality id {lo if lo < 0 else hi} but the model has {num_modalities} "
+            f"modalit{'y' if num_modalities == 1 else 'ies'} (ids 0..{num_modalities - 1}, one per entry of "
+            "moe_num_experts): fix the data's token_type_ids or the model config"
+        )
+    return mod
+
+
 class MoEBlock(nn.Layer):
-    """Routed experts plus always-on shared experts (ERNIE 4.5 `Ernie4_5_MoeSparseMoeBlock`)."""
+    """Routed experts plus always-on shared experts (ERNIE 4.5 `Ernie4_5_MoeSparseMoeBlock`).
+
+    Modality-isolated routing (ERNIE-4.5-VL; config lists, index = modality id, 0 = text): modality
+    m has its own router and experts of its own intermediate size (`gate`/`experts` for text, so
+    text-only checkpoints are unchanged; `gate_m`/`experts_m` for m >= 1). Tokens are split by
+    modality id, each part routed among its own experts only, and the outputs gathered back in
+    token order; the shared experts see every token. Expert ids in `last_topk_idx` and
+    `load_counts` are global: modality m's experts are numbered after those of modalities < m.
+    """
 
     def __init__(self, config, mlp_cls):
         super().__init__()
         c = config
-        self.num_experts = c.moe_num_experts
+        self.experts_per_modality = list(c.experts_per_modality)
+        self.num_modalities = len(self.experts_per_modality)
+        self.num_experts = c.total_experts
+        self.offsets = [sum(self.experts_per_modality[:m]) for m in range(self.num_modalities)]
         self.capacity_factor = c.moe_capacity_factor
         self.coefs = {"aux": c.router_aux_loss_coef, "z": c.router_z_loss_coef,
                       "orthogonal": c.router_orthogonal_loss_coef}
-        self.gate = TopKRouter(c.hidden_size, c.moe_num_experts, c.moe_k, c.moe_norm_min)
-        self.experts = StackedExperts(c.moe_num_experts, c.hidden_size, c.moe_intermediate_size)
+        for m, (n, size) in enumerate(zip(self.experts_per_modality, c.expert_sizes)):
+            suffix = f"_{m}" if m else ""
+            setattr(self, "gate" + suffix, TopKRouter(c.hidden_size, n, c.moe_k, c.moe_norm_min))
+            setattr(self, "experts" + suffix, StackedExperts(n, c.hidden_size, size))
+            self.expert_set(m).expert_offset = self.offsets[m]
         self.shared_experts = (
-            mlp_cls(c, c.moe_intermediate_size * c.moe_num_shared_experts) if c.moe_num_shared_experts > 0 else None
+            mlp_cls(c, c.expert_sizes[0] * c.moe_num_shared_experts) if c.moe_num_shared_experts > 0 else None
         )
         self.router_loss: paddle.Tensor | None = None  # weighted sum of router losses (training only)
         self.loss_parts: dict[str, paddle.Tensor] = {}  # unweighted, detached, for logging
-        # assignments per expert since the last correction-bias update (aux-loss-free balancing)
-        self.register_buffer("load_counts", paddle.zeros([c.moe_num_experts], dtype="float32"), persistable=False)
+        # assignments per (global) expert since the last correction-bias update (aux-loss-free balancing)
+        self.register_buffer("load_counts", paddle.zeros([self.num_experts], dtype="float32"), persistable=False)
         # routing of the last forward, for statistics and pictures (detached; overwritten each call)
-        self.last_topk_idx: paddle.Tensor | None = None  # [T, k] int64
-        self.last_probs: paddle.Tensor | None = None  # [T, E] float32 router softmax
+        self.last_topk_idx: paddle.Tensor | None = None  # [T, k] int64 global expert ids
+        # [T, total experts] float32: each token's own modality's router softmax at its global expert
+        # columns, 0 at every other modality's experts (rows sum to 1)
+        self.last_probs: paddle.Tensor | None = None
         self.last_modality: paddle.Tensor | None = None  # [T] int64 modality id, None when text only
         self.last_dropped: float = 0.0  # fraction of assignments dropped by the capacity limit
 
-    def forward(self, hidden_states: paddle.Tensor) -> paddle.Tensor:
+    def router(self, m: int) -> TopKRouter:
+        """Modality m's router (`gate` for text)."""
+        return getattr(self, "gate" if m == 0 else f"gate_{m}")
+
+    def modality_experts(self) -> list[list[int]] | None:
+        """Global expert ids each modality routes to (RoutingAccumulator's modality_experts);
+        None for a text-only block."""
+        if self.num_modalities == 1:
+            return None
+        return [list(range(o, o + n)) for o, n in zip(self.offsets, self.experts_per_modality)]
+
+    def expert_set(self, m: int) -> StackedExperts:
+        """Modality m's routed experts (`experts` for text); may be a LoRA-wrapped StackedExperts."""
+        return getattr(self, "experts" if m == 0 else f"experts_{m}")
+
+    def forward(self, hidden_states: paddle.Tensor, modality: paddle.Tensor | None = None) -> paddle.Tensor:
+        """hidden_states [..., H]; modality: one id per token (any shape with that many entries),
+        None = every token is text."""
         shape = hidden_states.shape
         x = hidden_states.reshape([-1, shape[-1]])
-        r = self.gate(x)
-        keep = None
-        if self.capacity_factor > 0:
-            cap = expert_capacity(x.shape[0], r.topk_idx.shape[1], self.gate.n_active, self.capacity_factor)
-            keep = capacity_keep(r.topk_idx, self.num_experts, cap)
-            self.last_dropped = 1.0 - float(keep.astype("float32").mean())
-        y = self.experts(x, r.topk_idx, r.topk_weight, keep)
+        mod = None if modality is None else check_modality_ids(modality, x.shape[0], self.num_modalities)
+        if mod is None or self.num_modalities == 1:
+            parts: list[tuple[paddle.Tensor | None, int]] = [(None, 0)]  # every token, text experts
+        else:
+            parts = [(paddle.nonzero(mod == m).reshape([-1]), m) for m in range(self.num_modalities)]
+            parts = [(idx, m) for idx, m in parts if idx.shape[0]] or [(None, 0)]  # no token at all
+        routed = [self._route(m, x if idx is None else paddle.gather(x, idx)) for idx, m in parts]
+        order = None if parts[0][0] is None else paddle.argsort(paddle.concat([idx for idx, _ in parts]))
+
+        def in_token_order(ts: list[paddle.Tensor]) -> paddle.Tensor:
+            t = paddle.concat(ts) if len(ts) > 1 else ts[0]
+            return t if order is None else paddle.gather(t, order)
+
+        y = in_token_order([r[0] for r in routed])
         if self.shared_experts is not None:
             y = y + self.shared_experts(x)
+        topk = in_token_order([r.topk_idx + self.offsets[m] for (_, m), (_, r, _) in zip(parts, routed)])
+        if self.capacity_factor > 0:
+            kept = sum(float(keep.astype("float32").sum()) for _, _, keep in routed)
+            self.last_dropped = 1.0 - kept / max(topk.shape[0] * topk.shape[1], 1)
         if self.training:
-            self._router_losses(r)
-        self.last_topk_idx = r.topk_idx.detach()
-        self.last_probs = r.probs.detach()
+            self._router_losses(parts, routed, topk)
+        self.last_topk_idx = topk.detach()
+        self.last_probs = in_token_order([self._global_probs(m, r.probs) for (_, m), (_, r, _) in zip(parts, routed)]).detach()
+        self.last_modality = None if mod is None else mod.detach()
         return y.reshape(shape)
 
-    def _router_losses(self, r: RouterOutput) -> None:
-        n = self.gate.n_active
-        parts = {}
-        if self.coefs["aux"]:
-            parts["aux"] = load_balancing_loss(r.probs, r.topk_idx, n)
-        if self.coefs["z"]:
-            parts["z"] = router_z_loss(r.logits if n == self.num_experts else r.logits[:, :n])
+    def _route(self, m: int, x: paddle.Tensor) -> tuple[paddle.Tensor, RouterOutput, paddle.Tensor | None]:
+        """Modality m's tokens x [T_m, H] through its router and experts (local expert ids)."""
+        gate = self.router(m)
+        r = gate(x)
+        keep = None
+        if self.capacity_factor > 0:
+            cap = expert_capacity(x.shape[0], r.topk_idx.shape[1], gate.n_active, self.capacity_factor)
+            keep = capacity_keep(r.topk_idx, gate.num_experts, cap)
+        return self.expert_set(m)(x, r.topk_idx, r.topk_weight, keep), r, keep
+
+    def _global_probs(self, m: int, probs: paddle.Tensor) -> paddle.Tensor:
+        """[T_m, E_m] -> [T_m, total experts], zeros outside modality m's columns."""
+        if self.num_modalities == 1:
+            return probs
+        T, before = probs.shape[0], self.offsets[m]
+        after = self.num_experts - before - probs.shape[1]
+        pieces = [paddle.zeros([T, before], probs.dtype)] if before else []
+        pieces.append(probs)
+        if after:
+            pieces.append(paddle.zeros([T, after], probs.dtype))
+        return paddle.concat(pieces, axis=1) if len(pieces) > 1 else probs
+
+    def _router_losses(self, parts, routed, topk: paddle.Tensor) -> None:
+        """Each modality's losses on its own tokens and router, summed over modalities (the
+        orthogonal loss covers every router, also one whose modality has no token in the batch)."""
+        terms: dict[str, list[paddle.Tensor]] = {}
+        for (_, m), (_, r, _) in zip(parts, routed):
+            gate = self.router(m)
+            n = gate.n_active
+            if self.coefs["aux"]:
+                terms.setdefault("aux", []).append(load_balancing_loss(r.probs, r.topk_idx, n))
+            if self.coefs["z"]:
+                terms.setdefault("z", []).append(router_z_loss(r.logits if n == gate.num_experts else r.logits[:, :n]))
         if self.coefs["orthogonal"]:
-            parts["orthogonal"] = router_orthogonal_loss(self.gate.weight, n if n < self.num_experts else None)
-        self.router_loss = paddle.add_n([self.coefs[k] * v for k, v in parts.items()]) if parts else None
-        self.loss_parts = {k: v.detach() for k, v in parts.items()}
+            for m in range(self.num_modalities):
+                gate = self.router(m)
+                n = gate.n_active
+                terms.setdefault("orthogonal", []).append(
+                    router_orthogonal_loss(gate.weight, n if n < gate.num_experts else None))
+        losses = {k: (v[0] if len(v) == 1 else paddle.add_n(v)) for k, v in terms.items()}
+        self.router_loss = paddle.add_n([self.coefs[k] * v for k, v in losses.items()]) if losses else None
+        self.loss_parts = {k: v.detach() for k, v in losses.items()}
         with paddle.no_grad():
-            self.load_counts += paddle.bincount(r.topk_idx.reshape([-1]), minlength=self.num_experts).astype("float32")
+            self.load_counts += paddle.bincount(topk.reshape([-1]), minlength=self.num_experts).astype("float32")
 
     @paddle.no_grad()
     def update_correction_bias(self, rate: float) -> None:
         """Aux-loss-free balancing (DeepSeek-V3, carried by ERNIE 4.5 checkpoints as
-        e_score_correction_bias): b_e += rate * sign(mean load - load_e) over the active experts,
-        from the assignments counted since the last update."""
-        n = self.gate.n_active
-        counts = self.load_counts[:n]
-        if float(counts.sum()) > 0:
-            delta = rate * paddle.sign(counts.mean() - counts)
-            if n < self.num_experts:
-                delta = paddle.concat([delta, paddle.zeros([self.num_experts - n], dtype=delta.dtype)])
-            bias = self.gate.e_score_correction_bias
-            bias.set_value(bias + delta.unsqueeze(0))
+        e_score_correction_bias): b_e += rate * sign(mean load - load_e) over the active experts
+        of each modality (balanced within the modality), from the assignments counted since the
+        last update."""
+        for m in range(self.num_modalities):
+            gate = self.router(m)
+            n, off = gate.n_active, self.offsets[m]
+            counts = self.load_counts[off:off + n]
+            if float(counts.sum()) > 0:
+                delta = rate * paddle.sign(counts.mean() - counts)
+                if n < gate.num_experts:
+                    delta = paddle.concat([delta, paddle.zeros([gate.num_experts - n], dtype=delta.dtype)])
+                bias = gate.e_score_correction_bias
+                bias.set_value(bias + delta.unsqueeze(0))
         self.load_counts.zero_()

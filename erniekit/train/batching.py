@@ -37,4 +37,10 @@ def collate(rows: Sequence[dict[str, np.ndarray]], pad_id: int) -> dict[str, np.
     """Rows of equal length (packed) are stacked; others are right-padded."""
     if len({len(r["input_ids"]) for r in rows}) == 1 and "segment_ids" in rows[0]:
         return {k: np.stack([r[k] for r in rows]) for k in rows[0]}
-    return pad_batch([(r["input_ids"], r["labels"]) for r in rows], pad_id=pad_id)
+    batch = pad_batch([(r["input_ids"], r["labels"]) for r in rows], pad_id=pad_id)
+    if "token_type_ids" in rows[0]:  # modality ids (modality-isolated MoE routing): padding counts as text
+        types = np.zeros(batch["input_ids"].shape, np.int64)
+        for i, r in enumerate(rows):
+            types[i, :len(r["token_type_ids"])] = r["token_type_ids"]
+        batch["token_type_ids"] = types
+    return batch

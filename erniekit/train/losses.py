@@ -33,3 +33,38 @@ def causal_lm_loss_sum(logits: paddle.Tensor, labels: np.ndarray, segment_ids: n
     nll = F.cross_entropy(logits.astype("float32").reshape([-1, V]), paddle.to_tensor(target.reshape(-1, 1)),
                           ignore_index=IGNORE_INDEX, reduction="none")
     return nll.sum()
+
+
+def _example_ids(labels: np.ndarray, segment_ids: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
+    """(example id per shifted position [B, S-1], -1 where not trained; trained positions per
+    example). An example is one (row, document) pair: packed rows hold several."""
+    valid = shifted_valid(labels, segment_ids)
+    seg = np.ones_like(labels) if segment_ids is None else segment_ids
+    width = int(seg.max()) + 1 if seg.size else 1
+    key = np.arange(labels.shape[0])[:, None] * width + seg[:, :-1]
+    ex = np.where(valid, key, -1)
+    _, inverse, counts = np.unique(ex[valid], return_inverse=True, return_counts=True)
+    out = np.full(ex.shape, -1, np.int64)
+    out[valid] = inverse
+    return out, counts
+
+
+def count_examples(batch: dict[str, np.ndarray]) -> int:
+    """Examples with at least one trained target: the normaliser of the token-balanced loss."""
+    return int(_example_ids(batch["labels"], batch.get("segment_ids"))[1].size)
+
+
+def token_balanced_loss_sum(logits: paddle.Tensor, labels: np.ndarray, segment_ids: np.ndarray | None = None) -> paddle.Tensor:
+    """Multimodal token-balanced loss (ERNIE 4.5), summed over examples: sum_i (1/N_i) sum_{t in i} nll_t,
+    where N_i counts example i's trained targets. Divided by the number of examples (`count_examples`)
+    it is the mean over examples of each example's own mean NLL, so an example with few text
+    targets weighs as much as a long one instead of being drowned out by a global token average."""
+    ex, counts = _example_ids(labels, segment_ids)
+    weight = np.zeros(labels.shape, np.float32)
+    weight[:, :-1] = np.where(ex >= 0, 1.0 / counts[np.maximum(ex, 0)], 0.0)
+    target = np.full(labels.shape, IGNORE_INDEX, dtype=np.int64)
+    target[:, :-1] = np.where(ex >= 0, labels[:, 1:], IGNORE_INDEX)
+    V = logits.shape[-1]
+    nll = F.cross_entropy(logits.astype("float32").reshape([-1, V]), paddle.to_tensor(target.reshape(-1, 1)),
+                          ignore_index=IGNORE_INDEX, reduction="none")
+    return (nll.reshape([-1]) * paddle.to_tensor(weight.reshape(-1))).sum()

@@ -26,8 +26,10 @@ class RoutingMonitor:
         self.enabled = bool(self.blocks)
         self.dir = os.path.join(output_dir, "routing")
         self.every_steps = int(every_steps)
-        self.window = RoutingAccumulator()  # for scalars(), reset at each call
-        self.picture = RoutingAccumulator()  # for pictures, reset at each picture
+        # modality-isolated routing: per-modality imbalance over each modality's own experts
+        groups = self.blocks[0][1].modality_experts() if self.blocks and hasattr(self.blocks[0][1], "modality_experts") else None
+        self.window = RoutingAccumulator(groups)  # for scalars(), reset at each call
+        self.picture = RoutingAccumulator(groups)  # for pictures, reset at each picture
         self.picture_start: int | None = None  # first step of the picture window (for the title)
         self.last_picture_step = -1
 

@@ -8,7 +8,8 @@ from typing import Any
 import numpy as np
 import paddle
 
-from erniekit.train.losses import causal_lm_loss_sum, count_target_tokens
+from erniekit.train.losses import causal_lm_loss_sum, count_examples, count_target_tokens, token_balanced_loss_sum
+from erniekit.train.mtp_loss import add_mtp_loss, wants_mtp
 
 
 @dataclass
@@ -21,24 +22,34 @@ class LossOutput:
 def model_inputs(batch: dict[str, np.ndarray]) -> dict[str, paddle.Tensor | None]:
     """Tensors for the model; document isolation only where rows really hold several documents."""
     packed = bool((batch["segment_ids"] > 1).any())
-    return {
+    inputs = {
         "input_ids": paddle.to_tensor(batch["input_ids"]),
         "position_ids": paddle.to_tensor(batch["position_ids"]) if packed else None,
         "segment_ids": paddle.to_tensor(batch["segment_ids"]) if packed else None,
     }
+    if "token_type_ids" in batch:  # modality id per token, for modality-isolated MoE routing
+        inputs["token_type_ids"] = paddle.to_tensor(batch["token_type_ids"])
+    return inputs
 
 
-def lm_loss(model, batch: dict[str, np.ndarray]) -> LossOutput:
+def lm_loss(model, batch: dict[str, np.ndarray], token_balance: bool = False) -> LossOutput:
     """Summed next-token loss over trained targets; a target in another document is never trained
-    (segment_ids: 0 padding, 1.. documents), matching `count_target_tokens`."""
-    out = model(**model_inputs(batch))
-    return LossOutput(causal_lm_loss_sum(out.logits, batch["labels"], batch["segment_ids"]), out.aux_loss)
+    (segment_ids: 0 padding, 1.. documents), matching `count_target_tokens`. token_balance: each
+    example's loss is its mean over its own targets (summed over examples, see `count_examples`)."""
+    mtp = wants_mtp(model)  # multi-token prediction heads: docs/mtp.md
+    out = model(**model_inputs(batch), **({"return_mtp": True} if mtp else {}))
+    loss_fn = token_balanced_loss_sum if token_balance else causal_lm_loss_sum
+    res = LossOutput(loss_fn(out.logits, batch["labels"], batch["segment_ids"]), out.aux_loss)
+    if mtp:
+        add_mtp_loss(res, out.mtp_logits, batch, loss_fn, model.config.multi_token_pred_lambda)
+    return res
 
 
 class Stage:
     """Base: causal LM on rows of input_ids/labels/position_ids/segment_ids."""
 
     name = "base"
+    token_balance = False  # loss_token_balance, set in `prepare`: loss averaged per example, then over examples
 
     def build_train_rows(self, cfg, tokenizer) -> list[dict[str, np.ndarray]]:
         raise NotImplementedError
@@ -49,6 +60,7 @@ class Stage:
     def prepare(self, model, train_rows, eval_data, cfg, tokenizer) -> None:
         """Called once before training, while `model` still holds the starting weights (before a
         resume loads a checkpoint): where a stage computes what depends on the reference model."""
+        self.token_balance = bool(getattr(cfg, "loss_token_balance", False))
 
     def collate(self, rows: list[dict[str, np.ndarray]], pad_id: int) -> dict[str, np.ndarray]:
         from erniekit.train.batching import collate
@@ -56,11 +68,12 @@ class Stage:
         return collate(rows, pad_id)
 
     def normalizer(self, batch: dict[str, np.ndarray]) -> int:
-        """Units the loss is averaged over: trained tokens here, pairs for preference stages."""
-        return count_target_tokens(batch)
+        """Units the loss is averaged over: trained tokens here (examples with loss_token_balance),
+        pairs for preference stages."""
+        return count_examples(batch) if self.token_balance else count_target_tokens(batch)
 
     def loss(self, model, batch: dict[str, np.ndarray]) -> LossOutput:
-        return lm_loss(model, batch)
+        return lm_loss(model, batch, self.token_balance)
 
     def evaluate(self, model, tokenizer, eval_data, cfg) -> dict[str, float]:
         return {}

@@ -88,6 +88,9 @@ class Trainer:
         self.logger_dir = cfg.logging_dir or os.path.join(cfg.output_dir, "vdl_log")
         self.logger = ScalarLogger(self.logger_dir)
         self.routing = RoutingMonitor(model, cfg.output_dir, every_steps=cfg.routing_plot_steps)
+        from erniekit.nn.elastic import ElasticTraining
+
+        self.elastic = ElasticTraining.from_config(cfg, model)  # None unless elastic_* choices are set
 
     # ---- state -----------------------------------------------------------------------------
     def state(self) -> dict:
@@ -122,6 +125,7 @@ class Trainer:
     def train_step(self) -> dict[str, float]:
         cfg = self.cfg
         paddle.seed(cfg.seed + self.step)
+        elastic_scalars = self.elastic.begin(self.model, self.step) if self.elastic is not None else {}
         micro = [self.batches.get(self.consumed + i) for i in range(cfg.gradient_accumulation_steps)]
         n_units = sum(self.stage.normalizer(b) for b in micro)  # trained tokens (LM) or pairs (DPO)
         lr = lr_at(self.step, self.total_steps, cfg.learning_rate, cfg.lr_scheduler_type, self.warmup,
@@ -162,6 +166,8 @@ class Trainer:
                                 "or check the data (the last checkpoint is intact)")
         self.optimizer.clear_grad()
         self.after_update()
+        if self.elastic is not None:  # back to the full model before anything else sees it
+            self.elastic.end(self.model)
         self.step += 1
         self.consumed += len(micro)
         tokens = int(sum((b["segment_ids"] > 0).sum() for b in micro))  # real (non-padding) tokens
@@ -170,6 +176,7 @@ class Trainer:
         if aux_sum:
             metrics["train/router_loss"] = aux_sum
         metrics.update(self.moe_metrics())
+        metrics.update(elastic_scalars)
         return metrics
 
     def after_update(self) -> None:

@@ -34,18 +34,30 @@ class _Spec:
 
 
 def _specs(model: Ernie4_5ForCausalLM) -> dict[str, _Spec]:
+    """Modality m >= 1 (ERNIE-VL layout): router `mlp.gate.weight_m`, bias
+    `mlp.moe_statics.e_score_correction_bias_m`, experts numbered globally after the text experts."""
     specs: dict[str, _Spec] = {}
+    per = model.config.experts_per_modality if model.config.is_moe else [0]
+    offsets = [sum(per[:m]) for m in range(len(per))]
     for name, p in model.named_parameters():
-        m = re.match(r"(.*\.mlp)\.experts\.(gate_proj|up_proj|down_proj)$", name)
+        m = re.match(r"(.*\.mlp)\.experts(?:_(\d+))?\.(gate_proj|up_proj|down_proj)$", name)
+        g = re.match(r"(.*\.mlp)\.gate_(\d+)\.(weight|e_score_correction_bias)$", name)
         if m:
-            n = p.shape[0]
-            specs[name] = _Spec("experts", [f"{m[1]}.experts.{e}.{m[2]}.weight" for e in range(n)])
+            off = offsets[int(m[2] or 0)]
+            specs[name] = _Spec("experts", [f"{m[1]}.experts.{off + e}.{m[3]}.weight" for e in range(p.shape[0])])
+        elif g and g[3] == "weight":
+            specs[name] = _Spec("transpose", [f"{g[1]}.gate.weight_{g[2]}"])
+        elif g:
+            specs[name] = _Spec("copy", [f"{g[1]}.moe_statics.e_score_correction_bias_{g[2]}"])
         elif name.endswith(".gate.e_score_correction_bias"):
             specs[name] = _Spec("copy", [name.replace(".gate.e_score_correction_bias", ".moe_statics.e_score_correction_bias")])
         elif name.endswith(".weight") and p.ndim == 2 and not name.endswith("embed_tokens.weight"):
             specs[name] = _Spec("transpose", [name])
         else:
             specs[name] = _Spec("copy", [name])
+    for name, spec in specs.items():  # MTP heads (erniekit/nn/mtp.py): ERNIE's names, model.mtp_block.N...
+        if name.startswith("mtp."):
+            spec.hf_names = ["model." + n[len("mtp."):] for n in spec.hf_names]
     return specs
 
 
@@ -94,7 +106,9 @@ def load_state_into(model: Ernie4_5ForCausalLM, path: str) -> None:
         spec = _specs_cache(model)[name]
         missing = [n for n in spec.hf_names if n not in reader.where]
         if missing:
-            raise CheckpointError(f"{path}: tensor {missing[0]} is missing from the checkpoint (needed for {name})")
+            hint = "; set num_nextn_predict_layers to 0 in config.json to load without MTP heads" \
+                if name.startswith("mtp.") else ""
+            raise CheckpointError(f"{path}: tensor {missing[0]} is missing from the checkpoint (needed for {name}){hint}")
         expected = list(p.shape)
         if spec.kind == "experts":
             want = [expected[2], expected[1]]
@@ -142,7 +156,7 @@ def hf_state_dict(model: Ernie4_5ForCausalLM, dtype: str | None = None) -> dict[
     for name, p in model.named_parameters():
         spec = _specs_cache(model)[name]
         t = p.detach()
-        if dtype and "e_score_correction_bias" not in name and ".mlp.gate.weight" not in name:
+        if dtype and "e_score_correction_bias" not in name and not re.search(r"\.mlp\.gate(_\d+)?\.weight$", name):
             t = t.astype(dtype)
         if spec.kind == "experts":
             for e, n in enumerate(spec.hf_names):

@@ -41,10 +41,11 @@ class Ernie4_5Config:
     bos_token_id: int = 1
     eos_token_id: int | list[int] = 2
     initializer_range: float = 0.02
-    # MoE (ERNIE-4.5-21B-A3B names); moe_num_experts == 0 -> dense model
-    moe_num_experts: int = 0
+    # MoE (ERNIE-4.5-21B-A3B names); moe_num_experts == 0 -> dense model. A list (ERNIE-4.5-VL)
+    # gives one entry per modality (index = modality id, 0 = text): modality-isolated routing.
+    moe_num_experts: int | list[int] = 0
     moe_k: int = 6
-    moe_intermediate_size: int = 1536
+    moe_intermediate_size: int | list[int] = 1536
     moe_num_shared_experts: int = 0
     moe_layer_start_index: int = 1
     moe_layer_end_index: int = -1
@@ -57,6 +58,10 @@ class Ernie4_5Config:
     moe_capacity_factor: float = 0.0  # 0: no capacity limit (no token dropping)
     moe_bias_update_rate: float = 0.0  # aux-loss-free balancing: step of e_score_correction_bias per update
     use_gpas: bool = False  # gradient-preserving activation scaling of the residual stream
+    # multi-token prediction (docs/mtp.md; ERNIE's config.json names): D sequential heads, depth j
+    # predicting token t+j+1; their mean loss is added with weight multi_token_pred_lambda
+    num_nextn_predict_layers: int = 0
+    multi_token_pred_lambda: float = 0.3
     extra: dict[str, Any] = field(default_factory=dict)  # unknown config.json keys, written back as read
 
     def __post_init__(self) -> None:
@@ -69,14 +74,65 @@ class Ernie4_5Config:
                 f"num_attention_heads={self.num_attention_heads} is not a multiple of "
                 f"num_key_value_heads={self.num_key_value_heads}: fix config.json"
             )
-        if self.is_moe and not 0 < self.moe_k <= self.moe_num_experts:
-            raise CheckpointError(f"moe_k={self.moe_k} must be in [1, moe_num_experts={self.moe_num_experts}]")
+        self._check_modalities()
+        if self.is_moe and not 0 < self.moe_k <= min(self.experts_per_modality):
+            raise CheckpointError(f"moe_k={self.moe_k} must be in [1, moe_num_experts={self.moe_num_experts}] "
+                                  "(at most the experts of every modality)")
         if self.moe_capacity_factor < 0:
             raise CheckpointError(f"moe_capacity_factor={self.moe_capacity_factor} must be >= 0 (0 = no limit)")
+        self._check_mtp()
+
+    def _check_mtp(self) -> None:
+        n = self.num_nextn_predict_layers
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise CheckpointError(f"num_nextn_predict_layers={n!r} must be an integer >= 0 (0 = no MTP heads)")
+        if not self.multi_token_pred_lambda >= 0:
+            raise CheckpointError(f"multi_token_pred_lambda={self.multi_token_pred_lambda} must be >= 0 "
+                                  "(the weight of the MTP loss)")
+
+    def _check_modalities(self) -> None:
+        """Per-modality lists must be positive ints of one length (an int applies to every modality)."""
+        lens = set()
+        for key in ("moe_num_experts", "moe_intermediate_size"):
+            v = getattr(self, key)
+            if isinstance(v, tuple):
+                v = list(v)
+                setattr(self, key, v)
+            if isinstance(v, list):
+                if not v or not all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in v):
+                    raise CheckpointError(f"{key}={v}: a per-modality list needs positive integers (index = modality id)")
+                lens.add(len(v))
+        if len(lens) > 1:
+            raise CheckpointError(f"moe_num_experts={self.moe_num_experts} and moe_intermediate_size="
+                                  f"{self.moe_intermediate_size} list different modality counts: give both one entry per modality")
+
+    @property
+    def num_modalities(self) -> int:
+        """Modalities with their own routed experts (1 unless a MoE key is a list)."""
+        lists = [v for v in (self.moe_num_experts, self.moe_intermediate_size) if isinstance(v, list)]
+        return len(lists[0]) if lists else 1
+
+    def _per_modality(self, v: int | list[int]) -> list[int]:
+        return list(v) if isinstance(v, list) else [v] * self.num_modalities
+
+    @property
+    def experts_per_modality(self) -> list[int]:
+        """Routed experts of each modality (index = modality id, 0 = text)."""
+        return self._per_modality(self.moe_num_experts)
+
+    @property
+    def expert_sizes(self) -> list[int]:
+        """Intermediate size of one routed expert of each modality."""
+        return self._per_modality(self.moe_intermediate_size)
+
+    @property
+    def total_experts(self) -> int:
+        """Routed experts of all modalities (global expert ids run 0..total_experts-1)."""
+        return sum(self.experts_per_modality)
 
     @property
     def is_moe(self) -> bool:
-        return self.moe_num_experts > 0
+        return self.total_experts > 0
 
     @property
     def model_type(self) -> str:
@@ -118,6 +174,9 @@ class Ernie4_5Config:
             for k in list(d):
                 if k.startswith(("moe_", "router_")):
                     d.pop(k)
+        if not self.num_nextn_predict_layers:  # no MTP heads: config.json stays as without the feature
+            d.pop("num_nextn_predict_layers")
+            d.pop("multi_token_pred_lambda")
         d.update(self.extra)
         arch = "Ernie4_5_MoeForCausalLM" if self.is_moe else "Ernie4_5ForCausalLM"
         # both rope spellings, so transformers 4.x/5.x and PaddleFormers all read it

@@ -20,6 +20,7 @@ from erniekit.nn.attention import (
 )
 from erniekit.nn.gpas import GPAS
 from erniekit.nn.moe import MoEBlock
+from erniekit.nn.mtp import MultiTokenPredictor
 
 
 class RMSNorm(nn.Layer):
@@ -107,9 +108,11 @@ class DecoderLayer(nn.Layer):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.gpas = GPAS() if config.use_gpas else None
 
-    def forward(self, x, cos, sin, mask, cache):
+    def forward(self, x, cos, sin, mask, cache, token_type_ids=None):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, cache)
-        x = x + self.mlp(self.post_attention_layernorm(x))
+        h = self.post_attention_layernorm(x)
+        # modality ids matter only to the MoE router (modality-isolated routing); dense MLPs ignore them
+        x = x + (self.mlp(h, token_type_ids) if isinstance(self.mlp, MoEBlock) else self.mlp(h))
         return self.gpas(x) if self.gpas is not None else x
 
 
@@ -120,10 +123,25 @@ class Ernie4_5Model(nn.Layer):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.LayerList([DecoderLayer(config, i) for i in range(config.num_hidden_layers)])
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.active_layers: list[int] | None = None  # elastic depth (erniekit/nn/elastic.py); None = all
 
-    def forward(self, input_ids, position_ids=None, segment_ids=None, attention_mask=None, cache=None):
-        B, S = input_ids.shape
+    def forward(self, input_ids, position_ids=None, segment_ids=None, attention_mask=None, cache=None,
+                token_type_ids=None):
+        """token_type_ids [B, S]: modality id per token (0 = text) for modality-isolated MoE routing."""
         past = cache.length if cache is not None else 0
+        cos, sin, mask = self.rope_and_mask(input_ids, position_ids, segment_ids, attention_mask, past)
+        h = self.embed_tokens(input_ids)
+        layers = self.layers if self.active_layers is None else [self.layers[i] for i in self.active_layers]
+        for layer in layers:
+            h = layer(h, cos, sin, mask, cache, token_type_ids)
+        if cache is not None:
+            cache.length = past + input_ids.shape[1]
+        return self.norm(h)
+
+    def rope_and_mask(self, input_ids, position_ids=None, segment_ids=None, attention_mask=None, past: int = 0):
+        """RoPE cos/sin and attention mask of one forward over `input_ids` after `past` cached tokens;
+        the MTP blocks (erniekit/nn/mtp.py) reuse them so they attend exactly as the trunk does."""
+        B, S = input_ids.shape
         if position_ids is None:
             if attention_mask is not None:  # left padding: positions count real tokens only
                 pos = paddle.cumsum(attention_mask.astype("int64"), axis=-1) - 1
@@ -136,20 +154,16 @@ class Ernie4_5Model(nn.Layer):
             mask = build_attention_mask(S, past + S, segment_ids, attention_mask)
         elif past > 0:  # one new token attends to the whole cache: no mask needed
             mask = paddle.ones([1, 1, 1, past + S], dtype="bool")
-        h = self.embed_tokens(input_ids)
         if not use_fused_attention():
-            mask = ("bias", additive_mask(mask, S, past + S, h.dtype))
-        for layer in self.layers:
-            h = layer(h, cos, sin, mask, cache)
-        if cache is not None:
-            cache.length = past + S
-        return self.norm(h)
+            mask = ("bias", additive_mask(mask, S, past + S, self.embed_tokens.weight.dtype))
+        return cos, sin, mask
 
 
 @dataclass
 class CausalLMOutput:
     logits: paddle.Tensor
     aux_loss: paddle.Tensor | None = None  # sum over MoE layers of the weighted router losses (training only)
+    mtp_logits: list[paddle.Tensor] | None = None  # depth j predicts token t+j+1 (return_mtp=True; erniekit/nn/mtp.py)
 
 
 class Ernie4_5ForCausalLM(nn.Layer):
@@ -161,6 +175,8 @@ class Ernie4_5ForCausalLM(nn.Layer):
         self.model = Ernie4_5Model(config)
         if not config.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias_attr=False)
+        # multi-token prediction heads (off by default): sharing embedding, final norm and head with the trunk
+        self.mtp = MultiTokenPredictor(config) if config.num_nextn_predict_layers > 0 else None
         self.init_weights()
 
     def init_weights(self) -> None:
@@ -182,26 +198,37 @@ class Ernie4_5ForCausalLM(nn.Layer):
         c = self.config
         if block_size and not c.is_moe:
             raise CheckpointError("fp8: FP8 applies to MoE expert GEMMs and this model is dense; set fp8: false")
-        for name in ("hidden_size", "moe_intermediate_size"):
-            size = getattr(c, name)
+        sizes = [("hidden_size", c.hidden_size)] + [("moe_intermediate_size", s) for s in c.expert_sizes]
+        for name, size in sizes:
             if block_size and (block_size < 0 or size % block_size):
                 raise CheckpointError(f"fp8_block_size={block_size} does not divide {name}={size}: set "
                                       "fp8_block_size to a divisor of both hidden_size and moe_intermediate_size")
         for m in self.moe_layers():
-            m.experts.fp8_block = block_size
+            for i in range(m.num_modalities):
+                m.expert_set(i).fp8_block = block_size
 
     def forward(
-        self, input_ids, position_ids=None, segment_ids=None, attention_mask=None, cache=None, logits_to_keep: int = 0
+        self, input_ids, position_ids=None, segment_ids=None, attention_mask=None, cache=None, logits_to_keep: int = 0,
+        token_type_ids=None, return_mtp: bool = False,
     ) -> CausalLMOutput:
-        h = self.model(input_ids, position_ids, segment_ids, attention_mask, cache)
+        """return_mtp: also the logits of the MTP heads (training); plain inference never pays for them."""
+        h = self.model(input_ids, position_ids, segment_ids, attention_mask, cache, token_type_ids=token_type_ids)
+        mtp_logits = None
+        if return_mtp:
+            if self.mtp is None:
+                raise CheckpointError("return_mtp=True needs MTP heads: set num_nextn_predict_layers >= 1 in the config")
+            mtp_logits = self.mtp.logits(self, h, input_ids, position_ids, segment_ids, attention_mask)
         if logits_to_keep:
             h = h[:, -logits_to_keep:]
-        if self.config.tie_word_embeddings:
-            logits = paddle.matmul(h, self.model.embed_tokens.weight, transpose_y=True)
-        else:
-            logits = self.lm_head(h)
+        logits = self.head(h)
         aux = None
         if self.training and self.config.is_moe:
             losses = [m.router_loss for m in self.moe_layers() if m.router_loss is not None]
             aux = paddle.add_n(losses) if losses else None
-        return CausalLMOutput(logits=logits, aux_loss=aux)
+        return CausalLMOutput(logits=logits, aux_loss=aux, mtp_logits=mtp_logits)
+
+    def head(self, h: paddle.Tensor) -> paddle.Tensor:
+        """Final hidden states (after the final norm) -> vocabulary logits, tied or not."""
+        if self.config.tie_word_embeddings:
+            return paddle.matmul(h, self.model.embed_tokens.weight, transpose_y=True)
+        return self.lm_head(h)
