@@ -10,6 +10,7 @@ import numpy as np
 import paddle
 import pytest
 
+from erniekit.errors import ConfigError
 from erniekit.nn import fp8 as fp8_mod
 from erniekit.nn.fp8 import (
     FP8ShapeError,
@@ -306,3 +307,50 @@ def test_gpu_path_plumbing_agrees_with_emulation(monkeypatch):
     emu = run(x, w, g, 128, backend="emulated")
     for a, b in zip(gpu, emu):
         assert rel(a, b.astype(np.float64)) < 1e-6
+
+
+# ---- e5m2 gradient tiles (the "hybrid" recipe) ----------------------------------------------------
+def _ref_quant_fmt(x: np.ndarray, rows: int, cols: int, dtype, fmax: float) -> np.ndarray:
+    """Dequantised x with one scale per tile (loop over tiles); rounding by Paddle's cast."""
+    out = np.zeros_like(x)
+    for i in range(x.shape[0] // rows):
+        for j in range(x.shape[1] // cols):
+            sl = (slice(i * rows, (i + 1) * rows), slice(j * cols, (j + 1) * cols))
+            amax = np.abs(x[sl]).max()
+            s = F32(amax) / F32(fmax) if amax > 0 else F32(2.0**-126)
+            q = paddle.to_tensor(x[sl] / s).astype(dtype).astype("float32").numpy()
+            out[sl] = q * s
+    return out
+
+
+def test_e5m2_gradient_tiles_match_reference():
+    rng = np.random.default_rng(3)
+    x, w = rng.standard_normal((200, 128)).astype(F32), rng.standard_normal((128, 256)).astype(F32)
+    g = (rng.standard_normal((200, 256)) * 10.0 ** rng.uniform(-6, 0, (200, 1))).astype(F32)
+    _, dx, dw = run(x, w, g, 128, grad_format="e5m2")
+    e5, e4 = paddle.float8_e5m2, paddle.float8_e4m3fn
+    ref_dx = _ref_quant_fmt(g, 1, 128, e5, 57344.0).astype(np.float64) @ _ref_quant_fmt(w, 128, 128, e4, 448.0).T
+    xq = _ref_quant_fmt(pad_rows(x, 128), 128, 1, e4, 448.0).astype(np.float64)
+    gq = _ref_quant_fmt(pad_rows(g, 128), 128, 1, e5, 57344.0).astype(np.float64)
+    assert rel(dx, ref_dx) < 1e-5 and rel(dw, xq.T @ gq) < 1e-5
+
+
+def test_e5m2_keeps_small_token_gradients_that_e4m3_flushes():
+    # one token with a large gradient and no input; 127 tokens with tiny gradients carry all of dW
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal((128, 128)).astype(F32)
+    x[0] = 0.0
+    g = (rng.standard_normal((128, 128)) * 1e-7).astype(F32)
+    g[0] = 1.0
+    w = rng.standard_normal((128, 128)).astype(F32)
+    exact = x.astype(np.float64).T @ g
+    dw4 = run(x, w, g, 128)[2]
+    dw5 = run(x, w, g, 128, grad_format="e5m2")[2]
+    assert rel(dw4, exact) > 0.99  # e4m3: 1e-7 / 448-scaled tiles fall below the subnormal range
+    assert rel(dw5, exact) < 0.2
+
+
+def test_unknown_gradient_format_is_one_line_error():
+    x, w = paddle.ones([4, 128]), paddle.ones([128, 128])
+    with pytest.raises(ConfigError, match="fp8_grad_format='e3m4'"):
+        fp8_matmul(x, w, grad_format="e3m4")

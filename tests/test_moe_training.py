@@ -135,3 +135,14 @@ def test_compute_type_fp8_sets_flag_and_bad_ema_decay_is_rejected():
 def test_token_balanced_loss_is_rejected_outside_lm_stages():
     with pytest.raises(ConfigError, match="loss_token_balance applies to the pretrain and SFT stages, not DPO"):
         validate(load_config(None, ["stage=DPO", "loss_token_balance=true"]))
+
+
+def test_fp8_grad_format_reaches_every_expert_stack():
+    from erniekit.train.runner import load_model
+
+    cfg = validate(load_config(None, BASE + ["fp8=true", "fp8_grad_format=E5M2", "fine_tuning=LoRA"]))
+    model = load_model(cfg)  # FP8 set on the base, then LoRA wraps the expert stacks
+    stacks = [m.experts for m in model.moe_layers()]
+    assert stacks and all(s.fp8_block == 128 and s.fp8_grad_format == "e5m2" for s in stacks)
+    with pytest.raises(ConfigError, match="fp8_grad_format"):
+        validate(load_config(None, ["fp8_grad_format=e3m4"]))

@@ -28,6 +28,7 @@ DATASET_TYPES = _spellings("auto", "erniekit", "alpaca", "messages", "text", "pr
 TRUNCATION = _spellings("error", "truncate")
 LR_SCHEDULERS = _spellings("cosine", "constant", "linear", "wsd")
 COMPUTE_TYPES = _spellings("fp32", "bf16", "fp16", "fp8")
+FP8_GRAD_FORMATS = _spellings("e4m3", "e5m2")
 
 
 def _opt(default: Any, help: str, choices: dict[str, str] | None = None) -> Any:
@@ -172,6 +173,10 @@ class TrainConfig:
     fp16: bool = _opt(False, "train in float16 with loss scaling (needs a GPU)")
     fp8: bool = _opt(False, "run the MoE expert GEMMs (forward and backward) in block-scaled FP8 e4m3")
     fp8_block_size: int = _opt(128, "FP8 scaling tile: activations 1 x N, weights N x N")
+    fp8_grad_format: str = _opt(
+        "e4m3", "FP8 format of the gradient tiles in the backward GEMMs: e4m3 (DeepSeek-V3) or e5m2 (hybrid)",
+        FP8_GRAD_FORMATS,
+    )
     compute_type: str = _opt(
         "fp32", "ERNIEKit spelling: bf16, fp16 or fp8 turn on that flag; fp32 leaves the flags as set",
         COMPUTE_TYPES,

@@ -32,6 +32,10 @@ E4M3_MIN_NORMAL = 2.0**-6
 E4M3_SUBNORMAL_SPACING = 2.0**-9
 _SCALE_FLOOR = 2.0**-126  # smallest normal float32: an all-zero tile gets this scale, so q = 0, not 0/0
 _FP8 = paddle.float8_e4m3fn
+# Formats a gradient tile may use: e4m3 (DeepSeek-V3: precision) or e5m2 (the "hybrid" recipe of
+# Transformer Engine: 2^15 more dynamic range, so small per-token gradients in a tile dominated by a
+# few large ones are not flushed to zero). Activations and weights are always e4m3.
+GRAD_FORMATS = {"e4m3": (paddle.float8_e4m3fn, E4M3_MAX), "e5m2": (paddle.float8_e5m2, 57344.0)}
 _BLOCK_HINT = "set fp8_block_size to a divisor of hidden_size and moe_intermediate_size, e.g. 64"
 
 # Paddle ops that could run the block-scaled GEMM on a GPU, probed by name at run time.
@@ -87,24 +91,25 @@ def _tile_amax(v: paddle.Tensor, rows: int, cols: int) -> paddle.Tensor:
     return a.max(axis=3, keepdim=True).max(axis=1, keepdim=True)
 
 
-def _quant(x: paddle.Tensor, rows: int, cols: int) -> tuple[paddle.Tensor, paddle.Tensor]:
+def _quant(x: paddle.Tensor, rows: int, cols: int, fmt: str = "e4m3") -> tuple[paddle.Tensor, paddle.Tensor]:
     """(q e4m3 in the tiled view, scale broadcastable to it). x float32, dims divisible by tile.
 
     No clip before the cast: |x / scale| <= 448 * (1 + 2^-23), far below 464, the point from which
     Paddle's CPU cast stops rounding to 448 (it gives NaN on (464, 480)); see docs/fp8.md.
     """
+    dtype, fmax = GRAD_FORMATS[fmt]
     v = _tiled(x, rows, cols)
-    scale = (_tile_amax(v, rows, cols) / E4M3_MAX).clip(min=_SCALE_FLOOR)  # NaN amax stays NaN
-    return (v / scale).astype(_FP8), scale
+    scale = (_tile_amax(v, rows, cols) / fmax).clip(min=_SCALE_FLOOR)  # NaN amax stays NaN
+    return (v / scale).astype(dtype), scale
 
 
 def _dequant(q: paddle.Tensor, scale: paddle.Tensor, shape: list[int]) -> paddle.Tensor:
     return (q.astype("float32") * scale).reshape(shape)
 
 
-def _fake_quant(x: paddle.Tensor, rows: int, cols: int) -> paddle.Tensor:
-    """x rounded through e4m3 with per-tile scales, back in float32 (the emulated operand)."""
-    q, scale = _quant(x, rows, cols)
+def _fake_quant(x: paddle.Tensor, rows: int, cols: int, fmt: str = "e4m3") -> paddle.Tensor:
+    """x rounded through e4m3 (or `fmt`) with per-tile scales, back in float32 (the emulated operand)."""
+    q, scale = _quant(x, rows, cols, fmt)
     return _dequant(q, scale, x.shape)
 
 
@@ -204,23 +209,23 @@ def _fwd(x: paddle.Tensor, w: paddle.Tensor, block: int, backend: str) -> paddle
     return paddle.matmul(_fake_quant(x, 1, block), _fake_quant(w, block, block))
 
 
-def _grad_x(dy: paddle.Tensor, w: paddle.Tensor, block: int, backend: str) -> paddle.Tensor:
+def _grad_x(dy: paddle.Tensor, w: paddle.Tensor, block: int, backend: str, fmt: str = "e4m3") -> paddle.Tensor:
     """dX = dY @ W^T: dY 1 x block along N, W^T block x block (the forward's tiles of W)."""
     if backend == "gpu":
         dq, ds = quantize_rowwise(dy, block)
         wq, ws = quantize_blockwise(w, block)  # W [K, N]: K rows, reduction N last
         return _gpu_nt(wq, ws, False, dq, ds, True).transpose([1, 0])
-    return paddle.matmul(_fake_quant(dy, 1, block), _fake_quant(w, block, block), transpose_y=True)
+    return paddle.matmul(_fake_quant(dy, 1, block, fmt), _fake_quant(w, block, block), transpose_y=True)
 
 
-def _grad_w(x: paddle.Tensor, dy: paddle.Tensor, block: int, backend: str) -> paddle.Tensor:
+def _grad_w(x: paddle.Tensor, dy: paddle.Tensor, block: int, backend: str, fmt: str = "e4m3") -> paddle.Tensor:
     """dW = X^T @ dY: both tiled along M in block-long runs (M zero-padded to a multiple of block)."""
     xp, dp = _pad_rows(x, block), _pad_rows(dy, block)
     if backend == "gpu":
         xq, xs = quantize_rowwise(xp.transpose([1, 0]), block)  # X^T [K, Mp]
         dq, ds = quantize_rowwise(dp.transpose([1, 0]), block)  # dY^T [N, Mp]
         return _gpu_nt(xq, xs, True, dq, ds, True)
-    return paddle.matmul(_fake_quant(xp, block, 1), _fake_quant(dp, block, 1), transpose_x=True)
+    return paddle.matmul(_fake_quant(xp, block, 1), _fake_quant(dp, block, 1, fmt), transpose_x=True)
 
 
 class _FP8MatMul(PyLayer):
@@ -228,8 +233,8 @@ class _FP8MatMul(PyLayer):
     plain matmul keeps too) and re-quantises in backward with the backward GEMMs' own tilings."""
 
     @staticmethod
-    def forward(ctx, x, w, block: int, backend: str):
-        ctx.block, ctx.backend = block, backend
+    def forward(ctx, x, w, block: int, backend: str, grad_format: str = "e4m3"):
+        ctx.block, ctx.backend, ctx.grad_format = block, backend, grad_format
         ctx.dtypes = (x.dtype, w.dtype)
         ctx.need = (not x.stop_gradient, not w.stop_gradient)
         ctx.save_for_backward(x, w)
@@ -242,9 +247,9 @@ class _FP8MatMul(PyLayer):
         dy = dy.astype("float32")
         dx = dw = None
         if ctx.need[0]:
-            dx = _grad_x(dy, w.astype("float32"), ctx.block, ctx.backend).astype(ctx.dtypes[0])
+            dx = _grad_x(dy, w.astype("float32"), ctx.block, ctx.backend, ctx.grad_format).astype(ctx.dtypes[0])
         if ctx.need[1]:
-            dw = _grad_w(x.astype("float32"), dy, ctx.block, ctx.backend).astype(ctx.dtypes[1])
+            dw = _grad_w(x.astype("float32"), dy, ctx.block, ctx.backend, ctx.grad_format).astype(ctx.dtypes[1])
         return dx, dw
 
 
@@ -267,20 +272,27 @@ def _check_gemm(x: paddle.Tensor, w: paddle.Tensor, block: int, backend: str) ->
         )
 
 
-def fp8_matmul(x: paddle.Tensor, w: paddle.Tensor, block: int = 128, backend: str | None = None) -> paddle.Tensor:
+def fp8_matmul(x: paddle.Tensor, w: paddle.Tensor, block: int = 128, backend: str | None = None,
+               grad_format: str = "e4m3") -> paddle.Tensor:
     """Differentiable x @ w (x [..., K], w [K, N]; float32/bf16 masters) with every GEMM in block-scaled FP8.
 
     K and N must be multiples of `block` (else FP8ShapeError, a ValueError); the token count M is
     free. Output and gradients come back in the inputs' dtypes. `backend` None picks `fp8_backend()`
     when x lives on a GPU and "emulated" otherwise (a CPU tensor cannot use the GPU kernel).
-    Nothing is cached between calls, so updated weights are always re-quantised.
+    Nothing is cached between calls, so updated weights are always re-quantised. `grad_format`
+    is the format of the upstream-gradient tiles in both backward GEMMs (GRAD_FORMATS).
     """
     if backend is None:
         backend = fp8_backend() if x.place.is_gpu_place() else "emulated"
     _check_gemm(x, w, block, backend)
+    if grad_format not in GRAD_FORMATS:
+        raise ConfigError(f"fp8_grad_format={grad_format!r} is not supported; use one of {sorted(GRAD_FORMATS)}")
+    if backend == "gpu" and grad_format != "e4m3":
+        raise ConfigError(f"fp8_grad_format={grad_format}: the GPU blockwise FP8 kernel path takes e4m3 only; "
+                          "set fp8_grad_format=e4m3 on GPU")
     lead = list(x.shape[:-1])
     m = 1
     for d in lead:
         m *= d
-    y = _FP8MatMul.apply(x.reshape([m, x.shape[-1]]), w, block, backend)
+    y = _FP8MatMul.apply(x.reshape([m, x.shape[-1]]), w, block, backend, grad_format)
     return y.reshape(lead + [w.shape[1]])

@@ -241,7 +241,7 @@ class LoraStackedExperts(_LoraMixin, StackedExperts):
         nn.Layer.__init__(self)
         self._init_flags(base, config, base.gate_proj)
         self.num_experts = base.num_experts
-        self.fp8_block = base.fp8_block
+        self.fp8_block, self.fp8_grad_format = base.fp8_block, base.fp8_grad_format
         self.expert_offset = base.expert_offset
         self.projs = tuple(projs)
         for p in _EXPERT_PROJS:

@@ -133,6 +133,7 @@ class StackedExperts(nn.Layer):
         super().__init__()
         self.num_experts = num_experts
         self.fp8_block = fp8_block
+        self.fp8_grad_format = "e4m3"
         self.expert_offset = 0  # global id of expert 0 (modality-isolated routing: experts of earlier modalities)
         self.gate_proj = self.create_parameter([num_experts, hidden_size, intermediate_size])
         self.up_proj = self.create_parameter([num_experts, hidden_size, intermediate_size])
@@ -143,7 +144,7 @@ class StackedExperts(nn.Layer):
         if self.fp8_block:
             from erniekit.nn.fp8 import fp8_matmul
 
-            return fp8_matmul(x, w, block=self.fp8_block)
+            return fp8_matmul(x, w, block=self.fp8_block, grad_format=self.fp8_grad_format)
         return paddle.matmul(x, w)
 
     def prepare(self) -> Callable[[str, paddle.Tensor, int], paddle.Tensor]:

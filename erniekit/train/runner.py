@@ -42,7 +42,7 @@ def load_model(cfg):
             config = config.replace(**cfg.model_overrides)
         model = Ernie4_5ForCausalLM(config)  # from scratch, seeded by paddle.seed(cfg.seed)
     if cfg.fp8:
-        model.set_fp8(cfg.fp8_block_size)
+        model.set_fp8(cfg.fp8_block_size, cfg.fp8_grad_format)
     if cfg.fine_tuning == "LoRA":
         from erniekit.nn.lora import LoraConfig, apply_lora
 

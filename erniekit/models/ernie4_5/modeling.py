@@ -192,7 +192,7 @@ class Ernie4_5ForCausalLM(nn.Layer):
     def moe_layers(self) -> list[MoEBlock]:
         return [l.mlp for l in self.model.layers if isinstance(l.mlp, MoEBlock)]
 
-    def set_fp8(self, block_size: int) -> None:
+    def set_fp8(self, block_size: int, grad_format: str = "e4m3") -> None:
         """Run every routed-expert GEMM in block-scaled FP8 (0 turns it off). A training-time
         setting: it is not written to config.json, so exported checkpoints load in full precision."""
         c = self.config
@@ -206,6 +206,7 @@ class Ernie4_5ForCausalLM(nn.Layer):
         for m in self.moe_layers():
             for i in range(m.num_modalities):
                 m.expert_set(i).fp8_block = block_size
+                m.expert_set(i).fp8_grad_format = grad_format
 
     def forward(
         self, input_ids, position_ids=None, segment_ids=None, attention_mask=None, cache=None, logits_to_keep: int = 0,
