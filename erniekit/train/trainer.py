@@ -175,7 +175,6 @@ class Trainer:
                    "train/tokens": tokens, **{f"train/{k}": v for k, v in extra.items()}}
         if aux_sum:
             metrics["train/router_loss"] = aux_sum
-        metrics.update(self.moe_metrics())
         metrics.update(elastic_scalars)
         return metrics
 
@@ -220,6 +219,7 @@ class Trainer:
                 dt = time.perf_counter() - window_start
                 m["train/tokens_per_sec"] = window_tokens / max(dt, 1e-9)
                 m.update(self.routing.scalars())
+                m.update(self.moe_metrics())  # router-loss parts of the last micro-batch (only when logged)
                 self.logger.log(self.step, m)
                 window_tokens, window_start = 0, time.perf_counter()
                 last = m
