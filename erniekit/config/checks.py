@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import os
 
-from erniekit.config.schema import TrainConfig, fields
+from erniekit.config.schema import RL_STAGES, TrainConfig, fields
 from erniekit.errors import ConfigError
 
 
@@ -18,6 +18,7 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     if compute in ("bf16", "fp16", "fp8"):
         changes[compute] = True
     changes.update(_normalise_elastic(cfg))
+    changes.update(_normalise_rl_lists(cfg))
     cfg = dataclasses.replace(cfg, **changes)
     _check_ranges(cfg)
     _check_length(cfg)
@@ -66,7 +67,10 @@ def _check_ranges(cfg: TrainConfig) -> None:
         _require(0 <= getattr(cfg, key) < 1, key, getattr(cfg, key), "in [0, 1)")
     for key in ("warmup_ratio", "decay_ratio"):
         _require(0 <= getattr(cfg, key) <= 1, key, getattr(cfg, key), "in [0, 1]")
-    _require(cfg.beta > 0, "beta", cfg.beta, "> 0")
+    if cfg.stage in RL_STAGES:
+        _check_rl(cfg)
+    else:
+        _require(cfg.beta > 0, "beta", cfg.beta, "> 0")
     _require(cfg.lora_rank >= 1, "lora_rank", cfg.lora_rank, ">= 1")
     _require(0 <= cfg.lora_dropout < 1, "lora_dropout", cfg.lora_dropout, "in [0, 1)")
     _require(cfg.lora_plus_scale > 0, "lora_plus_scale", cfg.lora_plus_scale, "> 0")
@@ -82,6 +86,59 @@ def _check_ranges(cfg: TrainConfig) -> None:
     if cfg.label_smoothing > 0 and cfg.loss_type not in ("sigmoid", "simpo"):
         raise ConfigError(f"label_smoothing={cfg.label_smoothing} applies to loss_type sigmoid or simpo only, "
                           f"not {cfg.loss_type}; set label_smoothing=0")
+
+
+def _check_rl(cfg: TrainConfig) -> None:
+    _require(cfg.beta >= 0, "beta", cfg.beta, ">= 0 (0 drops the reference model)")
+    low = 2 if cfg.stage == "GRPO" else 1
+    _require(cfg.num_generations >= low, "num_generations", cfg.num_generations,
+             f">= {low}" + (" (group-relative advantages compare samples of one prompt)" if low == 2 else ""))
+    for key in ("max_new_tokens", "num_iterations"):
+        _require(getattr(cfg, key) >= 1, key, getattr(cfg, key), ">= 1")
+    _require(cfg.temperature > 0, "temperature", cfg.temperature, "> 0 (RL samples; greedy rollouts give no variance)")
+    _require(0 < cfg.top_p <= 1, "top_p", cfg.top_p, "in (0, 1]")
+    _require(0 < cfg.epsilon < 1, "epsilon", cfg.epsilon, "in (0, 1)")
+    if cfg.epsilon_high is not None:
+        _require(cfg.epsilon_high > 0, "epsilon_high", cfg.epsilon_high, "> 0 or null")
+    _require(0 <= cfg.gamma <= 1, "gamma", cfg.gamma, "in [0, 1]")
+    _require(0 <= cfg.lam <= 1, "lam", cfg.lam, "in [0, 1]")
+    _require(cfg.vf_coef >= 0, "vf_coef", cfg.vf_coef, ">= 0")
+    _require(cfg.cliprange_value > 0, "cliprange_value", cfg.cliprange_value, "> 0")
+    _require(cfg.max_new_tokens < cfg.max_seq_len, "max_new_tokens", cfg.max_new_tokens,
+             f"< max_seq_len ({cfg.max_seq_len}), leaving room for the prompt")
+    _require(bool(cfg.reward_funcs), "reward_funcs", cfg.reward_funcs, "a non-empty list, e.g. [accuracy]")
+    if cfg.reward_weights and len(cfg.reward_weights) != len(cfg.reward_funcs):
+        raise ConfigError(f"reward_weights has {len(cfg.reward_weights)} values for {len(cfg.reward_funcs)} reward_funcs; "
+                          "give one weight per function or [] for all 1")
+    if cfg.elastic_depth or cfg.elastic_experts or cfg.elastic_top_k:
+        raise ConfigError(f"elastic_* sub-model training applies to the LM stages, not {cfg.stage}; clear elastic_depth, "
+                          "elastic_experts and elastic_top_k")
+
+
+def _str_list(key: str, value: object) -> list[str]:
+    items = [v.strip() for v in value.split(",") if v.strip()] if isinstance(value, str) else value
+    if not isinstance(items, list) or not all(isinstance(v, str) and v.strip() for v in items):
+        raise ConfigError(f"{key}={value!r} is invalid: it must be a list of names such as [accuracy, format]; change {key}")
+    return [v.strip() for v in items]
+
+
+def _float_list(key: str, value: object) -> list[float]:
+    items = [v.strip() for v in value.split(",") if v.strip()] if isinstance(value, str) else value
+    items = [items] if isinstance(items, (int, float)) and not isinstance(items, bool) else items
+    try:
+        out = [float(v) for v in items]
+        ok = isinstance(items, list) and not any(isinstance(v, bool) for v in items)
+    except (TypeError, ValueError):
+        ok = False
+    if not ok:
+        raise ConfigError(f"{key}={value!r} is invalid: it must be a list of numbers such as [1.0, 0.5]; change {key}")
+    return out
+
+
+def _normalise_rl_lists(cfg: TrainConfig) -> dict:
+    return {"reward_funcs": _str_list("reward_funcs", cfg.reward_funcs),
+            "reward_weights": _float_list("reward_weights", cfg.reward_weights),
+            "stop_token_ids": _int_list("stop_token_ids", cfg.stop_token_ids)}
 
 
 def _int_list(key: str, value: object) -> list[int]:

@@ -21,7 +21,9 @@ def _spellings(*names: str, **aliases: str) -> dict[str, str]:
 
 # Allowed values, the single place to extend when a stage or method lands.
 # Keys are lower-case spellings the user may write; values are the canonical names.
-STAGES = _spellings("pretrain", "SFT", "DPO", PT="pretrain")
+STAGES = _spellings("pretrain", "SFT", "DPO", "GRPO", "PPO", PT="pretrain")
+RL_STAGES = ("GRPO", "PPO")
+LOSS_AGGREGATIONS = _spellings("token", "sequence")
 DPO_LOSS_TYPES = _spellings("sigmoid", "hinge", "ipo", "simpo", "orpo", "kto_pair", "sppo_hard", "nca_pair", "dpop")
 FINE_TUNING = _spellings("Full", "LoRA")
 DATASET_TYPES = _spellings("auto", "erniekit", "alpaca", "messages", "text", "prompt")
@@ -46,7 +48,7 @@ class TrainConfig:
     """Everything one `erniekit train` run needs; the resolved copy is saved in output_dir."""
 
     # ### stage
-    stage: str = _opt("SFT", "training stage: pretrain (alias PT), SFT or DPO", STAGES)
+    stage: str = _opt("SFT", "training stage: pretrain (alias PT), SFT, DPO, GRPO or PPO", STAGES)
     fine_tuning: str = _opt("Full", "which weights train: Full or LoRA (adapters only, base frozen)", FINE_TUNING)
 
     # ### model
@@ -138,7 +140,7 @@ class TrainConfig:
     lora_base_dtype: str | None = _opt(None, "hold the frozen base in this dtype (bfloat16) to save memory")
 
     # ### DPO (stage: DPO); names as PaddleFormers' DPO arguments
-    beta: float = _opt(0.1, "DPO temperature: strength of the pull towards the reference model")
+    beta: float = _opt(0.1, "DPO temperature; GRPO/PPO: KL coefficient to the reference (0 drops the reference model)")
     loss_type: str = _opt(
         "sigmoid", "preference loss: sigmoid, hinge, ipo, simpo, orpo, kto_pair, sppo_hard, nca_pair, dpop",
         DPO_LOSS_TYPES,
@@ -148,6 +150,30 @@ class TrainConfig:
     sft_loss_ratio: float = _opt(0.0, "weight of the chosen reply's NLL added to the preference loss")
     simpo_gamma: float = _opt(0.5, "SimPO target reward margin")
     dpop_lambda: float = _opt(50.0, "DPO-Positive penalty weight")
+
+    # ### RL (stage: GRPO or PPO; docs/rl.md); names as TRL's GRPO/PPO arguments
+    num_generations: int = _opt(8, "completions sampled per prompt (GRPO group size, >= 2); prompts per micro-batch = "
+                                   "per_device_train_batch_size")
+    max_new_tokens: int = _opt(128, "longest completion sampled in a rollout")
+    temperature: float = _opt(1.0, "rollout sampling temperature (> 0); log-probs are taken at the same temperature")
+    top_p: float = _opt(1.0, "rollout nucleus sampling: keep the smallest token set with this much probability")
+    stop_token_ids: list[int] = _opt([], "extra token ids that end a completion, besides the tokenizer's sep and eos")
+    reward_funcs: list[str] = _opt(
+        ["accuracy"], "rewards: built-in accuracy (exact answer), format (one integer), or module.path:function / file.py:function")
+    reward_weights: list[float] = _opt([], "weight of each reward function in the total reward; [] = all 1")
+    num_iterations: int = _opt(1, "optimizer steps per rollout batch (GRPO's mu); > 1 reuses rollouts with importance ratios")
+    epsilon: float = _opt(0.2, "lower clip bound of the importance ratio: 1 - epsilon")
+    epsilon_high: float | None = _opt(None, "upper clip bound 1 + epsilon_high (DAPO clip-higher); null = epsilon")
+    scale_rewards: bool = _opt(True, "GRPO: divide group-centred rewards by the group std (false: Dr. GRPO)")
+    loss_aggregation: str = _opt(
+        "token", "token: average over all completion tokens of the step; sequence: per-sequence mean, then over sequences",
+        LOSS_AGGREGATIONS)
+    filter_zero_std_groups: bool = _opt(False, "GRPO: drop groups whose samples all got the same reward from the loss")
+    routing_replay: bool = _opt(False, "MoE: train on the experts chosen during the rollout (routing replay)")
+    gamma: float = _opt(1.0, "PPO: discount factor")
+    lam: float = _opt(0.95, "PPO: GAE lambda")
+    vf_coef: float = _opt(0.1, "PPO: weight of the value loss")
+    cliprange_value: float = _opt(0.2, "PPO: clip range of the value update")
 
     # ### weight EMA (ERNIE 4.5: a constant LR plus an EMA of the weights instead of LR decay)
     ema_decay: float = _opt(0.0, "keep an EMA of the trainable weights with this decay (0 = off), e.g. 0.999")

@@ -35,9 +35,12 @@ def sample_next(logits: paddle.Tensor, temperature: float, top_p: float) -> padd
 
 @paddle.no_grad()
 def generate_stream(
-    model: Ernie4_5ForCausalLM, prompts: list[list[int]], params: SamplingParams, pad_id: int = 0
+    model: Ernie4_5ForCausalLM, prompts: list[list[int]], params: SamplingParams, pad_id: int = 0,
+    on_forward: Callable[[], None] | None = None,
 ) -> Iterator[np.ndarray]:
-    """Yield the new token of every sequence at each step ([B] array; -1 once a sequence stopped)."""
+    """Yield the new token of every sequence at each step ([B] array; -1 once a sequence stopped).
+    on_forward: called after every model forward (the prefill, then one per decode step), e.g. to
+    record the MoE routing of the tokens just fed (erniekit/rl/rollout.py)."""
     if params.seed is not None:
         paddle.seed(params.seed)
     was_training = model.training
@@ -59,6 +62,8 @@ def generate_stream(
             cur = L + step
             am = paddle.to_tensor(mask[:, :cur]) if padded else None
             logits = model(x, attention_mask=am, cache=cache, logits_to_keep=1).logits[:, -1].astype("float32")
+            if on_forward is not None:
+                on_forward()
             nxt = sample_next(logits, params.temperature, params.top_p).numpy().astype(np.int64)
             nxt = np.where(done, pad_id, nxt)
             out = np.where(done, -1, nxt)

@@ -10,6 +10,10 @@ orthogonal loss on the router vectors (`router_orthogonal_loss_coef`).
 
 Modality-isolated routing (ERNIE-4.5-VL): with per-modality expert lists in the config, each
 token is routed only among its modality's experts (MoEBlock; docs/moe.md).
+
+Routing replay (RL, docs/rl.md): a block given a `RoutingReference` compares its own expert
+choice with the recorded one and, when `force` is set, uses the recorded experts (gate weights
+still come from the current router, so the router keeps its gradient).
 """
 
 from __future__ import annotations
@@ -49,6 +53,7 @@ class TopKRouter(nn.Layer):
         self.k, self.norm_min, self.num_experts = k, norm_min, num_experts
         self.active_experts: int | None = None
         self.active_k: int | None = None
+        self.last_own_idx: paddle.Tensor | None = None  # [T, k] the router's own choice in the last forward
         self.weight = self.create_parameter([hidden_size, num_experts], dtype="float32")
         self.e_score_correction_bias = self.create_parameter(
             [1, num_experts], dtype="float32", default_initializer=nn.initializer.Constant(0.0)
@@ -59,7 +64,8 @@ class TopKRouter(nn.Layer):
     def n_active(self) -> int:
         return self.active_experts or self.num_experts
 
-    def forward(self, x: paddle.Tensor) -> RouterOutput:
+    def forward(self, x: paddle.Tensor, forced: RoutingReference | None = None) -> RouterOutput:
+        """forced (local expert ids): masked tokens take the recorded experts instead of their own."""
         logits = paddle.matmul(x.astype("float32"), self.weight)
         n, k = self.n_active, self.active_k or self.k
         if n < self.num_experts:
@@ -70,9 +76,30 @@ class TopKRouter(nn.Layer):
         if n < self.num_experts:
             score = score + mask
         _, idx = paddle.topk(score, k, axis=-1)
+        self.last_own_idx = idx
+        if forced is not None and forced.force:
+            if forced.topk_idx.shape != idx.shape:
+                raise DataError(f"routing replay: recorded experts have shape {forced.topk_idx.shape} but this forward "
+                                f"routes {idx.shape}; replay needs the same tokens and top-k as the rollout")
+            idx = paddle.where(forced.mask.unsqueeze(-1), forced.topk_idx, idx)
         w = paddle.take_along_axis(probs, idx, axis=-1)
         w = w / paddle.clip(w.sum(axis=-1, keepdim=True), min=self.norm_min)
         return RouterOutput(logits, probs, idx, w)
+
+
+@dataclass
+class RoutingReference:
+    """Experts recorded for each token (e.g. during an RL rollout) to compare with or replay."""
+
+    topk_idx: paddle.Tensor  # [T, k] int64 global expert ids
+    mask: paddle.Tensor  # [T] bool: tokens that have a recorded choice
+    force: bool  # True: route masked tokens to the recorded experts (routing replay)
+
+
+def routing_changed(own: paddle.Tensor, recorded: paddle.Tensor, mask: paddle.Tensor) -> paddle.Tensor:
+    """[T] bool: masked tokens whose set of top-k experts differs from the recorded set (order ignored)."""
+    diff = (paddle.sort(own, axis=-1) != paddle.sort(recorded, axis=-1)).any(axis=-1)
+    return paddle.logical_and(diff, mask)
 
 
 @dataclass
@@ -255,6 +282,8 @@ class MoEBlock(nn.Layer):
         self.last_probs: paddle.Tensor | None = None
         self.last_modality: paddle.Tensor | None = None  # [T] int64 modality id, None when text only
         self.last_dropped: float = 0.0  # fraction of assignments dropped by the capacity limit
+        self.routing_reference: RoutingReference | None = None  # set around a forward by erniekit.rl.routing
+        self.last_changed: tuple[int, int] | None = None  # (tokens whose routing differs from the reference, tokens compared)
 
     def router(self, m: int) -> TopKRouter:
         """Modality m's router (`gate` for text)."""
@@ -282,7 +311,15 @@ class MoEBlock(nn.Layer):
         else:
             parts = [(paddle.nonzero(mod == m).reshape([-1]), m) for m in range(self.num_modalities)]
             parts = [(idx, m) for idx, m in parts if idx.shape[0]] or [(None, 0)]  # no token at all
-        routed = [self._route(m, x if idx is None else paddle.gather(x, idx)) for idx, m in parts]
+        ref = self.routing_reference
+        if ref is not None and len(parts) > 1:
+            raise DataError("routing replay covers text-only batches; this batch has several modalities "
+                            "(token_type_ids): set routing_replay=false")
+        routed = [self._route(m, x if idx is None else paddle.gather(x, idx), ref) for idx, m in parts]
+        if ref is not None:
+            own = self.router(parts[0][1]).last_own_idx + self.offsets[parts[0][1]]
+            self.last_changed = (int(routing_changed(own, ref.topk_idx, ref.mask).astype("int64").sum()),
+                                 int(ref.mask.astype("int64").sum()))
         order = None if parts[0][0] is None else paddle.argsort(paddle.concat([idx for idx, _ in parts]))
 
         def in_token_order(ts: list[paddle.Tensor]) -> paddle.Tensor:
@@ -303,10 +340,13 @@ class MoEBlock(nn.Layer):
         self.last_modality = None if mod is None else mod.detach()
         return y.reshape(shape)
 
-    def _route(self, m: int, x: paddle.Tensor) -> tuple[paddle.Tensor, RouterOutput, paddle.Tensor | None]:
+    def _route(self, m: int, x: paddle.Tensor, ref: RoutingReference | None = None
+               ) -> tuple[paddle.Tensor, RouterOutput, paddle.Tensor | None]:
         """Modality m's tokens x [T_m, H] through its router and experts (local expert ids)."""
         gate = self.router(m)
-        r = gate(x)
+        if ref is not None and self.offsets[m]:
+            ref = RoutingReference(ref.topk_idx - self.offsets[m], ref.mask, ref.force)
+        r = gate(x, ref)
         keep = None
         if self.capacity_factor > 0:
             cap = expert_capacity(x.shape[0], r.topk_idx.shape[1], gate.n_active, self.capacity_factor)

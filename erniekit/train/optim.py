@@ -81,8 +81,9 @@ class AdamW:
             (self.m if kind == "exp_avg" else self.v)[name] = value.astype("float32")
 
 
-def build_optimizer(model: paddle.nn.Layer, cfg) -> AdamW:
-    named = list(model.named_parameters())
+def build_optimizer(model: paddle.nn.Layer, cfg, extra: list[tuple[str, paddle.Tensor]] = ()) -> AdamW:
+    """AdamW over the model's trainable parameters plus `extra` named ones (a PPO value head)."""
+    named = list(model.named_parameters()) + list(extra)
     no_decay = {n for n, p in named if p.ndim < 2 or "norm" in n or "embed_tokens" in n}
     lr_mult = None
     if getattr(cfg, "fine_tuning", "Full") == "LoRA" and cfg.lora_plus_scale != 1.0:

@@ -50,6 +50,7 @@ class Stage:
 
     name = "base"
     token_balance = False  # loss_token_balance, set in `prepare`: loss averaged per example, then over examples
+    progress_keys: dict[str, str] = {}  # extra progress-bar fields: short name -> metric key (RL: reward)
 
     def build_train_rows(self, cfg, tokenizer) -> list[dict[str, np.ndarray]]:
         raise NotImplementedError
@@ -77,6 +78,27 @@ class Stage:
 
     def evaluate(self, model, tokenizer, eval_data, cfg) -> dict[str, float]:
         return {}
+
+    # ---- hooks the loop calls; RL stages use them (erniekit/rl/stage.py) ----------------------
+    def step_batches(self, model, micro: list[dict[str, np.ndarray]], step: int) -> list[dict[str, np.ndarray]]:
+        """The micro-batches optimizer step `step` trains on, from the collated data rows: RL
+        stages turn prompts into scored rollouts here."""
+        return micro
+
+    def step_metrics(self) -> dict[str, float]:
+        """Scalars of the step just taken, beyond loss and lr (logged with them)."""
+        return {}
+
+    def extra_named_parameters(self) -> list[tuple[str, paddle.Tensor]]:
+        """Trainable parameters that live outside the model (a PPO value head)."""
+        return []
+
+    def checkpoint_tensors(self) -> dict[str, dict[str, paddle.Tensor]]:
+        """Files (name -> tensors) the stage adds to every checkpoint."""
+        return {}
+
+    def load_checkpoint_tensors(self, path: str) -> None:
+        """Restore what `checkpoint_tensors` saved, on resume."""
 
 
 @paddle.no_grad()

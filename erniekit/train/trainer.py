@@ -74,8 +74,9 @@ class Trainer:
             self.total_steps = max(1, math.ceil(cfg.num_train_epochs * self.batches.per_epoch / accum))
         warmup = cfg.warmup_steps or int(round(cfg.warmup_ratio * self.total_steps))
         self.warmup = min(warmup, self.total_steps)
-        self.optimizer = build_optimizer(model, cfg)
-        self.params = [p for p in model.parameters() if not p.stop_gradient]
+        extra = stage.extra_named_parameters()  # e.g. a PPO value head
+        self.optimizer = build_optimizer(model, cfg, extra)
+        self.params = [p for p in model.parameters() if not p.stop_gradient] + [p for _, p in extra]
         self.ema = None
         if cfg.ema_decay > 0:
             from erniekit.train.ema import WeightEMA
@@ -103,6 +104,7 @@ class Trainer:
             return
         st = load_checkpoint(path, self.model, self.optimizer)
         self.step, self.consumed = st["global_step"], st["consumed_micro_batches"]
+        self.stage.load_checkpoint_tensors(path)
         ema_file = os.path.join(path, EMA_NAME)
         if self.ema is not None and os.path.isfile(ema_file):
             from safetensors.paddle import load_file
@@ -115,7 +117,9 @@ class Trainer:
 
     def save(self) -> str:
         path = os.path.join(self.cfg.output_dir, f"checkpoint-{self.step}")
-        extra = {EMA_NAME: self.ema.state_dict()} if self.ema is not None else None
+        extra = dict(self.stage.checkpoint_tensors())
+        if self.ema is not None:
+            extra[EMA_NAME] = self.ema.state_dict()
         save_checkpoint(path, self.model, self.tokenizer, self.optimizer, self.state(), self.cfg.model_name_or_path,
                         extra_tensors=extra)
         rotate_checkpoints(self.cfg.output_dir, self.cfg.save_total_limit)
@@ -127,6 +131,7 @@ class Trainer:
         paddle.seed(cfg.seed + self.step)
         elastic_scalars = self.elastic.begin(self.model, self.step) if self.elastic is not None else {}
         micro = [self.batches.get(self.consumed + i) for i in range(cfg.gradient_accumulation_steps)]
+        micro = self.stage.step_batches(self.model, micro, self.step)  # RL: rollouts from the current policy
         n_units = sum(self.stage.normalizer(b) for b in micro)  # trained tokens (LM) or pairs (DPO)
         lr = lr_at(self.step, self.total_steps, cfg.learning_rate, cfg.lr_scheduler_type, self.warmup,
                    cfg.min_lr, cfg.decay_ratio)
@@ -176,6 +181,7 @@ class Trainer:
         if aux_sum:
             metrics["train/router_loss"] = aux_sum
         metrics.update(elastic_scalars)
+        metrics.update(self.stage.step_metrics())
         return metrics
 
     def after_update(self) -> None:
@@ -225,11 +231,12 @@ class Trainer:
                 last = m
                 if bar is not None:
                     bar.set_postfix(loss=f"{m['train/loss']:.4f}", lr=f"{m['train/lr']:.2e}",
-                                    tok_s=f"{m['train/tokens_per_sec']:.0f}")
+                                    tok_s=f"{m['train/tokens_per_sec']:.0f}", **self._progress_extra(m))
                 else:
+                    extra = "".join(f" {k} {v}" for k, v in self._progress_extra(m).items())
                     self.log(f"step {self.step}/{self.total_steps} loss {m['train/loss']:.4f} "
                              f"lr {m['train/lr']:.2e} grad_norm {m['train/grad_norm']:.3f} "
-                             f"tokens/s {m['train/tokens_per_sec']:.0f}")
+                             f"tokens/s {m['train/tokens_per_sec']:.0f}{extra}")
             self.routing.maybe_write_pictures(self.step, self.logger.writer)
             if bar is not None:
                 bar.update(1)
@@ -243,6 +250,9 @@ class Trainer:
         self.routing.maybe_write_pictures(self.step, self.logger.writer, final=True)
         self.save()
         return last
+
+    def _progress_extra(self, m: dict[str, float]) -> dict[str, str]:
+        return {short: f"{m[key]:.3f}" for short, key in self.stage.progress_keys.items() if key in m}
 
     def evaluate(self) -> dict[str, float]:
         """Scores of the current weights; with an EMA also of the EMA weights (eval_ema/*)."""

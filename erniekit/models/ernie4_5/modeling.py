@@ -164,6 +164,7 @@ class CausalLMOutput:
     logits: paddle.Tensor
     aux_loss: paddle.Tensor | None = None  # sum over MoE layers of the weighted router losses (training only)
     mtp_logits: list[paddle.Tensor] | None = None  # depth j predicts token t+j+1 (return_mtp=True; erniekit/nn/mtp.py)
+    hidden_states: paddle.Tensor | None = None  # final normed hidden states at the logits' positions (value heads)
 
 
 class Ernie4_5ForCausalLM(nn.Layer):
@@ -226,7 +227,7 @@ class Ernie4_5ForCausalLM(nn.Layer):
         if self.training and self.config.is_moe:
             losses = [m.router_loss for m in self.moe_layers() if m.router_loss is not None]
             aux = paddle.add_n(losses) if losses else None
-        return CausalLMOutput(logits=logits, aux_loss=aux, mtp_logits=mtp_logits)
+        return CausalLMOutput(logits=logits, aux_loss=aux, mtp_logits=mtp_logits, hidden_states=h)
 
     def head(self, h: paddle.Tensor) -> paddle.Tensor:
         """Final hidden states (after the final norm) -> vocabulary logits, tied or not."""

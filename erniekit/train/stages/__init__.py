@@ -10,6 +10,8 @@ STAGE_MODULES = {
     "pretrain": "erniekit.train.stages.pretrain",
     "SFT": "erniekit.train.stages.sft",
     "DPO": "erniekit.train.stages.dpo",
+    "GRPO": "erniekit.train.stages.grpo",
+    "PPO": "erniekit.train.stages.ppo",
 }
 
 

@@ -1,0 +1,88 @@
+"""Prompt datasets for RL: the prompt the policy answers plus the fields rewards check against.
+
+Formats (one JSON record per line, detected per file with train_dataset_type: auto):
+- prompt:   {"prompt": str | [messages ending with a user turn], "system"?: str, ...fields}
+- erniekit: {"src": [...], "tgt": [...], ...fields}: the last tgt is the reference, field `answer`
+- alpaca / messages: as for SFT; the last assistant reply is the field `answer`
+Every key not part of the format itself (e.g. "answer", "solution", "tests") becomes a field
+passed to reward functions (erniekit/rl/rewards.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from erniekit.data.formats import _READERS, Conversation, detect_format, load_records
+from erniekit.errors import DataError
+
+_FORMAT_KEYS = {
+    "erniekit": {"system", "src", "tgt", "label"},
+    "alpaca": {"instruction", "input", "output", "system", "history"},
+    "messages": {"messages"},
+    "prompt": {"prompt", "system"},
+}
+
+
+@dataclass
+class PromptExample:
+    conv: Conversation  # history + (prompt, reference or ""): its rendering up to the reply is the model input
+    fields: dict[str, Any] = field(default_factory=dict)  # what reward functions receive
+    source: str = ""
+
+    @property
+    def prompt_text(self) -> str:
+        return self.conv.turns[-1][0]
+
+
+def _prompt_messages(value: Any, where: str) -> tuple[str | None, list[tuple[str, str]], str]:
+    """A messages list ending with a user turn -> (system, history pairs, last user text)."""
+    ok = isinstance(value, list) and value and all(
+        isinstance(m, dict) and m.get("role") in ("system", "user", "assistant") and isinstance(m.get("content"), str)
+        for m in value)
+    if not ok:
+        raise DataError(f"{where}: field 'prompt' must be a string or a list of {{'role', 'content'}} messages")
+    system = value[0]["content"] if value[0]["role"] == "system" else None
+    body = value[1:] if system is not None else value
+    roles = [m["role"] for m in body]
+    if roles != ["user", "assistant"] * (len(body) // 2) + ["user"]:
+        raise DataError(f"{where}: field 'prompt' roles {roles} must alternate user/assistant and end with a user turn")
+    history = [(body[i]["content"], body[i + 1]["content"]) for i in range(0, len(body) - 1, 2)]
+    return system, history, body[-1]["content"]
+
+
+def _from_prompt(rec: dict, where: str) -> PromptExample:
+    value = rec.get("prompt")
+    if isinstance(value, str):
+        system, history, prompt = rec.get("system"), [], value
+        if system is not None and not isinstance(system, str):
+            raise DataError(f"{where}: field 'system' must be a string")
+    else:
+        system, history, prompt = _prompt_messages(value, where)
+    turns = history + [(prompt, "")]
+    conv = Conversation(system, turns, [False] * len(history) + [True], where)
+    return PromptExample(conv, {k: v for k, v in rec.items() if k not in _FORMAT_KEYS["prompt"]}, where)
+
+
+def _from_conversation(fmt: str):
+    def read(rec: dict, where: str) -> PromptExample:
+        conv = _READERS[fmt](rec, where)
+        fields = {k: v for k, v in rec.items() if k not in _FORMAT_KEYS[fmt]}
+        fields.setdefault("answer", conv.turns[-1][1])
+        return PromptExample(conv, fields, where)
+
+    return read
+
+
+_PROMPT_READERS = {"prompt": _from_prompt, **{f: _from_conversation(f) for f in ("erniekit", "alpaca", "messages")}}
+
+
+def _detect(rec: object, where: str) -> str:
+    if isinstance(rec, dict) and "prompt" in rec:
+        return "prompt"
+    return detect_format(rec, where)
+
+
+def load_prompts(path: str, fmt: str = "auto") -> list[PromptExample]:
+    """Read and validate RL prompt files (comma-separated list allowed)."""
+    return load_records(path, fmt, _PROMPT_READERS, _detect, label="prompt data", kind="prompts")
