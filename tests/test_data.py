@@ -70,7 +70,7 @@ def test_train_and_eval_problems_are_disjoint():
 def test_write_dataset_and_bundled_dataset(tmp_path):
     paths = write_arithmetic_dataset(str(tmp_path), n_train=300, n_eval=50, seed=0)
     assert sorted(os.path.basename(p) for p in paths.values()) == [
-        "dpo_eval.jsonl", "dpo_train.jsonl", "eval.jsonl", "pretrain.jsonl", "train.jsonl"]
+        "dpo_eval.jsonl", "dpo_train.jsonl", "eval.jsonl", "pretrain.jsonl", "rl_prompts.jsonl", "train.jsonl"]
     from erniekit.data.preference import load_preference_pairs
 
     pairs = load_preference_pairs(paths["dpo_train"])
@@ -91,6 +91,13 @@ def test_write_dataset_and_bundled_dataset(tmp_path):
     assert len(eval_q) == 500
     assert not eval_q & {c.turns[0][0] for c in train}
     assert not eval_q & {t.split("=")[0] + "=" for t in pretrain}
+    # RL prompts: correct, distinct, neither held out nor in the SFT data
+    from erniekit.rl.data import load_prompts
+
+    rl = load_prompts(os.path.join(BUNDLED, "rl_prompts.jsonl"))
+    rl_q = [p.prompt_text for p in rl]
+    assert len(rl) == 4000 == len(set(rl_q)) and all(_check_answer(p.prompt_text, p.fields["answer"]) for p in rl)
+    assert not set(rl_q) & (eval_q | {c.turns[0][0] for c in train})
     assert sum(os.path.getsize(os.path.join(BUNDLED, f)) for f in os.listdir(BUNDLED)) < 2_000_000
 
 

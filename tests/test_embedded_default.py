@@ -1,6 +1,7 @@
-"""README's first command, end to end: the embedded default must learn arithmetic from scratch.
+"""README's first command, end to end: the embedded default must learn arithmetic from scratch,
+and GRPO from its result must raise held-out exact match (README's RL command, shortened).
 
-This is the slowest test (about 5 minutes on 2 cores); it runs exactly the shipped config.
+This is the slowest test (about 6 minutes on 2 cores); it runs exactly the shipped configs.
 """
 
 import json
@@ -30,3 +31,17 @@ def test_embedded_default_reaches_accuracy(tmp_path):
     for f in ("config.json", "model.safetensors", "tokenizer.model", "generation_config.json"):
         assert (out / f).exists()
     assert any(f.startswith("vdlrecords") for f in os.listdir(out / "vdl_log"))
+
+    # GRPO from the SFT result, 100 of the shipped 200 steps (measured: 0.684 -> 0.756 at step 100, 0.770 at 200)
+    r = subprocess.run(
+        [sys.executable, "-m", "erniekit", "train", "examples/configs/tiny/grpo.yaml", f"model_name_or_path={out}",
+         f"output_dir={tmp_path / 'tiny-grpo'}", "max_steps=100", "disable_tqdm=true"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800,
+    )
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    m = re.search(r"held-out exact match: ([\d.]+) \(start ([\d.]+), gain ([-+][\d.]+)\)", r.stdout)
+    assert m, r.stdout[-2000:]
+    assert float(m[2]) == acc and float(m[3]) >= 0.03, m[0]
+    logged = [json.loads(line) for line in open(tmp_path / "tiny-grpo" / "vdl_log" / "scalars.jsonl")]
+    assert any("train/reward" in row and "train/kl" in row for row in logged)
+    assert any(row.get("eval/exact_match") == float(m[1]) for row in logged)

@@ -160,8 +160,9 @@ def write_arithmetic_dataset(
     heldout_fraction: float = DEFAULT_HELDOUT_FRACTION,
 ) -> dict[str, str]:
     """Write train.jsonl / eval.jsonl (SFT form), pretrain.jsonl (``{"text": ...}``, see
-    pretrain_text) and
-    dpo_train.jsonl / dpo_eval.jsonl (preference pairs, ERNIEKit DPO form, n_train // 5 for training).
+    pretrain_text),
+    dpo_train.jsonl / dpo_eval.jsonl (preference pairs, ERNIEKit DPO form, n_train // 5 for training)
+    and rl_prompts.jsonl (RL prompts ``{"prompt", "answer"}``, see rl_prompt_rows).
 
     Eval problems are distinct and come from the held-out partition; train and pretrain rows
     come from the rest (repeats allowed when n_train exceeds the problem space).
@@ -171,7 +172,7 @@ def write_arithmetic_dataset(
     evals = make_arithmetic(n_eval, seed, split="eval", unique=True, **kw)
     pretrain = make_arithmetic(n_train, seed + 1, split="train", **kw)
     os.makedirs(out_dir, exist_ok=True)
-    names = ("train", "eval", "pretrain", "dpo_train", "dpo_eval")
+    names = ("train", "eval", "pretrain", "dpo_train", "dpo_eval", "rl_prompts")
     paths = {name: os.path.join(out_dir, f"{name}.jsonl") for name in names}
     _write_jsonl(paths["train"], train)
     _write_jsonl(paths["eval"], evals)
@@ -179,4 +180,20 @@ def write_arithmetic_dataset(
     dpo_rows = make_arithmetic(n_train // 5, seed + 2, split="train", **kw)
     _write_jsonl(paths["dpo_train"], make_arithmetic_preferences(dpo_rows, seed))
     _write_jsonl(paths["dpo_eval"], make_arithmetic_preferences(evals, seed + 1))
+    _write_jsonl(paths["rl_prompts"], rl_prompt_rows(train, n_train // 5, seed + 3, **kw))
     return paths
+
+
+def rl_prompt_rows(sft_rows: Sequence[dict], n: int, seed: int, min_digits: int = 1, max_digits: int = 2,
+                   ops: Sequence[str] = ("+", "-"), heldout_fraction: float = DEFAULT_HELDOUT_FRACTION) -> list[dict]:
+    """Up to n distinct training-partition problems that no SFT row contains, as RL prompts
+    ``{"prompt": "12+34=", "answer": "46"}``: problems the SFT model has not been taught, where a
+    verifier's reward carries signal (on the SFT problems themselves the model is mostly right
+    already); none is held out, so the eval split stays unseen."""
+    seen = {r["src"][0] for r in sft_rows}
+    lo = 0 if min_digits == 1 else 10 ** (min_digits - 1)
+    numbers = range(lo, 10**max_digits)
+    problems = [(a, op, b) for a in numbers for b in numbers for op in ops
+                if f"{a}{op}{b}=" not in seen and not is_heldout(f"{a}{op}{b}=", heldout_fraction)]
+    random.Random(f"rl-prompts-{seed}").shuffle(problems)
+    return [{"prompt": f"{a}{op}{b}=", "answer": str(OPS[op](a, b))} for a, op, b in problems[:n]]
