@@ -36,6 +36,9 @@ LOW_HALF = textwrap.dedent("""
             raise ValueError("cannot score this one")
         return [0.0] * len(completions)
 
+    def plus_is_flat(prompts, completions, completion_ids, **kwargs):
+        return [1.0 if "+" in p else float(ids[0] < 512) for p, ids in zip(prompts, completion_ids)]
+
     def not_a_number(prompts, completions, **kwargs):
         return ["high"] * len(completions)
 """)
@@ -279,3 +282,24 @@ def test_prompt_formats(tmp_path):
     f.write_text('{"prompt": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]}\n')
     with pytest.raises(DataError, match="end with a user turn"):
         load_prompts(str(f))
+
+
+def test_zero_variance_groups_are_filtered_from_the_loss(tmp_path, reward_file):
+    model, st, tok, _ = _prepared_stage(tmp_path, "filter_zero_std_groups=true", "beta=0",
+                                        f"reward_funcs=[{reward_file}:plus_is_flat]", "max_new_tokens=1")
+    batch = _rollout_batch(st, model)
+    groups = batch["rewards"].reshape(-1, 4)
+    flat = np.repeat(groups.std(1) == 0, 4)
+    assert flat.any() and (~flat).any()  # '+' prompts always get 1: their groups carry no signal
+    np.testing.assert_array_equal(batch["loss_mask"].sum(1) == 0, flat)
+    np.testing.assert_array_equal(batch["completion_mask"].sum(1) > 0, np.ones(16, bool))
+    assert st.normalizer(batch) == int((~flat).sum())  # one completion token per unfiltered sample
+
+
+def test_grpo_with_lora_trains_adapters_against_the_base(tmp_path):
+    res, _ = _run(tmp_path, "fine_tuning=LoRA", "lora_rank=4", "beta=0.1", "max_steps=3", "learning_rate=1e-2",
+                  "do_eval=false")
+    sc = [r for r in _scalars(tmp_path) if "train/loss" in r]
+    assert sc[0]["train/kl"] == pytest.approx(0.0, abs=1e-6)  # adapters start at zero: policy = reference
+    assert sc[-1]["train/kl"] > 0  # the adapters moved the policy away from the base
+    assert os.path.isfile(tmp_path / "adapter_config.json") and os.path.isfile(tmp_path / "adapter_model.safetensors")

@@ -21,7 +21,7 @@ from erniekit.errors import DataError
 from erniekit.infer.sampling import SamplingParams
 from erniekit.rl.data import PromptExample, load_prompts
 from erniekit.rl.losses import IGNORE_INDEX, token_entropy, token_logps
-from erniekit.rl.rewards import check_fields, compute_rewards, load_reward_functions
+from erniekit.rl.rewards import accuracy, check_fields, compute_rewards, load_reward_functions
 from erniekit.rl.rollout import Rollout, greedy_completions, repeat_prompts, rollout
 from erniekit.rl.routing import changed_counts, routing_reference
 from erniekit.train.evaluation import prompt_ids
@@ -121,7 +121,7 @@ class RLStage(Stage):
             self._rollout_metrics = {}
             self.buffer = [self._make_batch(model, b) for b in micro]
             self.buffer_round = rnd
-            self._finish_rollout_metrics(len(self.buffer))
+            self._rollout_metrics = {k: float(np.mean(v)) for k, v in self._rollout_metrics.items()}
         return self.buffer
 
     def _make_batch(self, model, prompt_batch: dict) -> dict:
@@ -133,7 +133,7 @@ class RLStage(Stage):
                                 stop_token_ids=self.stop_ids)
         ro = rollout(model, repeat_prompts([self.prompt_ids[i] for i in idx], G), params, self.pad_id,
                      record_routing=self.is_moe)
-        rewards = self._rewards(ro, examples, G)  # [F, B]
+        rewards = self._rewards(examples, ro.completions(), G)  # [F, B]
         total = np.asarray([f.weight for f in self.reward_funcs]) @ rewards
         batch = self._layout(ro)
         batch["rewards"] = total.astype(np.float32)
@@ -141,12 +141,12 @@ class RLStage(Stage):
         self.build_advantages(model, batch, ro, total)
         return batch
 
-    def _rewards(self, ro: Rollout, examples: list[PromptExample], G: int) -> np.ndarray:
-        comp_ids = ro.completions()
+    def _rewards(self, examples: list[PromptExample], comp_ids: list[list[int]], repeat: int = 1) -> np.ndarray:
+        """[n_funcs, B] rewards of completions; the `repeat` samples of each example are adjacent."""
         completions = [self.tokenizer.decode(c) for c in comp_ids]
-        prompts = [e.prompt_text for e in examples for _ in range(G)]
+        prompts = [e.prompt_text for e in examples for _ in range(repeat)]
         common = set.intersection(*(set(e.fields) for e in examples)) if examples else set()
-        fields = {k: [e.fields[k] for e in examples for _ in range(G)] for k in sorted(common)}
+        fields = {k: [e.fields[k] for e in examples for _ in range(repeat)] for k in sorted(common)}
         return compute_rewards(self.reward_funcs, prompts, completions, comp_ids, fields)
 
     @staticmethod
@@ -232,9 +232,6 @@ class RLStage(Stage):
         add("completion_length", ro.completion_mask.sum(1).mean())
         add("stopped_fraction", ro.stopped.mean())
 
-    def _finish_rollout_metrics(self, n: int) -> None:
-        self._rollout_metrics = {k: float(np.mean(v)) for k, v in self._rollout_metrics.items()}
-
     def step_metrics(self) -> dict[str, float]:
         """Rollout figures of the batch trained on this step, and per-token averages of the loss terms."""
         out = {f"train/{k}": v for k, v in self._rollout_metrics.items()}
@@ -250,13 +247,11 @@ class RLStage(Stage):
         examples, prompts = eval_data["examples"][:n], eval_data["prompt_ids"][:n]
         comp_ids = greedy_completions(model, prompts, cfg.eval_max_new_tokens, self.stop_ids, self.pad_id,
                                       cfg.per_device_eval_batch_size)
-        completions = [tokenizer.decode(c) for c in comp_ids]
-        common = set.intersection(*(set(e.fields) for e in examples)) if examples else set()
-        fields = {k: [e.fields[k] for e in examples] for k in sorted(common)}
-        rewards = compute_rewards(self.reward_funcs, [e.prompt_text for e in examples], completions, comp_ids, fields)
+        rewards = self._rewards(examples, comp_ids)
         res = {"reward": float((np.asarray([f.weight for f in self.reward_funcs]) @ rewards).mean())}
         for f, r in zip(self.reward_funcs, rewards):
             res[f"reward/{f.name}"] = float(r.mean())
-        if "answer" in common:
-            res["exact_match"] = float(np.mean([c.strip() == str(a).strip() for c, a in zip(completions, fields["answer"])]))
+        if examples and all("answer" in e.fields for e in examples):
+            res["exact_match"] = float(np.mean([accuracy([], [tokenizer.decode(c)], [e.fields["answer"]])[0]
+                                                for c, e in zip(comp_ids, examples)]))
         return res
