@@ -303,3 +303,24 @@ def test_grpo_with_lora_trains_adapters_against_the_base(tmp_path):
     assert sc[0]["train/kl"] == pytest.approx(0.0, abs=1e-6)  # adapters start at zero: policy = reference
     assert sc[-1]["train/kl"] > 0  # the adapters moved the policy away from the base
     assert os.path.isfile(tmp_path / "adapter_config.json") and os.path.isfile(tmp_path / "adapter_model.safetensors")
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["temperature=0"], "temperature"),
+    (["reward_weights=[1, 2]"], "reward_weights has 2 values for 1 reward_funcs"),
+    (["reward_funcs=[]"], "reward_funcs"),
+    (["elastic_depth=[2]"], "elastic_"),
+    (["max_new_tokens=512"], "max_new_tokens"),
+    (["epsilon=1.5"], "epsilon"),
+    (["stop_token_ids=[x]"], "stop_token_ids"),
+])
+def test_rl_config_errors_name_the_key(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        validate(load_config(None, ["stage=GRPO", *overrides]))
+
+
+def test_beta_zero_is_valid_for_rl_only():
+    cfg = validate(load_config(None, ["stage=grpo", "beta=0", "reward_funcs=accuracy,format", "reward_weights=1,0.5"]))
+    assert (cfg.stage, cfg.reward_funcs, cfg.reward_weights) == ("GRPO", ["accuracy", "format"], [1.0, 0.5])
+    with pytest.raises(ConfigError, match="beta"):
+        validate(load_config(None, ["stage=DPO", "beta=0"]))

@@ -115,51 +115,40 @@ def _check_rl(cfg: TrainConfig) -> None:
                           "elastic_experts and elastic_top_k")
 
 
-def _str_list(key: str, value: object) -> list[str]:
-    items = [v.strip() for v in value.split(",") if v.strip()] if isinstance(value, str) else value
-    if not isinstance(items, list) or not all(isinstance(v, str) and v.strip() for v in items):
-        raise ConfigError(f"{key}={value!r} is invalid: it must be a list of names such as [accuracy, format]; change {key}")
-    return [v.strip() for v in items]
+_LIST_HINTS = {int: "integers such as [2, 4]", float: "numbers such as [1.0, 0.5]", str: "names such as [accuracy, format]"}
 
 
-def _float_list(key: str, value: object) -> list[float]:
+def _typed_list(key: str, value: object, kind: type) -> list:
+    """[a, b], "a,b", one value or [] -> a list of `kind`; anything else is a one-line ConfigError."""
     items = [v.strip() for v in value.split(",") if v.strip()] if isinstance(value, str) else value
-    items = [items] if isinstance(items, (int, float)) and not isinstance(items, bool) else items
+    items = items if isinstance(items, list) else [items]
     try:
-        out = [float(v) for v in items]
-        ok = isinstance(items, list) and not any(isinstance(v, bool) for v in items)
+        if kind is str:
+            ok = all(isinstance(v, str) and v.strip() for v in items)
+            out = [v.strip() for v in items] if ok else []
+        else:
+            ok = not any(isinstance(v, bool) for v in items)
+            if kind is int:
+                ok = ok and all(not isinstance(v, float) or v.is_integer() for v in items)
+            out = [kind(v) for v in items]
     except (TypeError, ValueError):
         ok = False
     if not ok:
-        raise ConfigError(f"{key}={value!r} is invalid: it must be a list of numbers such as [1.0, 0.5]; change {key}")
+        raise ConfigError(f"{key}={value!r} is invalid: it must be a list of {_LIST_HINTS[kind]}; change {key}")
     return out
 
 
 def _normalise_rl_lists(cfg: TrainConfig) -> dict:
-    return {"reward_funcs": _str_list("reward_funcs", cfg.reward_funcs),
-            "reward_weights": _float_list("reward_weights", cfg.reward_weights),
-            "stop_token_ids": _int_list("stop_token_ids", cfg.stop_token_ids)}
-
-
-def _int_list(key: str, value: object) -> list[int]:
-    """[2, 3], "2,3", 2 or [] -> a list of ints; anything else is a one-line ConfigError."""
-    items = [v.strip() for v in value.split(",") if v.strip()] if isinstance(value, str) else value
-    items = [items] if isinstance(items, int) and not isinstance(items, bool) else items
-    try:
-        out = [int(v) for v in items]
-        ok = all(not isinstance(v, (bool, float)) or float(v).is_integer() for v in items)
-    except (TypeError, ValueError):
-        ok = False
-    if not ok:
-        raise ConfigError(f"{key}={value!r} is invalid: it must be a list of integers such as [2, 4]; change {key}")
-    return out
+    return {"reward_funcs": _typed_list("reward_funcs", cfg.reward_funcs, str),
+            "reward_weights": _typed_list("reward_weights", cfg.reward_weights, float),
+            "stop_token_ids": _typed_list("stop_token_ids", cfg.stop_token_ids, int)}
 
 
 def _normalise_elastic(cfg: TrainConfig) -> dict:
     """Elastic sub-model choices as sorted unique int lists, range-checked against each other;
     ranges against the model (depth <= num_hidden_layers, experts <= moe_num_experts) are checked
     when the model is loaded (erniekit.nn.elastic.ElasticTraining.from_config)."""
-    out = {k: sorted(set(_int_list(k, getattr(cfg, k)))) for k in ("elastic_depth", "elastic_experts", "elastic_top_k")}
+    out = {k: sorted(set(_typed_list(k, getattr(cfg, k), int))) for k in ("elastic_depth", "elastic_experts", "elastic_top_k")}
     for key, values in out.items():
         _require(all(v >= 1 for v in values), key, values, "a list of integers >= 1")
     if out["elastic_top_k"] and out["elastic_experts"]:
