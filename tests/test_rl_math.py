@@ -9,7 +9,8 @@ import paddle
 import pytest
 
 from erniekit.rl.advantages import gae, group_advantages
-from erniekit.rl.losses import aggregate, clipped_surrogate, clipped_value_loss, k3_kl, token_entropy, token_logps, units
+from erniekit.rl.losses import aggregate, clipped_surrogate, clipped_value_loss, k3_kl, token_entropy, units
+from erniekit.train.losses import token_logps
 
 
 def test_group_advantages_match_a_loop():

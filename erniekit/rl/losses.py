@@ -6,20 +6,6 @@ import numpy as np
 import paddle
 import paddle.nn.functional as F
 
-IGNORE_INDEX = -100
-
-
-def token_logps(logits: paddle.Tensor, targets: np.ndarray, temperature: float = 1.0) -> paddle.Tensor:
-    """log p(targets[b, t] | logits[b, t]) as [B, S]; 0 where targets == -100. Through the fused
-    softmax-cross-entropy kernel: Paddle's CPU log_softmax backward is ~30x slower (measured)."""
-    B, S, V = logits.shape
-    x = logits.astype("float32")
-    if temperature != 1.0:
-        x = x / temperature
-    nll = F.cross_entropy(x.reshape([-1, V]), paddle.to_tensor(targets.reshape(-1, 1)), ignore_index=IGNORE_INDEX,
-                          reduction="none")
-    return -nll.reshape([B, S])
-
 
 @paddle.no_grad()
 def token_entropy(logits: paddle.Tensor, temperature: float = 1.0) -> paddle.Tensor:

@@ -15,9 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-import paddle
 
-from erniekit.infer.generate import generate_stream
+from erniekit.infer.generate import generate, generate_stream
 from erniekit.infer.sampling import SamplingParams
 
 
@@ -105,12 +104,11 @@ def repeat_prompts(prompts: list[list[int]], num_generations: int) -> list[list[
     return [p for p in prompts for _ in range(num_generations)]
 
 
-@paddle.no_grad()
 def greedy_completions(model, prompts: list[list[int]], max_new_tokens: int, stop_token_ids: list[int],
                        pad_id: int, batch_size: int) -> list[list[int]]:
     """Greedy completions (stop token excluded), batched: what evaluation scores."""
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0, stop_token_ids=stop_token_ids)
     out: list[list[int]] = []
     for i in range(0, len(prompts), batch_size):
-        out += rollout(model, prompts[i:i + batch_size], params, pad_id).completions()
+        out += generate(model, prompts[i:i + batch_size], params, pad_id=pad_id)
     return out
