@@ -354,3 +354,72 @@ def test_unknown_gradient_format_is_one_line_error():
     x, w = paddle.ones([4, 128]), paddle.ones([128, 128])
     with pytest.raises(ConfigError, match="fp8_grad_format='e3m4'"):
         fp8_matmul(x, w, grad_format="e3m4")
+
+
+# ---- the numpy emulation and the grouped (all experts at once) GEMM ------------------------------
+@pytest.mark.parametrize("fmt, dtype", [("e4m3", paddle.float8_e4m3fn), ("e5m2", paddle.float8_e5m2)])
+def test_float32_rounding_equals_the_float8_cast(fmt, dtype):
+    """round_to_format_np (the fast emulation) against Paddle's own cast, normals, subnormals and ties."""
+    fmax = {"e4m3": 448.0, "e5m2": 57344.0}[fmt]
+    rng = np.random.default_rng(3)
+    v = rng.standard_normal(50000) * 10.0 ** rng.uniform(-9, np.log10(fmax) - 0.5, 50000)
+    grid = paddle.to_tensor(np.linspace(-4, 4, 4097, dtype=F32)).astype(dtype).astype("float32").numpy()
+    ties = (grid[1:] + grid[:-1]) / 2  # exactly halfway between neighbours: must go to the even one
+    v = np.clip(np.concatenate([v, ties, ties * 2.0**-12, [0.0, fmax, -fmax]]), -fmax, fmax).astype(F32)
+    want = paddle.to_tensor(v).astype(dtype).astype("float32").numpy()
+    np.testing.assert_array_equal(fp8_mod.round_to_format_np(v, fmt), want)
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+@pytest.mark.parametrize("rows, cols", [(1, 64), (64, 64), (64, 1)])
+def test_numpy_fake_quant_equals_the_cast_path(fmt, rows, cols):
+    rng = np.random.default_rng(4)
+    x = (rng.standard_normal((192, 128)) * 10.0 ** rng.uniform(-6, 6, (192, 1))).astype(F32)
+    x[3] = 0.0
+    x[7, 5] = np.nan
+    a = fp8_mod._fake_quant(paddle.to_tensor(x), rows, cols, fmt).numpy()
+    b = fp8_mod._fake_quant_cast(paddle.to_tensor(x), rows, cols, fmt).numpy()
+    np.testing.assert_array_equal(a, b)  # NaN in the same places, every other value equal
+    assert np.isnan(a).any() and (a != x)[np.isfinite(x)].any()
+
+
+def _grouped_vs_loop(sizes, experts, E, block, fmt, w_frozen=False):
+    rng = np.random.default_rng(5)
+    K, N, M = 128, 64, sum(sizes)
+    x_np = rng.standard_normal((M, K)).astype(F32)
+    w_np = rng.standard_normal((E, K, N)).astype(F32)
+    g_np = (rng.standard_normal((M, N)) * 10.0 ** rng.uniform(-4, 1, (M, 1))).astype(F32)
+    x1, w1 = paddle.to_tensor(x_np, stop_gradient=False), paddle.to_tensor(w_np, stop_gradient=w_frozen)
+    y1 = fp8_mod.fp8_grouped_matmul(x1, w1, sizes, experts, block=block, grad_format=fmt)
+    y1.backward(paddle.to_tensor(g_np))
+    x2, w2 = paddle.to_tensor(x_np, stop_gradient=False), paddle.to_tensor(w_np, stop_gradient=w_frozen)
+    ws = paddle.unbind(w2)
+    parts = paddle.split(x2, sizes) if len(sizes) > 1 else [x2]
+    y2 = paddle.concat([fp8_matmul(p, ws[e], block=block, grad_format=fmt) for p, e in zip(parts, experts)])
+    y2.backward(paddle.to_tensor(g_np))
+    np.testing.assert_allclose(y1.numpy(), y2.numpy(), rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(x1.grad.numpy(), x2.grad.numpy(), rtol=1e-6, atol=1e-6)
+    if w_frozen:
+        assert w1.grad is None
+        return None
+    np.testing.assert_allclose(w1.grad.numpy(), w2.grad.numpy(), rtol=1e-6, atol=1e-6)
+    return w1.grad.numpy()
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+def test_grouped_fp8_matmul_equals_one_fp8_matmul_per_expert(fmt):
+    """Same tiles, so the same numbers: groups of 1, 63, 64, 65 and 130 rows (dW's token tiles are
+    padded per group), experts out of order, two experts without tokens."""
+    dw = _grouped_vs_loop([1, 63, 64, 65, 130], [4, 0, 2, 6, 1], E=7, block=64, fmt=fmt)
+    assert not dw[[3, 5]].any() and (np.abs(dw[[0, 1, 2, 4, 6]]).sum(axis=(1, 2)) > 0).all()
+
+
+def test_grouped_fp8_matmul_with_one_group_and_a_frozen_weight():
+    _grouped_vs_loop([37], [1], E=2, block=64, fmt="e4m3", w_frozen=True)
+
+
+def test_grouped_fp8_matmul_rejects_groups_that_do_not_cover_the_rows():
+    with pytest.raises(ValueError, match="one expert per group summing to M"):
+        fp8_mod.fp8_grouped_matmul(paddle.randn([10, 128]), paddle.randn([2, 128, 128]), [4, 5], [0, 1])
+    with pytest.raises(FP8ShapeError, match="fp8_block_size"):
+        fp8_mod.fp8_grouped_matmul(paddle.randn([10, 96]), paddle.randn([2, 96, 128]), [10], [0], block=64)

@@ -263,30 +263,26 @@ class LoraStackedExperts(_LoraMixin, StackedExperts):
     def _delta(self, p: str) -> paddle.Tensor:
         return self.scaling * paddle.bmm(getattr(self, f"{p}_lora_A"), getattr(self, f"{p}_lora_B"))
 
-    def prepare(self):
-        """StackedExperts' dispatch, with the adapter added to each adapted projection."""
-        W = {p: paddle.unbind(getattr(self, p)) for p in _EXPERT_PROJS}
-        active = self.projs if self._active() else ()
-        A = {p: paddle.unbind(getattr(self, f"{p}_lora_A")) for p in active}
-        B = {p: paddle.unbind(getattr(self, f"{p}_lora_B")) for p in active}
-        G = {}
-        if self.use_dora:  # all experts' column scales at once: m / ||W + s A B||
-            for p in active:
-                with paddle.no_grad():
-                    norm = _col_norm(getattr(self, p).astype(self.compute_dtype) + self._delta(p))
-                G[p] = paddle.unbind(getattr(self, f"{p}_lora_magnitude_vector") / norm)
-
-        def proj(p: str, h: paddle.Tensor, e: int) -> paddle.Tensor:
-            w = W[p][e]
-            y = self.matmul(h, w) if self.fp8_block else _mm(h, w)
-            if p not in A:
-                return y
-            lora = self.scaling * paddle.matmul(paddle.matmul(self._drop(h), A[p][e]), B[p][e])
-            if p in G:
-                return ((y.astype(self.compute_dtype) + lora) * G[p][e]).astype(y.dtype)
+    def grouped(self, p: str, x: paddle.Tensor, sizes: list[int], used: list[int]) -> paddle.Tensor:
+        """StackedExperts' grouped projection, plus each group's expert adapter (and DoRA scale)."""
+        groups = paddle.split(x, sizes, axis=0) if len(sizes) > 1 else [x]
+        if self.fp8_block:
+            y = super().grouped(p, x, sizes, used)
+        else:
+            W = paddle.unbind(getattr(self, p))
+            y = paddle.concat([_mm(g, W[e]) for g, e in zip(groups, used)], axis=0) if len(used) > 1 else _mm(x, W[used[0]])
+        if not (self._active() and p in self.projs):
+            return y
+        A, B = paddle.unbind(getattr(self, f"{p}_lora_A")), paddle.unbind(getattr(self, f"{p}_lora_B"))
+        lora = [self.scaling * paddle.matmul(paddle.matmul(self._drop(g), A[e]), B[e]) for g, e in zip(groups, used)]
+        lora = paddle.concat(lora, axis=0) if len(lora) > 1 else lora[0]
+        if not self.use_dora:
             return y + lora.astype(y.dtype)
-
-        return proj
+        with paddle.no_grad():  # all experts' column scales at once: m / ||W + s A B||
+            norm = _col_norm(getattr(self, p).astype(self.compute_dtype) + self._delta(p))
+        scale = getattr(self, f"{p}_lora_magnitude_vector") / norm  # [E, out]
+        rows = paddle.concat([scale[e].expand([n, scale.shape[-1]]) for n, e in zip(sizes, used)], axis=0)
+        return ((y.astype(self.compute_dtype) + lora) * rows).astype(y.dtype)
 
     @paddle.no_grad()
     def merge(self) -> None:
