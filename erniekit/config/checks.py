@@ -24,6 +24,7 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     _check_length(cfg)
     _check_paths(cfg)
     _check_precision(cfg)
+    _check_parallel(cfg)
     return cfg
 
 
@@ -226,3 +227,22 @@ def _check_precision(cfg: TrainConfig) -> None:
             f"{key}=true needs a CUDA GPU, but this paddlepaddle has none (the CPU build trains in "
             f"float32); set {key}=false"
         )
+
+
+def _check_parallel(cfg: TrainConfig) -> None:
+    """Degrees against the process count (before any process starts); the model-size checks run
+    once the model config is known (erniekit.distributed.layout.check_model_fits)."""
+    for key in ("tensor_parallel_degree", "expert_parallel_degree", "pipeline_parallel_degree",
+                "sharding_parallel_degree", "nproc_per_node", "nnodes"):
+        _require(getattr(cfg, key) >= 1, key, getattr(cfg, key), ">= 1")
+    _require(cfg.data_parallel_degree >= 1 or cfg.data_parallel_degree == -1, "data_parallel_degree",
+             cfg.data_parallel_degree, ">= 1, or -1 for what the other degrees leave")
+    if cfg.nnodes > 1 and not cfg.master:
+        raise ConfigError(f"nnodes={cfg.nnodes} needs master=HOST:PORT (the first machine's rendezvous address)")
+    from erniekit.distributed.layout import layout_from_config
+
+    lay = layout_from_config(cfg)
+    if lay.world > 1:
+        raise ConfigError(
+            f"{lay.describe()} needs {lay.world} processes; this version trains in one process only "
+            "(multi-process auto-parallel is tracked in issue #7): set nproc_per_node=1 and the degrees to 1")

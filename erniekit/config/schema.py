@@ -31,6 +31,7 @@ TRUNCATION = _spellings("error", "truncate")
 LR_SCHEDULERS = _spellings("cosine", "constant", "linear", "wsd")
 COMPUTE_TYPES = _spellings("fp32", "bf16", "fp16", "fp8")
 FP8_GRAD_FORMATS = _spellings("e4m3", "e5m2")
+SHARDING = {"": "", "none": "", "stage1": "stage1", "stage2": "stage2", "stage3": "stage3"}
 
 
 def _opt(default: Any, help: str, choices: dict[str, str] | None = None) -> Any:
@@ -208,6 +209,19 @@ class TrainConfig:
         COMPUTE_TYPES,
     )
     disable_tqdm: bool = _opt(False, "hide the terminal progress bar")
+
+    # ### parallelism and launch (docs/distributed.md); the degrees' product = nproc_per_node x nnodes
+    data_parallel_degree: int = _opt(-1, "data-parallel replicas; -1 = what the other degrees leave of the processes")
+    tensor_parallel_degree: int = _opt(1, "tensor parallel: attention heads, MLP width and vocab split over N ranks")
+    expert_parallel_degree: int = _opt(1, "MoE experts split over N of the data ranks")
+    pipeline_parallel_degree: int = _opt(1, "pipeline stages (groups of layers)")
+    sharding: str = _opt("", "ZeRO sharding of the data ranks: stage1 (optimizer state), stage2 (+ gradients), "
+                         "stage3 (+ parameters); empty = none", SHARDING)
+    sharding_parallel_degree: int = _opt(1, "data ranks that shard (with sharding set); 1 with "
+                                         "data_parallel_degree -1 = all of them")
+    nproc_per_node: int = _opt(1, "processes on this machine; > 1 relaunches through paddle.distributed.launch")
+    nnodes: int = _opt(1, "machines in the job")
+    master: str | None = _opt(None, "host:port of the first machine's rendezvous (nnodes > 1)")
     dataloader_num_workers: int = _opt(
         0, "data loading worker processes; 0 loads in the main process"
     )

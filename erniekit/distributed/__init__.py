@@ -1,0 +1,1 @@
+"""Parallel layouts (config degrees -> ProcessMesh + placements) and the multi-process launch."""

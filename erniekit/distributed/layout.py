@@ -1,0 +1,116 @@
+"""Config degrees -> one parallel layout, checked against the process count and the model
+before any process starts. Importing this module does not import paddle (the CLI checks first).
+
+Mesh dims, outermost first: pp (pipeline stages), dp (data replicas), sharding (data replicas
+whose optimizer state, and at stage 3 parameters, are split), tp (tensor parallel). Expert
+parallelism reuses the data ranks, as in ERNIE 4.5 / PaddleFormers: `expert_parallel_degree`
+experts groups are spread over dp x sharding, so it must divide that product and the expert count.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from erniekit.errors import ConfigError
+
+DIMS = ("pp", "dp", "sharding", "tp")
+SHARDING_STAGES = {"": 0, "stage1": 1, "stage2": 2, "stage3": 3}
+
+
+@dataclass(frozen=True)
+class Layout:
+    pp: int = 1
+    dp: int = 1
+    sharding: int = 1
+    tp: int = 1
+    ep: int = 1
+    sharding_stage: int = 0
+
+    @property
+    def world(self) -> int:
+        return self.pp * self.dp * self.sharding * self.tp
+
+    @property
+    def shape(self) -> list[int]:
+        return [getattr(self, d) for d in DIMS]
+
+    def describe(self) -> str:
+        parts = [f"{d}={getattr(self, d)}" for d in DIMS + ("ep",) if getattr(self, d) > 1]
+        if self.sharding_stage:
+            parts.append(f"sharding stage{self.sharding_stage}")
+        return " ".join(parts) or "single process"
+
+    def coords(self, rank: int) -> dict[str, int]:
+        """This rank's index along each mesh dim (row-major over DIMS, tp innermost)."""
+        out = {}
+        for d in reversed(DIMS):
+            n = getattr(self, d)
+            out[d] = rank % n
+            rank //= n
+        return out
+
+    def mesh(self):
+        """The paddle ProcessMesh over ranks 0..world-1 with named dims."""
+        import numpy as np
+        import paddle.distributed as dist
+
+        return dist.ProcessMesh(np.arange(self.world).reshape(self.shape).tolist(), dim_names=list(DIMS))
+
+
+def world_size(cfg) -> int:
+    return cfg.nproc_per_node * cfg.nnodes
+
+
+def layout_from_config(cfg, world: int | None = None) -> Layout:
+    """Resolve `data_parallel_degree: -1` (whatever the other degrees leave) and check the product."""
+    world = world_size(cfg) if world is None else world
+    stage = SHARDING_STAGES[cfg.sharding]
+    sd = cfg.sharding_parallel_degree
+    if stage and sd == 1 and cfg.data_parallel_degree in (-1,):
+        sd = world // max(1, cfg.tensor_parallel_degree * cfg.pipeline_parallel_degree)  # all data ranks shard
+    fixed = cfg.tensor_parallel_degree * cfg.pipeline_parallel_degree * sd
+    dp = cfg.data_parallel_degree
+    if dp == -1:
+        if world % fixed:
+            raise ConfigError(
+                f"tensor_parallel_degree {cfg.tensor_parallel_degree} x pipeline_parallel_degree "
+                f"{cfg.pipeline_parallel_degree} x sharding_parallel_degree {sd} = {fixed} does not divide the "
+                f"{world} processes (nproc_per_node {cfg.nproc_per_node} x nnodes {cfg.nnodes}); change the degrees")
+        dp = world // fixed
+    lay = Layout(pp=cfg.pipeline_parallel_degree, dp=dp, sharding=sd, tp=cfg.tensor_parallel_degree,
+                 ep=cfg.expert_parallel_degree, sharding_stage=stage)
+    if lay.world != world:
+        raise ConfigError(
+            f"data_parallel_degree {dp} x sharding_parallel_degree {sd} x tensor_parallel_degree {lay.tp} x "
+            f"pipeline_parallel_degree {lay.pp} = {lay.world}, but the job has {world} processes (nproc_per_node "
+            f"{cfg.nproc_per_node} x nnodes {cfg.nnodes}); make the product equal the process count")
+    if sd > 1 and not stage:
+        raise ConfigError(f"sharding_parallel_degree {sd} needs sharding: stage1, stage2 or stage3")
+    if lay.ep > 1 and (lay.dp * lay.sharding) % lay.ep:
+        raise ConfigError(f"expert_parallel_degree {lay.ep} must divide data_parallel_degree x "
+                          f"sharding_parallel_degree = {lay.dp * lay.sharding}: experts are spread over the data ranks")
+    return lay
+
+
+def check_model_fits(lay: Layout, config) -> None:
+    """Each degree must split the model evenly: one line naming the key, the sizes and the fix."""
+    if lay.tp > 1:
+        sizes = [("num_attention_heads", config.num_attention_heads),
+                 ("num_key_value_heads", config.num_key_value_heads), ("vocab_size", config.vocab_size),
+                 ("intermediate_size", config.intermediate_size)]
+        if config.is_moe:
+            sizes += [("moe_intermediate_size", s) for s in config.expert_sizes]
+        for name, size in sizes:
+            if size % lay.tp:
+                raise ConfigError(f"tensor_parallel_degree {lay.tp} does not divide the model's {name} {size}; "
+                                  f"use a tensor_parallel_degree that divides it")
+    if lay.ep > 1:
+        if not config.is_moe:
+            raise ConfigError(f"expert_parallel_degree {lay.ep}: the model is dense (no experts); set it to 1")
+        for m, n in enumerate(config.experts_per_modality):
+            if n % lay.ep:
+                raise ConfigError(f"expert_parallel_degree {lay.ep} does not divide the {n} experts of modality {m} "
+                                  "(moe_num_experts); use a degree that divides it")
+    if lay.pp > config.num_hidden_layers:
+        raise ConfigError(f"pipeline_parallel_degree {lay.pp} is more than the model's {config.num_hidden_layers} "
+                          "layers (num_hidden_layers); lower it")

@@ -1,0 +1,76 @@
+"""Parallel layout from config degrees: resolution, mesh coordinates and the one-line errors that
+must come before any process starts (erniekit/distributed/layout.py)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from erniekit.config import TrainConfig, validate
+from erniekit.distributed.layout import Layout, check_model_fits, layout_from_config
+from erniekit.errors import ConfigError
+from erniekit.models.ernie4_5.configuration import get_preset
+
+
+def cfg(**kw) -> TrainConfig:
+    return dataclasses.replace(TrainConfig(), **kw)
+
+
+@pytest.mark.parametrize("kw, world, want", [
+    ({}, 1, Layout()),
+    ({}, 4, Layout(dp=4)),
+    ({"tensor_parallel_degree": 2}, 4, Layout(dp=2, tp=2)),
+    ({"pipeline_parallel_degree": 2, "tensor_parallel_degree": 2}, 8, Layout(pp=2, dp=2, tp=2)),
+    ({"sharding": "stage1"}, 4, Layout(sharding=4, sharding_stage=1)),  # dp -1: every data rank shards
+    ({"sharding": "stage2", "sharding_parallel_degree": 2}, 4, Layout(dp=2, sharding=2, sharding_stage=2)),
+    ({"expert_parallel_degree": 2}, 2, Layout(dp=2, ep=2)),
+])
+def test_degrees_resolve_to_a_layout(kw, world, want):
+    lay = layout_from_config(cfg(**kw), world)
+    assert lay == want and lay.world == world
+
+
+def test_rank_coordinates_are_row_major_with_tp_innermost():
+    lay = Layout(pp=2, dp=2, tp=2)
+    assert [lay.coords(r)["tp"] for r in range(8)] == [0, 1] * 4
+    assert [lay.coords(r)["dp"] for r in range(8)] == [0, 0, 1, 1] * 2
+    assert [lay.coords(r)["pp"] for r in range(8)] == [0] * 4 + [1] * 4
+
+
+@pytest.mark.parametrize("kw, world, match", [
+    ({"data_parallel_degree": 2, "tensor_parallel_degree": 2}, 2, r"= 4, but the job has 2 processes"),
+    ({"tensor_parallel_degree": 3}, 4, r"= 3 does not divide the 4 processes"),
+    ({"sharding_parallel_degree": 2, "data_parallel_degree": 1}, 2, "needs sharding: stage1"),
+    ({"expert_parallel_degree": 4, "tensor_parallel_degree": 2}, 4, r"must divide .* = 2"),
+])
+def test_degrees_that_do_not_fit_the_processes_are_one_line_errors(kw, world, match):
+    with pytest.raises(ConfigError, match=match) as e:
+        layout_from_config(cfg(**kw), world)
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("lay, model, match", [
+    (Layout(tp=3), "tiny-moe", "tensor_parallel_degree 3 does not divide the model's num_attention_heads 4"),
+    (Layout(tp=4), "tiny-moe", "num_key_value_heads 2"),
+    (Layout(dp=3, ep=3), "tiny-moe", "expert_parallel_degree 3 does not divide the 8 experts"),
+    (Layout(dp=2, ep=2), "tiny-dense", "the model is dense"),
+    (Layout(pp=8), "tiny-moe", "more than the model's 4 layers"),
+])
+def test_degrees_that_do_not_split_the_model_are_one_line_errors(lay, model, match):
+    with pytest.raises(ConfigError, match=match):
+        check_model_fits(lay, get_preset(model))
+
+
+def test_model_that_splits_evenly_passes():
+    check_model_fits(Layout(dp=2, tp=2, ep=2), get_preset("tiny-moe"))
+
+
+def test_config_validation_refuses_multi_process_runs_until_they_are_implemented():
+    with pytest.raises(ConfigError, match=r"dp=2 needs 2 processes; this version trains in one process only"):
+        validate(cfg(nproc_per_node=2))
+    with pytest.raises(ConfigError, match="nnodes=2 needs master=HOST:PORT"):
+        validate(cfg(nnodes=2))
+    with pytest.raises(ConfigError, match="tensor_parallel_degree=0 is invalid"):
+        validate(cfg(tensor_parallel_degree=0))
+    assert validate(cfg(sharding="STAGE1")).sharding == "stage1"  # a mesh of one: sharding is a no-op
