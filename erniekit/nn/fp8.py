@@ -8,13 +8,13 @@ fine-grained along the GEMM's reduction dimension, and accumulates in float32:
     backward dW = X^T @ dY     reduction M: X^T tiled 1 x b along M, dY tiled b x 1 along M
 
 Per tile: scale = amax(|tile|) / 448, q = round_e4m3(v / scale) (round to nearest even), and the
-GEMM is Y = sum over reduction blocks of (q_a . q_b) * s_a * s_b. e4m3 (not e5m2) is used for
-gradients too: with one scale per 128 values the dynamic range inside a tile is small, so the
-extra mantissa bit of e4m3 buys more than the extra exponent bit of e5m2 (DeepSeek-V3 does the same).
+GEMM is Y = sum over reduction blocks of (q_a . q_b) * s_a * s_b. Gradient tiles are e4m3 by
+default (DeepSeek-V3) or e5m2 (`grad_format`, Transformer Engine's hybrid recipe).
 
 Backends (`fp8_backend()`): "gpu" calls Paddle's cuBLASLt blockwise FP8 GEMM on the quantised
-operands; "emulated" (CPU, and any GPU without the kernel) rounds exactly to e4m3 by casting to
-`paddle.float8_e4m3fn` and back, then runs the float32 GEMM on the dequantised operands. The two
+operands; "emulated" (CPU, and any GPU without the kernel) rounds exactly to the format's grid
+(in numpy, bit-identical to a cast to `paddle.float8_e4m3fn` and back), then runs the float32
+GEMM on the dequantised operands. The two
 compute the same sum of the same products and differ only in fp32 accumulation order.
 No bf16/fp8 matmul exists in the CPU wheel, hence the emulation. Formulas and numbers: docs/fp8.md.
 """
