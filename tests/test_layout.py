@@ -74,3 +74,9 @@ def test_config_validation_refuses_multi_process_runs_until_they_are_implemented
     with pytest.raises(ConfigError, match="tensor_parallel_degree=0 is invalid"):
         validate(cfg(tensor_parallel_degree=0))
     assert validate(cfg(sharding="STAGE1")).sharding == "stage1"  # a mesh of one: sharding is a no-op
+
+
+def test_mesh_has_the_layout_shape_and_named_dims():
+    mesh = Layout(dp=2, tp=2).mesh()
+    assert mesh.shape == [1, 2, 1, 2] and mesh.dim_names == ["pp", "dp", "sharding", "tp"]
+    assert mesh.process_ids == [0, 1, 2, 3]

@@ -66,7 +66,7 @@ def layout_from_config(cfg, world: int | None = None) -> Layout:
     world = world_size(cfg) if world is None else world
     stage = SHARDING_STAGES[cfg.sharding]
     sd = cfg.sharding_parallel_degree
-    if stage and sd == 1 and cfg.data_parallel_degree in (-1,):
+    if stage and sd == 1 and cfg.data_parallel_degree == -1:
         sd = world // max(1, cfg.tensor_parallel_degree * cfg.pipeline_parallel_degree)  # all data ranks shard
     fixed = cfg.tensor_parallel_degree * cfg.pipeline_parallel_degree * sd
     dp = cfg.data_parallel_degree

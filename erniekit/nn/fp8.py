@@ -26,6 +26,7 @@ import paddle
 from paddle.autograd import PyLayer
 
 from erniekit.errors import ConfigError
+from erniekit.nn.moe import concat_rows, split_rows
 
 E4M3_MAX = 448.0  # largest finite float8_e4m3fn
 E4M3_MANTISSA_BITS = 3
@@ -337,20 +338,10 @@ def fp8_matmul(x: paddle.Tensor, w: paddle.Tensor, block: int = 128, backend: st
 def _padded_rows(sizes: list[int], block: int) -> tuple[paddle.Tensor, list[int]]:
     """Row index of each sorted row in a layout where every group starts at a multiple of block
     (so dW's b x 1 tiles never straddle two experts), and the padded group sizes."""
-    import numpy as np
-
     padded = [-(-s // block) * block for s in sizes]
     starts = np.cumsum([0] + padded[:-1])
     pos = np.concatenate([st + np.arange(s) for st, s in zip(starts, sizes)]) if sizes else np.zeros([0])
     return paddle.to_tensor(pos.astype("int64")), padded
-
-
-def _split(x: paddle.Tensor, sizes: list[int]) -> list[paddle.Tensor]:
-    return paddle.split(x, sizes, axis=0) if len(sizes) > 1 else [x]
-
-
-def _cat(ts: list[paddle.Tensor]) -> paddle.Tensor:
-    return paddle.concat(ts, axis=0) if len(ts) > 1 else ts[0]
 
 
 class _FP8GroupedMatMul(PyLayer):
@@ -370,9 +361,9 @@ class _FP8GroupedMatMul(PyLayer):
         E, K, N = w.shape
         wq = _fake_quant(w.astype("float32").reshape([E * K, N]), block, block).reshape([E, K, N])
         ctx.save_for_backward(x, wq)
-        xq = _split(_fake_quant(x.astype("float32"), 1, block), sizes)
+        xq = split_rows(_fake_quant(x.astype("float32"), 1, block), sizes)
         wl = paddle.unbind(wq)
-        return _cat([paddle.matmul(xg, wl[e]) for xg, e in zip(xq, experts)]).astype(x.dtype)
+        return concat_rows([paddle.matmul(xg, wl[e]) for xg, e in zip(xq, experts)]).astype(x.dtype)
 
     @staticmethod
     def backward(ctx, dy):
@@ -381,17 +372,17 @@ class _FP8GroupedMatMul(PyLayer):
         sizes, experts, block = ctx.sizes, ctx.experts, ctx.block
         dx = dw = None
         if ctx.need[0]:
-            dq = _split(_fake_quant(dy, 1, block, ctx.fmt), sizes)
+            dq = split_rows(_fake_quant(dy, 1, block, ctx.fmt), sizes)
             wl = paddle.unbind(wq)
-            dx = _cat([paddle.matmul(d, wl[e], transpose_y=True) for d, e in zip(dq, experts)]).astype(ctx.dtypes[0])
+            dx = concat_rows([paddle.matmul(d, wl[e], transpose_y=True) for d, e in zip(dq, experts)]).astype(ctx.dtypes[0])
         if ctx.need[1]:
             pos, padded = _padded_rows(sizes, block)
             E, K, N = wq.shape
             rows = sum(padded)
             xp = paddle.scatter(paddle.zeros([rows, K], "float32"), pos, x.astype("float32"))
             dp = paddle.scatter(paddle.zeros([rows, N], "float32"), pos, dy)
-            xs = _split(_fake_quant(xp, block, 1), padded)
-            ds = _split(_fake_quant(dp, block, 1, ctx.fmt), padded)
+            xs = split_rows(_fake_quant(xp, block, 1), padded)
+            ds = split_rows(_fake_quant(dp, block, 1, ctx.fmt), padded)
             per = dict(zip(experts, (paddle.matmul(a, b, transpose_x=True) for a, b in zip(xs, ds))))
             zero = paddle.zeros([K, N], "float32")
             dw = paddle.stack([per.get(e, zero) for e in range(E)]).astype(ctx.dtypes[1])
@@ -412,5 +403,5 @@ def fp8_grouped_matmul(x: paddle.Tensor, w: paddle.Tensor, sizes: list[int], exp
         raise ConfigError(f"fp8_grad_format={grad_format!r} is not supported; use one of {sorted(GRAD_FORMATS)}")
     if backend == "gpu":
         wl = paddle.unbind(w)
-        return _cat([fp8_matmul(xg, wl[e], block, backend, grad_format) for xg, e in zip(_split(x, sizes), experts)])
+        return concat_rows([fp8_matmul(xg, wl[e], block, backend, grad_format) for xg, e in zip(split_rows(x, sizes), experts)])
     return _FP8GroupedMatMul.apply(x, w, list(sizes), list(experts), block, grad_format)

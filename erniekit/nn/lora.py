@@ -22,7 +22,7 @@ import paddle.nn as nn
 import paddle.nn.functional as F
 
 from erniekit.errors import CheckpointError, ConfigError
-from erniekit.nn.moe import StackedExperts
+from erniekit.nn.moe import StackedExperts, concat_rows, split_rows
 from erniekit.utils.io import read_json_object
 
 ADAPTER_CONFIG_NAME = "adapter_config.json"
@@ -263,25 +263,23 @@ class LoraStackedExperts(_LoraMixin, StackedExperts):
     def _delta(self, p: str) -> paddle.Tensor:
         return self.scaling * paddle.bmm(getattr(self, f"{p}_lora_A"), getattr(self, f"{p}_lora_B"))
 
+    def base_matmul(self, x: paddle.Tensor, w: paddle.Tensor) -> paddle.Tensor:
+        return _mm(x, w)  # the frozen base may be held in bf16
+
     def grouped(self, p: str, x: paddle.Tensor, sizes: list[int], used: list[int]) -> paddle.Tensor:
         """StackedExperts' grouped projection, plus each group's expert adapter (and DoRA scale)."""
-        groups = paddle.split(x, sizes, axis=0) if len(sizes) > 1 else [x]
-        if self.fp8_block:
-            y = super().grouped(p, x, sizes, used)
-        else:
-            W = paddle.unbind(getattr(self, p))
-            y = paddle.concat([_mm(g, W[e]) for g, e in zip(groups, used)], axis=0) if len(used) > 1 else _mm(x, W[used[0]])
+        y = super().grouped(p, x, sizes, used)
         if not (self._active() and p in self.projs):
             return y
         A, B = paddle.unbind(getattr(self, f"{p}_lora_A")), paddle.unbind(getattr(self, f"{p}_lora_B"))
-        lora = [self.scaling * paddle.matmul(paddle.matmul(self._drop(g), A[e]), B[e]) for g, e in zip(groups, used)]
-        lora = paddle.concat(lora, axis=0) if len(lora) > 1 else lora[0]
+        lora = concat_rows([self.scaling * paddle.matmul(paddle.matmul(self._drop(g), A[e]), B[e])
+                            for g, e in zip(split_rows(x, sizes), used)])
         if not self.use_dora:
             return y + lora.astype(y.dtype)
         with paddle.no_grad():  # all experts' column scales at once: m / ||W + s A B||
             norm = _col_norm(getattr(self, p).astype(self.compute_dtype) + self._delta(p))
         scale = getattr(self, f"{p}_lora_magnitude_vector") / norm  # [E, out]
-        rows = paddle.concat([scale[e].expand([n, scale.shape[-1]]) for n, e in zip(sizes, used)], axis=0)
+        rows = concat_rows([scale[e].expand([n, scale.shape[-1]]) for n, e in zip(sizes, used)])
         return ((y.astype(self.compute_dtype) + lora) * rows).astype(y.dtype)
 
     @paddle.no_grad()

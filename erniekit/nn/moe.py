@@ -165,12 +165,8 @@ class StackedExperts(nn.Layer):
         self.up_proj = self.create_parameter([num_experts, hidden_size, intermediate_size])
         self.down_proj = self.create_parameter([num_experts, intermediate_size, hidden_size])
 
-    def matmul(self, x: paddle.Tensor, w: paddle.Tensor) -> paddle.Tensor:
-        """The base GEMM of one expert projection: FP8 block-scaled or plain."""
-        if self.fp8_block:
-            from erniekit.nn.fp8 import fp8_matmul
-
-            return fp8_matmul(x, w, block=self.fp8_block, grad_format=self.fp8_grad_format)
+    def base_matmul(self, x: paddle.Tensor, w: paddle.Tensor) -> paddle.Tensor:
+        """One expert's plain GEMM (no FP8); LoRA overrides it for a base held in another dtype."""
         return paddle.matmul(x, w)
 
     def grouped(self, p: str, x: paddle.Tensor, sizes: list[int], used: list[int]) -> paddle.Tensor:
@@ -184,8 +180,7 @@ class StackedExperts(nn.Layer):
 
             return fp8_grouped_matmul(x, w, sizes, used, block=self.fp8_block, grad_format=self.fp8_grad_format)
         W = paddle.unbind(w)
-        outs = [paddle.matmul(g, W[e]) for g, e in zip(_split_rows(x, sizes), used)]
-        return paddle.concat(outs, axis=0) if len(outs) > 1 else outs[0]
+        return concat_rows([self.base_matmul(g, W[e]) for g, e in zip(split_rows(x, sizes), used)])
 
     def forward(self, x: paddle.Tensor, topk_idx: paddle.Tensor, topk_weight: paddle.Tensor,
                 keep: paddle.Tensor | None = None) -> paddle.Tensor:
@@ -209,8 +204,14 @@ class StackedExperts(nn.Layer):
         return paddle.index_add(out, d.token, 0, y * d.weight.astype(x.dtype).unsqueeze(-1))
 
 
-def _split_rows(x: paddle.Tensor, sizes: list[int]) -> list[paddle.Tensor]:
+def split_rows(x: paddle.Tensor, sizes: list[int]) -> list[paddle.Tensor]:
+    """x [M, ...] cut into consecutive row groups of the given sizes (one group: no split op)."""
     return paddle.split(x, sizes, axis=0) if len(sizes) > 1 else [x]
+
+
+def concat_rows(ts: list[paddle.Tensor]) -> paddle.Tensor:
+    """Inverse of split_rows."""
+    return paddle.concat(ts, axis=0) if len(ts) > 1 else ts[0]
 
 
 # ---- router losses ---------------------------------------------------------------------------
