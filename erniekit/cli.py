@@ -55,8 +55,14 @@ def train(args: list[str]) -> int:
     from erniekit.config import load_config, validate
 
     cfg = load_config(path, overrides)  # before paddle: YAML mistakes are reported in 0.1 s
+    user_threads = os.environ.get("OMP_NUM_THREADS")
     _import_paddle()
-    cfg = validate(cfg)
+    cfg = validate(cfg)  # config errors stop the job before any worker starts
+    from erniekit.distributed.launch import in_launched_worker, relaunch
+    from erniekit.distributed.layout import world_size
+
+    if world_size(cfg) > 1 and not in_launched_worker():
+        return relaunch(cfg, args, user_threads)
     from erniekit.train.runner import run_train
 
     result = run_train(cfg)

@@ -7,3 +7,8 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 from erniekit.utils.malloc import keep_freed_memory  # noqa: E402  (as `erniekit` does: freed tensors are reused)
 
 keep_freed_memory()
+
+
+def pytest_collection_modifyitems(config, items):
+    """The embedded-default test takes most of the suite's time: start it first (see pytest.ini)."""
+    items.sort(key=lambda item: "test_embedded_default" not in item.nodeid)

@@ -63,12 +63,21 @@ def test_degrees_that_do_not_split_the_model_are_one_line_errors(lay, model, mat
 
 
 def test_model_that_splits_evenly_passes():
-    check_model_fits(Layout(dp=2, tp=2, ep=2), get_preset("tiny-moe"))
+    check_model_fits(Layout(dp=2, ep=2), get_preset("tiny-moe"))
+    check_model_fits(Layout(dp=2, tp=2), get_preset("tiny-dense"))
 
 
-def test_config_validation_refuses_multi_process_runs_until_they_are_implemented():
-    with pytest.raises(ConfigError, match=r"dp=2 needs 2 processes; this version trains in one process only"):
-        validate(cfg(nproc_per_node=2))
+def test_tensor_parallel_moe_is_refused_until_it_works():
+    with pytest.raises(ConfigError, match="tensor_parallel_degree 2 on an MoE model is not supported yet"):
+        check_model_fits(Layout(tp=2), get_preset("tiny-moe"))
+
+
+def test_config_validation_of_launch_keys():
+    assert validate(cfg(nproc_per_node=2)).nproc_per_node == 2  # multi-process runs are accepted
+    with pytest.raises(ConfigError, match=r"pipeline_parallel_degree=2: pipeline parallelism is not implemented yet"):
+        validate(cfg(nproc_per_node=2, pipeline_parallel_degree=2))
+    with pytest.raises(ConfigError, match="max_restart=-1 is invalid"):
+        validate(cfg(max_restart=-1))
     with pytest.raises(ConfigError, match="nnodes=2 needs master=HOST:PORT"):
         validate(cfg(nnodes=2))
     with pytest.raises(ConfigError, match="tensor_parallel_degree=0 is invalid"):

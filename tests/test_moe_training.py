@@ -35,20 +35,24 @@ def _scalars(path):
 
 
 def test_fp8_training_ends_within_2_percent_of_fp32(tmp_path):
-    _run(tmp_path, "fp32", "max_steps=200")
-    _run(tmp_path, "fp8", "max_steps=200", "compute_type=fp8")
-    last = {}
-    for name in ("fp32", "fp8"):
-        rows = [r["train/loss"] for r in _scalars(tmp_path / name) if "train/loss" in r]
-        assert len(rows) == 20
-        last[name] = float(np.mean(rows[-3:]))  # steps 180-200
+    # One run's last losses move 3-6% with the seed alone (a 1-ulp change in the clipping norm
+    # already did that), so one fp32/FP8 pair compares noise: average three seeds per precision.
+    # Measured (1 thread, mean of the last 5 logged losses): fp32 1.451/1.481/1.447, FP8
+    # 1.496/1.482/1.435 -> means 1.459 vs 1.471 (0.8%).
+    last, curves = {}, {}
+    for name, extra in (("fp32", []), ("fp8", ["compute_type=fp8"])):
+        ends = []
+        for seed in (42, 43, 44):
+            _run(tmp_path, f"{name}{seed}", "max_steps=200", f"seed={seed}", *extra)
+            rows = [r["train/loss"] for r in _scalars(tmp_path / f"{name}{seed}") if "train/loss" in r]
+            assert len(rows) == 20
+            assert np.mean(rows[-5:]) < 0.7 * rows[0]  # each run learned
+            ends.append(float(np.mean(rows[-5:])))  # steps 160-200
+            curves[name, seed] = rows
+        last[name] = float(np.mean(ends))
     assert last["fp8"] == pytest.approx(last["fp32"], rel=0.02)
-    first = [r["train/loss"] for r in _scalars(tmp_path / "fp8") if "train/loss" in r][0]
-    assert last["fp8"] < 0.7 * first  # it did learn
-    # the two runs really differ (FP8 is not silently off): losses are not bit-identical
-    a = [r["train/loss"] for r in _scalars(tmp_path / "fp32") if "train/loss" in r]
-    b = [r["train/loss"] for r in _scalars(tmp_path / "fp8") if "train/loss" in r]
-    assert a != b
+    # the two precisions really differ (FP8 is not silently off): losses are not bit-identical
+    assert all(curves["fp32", s] != curves["fp8", s] for s in (42, 43, 44))
 
 
 def test_fp8_model_is_saved_without_the_training_flag(tmp_path):

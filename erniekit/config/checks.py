@@ -242,7 +242,8 @@ def _check_parallel(cfg: TrainConfig) -> None:
     from erniekit.distributed.layout import layout_from_config
 
     lay = layout_from_config(cfg)
-    if lay.world > 1:
+    _require(cfg.max_restart >= 0, "max_restart", cfg.max_restart, ">= 0")
+    if lay.pp > 1:
         raise ConfigError(
-            f"{lay.describe()} needs {lay.world} processes; this version trains in one process only "
-            "(multi-process auto-parallel is tracked in issue #7): set nproc_per_node=1 and the degrees to 1")
+            f"pipeline_parallel_degree={lay.pp}: pipeline parallelism is not implemented yet (issue #7); "
+            "use data, tensor or expert parallelism or sharding, and pipeline_parallel_degree=1")

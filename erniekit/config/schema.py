@@ -222,6 +222,8 @@ class TrainConfig:
     nproc_per_node: int = _opt(1, "processes on this machine; > 1 relaunches through paddle.distributed.launch")
     nnodes: int = _opt(1, "machines in the job")
     master: str | None = _opt(None, "host:port of the first machine's rendezvous (nnodes > 1)")
+    max_restart: int = _opt(0, "times paddle.distributed.launch restarts failed workers (they resume from the "
+                               "latest checkpoint)")
     dataloader_num_workers: int = _opt(
         0, "data loading worker processes; 0 loads in the main process"
     )

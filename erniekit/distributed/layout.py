@@ -104,6 +104,10 @@ def check_model_fits(lay: Layout, config) -> None:
             if size % lay.tp:
                 raise ConfigError(f"tensor_parallel_degree {lay.tp} does not divide the model's {name} {size}; "
                                   f"use a tensor_parallel_degree that divides it")
+    if lay.tp > 1 and config.is_moe:
+        raise ConfigError(f"tensor_parallel_degree {lay.tp} on an MoE model is not supported yet (a 2-process run "
+                          "broke in the expert backward, issue #7); split MoE models with expert_parallel_degree "
+                          "or data parallelism")
     if lay.ep > 1:
         if not config.is_moe:
             raise ConfigError(f"expert_parallel_degree {lay.ep}: the model is dense (no experts); set it to 1")

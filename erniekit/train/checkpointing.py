@@ -13,6 +13,7 @@ import shutil
 
 from erniekit.errors import CheckpointError
 from erniekit.models.ernie4_5.checkpoint import load_state_into, save_pretrained
+from erniekit.utils.dtensor import barrier, is_main_process, to_dense
 from erniekit.utils.io import atomic_write_json, read_json_object, replace_dir
 
 OPTIMIZER_NAME = "optimizer.safetensors"
@@ -35,17 +36,24 @@ def save_model_or_adapter(model, path: str, tokenizer, base_model_name_or_path: 
 
 def save_checkpoint(path: str, model, tokenizer, optimizer, state: dict, base_model_name_or_path: str | None = None,
                     extra_tensors: dict[str, dict] | None = None) -> None:
+    """In a multi-process run every rank calls this (the full values are gathered collectively);
+    rank 0 alone writes, so the checkpoint is the unsharded layout any process count can load."""
     from safetensors.paddle import save_file
 
     tmp = path + ".tmp"
-    if os.path.exists(tmp):
+    main = is_main_process()
+    if main and os.path.exists(tmp):
         shutil.rmtree(tmp)
     save_model_or_adapter(model, tmp, tokenizer, base_model_name_or_path)
-    save_file({k: v.contiguous() for k, v in optimizer.state_dict().items()}, os.path.join(tmp, OPTIMIZER_NAME))
-    for name, tensors in (extra_tensors or {}).items():  # e.g. ema.safetensors
-        save_file({k: v.contiguous() for k, v in tensors.items()}, os.path.join(tmp, name))
-    atomic_write_json(os.path.join(tmp, STATE_NAME), state)
-    replace_dir(tmp, path)
+    opt = optimizer.state_dict()
+    extra = {name: {k: to_dense(v) for k, v in tensors.items()} for name, tensors in (extra_tensors or {}).items()}
+    if main:
+        save_file({k: v.contiguous() for k, v in opt.items()}, os.path.join(tmp, OPTIMIZER_NAME))
+        for name, tensors in extra.items():  # e.g. ema.safetensors
+            save_file({k: v.contiguous() for k, v in tensors.items()}, os.path.join(tmp, name))
+        atomic_write_json(os.path.join(tmp, STATE_NAME), state)
+        replace_dir(tmp, path)
+    barrier()  # no rank runs ahead of a checkpoint that is not on disk yet
 
 
 def load_checkpoint(path: str, model, optimizer) -> dict:
@@ -97,7 +105,7 @@ def resolve_resume(value: str | None, output_dir: str) -> str | None:
 
 
 def rotate_checkpoints(output_dir: str, keep: int) -> None:
-    if keep <= 0:
+    if keep <= 0 or not is_main_process():
         return
     for _, path in list_checkpoints(output_dir)[:-keep]:
         shutil.rmtree(path, ignore_errors=True)

@@ -9,6 +9,13 @@ import paddle.nn.functional as F
 IGNORE_INDEX = -100
 
 
+def batch_tensor(x: np.ndarray) -> paddle.Tensor:
+    """A global-batch array as a tensor, rows split over the data ranks in a multi-process run."""
+    from erniekit.distributed.runtime import place_batch
+
+    return place_batch(paddle.to_tensor(x))
+
+
 def shifted_valid(labels: np.ndarray, segment_ids: np.ndarray | None = None) -> np.ndarray:
     """Mask of the positions t whose target labels[t+1] is trained ([B, S-1]); a target in
     another packed document than position t is not predictable and is excluded."""
@@ -30,7 +37,7 @@ def causal_lm_loss_sum(logits: paddle.Tensor, labels: np.ndarray, segment_ids: n
     V = logits.shape[-1]
     # fused softmax-cross-entropy over unsliced logits: Paddle's CPU log_softmax and slice
     # backward are each ~10-30x slower than this kernel (measured)
-    nll = F.cross_entropy(logits.astype("float32").reshape([-1, V]), paddle.to_tensor(target.reshape(-1, 1)),
+    nll = F.cross_entropy(logits.astype("float32").reshape([-1, V]), batch_tensor(target.reshape(-1, 1)),
                           ignore_index=IGNORE_INDEX, reduction="none")
     return nll.sum()
 
@@ -43,7 +50,7 @@ def token_logps(logits: paddle.Tensor, targets: np.ndarray, temperature: float =
     x = logits.astype("float32")
     if temperature != 1.0:
         x = x / temperature
-    nll = F.cross_entropy(x.reshape([-1, V]), paddle.to_tensor(targets.reshape(-1, 1)), ignore_index=IGNORE_INDEX,
+    nll = F.cross_entropy(x.reshape([-1, V]), batch_tensor(targets.reshape(-1, 1)), ignore_index=IGNORE_INDEX,
                           reduction="none")
     return -nll.reshape([B, S])
 
@@ -78,6 +85,6 @@ def token_balanced_loss_sum(logits: paddle.Tensor, labels: np.ndarray, segment_i
     target = np.full(labels.shape, IGNORE_INDEX, dtype=np.int64)
     target[:, :-1] = np.where(ex >= 0, labels[:, 1:], IGNORE_INDEX)
     V = logits.shape[-1]
-    nll = F.cross_entropy(logits.astype("float32").reshape([-1, V]), paddle.to_tensor(target.reshape(-1, 1)),
+    nll = F.cross_entropy(logits.astype("float32").reshape([-1, V]), batch_tensor(target.reshape(-1, 1)),
                           ignore_index=IGNORE_INDEX, reduction="none")
-    return (nll.reshape([-1]) * paddle.to_tensor(weight.reshape(-1))).sum()
+    return (nll.reshape([-1]) * batch_tensor(weight.reshape(-1))).sum()

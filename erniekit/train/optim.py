@@ -6,11 +6,17 @@ adam/adamw kernel on a tensor of ~1e5 elements makes every later GEMM in the pro
 Momentum do not do it; the tools/ benchmark shows the whole-step effect). The same update in
 plain tensor ops costs ~1 ms/step for the tiny model and has no such effect. State is keyed by
 parameter name, which also makes checkpoints independent of Paddle's auto-generated names.
+
+In a multi-process run parameters are DistTensors: a gradient arrives as a partial sum over the
+data ranks and is reduced to the parameter's placements here; with ZeRO-1 sharding the moments
+live split over the sharding ranks (`state_placements`) and the update is gathered back.
 """
 
 from __future__ import annotations
 
 import paddle
+
+from erniekit.utils.dtensor import is_dist, to_dense
 
 
 class AdamW:
@@ -30,6 +36,25 @@ class AdamW:
         self.t = 0
         self.m: dict[str, paddle.Tensor] = {}
         self.v: dict[str, paddle.Tensor] = {}
+        self.state_placements = None  # callable(param) -> placements of its moments (multi-process runs)
+
+    def _zeros_for(self, p: paddle.Tensor) -> paddle.Tensor:
+        return self._place(p, paddle.zeros(p.shape, "float32"))
+
+    def _place(self, p: paddle.Tensor, full: paddle.Tensor) -> paddle.Tensor:
+        """A moment tensor (full value) placed for parameter `p`."""
+        if not is_dist(p):
+            return full
+        import paddle.distributed as dist
+
+        placements = self.state_placements(p) if self.state_placements else p.placements
+        return dist.shard_tensor(full, p.process_mesh, placements)
+
+    def state_numel(self) -> tuple[int, int]:
+        """(values of the moments held by this process, values of the full moments)."""
+        ts = list(self.m.values()) + list(self.v.values())
+        local = sum(int((t._local_value() if is_dist(t) else t).numel()) for t in ts)
+        return local, sum(int(t.numel()) for t in ts)
 
     def set_lr(self, lr: float) -> None:
         self.lr = lr
@@ -48,15 +73,24 @@ class AdamW:
                 continue
             g = g.astype("float32")
             if name not in self.m:
-                self.m[name] = paddle.zeros(p.shape, "float32")
-                self.v[name] = paddle.zeros(p.shape, "float32")
+                self.m[name] = self._zeros_for(p)
+                self.v[name] = self._zeros_for(p)
             m, v = self.m[name], self.v[name]
+            if is_dist(g):  # reduce partial sums, keep this rank's shard of the moments' layout
+                import paddle.distributed as dist
+
+                g = dist.reshard(g, m.process_mesh, m.placements)
             plr = lr * self.lr_mult.get(name, 1.0)
             m.scale_(b1).add_(g * (1 - b1))
             v.scale_(b2).add_(g * g * (1 - b2))
             if self.wd and name not in self.no_decay:
                 p.scale_(1 - plr * self.wd)
-            p.add_((-(plr / bc1) * m / (paddle.sqrt(v / bc2) + self.eps)).astype(p.dtype))
+            update = (-(plr / bc1) * m / (paddle.sqrt(v / bc2) + self.eps)).astype(p.dtype)
+            if is_dist(update) and update.placements != p.placements:  # ZeRO-1: gather the update
+                import paddle.distributed as dist
+
+                update = dist.reshard(update, p.process_mesh, p.placements)
+            p.add_(update)
 
     def clear_grad(self) -> None:
         for _, p in self.params:
@@ -64,21 +98,21 @@ class AdamW:
 
     def state_dict(self) -> dict[str, paddle.Tensor]:
         sd = {"__step__": paddle.to_tensor([self.t], dtype="int64")}
-        for name in self.m:
-            sd[f"{name}::exp_avg"] = self.m[name]
-            sd[f"{name}::exp_avg_sq"] = self.v[name]
+        for name in self.m:  # full values (a collective in multi-process runs)
+            sd[f"{name}::exp_avg"] = to_dense(self.m[name])
+            sd[f"{name}::exp_avg_sq"] = to_dense(self.v[name])
         return sd
 
     def set_state_dict(self, sd: dict[str, paddle.Tensor]) -> None:
-        names = {n for n, _ in self.params}
+        params = dict(self.params)
         self.t = int(sd["__step__"].numpy()[0])
         for key, value in sd.items():
             if key == "__step__":
                 continue
             name, kind = key.rsplit("::", 1)
-            if name not in names:
+            if name not in params:
                 raise KeyError(name)
-            (self.m if kind == "exp_avg" else self.v)[name] = value.astype("float32")
+            (self.m if kind == "exp_avg" else self.v)[name] = self._place(params[name], value.astype("float32"))
 
 
 def build_optimizer(model: paddle.nn.Layer, cfg, extra: list[tuple[str, paddle.Tensor]] = ()) -> AdamW:
@@ -90,8 +124,21 @@ def build_optimizer(model: paddle.nn.Layer, cfg, extra: list[tuple[str, paddle.T
         from erniekit.nn.lora import lora_param_groups
 
         lr_mult = lora_param_groups(model, cfg.lora_plus_scale)
-    return AdamW(named, cfg.learning_rate, cfg.adam_beta1, cfg.adam_beta2, cfg.adam_epsilon,
-                 cfg.weight_decay, no_decay, lr_mult)
+    opt = AdamW(named, cfg.learning_rate, cfg.adam_beta1, cfg.adam_beta2, cfg.adam_epsilon,
+                cfg.weight_decay, no_decay, lr_mult)
+    from erniekit.distributed.runtime import active
+
+    if active() is not None:
+        opt.state_placements = active().optimizer_state_placements
+    return opt
+
+
+def _reduced(p: paddle.Tensor, g: paddle.Tensor) -> paddle.Tensor:
+    if not is_dist(g) or all(not pl.is_partial() for pl in g.placements):
+        return g
+    import paddle.distributed as dist
+
+    return dist.reshard(g, p.process_mesh, p.placements)
 
 
 @paddle.no_grad()
@@ -100,7 +147,10 @@ def clip_grad_norm_(params: list[paddle.Tensor], max_norm: float) -> float:
     grads = [p.grad for p in params if p.grad is not None]
     if not grads:
         return 0.0
-    norm = float(paddle.sqrt(paddle.add_n([paddle.sum(g.astype("float32") ** 2) for g in grads])))
+    owners = [p for p in params if p.grad is not None]
+    # per-tensor sums of squares as full values (a partial sum is reduced before it is squared)
+    sq = [to_dense(paddle.sum(paddle.square(_reduced(p, g).astype("float32")))) for p, g in zip(owners, grads)]
+    norm = float(paddle.sqrt(paddle.add_n(sq)))
     if max_norm > 0 and norm > max_norm:
         coef = max_norm / (norm + 1e-6)
         for g in grads:

@@ -11,6 +11,7 @@ from erniekit.config import dump_config
 from erniekit.errors import ConfigError
 from erniekit.train.stages import get_stage
 from erniekit.train.trainer import Trainer
+from erniekit.utils.dtensor import is_main_process
 from erniekit.utils.io import atomic_write_json
 
 
@@ -72,14 +73,46 @@ def _exact_match_line(ev: dict, start: dict | None) -> str:
     return line
 
 
+def join_job(cfg):
+    """In a worker started by paddle.distributed.launch: join the process group and return the
+    parallel context (mesh, placements); None in a single-process run."""
+    world = int(os.environ.get("PADDLE_TRAINERS_NUM", "1"))
+    if world == 1:
+        return None
+    from erniekit.distributed import runtime
+    from erniekit.distributed.layout import layout_from_config
+
+    return runtime.init(layout_from_config(cfg, world))
+
+
+def _quiet(*args, **kwargs) -> None:
+    pass
+
+
+def _parallel_note(ctx) -> str:
+    return "" if ctx is None else f" processes={ctx.layout.world} ({ctx.layout.describe()})"
+
+
 def run_train(cfg, log=print) -> dict:
     device = select_device()
+    ctx = join_job(cfg)
+    main = is_main_process()
+    if not main:
+        log = _quiet  # rank 0 reports; every rank's output is in launch_logs/
     paddle.seed(cfg.seed)
-    os.makedirs(cfg.output_dir, exist_ok=True)
-    dump_config(cfg, os.path.join(cfg.output_dir, "run_config.yaml"))
+    if main:
+        os.makedirs(cfg.output_dir, exist_ok=True)
+        dump_config(cfg, os.path.join(cfg.output_dir, "run_config.yaml"))
     model = load_model(cfg)  # first: a broken config.json is reported before tokenizer issues
     tokenizer = load_tokenizer(cfg)
     check_vocab(model, tokenizer)
+    if ctx is not None:
+        from erniekit.distributed.layout import check_model_fits
+
+        check_model_fits(ctx.layout, model.config)
+        ctx.shard_model(model)
+        if main:  # where every parameter went: placements over the mesh and rank 0's shard
+            atomic_write_json(os.path.join(cfg.output_dir, "parallel_plan.json"), ctx.plan(model))
     stage = get_stage(cfg.stage)
     t0 = time.perf_counter()
     train_rows = stage.build_train_rows(cfg, tokenizer) if cfg.do_train else []
@@ -88,7 +121,7 @@ def run_train(cfg, log=print) -> dict:
     n_params = sum(int(p.numel()) for p in model.parameters())
     n_train = sum(int(p.numel()) for p in model.parameters() if not p.stop_gradient)
     log(f"erniekit: stage={cfg.stage} model={cfg.model_name_or_path} ({n_params / 1e6:.2f}M params, {n_train / 1e6:.2f}M trainable, "
-        f"{model.config.model_type}) device={device} threads={os.environ.get('OMP_NUM_THREADS', '1')} "
+        f"{model.config.model_type}) device={device}{_parallel_note(ctx)} threads={os.environ.get('OMP_NUM_THREADS', '1')} "
         f"train_rows={len(train_rows)} data_prep={time.perf_counter() - t0:.1f}s")
     trainer = Trainer(cfg, model, tokenizer, stage, train_rows, eval_data, log=log)
     results: dict = {}
@@ -101,6 +134,9 @@ def run_train(cfg, log=print) -> dict:
         t1 = time.perf_counter()
         results["train"] = trainer.train()
         results["train_runtime_s"] = time.perf_counter() - t1
+        if ctx is not None:
+            local, total = trainer.optimizer.state_numel()
+            log(f"optimizer state on rank 0: {local} of {total} values ({100 * local / max(total, 1):.0f}%)")
     if cfg.do_eval and eval_data is not None:
         results["eval"] = trainer.evaluate()
         ev = results["eval"]
@@ -114,7 +150,8 @@ def run_train(cfg, log=print) -> dict:
         log(f"output_dir holds the EMA weights (ema_decay {cfg.ema_decay}); the raw weights are in the last checkpoint")
     else:
         save_model_or_adapter(model, cfg.output_dir, tokenizer, cfg.model_name_or_path)
-    atomic_write_json(os.path.join(cfg.output_dir, "train_results.json"), {"global_step": trainer.step, **results})
+    if main:
+        atomic_write_json(os.path.join(cfg.output_dir, "train_results.json"), {"global_step": trainer.step, **results})
     trainer.logger.close()
     what = "LoRA adapter (PEFT layout)" if cfg.fine_tuning == "LoRA" else "model (Hugging Face layout)"
     log(f"saved {what} to {cfg.output_dir}; VisualDL logs in {trainer.logger_dir}")

@@ -8,8 +8,10 @@ from typing import Any
 import numpy as np
 import paddle
 
-from erniekit.train.losses import causal_lm_loss_sum, count_examples, count_target_tokens, token_balanced_loss_sum
+from erniekit.train.losses import (batch_tensor, causal_lm_loss_sum, count_examples, count_target_tokens,
+                                   token_balanced_loss_sum)
 from erniekit.train.mtp_loss import add_mtp_loss, wants_mtp
+from erniekit.utils.dtensor import scalar
 
 
 @dataclass
@@ -23,12 +25,12 @@ def model_inputs(batch: dict[str, np.ndarray]) -> dict[str, paddle.Tensor | None
     """Tensors for the model; document isolation only where rows really hold several documents."""
     packed = bool((batch["segment_ids"] > 1).any())
     inputs = {
-        "input_ids": paddle.to_tensor(batch["input_ids"]),
-        "position_ids": paddle.to_tensor(batch["position_ids"]) if packed else None,
-        "segment_ids": paddle.to_tensor(batch["segment_ids"]) if packed else None,
+        "input_ids": batch_tensor(batch["input_ids"]),
+        "position_ids": batch_tensor(batch["position_ids"]) if packed else None,
+        "segment_ids": batch_tensor(batch["segment_ids"]) if packed else None,
     }
     if "token_type_ids" in batch:  # modality id per token, for modality-isolated MoE routing
-        inputs["token_type_ids"] = paddle.to_tensor(batch["token_type_ids"])
+        inputs["token_type_ids"] = batch_tensor(batch["token_type_ids"])
     return inputs
 
 
@@ -110,7 +112,7 @@ def eval_loss(model, rows: list[dict[str, np.ndarray]], batch_size: int, pad_id:
     total, n = 0.0, 0
     for i in range(0, len(rows), batch_size):
         b = collate(rows[i:i + batch_size], pad_id)
-        total += float(lm_loss(model, b).loss_sum)
+        total += scalar(lm_loss(model, b).loss_sum)
         n += count_target_tokens(b)
     loss = total / max(n, 1)
     return {"loss": loss, "perplexity": float(np.exp(min(loss, 50.0)))}

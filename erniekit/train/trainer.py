@@ -23,6 +23,7 @@ from erniekit.train.routing_monitor import RoutingMonitor
 from erniekit.train.optim import build_optimizer, clip_grad_norm_
 from erniekit.train.schedules import lr_at
 from erniekit.train.stage import Stage
+from erniekit.utils.dtensor import is_main_process, scalar
 
 
 class ScalarLogger:
@@ -65,8 +66,12 @@ class Trainer:
         self.cfg, self.model, self.tokenizer, self.stage = cfg, model, tokenizer, stage
         self.eval_data = eval_data
         self.log = log
-        self.batches = MicroBatches(train_rows, cfg.per_device_train_batch_size, cfg.seed, tokenizer.pad_token_id,
-                                    collate_fn=stage.collate)
+        from erniekit.distributed.runtime import active
+
+        # every rank builds the same global batch and keeps its rows (erniekit/distributed/runtime.py)
+        self.data_ranks = active().data_ranks if active() is not None else 1
+        self.batches = MicroBatches(train_rows, cfg.per_device_train_batch_size * self.data_ranks, cfg.seed,
+                                    tokenizer.pad_token_id, collate_fn=stage.collate)
         accum = cfg.gradient_accumulation_steps
         if cfg.max_steps > 0:
             self.total_steps = cfg.max_steps
@@ -87,7 +92,7 @@ class Trainer:
         self.step = 0
         self.consumed = 0  # micro-batches consumed: the data position
         self.logger_dir = cfg.logging_dir or os.path.join(cfg.output_dir, "vdl_log")
-        self.logger = ScalarLogger(self.logger_dir)
+        self.logger = ScalarLogger(self.logger_dir, enabled=is_main_process())
         self.routing = RoutingMonitor(model, cfg.output_dir, every_steps=cfg.routing_plot_steps)
         from erniekit.nn.elastic import ElasticTraining
 
@@ -145,9 +150,9 @@ class Trainer:
             loss = out.loss_sum / max(n_units, 1)
             if out.aux_loss is not None:  # router losses, already weighted by their coefficients
                 loss = loss + out.aux_loss / len(micro)
-                aux_sum += float(out.aux_loss) / len(micro)
+                aux_sum += scalar(out.aux_loss) / len(micro)
             (loss * self.loss_scale if cfg.fp16 else loss).backward()
-            loss_sum += float(out.loss_sum)
+            loss_sum += scalar(out.loss_sum)
             for k, v in out.metrics.items():
                 extra[k] = extra.get(k, 0.0) + v / max(n_units, 1)
         if cfg.fp16:
@@ -200,7 +205,7 @@ class Trainer:
         out: dict[str, float] = {}
         for m in layers:
             for k, v in m.loss_parts.items():
-                out[f"train/moe_{k}_loss"] = out.get(f"train/moe_{k}_loss", 0.0) + float(v) / len(layers)
+                out[f"train/moe_{k}_loss"] = out.get(f"train/moe_{k}_loss", 0.0) + scalar(v) / len(layers)
         if layers and layers[0].capacity_factor > 0:
             out["train/moe_dropped_fraction"] = sum(m.last_dropped for m in layers) / len(layers)
         return out
@@ -211,7 +216,7 @@ class Trainer:
         self.maybe_resume()
         self.model.train()
         bar = None
-        if not cfg.disable_tqdm:
+        if not cfg.disable_tqdm and is_main_process():
             from tqdm import tqdm
 
             bar = tqdm(total=self.total_steps, initial=self.step, desc="train", dynamic_ncols=True,
@@ -237,7 +242,8 @@ class Trainer:
                     self.log(f"step {self.step}/{self.total_steps} loss {m['train/loss']:.4f} "
                              f"lr {m['train/lr']:.2e} grad_norm {m['train/grad_norm']:.3f} "
                              f"tokens/s {m['train/tokens_per_sec']:.0f}{extra}")
-            self.routing.maybe_write_pictures(self.step, self.logger.writer)
+            if is_main_process():
+                self.routing.maybe_write_pictures(self.step, self.logger.writer)
             if bar is not None:
                 bar.update(1)
             if cfg.do_eval and self.eval_data is not None and cfg.eval_steps > 0 and self.step % cfg.eval_steps == 0 \
@@ -247,7 +253,8 @@ class Trainer:
                 self.save()
         if bar is not None:
             bar.close()
-        self.routing.maybe_write_pictures(self.step, self.logger.writer, final=True)
+        if is_main_process():
+            self.routing.maybe_write_pictures(self.step, self.logger.writer, final=True)
         self.save()
         return last
 

@@ -17,6 +17,7 @@ from safetensors import safe_open
 from erniekit.errors import CheckpointError
 from erniekit.models.ernie4_5.configuration import Ernie4_5Config
 from erniekit.models.ernie4_5.modeling import Ernie4_5ForCausalLM
+from erniekit.utils.dtensor import assign_full, is_main_process, to_dense
 from erniekit.utils.io import atomic_write, atomic_write_json, read_json_object
 
 WEIGHTS_NAME = "model.safetensors"
@@ -122,7 +123,7 @@ def load_state_into(model: Ernie4_5ForCausalLM, path: str) -> None:
             value = reader.get(n).astype(p.dtype)
             if spec.kind == "transpose":
                 value = value.T
-        p.set_value(value)
+        assign_full(p, value)
         used.update(spec.hf_names)
     extra = [n for n in reader.where if n not in used and not _IGNORED_UNEXPECTED.search(n)]
     if model.config.tie_word_embeddings:
@@ -155,7 +156,7 @@ def hf_state_dict(model: Ernie4_5ForCausalLM, dtype: str | None = None) -> dict[
     out: dict[str, paddle.Tensor] = {}
     for name, p in model.named_parameters():
         spec = _specs_cache(model)[name]
-        t = p.detach()
+        t = to_dense(p.detach())  # the full value, also of a parameter sharded over processes
         if dtype and "e_score_correction_bias" not in name and not re.search(r"\.mlp\.gate(_\d+)?\.weight$", name):
             t = t.astype(dtype)
         if spec.kind == "experts":
@@ -187,6 +188,9 @@ def save_pretrained(
     """Write config, generation config, weights (sharded above `max_shard_size`) and tokenizer."""
     from safetensors.paddle import save_file
 
+    state = hf_state_dict(model, dtype)  # a collective in multi-process runs: every rank gathers
+    if not is_main_process():
+        return
     os.makedirs(path, exist_ok=True)
     model.config.save_pretrained(path)
     c = model.config
@@ -195,7 +199,6 @@ def save_pretrained(
         {"bos_token_id": c.bos_token_id, "eos_token_id": c.eos_token_id, "pad_token_id": c.pad_token_id,
          "do_sample": True, "top_p": 0.8, "temperature": 0.8},
     )
-    state = hf_state_dict(model, dtype)
     limit = _parse_size(max_shard_size)
     shards: list[dict[str, paddle.Tensor]] = [{}]
     size = 0

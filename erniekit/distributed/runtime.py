@@ -1,0 +1,122 @@
+"""A worker's side of a multi-process run: the ProcessMesh, a placement for every parameter,
+batches split over the data ranks.
+
+The model code does not change: parameters become DistTensors and Paddle's SPMD rules insert
+the collectives (all-reduce of partial sums after a row-parallel matmul, all-gather before an
+op that needs the full tensor). The loop builds the same global batch on every rank and each
+rank keeps its slice, so a 2-process run trains on exactly the batches of a 1-process run.
+
+Placements over the mesh dims (pp, dp, sharding, tp):
+  tp  column-parallel q/k/v/gate/up (and expert gate/up: their output width), row-parallel
+      o/down (their input width), vocab-parallel embedding (tied to the LM head);
+  dp  experts split by expert over the data ranks when expert_parallel_degree = dp;
+  sharding  optimizer moments split by rows (ZeRO stage 1; `optimizer_state_placements`);
+            at stage 3 the parameters too.
+"""
+
+from __future__ import annotations
+
+import paddle
+import paddle.distributed as dist
+
+from erniekit.distributed.layout import DIMS, Layout
+
+_COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "qkv_proj", "up_gate_proj")
+_ROW = ("o_proj", "down_proj")
+
+_ACTIVE: "ParallelContext | None" = None
+
+
+def active() -> "ParallelContext | None":
+    """The running job's context; None in a single-process run."""
+    return _ACTIVE
+
+
+class ParallelContext:
+    def __init__(self, layout: Layout):
+        self.layout = layout
+        self.mesh = layout.mesh()
+        self.rank = dist.get_rank()
+        self.axis = {d: i for i, d in enumerate(DIMS)}
+
+    @property
+    def data_ranks(self) -> int:
+        """Ranks that see different data: the global batch is per-device batch x this."""
+        return self.layout.dp * self.layout.sharding
+
+    def _placements(self, **shard_dims: int) -> list:
+        out = [dist.Replicate() for _ in DIMS]
+        for mesh_dim, tensor_dim in shard_dims.items():
+            if getattr(self.layout, mesh_dim) > 1:
+                out[self.axis[mesh_dim]] = dist.Shard(tensor_dim)
+        return out
+
+    def param_placements(self, name: str, p: paddle.Tensor) -> list:
+        lay, leaf = self.layout, name.rsplit(".", 1)[-1]
+        dims: dict[str, int] = {}
+        is_expert = p.ndim == 3  # StackedExperts: [E, in, out]
+        if lay.tp > 1:
+            if "embed_tokens" in name or "lm_head" in name:
+                dims["tp"] = 0 if p.shape[0] % lay.tp == 0 and p.ndim == 2 else None
+            elif is_expert:
+                dims["tp"] = 1 if leaf.startswith("down") else 2
+            elif any(k in name for k in _COLUMN):
+                dims["tp"] = p.ndim - 1
+            elif any(k in name for k in _ROW) and p.ndim == 2:
+                dims["tp"] = 0
+        if is_expert and lay.ep > 1:
+            dims["dp"] = 0
+        if lay.sharding_stage == 3 and "sharding" not in dims and p.shape[0] % lay.sharding == 0 and not is_expert:
+            dims["sharding"] = 0
+        return self._placements(**{k: v for k, v in dims.items() if v is not None})
+
+    def optimizer_state_placements(self, p: paddle.Tensor) -> list:
+        """Adam moments: as the parameter, plus rows split over the sharding dim (ZeRO-1)."""
+        out = list(p.placements) if p.is_dist() else [dist.Replicate() for _ in DIMS]
+        ax = self.axis["sharding"]
+        if self.layout.sharding > 1 and out[ax].is_replicated():
+            taken = {pl.get_dim() for pl in out if pl.is_shard()}
+            for d in range(p.ndim):
+                if d not in taken and p.shape[d] % self.layout.sharding == 0:
+                    out[ax] = dist.Shard(d)
+                    break
+        return out
+
+    def shard_model(self, model: paddle.nn.Layer) -> None:
+        """Turn every parameter into a DistTensor with its placements (in place, names kept)."""
+        names = {id(p): n for n, p in model.named_parameters()}
+
+        def shard_fn(layer_name, layer, mesh):
+            for pname, p in list(layer.named_parameters(include_sublayers=False)):
+                full = names.get(id(p), f"{layer_name}.{pname}")
+                setattr(layer, pname, dist.shard_tensor(p, mesh, self.param_placements(full, p)))
+
+        dist.shard_layer(model, self.mesh, shard_fn)
+
+    def plan(self, model: paddle.nn.Layer) -> dict:
+        return {"mesh": {d: getattr(self.layout, d) for d in DIMS}, "expert_parallel_degree": self.layout.ep,
+                "sharding_stage": self.layout.sharding_stage,
+                "parameters": {n: {"placements": [str(pl) for pl in p.placements], "shape": list(p.shape),
+                                   "local_shape": list(p._local_value().shape)}
+                               for n, p in model.named_parameters() if p.is_dist()}}
+
+    def place_batch(self, t: paddle.Tensor) -> paddle.Tensor:
+        """A global-batch tensor -> rows split over the data ranks (replicated over tp and pp).
+        A batch that does not split evenly (an epoch's last, an eval remainder) stays replicated:
+        every rank computes all of it, the result is the same."""
+        if t.ndim == 0 or t.shape[0] % self.data_ranks:
+            return dist.shard_tensor(t, self.mesh, self._placements())
+        return dist.shard_tensor(t, self.mesh, self._placements(dp=0, sharding=0))
+
+
+def init(layout: Layout) -> ParallelContext:
+    """Join the job (gloo on CPU, NCCL on GPU: Paddle picks) and make the context active."""
+    global _ACTIVE
+    dist.init_parallel_env()
+    _ACTIVE = ParallelContext(layout)
+    return _ACTIVE
+
+
+def place_batch(t: paddle.Tensor) -> paddle.Tensor:
+    """Identity in a single-process run."""
+    return t if _ACTIVE is None else _ACTIVE.place_batch(t)

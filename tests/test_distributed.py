@@ -1,0 +1,134 @@
+"""Multi-process training through `erniekit train ... nproc_per_node=2` (paddle.distributed.launch,
+gloo on 127.0.0.1): each layout must follow the 1-process loss curve, checkpoints must move between
+process counts, and a killed worker must be restarted from the latest checkpoint."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DATA = os.path.join(ROOT, "examples", "data", "arithmetic", "train.jsonl")
+
+
+def _args(out, model="tiny-dense", steps=20, batch=8):
+    return [f"model_name_or_path={model}", "model_overrides.num_hidden_layers=2", f"train_dataset_path={DATA}",
+            "max_seq_len=32", f"per_device_train_batch_size={batch}", f"max_steps={steps}", "learning_rate=3e-3",
+            "logging_steps=1", "do_eval=false", "save_steps=10", "disable_tqdm=true", f"output_dir={out}"]
+
+
+def _train(args, **popen):
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    return subprocess.run([sys.executable, "-m", "erniekit", "train", *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=600, **popen)
+
+
+def _ok(r):
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    return r
+
+
+def _losses(out):
+    rows = [json.loads(line) for line in open(os.path.join(out, "vdl_log", "scalars.jsonl"))]
+    by_step = {r["step"]: r["train/loss"] for r in rows if "train/loss" in r}  # a resumed run re-logs steps
+    return np.array([by_step[s] for s in sorted(by_step)])
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """1-process runs: the curves every layout must follow (dense and MoE, 20 steps, batch 8)."""
+    base = tmp_path_factory.mktemp("ref")
+    _ok(_train(_args(base / "dense")))
+    _ok(_train(_args(base / "moe", "tiny-moe")))
+    return base
+
+
+@pytest.mark.parametrize("name,model,batch,extra,sharded", [
+    # tensor parallel: column/row projections, vocab-parallel embedding; the batch is replicated
+    ("tp", "tiny-dense", 8, ["tensor_parallel_degree=2"],
+     {"model.layers.0.self_attn.q_proj.weight": [128, 64], "model.layers.0.mlp.down_proj.weight": [192, 128],
+      "model.embed_tokens.weight": [512, 128]}),
+    # data parallel over 2 sharding ranks, ZeRO-1: batch split, optimizer moments split by rows
+    ("sharding", "tiny-dense", 4, ["sharding=stage1"], {}),
+    # data parallel with experts split over the 2 data ranks
+    ("ep", "tiny-moe", 4, ["expert_parallel_degree=2"], {"model.layers.1.mlp.experts.up_proj": [4, 128, 128]}),
+])
+def test_two_processes_follow_the_one_process_loss_curve(reference, tmp_path, name, model, batch, extra, sharded):
+    out = tmp_path / name
+    r = _ok(_train(_args(out, model, batch=batch) + ["nproc_per_node=2", *extra]))
+    ref = _losses(reference / ("moe" if model == "tiny-moe" else "dense"))
+    got = _losses(out)
+    assert len(got) == 20
+    np.testing.assert_allclose(got, ref, rtol=1e-5)
+    plan = json.load(open(out / "parallel_plan.json"))
+    for param, local_shape in sharded.items():
+        assert plan["parameters"][param]["local_shape"] == local_shape, plan["parameters"][param]
+    # rank 0 reports, every rank logs under launch_logs/
+    assert r.stdout.count("step 20/20") == 1
+    assert {"workerlog.0", "workerlog.1"} <= set(os.listdir(out / "launch_logs"))
+    if name == "sharding":  # ZeRO-1: each rank holds half of the optimizer state
+        m = [line for line in r.stdout.splitlines() if line.startswith("optimizer state on rank 0:")]
+        assert m and "(50%)" in m[0], r.stdout[-2000:]
+
+
+def test_checkpoints_move_between_process_counts(reference, tmp_path):
+    # 1 -> 2: the 1-process checkpoint at step 10 finishes in a 2-process data-parallel run
+    ckpt1 = reference / "dense" / "checkpoint-10"
+    _ok(_train(_args(tmp_path / "one_to_two", batch=4) + ["nproc_per_node=2", f"resume_from_checkpoint={ckpt1}"]))
+    # 2 -> 1: a tensor-parallel run's step-10 checkpoint finishes in one process
+    _ok(_train(_args(tmp_path / "tp") + ["nproc_per_node=2", "tensor_parallel_degree=2"]))
+    ckpt2 = tmp_path / "tp" / "checkpoint-10"
+    _ok(_train(_args(tmp_path / "two_to_one") + [f"resume_from_checkpoint={ckpt2}"]))
+    ref = _losses(reference / "dense")
+    for run in ("one_to_two", "two_to_one"):
+        np.testing.assert_allclose(_losses(tmp_path / run), ref[10:], rtol=1e-5)  # steps 11-20
+
+    # the unsharded HF-layout checkpoint of the 2-process run gives the 1-process run's logits
+    import paddle
+
+    from erniekit.models.ernie4_5 import from_pretrained
+
+    ids = paddle.to_tensor(np.random.default_rng(0).integers(3, 1000, (2, 12)))
+    a = from_pretrained(str(tmp_path / "tp"))(input_ids=ids).logits.numpy()
+    b = from_pretrained(str(reference / "dense"))(input_ids=ids).logits.numpy()
+    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)
+
+
+def _worker_pids(out) -> dict[int, int]:
+    """rank -> PID of this job's workers (found by their command line and rank variable)."""
+    found = {}
+    for d in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            cmd = open(f"/proc/{d}/cmdline").read().split("\0")
+            if not any(c.endswith("launch_entry.py") for c in cmd) or f"output_dir={out}" not in cmd:
+                continue
+            env = dict(kv.split("=", 1) for kv in open(f"/proc/{d}/environ").read().split("\0") if "=" in kv)
+            found[int(env["PADDLE_TRAINER_ID"])] = int(d)
+        except (OSError, KeyError):
+            continue
+    return found
+
+
+def test_killed_worker_restarts_from_the_latest_checkpoint_and_ends_on_the_same_loss(reference, tmp_path):
+    out = tmp_path / "killed"
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    p = subprocess.Popen([sys.executable, "-m", "erniekit", "train",
+                          *_args(out, batch=4), "nproc_per_node=2", "max_restart=1"],
+                         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.time() + 300
+    while not (out / "checkpoint-10").is_dir() and p.poll() is None and time.time() < deadline:
+        time.sleep(0.1)
+    pids = _worker_pids(out)
+    assert 1 in pids and not (out / "checkpoint-20").exists(), pids
+    os.kill(pids[1], signal.SIGKILL)
+    stdout, _ = p.communicate(timeout=600)
+    assert p.returncode == 0, stdout[-3000:]
+    assert "restart 1 of 1 from the latest checkpoint" in stdout
+    assert "resumed from" in stdout and "checkpoint-10 at step 10" in stdout
+    final = json.load(open(out / "train_results.json"))["train"]["train/loss"]
+    assert final == pytest.approx(_losses(reference / "dense")[-1], rel=1e-5)
