@@ -76,6 +76,10 @@ def test_config_validation_of_launch_keys():
     assert validate(cfg(nproc_per_node=2)).nproc_per_node == 2  # multi-process runs are accepted
     with pytest.raises(ConfigError, match=r"pipeline_parallel_degree=2: pipeline parallelism is not implemented yet"):
         validate(cfg(nproc_per_node=2, pipeline_parallel_degree=2))
+    with pytest.raises(ConfigError, match="fp8: true with several processes is not supported yet"):
+        validate(cfg(nproc_per_node=2, fp8=True))
+    with pytest.raises(ConfigError, match="sharding=stage3 needs reduce-scatter"):
+        validate(cfg(nproc_per_node=2, sharding="stage3"))
     with pytest.raises(ConfigError, match="max_restart=-1 is invalid"):
         validate(cfg(max_restart=-1))
     with pytest.raises(ConfigError, match="nnodes=2 needs master=HOST:PORT"):

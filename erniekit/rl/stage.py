@@ -105,8 +105,10 @@ class RLStage(Stage):
         disabled (returned as the string "adapters-disabled": no second copy in memory)."""
         if cfg.fine_tuning == "LoRA":
             return "adapters-disabled"
+        from erniekit.utils.dtensor import to_dense
+
         ref = type(model)(model.config)
-        ref.set_state_dict(model.state_dict())
+        ref.set_state_dict({k: to_dense(v) for k, v in model.state_dict().items()})  # a full copy per process
         if cfg.fp8:
             ref.set_fp8(cfg.fp8_block_size, cfg.fp8_grad_format)
         for p in ref.parameters():
