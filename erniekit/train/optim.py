@@ -149,7 +149,10 @@ def clip_grad_norm_(params: list[paddle.Tensor], max_norm: float) -> float:
         return 0.0
     owners = [p for p in params if p.grad is not None]
     # per-tensor sums of squares as full values (a partial sum is reduced before it is squared)
-    sq = [to_dense(paddle.sum(paddle.square(_reduced(p, g).astype("float32")))) for p, g in zip(owners, grads)]
+    # `** 2`, not paddle.square (40x faster on CPU): the embedded default's late accuracy jump is
+    # chaotic, and square's last-bit difference in this norm moved it from 0.796 to 0.300
+    # (measured). Switch together with a re-measured default (docs/fp8.md, "chaotic").
+    sq = [to_dense(paddle.sum(_reduced(p, g).astype("float32") ** 2)) for p, g in zip(owners, grads)]
     norm = float(paddle.sqrt(paddle.add_n(sq)))
     if max_norm > 0 and norm > max_norm:
         coef = max_norm / (norm + 1e-6)
