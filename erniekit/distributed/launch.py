@@ -16,7 +16,9 @@ ENTRY = os.path.join(os.path.dirname(os.path.abspath(__file__)), "launch_entry.p
 
 
 def in_launched_worker() -> bool:
-    return "PADDLE_TRAINER_ID" in os.environ and int(os.environ.get("PADDLE_TRAINERS_NUM", "1")) > 1
+    from erniekit.utils.dtensor import launched_world
+
+    return "PADDLE_TRAINER_ID" in os.environ and launched_world() > 1
 
 
 def launch_command(cfg, train_args: list[str]) -> list[str]:

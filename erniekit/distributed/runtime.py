@@ -36,7 +36,6 @@ class ParallelContext:
     def __init__(self, layout: Layout):
         self.layout = layout
         self.mesh = layout.mesh()
-        self.rank = dist.get_rank()
         self.axis = {d: i for i, d in enumerate(DIMS)}
 
     @property

@@ -11,7 +11,7 @@ from erniekit.config import dump_config
 from erniekit.errors import ConfigError
 from erniekit.train.stages import get_stage
 from erniekit.train.trainer import Trainer
-from erniekit.utils.dtensor import is_main_process
+from erniekit.utils.dtensor import is_main_process, launched_world
 from erniekit.utils.io import atomic_write_json
 
 
@@ -76,7 +76,7 @@ def _exact_match_line(ev: dict, start: dict | None) -> str:
 def join_job(cfg):
     """In a worker started by paddle.distributed.launch: join the process group and return the
     parallel context (mesh, placements); None in a single-process run."""
-    world = int(os.environ.get("PADDLE_TRAINERS_NUM", "1"))
+    world = launched_world()
     if world == 1:
         return None
     from erniekit.distributed import runtime

@@ -69,7 +69,8 @@ class Trainer:
         from erniekit.distributed.runtime import active
 
         # every rank builds the same global batch and keeps its rows (erniekit/distributed/runtime.py)
-        self.data_ranks = active().data_ranks if active() is not None else 1
+        ctx = active()
+        self.data_ranks = ctx.data_ranks if ctx is not None else 1
         self.batches = MicroBatches(train_rows, cfg.per_device_train_batch_size * self.data_ranks, cfg.seed,
                                     tokenizer.pad_token_id, collate_fn=stage.collate)
         accum = cfg.gradient_accumulation_steps

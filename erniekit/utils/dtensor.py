@@ -16,6 +16,11 @@ def is_dist(t) -> bool:
     return isinstance(t, paddle.Tensor) and t.is_dist()
 
 
+def launched_world() -> int:
+    """Processes in the `paddle.distributed.launch` job this process belongs to (1 outside one)."""
+    return int(os.environ.get("PADDLE_TRAINERS_NUM", "1"))
+
+
 def process_rank() -> int:
     """This process's rank in a `paddle.distributed.launch` job (0 outside one)."""
     return int(os.environ.get("PADDLE_TRAINER_ID", "0"))
@@ -44,10 +49,6 @@ def scalar(t) -> float:
     return float(to_dense(t))
 
 
-def to_numpy(t: paddle.Tensor):
-    return to_dense(t).numpy()
-
-
 def like(ref: paddle.Tensor, value: paddle.Tensor) -> paddle.Tensor:
     """`value` (a full plain tensor) placed as `ref` is: the same mesh and placements."""
     if not is_dist(ref):
@@ -67,7 +68,7 @@ def assign_full(param: paddle.Tensor, value: paddle.Tensor) -> None:
 
 def barrier() -> None:
     """Wait for every rank of a launched job; nothing outside one."""
-    if int(os.environ.get("PADDLE_TRAINERS_NUM", "1")) > 1:
+    if launched_world() > 1:
         import paddle.distributed as dist
 
         dist.barrier()
