@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import difflib
 import io
 import os
@@ -59,6 +60,12 @@ def train(args: list[str]) -> int:
     _import_paddle()
     cfg = validate(cfg)  # config errors stop the job before any worker starts
     from erniekit.distributed.launch import in_launched_worker, relaunch
+    if cfg.parallel == "auto" and not in_launched_worker():
+        from erniekit.distributed.planner import auto_plan
+
+        best = auto_plan(cfg)
+        print(f"erniekit: parallel: auto chose {best.plan.describe()} (predicted {best.step_s:.3f} s/step, "
+              f"{best.memory / 1e9:.2f} GB per device; erniekit plan shows the ranking)", flush=True)
     from erniekit.distributed.layout import world_size
 
     if world_size(cfg) > 1 and not in_launched_worker():
@@ -125,6 +132,46 @@ def export(args: list[str]) -> int:
     what = "" if spec.is_full else f" (elastic sub-model depth={spec.depth} experts={spec.experts} top_k={spec.top_k})"
     print(f"exported {ns.src} -> {out}{what}")
     return 0
+
+
+def plan(args: list[str]) -> int:
+    """Rank parallel layouts of a training config on a described cluster (docs/planner.md)."""
+    p = argparse.ArgumentParser(prog="erniekit plan", description=plan.__doc__,
+                                usage="erniekit plan CONFIG.yaml cluster=CLUSTER.yaml [key=value ...] [--top N]")
+    p.add_argument("items", nargs="*", help="CONFIG.yaml, then key=value overrides (cluster=FILE is required)")
+    p.add_argument("--top", type=int, default=15, help="rows to print")
+    p.add_argument("--all", action="store_true", help="also layouts this version cannot run yet (pipeline, tp on MoE)")
+    p.add_argument("--json", metavar="PATH", help="write every prediction as JSON")
+    ns = p.parse_intermixed_args(args)
+    items = ns.items
+    path, overrides = (None, items) if not items or "=" in items[0] else (items[0], items[1:])
+    from erniekit.config import load_config
+    from erniekit.distributed import planner
+
+    cfg = load_config(path, overrides)
+    if not cfg.cluster:
+        raise ErniekitError("plan needs cluster=FILE, a cluster description (see examples/clusters/)")
+    cluster = planner.load_cluster(cfg.cluster)
+    c = planner.model_config_of(cfg)
+    cfg = dataclasses.replace(cfg, nproc_per_node=cluster.world, nnodes=1, data_parallel_degree=-1,
+                              tensor_parallel_degree=1, pipeline_parallel_degree=1, sharding="",
+                              sharding_parallel_degree=1, expert_parallel_degree=1)
+    work = planner.Workload(cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps * cluster.world,
+                            cfg.max_seq_len)
+    preds = planner.plan(c, cluster, work, runnable_only=not ns.all)
+    print(f"model {cfg.model_name_or_path}: {c.num_hidden_layers} layers, hidden {c.hidden_size}"
+          f"{f', {c.moe_num_experts} experts top-{c.moe_k}' if c.is_moe else ''}; global batch {work.global_batch} x "
+          f"{work.seq_len} tokens; cluster {cluster.name}: {cluster.nodes} x {cluster.devices_per_node} devices, "
+          f"{cluster.device_memory / 1e9:.1f} GB each")
+    print(planner.format_table(preds, ns.top))
+    if ns.json:
+        import json
+
+        rows = [{"layout": r.plan.describe(), "plan": dataclasses.asdict(r.plan), "step_s": r.step_s,
+                 "memory_bytes": r.memory, "fits": r.fits, "why": r.why, "parts": r.parts} for r in preds]
+        with open(ns.json, "w", encoding="utf-8") as f:
+            json.dump(rows, f, indent=1)
+    return 0 if preds and preds[0].fits else 1
 
 
 def _eval_parser() -> argparse.ArgumentParser:
@@ -260,6 +307,7 @@ VERBS: dict[str, tuple[Callable[[list[str]], int], str]] = {
     "train": (train, "train a model: erniekit train CONFIG.yaml [key=value ...]"),
     "chat": (chat, "chat with a checkpoint: erniekit chat MODEL_DIR [--prompt TEXT]"),
     "export": (export, "merge LoRA and write a Hugging Face-layout directory: erniekit export SRC -o OUT"),
+    "plan": (plan, "rank parallel layouts on a cluster: erniekit plan CONFIG.yaml cluster=CLUSTER.yaml"),
     "eval": (eval_, "report on a checkpoint: erniekit eval MODEL_DIR --routing|--elastic [--data PATH]"),
     "version": (version, "print erniekit and paddlepaddle versions"),
     "help": (show_help, "show this help, or 'erniekit help <command>'"),

@@ -243,3 +243,120 @@ def test_resume_replays_the_same_submodels(tmp_path):
     for s in (3, 4):
         assert resumed[s][1:] == full[s][1:]
         assert resumed[s][0] == pytest.approx(full[s][0], rel=1e-5)
+
+
+# ---- sandwich rule with in-place distillation ---------------------------------------------------
+def test_distill_loss_is_weighted_kl_with_cross_entropy_gradient():
+    from erniekit.train.losses import distill_loss_sum
+
+    rng = np.random.RandomState(0)
+    B, S, V = 2, 6, 7
+    s_np, t_np = rng.randn(B, S, V).astype("float32"), rng.randn(B, S, V).astype("float32") * 2
+    labels = rng.randint(0, V, (B, S)).astype("int64")
+    labels[0, :2] = -100
+    seg = np.array([[1, 1, 1, 2, 2, 2], [1, 1, 1, 1, 0, 0]])
+    labels[1, 4:] = -100
+
+    def softmax(x):
+        e = np.exp(x - x.max(-1, keepdims=True))
+        return e / e.sum(-1, keepdims=True)
+
+    p, q = softmax(t_np.astype(np.float64)), softmax(s_np.astype(np.float64))
+    kl = (p * (np.log(p) - np.log(q))).sum(-1)  # [B, S]
+    for balance in (False, True):
+        w = np.zeros((B, S))
+        for b in range(B):
+            trained = [t for t in range(S - 1) if labels[b, t + 1] != -100 and seg[b, t] == seg[b, t + 1]]
+            for t in trained:  # token balance: 1 / (trained targets of the position's document)
+                n_doc = sum(seg[b, u] == seg[b, t] for u in trained)
+                w[b, t] = 1.0 / n_doc if balance else 1.0
+        student = paddle.to_tensor(s_np, stop_gradient=False)
+        teacher = paddle.to_tensor(t_np, stop_gradient=False)
+        got = distill_loss_sum(student, teacher, labels, seg, token_balance=balance)
+        np.testing.assert_allclose(float(got), (w * kl).sum(), rtol=1e-5)
+        got.backward()
+        np.testing.assert_allclose(student.grad.numpy(), (q - p) * w[..., None], atol=1e-6)
+        assert teacher.grad is None  # the full model is the teacher: no gradient through it
+
+
+def test_smaller_specs_leave_out_the_full_model():
+    from erniekit.nn.elastic import smaller_specs
+
+    c = get_preset("tiny-moe")  # 4 layers, 8 experts, top-2
+    got = smaller_specs(c, ElasticChoices([2, 4], [8], [1, 2]))
+    assert got == [ElasticSpec(2, 8, 1), ElasticSpec(2, 8, 2), ElasticSpec(4, 8, 1)]
+    assert smaller_specs(c, ElasticChoices([4], [8], [2])) == []
+
+
+@pytest.mark.parametrize("override,words", [
+    ("elastic_distill_weight=0.5", "needs elastic_sandwich"), ("elastic_distill_weight=2", "elastic_distill_weight"),
+    ("stage=DPO", "LM stages"),
+])
+def test_sandwich_config_errors(override, words):
+    with pytest.raises(ConfigError, match=words) as e:
+        extra = [] if "distill" in override else ["elastic_sandwich=true"]
+        validate(load_config(None, SMALL + extra + [override]))
+    assert "\n" not in str(e.value)
+
+
+def test_sandwich_needs_a_smaller_choice(tmp_path):
+    from erniekit.train.runner import run_train
+
+    cfg = validate(load_config(None, SMALL + ["elastic_depth=[4]", "elastic_experts=[8]", "elastic_top_k=[2]",
+                                              "elastic_sandwich=true", "max_steps=1", f"output_dir={tmp_path}"]))
+    with pytest.raises(ConfigError, match="add a smaller value"):
+        run_train(cfg, log=lambda *_: None)
+
+
+def test_sandwich_step_gradient_is_full_plus_distilled_submodel(tmp_path):
+    """One sandwich step's gradient = d/dθ [CE_full + (1-w) CE_sub + w KL(full || sub)] / tokens,
+    the sub-model being the step's draw; reference built from elastic() and an explicit KL."""
+    import paddle.nn.functional as F
+
+    from erniekit.train.losses import count_target_tokens
+    from erniekit.train.runner import load_model, load_tokenizer
+    from erniekit.train.stages import get_stage
+    from erniekit.train.trainer import Trainer
+
+    w = 0.6
+    cfg = validate(load_config(None, SMALL + ["elastic_sandwich=true", f"elastic_distill_weight={w}",
+                                              "model_overrides.router_aux_loss_coef=0", "max_grad_norm=0",
+                                              "max_steps=1", "do_eval=false", f"output_dir={tmp_path}"]))
+    paddle.seed(cfg.seed)
+    model, tok, stage = load_model(cfg), load_tokenizer(cfg), get_stage(cfg.stage)
+    with paddle.no_grad():  # peaked logits, so full and sub-model disagree measurably (KL ~ 1e-1, not 1e-5)
+        model.model.norm.weight.set_value(model.model.norm.weight * 30)
+    stage.prepare(model, None, None, cfg, tok)
+    trainer = Trainer(cfg, model, tok, stage, stage.build_train_rows(cfg, tok)[:64], log=lambda *_: None)
+    got: dict[str, np.ndarray] = {}
+    trainer.optimizer.step = lambda: got.update({n: p.grad.numpy().copy() for n, p in model.named_parameters()
+                                                if p.grad is not None})
+    metrics = trainer.train_step()
+    full, sub = trainer.elastic.specs(0)
+    assert full.is_full and not sub.is_full
+    assert metrics["train/elastic_depth"] == sub.resolved(model.config).depth
+
+    batch = trainer.batches.get(0)
+    n = count_target_tokens(batch)
+    logits = model(paddle.to_tensor(batch["input_ids"])).logits
+    with elastic(model, sub):
+        sub_logits = model(paddle.to_tensor(batch["input_ids"])).logits
+    tgt = np.where(batch["labels"][:, 1:] == -100, -100, batch["labels"][:, 1:])
+    mask = paddle.to_tensor((tgt != -100).astype("float32"))
+    V = logits.shape[-1]
+
+    def ce(lg):
+        return F.cross_entropy(lg[:, :-1].reshape([-1, V]), paddle.to_tensor(tgt.reshape(-1, 1)), ignore_index=-100,
+                               reduction="sum")
+
+    p_log = F.log_softmax(logits.detach()[:, :-1], -1)
+    kl = ((p_log.exp() * (p_log - F.log_softmax(sub_logits[:, :-1], -1))).sum(-1) * mask).sum()
+    (ce(logits) / n + ((1 - w) * ce(sub_logits) + w * kl) / n).backward()
+    want = {name: p.grad.numpy() for name, p in model.named_parameters() if p.grad is not None}
+    assert set(got) == set(want)
+    for name in want:
+        np.testing.assert_allclose(got[name], want[name], rtol=2e-4, atol=2e-6, err_msg=name)
+    assert float(kl) / n > 1e-3 and metrics["train/elastic_kl"] == pytest.approx(float(kl) / n, rel=1e-4)
+    assert metrics["train/loss"] == pytest.approx(float(ce(logits)) / n, rel=1e-5)
+    assert metrics["train/elastic_loss"] == pytest.approx(float(ce(sub_logits)) / n, rel=1e-5)
+    assert model.model.active_layers is None  # back to the full model after the step

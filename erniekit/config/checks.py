@@ -20,7 +20,12 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     changes.update(_normalise_elastic(cfg))
     changes.update(_normalise_rl_lists(cfg))
     cfg = dataclasses.replace(cfg, **changes)
+    if cfg.parallel == "auto":  # the planner's layout, batch split and recompute replace the ones set
+        from erniekit.distributed.planner import auto_plan, with_plan
+
+        cfg = with_plan(cfg, auto_plan(cfg).plan)
     _check_ranges(cfg)
+    _check_elastic_sandwich(cfg)
     _check_length(cfg)
     _check_paths(cfg)
     _check_precision(cfg)
@@ -156,7 +161,22 @@ def _normalise_elastic(cfg: TrainConfig) -> dict:
         _require(max(out["elastic_top_k"]) <= min(out["elastic_experts"]), "elastic_top_k", out["elastic_top_k"],
                  f"<= min(elastic_experts) = {min(out['elastic_experts'])}")
     _require(0 <= cfg.elastic_full_prob <= 1, "elastic_full_prob", cfg.elastic_full_prob, "in [0, 1]")
+    _require(0 <= cfg.elastic_distill_weight <= 1, "elastic_distill_weight", cfg.elastic_distill_weight, "in [0, 1]")
     return out
+
+
+def _check_elastic_sandwich(cfg: TrainConfig) -> None:
+    if cfg.elastic_distill_weight > 0 and not cfg.elastic_sandwich:
+        raise ConfigError(f"elastic_distill_weight={cfg.elastic_distill_weight} needs elastic_sandwich: true (the "
+                          "full model of the same step is the teacher); set it or set elastic_distill_weight=0")
+    if not cfg.elastic_sandwich:
+        return
+    if not (cfg.elastic_depth or cfg.elastic_experts or cfg.elastic_top_k):
+        raise ConfigError("elastic_sandwich: true needs sub-models to train; set elastic_depth, elastic_experts "
+                          "or elastic_top_k")
+    if cfg.stage not in ("pretrain", "SFT"):
+        raise ConfigError(f"elastic_sandwich applies to the LM stages (pretrain, SFT), not {cfg.stage}; "
+                          "set elastic_sandwich=false")
 
 
 def _check_length(cfg: TrainConfig) -> None:

@@ -31,7 +31,9 @@ TRUNCATION = _spellings("error", "truncate")
 LR_SCHEDULERS = _spellings("cosine", "constant", "linear", "wsd")
 COMPUTE_TYPES = _spellings("fp32", "bf16", "fp16", "fp8")
 FP8_GRAD_FORMATS = _spellings("e4m3", "e5m2")
+RECOMPUTE_GRANULARITIES = _spellings("full", "full_attn", "core_attn", "mlp")
 SHARDING = {"": "", "none": "", "stage1": "stage1", "stage2": "stage2", "stage3": "stage3"}
+PARALLEL = {"": "", "none": "", "manual": "", "auto": "auto"}
 
 
 def _opt(default: Any, help: str, choices: dict[str, str] | None = None) -> Any:
@@ -193,7 +195,11 @@ class TrainConfig:
     elastic_top_k: list[int] = _opt(
         [], "candidate routing top-k values (each <= min(elastic_experts)); [] = the model's moe_k")
     elastic_full_prob: float = _opt(
-        0.25, "with elastic_* set: probability that a step trains the full model (sandwich rule)")
+        0.25, "with elastic_* set: probability that a step trains the full model (elastic_sandwich: unused)")
+    elastic_sandwich: bool = _opt(
+        False, "pretrain/SFT: every step trains the full model and one sampled smaller sub-model on the same batch")
+    elastic_distill_weight: float = _opt(
+        0.0, "with elastic_sandwich: the sub-model's loss is (1-w) * CE + w * KL(full model || sub-model)")
 
     # ### precision and runtime
     bf16: bool = _opt(False, "train in bfloat16 (needs a GPU)")
@@ -208,6 +214,11 @@ class TrainConfig:
         "fp32", "ERNIEKit spelling: bf16, fp16 or fp8 turn on that flag; fp32 leaves the flags as set",
         COMPUTE_TYPES,
     )
+    recompute: bool = _opt(False, "recompute activations in the backward instead of keeping them (less memory, "
+                              "one more forward of the recomputed part)")
+    recompute_granularity: str = _opt(
+        "full", "with recompute: full (whole decoder layer), full_attn (norm + attention), core_attn (softmax(qk)v "
+        "only) or mlp (norm + MLP / MoE experts)", RECOMPUTE_GRANULARITIES)
     disable_tqdm: bool = _opt(False, "hide the terminal progress bar")
 
     # ### parallelism and launch (docs/distributed.md); the degrees' product = nproc_per_node x nnodes
@@ -219,6 +230,9 @@ class TrainConfig:
                          "stage3 (+ parameters); empty = none", SHARDING)
     sharding_parallel_degree: int = _opt(1, "data ranks that shard (with sharding set); 1 with "
                                          "data_parallel_degree -1 = all of them")
+    parallel: str = _opt("", "auto: the planner (erniekit plan) picks degrees, sharding, recompute and micro-batch "
+                             "for the cluster file; empty = the degrees as set", PARALLEL)
+    cluster: str | None = _opt(None, "cluster description YAML (examples/clusters/) for parallel: auto and erniekit plan")
     nproc_per_node: int = _opt(1, "processes on this machine; > 1 relaunches through paddle.distributed.launch")
     nnodes: int = _opt(1, "machines in the job")
     master: str | None = _opt(None, "host:port of the first machine's rendezvous (nnodes > 1)")

@@ -52,6 +52,8 @@ class ElasticChoices:
     experts: list[int] = field(default_factory=list)
     top_k: list[int] = field(default_factory=list)
     full_prob: float = 0.25
+    sandwich: bool = False  # every step: the full model, then one sampled smaller sub-model
+    distill_weight: float = 0.0  # sandwich: weight of KL(full || sub) in the sub-model's loss
 
     @property
     def enabled(self) -> bool:
@@ -166,6 +168,15 @@ def sample_spec(rng: random.Random, choices: ElasticChoices) -> ElasticSpec:
     return ElasticSpec(pick(choices.depth), pick(choices.experts), pick(choices.top_k))
 
 
+def smaller_specs(config, choices: ElasticChoices) -> list[ElasticSpec]:
+    """Every depth x experts x top-k combination of the choices except those equal to the full
+    model: what a sandwich step draws its sub-model from (uniformly)."""
+    full = ElasticSpec().resolved(config)
+    combos = [ElasticSpec(d, e, k) for d in (choices.depth or [None]) for e in (choices.experts or [None])
+              for k in (choices.top_k or [None])]
+    return [s for s in combos if s.resolved(config) != full]
+
+
 # ---- export ---------------------------------------------------------------------------------
 def _moe_range(flags: list[bool], interval: int) -> dict | None:
     """moe_layer_start/end/interval reproducing `flags` over the kept layers, or None."""
@@ -255,18 +266,19 @@ def count_params(model) -> tuple[int, int]:
 
 # ---- training hook --------------------------------------------------------------------------
 class ElasticTraining:
-    """Per optimizer step: sample a spec (random.Random(seed + step), so resume replays the same
-    sub-models), switch the model to it, and switch back to the full model after the update."""
+    """Which sub-models optimizer step s trains, drawn from random.Random(seed + s) so a resumed
+    run replays them: one sampled spec (full model with probability full_prob), or with
+    `sandwich` the full model and then one of `smaller_specs` on the same micro-batches."""
 
-    def __init__(self, choices: ElasticChoices, seed: int):
-        self.choices, self.seed = choices, seed
-        self.spec = ElasticSpec()
+    def __init__(self, choices: ElasticChoices, seed: int, smaller: list[ElasticSpec]):
+        self.choices, self.seed, self.smaller = choices, seed, smaller
 
     @classmethod
     def from_config(cls, cfg, model) -> "ElasticTraining | None":
         """None when the run has no elastic_* choices; ConfigError when a choice does not fit the model."""
         choices = ElasticChoices(*(list(getattr(cfg, f"elastic_{k}", [])) for k in ("depth", "experts", "top_k")),
-                                 getattr(cfg, "elastic_full_prob", 0.25))
+                                 getattr(cfg, "elastic_full_prob", 0.25), bool(getattr(cfg, "elastic_sandwich", False)),
+                                 float(getattr(cfg, "elastic_distill_weight", 0.0)))
         if not choices.enabled:
             return None
         c = model.config
@@ -286,19 +298,24 @@ class ElasticTraining:
         if ks and max(ks) > min(ns):
             raise ConfigError(f"elastic_top_k={ks} exceeds the smallest expert count {min(ns)}; "
                               f"keep every elastic_top_k <= min(elastic_experts)")
-        return cls(choices, cfg.seed)
+        smaller = smaller_specs(c, choices)
+        if choices.sandwich and not smaller:
+            raise ConfigError("elastic_sandwich: every elastic_depth / elastic_experts / elastic_top_k choice is the "
+                              "full model; add a smaller value")
+        return cls(choices, cfg.seed, smaller)
 
-    def begin(self, model, step: int) -> dict[str, float]:
-        """Switch to this step's sub-model; returns it as scalars (full values where unset)."""
-        self.spec = sample_spec(random.Random(self.seed + step), self.choices)
-        apply_elastic(model, self.spec)
-        r = self.spec.resolved(model.config)
+    def specs(self, step: int) -> list[ElasticSpec]:
+        """The sub-models step `step` trains, in order (sandwich: [full, smaller])."""
+        rng = random.Random(self.seed + step)
+        if self.choices.sandwich:
+            return [ElasticSpec(), rng.choice(self.smaller)]
+        return [sample_spec(rng, self.choices)]
+
+    @staticmethod
+    def scalars(model, spec: ElasticSpec) -> dict[str, float]:
+        """The trained (smaller) sub-model as scalars, full values where unset."""
+        r = spec.resolved(model.config)
         out = {"train/elastic_depth": float(r.depth)}
         if r.experts is not None:
             out.update({"train/elastic_experts": float(r.experts), "train/elastic_top_k": float(r.top_k)})
         return out
-
-    def end(self, model) -> None:
-        """Back to the full model (evaluation and checkpoints always see it)."""
-        apply_elastic(model, ElasticSpec())
-        self.spec = ElasticSpec()

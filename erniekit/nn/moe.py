@@ -26,6 +26,7 @@ import paddle.nn as nn
 import paddle.nn.functional as F
 
 from erniekit.errors import DataError
+from erniekit.nn.recompute import recomputing
 
 _MASKED = -1e9  # logit of an expert outside the active (elastic) subset: softmax gives ~1e-28
 
@@ -399,6 +400,8 @@ class MoEBlock(nn.Layer):
         losses = {k: (v[0] if len(v) == 1 else paddle.add_n(v)) for k, v in terms.items()}
         self.router_loss = paddle.add_n([self.coefs[k] * v for k, v in losses.items()]) if losses else None
         self.loss_parts = {k: v.detach() for k, v in losses.items()}
+        if recomputing():  # the backward's second run of a recomputed layer: already counted
+            return
         with paddle.no_grad():
             self.load_counts += paddle.bincount(topk.reshape([-1]), minlength=self.num_experts).astype("float32")
 

@@ -22,6 +22,16 @@ def select_device() -> str:
     return paddle.set_device("cpu")
 
 
+def peak_memory_bytes() -> int:
+    """This process's peak: allocated device memory on GPU, resident set on CPU (the planner's
+    calibration compares it with its prediction)."""
+    if paddle.device.is_compiled_with_cuda() and paddle.device.cuda.device_count() > 0:
+        return int(paddle.device.cuda.max_memory_allocated())
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
 def load_tokenizer(cfg):
     from erniekit.models.ernie4_5.tokenizer import ErnieTokenizer, default_tokenizer
 
@@ -44,6 +54,8 @@ def load_model(cfg):
         model = Ernie4_5ForCausalLM(config)  # from scratch, seeded by paddle.seed(cfg.seed)
     if cfg.fp8:
         model.set_fp8(cfg.fp8_block_size, cfg.fp8_grad_format)
+    if cfg.recompute:
+        model.set_recompute(cfg.recompute_granularity)
     if cfg.fine_tuning == "LoRA":
         from erniekit.nn.lora import LoraConfig, apply_lora
 
@@ -134,6 +146,7 @@ def run_train(cfg, log=print) -> dict:
         t1 = time.perf_counter()
         results["train"] = trainer.train()
         results["train_runtime_s"] = time.perf_counter() - t1
+        results["peak_memory_bytes"] = peak_memory_bytes()
         if ctx is not None:
             local, total = trainer.optimizer.state_numel()
             log(f"optimizer state on rank 0: {local} of {total} values ({100 * local / max(total, 1):.0f}%)")

@@ -19,6 +19,7 @@ class LossOutput:
     loss_sum: paddle.Tensor  # summed over the batch's units; the loop divides by the step's `normalizer`
     aux_loss: paddle.Tensor | None = None  # MoE load-balancing loss, weighted by router_aux_loss_coef
     metrics: dict[str, float] = field(default_factory=dict)  # sums over units, averaged like the loss
+    logits: paddle.Tensor | None = None  # LM stages: the next-token logits (teacher of elastic sub-models)
 
 
 def model_inputs(batch: dict[str, np.ndarray]) -> dict[str, paddle.Tensor | None]:
@@ -41,7 +42,7 @@ def lm_loss(model, batch: dict[str, np.ndarray], token_balance: bool = False) ->
     mtp = wants_mtp(model)  # multi-token prediction heads: docs/mtp.md
     out = model(**model_inputs(batch), **({"return_mtp": True} if mtp else {}))
     loss_fn = token_balanced_loss_sum if token_balance else causal_lm_loss_sum
-    res = LossOutput(loss_fn(out.logits, batch["labels"], batch["segment_ids"]), out.aux_loss)
+    res = LossOutput(loss_fn(out.logits, batch["labels"], batch["segment_ids"]), out.aux_loss, logits=out.logits)
     if mtp:
         add_mtp_loss(res, out.mtp_logits, batch, loss_fn, model.config.multi_token_pred_lambda)
     return res

@@ -17,8 +17,10 @@ import time
 import paddle
 
 from erniekit.errors import ErniekitError
+from erniekit.nn.elastic import ElasticSpec, ElasticTraining, apply_elastic
 from erniekit.train.batching import MicroBatches
 from erniekit.train.checkpointing import EMA_NAME, load_checkpoint, resolve_resume, rotate_checkpoints, save_checkpoint
+from erniekit.train.losses import distill_loss_sum
 from erniekit.train.routing_monitor import RoutingMonitor
 from erniekit.train.optim import build_optimizer, clip_grad_norm_
 from erniekit.train.schedules import lr_at
@@ -95,8 +97,6 @@ class Trainer:
         self.logger_dir = cfg.logging_dir or os.path.join(cfg.output_dir, "vdl_log")
         self.logger = ScalarLogger(self.logger_dir, enabled=is_main_process())
         self.routing = RoutingMonitor(model, cfg.output_dir, every_steps=cfg.routing_plot_steps)
-        from erniekit.nn.elastic import ElasticTraining
-
         self.elastic = ElasticTraining.from_config(cfg, model)  # None unless elastic_* choices are set
 
     # ---- state -----------------------------------------------------------------------------
@@ -135,7 +135,10 @@ class Trainer:
     def train_step(self) -> dict[str, float]:
         cfg = self.cfg
         paddle.seed(cfg.seed + self.step)
-        elastic_scalars = self.elastic.begin(self.model, self.step) if self.elastic is not None else {}
+        # elastic runs: the sub-model(s) of this step; sandwich = [full, smaller] on every micro-batch
+        specs = self.elastic.specs(self.step) if self.elastic is not None else [None]
+        if len(specs) == 1 and specs[0] is not None:
+            apply_elastic(self.model, specs[0])
         micro = [self.batches.get(self.consumed + i) for i in range(cfg.gradient_accumulation_steps)]
         micro = self.stage.step_batches(self.model, micro, self.step)  # RL: rollouts from the current policy
         n_units = sum(self.stage.normalizer(b) for b in micro)  # trained tokens (LM) or pairs (DPO)
@@ -144,18 +147,37 @@ class Trainer:
         self.optimizer.set_lr(lr)
         loss_sum, aux_sum = 0.0, 0.0
         extra: dict[str, float] = {}
+        sub = {"train/elastic_loss": 0.0, "train/elastic_kl": 0.0}  # sandwich: the smaller sub-model's pass
         for b in micro:
-            with amp_context(cfg):
-                out = self.stage.loss(self.model, b)
-            self.routing.after_forward(b["segment_ids"] > 0)
-            loss = out.loss_sum / max(n_units, 1)
-            if out.aux_loss is not None:  # router losses, already weighted by their coefficients
-                loss = loss + out.aux_loss / len(micro)
-                aux_sum += scalar(out.aux_loss) / len(micro)
-            (loss * self.loss_scale if cfg.fp16 else loss).backward()
-            loss_sum += scalar(out.loss_sum)
-            for k, v in out.metrics.items():
-                extra[k] = extra.get(k, 0.0) + v / max(n_units, 1)
+            teacher = None
+            for j, spec in enumerate(specs):
+                if len(specs) > 1:
+                    apply_elastic(self.model, spec)
+                with amp_context(cfg):
+                    out = self.stage.loss(self.model, b)
+                self.routing.after_forward(b["segment_ids"] > 0)
+                lm = out.loss_sum
+                if teacher is not None:  # in-place distillation from the full model of this step
+                    kd = distill_loss_sum(out.logits, teacher, b["labels"], b.get("segment_ids"),
+                                          self.stage.token_balance)
+                    w = cfg.elastic_distill_weight
+                    lm = (1.0 - w) * lm + w * kd if w > 0 else lm
+                    sub["train/elastic_kl"] += scalar(kd) / max(n_units, 1)
+                loss = lm / max(n_units, 1)
+                if out.aux_loss is not None:  # router losses, already weighted by their coefficients
+                    loss = loss + out.aux_loss / len(micro)
+                    aux_sum += scalar(out.aux_loss) / len(micro)
+                (loss * self.loss_scale if cfg.fp16 else loss).backward()
+                if j > 0:
+                    sub["train/elastic_loss"] += scalar(out.loss_sum) / max(n_units, 1)
+                    continue
+                loss_sum += scalar(out.loss_sum)
+                for k, v in out.metrics.items():
+                    extra[k] = extra.get(k, 0.0) + v / max(n_units, 1)
+                if len(specs) > 1:
+                    teacher = out.logits.detach()
+            if len(specs) > 1:  # the full model again: the bias update and evaluation see it
+                apply_elastic(self.model, ElasticSpec())
         if cfg.fp16:
             with paddle.no_grad():
                 for p in self.params:
@@ -178,7 +200,7 @@ class Trainer:
         self.optimizer.clear_grad()
         self.after_update()
         if self.elastic is not None:  # back to the full model before anything else sees it
-            self.elastic.end(self.model)
+            apply_elastic(self.model, ElasticSpec())
         self.step += 1
         self.consumed += len(micro)
         tokens = int(sum((b["segment_ids"] > 0).sum() for b in micro))  # real (non-padding) tokens
@@ -186,7 +208,10 @@ class Trainer:
                    "train/tokens": tokens, **{f"train/{k}": v for k, v in extra.items()}}
         if aux_sum:
             metrics["train/router_loss"] = aux_sum
-        metrics.update(elastic_scalars)
+        if self.elastic is not None:
+            metrics.update(self.elastic.scalars(self.model, specs[-1]))
+            if len(specs) > 1:
+                metrics.update(sub)
         metrics.update(self.stage.step_metrics())
         return metrics
 
@@ -222,18 +247,20 @@ class Trainer:
 
             bar = tqdm(total=self.total_steps, initial=self.step, desc="train", dynamic_ncols=True,
                        file=sys.stdout, mininterval=0.5)
-        window_tokens, window_start = 0, time.perf_counter()
+        window_tokens, window_steps, window_start = 0, 0, time.perf_counter()
         last: dict[str, float] = {}
         while self.step < self.total_steps:
             m = self.train_step()
             window_tokens += m.pop("train/tokens")
+            window_steps += 1
             if self.step % cfg.logging_steps == 0 or self.step == self.total_steps:
                 dt = time.perf_counter() - window_start
                 m["train/tokens_per_sec"] = window_tokens / max(dt, 1e-9)
+                m["train/step_time_s"] = dt / window_steps
                 m.update(self.routing.scalars())
                 m.update(self.moe_metrics())  # router-loss parts of the last micro-batch (only when logged)
                 self.logger.log(self.step, m)
-                window_tokens, window_start = 0, time.perf_counter()
+                window_tokens, window_steps, window_start = 0, 0, time.perf_counter()
                 last = m
                 if bar is not None:
                     bar.set_postfix(loss=f"{m['train/loss']:.4f}", lr=f"{m['train/lr']:.2e}",

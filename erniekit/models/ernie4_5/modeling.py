@@ -21,6 +21,7 @@ from erniekit.nn.attention import (
 from erniekit.nn.gpas import GPAS
 from erniekit.nn.moe import MoEBlock
 from erniekit.nn.mtp import MultiTokenPredictor
+from erniekit.nn.recompute import GRANULARITIES, checkpoint
 
 
 class RMSNorm(nn.Layer):
@@ -83,6 +84,7 @@ class Attention(nn.Layer):
         self.k_proj = nn.Linear(h, self.num_kv_heads * self.head_dim, bias_attr=b)
         self.v_proj = nn.Linear(h, self.num_kv_heads * self.head_dim, bias_attr=b)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, h, bias_attr=b)
+        self.recompute_core = False  # core_attn recompute (set by Ernie4_5ForCausalLM.set_recompute)
 
     def forward(self, x, cos, sin, mask, cache: KVCache | None):
         B, S, _ = x.shape
@@ -92,11 +94,22 @@ class Attention(nn.Layer):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is not None:
             k, v = cache.update(self.layer_idx, k, v)
-        if isinstance(mask, tuple):  # ("bias", additive mask) for the CPU math path
-            out = math_attention(q, k, v, mask[1], scale=self.head_dim**-0.5)
+        if self.recompute_core and _wants_recompute(self, cache):
+            out = checkpoint(lambda q, k, v: self.core(q, k, v, mask), q, k, v)
         else:
-            out = attention(q, k, v, mask, causal=True, scale=self.head_dim**-0.5)
+            out = self.core(q, k, v, mask)
         return self.o_proj(out.reshape([B, S, self.num_heads * self.head_dim]))
+
+    def core(self, q, k, v, mask):
+        """softmax(q k^T * scale + mask) v: [B, S, heads, head_dim]."""
+        if isinstance(mask, tuple):  # ("bias", additive mask) for the CPU math path
+            return math_attention(q, k, v, mask[1], scale=self.head_dim**-0.5)
+        return attention(q, k, v, mask, causal=True, scale=self.head_dim**-0.5)
+
+
+def _wants_recompute(layer: nn.Layer, cache) -> bool:
+    """Recompute only pays off in a training forward that will be differentiated."""
+    return layer.training and cache is None and paddle.is_grad_enabled()
 
 
 class DecoderLayer(nn.Layer):
@@ -107,12 +120,32 @@ class DecoderLayer(nn.Layer):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.gpas = GPAS() if config.use_gpas else None
+        self.recompute: str | None = None  # full | full_attn | mlp (core_attn lives in Attention)
 
     def forward(self, x, cos, sin, mask, cache, token_type_ids=None):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, cache)
+        if not (self.recompute and _wants_recompute(self, cache)):
+            return self._forward(x, cos, sin, mask, cache, token_type_ids)
+        if self.recompute == "full":
+            return checkpoint(lambda x: self._forward(x, cos, sin, mask, cache, token_type_ids), x)
+        if self.recompute == "full_attn":
+            x = x + checkpoint(lambda x: self._attn(x, cos, sin, mask, cache), x)
+            return self._finish(x + self._mlp(x, token_type_ids))
+        x = x + self._attn(x, cos, sin, mask, cache)  # mlp
+        return self._finish(x + checkpoint(lambda x: self._mlp(x, token_type_ids), x))
+
+    def _forward(self, x, cos, sin, mask, cache, token_type_ids=None):
+        x = x + self._attn(x, cos, sin, mask, cache)
+        return self._finish(x + self._mlp(x, token_type_ids))
+
+    def _attn(self, x, cos, sin, mask, cache):
+        return self.self_attn(self.input_layernorm(x), cos, sin, mask, cache)
+
+    def _mlp(self, x, token_type_ids=None):
         h = self.post_attention_layernorm(x)
         # modality ids matter only to the MoE router (modality-isolated routing); dense MLPs ignore them
-        x = x + (self.mlp(h, token_type_ids) if isinstance(self.mlp, MoEBlock) else self.mlp(h))
+        return self.mlp(h, token_type_ids) if isinstance(self.mlp, MoEBlock) else self.mlp(h)
+
+    def _finish(self, x):
         return self.gpas(x) if self.gpas is not None else x
 
 
@@ -208,6 +241,15 @@ class Ernie4_5ForCausalLM(nn.Layer):
             for i in range(m.num_modalities):
                 m.expert_set(i).fp8_block = block_size
                 m.expert_set(i).fp8_grad_format = grad_format
+
+    def set_recompute(self, granularity: str | None) -> None:
+        """Recompute activations of every decoder layer in the backward (None turns it off); a
+        training-time setting like FP8, not written to config.json (erniekit/nn/recompute.py)."""
+        if granularity is not None and granularity not in GRANULARITIES:
+            raise CheckpointError(f"recompute_granularity={granularity!r} is not one of {', '.join(GRANULARITIES)}")
+        for layer in self.model.layers:
+            layer.recompute = granularity if granularity in ("full", "full_attn", "mlp") else None
+            layer.self_attn.recompute_core = granularity == "core_attn"
 
     def forward(
         self, input_ids, position_ids=None, segment_ids=None, attention_mask=None, cache=None, logits_to_keep: int = 0,

@@ -1,0 +1,440 @@
+"""Global cost model and planner: which parallel layout trains a model fastest on a described cluster.
+
+`plan(model_config, cluster, workload)` enumerates layouts (dp, tp, pp, ep, sharding stage,
+recompute, micro-batch) for the world size of the cluster, drops those that do not split the
+model evenly or do not fit in device memory, predicts step time and per-device peak memory for
+the rest, and ranks them. Paddle is not imported: the model is the formulas below (docs/planner.md
+gives them with the calibration against measured runs).
+
+Step time = compute + communication, per optimizer step:
+  compute   FLOPs / (devices working in parallel x device_flops) + a fixed cost per op launch
+            (op_overhead_s x ops), times (m + pp - 1) / m for the pipeline bubble (1F1B over the m
+            micro-batches of a step); FLOPs = 3 x forward (backward = 2 x forward) plus the
+            forward of what recompute runs again.
+  comm      each collective costs latency + bytes / bandwidth (ring all-reduce moves
+            2(n-1)/n x the buffer): gradient all-reduce over the data ranks (one call per
+            parameter tensor, as the optimizer issues them), tp all-reduces of activations (4 per
+            layer per micro-batch), expert all-to-all (dispatch + combine, forward and backward),
+            stage-3 parameter all-gathers, pipeline send/recv of activations. Links inside a node
+            use the intra-node figures, a group that spans nodes the inter-node ones.
+Memory (per device, float32 training) = params + grads + Adam moments (split by the sharding
+stage) + the activations the forward keeps for the backward (per layer and token, counted from
+the tensors this model's forward saves; recompute keeps only the recomputed part's input) x the
+micro-batches in flight (1F1B: pp on the first stage) + the logits + runtime overhead.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import asdict, dataclass, field, replace
+
+from erniekit.errors import ConfigError
+
+RECOMPUTE_MODES = ("none", "core_attn", "full_attn", "mlp", "full")
+BYTES = 4  # float32 on CPU; bf16 runs keep fp32 master weights and moments, counted the same
+
+
+# ---- inputs ---------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Cluster:
+    """Devices and links (SI units: FLOP/s, bytes, bytes/s, seconds). One device = one process."""
+
+    nodes: int = 1
+    devices_per_node: int = 1
+    device_flops: float = 50e9  # achieved float32 GEMM FLOP/s of one device (not the datasheet peak)
+    device_memory: float = 16e9
+    op_overhead_s: float = 30e-6  # fixed cost of one op launch (framework + kernel), forward or backward
+    memory_overhead: float = 0.5e9  # framework memory of a process outside tensors
+    intra_node_bandwidth: float = 5e9
+    intra_node_latency_s: float = 100e-6
+    inter_node_bandwidth: float = 1.25e9
+    inter_node_latency_s: float = 50e-6
+    name: str = "cluster"
+
+    @property
+    def world(self) -> int:
+        return self.nodes * self.devices_per_node
+
+
+def load_cluster(path: str) -> Cluster:
+    """A cluster YAML (keys as the Cluster fields) -> Cluster; one-line errors name file and key."""
+    import yaml
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            raw = yaml.safe_load(f) or {}
+    except OSError as e:
+        raise ConfigError(f"cluster file {path}: {e.strerror}; give the path of a cluster YAML "
+                          "(examples/clusters/)") from None
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f"{path}:{mark.line + 1}" if mark else path
+        raise ConfigError(f"{where}: not valid YAML ({getattr(e, 'problem', e)}); fix the cluster file") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: a cluster file is a mapping of keys (nodes, devices_per_node, device_flops, ...)")
+    known = {f: type(v) for f, v in asdict(Cluster()).items()}
+    values = {}
+    for key, value in raw.items():
+        if key not in known:
+            raise ConfigError(f"{path}: unknown key {key!r}; known keys: {', '.join(known)}")
+        kind = known[key]
+        try:
+            if kind is str:
+                values[key] = str(value)
+            elif kind is int:
+                if isinstance(value, bool) or float(value) != int(float(value)):
+                    raise ValueError
+                values[key] = int(float(value))
+            else:
+                values[key] = float(value)
+        except (TypeError, ValueError):
+            raise ConfigError(f"{path}: {key}={value!r} must be a {kind.__name__}") from None
+        if kind is not str and values[key] <= 0:
+            raise ConfigError(f"{path}: {key}={value!r} must be > 0")
+    return Cluster(**values)
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What one optimizer step trains: global batch (sequences) x sequence length."""
+
+    global_batch: int
+    seq_len: int
+    fused_attention: bool = False  # GPU flash attention keeps no [S, S] scores
+
+
+# ---- the model's costs ----------------------------------------------------------------------
+@dataclass(frozen=True)
+class LayerCost:
+    """One decoder layer, per token: forward FLOPs (parts), parameters, saved float32 elements."""
+
+    attn_flops: float  # projections
+    core_flops_per_s: float  # softmax(qk)v, times the sequence length
+    mlp_flops: float  # active MLP / experts (k of E) + shared experts + router
+    attn_params: int
+    mlp_params: int  # all experts
+    expert_params: int  # of mlp_params: routed experts (split by ep)
+    attn_saved: float  # saved elements outside the [S, S] part
+    core_saved_per_s: float  # the attention probabilities: heads per position
+    mlp_saved: float
+    other_saved: float  # residual adds, norms' inputs
+    ops: int  # op launches forward (backward counted twice that)
+    moe_k: int = 0
+    is_moe: bool = False
+
+
+def layer_costs(c) -> list[LayerCost]:
+    """LayerCost of every layer of an Ernie4_5Config (dense or MoE)."""
+    H, q, kv = c.hidden_size, c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+    attn_params = H * (q + 2 * kv) + q * H
+    out = []
+    for i in range(c.num_hidden_layers):
+        common = dict(attn_flops=2.0 * attn_params, core_flops_per_s=4.0 * q, attn_params=attn_params,
+                      attn_saved=2 * H + 3 * q + 3 * kv + H, core_saved_per_s=float(c.num_attention_heads),
+                      other_saved=2.0 * H)
+        if c.is_moe and c.is_moe_layer(i):
+            k, E, inter = c.moe_k, c.moe_num_experts if isinstance(c.moe_num_experts, int) else sum(c.moe_num_experts), \
+                c.expert_sizes[0]
+            shared = c.moe_num_shared_experts * inter
+            expert = 3 * H * inter
+            out.append(LayerCost(**common, mlp_flops=2.0 * (k * expert + 3 * H * shared + H * E),
+                                 mlp_params=E * expert + 3 * H * shared + H * E, expert_params=E * expert,
+                                 mlp_saved=2 * H + 3 * E + k * H + 4 * k * inter + k * H + H + 4 * shared + H,
+                                 ops=60, moe_k=k, is_moe=True))
+        else:
+            I = c.intermediate_size
+            out.append(LayerCost(**common, mlp_flops=2.0 * 3 * H * I, mlp_params=3 * H * I, expert_params=0,
+                                 mlp_saved=2 * H + 4 * I, ops=30))
+    return out
+
+
+# ---- a layout and its prediction ------------------------------------------------------------
+@dataclass(frozen=True)
+class Plan:
+    dp: int  # data ranks (with sharding: the ranks that shard)
+    tp: int
+    pp: int
+    ep: int
+    sharding_stage: int
+    recompute: str
+    micro_batch: int
+    accumulation: int
+
+    def describe(self) -> str:
+        parts = [f"dp={self.dp}", f"tp={self.tp}", f"pp={self.pp}", f"ep={self.ep}"]
+        if self.sharding_stage:
+            parts.append(f"zero{self.sharding_stage}")
+        parts.append(f"rc={self.recompute}")
+        parts.append(f"mb={self.micro_batch}x{self.accumulation}")
+        return " ".join(parts)
+
+    def config_overrides(self) -> dict[str, object]:
+        """The training-config keys that apply this plan."""
+        out: dict[str, object] = {
+            "tensor_parallel_degree": self.tp, "pipeline_parallel_degree": self.pp,
+            "expert_parallel_degree": self.ep, "per_device_train_batch_size": self.micro_batch,
+            "gradient_accumulation_steps": self.accumulation, "recompute": self.recompute != "none",
+            "sharding": f"stage{self.sharding_stage}" if self.sharding_stage else "",
+            "data_parallel_degree": -1, "sharding_parallel_degree": 1,
+        }
+        if self.recompute != "none":
+            out["recompute_granularity"] = self.recompute
+        return out
+
+
+@dataclass
+class Prediction:
+    plan: Plan
+    step_s: float
+    memory: float  # peak bytes on the fullest device
+    parts: dict[str, float] = field(default_factory=dict)  # seconds and bytes by cause
+    fits: bool = True
+    why: str = ""  # when it does not fit or cannot run
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.parts.get("tokens", 0.0) / self.step_s if self.step_s else 0.0
+
+
+def _link(cluster: Cluster, group: int, span_nodes: bool) -> tuple[float, float]:
+    """(bandwidth, latency) of a collective group."""
+    if span_nodes:
+        return cluster.inter_node_bandwidth, cluster.inter_node_latency_s
+    return cluster.intra_node_bandwidth, cluster.intra_node_latency_s
+
+
+def _allreduce_s(nbytes: float, n: int, bw: float, lat: float, calls: int = 1) -> float:
+    if n <= 1:
+        return 0.0
+    return calls * lat + 2.0 * (n - 1) / n * nbytes / bw
+
+
+def predict(c, cluster: Cluster, work: Workload, p: Plan) -> Prediction:
+    """Step time and peak memory of plan `p` for model config `c` (see the module docstring)."""
+    layers = layer_costs(c)
+    L, S, H, V = len(layers), work.seq_len, c.hidden_size, c.vocab_size
+    tokens = work.global_batch * S
+    # ---- compute
+    attn = sum(l.attn_flops + l.core_flops_per_s * S for l in layers)
+    core = sum(l.core_flops_per_s * S for l in layers)
+    mlp = sum(l.mlp_flops for l in layers)
+    head = 2.0 * H * V
+    fwd = (attn + mlp + head) * tokens
+    again = {"none": 0.0, "core_attn": core, "full_attn": attn, "mlp": mlp, "full": attn + mlp}[p.recompute] * tokens
+    flops = 3 * fwd + again
+    workers = p.dp * p.tp * p.pp
+    m = p.accumulation
+    bubble = (m + p.pp - 1) / m
+    ops_per_micro = sum(l.ops for l in layers) / p.pp + 10  # this stage's layers + embedding/head/loss
+    ops_again = {"none": 0, "core_attn": 4, "full_attn": 12, "mlp": 20, "full": 30}[p.recompute] * L / p.pp
+    op_time = (3 * ops_per_micro + ops_again) * m * cluster.op_overhead_s
+    compute = (flops / (workers * cluster.device_flops) + op_time) * bubble
+    # ---- communication (per step)
+    per_node = cluster.devices_per_node
+    tp_span = p.tp > per_node
+    dp_span = p.tp * p.dp > per_node  # data ranks are strided by tp (tp innermost)
+    n_params_dense = sum(l.attn_params + l.mlp_params - l.expert_params for l in layers) + V * H * (
+        1 if c.tie_word_embeddings else 2) + (2 * L + 1) * H
+    n_experts = sum(l.expert_params for l in layers)
+    tensors = 9 * L + 2 + sum(3 for l in layers if l.is_moe)  # parameter tensors (one all-reduce each)
+    bw, lat = _link(cluster, p.dp, dp_span)
+    grad_bytes = BYTES * (n_params_dense / (p.tp * p.pp) + n_experts / (p.tp * p.pp * p.ep))
+    comm_dp = _allreduce_s(grad_bytes, p.dp, bw, lat, calls=math.ceil(tensors / p.pp))
+    if p.sharding_stage == 3:  # parameters gathered for the forward and again for the backward
+        comm_dp += 2 * _allreduce_s(grad_bytes / 2, p.dp, bw, lat, calls=math.ceil(tensors / p.pp))
+    bw, lat = _link(cluster, p.tp, tp_span)
+    act_bytes = BYTES * p.micro_batch * S * H
+    comm_tp = (4 * L / p.pp + 2) * m * _allreduce_s(act_bytes, p.tp, bw, lat) if p.tp > 1 else 0.0
+    comm_ep = 0.0
+    if p.ep > 1:
+        bw, lat = _link(cluster, p.ep, p.tp * p.ep > per_node)
+        moe_layers = sum(l.is_moe for l in layers) / p.pp
+        a2a = BYTES * p.micro_batch * S * H * max(l.moe_k for l in layers) * (p.ep - 1) / p.ep
+        comm_ep = 4 * moe_layers * m * (lat + a2a / bw)
+    comm_pp = 0.0
+    if p.pp > 1:
+        bw, lat = _link(cluster, 2, p.tp * p.dp * p.pp > per_node)
+        comm_pp = 2 * m * (lat + act_bytes / p.tp / bw)
+    comm = comm_dp + comm_tp + comm_ep + comm_pp
+    # ---- memory on the first pipeline stage (the fullest under 1F1B)
+    params = n_params_dense / (p.tp * p.pp) + n_experts / (p.tp * p.pp * p.ep)
+    shard = p.dp if p.sharding_stage else 1
+    weights = BYTES * params / (shard if p.sharding_stage == 3 else 1)
+    grads = BYTES * params / (shard if p.sharding_stage >= 2 else 1)
+    moments = 2 * BYTES * params / shard
+    per_token = 0.0
+    for l in layers[: math.ceil(L / p.pp)]:
+        core_s = 0.0 if work.fused_attention else l.core_saved_per_s * S
+        attn_s = (l.attn_saved + core_s) / p.tp
+        mlp_s = l.mlp_saved / p.tp
+        keep = {"none": attn_s + mlp_s + l.other_saved, "core_attn": attn_s - core_s / p.tp + 3 * H + mlp_s + l.other_saved,
+                "full_attn": H + mlp_s + l.other_saved, "mlp": attn_s + H + l.other_saved, "full": H}[p.recompute]
+        per_token += keep
+    in_flight = min(p.pp, m)
+    activations = BYTES * per_token * p.micro_batch * S * in_flight
+    biggest_layer = max((l.attn_saved + (0 if work.fused_attention else l.core_saved_per_s * S) + l.mlp_saved)
+                        / p.tp for l in layers)
+    transient = BYTES * biggest_layer * p.micro_batch * S  # the backward's working set of one layer
+    logits = 3 * BYTES * p.micro_batch * S * V / p.tp
+    memory = weights + grads + moments + activations + transient + logits + cluster.memory_overhead
+    parts = {"compute_s": compute, "comm_dp_s": comm_dp, "comm_tp_s": comm_tp, "comm_ep_s": comm_ep,
+             "comm_pp_s": comm_pp, "bubble": bubble, "tokens": float(tokens), "params_bytes": weights,
+             "grads_bytes": grads, "moments_bytes": moments, "activations_bytes": activations,
+             "comm_bytes": _comm_bytes(grad_bytes, act_bytes, p, L, layers, m, S, H)}
+    pred = Prediction(p, compute + comm, memory, parts)
+    if memory > cluster.device_memory:
+        pred.fits, pred.why = False, f"needs {memory / 1e9:.2f} GB per device, has {cluster.device_memory / 1e9:.2f}"
+    return pred
+
+
+def _comm_bytes(grad_bytes: float, act_bytes: float, p: Plan, L: int, layers, m: int, S: int, H: int) -> float:
+    """Bytes one device sends per step (ring collectives: 2(n-1)/n of the buffer)."""
+    out = 2.0 * (p.dp - 1) / p.dp * grad_bytes * (3 if p.sharding_stage == 3 else 1) if p.dp > 1 else 0.0
+    if p.tp > 1:
+        out += (4 * L / p.pp + 2) * m * 2.0 * (p.tp - 1) / p.tp * act_bytes
+    if p.ep > 1:
+        k = max(l.moe_k for l in layers)
+        out += 4 * sum(l.is_moe for l in layers) / p.pp * m * act_bytes * k * (p.ep - 1) / p.ep
+    if p.pp > 1:
+        out += 2 * m * act_bytes / p.tp
+    return out
+
+
+# ---- enumeration ----------------------------------------------------------------------------
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def why_not(c, p: Plan, work: Workload, runnable_only: bool = False, cpu: bool = True) -> str:
+    """'' when plan p splits the model and batch evenly (and, runnable_only, when this erniekit
+    version can run it on this device kind), else the reason."""
+    if p.tp > 1:
+        for name, size in (("num_attention_heads", c.num_attention_heads), ("num_key_value_heads",
+                                                                             c.num_key_value_heads),
+                           ("vocab_size", c.vocab_size), ("intermediate_size", c.intermediate_size)):
+            if size % p.tp:
+                return f"tp={p.tp} does not divide {name} {size}"
+    if p.ep > 1:
+        if not c.is_moe:
+            return "ep on a dense model"
+        if p.dp % p.ep or any(n % p.ep for n in c.experts_per_modality):
+            return f"ep={p.ep} does not divide the data ranks and the experts"
+    if p.pp > c.num_hidden_layers:
+        return f"pp={p.pp} > {c.num_hidden_layers} layers"
+    if runnable_only:  # what erniekit/distributed refuses today (docs/distributed.md, "Not done yet")
+        if p.pp > 1:
+            return "pipeline parallelism is not built yet"
+        if p.tp > 1 and c.is_moe:
+            return "tensor parallelism of MoE models is not supported yet"
+        if p.sharding_stage == 3 and cpu and p.dp > 1:
+            return "sharding stage3 needs reduce-scatter, missing on CPU"
+    return ""
+
+
+def enumerate_plans(c, world: int, work: Workload, micro_batches: list[int] | None = None,
+                    recompute_modes: tuple[str, ...] = RECOMPUTE_MODES, sharding_stages: tuple[int, ...] = (0, 1, 2, 3),
+                    runnable_only: bool = False, cpu: bool = True) -> list[Plan]:
+    """Every (dp, tp, pp, ep, sharding, recompute, micro-batch) for `world` devices that splits the
+    model and the global batch evenly."""
+    plans = []
+    for tp, pp in itertools.product(_divisors(world), _divisors(world)):
+        if world % (tp * pp):
+            continue
+        dp = world // (tp * pp)
+        if work.global_batch % dp:
+            continue
+        per_rank = work.global_batch // dp
+        mbs = [b for b in (micro_batches or _divisors(per_rank)) if per_rank % b == 0]
+        eps = [e for e in _divisors(dp) if c.is_moe] or [1]
+        for ep, stage, rc, mb in itertools.product(eps, sharding_stages, recompute_modes, mbs):
+            if stage and dp == 1:
+                continue
+            p = Plan(dp, tp, pp, ep, stage, rc, mb, per_rank // mb)
+            if p.pp > 1 and p.accumulation < p.pp:
+                continue  # 1F1B needs at least pp micro-batches per step
+            if not why_not(c, p, work, runnable_only, cpu):
+                plans.append(p)
+    return plans
+
+
+def plan(c, cluster: Cluster, work: Workload, runnable_only: bool = False, cpu: bool = True,
+         **kw) -> list[Prediction]:
+    """Predictions for every plan, fitting ones first, fastest first (ties: less memory)."""
+    preds = [predict(c, cluster, work, p) for p in enumerate_plans(c, cluster.world, work, runnable_only=runnable_only,
+                                                                   cpu=cpu, **kw)]
+    preds.sort(key=lambda r: (not r.fits, r.step_s, r.memory))
+    return preds
+
+
+def best_plan(c, cluster: Cluster, work: Workload, runnable_only: bool = True, cpu: bool = True) -> Prediction:
+    """The fastest plan that fits; ConfigError naming the smallest need when none does."""
+    preds = plan(c, cluster, work, runnable_only=runnable_only, cpu=cpu)
+    if not preds:
+        raise ConfigError(f"no layout of {cluster.world} devices splits this model and a global batch of "
+                          f"{work.global_batch} evenly; change the batch size or the cluster")
+    if not preds[0].fits:
+        low = min(preds, key=lambda r: r.memory)
+        raise ConfigError(f"no layout fits in {cluster.device_memory / 1e9:.2f} GB per device (the least memory, "
+                          f"{low.plan.describe()}, needs {low.memory / 1e9:.2f} GB); add devices or memory, or "
+                          "shorten max_seq_len")
+    return preds[0]
+
+
+def format_table(preds: list[Prediction], top: int = 15) -> str:
+    """Ranked plans as a text table."""
+    head = f"{'#':>3}  {'layout':44s} {'step s':>9} {'tok/s':>9} {'mem GB':>7} {'compute':>8} {'comm':>8}  note"
+    rows = [head, "-" * len(head)]
+    for i, r in enumerate(preds[:top], 1):
+        comm = sum(v for k, v in r.parts.items() if k.startswith("comm_") and k.endswith("_s"))
+        rows.append(f"{i:>3}  {r.plan.describe():44s} {r.step_s:9.4f} {r.tokens_per_s:9.0f} {r.memory / 1e9:7.2f} "
+                    f"{r.parts['compute_s']:8.4f} {comm:8.4f}  {'' if r.fits else 'does not fit: ' + r.why}")
+    if len(preds) > top:
+        rows.append(f"... {len(preds) - top} more (--top N)")
+    return "\n".join(rows)
+
+
+def workload_from_config(cfg, world: int | None = None) -> Workload:
+    """The global batch a training config asks for: per-device batch x accumulation x its data ranks."""
+    from erniekit.distributed.layout import layout_from_config
+
+    lay = layout_from_config(cfg, world)
+    return Workload(cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps * lay.dp * lay.sharding,
+                    cfg.max_seq_len)
+
+
+def with_plan(cfg, p: Plan):
+    """A copy of the training config that runs plan p."""
+    return replace(cfg, **p.config_overrides())
+
+
+def model_config_of(cfg):
+    """The Ernie4_5Config a training config trains (preset or checkpoint config.json, plus
+    model_overrides), without loading weights or paddle."""
+    import os
+
+    from erniekit.models.ernie4_5.configuration import Ernie4_5Config, get_preset
+
+    name = cfg.model_name_or_path
+    c = Ernie4_5Config.from_pretrained(name) if os.path.isdir(name) else get_preset(name)
+    return c.replace(**cfg.model_overrides) if cfg.model_overrides else c
+
+
+def auto_plan(cfg) -> Prediction:
+    """`parallel: auto`: the best runnable plan for the config's model, global batch and cluster file
+    (its device count must equal the launch's process count)."""
+    from erniekit.distributed.layout import world_size
+
+    if not cfg.cluster:
+        raise ConfigError("parallel: auto needs cluster: FILE, a cluster description (examples/clusters/"
+                          "cpu-2core.yaml describes this kind of 2-core machine)")
+    cluster = load_cluster(cfg.cluster)
+    world = world_size(cfg)
+    if cluster.world != world:
+        raise ConfigError(f"cluster {cfg.cluster} has {cluster.world} devices (nodes x devices_per_node) but the "
+                          f"launch has {world} processes (nproc_per_node {cfg.nproc_per_node} x nnodes {cfg.nnodes}); "
+                          "make them equal")
+    import paddle
+
+    return best_plan(model_config_of(cfg), cluster, workload_from_config(cfg),
+                     cpu=not paddle.device.is_compiled_with_cuda())
