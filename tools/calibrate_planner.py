@@ -43,9 +43,9 @@ LAYOUTS = [
 
 
 def measure(model: str, procs: int, plan: P.Plan, steps: int, tmp: str) -> dict:
-    out = os.path.join(tmp, f"{model}-{procs}-{plan.describe().replace(' ', '_')}")
+    out = os.path.join(tmp, f"{model}-{procs}-{plan.describe().replace(' ', '_').replace('=', '')}")
     keys = {**plan.config_overrides(), "nproc_per_node": procs}
-    args = [f"{k}={'true' if v is True else 'false' if v is False else v}" for k, v in keys.items()]
+    args = [f"{k}={'true' if v is True else 'false' if v is False else v if v != '' else 'none'}" for k, v in keys.items()]
     cmd = [sys.executable, "-m", "erniekit", "train", "examples/configs/tiny/pretrain.yaml", f"model_name_or_path={model}",
            f"max_seq_len={S}", f"max_steps={steps}", "logging_steps=5", "save_steps=100000", "disable_tqdm=true",
            f"output_dir={out}", *args]
@@ -53,7 +53,9 @@ def measure(model: str, procs: int, plan: P.Plan, steps: int, tmp: str) -> dict:
     env.pop("OMP_NUM_THREADS", None)  # the CLI splits the cores between the processes
     r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
     if r.returncode:
-        raise SystemExit(f"{' '.join(cmd)} failed:\n{r.stdout[-2000:]}{r.stderr[-2000:]}")
+        log = Path(out, "launch_logs", "workerlog.0")
+        tail = log.read_text()[-3000:] if log.exists() else r.stdout[-2000:] + r.stderr[-2000:]
+        raise SystemExit(f"{' '.join(cmd)} failed:\n{tail}")
     rows = [json.loads(line) for line in open(os.path.join(out, "vdl_log", "scalars.jsonl"))]
     times = [row["train/step_time_s"] for row in rows if "train/step_time_s" in row and row["step"] > 5]
     res = json.loads(Path(out, "train_results.json").read_text())

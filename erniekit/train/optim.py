@@ -20,6 +20,16 @@ import paddle.distributed as dist
 from erniekit.utils.dtensor import is_dist, to_dense
 
 
+
+def reduce_to(g: paddle.Tensor, like: paddle.Tensor) -> paddle.Tensor:
+    """Gradient g (a DistTensor, possibly holding partial sums) in the placements of `like`.
+    Partial -> Shard would be a reduce-scatter, which Paddle's CPU build lacks (a ZeRO-1 MoE run
+    stopped on it at step 26, measured): reduce to Replicate first (an all-reduce), then take the
+    local shard, which moves nothing."""
+    if any(pl.is_partial() for pl in g.placements) and any(pl.is_shard() for pl in like.placements):
+        g = dist.reshard(g, like.process_mesh, [dist.Replicate() if pl.is_partial() else pl for pl in g.placements])
+    return dist.reshard(g, like.process_mesh, like.placements)
+
 class AdamW:
     """Adam with decoupled weight decay (Loshchilov & Hutter):
 
@@ -76,7 +86,7 @@ class AdamW:
                 self.v[name] = self._zeros_for(p)
             m, v = self.m[name], self.v[name]
             if is_dist(g):  # reduce partial sums, keep this rank's shard of the moments' layout
-                g = dist.reshard(g, m.process_mesh, m.placements)
+                g = reduce_to(g, m)
             plr = lr * self.lr_mult.get(name, 1.0)
             m.scale_(b1).add_(g * (1 - b1))
             v.scale_(b2).add_(g * g * (1 - b2))
