@@ -16,7 +16,8 @@ from erniekit.models.ernie4_5 import get_preset
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CLUSTER = P.Cluster(nodes=1, devices_per_node=4, device_flops=1e12, device_memory=8e9, op_overhead_s=1e-5,
-                    memory_overhead=1e8, intra_node_bandwidth=1e10, intra_node_latency_s=1e-4)
+                    memory_overhead=1e8, intra_node_bandwidth=1e10, intra_node_latency_s=1e-4,
+                    memory_bandwidth=1e30)
 WORK = P.Workload(global_batch=16, seq_len=128)
 
 
@@ -60,6 +61,12 @@ def test_data_parallel_comm_and_zero_memory_follow_the_formulas():
     fwd_per_token = L * (2 * (H * (q + 2 * kv) + q * H) + 4 * q * S + 6 * H * I) + 2 * H * V
     flops = 3 * fwd_per_token * 16 * S
     assert base.parts["compute_s"] == pytest.approx(flops / (4 * 1e12) + (3 * (30 * L + 10)) * 1e-5, rel=1e-9)
+    # memory-bound traffic: the saved activations written once and read back by the two backward passes
+    saved = L * ((2 * H + 3 * q + 3 * kv + H) + c.num_attention_heads * S + (2 * H + 4 * I) + 2 * H)
+    slow = P.predict(c, dataclasses.replace(CLUSTER, memory_bandwidth=1e10), WORK, P.Plan(4, 1, 1, 1, 0, "none", 4, 1))
+    assert slow.parts["compute_s"] - base.parts["compute_s"] == pytest.approx(3 * 4 * saved * 4 * S / 1e10, rel=1e-6)
+    # sharding: reduce-scatter + all-gather, the same bytes in twice the calls
+    assert zero1.parts["comm_dp_s"] == pytest.approx(base.parts["comm_dp_s"] + n_params * 1e-4, rel=1e-9)
 
 
 def test_recompute_trades_memory_for_time_and_pipeline_pays_a_bubble():

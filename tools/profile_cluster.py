@@ -1,8 +1,11 @@
 """Measure this machine's planner constants and write a cluster YAML (erniekit/distributed/planner.py).
 
-Measured, per device (one process with --threads OpenMP threads):
+Measured, per device (one process with --threads OpenMP threads; all --devices processes at once,
+since they share the memory bus):
   device_flops       best-of-10 1024^3 float32 paddle.matmul
-  op_overhead_s      mean time of a tiny op (one launch, no math)
+  op_overhead_s      per op launch, and
+  memory_bandwidth   of the memory-bound ops: the two that make the planner match measured
+                     tiny-dense steps at 2 x 128 and 16 x 128 tokens
   memory_overhead    resident memory of a process that imported paddle and erniekit
 and, with --devices N > 1, through `python -m paddle.distributed.launch` on 127.0.0.1 (gloo on CPU):
   intra_node_latency_s    mean all_reduce of one float
@@ -34,24 +37,60 @@ def single() -> dict:
 
     import erniekit.models.ernie4_5  # noqa: F401  (its import cost belongs to the overhead)
 
+    flops = best_gemm_flops(paddle)
+    op, mem_bw = _fit_overheads(paddle, flops)
+    with open("/proc/self/statm") as f:
+        rss = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    return {"device_flops": flops, "op_overhead_s": op, "memory_bandwidth": mem_bw, "memory_overhead": rss}
+
+
+def _fit_overheads(paddle, flops_s: float) -> tuple[float, float]:
+    """(op_overhead_s, memory_bandwidth) that make the planner's compute term match two measured
+    training steps (forward + backward) of a reference model: tiny-dense at 2 x 128 and 16 x 128
+    tokens. Small models are dominated by what FLOPs do not count: a fixed cost per op launch
+    (dispatch, autograd) and memory-bound elementwise ops whose cost grows with the batch. The
+    other layouts and models of the calibration are predictions."""
+    import dataclasses
+
+    import numpy as np
+
+    from erniekit.distributed import planner as P
+    from erniekit.models.ernie4_5 import Ernie4_5ForCausalLM, get_preset
+    from erniekit.train.losses import causal_lm_loss_sum
+
+    c, S = get_preset("tiny-dense"), 128
+    paddle.seed(0)
+    model = Ernie4_5ForCausalLM(c).train()
+    base = dataclasses.replace(P.Cluster(), device_flops=flops_s, op_overhead_s=0.0, memory_bandwidth=1e30)
+    rows, rhs = [], []
+    for B in (2, 16):
+        ids = np.random.RandomState(0).randint(3, c.vocab_size, (B, S))
+        best = float("inf")
+        for _ in range(6):
+            t = time.perf_counter()
+            out = model(paddle.to_tensor(ids))
+            (causal_lm_loss_sum(out.logits, ids) / ids.size).backward()
+            model.clear_gradients(set_to_zero=False)
+            best = min(best, time.perf_counter() - t)
+        plan, work = P.Plan(1, 1, 1, 1, 0, "none", B, 1), P.Workload(B, S)
+        flops_only = P.predict(c, base, work, plan).parts["compute_s"]
+        per_op = P.predict(c, dataclasses.replace(base, op_overhead_s=1.0), work, plan).parts["compute_s"] - flops_only
+        per_inv_bw = P.predict(c, dataclasses.replace(base, memory_bandwidth=1.0), work, plan).parts["compute_s"] \
+            - flops_only
+        rows.append([per_op, per_inv_bw])
+        rhs.append(best - flops_only)
+    op, inv_bw = np.linalg.solve(np.array(rows), np.array(rhs))
+    return max(float(op), 1e-7), 1.0 / max(float(inv_bw), 1e-12)
+
+
+def best_gemm_flops(paddle) -> float:
     a, b = paddle.randn([1024, 1024]), paddle.randn([1024, 1024])
     best = float("inf")
     for _ in range(11):
         t = time.perf_counter()
         paddle.matmul(a, b).numpy()
         best = min(best, time.perf_counter() - t)
-    x = paddle.ones([4])
-    for _ in range(100):
-        x = x + 1.0
-    n = 2000
-    t = time.perf_counter()
-    for _ in range(n):
-        x = x + 1.0
-    float(x[0])
-    op = (time.perf_counter() - t) / n
-    with open("/proc/self/statm") as f:
-        rss = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    return {"device_flops": 2 * 1024**3 / best, "op_overhead_s": op, "memory_overhead": rss}
+    return 2 * 1024**3 / best
 
 
 def collective() -> dict:
@@ -96,8 +135,13 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     threads = a.threads or max(1, (os.cpu_count() or 1) // a.devices)
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONWARNINGS="ignore", GLOG_minloglevel="2")
-    r = subprocess.run([sys.executable, __file__, "--role", "single"], env=env, capture_output=True, text=True, check=True)
-    facts = json.loads(r.stdout.strip().splitlines()[-1])
+    # all devices of the node measured at once: they share the memory bus, as in training
+    procs = [subprocess.Popen([sys.executable, __file__, "--role", "single"], env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.DEVNULL, text=True) for _ in range(a.devices)]
+    outs = [p.communicate()[0] for p in procs]
+    if any(p.returncode for p in procs):
+        raise SystemExit("profiling failed: run python tools/profile_cluster.py --role single to see why")
+    facts = json.loads(outs[0].strip().splitlines()[-1])
     if a.devices > 1:
         with tempfile.TemporaryDirectory() as tmp:
             out = os.path.join(tmp, "collective.json")
@@ -112,7 +156,8 @@ def main(argv: list[str] | None = None) -> int:
              f"# ({os.cpu_count()} cores; one device = one process with {threads} OpenMP thread(s))",
              f"name: {name}", "nodes: 1", f"devices_per_node: {a.devices}",
              f"device_flops: {facts['device_flops']:.4g}      # float32 GEMM FLOP/s of one process",
-             f"device_memory: {mem:.4g}", f"op_overhead_s: {facts['op_overhead_s']:.3g}     # one tiny op",
+             f"device_memory: {mem:.4g}", f"op_overhead_s: {facts['op_overhead_s']:.3g}     # fitted with memory_bandwidth to tiny-dense",
+             f"memory_bandwidth: {facts['memory_bandwidth']:.4g}   # fwd+bwd steps at 2x128 and 16x128 tokens",
              f"memory_overhead: {facts['memory_overhead']:.4g}   # resident bytes of an idle process"]
     if a.devices > 1:
         lines += [f"intra_node_bandwidth: {facts['intra_node_bandwidth']:.4g}   # gloo ring all_reduce, bytes/s",

@@ -8,12 +8,13 @@ gives them with the calibration against measured runs).
 
 Step time = compute + communication, per optimizer step:
   compute   FLOPs / (devices working in parallel x device_flops) + a fixed cost per op launch
-            (op_overhead_s x ops), times (m + pp - 1) / m for the pipeline bubble (1F1B over the m
-            micro-batches of a step); FLOPs = 3 x forward (backward = 2 x forward) plus the
-            forward of what recompute runs again.
+            (op_overhead_s x ops) + the memory-bound ops' traffic / memory_bandwidth, times
+            (m + pp - 1) / m for the pipeline bubble (1F1B over the m micro-batches of a step);
+            FLOPs = 3 x forward (backward = 2 x forward) plus the forward of what recompute runs again.
   comm      each collective costs latency + bytes / bandwidth (ring all-reduce moves
             2(n-1)/n x the buffer): gradient all-reduce over the data ranks (one call per
-            parameter tensor, as the optimizer issues them), tp all-reduces of activations (4 per
+            parameter tensor, as the optimizer issues them; sharding: reduce-scatter + all-gather,
+            the same bytes in twice the calls), tp all-reduces of activations (4 per
             layer per micro-batch), expert all-to-all (dispatch + combine, forward and backward),
             stage-3 parameter all-gathers, pipeline send/recv of activations. Links inside a node
             use the intra-node figures, a group that spans nodes the inter-node ones.
@@ -45,6 +46,7 @@ class Cluster:
     device_flops: float = 50e9  # achieved float32 GEMM FLOP/s of one device (not the datasheet peak)
     device_memory: float = 16e9
     op_overhead_s: float = 30e-6  # fixed cost of one op launch (framework + kernel), forward or backward
+    memory_bandwidth: float = 1e11  # bytes/s of the memory-bound ops' activation traffic
     memory_overhead: float = 0.5e9  # framework memory of a process outside tensors
     intra_node_bandwidth: float = 5e9
     intra_node_latency_s: float = 100e-6
@@ -229,7 +231,10 @@ def predict(c, cluster: Cluster, work: Workload, p: Plan) -> Prediction:
     ops_per_micro = sum(l.ops for l in layers) / p.pp + 10  # this stage's layers + embedding/head/loss
     ops_again = {"none": 0, "core_attn": 4, "full_attn": 12, "mlp": 20, "full": 30}[p.recompute] * L / p.pp
     op_time = (3 * ops_per_micro + ops_again) * m * cluster.op_overhead_s
-    compute = (flops / (workers * cluster.device_flops) + op_time) * bubble
+    # memory-bound ops (norms, activations, softmax, adds): traffic ~ what the forward writes (the
+    # saved activations, per_token below, without recompute), read back once per backward pass
+    traffic = 3 * BYTES * _saved_per_token(layers, p.pp, p.tp, S, H, work, "none") * p.micro_batch * S * m
+    compute = (flops / (workers * cluster.device_flops) + op_time + traffic / cluster.memory_bandwidth) * bubble
     # ---- communication (per step)
     per_node = cluster.devices_per_node
     tp_span = p.tp > per_node
@@ -241,6 +246,8 @@ def predict(c, cluster: Cluster, work: Workload, p: Plan) -> Prediction:
     bw, lat = _link(cluster, p.dp, dp_span)
     grad_bytes = BYTES * (n_params_dense / (p.tp * p.pp) + n_experts / (p.tp * p.pp * p.ep))
     comm_dp = _allreduce_s(grad_bytes, p.dp, bw, lat, calls=math.ceil(tensors / p.pp))
+    if p.sharding_stage and p.dp > 1:  # reduce-scatter + all-gather: the same bytes, twice the calls
+        comm_dp += math.ceil(tensors / p.pp) * lat
     if p.sharding_stage == 3:  # parameters gathered for the forward and again for the backward
         comm_dp += 2 * _allreduce_s(grad_bytes / 2, p.dp, bw, lat, calls=math.ceil(tensors / p.pp))
     bw, lat = _link(cluster, p.tp, tp_span)
@@ -263,14 +270,7 @@ def predict(c, cluster: Cluster, work: Workload, p: Plan) -> Prediction:
     weights = BYTES * params / (shard if p.sharding_stage == 3 else 1)
     grads = BYTES * params / (shard if p.sharding_stage >= 2 else 1)
     moments = 2 * BYTES * params / shard
-    per_token = 0.0
-    for l in layers[: math.ceil(L / p.pp)]:
-        core_s = 0.0 if work.fused_attention else l.core_saved_per_s * S
-        attn_s = (l.attn_saved + core_s) / p.tp
-        mlp_s = l.mlp_saved / p.tp
-        keep = {"none": attn_s + mlp_s + l.other_saved, "core_attn": attn_s - core_s / p.tp + 3 * H + mlp_s + l.other_saved,
-                "full_attn": H + mlp_s + l.other_saved, "mlp": attn_s + H + l.other_saved, "full": H}[p.recompute]
-        per_token += keep
+    per_token = _saved_per_token(layers, p.pp, p.tp, S, H, work, p.recompute)
     in_flight = min(p.pp, m)
     activations = BYTES * per_token * p.micro_batch * S * in_flight
     biggest_layer = max((l.attn_saved + (0 if work.fused_attention else l.core_saved_per_s * S) + l.mlp_saved)
@@ -286,6 +286,18 @@ def predict(c, cluster: Cluster, work: Workload, p: Plan) -> Prediction:
     if memory > cluster.device_memory:
         pred.fits, pred.why = False, f"needs {memory / 1e9:.2f} GB per device, has {cluster.device_memory / 1e9:.2f}"
     return pred
+
+
+def _saved_per_token(layers, pp: int, tp: int, S: int, H: int, work: Workload, recompute: str) -> float:
+    """float32 elements per token the first pipeline stage's layers keep for the backward."""
+    out = 0.0
+    for l in layers[: math.ceil(len(layers) / pp)]:
+        core_s = 0.0 if work.fused_attention else l.core_saved_per_s * S
+        attn_s = (l.attn_saved + core_s) / tp
+        mlp_s = l.mlp_saved / tp
+        out += {"none": attn_s + mlp_s + l.other_saved, "core_attn": attn_s - core_s / tp + 3 * H + mlp_s + l.other_saved,
+                "full_attn": H + mlp_s + l.other_saved, "mlp": attn_s + H + l.other_saved, "full": H}[recompute]
+    return out
 
 
 def _comm_bytes(grad_bytes: float, act_bytes: float, p: Plan, L: int, layers, m: int, S: int, H: int) -> float:
