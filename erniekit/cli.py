@@ -153,11 +153,7 @@ def plan(args: list[str]) -> int:
         raise ErniekitError("plan needs cluster=FILE, a cluster description (see examples/clusters/)")
     cluster = planner.load_cluster(cfg.cluster)
     c = planner.model_config_of(cfg)
-    cfg = dataclasses.replace(cfg, nproc_per_node=cluster.world, nnodes=1, data_parallel_degree=-1,
-                              tensor_parallel_degree=1, pipeline_parallel_degree=1, sharding="",
-                              sharding_parallel_degree=1, expert_parallel_degree=1)
-    work = planner.Workload(cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps * cluster.world,
-                            cfg.max_seq_len)
+    work = planner.workload_from_config(cfg, cluster.world)  # the config's global batch on the cluster's devices
     preds = planner.plan(c, cluster, work, runnable_only=not ns.all)
     print(f"model {cfg.model_name_or_path}: {c.num_hidden_layers} layers, hidden {c.hidden_size}"
           f"{f', {c.moe_num_experts} experts top-{c.moe_k}' if c.is_moe else ''}; global batch {work.global_batch} x "

@@ -92,8 +92,10 @@ def layout_from_config(cfg, world: int | None = None) -> Layout:
     return lay
 
 
-def check_model_fits(lay: Layout, config) -> None:
-    """Each degree must split the model evenly: one line naming the key, the sizes and the fix."""
+def check_model_fits(lay: Layout, config, supported_only: bool = True) -> None:
+    """Each degree must split the model evenly: one line naming the key, the sizes and the fix.
+    supported_only=False skips the refusal of layouts this version cannot run yet (the planner
+    still models them)."""
     if lay.tp > 1:
         sizes = [("num_attention_heads", config.num_attention_heads),
                  ("num_key_value_heads", config.num_key_value_heads), ("vocab_size", config.vocab_size),
@@ -104,7 +106,7 @@ def check_model_fits(lay: Layout, config) -> None:
             if size % lay.tp:
                 raise ConfigError(f"tensor_parallel_degree {lay.tp} does not divide the model's {name} {size}; "
                                   f"use a tensor_parallel_degree that divides it")
-    if lay.tp > 1 and config.is_moe:
+    if supported_only and lay.tp > 1 and config.is_moe:
         raise ConfigError(f"tensor_parallel_degree {lay.tp} on an MoE model is not supported yet (a 2-process run "
                           "broke in the expert backward, issue #7); split MoE models with expert_parallel_degree "
                           "or data parallelism")

@@ -320,25 +320,21 @@ def _divisors(n: int) -> list[int]:
 
 def why_not(c, p: Plan, work: Workload, runnable_only: bool = False, cpu: bool = True) -> str:
     """'' when plan p splits the model and batch evenly (and, runnable_only, when this erniekit
-    version can run it on this device kind), else the reason."""
-    if p.tp > 1:
-        for name, size in (("num_attention_heads", c.num_attention_heads), ("num_key_value_heads",
-                                                                             c.num_key_value_heads),
-                           ("vocab_size", c.vocab_size), ("intermediate_size", c.intermediate_size)):
-            if size % p.tp:
-                return f"tp={p.tp} does not divide {name} {size}"
-    if p.ep > 1:
-        if not c.is_moe:
-            return "ep on a dense model"
-        if p.dp % p.ep or any(n % p.ep for n in c.experts_per_modality):
-            return f"ep={p.ep} does not divide the data ranks and the experts"
-    if p.pp > c.num_hidden_layers:
-        return f"pp={p.pp} > {c.num_hidden_layers} layers"
-    if runnable_only:  # what erniekit/distributed refuses today (docs/distributed.md, "Not done yet")
+    version can run it on this device kind), else the reason: the same checks as a launch
+    (`layout.check_model_fits`)."""
+    from erniekit.distributed.layout import Layout, check_model_fits
+
+    lay = Layout(pp=p.pp, dp=1 if p.sharding_stage else p.dp, sharding=p.dp if p.sharding_stage else 1, tp=p.tp,
+                 ep=p.ep, sharding_stage=p.sharding_stage)
+    if p.dp % p.ep:
+        return f"ep={p.ep} does not divide the {p.dp} data ranks"
+    try:
+        check_model_fits(lay, c, supported_only=runnable_only)
+    except ConfigError as e:
+        return str(e)
+    if runnable_only:  # what erniekit/config/checks.py refuses today (docs/distributed.md, "Not done yet")
         if p.pp > 1:
             return "pipeline parallelism is not built yet"
-        if p.tp > 1 and c.is_moe:
-            return "tensor parallelism of MoE models is not supported yet"
         if p.sharding_stage == 3 and cpu and p.dp > 1:
             return "sharding stage3 needs reduce-scatter, missing on CPU"
     return ""

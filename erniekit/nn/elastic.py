@@ -53,7 +53,6 @@ class ElasticChoices:
     top_k: list[int] = field(default_factory=list)
     full_prob: float = 0.25
     sandwich: bool = False  # every step: the full model, then one sampled smaller sub-model
-    distill_weight: float = 0.0  # sandwich: weight of KL(full || sub) in the sub-model's loss
 
     @property
     def enabled(self) -> bool:
@@ -277,8 +276,7 @@ class ElasticTraining:
     def from_config(cls, cfg, model) -> "ElasticTraining | None":
         """None when the run has no elastic_* choices; ConfigError when a choice does not fit the model."""
         choices = ElasticChoices(*(list(getattr(cfg, f"elastic_{k}", [])) for k in ("depth", "experts", "top_k")),
-                                 getattr(cfg, "elastic_full_prob", 0.25), bool(getattr(cfg, "elastic_sandwich", False)),
-                                 float(getattr(cfg, "elastic_distill_weight", 0.0)))
+                                 getattr(cfg, "elastic_full_prob", 0.25), bool(getattr(cfg, "elastic_sandwich", False)))
         if not choices.enabled:
             return None
         c = model.config

@@ -20,7 +20,6 @@ import paddle.distributed as dist
 from erniekit.utils.dtensor import is_dist, to_dense
 
 
-
 def reduce_to(g: paddle.Tensor, like: paddle.Tensor) -> paddle.Tensor:
     """Gradient g (a DistTensor, possibly holding partial sums) in the placements of `like`.
     Partial -> Shard would be a reduce-scatter, which Paddle's CPU build lacks (a ZeRO-1 MoE run
@@ -29,6 +28,7 @@ def reduce_to(g: paddle.Tensor, like: paddle.Tensor) -> paddle.Tensor:
     if any(pl.is_partial() for pl in g.placements) and any(pl.is_shard() for pl in like.placements):
         g = dist.reshard(g, like.process_mesh, [dist.Replicate() if pl.is_partial() else pl for pl in g.placements])
     return dist.reshard(g, like.process_mesh, like.placements)
+
 
 class AdamW:
     """Adam with decoupled weight decay (Loshchilov & Hutter):
