@@ -270,9 +270,27 @@ def _check_parallel(cfg: TrainConfig) -> None:
         raise ConfigError("sharding=stage3 needs reduce-scatter, which Paddle's CPU build does not have "
                           "(Unimplemented cpu kernel for CReduceScatterOp); use sharding=stage1 on CPU")
     if lay.pp > 1:
-        raise ConfigError(
-            f"pipeline_parallel_degree={lay.pp}: pipeline parallelism is not implemented yet (issue #7); "
-            "use data, tensor or expert parallelism or sharding, and pipeline_parallel_degree=1")
+        _check_pipeline(cfg, lay)
+
+
+def _check_pipeline(cfg: TrainConfig, lay) -> None:
+    """What the 1F1B pipeline (erniekit/train/pipeline_schedule.py) runs in this version: LM
+    stages, full fine-tuning, with data parallelism beside it."""
+    why = None
+    if lay.tp > 1 or lay.sharding_stage or lay.ep > 1:
+        why = ("combines with data parallelism only in this version; set tensor_parallel_degree=1, "
+               "expert_parallel_degree=1 and no sharding")
+    elif cfg.stage not in ("pretrain", "SFT"):
+        why = f"runs the pretrain and SFT stages, not stage={cfg.stage}; set pipeline_parallel_degree=1"
+    elif cfg.fine_tuning != "Full":
+        why = f"runs full fine-tuning, not fine_tuning={cfg.fine_tuning}; set pipeline_parallel_degree=1"
+    elif cfg.elastic_depth or cfg.elastic_experts or cfg.elastic_top_k:
+        why = "does not train elastic sub-models; drop elastic_depth/elastic_experts/elastic_top_k"
+    elif cfg.do_eval and cfg.eval_generation and cfg.eval_dataset_path:
+        why = ("evaluates the held-out loss only (generation needs every layer in one process); "
+               "set eval_generation=false")
+    if why:
+        raise ConfigError(f"pipeline_parallel_degree={lay.pp} {why}")
 
 
 def _has_cuda() -> bool:

@@ -20,6 +20,7 @@ import paddle
 import paddle.distributed as dist
 
 from erniekit.distributed.layout import DIMS, Layout
+from erniekit.distributed.pipeline import PipelineTopology
 
 _COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "qkv_proj", "up_gate_proj")
 _ROW = ("o_proj", "down_proj")
@@ -37,6 +38,9 @@ class ParallelContext:
         self.layout = layout
         self.mesh = layout.mesh()
         self.axis = {d: i for i, d in enumerate(DIMS)}
+        # pp > 1: each stage keeps its layers as plain tensors and the schedule moves activations
+        # (erniekit/distributed/pipeline.py); built in `init`, once the process group exists
+        self.pipeline: PipelineTopology | None = None
 
     @property
     def data_ranks(self) -> int:
@@ -82,7 +86,11 @@ class ParallelContext:
         return out
 
     def shard_model(self, model: paddle.nn.Layer) -> None:
-        """Turn every parameter into a DistTensor with its placements (in place, names kept)."""
+        """Turn every parameter into a DistTensor with its placements (in place, names kept);
+        in a pipeline run, drop the layers other stages hold instead."""
+        if self.pipeline is not None:
+            self.pipeline.keep_stage(model)
+            return
         names = {id(p): n for n, p in model.named_parameters()}
 
         def shard_fn(layer_name, layer, mesh):
@@ -93,6 +101,11 @@ class ParallelContext:
         dist.shard_layer(model, self.mesh, shard_fn)
 
     def plan(self, model: paddle.nn.Layer) -> dict:
+        if self.pipeline is not None:  # rank 0 writes it: the first stage's parameters
+            t = self.pipeline
+            return {"mesh": {d: getattr(self.layout, d) for d in DIMS}, "pipeline_schedule": "1F1B",
+                    "stage_layers": [list(range(a, b)) for a, b in t.bounds],
+                    "parameters": {n: {"stage": t.stage, "shape": list(p.shape)} for n, p in model.named_parameters()}}
         return {"mesh": {d: getattr(self.layout, d) for d in DIMS}, "expert_parallel_degree": self.layout.ep,
                 "sharding_stage": self.layout.sharding_stage,
                 "parameters": {n: {"placements": [str(pl) for pl in p.placements], "shape": list(p.shape),
@@ -102,7 +115,10 @@ class ParallelContext:
     def place_batch(self, t: paddle.Tensor) -> paddle.Tensor:
         """A global-batch tensor -> rows split over the data ranks (replicated over tp and pp).
         A batch that does not split evenly (an epoch's last, an eval remainder) stays replicated:
-        every rank computes all of it, the result is the same."""
+        every rank computes all of it, the result is the same. A pipeline run slices its rows
+        itself (erniekit/train/pipeline_schedule.py) and keeps plain tensors."""
+        if self.pipeline is not None:
+            return t
         if t.ndim == 0 or t.shape[0] % self.data_ranks:
             return dist.shard_tensor(t, self.mesh, self._placements())
         return dist.shard_tensor(t, self.mesh, self._placements(dp=0, sharding=0))
@@ -114,6 +130,12 @@ def init(layout: Layout) -> ParallelContext:
     dist.init_parallel_env()
     _ACTIVE = ParallelContext(layout)
     return _ACTIVE
+
+
+def init_pipeline(num_layers: int) -> None:
+    """The active job's pipeline groups (collective: every rank calls it), when pp > 1."""
+    if _ACTIVE is not None and _ACTIVE.layout.pp > 1:
+        _ACTIVE.pipeline = PipelineTopology(_ACTIVE.layout, dist.get_rank(), num_layers)
 
 
 def place_batch(t: paddle.Tensor) -> paddle.Tensor:

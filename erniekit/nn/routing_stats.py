@@ -138,7 +138,8 @@ def moe_blocks(model: Any) -> list[tuple[int, Any]]:
     layers = getattr(getattr(model, "model", None), "layers", None)
     if layers is None:
         return []
-    return [(i, l.mlp) for i, l in enumerate(layers) if hasattr(l.mlp, "last_topk_idx")]
+    # getattr: a pipeline stage holds placeholders (no mlp) for the other stages' layers
+    return [(i, l.mlp) for i, l in enumerate(layers) if hasattr(getattr(l, "mlp", None), "last_topk_idx")]
 
 
 def read_routing(blocks: Sequence[tuple[int, Any]]) -> list[LayerRouting]:

@@ -30,8 +30,26 @@ def save_model_or_adapter(model, path: str, tokenizer, base_model_name_or_path: 
         save_adapter(model, path, base_model_name_or_path=base_model_name_or_path)
         model.config.save_pretrained(path)  # shapes of the base, so the directory is self-describing
         tokenizer.save_pretrained(path)
+    elif _pipeline() is not None:  # each stage holds its layers: rank 0 writes the union
+        from erniekit.models.ernie4_5.checkpoint import hf_state_dict
+
+        save_pretrained(model, path, tokenizer=tokenizer, state=_pipeline().gather_to_main(hf_state_dict(model)))
     else:
         save_pretrained(model, path, tokenizer=tokenizer)
+
+
+def _pipeline():
+    """The pipeline topology of a pipeline-parallel run, else None."""
+    from erniekit.distributed.runtime import active
+
+    ctx = active()
+    return ctx.pipeline if ctx is not None else None
+
+
+def _gathered(tensors: dict) -> dict:
+    """In a pipeline run, the union of every stage's tensors on rank 0 (names are global)."""
+    pipe = _pipeline()
+    return tensors if pipe is None else pipe.gather_to_main(tensors)
 
 
 def save_checkpoint(path: str, model, tokenizer, optimizer, state: dict, base_model_name_or_path: str | None = None,
@@ -45,8 +63,9 @@ def save_checkpoint(path: str, model, tokenizer, optimizer, state: dict, base_mo
     if main and os.path.exists(tmp):
         shutil.rmtree(tmp)
     save_model_or_adapter(model, tmp, tokenizer, base_model_name_or_path)
-    opt = optimizer.state_dict()
-    extra = {name: {k: to_dense(v) for k, v in tensors.items()} for name, tensors in (extra_tensors or {}).items()}
+    opt = _gathered(optimizer.state_dict())
+    extra = {name: _gathered({k: to_dense(v) for k, v in tensors.items()})
+             for name, tensors in (extra_tensors or {}).items()}
     if main:
         save_file({k: v.contiguous() for k, v in opt.items()}, os.path.join(tmp, OPTIMIZER_NAME))
         for name, tensors in extra.items():  # e.g. ema.safetensors
@@ -72,8 +91,10 @@ def load_checkpoint(path: str, model, optimizer) -> dict:
         load_state_into(model, path)
     opt_file = os.path.join(path, OPTIMIZER_NAME)
     if optimizer is not None and os.path.isfile(opt_file):
+        known = {n for n, _ in optimizer.params} if _pipeline() is not None else None  # this stage's only
         with safe_open(opt_file, framework="paddle") as f:
-            sd = {key: f.get_tensor(key) for key in f.keys()}
+            sd = {key: f.get_tensor(key) for key in f.keys()
+                  if known is None or key == "__step__" or key.rsplit("::", 1)[0] in known}
         try:
             optimizer.set_state_dict(sd)
         except KeyError as e:

@@ -119,10 +119,14 @@ def run_train(cfg, log=print) -> dict:
     tokenizer = load_tokenizer(cfg)
     check_vocab(model, tokenizer)
     if ctx is not None:
+        from erniekit.distributed import runtime
         from erniekit.distributed.layout import check_model_fits
 
         check_model_fits(ctx.layout, model.config)
+        runtime.init_pipeline(model.config.num_hidden_layers)
         ctx.shard_model(model)
+        if ctx.pipeline is not None:
+            log(ctx.pipeline.describe())
         if main:  # where every parameter went: placements over the mesh and rank 0's shard
             atomic_write_json(os.path.join(cfg.output_dir, "parallel_plan.json"), ctx.plan(model))
     stage = get_stage(cfg.stage)

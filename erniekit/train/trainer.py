@@ -98,6 +98,12 @@ class Trainer:
         self.logger = ScalarLogger(self.logger_dir, enabled=is_main_process())
         self.routing = RoutingMonitor(model, cfg.output_dir, every_steps=cfg.routing_plot_steps)
         self.elastic = ElasticTraining.from_config(cfg, model)  # None unless elastic_* choices are set
+        self.pipe = None  # pipeline-parallel runs: this stage's share of each step (1F1B)
+        if ctx is not None and ctx.pipeline is not None:
+            from erniekit.train.pipeline_schedule import PipelineStep
+
+            self.pipe = PipelineStep(ctx.pipeline, model, stage.token_balance)
+            self.named_params = [(n, p) for n, p in model.named_parameters() if not p.stop_gradient]
 
     # ---- state -----------------------------------------------------------------------------
     def state(self) -> dict:
@@ -148,7 +154,15 @@ class Trainer:
         loss_sum, aux_sum = 0.0, 0.0
         extra: dict[str, float] = {}
         sub = {"train/elastic_loss": 0.0, "train/elastic_kl": 0.0}  # sandwich: the smaller sub-model's pass
-        for b in micro:
+        if self.pipe is not None:
+            loss_sum, aux_sum = self.pipe.run(micro, n_units, self.loss_scale if cfg.fp16 else 1.0,
+                                              amp=lambda: amp_context(cfg),
+                                              on_forward=lambda b: self.routing.after_forward(b["segment_ids"] > 0))
+            self.pipe.topo.reduce_grads(self.named_params)
+            micro_loop = []
+        else:
+            micro_loop = micro
+        for b in micro_loop:
             teacher = None
             for j, spec in enumerate(specs):
                 if len(specs) > 1:
@@ -183,7 +197,10 @@ class Trainer:
                 for p in self.params:
                     if p.grad is not None:
                         p.grad.scale_(1.0 / self.loss_scale)
-        grad_norm = clip_grad_norm_(self.params, cfg.max_grad_norm)
+        if self.pipe is not None:
+            grad_norm = self.pipe.clip_grad_norm_(self.named_params, cfg.max_grad_norm)
+        else:
+            grad_norm = clip_grad_norm_(self.params, cfg.max_grad_norm)
         if math.isfinite(grad_norm):
             self.optimizer.step()
             if self.ema is not None:
@@ -299,7 +316,11 @@ class Trainer:
         return results
 
     def _evaluate(self, prefix: str) -> dict[str, float]:
-        results = self.stage.evaluate(self.model, self.tokenizer, self.eval_data, self.cfg)
+        if self.pipe is not None:  # held-out loss through the stages (config checks refuse generation)
+            rows = self.eval_data["rows"] if isinstance(self.eval_data, dict) else self.eval_data
+            results = self.pipe.eval_loss(rows, self.cfg.per_device_eval_batch_size, self.tokenizer.pad_token_id)
+        else:
+            results = self.stage.evaluate(self.model, self.tokenizer, self.eval_data, self.cfg)
         self.logger.log(self.step, {f"{prefix}/{k}": v for k, v in results.items()})
         self.log(f"{prefix} " + " ".join(f"{k}={v:.4f}" for k, v in results.items()))
         self.model.train()

@@ -184,11 +184,14 @@ def save_pretrained(
     tokenizer=None,
     max_shard_size: int | str = "5GB",
     dtype: str | None = None,
+    state: dict[str, paddle.Tensor] | None = None,
 ) -> None:
-    """Write config, generation config, weights (sharded above `max_shard_size`) and tokenizer."""
+    """Write config, generation config, weights (sharded above `max_shard_size`) and tokenizer.
+    state: the HF-layout tensors when the caller assembled them (a pipeline run's stages)."""
     from safetensors.paddle import save_file
 
-    state = hf_state_dict(model, dtype)  # a collective in multi-process runs: every rank gathers
+    if state is None:
+        state = hf_state_dict(model, dtype)  # a collective in multi-process runs: every rank gathers
     if not is_main_process():
         return
     os.makedirs(path, exist_ok=True)

@@ -171,9 +171,11 @@ class Ernie4_5Model(nn.Layer):
             cache.length = past + input_ids.shape[1]
         return self.norm(h)
 
-    def rope_and_mask(self, input_ids, position_ids=None, segment_ids=None, attention_mask=None, past: int = 0):
+    def rope_and_mask(self, input_ids, position_ids=None, segment_ids=None, attention_mask=None, past: int = 0,
+                      dtype=None):
         """RoPE cos/sin and attention mask of one forward over `input_ids` after `past` cached tokens;
-        the MTP blocks (erniekit/nn/mtp.py) reuse them so they attend exactly as the trunk does."""
+        the MTP blocks (erniekit/nn/mtp.py) reuse them so they attend exactly as the trunk does.
+        dtype: of the additive mask; a pipeline stage without the embedding passes its own."""
         B, S = input_ids.shape
         if position_ids is None:
             if attention_mask is not None:  # left padding: positions count real tokens only
@@ -188,7 +190,7 @@ class Ernie4_5Model(nn.Layer):
         elif past > 0:  # one new token attends to the whole cache: no mask needed
             mask = paddle.ones([1, 1, 1, past + S], dtype="bool")
         if not use_fused_attention():
-            mask = ("bias", additive_mask(mask, S, past + S, self.embed_tokens.weight.dtype))
+            mask = ("bias", additive_mask(mask, S, past + S, dtype or self.embed_tokens.weight.dtype))
         return cos, sin, mask
 
 
@@ -224,7 +226,8 @@ class Ernie4_5ForCausalLM(nn.Layer):
                 nn.initializer.Constant(0.0)(p)
 
     def moe_layers(self) -> list[MoEBlock]:
-        return [l.mlp for l in self.model.layers if isinstance(l.mlp, MoEBlock)]
+        # getattr: a pipeline stage holds placeholders for the other stages' layers
+        return [l.mlp for l in self.model.layers if isinstance(getattr(l, "mlp", None), MoEBlock)]
 
     def set_fp8(self, block_size: int, grad_format: str = "e4m3") -> None:
         """Run every routed-expert GEMM in block-scaled FP8 (0 turns it off). A training-time

@@ -1,0 +1,156 @@
+"""Pipeline parallelism's topology: which decoder layers a stage holds, its neighbours, its
+process groups, and the point-to-point moves of activations and their gradients.
+
+Stages are the outermost mesh dim (pp), so stage s holds ranks [s*k, (s+1)*k) with k = world/pp,
+and a rank's neighbours are k ranks away. A stage keeps only its layers: the others become
+empty `StageElsewhere` placeholders, so parameter names keep their global layer index
+(`model.layers.3...`) and a checkpoint written from the stages is the single-process layout.
+The first stage holds the embedding, the last the final norm and LM head (and, with tied
+embeddings, a copy of the embedding whose gradient is summed with the first stage's).
+
+Gloo's send blocks until the peer receives, also through `isend` (measured: two ranks that
+isend to each other first time out), so the schedule (erniekit/train/pipeline_schedule.py)
+orders sends and receives so that both ends of every link agree.
+"""
+
+from __future__ import annotations
+
+import paddle
+import paddle.distributed as dist
+from paddle import nn
+
+from erniekit.distributed.layout import Layout
+
+
+class StageElsewhere(nn.Layer):
+    """Stands in for a layer another pipeline stage holds (no parameters, never called)."""
+
+    def __init__(self, stage: int):
+        super().__init__()
+        self.stage = stage
+
+    def forward(self, *args, **kwargs):
+        raise RuntimeError(f"this layer lives on pipeline stage {self.stage}; a full-model forward cannot run "
+                           "in a pipeline-parallel process")
+
+
+def stage_bounds(num_layers: int, pp: int) -> list[tuple[int, int]]:
+    """Contiguous [start, end) layer ranges whose sizes differ by at most one; the extra layers
+    go to the later stages, since the first one also runs the embedding."""
+    base, extra = divmod(num_layers, pp)
+    out, start = [], 0
+    for s in range(pp):
+        n = base + (1 if s >= pp - extra else 0)
+        out.append((start, start + n))
+        start += n
+    return out
+
+
+def _group(ranks: list[int]):
+    """dist.new_group, then a barrier: with gloo, 4 processes creating [0,2], [1,3], [0,1], [2,3]
+    back to back fail to connect (measured); one group at a time they work."""
+    g = dist.new_group(ranks)
+    dist.barrier()
+    return g
+
+
+class PipelineTopology:
+    """This rank's stage, neighbours and groups. Every rank must build it (group creation is
+    collective), in the same order."""
+
+    def __init__(self, layout: Layout, rank: int, num_layers: int):
+        self.pp = layout.pp
+        self.per_stage = layout.world // layout.pp  # the data ranks of one stage
+        self.stage, self.column = divmod(rank, self.per_stage)
+        self.first, self.last = self.stage == 0, self.stage == self.pp - 1
+        self.prev = rank - self.per_stage if not self.first else None
+        self.next = rank + self.per_stage if not self.last else None
+        self.bounds = stage_bounds(num_layers, self.pp)
+        self.layers = range(*self.bounds[self.stage])
+        self.data_rank = self.column  # rows of the global batch this rank trains: its slice
+        self.pp_group = self.tied_group = self.dp_group = None
+        self.tied = False  # embedding tied to the LM head: set by `keep_stage`
+        for c in range(self.per_stage):  # one pipeline per data rank; first+last share the tied embedding
+            ranks = [c + s * self.per_stage for s in range(self.pp)]
+            g = _group(ranks)
+            t = g if self.pp == 2 else _group([ranks[0], ranks[-1]])
+            if c == self.column:
+                self.pp_group, self.tied_group = g, t
+        if self.per_stage > 1:
+            for s in range(self.pp):
+                g = _group(list(range(s * self.per_stage, (s + 1) * self.per_stage)))
+                if s == self.stage:
+                    self.dp_group = g
+
+    def describe(self) -> str:
+        a, b = self.bounds[self.stage]
+        return f"pipeline stage {self.stage + 1}/{self.pp}: layers {a}-{b - 1}"
+
+    # ---- the model -------------------------------------------------------------------------
+    def keep_stage(self, model) -> None:
+        """Drop what other stages hold (in place): layers outside this stage, the embedding
+        except on the first stage (and the last, when tied to the LM head), the final norm and
+        LM head except on the last."""
+        core = model.model
+        for i in range(len(core.layers)):
+            if i not in self.layers:
+                core.layers[i] = StageElsewhere(self._owner(i))
+        tied = self.tied = bool(model.config.tie_word_embeddings)
+        if not (self.first or (self.last and tied)):
+            core.embed_tokens = StageElsewhere(0)
+        if not self.last:
+            core.norm = StageElsewhere(self.pp - 1)
+            if not tied:
+                model.lm_head = StageElsewhere(self.pp - 1)
+
+    def _owner(self, layer: int) -> int:
+        return next(s for s, (a, b) in enumerate(self.bounds) if a <= layer < b)
+
+    def counted_once(self, name: str) -> bool:
+        """False for the last stage's copy of a tied embedding (the first stage counts it)."""
+        return not (self.tied and self.last and not self.first and name.startswith("model.embed_tokens."))
+
+    # ---- point to point --------------------------------------------------------------------
+    def send(self, t: paddle.Tensor, forward: bool) -> None:
+        dist.send(t.contiguous(), dst=self.next if forward else self.prev)
+
+    def recv(self, shape: list[int], dtype, forward: bool) -> paddle.Tensor:
+        t = paddle.empty(shape, dtype=dtype)
+        dist.recv(t, src=self.prev if forward else self.next)
+        return t
+
+    # ---- reductions ------------------------------------------------------------------------
+    def sum_over_pipeline(self, values: list[float]) -> list[float]:
+        """Scalars that each stage holds part of (the loss lives on the last), summed."""
+        t = paddle.to_tensor(values, dtype="float64")
+        dist.all_reduce(t, group=self.pp_group)
+        return t.numpy().tolist()
+
+    def reduce_grads(self, named_params: list[tuple[str, paddle.Tensor]]) -> None:
+        """Sum gradients over the stage's data ranks, and the tied embedding's over first + last."""
+        for name, p in named_params:
+            if p.grad is None:
+                continue
+            if self.dp_group is not None:
+                dist.all_reduce(p.grad, group=self.dp_group)
+            if self.tied and name.startswith("model.embed_tokens.") and (self.first or self.last):
+                dist.all_reduce(p.grad, group=self.tied_group)
+
+    # ---- checkpoints -----------------------------------------------------------------------
+    def gather_to_main(self, tensors: dict[str, paddle.Tensor]) -> dict:
+        """The union of every stage's tensors on rank 0 (one stage leader sends at a time, so
+        only rank 0 holds the whole model); {} elsewhere. Tensors travel as numpy arrays."""
+        import numpy as np
+
+        leader = self.column == 0
+        if self.stage == 0 and leader:
+            out = dict(tensors)
+            for s in range(1, self.pp):
+                got = [None]
+                dist.recv_object_list(got, src=s * self.per_stage)
+                for k, v in got[0].items():
+                    out.setdefault(k, paddle.to_tensor(v))
+            return out
+        if leader:
+            dist.send_object_list([{k: np.asarray(v.numpy()) for k, v in tensors.items()}], dst=0)
+        return {}

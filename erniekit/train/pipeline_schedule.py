@@ -1,0 +1,201 @@
+"""One optimizer step of a pipeline-parallel run: the 1F1B schedule over the step's micro-batches
+(PipeDream-Flush, Megatron-LM's non-interleaved schedule), and the held-out loss by a
+forward-only pass.
+
+Stage s of P runs min(P-s-1, M) warm-up forwards, then alternates one forward and one backward,
+then drains the remaining backwards, so at most P-s micro-batches' activations are alive on
+stage s (GPipe keeps all M). Sends block until the peer receives (gloo), so in the steady state
+a stage receives the gradient of its oldest micro-batch *before* it sends the activation of its
+newest one: the downstream stage sends that gradient before it receives that activation, and
+both ends of every link see the same order of messages. The last stage never waits on a
+downstream one, so by induction no stage waits forever.
+
+Gradients match a single-process step: the last stage's loss is divided by the step's trained
+units as the plain loop does, and each stage adds its own MoE router losses / M.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import paddle
+
+from erniekit.distributed.pipeline import PipelineTopology
+from erniekit.train.losses import batch_tensor, causal_lm_loss_sum, count_target_tokens, token_balanced_loss_sum
+
+
+def one_f_one_b(pp: int, stage: int, m: int) -> list[tuple[str, int]]:
+    """Stage `stage`'s operations for `m` micro-batches: F (receive the activation unless first,
+    forward), SEND_F (to the next stage), RECV_B (the gradient from the next stage), B (backward,
+    then send the input's gradient unless first). The last stage has no SEND_F / RECV_B."""
+    last = stage == pp - 1
+    warmup = min(pp - stage - 1, m)
+    ops: list[tuple[str, int]] = []
+    for i in range(warmup):
+        ops += [("F", i), ("SEND_F", i)]
+    for j in range(m - warmup):
+        i = warmup + j
+        ops.append(("F", i))
+        if not last:  # the gradient first: the downstream stage sends it before it receives i
+            ops += [("RECV_B", j), ("SEND_F", i)]
+        ops.append(("B", j))
+    for j in range(m - warmup, m):
+        ops += [("RECV_B", j), ("B", j)]
+    return ops
+
+
+class PipelineStep:
+    def __init__(self, topo: PipelineTopology, model, token_balance: bool = False):
+        self.topo, self.model = topo, model
+        self.loss_fn = token_balanced_loss_sum if token_balance else causal_lm_loss_sum
+        self.dtype = model.parameters()[0].dtype
+        self.hidden = model.config.hidden_size
+
+    # ---- data ------------------------------------------------------------------------------
+    def local_rows(self, batch: dict[str, np.ndarray]) -> tuple[dict[str, np.ndarray], float]:
+        """This data rank's rows of a global micro-batch, and the weight of its loss: a batch
+        that does not split evenly is computed whole by every data rank, each with weight 1/k."""
+        k, b = self.topo.per_stage, len(batch["input_ids"])
+        if k == 1:
+            return batch, 1.0
+        if b % k:
+            return batch, 1.0 / k
+        n = b // k
+        sl = slice(self.topo.data_rank * n, (self.topo.data_rank + 1) * n)
+        return {key: v[sl] for key, v in batch.items()}, 1.0
+
+    # ---- one stage's share of the model ----------------------------------------------------
+    def _stage_forward(self, batch: dict[str, np.ndarray], x: paddle.Tensor | None) -> paddle.Tensor:
+        core, topo = self.model.model, self.topo
+        ids = batch_tensor(batch["input_ids"])
+        packed = bool((batch["segment_ids"] > 1).any())
+        pos = batch_tensor(batch["position_ids"]) if packed else None
+        seg = batch_tensor(batch["segment_ids"]) if packed else None
+        tt = batch_tensor(batch["token_type_ids"]) if "token_type_ids" in batch else None
+        cos, sin, mask = core.rope_and_mask(ids, pos, seg, None, 0, dtype=self.dtype)
+        h = core.embed_tokens(ids) if topo.first else x
+        for i in topo.layers:
+            h = core.layers[i](h, cos, sin, mask, None, tt)
+        if topo.last:
+            return self.model.head(core.norm(h))
+        return h.astype(self.dtype)
+
+    def _router_loss(self) -> paddle.Tensor | None:
+        if not (self.model.training and self.model.config.is_moe):
+            return None
+        losses = [m.router_loss for m in self.model.moe_layers() if m.router_loss is not None]
+        return paddle.add_n(losses) if losses else None
+
+    def _recv_input(self, batch: dict[str, np.ndarray]) -> paddle.Tensor | None:
+        if self.topo.first:
+            return None
+        b, s = batch["input_ids"].shape
+        x = self.topo.recv([b, s, self.hidden], self.dtype, forward=True)
+        x.stop_gradient = False
+        return x
+
+    # ---- training --------------------------------------------------------------------------
+    def run(self, micro: list[dict[str, np.ndarray]], n_units: int, loss_scale: float = 1.0,
+            amp=None, on_forward=None) -> tuple[float, float]:
+        """Forward and backward of every micro-batch on this stage (gradients accumulate in
+        .grad); returns (loss sum, router-loss sum) of the whole step, summed over stages.
+        on_forward(batch): called after each forward (routing statistics of this stage's layers)."""
+        import contextlib
+
+        topo, m = self.topo, len(micro)
+        amp = amp or contextlib.nullcontext
+        local = [self.local_rows(b) for b in micro]
+        live: dict[int, tuple] = {}
+        loss_sum = aux_sum = 0.0
+
+        def forward(i: int) -> None:
+            nonlocal loss_sum, aux_sum
+            batch, w = local[i]
+            x = self._recv_input(batch)
+            with amp():
+                out = self._stage_forward(batch, x)
+            if on_forward is not None:
+                on_forward(batch)
+            aux = self._router_loss()
+            scaled_aux = aux * (w / m) if aux is not None else None
+            if aux is not None:
+                aux_sum += float(aux) * w / m
+            if topo.last:
+                ls = self.loss_fn(out, batch["labels"], batch["segment_ids"])
+                loss_sum += float(ls) * w
+                loss = ls * (w / max(n_units, 1))
+                out = loss + scaled_aux if scaled_aux is not None else loss
+                scaled_aux = None
+            live[i] = (x, out, scaled_aux)
+
+        def backward(i: int, grad: paddle.Tensor | None) -> None:
+            x, out, aux = live.pop(i)
+            tensors = [out * loss_scale if loss_scale != 1.0 and topo.last else out]
+            grads = [grad]
+            if aux is not None:
+                tensors.append(aux * loss_scale if loss_scale != 1.0 else aux)
+                grads.append(None)
+            paddle.autograd.backward(tensors, grads)
+            if not topo.first:
+                topo.send(x.grad, forward=False)
+
+        def recv_grad(i: int) -> paddle.Tensor | None:
+            if topo.last:
+                return None
+            b, s = local[i][0]["input_ids"].shape
+            return topo.recv([b, s, self.hidden], self.dtype, forward=False)
+
+        grads: dict[int, paddle.Tensor | None] = {}
+        for op, i in one_f_one_b(topo.pp, topo.stage, m):
+            if op == "F":
+                forward(i)
+            elif op == "SEND_F":
+                topo.send(live[i][1], forward=True)
+            elif op == "RECV_B":
+                grads[i] = recv_grad(i)
+            else:
+                backward(i, grads.pop(i, None))
+        return self._summed([loss_sum, aux_sum])
+
+    def _summed(self, values: list[float]) -> list[float]:
+        vals = self.topo.sum_over_pipeline(values)
+        if self.topo.dp_group is not None:
+            import paddle.distributed as dist
+
+            t = paddle.to_tensor(vals, dtype="float64")
+            dist.all_reduce(t, group=self.topo.dp_group)
+            vals = t.numpy().tolist()
+        return vals
+
+    @paddle.no_grad()
+    def clip_grad_norm_(self, named_params: list[tuple[str, paddle.Tensor]], max_norm: float) -> float:
+        """Global L2 norm over all stages (a tied embedding counted once), then scale in place."""
+        grads = [(n, p.grad) for n, p in named_params if p.grad is not None]
+        local = float(paddle.add_n([paddle.sum(g.astype("float32") ** 2) for n, g in grads
+                                    if self.topo.counted_once(n)])) if grads else 0.0
+        norm = float(np.sqrt(self.topo.sum_over_pipeline([local])[0]))
+        if max_norm > 0 and norm > max_norm:
+            coef = max_norm / (norm + 1e-6)
+            for _, g in grads:
+                g.scale_(coef)
+        return norm
+
+    # ---- evaluation ------------------------------------------------------------------------
+    @paddle.no_grad()
+    def eval_loss(self, rows: list[dict[str, np.ndarray]], batch_size: int, pad_id: int) -> dict[str, float]:
+        """Token-averaged held-out loss through the stages (forward only, one batch at a time);
+        every data rank evaluates all rows."""
+        from erniekit.train.batching import collate
+
+        self.model.eval()
+        total, n = 0.0, 0
+        for i in range(0, len(rows), batch_size):
+            b = collate(rows[i:i + batch_size], pad_id)
+            out = self._stage_forward(b, self._recv_input(b))
+            if self.topo.last:
+                total += float(causal_lm_loss_sum(out, b["labels"], b["segment_ids"]))
+            else:
+                self.topo.send(out, forward=True)
+            n += count_target_tokens(b)
+        total = self.topo.sum_over_pipeline([total])[0]
+        loss = total / max(n, 1)
+        return {"loss": loss, "perplexity": float(np.exp(min(loss, 50.0)))}
