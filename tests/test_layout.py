@@ -74,8 +74,7 @@ def test_tensor_parallel_moe_is_refused_until_it_works():
 
 def test_config_validation_of_launch_keys():
     assert validate(cfg(nproc_per_node=2)).nproc_per_node == 2  # multi-process runs are accepted
-    with pytest.raises(ConfigError, match=r"pipeline_parallel_degree=2: pipeline parallelism is not implemented yet"):
-        validate(cfg(nproc_per_node=2, pipeline_parallel_degree=2))
+    assert validate(cfg(nproc_per_node=2, pipeline_parallel_degree=2)).pipeline_parallel_degree == 2
     with pytest.raises(ConfigError, match="fp8: true with several processes is not supported yet"):
         validate(cfg(nproc_per_node=2, fp8=True))
     with pytest.raises(ConfigError, match="sharding=stage3 needs reduce-scatter"):
@@ -87,6 +86,29 @@ def test_config_validation_of_launch_keys():
     with pytest.raises(ConfigError, match="tensor_parallel_degree=0 is invalid"):
         validate(cfg(tensor_parallel_degree=0))
     assert validate(cfg(sharding="STAGE1")).sharding == "stage1"  # a mesh of one: sharding is a no-op
+
+
+@pytest.mark.parametrize("kw, match", [
+    ({"tensor_parallel_degree": 2}, "combines with data parallelism only"),
+    ({"sharding": "stage1"}, "combines with data parallelism only"),
+    ({"stage": "DPO"}, "runs the pretrain and SFT stages, not stage=DPO"),
+    ({"fine_tuning": "LoRA"}, "runs full fine-tuning, not fine_tuning=LoRA"),
+    ({"elastic_depth": [2, 4]}, "does not train elastic sub-models"),
+    ({"do_eval": True, "eval_dataset_path": "examples/data/arithmetic/eval.jsonl"}, "evaluates the held-out loss only"),
+])
+def test_what_the_pipeline_does_not_run_is_a_one_line_error(kw, match):
+    world = 4 if kw.get("tensor_parallel_degree") or kw.get("sharding") else 2
+    with pytest.raises(ConfigError, match=f"pipeline_parallel_degree=2 {match}"):
+        validate(cfg(nproc_per_node=world, pipeline_parallel_degree=2, **kw))
+
+
+def test_pipeline_model_checks():
+    check_model_fits(Layout(pp=2), get_preset("tiny-moe"))  # MoE alone in a pipeline: exact (tested)
+    check_model_fits(Layout(pp=2, dp=2), get_preset("tiny-dense"))
+    with pytest.raises(ConfigError, match="beside data parallelism runs dense models only"):
+        check_model_fits(Layout(pp=2, dp=2), get_preset("tiny-moe"))
+    with pytest.raises(ConfigError, match="with MTP heads"):
+        check_model_fits(Layout(pp=2), get_preset("tiny-dense").replace(num_nextn_predict_layers=1))
 
 
 def test_mesh_has_the_layout_shape_and_named_dims():
