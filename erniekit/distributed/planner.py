@@ -333,8 +333,8 @@ def why_not(c, p: Plan, work: Workload, runnable_only: bool = False, cpu: bool =
     except ConfigError as e:
         return str(e)
     if runnable_only:  # what erniekit/config/checks.py refuses today (docs/distributed.md, "Not done yet")
-        if p.pp > 1:
-            return "pipeline parallelism is not built yet"
+        if p.pp > 1 and (p.tp > 1 or p.ep > 1 or p.sharding_stage):
+            return "pipeline parallelism combines with data parallelism only in this version"
         if p.sharding_stage == 3 and cpu and p.dp > 1:
             return "sharding stage3 needs reduce-scatter, missing on CPU"
     return ""

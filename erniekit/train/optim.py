@@ -72,12 +72,13 @@ class AdamW:
         return self.lr
 
     @paddle.no_grad()
-    def step(self) -> None:
+    def step(self, grads: dict[int, paddle.Tensor] | None = None) -> None:
+        """grads: id(param) -> gradient already reduced (`reduced_grads`); default p.grad."""
         self.t += 1
         b1, b2, lr = self.beta1, self.beta2, self.lr
         bc1, bc2 = 1 - b1**self.t, 1 - b2**self.t
         for name, p in self.params:
-            g = p.grad
+            g = p.grad if grads is None else grads.get(id(p))
             if g is None:
                 continue
             g = g.astype("float32")
@@ -145,20 +146,31 @@ def _reduced(p: paddle.Tensor, g: paddle.Tensor) -> paddle.Tensor:
 
 
 @paddle.no_grad()
-def clip_grad_norm_(params: list[paddle.Tensor], max_norm: float) -> float:
-    """Scale gradients in place so their global L2 norm is at most `max_norm`; return the norm before."""
-    owners = [p for p in params if p.grad is not None]
-    grads = [p.grad for p in owners]
-    if not grads:
+def reduced_grads(params: list[paddle.Tensor]) -> dict[int, paddle.Tensor]:
+    """id(param) -> its gradient with partial sums reduced to the parameter's placements (the
+    data-parallel all-reduce); p.grad itself in a single-process run. Clipping and the update
+    share these: reducing in each moved every gradient twice (measured with
+    tools/bench_scaling.py: 7.5 MB per device per step for tiny-dense dp=2, 2x its gradients)."""
+    return {id(p): _reduced(p, p.grad) for p in params if p.grad is not None}
+
+
+@paddle.no_grad()
+def clip_grad_norm_(params: list[paddle.Tensor], max_norm: float,
+                    grads: dict[int, paddle.Tensor] | None = None) -> float:
+    """Scale gradients in place so their global L2 norm is at most `max_norm`; return the norm
+    before. grads: from `reduced_grads` (they are the ones scaled); default: reduced here."""
+    grads = reduced_grads(params) if grads is None else grads
+    owned = [grads[id(p)] for p in params if id(p) in grads]
+    if not owned:
         return 0.0
     # per-tensor sums of squares as full values (a partial sum is reduced before it is squared)
     # `** 2`, not paddle.square (40x faster on CPU): the embedded default's late accuracy jump is
     # chaotic, and square's last-bit difference in this norm moved it from 0.796 to 0.300
     # (measured). Switch together with a re-measured default (docs/fp8.md, "chaotic").
-    sq = [to_dense(paddle.sum(_reduced(p, p.grad).astype("float32") ** 2)) for p in owners]
+    sq = [to_dense(paddle.sum(g.astype("float32") ** 2)) for g in owned]
     norm = float(paddle.sqrt(paddle.add_n(sq)))
     if max_norm > 0 and norm > max_norm:
         coef = max_norm / (norm + 1e-6)
-        for g in grads:
+        for g in owned:
             g.scale_(coef)
     return norm

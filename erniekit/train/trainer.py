@@ -22,7 +22,7 @@ from erniekit.train.batching import MicroBatches
 from erniekit.train.checkpointing import EMA_NAME, load_checkpoint, resolve_resume, rotate_checkpoints, save_checkpoint
 from erniekit.train.losses import distill_loss_sum
 from erniekit.train.routing_monitor import RoutingMonitor
-from erniekit.train.optim import build_optimizer, clip_grad_norm_
+from erniekit.train.optim import build_optimizer, clip_grad_norm_, reduced_grads
 from erniekit.train.schedules import lr_at
 from erniekit.train.stage import Stage
 from erniekit.utils.dtensor import is_main_process, scalar
@@ -197,12 +197,14 @@ class Trainer:
                 for p in self.params:
                     if p.grad is not None:
                         p.grad.scale_(1.0 / self.loss_scale)
+        grads = None  # multi-process: each gradient reduced once, for the clip and the update
         if self.pipe is not None:
             grad_norm = self.pipe.clip_grad_norm_(self.named_params, cfg.max_grad_norm)
         else:
-            grad_norm = clip_grad_norm_(self.params, cfg.max_grad_norm)
+            grads = reduced_grads(self.params)
+            grad_norm = clip_grad_norm_(self.params, cfg.max_grad_norm, grads)
         if math.isfinite(grad_norm):
-            self.optimizer.step()
+            self.optimizer.step(grads)
             if self.ema is not None:
                 self.ema.update()
             self.good_steps += 1
