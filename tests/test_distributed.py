@@ -198,3 +198,15 @@ def test_pipeline_beside_data_parallelism_four_processes(tmp_path):
     _ok(_train(_pp_args(pp, "tiny-dense", batch=1, steps=6) + ["nproc_per_node=4", "pipeline_parallel_degree=2"]))
     np.testing.assert_allclose(_losses(pp), _losses(ref), rtol=1e-5)
     assert _final_eval(pp) == pytest.approx(_final_eval(ref), rel=1e-5)
+
+
+def test_pipeline_runs_fp8_experts(tmp_path):
+    """A pipeline stage keeps plain tensors, so the block-scaled FP8 expert GEMM runs there (it is
+    refused beside DistTensor layouts); the curve is the 1-process FP8 one, not the float32 one."""
+    fp8 = ["fp8=true", "fp8_block_size=32", "save_steps=100"]
+    _ok(_train(_pp_args(tmp_path / "one", "tiny-moe", steps=6) + fp8))
+    _ok(_train(_pp_args(tmp_path / "pp", "tiny-moe", steps=6) + fp8 + ["nproc_per_node=2", "pipeline_parallel_degree=2"]))
+    _ok(_train(_pp_args(tmp_path / "f32", "tiny-moe", steps=6) + ["save_steps=100"]))
+    one, pp, f32 = (_losses(tmp_path / n) for n in ("one", "pp", "f32"))
+    np.testing.assert_allclose(pp, one, rtol=1e-5)
+    assert np.abs(one - f32).max() > 1e-4  # FP8 really ran

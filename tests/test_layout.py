@@ -77,6 +77,7 @@ def test_config_validation_of_launch_keys():
     assert validate(cfg(nproc_per_node=2, pipeline_parallel_degree=2)).pipeline_parallel_degree == 2
     with pytest.raises(ConfigError, match="fp8: true with several processes is not supported yet"):
         validate(cfg(nproc_per_node=2, fp8=True))
+    assert validate(cfg(nproc_per_node=2, pipeline_parallel_degree=2, fp8=True)).fp8  # stages hold plain tensors
     with pytest.raises(ConfigError, match="sharding=stage3 needs reduce-scatter"):
         validate(cfg(nproc_per_node=2, sharding="stage3"))
     with pytest.raises(ConfigError, match="max_restart=-1 is invalid"):
