@@ -329,7 +329,7 @@ def test_sandwich_step_gradient_is_full_plus_distilled_submodel(tmp_path):
     stage.prepare(model, None, None, cfg, tok)
     trainer = Trainer(cfg, model, tok, stage, stage.build_train_rows(cfg, tok)[:64], log=lambda *_: None)
     got: dict[str, np.ndarray] = {}
-    trainer.optimizer.step = lambda: got.update({n: p.grad.numpy().copy() for n, p in model.named_parameters()
+    trainer.optimizer.step = lambda grads=None: got.update({n: p.grad.numpy().copy() for n, p in model.named_parameters()
                                                 if p.grad is not None})
     metrics = trainer.train_step()
     full, sub = trainer.elastic.specs(0)
