@@ -55,6 +55,9 @@ def reference(tmp_path_factory):
       "model.embed_tokens.weight": [512, 128]}),
     # data parallel over 2 sharding ranks, ZeRO-1: batch split, optimizer moments split by rows
     ("sharding", "tiny-dense", 4, ["sharding=stage1"], {}),
+    # tensor parallel on MoE: attention and embedding split, routed experts whole on each tp rank
+    ("tp-moe", "tiny-moe", 8, ["tensor_parallel_degree=2"],
+     {"model.layers.0.self_attn.q_proj.weight": [128, 64], "model.layers.1.mlp.experts.up_proj": [8, 128, 128]}),
     # data parallel with experts split over the 2 data ranks
     ("ep", "tiny-moe", 4, ["expert_parallel_degree=2"], {"model.layers.1.mlp.experts.up_proj": [4, 128, 128]}),
 ])

@@ -100,16 +100,12 @@ def check_model_fits(lay: Layout, config, supported_only: bool = True) -> None:
         sizes = [("num_attention_heads", config.num_attention_heads),
                  ("num_key_value_heads", config.num_key_value_heads), ("vocab_size", config.vocab_size),
                  ("intermediate_size", config.intermediate_size)]
-        if config.is_moe:
+        if config.is_moe and config.moe_num_shared_experts:  # shared experts split; routed ones stay whole
             sizes += [("moe_intermediate_size", s) for s in config.expert_sizes]
         for name, size in sizes:
             if size % lay.tp:
                 raise ConfigError(f"tensor_parallel_degree {lay.tp} does not divide the model's {name} {size}; "
                                   f"use a tensor_parallel_degree that divides it")
-    if supported_only and lay.tp > 1 and config.is_moe:
-        raise ConfigError(f"tensor_parallel_degree {lay.tp} on an MoE model is not supported yet (a 2-process run "
-                          "broke in the expert backward, issue #7); split MoE models with expert_parallel_degree "
-                          "or data parallelism")
     if lay.ep > 1:
         if not config.is_moe:
             raise ConfigError(f"expert_parallel_degree {lay.ep}: the model is dense (no experts); set it to 1")

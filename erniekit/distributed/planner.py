@@ -116,7 +116,7 @@ class LayerCost:
     mlp_flops: float  # active MLP / experts (k of E) + shared experts + router
     attn_params: int
     mlp_params: int  # all experts
-    expert_params: int  # of mlp_params: routed experts (split by ep)
+    expert_params: int  # of mlp_params: routed experts (split by ep; replicated over tp, as runtime places them)
     attn_saved: float  # saved elements outside the [S, S] part
     core_saved_per_s: float  # the attention probabilities: heads per position
     mlp_saved: float
@@ -124,6 +124,7 @@ class LayerCost:
     ops: int  # op launches forward (backward counted twice that)
     moe_k: int = 0
     is_moe: bool = False
+    num_experts: int = 0
 
 
 def layer_costs(c) -> list[LayerCost]:
@@ -143,7 +144,7 @@ def layer_costs(c) -> list[LayerCost]:
             out.append(LayerCost(**common, mlp_flops=2.0 * (k * expert + 3 * H * shared + H * E),
                                  mlp_params=E * expert + 3 * H * shared + H * E, expert_params=E * expert,
                                  mlp_saved=2 * H + 3 * E + k * H + 4 * k * inter + k * H + H + 4 * shared + H,
-                                 ops=60, moe_k=k, is_moe=True))
+                                 ops=60, moe_k=k, is_moe=True, num_experts=E))
         else:
             I = c.intermediate_size
             out.append(LayerCost(**common, mlp_flops=2.0 * 3 * H * I, mlp_params=3 * H * I, expert_params=0,
@@ -226,6 +227,9 @@ def predict(c, cluster: Cluster, work: Workload, p: Plan) -> Prediction:
     again = {"none": 0.0, "core_attn": core, "full_attn": attn, "mlp": mlp, "full": attn + mlp}[p.recompute] * tokens
     flops = 3 * fwd + again
     workers = p.dp * p.tp * p.pp
+    # routed experts are replicated over tp (erniekit/distributed/runtime.py): every tp rank runs them
+    routed = sum(2.0 * l.moe_k * l.expert_params / l.num_experts for l in layers if l.is_moe) * tokens
+    flops += (p.tp - 1) * (3 * routed + (routed if p.recompute in ("mlp", "full") else 0.0))
     m = p.accumulation
     bubble = (m + p.pp - 1) / m
     ops_per_micro = sum(l.ops for l in layers) / p.pp + 10  # this stage's layers + embedding/head/loss
@@ -244,7 +248,7 @@ def predict(c, cluster: Cluster, work: Workload, p: Plan) -> Prediction:
     n_experts = sum(l.expert_params for l in layers)
     tensors = 9 * L + 2 + sum(3 for l in layers if l.is_moe)  # parameter tensors (one all-reduce each)
     bw, lat = _link(cluster, p.dp, dp_span)
-    grad_bytes = BYTES * (n_params_dense / (p.tp * p.pp) + n_experts / (p.tp * p.pp * p.ep))
+    grad_bytes = BYTES * (n_params_dense / (p.tp * p.pp) + n_experts / (p.pp * p.ep))
     comm_dp = _allreduce_s(grad_bytes, p.dp, bw, lat, calls=math.ceil(tensors / p.pp))
     if p.sharding_stage and p.dp > 1:  # reduce-scatter + all-gather: the same bytes, twice the calls
         comm_dp += math.ceil(tensors / p.pp) * lat
@@ -265,7 +269,7 @@ def predict(c, cluster: Cluster, work: Workload, p: Plan) -> Prediction:
         comm_pp = 2 * m * (lat + act_bytes / p.tp / bw)
     comm = comm_dp + comm_tp + comm_ep + comm_pp
     # ---- memory on the first pipeline stage (the fullest under 1F1B)
-    params = n_params_dense / (p.tp * p.pp) + n_experts / (p.tp * p.pp * p.ep)
+    params = n_params_dense / (p.tp * p.pp) + n_experts / (p.pp * p.ep)
     shard = p.dp if p.sharding_stage else 1
     weights = BYTES * params / (shard if p.sharding_stage == 3 else 1)
     grads = BYTES * params / (shard if p.sharding_stage >= 2 else 1)

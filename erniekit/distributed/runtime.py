@@ -7,8 +7,8 @@ op that needs the full tensor). The loop builds the same global batch on every r
 rank keeps its slice, so a 2-process run trains on exactly the batches of a 1-process run.
 
 Placements over the mesh dims (pp, dp, sharding, tp):
-  tp  column-parallel q/k/v/gate/up (and expert gate/up: their output width), row-parallel
-      o/down (their input width), vocab-parallel embedding (tied to the LM head);
+  tp  column-parallel q/k/v/gate/up (and shared experts'), row-parallel o/down (their input
+      width), vocab-parallel embedding (tied to the LM head); routed experts replicated;
   dp  experts split by expert over the data ranks when expert_parallel_degree = dp;
   sharding  optimizer moments split by rows (ZeRO stage 1; `optimizer_state_placements`);
             at stage 3 the parameters too.
@@ -61,8 +61,8 @@ class ParallelContext:
         if lay.tp > 1:
             if "embed_tokens" in name or "lm_head" in name:
                 dims["tp"] = 0 if p.shape[0] % lay.tp == 0 and p.ndim == 2 else None
-            elif is_expert:
-                dims["tp"] = 1 if leaf.startswith("down") else 2
+            elif is_expert:  # routed experts stay whole on each tp rank (split them with ep): split over
+                pass         # tp, the ranks routed differently after the first update (gloo size mismatch)
             elif any(k in name for k in _COLUMN):
                 dims["tp"] = p.ndim - 1
             elif any(k in name for k in _ROW) and p.ndim == 2:
