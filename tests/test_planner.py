@@ -135,6 +135,15 @@ def test_parallel_auto_applies_the_best_plan_keeping_the_global_batch(tmp_path):
     from erniekit.distributed.layout import layout_from_config
     lay = layout_from_config(cfg)
     assert cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps * lay.dp * lay.sharding == 128
+    # a config the pipeline cannot run (generation during eval) gets the best plan without pp
+    ev = [f"eval_dataset_path={os.path.join(ROOT, 'examples/data/arithmetic/eval.jsonl')}", "do_eval=true"]
+    no_pp = validate(load_config(None, base + ev + ["parallel=auto", f"cluster={cluster}", "nproc_per_node=2"]))
+    want = P.best_plan(get_preset("tiny-dense"), P.load_cluster(cluster), P.Workload(128, 32), pipeline=False)
+    assert no_pp.pipeline_parallel_degree == 1
+    for k, v in want.plan.config_overrides().items():
+        assert getattr(no_pp, k) == v, k
+    assert not any(p.pp > 1 for p in P.enumerate_plans(get_preset("tiny-dense"), 2, P.Workload(128, 32),
+                                                         pipeline=False))
     with pytest.raises(ConfigError, match="needs cluster"):
         validate(load_config(None, base + ["parallel=auto"]))
     with pytest.raises(ConfigError, match="has 2 devices .* but the launch has 1 processes"):

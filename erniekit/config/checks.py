@@ -277,11 +277,19 @@ def _check_parallel(cfg: TrainConfig) -> None:
 def _check_pipeline(cfg: TrainConfig, lay) -> None:
     """What the 1F1B pipeline (erniekit/train/pipeline_schedule.py) runs in this version: LM
     stages, full fine-tuning, with data parallelism beside it."""
-    why = None
+    why = pipeline_refusal(cfg)
     if lay.tp > 1 or lay.sharding_stage or lay.ep > 1:
         why = ("combines with data parallelism only in this version; set tensor_parallel_degree=1, "
                "expert_parallel_degree=1 and no sharding")
-    elif cfg.stage not in ("pretrain", "SFT"):
+    if why:
+        raise ConfigError(f"pipeline_parallel_degree={lay.pp} {why}")
+
+
+def pipeline_refusal(cfg: TrainConfig) -> str | None:
+    """Why this config's stage or options cannot run in a pipeline (None: they can); the planner
+    leaves pipeline layouts out of `parallel: auto` for such a config."""
+    why = None
+    if cfg.stage not in ("pretrain", "SFT"):
         why = f"runs the pretrain and SFT stages, not stage={cfg.stage}; set pipeline_parallel_degree=1"
     elif cfg.fine_tuning != "Full":
         why = f"runs full fine-tuning, not fine_tuning={cfg.fine_tuning}; set pipeline_parallel_degree=1"
@@ -290,8 +298,7 @@ def _check_pipeline(cfg: TrainConfig, lay) -> None:
     elif cfg.do_eval and cfg.eval_generation and cfg.eval_dataset_path:
         why = ("evaluates the held-out loss only (generation needs every layer in one process); "
                "set eval_generation=false")
-    if why:
-        raise ConfigError(f"pipeline_parallel_degree={lay.pp} {why}")
+    return why
 
 
 def _has_cuda() -> bool:

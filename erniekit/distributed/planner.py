@@ -346,12 +346,12 @@ def why_not(c, p: Plan, work: Workload, runnable_only: bool = False, cpu: bool =
 
 def enumerate_plans(c, world: int, work: Workload, micro_batches: list[int] | None = None,
                     recompute_modes: tuple[str, ...] = RECOMPUTE_MODES, sharding_stages: tuple[int, ...] = (0, 1, 2, 3),
-                    runnable_only: bool = False, cpu: bool = True) -> list[Plan]:
+                    runnable_only: bool = False, cpu: bool = True, pipeline: bool = True) -> list[Plan]:
     """Every (dp, tp, pp, ep, sharding, recompute, micro-batch) for `world` devices that splits the
-    model and the global batch evenly."""
+    model and the global batch evenly. pipeline=False: pp = 1 only (a config the pipeline cannot run)."""
     plans = []
     for tp, pp in itertools.product(_divisors(world), _divisors(world)):
-        if world % (tp * pp):
+        if world % (tp * pp) or (pp > 1 and not pipeline):
             continue
         dp = world // (tp * pp)
         if work.global_batch % dp:
@@ -379,9 +379,10 @@ def plan(c, cluster: Cluster, work: Workload, runnable_only: bool = False, cpu: 
     return preds
 
 
-def best_plan(c, cluster: Cluster, work: Workload, runnable_only: bool = True, cpu: bool = True) -> Prediction:
+def best_plan(c, cluster: Cluster, work: Workload, runnable_only: bool = True, cpu: bool = True,
+              pipeline: bool = True) -> Prediction:
     """The fastest plan that fits; ConfigError naming the smallest need when none does."""
-    preds = plan(c, cluster, work, runnable_only=runnable_only, cpu=cpu)
+    preds = plan(c, cluster, work, runnable_only=runnable_only, cpu=cpu, pipeline=pipeline)
     if not preds:
         raise ConfigError(f"no layout of {cluster.world} devices splits this model and a global batch of "
                           f"{work.global_batch} evenly; change the batch size or the cluster")
@@ -448,5 +449,7 @@ def auto_plan(cfg) -> Prediction:
                           "make them equal")
     import paddle
 
+    from erniekit.config.checks import pipeline_refusal
+
     return best_plan(model_config_of(cfg), cluster, workload_from_config(cfg),
-                     cpu=not paddle.device.is_compiled_with_cuda())
+                     cpu=not paddle.device.is_compiled_with_cuda(), pipeline=pipeline_refusal(cfg) is None)
