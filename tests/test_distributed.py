@@ -194,13 +194,24 @@ def test_pipeline_follows_the_one_process_curve_and_checkpoints_move_both_ways(t
         np.testing.assert_allclose(_losses(tmp_path / run), _losses(ref)[6:], rtol=1e-5)
 
 
-def test_pipeline_beside_data_parallelism_four_processes(tmp_path):
+@pytest.mark.parametrize("model,extra", [
+    ("tiny-dense", []),
+    # router losses and load counts must be the whole batch's, not each data rank's half
+    ("tiny-moe", ["model_overrides.router_z_loss_coef=0.001", "model_overrides.router_orthogonal_loss_coef=0.01",
+                  "model_overrides.moe_bias_update_rate=0.001"]),
+])
+def test_pipeline_beside_data_parallelism_four_processes(tmp_path, model, extra):
     """pp=2 x dp=2: each stage's two data ranks split the rows and sum their gradients."""
     ref, pp = tmp_path / "one", tmp_path / "pp_dp"
-    _ok(_train(_pp_args(ref, "tiny-dense", batch=2, steps=6)))
-    _ok(_train(_pp_args(pp, "tiny-dense", batch=1, steps=6) + ["nproc_per_node=4", "pipeline_parallel_degree=2"]))
+    _ok(_train(_pp_args(ref, model, batch=2, steps=6) + extra))
+    _ok(_train(_pp_args(pp, model, batch=1, steps=6) + extra + ["nproc_per_node=4", "pipeline_parallel_degree=2"]))
     np.testing.assert_allclose(_losses(pp), _losses(ref), rtol=1e-5)
     assert _final_eval(pp) == pytest.approx(_final_eval(ref), rel=1e-5)
+    if model == "tiny-moe":
+        rows = [[r["train/router_loss"] for r in map(json.loads, open(out / "vdl_log" / "scalars.jsonl"))
+                 if "train/router_loss" in r] for out in (ref, pp)]
+        assert len(rows[0]) == 6
+        np.testing.assert_allclose(rows[1], rows[0], rtol=1e-5)
 
 
 def test_pipeline_runs_fp8_experts(tmp_path):

@@ -223,3 +223,26 @@ def test_moe_block_without_losses_has_no_router_loss():
     block.train()
     block(paddle.randn([1, 4, cfg.hidden_size]))
     assert block.router_loss is None and block.loss_parts == {}
+
+
+def test_load_balancing_terms_of_split_batches_add_up_to_the_whole_batch_loss():
+    """Beside data parallelism each rank holds part of the batch: with data_sum (the all-reduce,
+    simulated here by adding the other part's statistics) the two ranks' terms and their gradients
+    add up to the loss of the whole batch."""
+    rng = np.random.default_rng(0)
+    logits = paddle.to_tensor(rng.normal(size=(10, 6)).astype("float32"), stop_gradient=False)
+    idx = paddle.to_tensor(rng.integers(0, 6, (10, 2)))
+    probs = F.softmax(logits, axis=-1)
+    whole = load_balancing_loss(probs, idx, 6)
+    (g_whole,) = paddle.grad(whole, logits)
+
+    def stats(i):
+        return paddle.concat([paddle.bincount(i.reshape([-1]), minlength=6).astype("float32"),
+                              paddle.to_tensor([float(i.shape[0])], dtype="float32")])
+
+    a, b = slice(0, 4), slice(4, 10)
+    ta = load_balancing_loss(probs[a], idx[a], 6, data_sum=lambda t: t + stats(idx[b]))
+    tb = load_balancing_loss(probs[b], idx[b], 6, data_sum=lambda t: t + stats(idx[a]))
+    np.testing.assert_allclose(float(ta + tb), float(whole), rtol=1e-6)
+    (g_split,) = paddle.grad(ta + tb, logits)
+    np.testing.assert_allclose(g_split.numpy(), g_whole.numpy(), rtol=1e-5, atol=1e-8)

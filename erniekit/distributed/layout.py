@@ -113,10 +113,6 @@ def check_model_fits(lay: Layout, config, supported_only: bool = True) -> None:
             if n % lay.ep:
                 raise ConfigError(f"expert_parallel_degree {lay.ep} does not divide the {n} experts of modality {m} "
                                   "(moe_num_experts); use a degree that divides it")
-    if supported_only and lay.pp > 1 and lay.world > lay.pp and config.is_moe:
-        raise ConfigError(f"pipeline_parallel_degree {lay.pp} beside data parallelism runs dense models only in this "
-                          "version (each data rank's router statistics would be its own); on an MoE model set "
-                          "nproc_per_node equal to pipeline_parallel_degree")
     if lay.pp > 1 and config.num_nextn_predict_layers > 0:
         raise ConfigError(f"pipeline_parallel_degree {lay.pp} with MTP heads (num_nextn_predict_layers "
                           f"{config.num_nextn_predict_layers}) is not supported: the heads need the embedding and "

@@ -102,6 +102,15 @@ class PipelineTopology:
             core.norm = StageElsewhere(self.pp - 1)
             if not tied:
                 model.lm_head = StageElsewhere(self.pp - 1)
+        if self.dp_group is not None:  # router losses and load counts over the whole batch
+            for m in model.moe_layers():
+                m.data_sum, m.data_ranks = self.data_sum, self.per_stage
+
+    def data_sum(self, t: paddle.Tensor) -> paddle.Tensor:
+        """t summed over this stage's data ranks (a copy; no gradient flows through it)."""
+        out = t.detach().clone()
+        dist.all_reduce(out, group=self.dp_group)
+        return out
 
     def _owner(self, layer: int) -> int:
         return next(s for s, (a, b) in enumerate(self.bounds) if a <= layer < b)

@@ -216,12 +216,20 @@ def concat_rows(ts: list[paddle.Tensor]) -> paddle.Tensor:
 
 
 # ---- router losses ---------------------------------------------------------------------------
-def load_balancing_loss(probs: paddle.Tensor, topk_idx: paddle.Tensor, num_experts: int) -> paddle.Tensor:
+def load_balancing_loss(probs: paddle.Tensor, topk_idx: paddle.Tensor, num_experts: int,
+                        data_sum=None) -> paddle.Tensor:
     """Switch-Transformer auxiliary loss: E * sum_e f_e * P_e, where f_e is the fraction of
-    assignments routed to expert e and P_e the mean router probability of e (1.0 when uniform)."""
+    assignments routed to expert e and P_e the mean router probability of e (1.0 when uniform).
+    data_sum: sums a tensor over the data ranks that split the batch; f_e and the token count are
+    then the whole batch's, and this rank's term carries its tokens' share of P_e, so the terms
+    (and their gradients) add up over the ranks to the loss of the whole batch."""
     k = topk_idx.shape[1]
-    f = paddle.bincount(topk_idx.reshape([-1]), minlength=probs.shape[1]).astype("float32") / (topk_idx.shape[0] * k)
-    return num_experts * paddle.sum(f * probs.mean(axis=0))
+    counts = paddle.bincount(topk_idx.reshape([-1]), minlength=probs.shape[1]).astype("float32")
+    if data_sum is None:
+        return num_experts * paddle.sum(counts / (topk_idx.shape[0] * k) * probs.mean(axis=0))
+    both = data_sum(paddle.concat([counts, paddle.to_tensor([float(topk_idx.shape[0])], dtype="float32")]))
+    total = both[-1].item()
+    return num_experts * paddle.sum(both[:-1] / (total * k) * probs.sum(axis=0) / total)
 
 
 def router_z_loss(logits: paddle.Tensor) -> paddle.Tensor:
@@ -290,6 +298,10 @@ class MoEBlock(nn.Layer):
         self.loss_parts: dict[str, paddle.Tensor] = {}  # unweighted, detached, for logging
         # assignments per (global) expert since the last correction-bias update (aux-loss-free balancing)
         self.register_buffer("load_counts", paddle.zeros([self.num_experts], dtype="float32"), persistable=False)
+        # a pipeline stage beside data parallelism: sums over the data ranks that split each batch,
+        # so router losses and load counts are the whole batch's (erniekit/distributed/pipeline.py)
+        self.data_sum = None
+        self.data_ranks = 1
         # routing of the last forward, for statistics and pictures (detached; overwritten each call)
         self.last_topk_idx: paddle.Tensor | None = None  # [T, k] int64 global expert ids
         # [T, total experts] float32: each token's own modality's router softmax at its global expert
@@ -388,15 +400,21 @@ class MoEBlock(nn.Layer):
             gate = self.router(m)
             n = gate.n_active
             if self.coefs["aux"]:
-                terms.setdefault("aux", []).append(load_balancing_loss(r.probs, r.topk_idx, n))
+                terms.setdefault("aux", []).append(load_balancing_loss(r.probs, r.topk_idx, n, self.data_sum))
             if self.coefs["z"]:
-                terms.setdefault("z", []).append(router_z_loss(r.logits if n == gate.num_experts else r.logits[:, :n]))
+                logits = r.logits if n == gate.num_experts else r.logits[:, :n]
+                if self.data_sum is None:
+                    terms.setdefault("z", []).append(router_z_loss(logits))
+                else:  # this rank's tokens' share of the whole batch's mean
+                    total = self.data_sum(paddle.to_tensor([float(logits.shape[0])], dtype="float32")).item()
+                    terms.setdefault("z", []).append(router_z_loss(logits) * (logits.shape[0] / total))
         if self.coefs["orthogonal"]:
             for m in range(self.num_modalities):
                 gate = self.router(m)
                 n = gate.n_active
-                terms.setdefault("orthogonal", []).append(
-                    router_orthogonal_loss(gate.weight, n if n < gate.num_experts else None))
+                ortho = router_orthogonal_loss(gate.weight, n if n < gate.num_experts else None)
+                # every data rank adds it and their gradients are summed: each carries 1/ranks
+                terms.setdefault("orthogonal", []).append(ortho if self.data_ranks == 1 else ortho / self.data_ranks)
         losses = {k: (v[0] if len(v) == 1 else paddle.add_n(v)) for k, v in terms.items()}
         self.router_loss = paddle.add_n([self.coefs[k] * v for k, v in losses.items()]) if losses else None
         self.loss_parts = {k: v.detach() for k, v in losses.items()}
@@ -411,10 +429,11 @@ class MoEBlock(nn.Layer):
         e_score_correction_bias): b_e += rate * sign(mean load - load_e) over the active experts
         of each modality (balanced within the modality), from the assignments counted since the
         last update."""
+        load = self.load_counts if self.data_sum is None else self.data_sum(self.load_counts)
         for m in range(self.num_modalities):
             gate = self.router(m)
             n, off = gate.n_active, self.offsets[m]
-            counts = self.load_counts[off:off + n]
+            counts = load[off:off + n]
             if float(counts.sum()) > 0:
                 delta = rate * paddle.sign(counts.mean() - counts)
                 if n < gate.num_experts:

@@ -116,9 +116,12 @@ class PipelineStep:
             if on_forward is not None:
                 on_forward(batch)
             aux = self._router_loss()
-            scaled_aux = aux * (w / m) if aux is not None else None
+            # beside dp the router losses are already this rank's share of the whole batch's
+            # (MoEBlock.data_sum), also for a batch every data rank computes whole
+            aw = 1.0 if topo.dp_group is not None else w
+            scaled_aux = aux * (aw / m) if aux is not None else None
             if aux is not None:
-                aux_sum += float(aux) * w / m
+                aux_sum += float(aux) * aw / m
             if topo.last:
                 ls = self.loss_fn(out, batch["labels"], batch["segment_ids"])
                 loss_sum += float(ls) * w
