@@ -140,7 +140,7 @@ def plan(args: list[str]) -> int:
                                 usage="erniekit plan CONFIG.yaml cluster=CLUSTER.yaml [key=value ...] [--top N]")
     p.add_argument("items", nargs="*", help="CONFIG.yaml, then key=value overrides (cluster=FILE is required)")
     p.add_argument("--top", type=int, default=15, help="rows to print")
-    p.add_argument("--all", action="store_true", help="also layouts this version cannot run yet (pipeline, tp on MoE)")
+    p.add_argument("--all", action="store_true", help="also layouts this version cannot run yet (a pipeline beside tp, ep or sharding; stage 3 on CPU)")
     p.add_argument("--json", metavar="PATH", help="write every prediction as JSON")
     ns = p.parse_intermixed_args(args)
     items = ns.items
