@@ -20,8 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -29,6 +27,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from _train_runs import median_step_time, train  # noqa: E402
 from erniekit.distributed import planner as P  # noqa: E402
 from erniekit.models.ernie4_5 import get_preset  # noqa: E402
 
@@ -63,15 +62,8 @@ def run(model: str, procs: int, extra: list[str], steps: int, out: str, threads:
            f"output_dir={out}", f"nproc_per_node={procs}", *extra]
     env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS=str(threads))
     before = loopback_tx_bytes()
-    r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
-    moved = loopback_tx_bytes() - before
-    if r.returncode:
-        log = Path(out, "launch_logs", "workerlog.0")
-        tail = log.read_text()[-3000:] if log.exists() else r.stdout[-2000:] + r.stderr[-2000:]
-        raise SystemExit(f"{' '.join(cmd)} failed:\n{tail}")
-    rows = [json.loads(line) for line in open(os.path.join(out, "vdl_log", "scalars.jsonl"))]
-    times = [row["train/step_time_s"] for row in rows if "train/step_time_s" in row and row["step"] > 5]
-    return {"bytes": moved, "step_s": statistics.median(times) if times else float("nan")}
+    train(cmd, out, env)
+    return {"bytes": loopback_tx_bytes() - before, "step_s": median_step_time(out)}
 
 
 def main(argv: list[str] | None = None) -> int:

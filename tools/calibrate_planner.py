@@ -15,8 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -24,6 +22,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from _train_runs import median_step_time, train  # noqa: E402
 from erniekit.distributed import planner as P  # noqa: E402
 from erniekit.models.ernie4_5 import get_preset  # noqa: E402
 
@@ -51,15 +50,9 @@ def measure(model: str, procs: int, plan: P.Plan, steps: int, tmp: str) -> dict:
            f"output_dir={out}", *args]
     env = dict(os.environ, PYTHONWARNINGS="ignore")
     env.pop("OMP_NUM_THREADS", None)  # the CLI splits the cores between the processes
-    r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
-    if r.returncode:
-        log = Path(out, "launch_logs", "workerlog.0")
-        tail = log.read_text()[-3000:] if log.exists() else r.stdout[-2000:] + r.stderr[-2000:]
-        raise SystemExit(f"{' '.join(cmd)} failed:\n{tail}")
-    rows = [json.loads(line) for line in open(os.path.join(out, "vdl_log", "scalars.jsonl"))]
-    times = [row["train/step_time_s"] for row in rows if "train/step_time_s" in row and row["step"] > 5]
+    train(cmd, out, env)
     res = json.loads(Path(out, "train_results.json").read_text())
-    return {"step_s": statistics.median(times), "memory": res["peak_memory_bytes"]}
+    return {"step_s": median_step_time(out), "memory": res["peak_memory_bytes"]}
 
 
 def main(argv: list[str] | None = None) -> int:

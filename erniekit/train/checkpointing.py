@@ -33,7 +33,7 @@ def save_model_or_adapter(model, path: str, tokenizer, base_model_name_or_path: 
     elif _pipeline() is not None:  # each stage holds its layers: rank 0 writes the union
         from erniekit.models.ernie4_5.checkpoint import hf_state_dict
 
-        save_pretrained(model, path, tokenizer=tokenizer, state=_pipeline().gather_to_main(hf_state_dict(model)))
+        save_pretrained(model, path, tokenizer=tokenizer, state=_gathered(hf_state_dict(model)))
     else:
         save_pretrained(model, path, tokenizer=tokenizer)
 

@@ -160,13 +160,10 @@ class PipelineStep:
         return self._summed([loss_sum, aux_sum])
 
     def _summed(self, values: list[float]) -> list[float]:
+        """Summed over the stages, then over the stage's data ranks."""
         vals = self.topo.sum_over_pipeline(values)
         if self.topo.dp_group is not None:
-            import paddle.distributed as dist
-
-            t = paddle.to_tensor(vals, dtype="float64")
-            dist.all_reduce(t, group=self.topo.dp_group)
-            vals = t.numpy().tolist()
+            vals = self.topo.data_sum(paddle.to_tensor(vals, dtype="float64")).numpy().tolist()
         return vals
 
     @paddle.no_grad()
