@@ -58,8 +58,11 @@ def reference(tmp_path_factory):
     # tensor parallel on MoE: attention and embedding split, routed experts whole on each tp rank
     ("tp-moe", "tiny-moe", 8, ["tensor_parallel_degree=2"],
      {"model.layers.0.self_attn.q_proj.weight": [128, 64], "model.layers.1.mlp.experts.up_proj": [8, 128, 128]}),
-    # data parallel with experts split over the 2 data ranks
+    # data parallel with experts split over the 2 data ranks, tokens moved by all-to-all
     ("ep", "tiny-moe", 4, ["expert_parallel_degree=2"], {"model.layers.1.mlp.experts.up_proj": [4, 128, 128]}),
+    # the same over 2 ZeRO-1 sharding ranks: experts split over the sharding dim
+    ("ep-zero1", "tiny-moe", 4, ["expert_parallel_degree=2", "sharding=stage1"],
+     {"model.layers.1.mlp.experts.up_proj": [4, 128, 128]}),
 ])
 def test_two_processes_follow_the_one_process_loss_curve(reference, tmp_path, name, model, batch, extra, sharded):
     out = tmp_path / name
@@ -71,6 +74,7 @@ def test_two_processes_follow_the_one_process_loss_curve(reference, tmp_path, na
     plan = json.load(open(out / "parallel_plan.json"))
     for param, local_shape in sharded.items():
         assert plan["parameters"][param]["local_shape"] == local_shape, plan["parameters"][param]
+    assert plan["expert_all_to_all"] == ([[0, 1]] if "expert_parallel_degree=2" in extra else [])
     # rank 0 reports, every rank logs under launch_logs/
     assert r.stdout.count("step 20/20") == 1
     assert {"workerlog.0", "workerlog.1"} <= set(os.listdir(out / "launch_logs"))
@@ -223,4 +227,28 @@ def test_pipeline_runs_fp8_experts(tmp_path):
     _ok(_train(_pp_args(tmp_path / "f32", "tiny-moe", steps=6) + ["save_steps=100"]))
     one, pp, f32 = (_losses(tmp_path / n) for n in ("one", "pp", "f32"))
     np.testing.assert_allclose(pp, one, rtol=1e-5)
+    assert np.abs(one - f32).max() > 1e-4  # FP8 really ran
+
+
+
+def test_tensor_and_expert_parallel_on_four_processes(reference, tmp_path):
+    """tp=2 x (dp=2, ep=2): each tp rank swaps tokens with the data rank of its own tp coordinate."""
+    out = tmp_path / "tp-ep"
+    _ok(_train(_args(out, "tiny-moe", batch=4) + ["nproc_per_node=4", "tensor_parallel_degree=2",
+                                                   "expert_parallel_degree=2"]))
+    np.testing.assert_allclose(_losses(out), _losses(reference / "moe"), rtol=1e-5)
+    plan = json.load(open(out / "parallel_plan.json"))
+    assert plan["expert_all_to_all"] == [[0, 2]]  # rank 0's group: tp coordinate 0 of both data ranks
+    assert plan["parameters"]["model.layers.1.mlp.experts.up_proj"]["local_shape"] == [4, 128, 128]
+
+def test_expert_parallel_runs_fp8_experts(tmp_path):
+    """An expert-parallel process runs its expert slice on local tensors, so the FP8 expert GEMM
+    runs there too: 2 processes follow the 1-process FP8 curve (each expert sees the same rows in
+    the same order, so the block scales are the same)."""
+    fp8 = ["fp8=true", "fp8_block_size=32"]
+    _ok(_train(_args(tmp_path / "one", "tiny-moe", steps=8, batch=4) + fp8))
+    _ok(_train(_args(tmp_path / "ep", "tiny-moe", steps=8, batch=2) + fp8 + ["nproc_per_node=2", "expert_parallel_degree=2"]))
+    _ok(_train(_args(tmp_path / "f32", "tiny-moe", steps=8, batch=4)))
+    one, ep, f32 = (_losses(tmp_path / n) for n in ("one", "ep", "f32"))
+    np.testing.assert_allclose(ep, one, rtol=1e-5)
     assert np.abs(one - f32).max() > 1e-4  # FP8 really ran

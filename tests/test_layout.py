@@ -42,7 +42,8 @@ def test_rank_coordinates_are_row_major_with_tp_innermost():
     ({"data_parallel_degree": 2, "tensor_parallel_degree": 2}, 2, r"= 4, but the job has 2 processes"),
     ({"tensor_parallel_degree": 3}, 4, r"= 3 does not divide the 4 processes"),
     ({"sharding_parallel_degree": 2, "data_parallel_degree": 1}, 2, "needs sharding: stage1"),
-    ({"expert_parallel_degree": 4, "tensor_parallel_degree": 2}, 4, r"must divide .* = 2"),
+    ({"expert_parallel_degree": 4, "tensor_parallel_degree": 2}, 4, r"must equal .* = 2"),
+    ({"expert_parallel_degree": 2}, 4, r"must equal .* = 4 \(the experts are split over all the data ranks\)"),
 ])
 def test_degrees_that_do_not_fit_the_processes_are_one_line_errors(kw, world, match):
     with pytest.raises(ConfigError, match=match) as e:
@@ -74,9 +75,10 @@ def test_tensor_parallel_moe_is_accepted():
 def test_config_validation_of_launch_keys():
     assert validate(cfg(nproc_per_node=2)).nproc_per_node == 2  # multi-process runs are accepted
     assert validate(cfg(nproc_per_node=2, pipeline_parallel_degree=2)).pipeline_parallel_degree == 2
-    with pytest.raises(ConfigError, match="fp8: true with several processes is not supported yet"):
+    with pytest.raises(ConfigError, match="fp8: true with several processes needs the experts' GEMMs local"):
         validate(cfg(nproc_per_node=2, fp8=True))
     assert validate(cfg(nproc_per_node=2, pipeline_parallel_degree=2, fp8=True)).fp8  # stages hold plain tensors
+    assert validate(cfg(nproc_per_node=2, expert_parallel_degree=2, fp8=True)).fp8  # expert slices are local
     with pytest.raises(ConfigError, match="sharding=stage3 needs reduce-scatter"):
         validate(cfg(nproc_per_node=2, sharding="stage3"))
     with pytest.raises(ConfigError, match="max_restart=-1 is invalid"):

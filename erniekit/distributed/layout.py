@@ -3,8 +3,9 @@ before any process starts. Importing this module does not import paddle (the CLI
 
 Mesh dims, outermost first: pp (pipeline stages), dp (data replicas), sharding (data replicas
 whose optimizer state, and at stage 3 parameters, are split), tp (tensor parallel). Expert
-parallelism reuses the data ranks, as in ERNIE 4.5 / PaddleFormers: `expert_parallel_degree`
-experts groups are spread over dp x sharding, so it must divide that product and the expert count.
+parallelism reuses the data ranks, as in ERNIE 4.5 / PaddleFormers: with `expert_parallel_degree`
+> 1 the experts are split over all dp x sharding data ranks, so it must equal that product and
+divide the expert count.
 """
 
 from __future__ import annotations
@@ -86,9 +87,10 @@ def layout_from_config(cfg, world: int | None = None) -> Layout:
             f"{cfg.nproc_per_node} x nnodes {cfg.nnodes}); make the product equal the process count")
     if sd > 1 and not stage:
         raise ConfigError(f"sharding_parallel_degree {sd} needs sharding: stage1, stage2 or stage3")
-    if lay.ep > 1 and (lay.dp * lay.sharding) % lay.ep:
-        raise ConfigError(f"expert_parallel_degree {lay.ep} must divide data_parallel_degree x "
-                          f"sharding_parallel_degree = {lay.dp * lay.sharding}: experts are spread over the data ranks")
+    if lay.ep > 1 and lay.dp * lay.sharding != lay.ep:
+        raise ConfigError(f"expert_parallel_degree {lay.ep} must equal data_parallel_degree x "
+                          f"sharding_parallel_degree = {lay.dp * lay.sharding} (the experts are split over all the data "
+                          "ranks), or be 1")
     return lay
 
 

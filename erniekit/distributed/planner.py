@@ -330,8 +330,8 @@ def why_not(c, p: Plan, work: Workload, runnable_only: bool = False, cpu: bool =
 
     lay = Layout(pp=p.pp, dp=1 if p.sharding_stage else p.dp, sharding=p.dp if p.sharding_stage else 1, tp=p.tp,
                  ep=p.ep, sharding_stage=p.sharding_stage)
-    if p.dp % p.ep:
-        return f"ep={p.ep} does not divide the {p.dp} data ranks"
+    if p.ep not in (1, p.dp):
+        return f"ep={p.ep} is neither 1 nor the {p.dp} data ranks"
     try:
         check_model_fits(lay, c, supported_only=runnable_only)
     except ConfigError as e:
@@ -358,7 +358,7 @@ def enumerate_plans(c, world: int, work: Workload, micro_batches: list[int] | No
             continue
         per_rank = work.global_batch // dp
         mbs = [b for b in (micro_batches or _divisors(per_rank)) if per_rank % b == 0]
-        eps = [e for e in _divisors(dp) if c.is_moe] or [1]
+        eps = [1, dp] if c.is_moe and dp > 1 else [1]  # experts split over all data ranks, or none
         for ep, stage, rc, mb in itertools.product(eps, sharding_stages, recompute_modes, mbs):
             if stage and dp == 1:
                 continue

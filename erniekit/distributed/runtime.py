@@ -9,7 +9,8 @@ rank keeps its slice, so a 2-process run trains on exactly the batches of a 1-pr
 Placements over the mesh dims (pp, dp, sharding, tp):
   tp  column-parallel q/k/v/gate/up (and shared experts'), row-parallel o/down (their input
       width), vocab-parallel embedding (tied to the LM head); routed experts replicated;
-  dp  experts split by expert over the data ranks when expert_parallel_degree = dp;
+  dp, sharding  experts split by expert over all the data ranks when expert_parallel_degree > 1,
+      tokens moved to them and back by all-to-all (erniekit/distributed/expert_exchange.py);
   sharding  optimizer moments split by rows (ZeRO stage 1; `optimizer_state_placements`);
             at stage 3 the parameters too.
 """
@@ -19,8 +20,10 @@ from __future__ import annotations
 import paddle
 import paddle.distributed as dist
 
+from erniekit.distributed.expert_exchange import ExpertExchange
 from erniekit.distributed.layout import DIMS, Layout
 from erniekit.distributed.pipeline import PipelineTopology
+from erniekit.nn.moe import StackedExperts
 
 _COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "qkv_proj", "up_gate_proj")
 _ROW = ("o_proj", "down_proj")
@@ -54,10 +57,12 @@ class ParallelContext:
                 out[self.axis[mesh_dim]] = dist.Shard(tensor_dim)
         return out
 
-    def param_placements(self, name: str, p: paddle.Tensor) -> list:
-        lay, leaf = self.layout, name.rsplit(".", 1)[-1]
+    def param_placements(self, name: str, p: paddle.Tensor, is_expert: bool | None = None) -> list:
+        """is_expert: indexed by routed expert (StackedExperts' [E, ...] parameters, adapters
+        included); None: guessed from the shape ([E, in, out])."""
+        lay = self.layout
         dims: dict[str, int] = {}
-        is_expert = p.ndim == 3  # StackedExperts: [E, in, out]
+        is_expert = p.ndim == 3 if is_expert is None else is_expert
         if lay.tp > 1:
             if "embed_tokens" in name or "lm_head" in name:
                 dims["tp"] = 0 if p.shape[0] % lay.tp == 0 and p.ndim == 2 else None
@@ -67,8 +72,8 @@ class ParallelContext:
                 dims["tp"] = p.ndim - 1
             elif any(k in name for k in _ROW) and p.ndim == 2:
                 dims["tp"] = 0
-        if is_expert and lay.ep > 1:
-            dims["dp"] = 0
+        if is_expert and lay.ep > 1:  # experts over every data rank: nested Shard(0), dp outer
+            dims["dp"] = dims["sharding"] = 0
         if lay.sharding_stage == 3 and "sharding" not in dims and p.shape[0] % lay.sharding == 0 and not is_expert:
             dims["sharding"] = 0
         return self._placements(**{k: v for k, v in dims.items() if v is not None})
@@ -92,13 +97,31 @@ class ParallelContext:
             self.pipeline.keep_stage(model)
             return
         names = {id(p): n for n, p in model.named_parameters()}
+        exchange = self.expert_exchange()
 
         def shard_fn(layer_name, layer, mesh):
+            experts = layer.expert_params() if isinstance(layer, StackedExperts) else {}
             for pname, p in list(layer.named_parameters(include_sublayers=False)):
                 full = names.get(id(p), f"{layer_name}.{pname}")
-                setattr(layer, pname, dist.shard_tensor(p, mesh, self.param_placements(full, p)))
+                is_expert = pname in experts if isinstance(layer, StackedExperts) else None
+                setattr(layer, pname, dist.shard_tensor(p, mesh, self.param_placements(full, p, is_expert)))
+            if isinstance(layer, StackedExperts):
+                layer.expert_parallel = exchange
 
         dist.shard_layer(model, self.mesh, shard_fn)
+
+    def expert_exchange(self) -> ExpertExchange | None:
+        """The all-to-all among the data ranks that share this process's tp (and pp) coordinates,
+        in the order the nested Shard(0) gives them expert slices (dp outer, sharding inner);
+        None without expert parallelism."""
+        lay = self.layout
+        if lay.ep == 1:
+            return None
+        me = dist.get_rank()
+        c = lay.coords(me)
+        ranks = [((c["pp"] * lay.dp + d) * lay.sharding + s) * lay.tp + c["tp"]
+                 for d in range(lay.dp) for s in range(lay.sharding)]
+        return ExpertExchange(ranks, me, self.mesh)
 
     def plan(self, model: paddle.nn.Layer) -> dict:
         if self.pipeline is not None:  # rank 0 writes it: the first stage's parameters
@@ -106,8 +129,11 @@ class ParallelContext:
             return {"mesh": {d: getattr(self.layout, d) for d in DIMS}, "pipeline_schedule": "1F1B",
                     "stage_layers": [list(range(a, b)) for a, b in t.bounds],
                     "parameters": {n: {"stage": t.stage, "shape": list(p.shape)} for n, p in model.named_parameters()}}
+        ex = self.expert_exchange()
         return {"mesh": {d: getattr(self.layout, d) for d in DIMS}, "expert_parallel_degree": self.layout.ep,
                 "sharding_stage": self.layout.sharding_stage,
+                # groups of ranks that swap tokens by all-to-all (this rank's; rank 0 writes the file)
+                "expert_all_to_all": [ex.ranks] if ex is not None else [],
                 "parameters": {n: {"placements": [str(pl) for pl in p.placements], "shape": list(p.shape),
                                    "local_shape": list(p._local_value().shape)}
                                for n, p in model.named_parameters() if p.is_dist()}}

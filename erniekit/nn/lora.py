@@ -243,6 +243,7 @@ class LoraStackedExperts(_LoraMixin, StackedExperts):
         self.num_experts = base.num_experts
         self.fp8_block, self.fp8_grad_format = base.fp8_block, base.fp8_grad_format
         self.expert_offset = base.expert_offset
+        self.expert_parallel, self._local = base.expert_parallel, {}
         self.projs = tuple(projs)
         for p in _EXPERT_PROJS:
             setattr(self, p, getattr(base, p))
@@ -261,7 +262,7 @@ class LoraStackedExperts(_LoraMixin, StackedExperts):
                 setattr(self, f"{p}_lora_magnitude_vector", m)
 
     def _delta(self, p: str) -> paddle.Tensor:
-        return self.scaling * paddle.bmm(getattr(self, f"{p}_lora_A"), getattr(self, f"{p}_lora_B"))
+        return self.scaling * paddle.bmm(self.param(f"{p}_lora_A"), self.param(f"{p}_lora_B"))
 
     def base_matmul(self, x: paddle.Tensor, w: paddle.Tensor) -> paddle.Tensor:
         return _mm(x, w)  # the frozen base may be held in bf16
@@ -271,14 +272,14 @@ class LoraStackedExperts(_LoraMixin, StackedExperts):
         y = super().grouped(p, x, sizes, used)
         if not (self._active() and p in self.projs):
             return y
-        A, B = paddle.unbind(getattr(self, f"{p}_lora_A")), paddle.unbind(getattr(self, f"{p}_lora_B"))
+        A, B = paddle.unbind(self.param(f"{p}_lora_A")), paddle.unbind(self.param(f"{p}_lora_B"))
         lora = concat_rows([self.scaling * paddle.matmul(paddle.matmul(self._drop(g), A[e]), B[e])
                             for g, e in zip(split_rows(x, sizes), used)])
         if not self.use_dora:
             return y + lora.astype(y.dtype)
         with paddle.no_grad():  # all experts' column scales at once: m / ||W + s A B||
-            norm = _col_norm(getattr(self, p).astype(self.compute_dtype) + self._delta(p))
-        scale = getattr(self, f"{p}_lora_magnitude_vector") / norm  # [E, out]
+            norm = _col_norm(self.param(p).astype(self.compute_dtype) + self._delta(p))
+        scale = self.param(f"{p}_lora_magnitude_vector") / norm  # [E, out]
         rows = concat_rows([scale[e].expand([n, scale.shape[-1]]) for n, e in zip(sizes, used)])
         return ((y.astype(self.compute_dtype) + lora) * rows).astype(y.dtype)
 

@@ -20,6 +20,9 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
 
 import paddle
 import paddle.nn as nn
@@ -27,6 +30,19 @@ import paddle.nn.functional as F
 
 from erniekit.errors import DataError
 from erniekit.nn.recompute import recomputing
+
+class ExpertExchange(Protocol):
+    """What an expert-parallel StackedExperts needs from the runtime (erniekit/distributed/expert_exchange.py)."""
+
+    rank: int  # this process's index among those splitting the experts: it holds slice `rank`
+    size: int
+
+    def run(self, fn, x, topk_idx, topk_weight, keep, params: dict) -> paddle.Tensor: ...
+
+    def exchange_counts(self, counts: np.ndarray) -> np.ndarray: ...
+
+    def all_to_all(self, x: paddle.Tensor, send: list[int], recv: list[int]) -> paddle.Tensor: ...
+
 
 _MASKED = -1e9  # logit of an expert outside the active (elastic) subset: softmax gives ~1e-28
 
@@ -152,6 +168,10 @@ class StackedExperts(nn.Layer):
 
     `fp8_block` > 0 runs every expert GEMM (forward and backward) in block-scaled FP8
     (erniekit/nn/fp8.py); 0 keeps the parameter dtype.
+
+    Expert parallelism: with `expert_parallel` set (an `ExpertExchange`, injected by
+    erniekit/distributed so that nn imports nothing from it), each process holds a contiguous
+    slice of the experts and the tokens routed to them are moved there and back by all-to-all.
     """
 
     PROJS = ("gate_proj", "up_proj", "down_proj")
@@ -162,9 +182,16 @@ class StackedExperts(nn.Layer):
         self.fp8_block = fp8_block
         self.fp8_grad_format = "e4m3"
         self.expert_offset = 0  # global id of expert 0 (modality-isolated routing: experts of earlier modalities)
+        self.expert_parallel: "ExpertExchange | None" = None
+        self._local: dict[str, paddle.Tensor] = {}  # during an expert-parallel forward: this process's slices
         self.gate_proj = self.create_parameter([num_experts, hidden_size, intermediate_size])
         self.up_proj = self.create_parameter([num_experts, hidden_size, intermediate_size])
         self.down_proj = self.create_parameter([num_experts, intermediate_size, hidden_size])
+
+    def param(self, name: str) -> paddle.Tensor:
+        """An expert-indexed parameter ([E, ...]) as the GEMMs see it: this process's slice of the
+        experts inside an expert-parallel forward, the whole parameter otherwise."""
+        return self._local.get(name) if self._local else getattr(self, name)
 
     def base_matmul(self, x: paddle.Tensor, w: paddle.Tensor) -> paddle.Tensor:
         """One expert's plain GEMM (no FP8); LoRA overrides it for a base held in another dtype."""
@@ -175,7 +202,7 @@ class StackedExperts(nn.Layer):
 
         In FP8 all groups are quantised in one call (fp8_grouped_matmul); otherwise one GEMM per group.
         """
-        w = getattr(self, p)
+        w = self.param(p)
         if self.fp8_block:
             from erniekit.nn.fp8 import fp8_grouped_matmul
 
@@ -193,16 +220,74 @@ class StackedExperts(nn.Layer):
         (chat-template words) all route alike, so groups are very unequal. The SwiGLU between the
         projections runs once over all groups.
         """
+        if self.expert_parallel is not None:
+            return self.expert_parallel.run(self._forward_expert_parallel, x, topk_idx, topk_weight, keep,
+                                            self.expert_params())
         d = dispatch(topk_idx, topk_weight, self.num_experts, keep)
         out = paddle.zeros_like(x)
         if not d.token.shape[0]:
             return out
-        sizes = [c for c in d.counts if c > 0]
-        used = [e for e, c in enumerate(d.counts) if c > 0]
-        xs = paddle.gather(x, d.token)
-        h = F.silu(self.grouped("gate_proj", xs, sizes, used)) * self.grouped("up_proj", xs, sizes, used)
-        y = self.grouped("down_proj", h, sizes, used)
+        y = self._swiglu(paddle.gather(x, d.token), d.counts)
         return paddle.index_add(out, d.token, 0, y * d.weight.astype(x.dtype).unsqueeze(-1))
+
+    def _swiglu(self, xs: paddle.Tensor, counts: list[int]) -> paddle.Tensor:
+        """Rows sorted into consecutive groups of counts[e] rows for expert e -> the experts' outputs."""
+        sizes = [c for c in counts if c > 0]
+        used = [e for e, c in enumerate(counts) if c > 0]
+        h = F.silu(self.grouped("gate_proj", xs, sizes, used)) * self.grouped("up_proj", xs, sizes, used)
+        return self.grouped("down_proj", h, sizes, used)
+
+    def expert_params(self) -> dict[str, paddle.Tensor]:
+        """Parameters indexed by expert (leading dim E): split with the experts under expert parallelism."""
+        return {n: p for n, p in self.named_parameters(include_sublayers=False)
+                if p.ndim >= 2 and p.shape[0] == self.num_experts}
+
+    def _forward_expert_parallel(self, x: paddle.Tensor, topk_idx: paddle.Tensor, topk_weight: paddle.Tensor,
+                                 keep: paddle.Tensor | None, local: dict[str, paddle.Tensor]) -> paddle.Tensor:
+        """This process's tokens x [T, H] and its slice of the experts (`local`, experts
+        [r*E/n, (r+1)*E/n) on exchange rank r of n): dispatch by all-to-all, the local experts' GEMMs,
+        combine by the reverse all-to-all. Rows arrive grouped by source process, then by expert; they
+        are reordered expert-major for the grouped GEMM and back before the return trip."""
+        ex = self.expert_parallel
+        n_local = self.num_experts // ex.size
+        d = dispatch(topk_idx, topk_weight, self.num_experts, keep)
+        to_send = np.asarray(d.counts, dtype="int64").reshape(ex.size, n_local)  # [destination, its expert]
+        got = ex.exchange_counts(to_send)  # [source, my expert]: rows each source sends to each of my experts
+        send, recv = to_send.sum(axis=1).tolist(), got.sum(axis=1).tolist()
+        rows = ex.all_to_all(paddle.gather(x, d.token), send, recv)
+        # collective backward: every rank's return trip and expert slice must be in its graph, also
+        # when no token went out or came in (a slice without gradient would skip the optimizer's
+        # all-reduces on one rank only); such parts join with weight 0
+        idle = []
+        self._local = local
+        try:
+            if rows.shape[0]:
+                order = source_to_expert_order(got)
+                y = self._swiglu(paddle.gather(rows, paddle.to_tensor(order)), got.sum(axis=0).tolist())
+                rows = paddle.gather(y, paddle.to_tensor(np.argsort(order)))  # back to source-major order
+            else:
+                idle += [p.sum() for p in local.values() if not p.stop_gradient]
+        finally:
+            self._local = {}
+        back = ex.all_to_all(rows, recv, send)
+        out = paddle.zeros_like(x)
+        if d.token.shape[0]:
+            out = paddle.index_add(out, d.token, 0, back * d.weight.astype(x.dtype).unsqueeze(-1))
+        else:
+            idle.append(back.sum())
+        return out + 0 * paddle.add_n(idle).astype(x.dtype) if idle else out
+
+
+def source_to_expert_order(blocks: np.ndarray) -> np.ndarray:
+    """blocks [S, E]: rows from source s for expert e, laid out source-major (s outer, e inner).
+    Returns the int64 row indices that lay them out expert-major (e outer, s inner), keeping each
+    block's own row order: expert e's rows from every source end up contiguous."""
+    sizes = blocks.reshape(-1)
+    starts = np.cumsum(sizes) - sizes  # block (s, e) starts at starts[s * E + e]
+    em = np.ascontiguousarray(blocks.T).reshape(-1)  # block sizes in expert-major order
+    em_starts = np.ascontiguousarray(starts.reshape(blocks.shape).T).reshape(-1)
+    offsets = np.arange(int(em.sum()), dtype="int64") - np.repeat(np.cumsum(em) - em, em)
+    return np.repeat(em_starts, em).astype("int64") + offsets
 
 
 def split_rows(x: paddle.Tensor, sizes: list[int]) -> list[paddle.Tensor]:
