@@ -261,8 +261,11 @@ def _check_parallel(cfg: TrainConfig) -> None:
         raise ConfigError(f"nnodes={cfg.nnodes} needs master=HOST:PORT (the first machine's rendezvous address)")
     from erniekit.distributed.layout import layout_from_config
 
-    lay = layout_from_config(cfg)
     _require(cfg.max_restart >= 0, "max_restart", cfg.max_restart, ">= 0")
+    if cfg.distributed_mode == "ps":
+        _check_ps(cfg)
+        return
+    lay = layout_from_config(cfg)
     # the FP8 expert GEMM runs on local tensors: a pipeline stage's, or an expert-parallel slice's
     if lay.world > 1 and cfg.fp8 and lay.pp == 1 and lay.ep == 1:
         raise ConfigError("fp8: true with several processes needs the experts' GEMMs local: set "
@@ -273,6 +276,36 @@ def _check_parallel(cfg: TrainConfig) -> None:
                           "(Unimplemented cpu kernel for CReduceScatterOp); use sharding=stage1 on CPU")
     if lay.pp > 1:
         _check_pipeline(cfg, lay)
+
+
+def _check_ps(cfg: TrainConfig) -> None:
+    """What the parameter-server mode (erniekit/train/ps_worker.py) runs in this version."""
+    from erniekit.distributed.layout import world_size
+
+    world = world_size(cfg)
+    _require(cfg.ps_servers >= 1, "ps_servers", cfg.ps_servers, ">= 1")
+    if world <= cfg.ps_servers:
+        raise ConfigError(f"distributed_mode=ps with ps_servers={cfg.ps_servers} needs at least one worker too, but the "
+                          f"job has {world} processes (nproc_per_node {cfg.nproc_per_node} x nnodes {cfg.nnodes}); "
+                          f"set nproc_per_node to ps_servers + the workers")
+    degrees = {k: getattr(cfg, k) for k in ("tensor_parallel_degree", "expert_parallel_degree",
+                                             "pipeline_parallel_degree", "sharding_parallel_degree")}
+    set_ = [f"{k}={v}" for k, v in degrees.items() if v != 1] + ([f"sharding={cfg.sharding}"] if cfg.sharding else [])
+    if set_ or cfg.parallel:
+        raise ConfigError(f"distributed_mode=ps splits the batch over its workers only; drop {(set_ or ['parallel=auto'])[0]}")
+    why = None
+    if cfg.stage not in ("pretrain", "SFT"):
+        why = f"trains the pretrain and SFT stages, not stage={cfg.stage}"
+    elif cfg.fine_tuning != "Full":
+        why = f"trains full models, not fine_tuning={cfg.fine_tuning}"
+    elif cfg.elastic_depth or cfg.elastic_experts or cfg.elastic_top_k:
+        why = "does not train elastic sub-models; drop elastic_depth/elastic_experts/elastic_top_k"
+    elif cfg.do_eval:
+        why = "does not evaluate in this version (the head is split over the servers); set do_eval=false"
+    elif cfg.ema_decay > 0:
+        why = "does not keep a weight EMA in this version (the tables live on the servers); set ema_decay=0"
+    if why:
+        raise ConfigError(f"distributed_mode=ps {why}")
 
 
 def _check_pipeline(cfg: TrainConfig, lay) -> None:

@@ -34,6 +34,8 @@ FP8_GRAD_FORMATS = _spellings("e4m3", "e5m2")
 RECOMPUTE_GRANULARITIES = _spellings("full", "full_attn", "core_attn", "mlp")
 SHARDING = {"": "", "none": "", "stage1": "stage1", "stage2": "stage2", "stage3": "stage3"}
 PARALLEL = {"": "", "none": "", "manual": "", "auto": "auto"}
+DISTRIBUTED_MODES = _spellings("collective", "ps")
+PS_SYNC_MODES = _spellings("sync")
 
 
 def _opt(default: Any, help: str, choices: dict[str, str] | None = None) -> Any:
@@ -224,7 +226,8 @@ class TrainConfig:
     # ### parallelism and launch (docs/distributed.md); the degrees' product = nproc_per_node x nnodes
     data_parallel_degree: int = _opt(-1, "data-parallel replicas; -1 = what the other degrees leave of the processes")
     tensor_parallel_degree: int = _opt(1, "tensor parallel: attention heads, MLP width and vocab split over N ranks")
-    expert_parallel_degree: int = _opt(1, "MoE experts split over N of the data ranks")
+    expert_parallel_degree: int = _opt(1, "MoE experts split over all the data ranks (1, or dp x sharding), tokens "
+                                          "moved by all-to-all")
     pipeline_parallel_degree: int = _opt(1, "pipeline stages (groups of layers)")
     sharding: str = _opt("", "ZeRO sharding of the data ranks: stage1 (optimizer state), stage2 (+ gradients), "
                          "stage3 (+ parameters); empty = none", SHARDING)
@@ -241,6 +244,14 @@ class TrainConfig:
     dataloader_num_workers: int = _opt(
         0, "data loading worker processes; 0 loads in the main process"
     )
+
+    # ### heterogeneous parameter-server mode (docs/ps.md)
+    distributed_mode: str = _opt("collective", "collective: one mesh over all processes (docs/distributed.md); "
+                                 "ps: parameter servers hold the embedding / LM-head rows, workers the blocks",
+                                 DISTRIBUTED_MODES)
+    ps_servers: int = _opt(1, "with distributed_mode ps: processes that are parameter servers (the rest are workers)")
+    ps_sync_mode: str = _opt("sync", "with distributed_mode ps: sync (every step waits for all workers; equals a "
+                             "single-process step)", PS_SYNC_MODES)
 
 
 def field_types() -> dict[str, Any]:

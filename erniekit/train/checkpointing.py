@@ -34,6 +34,10 @@ def save_model_or_adapter(model, path: str, tokenizer, base_model_name_or_path: 
         from erniekit.models.ernie4_5.checkpoint import hf_state_dict
 
         save_pretrained(model, path, tokenizer=tokenizer, state=_gathered(hf_state_dict(model)))
+    elif _ps_worker() is not None:  # the servers hold the tables' rows: worker 0 writes them all
+        from erniekit.models.ernie4_5.checkpoint import hf_state_dict
+
+        save_pretrained(model, path, tokenizer=tokenizer, state=_ps_worker().full_state(hf_state_dict(model)))
     else:
         save_pretrained(model, path, tokenizer=tokenizer)
 
@@ -44,6 +48,18 @@ def _pipeline():
 
     ctx = active()
     return ctx.pipeline if ctx is not None else None
+
+
+def _ps_worker():
+    """This process's parameter-server-mode worker, else None."""
+    from erniekit.train.ps_worker import active_worker
+
+    return active_worker()
+
+
+def _partial_model() -> bool:
+    """This process holds only part of the model (a pipeline stage, a PS worker)."""
+    return _pipeline() is not None or _ps_worker() is not None
 
 
 def _gathered(tensors: dict) -> dict:
@@ -64,6 +80,8 @@ def save_checkpoint(path: str, model, tokenizer, optimizer, state: dict, base_mo
         shutil.rmtree(tmp)
     save_model_or_adapter(model, tmp, tokenizer, base_model_name_or_path)
     opt = _gathered(optimizer.state_dict())
+    if _ps_worker() is not None:
+        opt = _ps_worker().full_optimizer_state(opt)
     extra = {name: _gathered({k: to_dense(v) for k, v in tensors.items()})
              for name, tensors in (extra_tensors or {}).items()}
     if main:
@@ -72,7 +90,8 @@ def save_checkpoint(path: str, model, tokenizer, optimizer, state: dict, base_mo
             save_file({k: v.contiguous() for k, v in tensors.items()}, os.path.join(tmp, name))
         atomic_write_json(os.path.join(tmp, STATE_NAME), state)
         replace_dir(tmp, path)
-    barrier()  # no rank runs ahead of a checkpoint that is not on disk yet
+    # no rank runs ahead of a checkpoint that is not on disk yet (PS servers too)
+    _ps_worker().sync() if _ps_worker() is not None else barrier()
 
 
 def load_checkpoint(path: str, model, optimizer) -> dict:
@@ -91,7 +110,7 @@ def load_checkpoint(path: str, model, optimizer) -> dict:
         load_state_into(model, path)
     opt_file = os.path.join(path, OPTIMIZER_NAME)
     if optimizer is not None and os.path.isfile(opt_file):
-        known = {n for n, _ in optimizer.params} if _pipeline() is not None else None  # this stage's only
+        known = {n for n, _ in optimizer.params} if _partial_model() else None  # this stage's / worker's only
         with safe_open(opt_file, framework="paddle") as f:
             sd = {key: f.get_tensor(key) for key in f.keys()
                   if known is None or key == "__step__" or key.rsplit("::", 1)[0] in known}

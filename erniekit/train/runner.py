@@ -89,12 +89,49 @@ def join_job(cfg):
     """In a worker started by paddle.distributed.launch: join the process group and return the
     parallel context (mesh, placements); None in a single-process run."""
     world = launched_world()
-    if world == 1:
+    if world == 1 or cfg.distributed_mode == "ps":  # PS roles: join_ps
         return None
     from erniekit.distributed import runtime
     from erniekit.distributed.layout import layout_from_config
 
     return runtime.init(layout_from_config(cfg, world))
+
+
+def join_ps(cfg):
+    """In a `distributed_mode: ps` job: join the process group and return this process's role
+    (erniekit/distributed/ps/topology.py); None otherwise."""
+    world = launched_world()
+    if cfg.distributed_mode != "ps" or world == 1:
+        return None
+    import paddle.distributed as dist
+
+    from erniekit.distributed.ps.topology import PSTopology, make_links
+
+    dist.init_parallel_env()
+    workers = world - cfg.ps_servers
+    # the workers' group (their gradient sums): group creation is collective, servers join it too
+    group = dist.new_group(list(range(workers))) if workers > 1 else None
+    dist.barrier()
+    links = make_links(workers, cfg.ps_servers)
+    return PSTopology(workers=workers, servers=cfg.ps_servers, rank=dist.get_rank(), worker_group=group, links=links)
+
+
+def serve_tables(cfg, model, topo, log) -> dict:
+    """A parameter server's whole run: its rows of the tables (resumed from the checkpoint the
+    workers resume from), then requests until the workers stop it."""
+    from erniekit.train.checkpointing import resolve_resume
+    from erniekit.train.ps_server import ParameterServer, checkpoint_tables
+
+    tables = {"model.embed_tokens.weight": model.model.embed_tokens.weight.numpy()}
+    if not model.config.tie_word_embeddings:
+        tables["lm_head.weight"] = model.lm_head.weight.numpy().T  # HF layout: one row per token
+    server = ParameterServer(topo, tables, cfg)
+    path = resolve_resume(cfg.resume_from_checkpoint, cfg.output_dir)
+    if path is not None:
+        server.load(*checkpoint_tables(path, model, list(tables)))
+    del model, tables
+    server.serve()
+    return {"ps_server": topo.server_index, "bytes_in": server.bytes_in, "bytes_out": server.bytes_out}
 
 
 def _quiet(*args, **kwargs) -> None:
@@ -108,6 +145,7 @@ def _parallel_note(ctx) -> str:
 def run_train(cfg, log=print) -> dict:
     device = select_device()
     ctx = join_job(cfg)
+    ps = join_ps(cfg)
     main = is_main_process()
     if not main:
         log = _quiet  # rank 0 reports; every rank's output is in launch_logs/
@@ -118,6 +156,17 @@ def run_train(cfg, log=print) -> dict:
     model = load_model(cfg)  # first: a broken config.json is reported before tokenizer issues
     tokenizer = load_tokenizer(cfg)
     check_vocab(model, tokenizer)
+    if ps is not None:
+        if model.config.num_nextn_predict_layers > 0:
+            raise ConfigError("distributed_mode=ps does not train MTP heads (they need the embedding and head on the "
+                              "worker); set model_overrides.num_nextn_predict_layers=0")
+        if ps.is_server:
+            return serve_tables(cfg, model, ps, log)
+        from erniekit.train.ps_worker import PSWorker
+
+        PSWorker(ps, model)  # the trainer sets its loss options
+        log(f"parameter-server mode: {ps.workers} workers, {ps.servers} server(s) holding the embedding"
+            f"{'' if model.config.tie_word_embeddings else ' and LM head'} rows")
     if ctx is not None:
         from erniekit.distributed import runtime
         from erniekit.distributed.layout import check_model_fits
@@ -167,6 +216,9 @@ def run_train(cfg, log=print) -> dict:
         log(f"output_dir holds the EMA weights (ema_decay {cfg.ema_decay}); the raw weights are in the last checkpoint")
     else:
         save_model_or_adapter(model, cfg.output_dir, tokenizer, cfg.model_name_or_path)
+    if trainer.ps is not None:
+        results["ps_bytes_per_worker"] = {"sent": trainer.ps.bytes_sent, "received": trainer.ps.bytes_received}
+        trainer.ps.stop()
     if main:
         atomic_write_json(os.path.join(cfg.output_dir, "train_results.json"), {"global_step": trainer.step, **results})
     trainer.logger.close()

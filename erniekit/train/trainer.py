@@ -72,7 +72,10 @@ class Trainer:
 
         # every rank builds the same global batch and keeps its rows (erniekit/distributed/runtime.py)
         ctx = active()
-        self.data_ranks = ctx.data_ranks if ctx is not None else 1
+        from erniekit.train.ps_worker import active_worker
+
+        self.ps = active_worker()  # distributed_mode ps: the servers hold the embedding / head rows
+        self.data_ranks = ctx.data_ranks if ctx is not None else (self.ps.topo.workers if self.ps else 1)
         self.batches = MicroBatches(train_rows, cfg.per_device_train_batch_size * self.data_ranks, cfg.seed,
                                     tokenizer.pad_token_id, collate_fn=stage.collate)
         accum = cfg.gradient_accumulation_steps
@@ -103,6 +106,9 @@ class Trainer:
             from erniekit.train.pipeline_schedule import PipelineStep
 
             self.pipe = PipelineStep(ctx.pipeline, model, stage.token_balance)
+            self.named_params = [(n, p) for n, p in model.named_parameters() if not p.stop_gradient]
+        if self.ps is not None:
+            self.ps.token_balance = stage.token_balance
             self.named_params = [(n, p) for n, p in model.named_parameters() if not p.stop_gradient]
 
     # ---- state -----------------------------------------------------------------------------
@@ -160,6 +166,11 @@ class Trainer:
                                               on_forward=lambda b: self.routing.after_forward(b["segment_ids"] > 0))
             self.pipe.topo.reduce_grads(self.named_params)
             micro_loop = []
+        elif self.ps is not None:
+            loss_sum, aux_sum = self.ps.run(micro, n_units,
+                                            on_forward=lambda b: self.routing.after_forward(b["segment_ids"] > 0))
+            self.ps.reduce_grads(self.named_params)
+            micro_loop = []
         else:
             micro_loop = micro
         for b in micro_loop:
@@ -200,6 +211,8 @@ class Trainer:
         grads = None  # multi-process: each gradient reduced once, for the clip and the update
         if self.pipe is not None:
             grad_norm = self.pipe.clip_grad_norm_(self.named_params, cfg.max_grad_norm)
+        elif self.ps is not None:  # the servers update their rows with the same norm and rate
+            grad_norm = self.ps.finish_step(self.named_params, cfg.max_grad_norm, lr)
         else:
             grads = reduced_grads(self.params)
             grad_norm = clip_grad_norm_(self.params, cfg.max_grad_norm, grads)

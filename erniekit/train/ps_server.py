@@ -1,0 +1,187 @@
+"""A parameter server of `distributed_mode: ps` (docs/ps.md): it holds a contiguous block of
+vocabulary rows of the token embedding (and of the LM head when it is not tied) with their AdamW
+moments, and serves the workers' requests until they stop it.
+
+Per micro-batch every worker, in turn: pulls the rows its batch touches; sends the final hidden
+states of its trained positions, gets back per-position softmax statistics of this server's
+vocabulary block (max, sum of exp, target logit); sends the global log-sum-exp and the loss
+weight of each position, gets back the gradient of its hidden states (the head's backward); pushes
+the gradient of the rows it pulled. At the step's end the server reports the squared norm of its
+gradients, receives the global norm and learning rate from worker 0 and applies clipped AdamW to
+its rows, so a synchronous step equals a single-process step (elementwise, the update of a row
+block is the update of those rows).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import paddle
+import paddle.distributed as dist
+
+from erniekit.distributed.ps.topology import (HEAD, HEAD_BACK, OP_NAMES, PULL, PUSH, SAVE, STEP, STOP, SYNC,
+                                              PSTopology, row_ranges)
+from erniekit.errors import ErniekitError
+from erniekit.train.optim import AdamW
+
+EMBED, HEAD_NAME = "model.embed_tokens.weight", "lm_head.weight"
+
+
+class ParameterServer:
+    def __init__(self, topo: PSTopology, tables: dict[str, np.ndarray], cfg):
+        """tables: HF name -> the full [vocab, hidden] rows (lm_head as HF stores it: one row per
+        token); without lm_head the embedding is tied and serves as the head too."""
+        self.topo, self.cfg = topo, cfg
+        vocab, self.hidden = tables[EMBED].shape
+        self.lo, self.hi = row_ranges(vocab, topo.servers)[topo.server_index]
+        self.w: dict[str, paddle.Tensor] = {}
+        for name, full in tables.items():
+            p = paddle.create_parameter([self.hi - self.lo, self.hidden], "float32")
+            p.set_value(paddle.to_tensor(np.ascontiguousarray(full[self.lo:self.hi], dtype="float32")))
+            self.w[name] = p
+        self.head_name = HEAD_NAME if HEAD_NAME in self.w else EMBED
+        # the trainer's rule (optim.build_optimizer): no weight decay on the embedding
+        self.opt = AdamW(list(self.w.items()), cfg.learning_rate, cfg.adam_beta1, cfg.adam_beta2, cfg.adam_epsilon,
+                         cfg.weight_decay, no_decay={EMBED})
+        self.grad = {n: paddle.zeros_like(p) for n, p in self.w.items()}
+        self.pulled: dict[int, np.ndarray] = {}  # worker -> local row ids of its last pull
+        self.head_ctx: dict[int, tuple] = {}  # worker -> (h, z, local target, owned) of its last head request
+        self.bytes_in = self.bytes_out = 0
+        self.links = [topo.link(w) for w in range(topo.workers)]
+
+    # ---- the loop --------------------------------------------------------------------------
+    def serve(self) -> None:
+        """Rounds of one request per worker (worker 0 first), until the workers send STOP."""
+        W = self.topo.workers
+        while True:
+            ops = []
+            for w in range(W):
+                op, n = self.links[w].recv_header()
+                ops.append(op)
+                if op != ops[0]:
+                    raise ErniekitError(f"parameter server {self.topo.server_index}: worker {w} sent "
+                                        f"{OP_NAMES[op]} while worker 0 sent {OP_NAMES[ops[0]]}; the workers are "
+                                        "out of step (a bug: report it with the launch_logs)")
+                self._handle(op, n, w)
+            op = ops[0]
+            if op == STEP:
+                norm, lr = self.links[0].recv_array([2], "float64")
+                self._update(float(norm), float(lr))
+            elif op == SYNC:
+                dist.barrier()
+            elif op == STOP:
+                return
+
+    def _handle(self, op: int, n: int, w: int) -> None:
+        H, link = self.hidden, self.links[w]
+        if op == PULL:
+            ids = link.recv_array([n], "int64") - self.lo if n else np.zeros([0], "int64")
+            self.pulled[w] = ids
+            if n:
+                link.send_tensor(paddle.gather(self.w[EMBED], paddle.to_tensor(ids)))
+                self.bytes_in += 8 * n
+                self.bytes_out += 4 * n * H
+        elif op == HEAD:
+            h = link.recv_tensor([n, H], "float32")
+            target = link.recv_array([n], "int64")
+            owned = (target >= self.lo) & (target < self.hi)
+            local = np.where(owned, target - self.lo, 0)
+            with paddle.no_grad():
+                z = paddle.matmul(h, self.w[self.head_name], transpose_y=True)  # [n, rows]
+                m = z.max(axis=1)
+                se = paddle.exp(z - m.unsqueeze(1)).sum(axis=1)
+                zt = paddle.take_along_axis(z, paddle.to_tensor(local).unsqueeze(1), axis=1).squeeze(1)
+                zt = zt * paddle.to_tensor(owned.astype("float32"))
+                link.send_tensor(paddle.stack([m, se, zt], axis=1))
+            self.head_ctx[w] = (h, z, local, owned)
+            self.bytes_in += 4 * n * H + 8 * n
+            self.bytes_out += 12 * n
+        elif op == HEAD_BACK:
+            h, z, local, owned = self.head_ctx.pop(w)
+            lse_coef = link.recv_tensor([n, 2], "float32")
+            with paddle.no_grad():
+                p = paddle.exp(z - lse_coef[:, 0:1])  # this block's columns of the softmax
+                rows = np.nonzero(owned)[0]
+                if len(rows):  # minus the one-hot of targets in this block
+                    idx = paddle.to_tensor(np.stack([rows, local[rows]], axis=1))
+                    p = paddle.scatter_nd_add(p, idx, paddle.full([len(rows)], -1.0, "float32"))
+                g = p * lse_coef[:, 1:2]
+                self.grad[self.head_name] += paddle.matmul(g, h, transpose_x=True)
+                link.send_tensor(paddle.matmul(g, self.w[self.head_name]))
+            self.bytes_in += 8 * n
+            self.bytes_out += 4 * n * H
+        elif op == PUSH:
+            ids = self.pulled.pop(w)
+            if len(ids):
+                g = link.recv_tensor([len(ids), H], "float32")
+                with paddle.no_grad():
+                    self.grad[EMBED] = paddle.index_add(self.grad[EMBED], paddle.to_tensor(ids), 0, g)
+                self.bytes_in += 4 * len(ids) * H
+        elif op == STEP:
+            link.send_array(np.array([self.grad_sq()], dtype="float64"))
+        elif op == SAVE:
+            if w == 0:
+                link.send_object(self.shard_state(with_optimizer=bool(n)))
+        elif op not in (SYNC, STOP):
+            raise ErniekitError(f"parameter server {self.topo.server_index}: unknown request {op} from worker {w}")
+
+    # ---- the update --------------------------------------------------------------------------
+    def grad_sq(self) -> float:
+        """Sum of squares of this server's gradients, one float32 sum per table as the trainer's clip does."""
+        return float(sum(float(paddle.sum(g ** 2)) for g in self.grad.values()))
+
+    @paddle.no_grad()
+    def _update(self, norm: float, lr: float) -> None:
+        max_norm = self.cfg.max_grad_norm
+        if max_norm > 0 and norm > max_norm:
+            coef = max_norm / (norm + 1e-6)
+            for g in self.grad.values():
+                g.scale_(coef)
+        self.opt.set_lr(lr)
+        self.opt.step({id(p): self.grad[n] for n, p in self.w.items()})
+        for n in self.grad:
+            self.grad[n] = paddle.zeros_like(self.w[n])
+
+    # ---- checkpoints -------------------------------------------------------------------------
+    def shard_state(self, with_optimizer: bool) -> dict:
+        """This server's rows (HF layout), or, with_optimizer, their AdamW moments and step."""
+        if with_optimizer:
+            return {"rows": [self.lo, self.hi], "step": self.opt.t,
+                    "moments": {n: (self.opt.m[n].numpy(), self.opt.v[n].numpy()) for n in self.opt.m}}
+        return {"rows": [self.lo, self.hi], "tables": {n: p.numpy() for n, p in self.w.items()}}
+
+    def load(self, tables: dict[str, np.ndarray], moments: dict[str, tuple[np.ndarray, np.ndarray]], step: int) -> None:
+        """Resume: full tables (HF layout) and full moments (same layout) -> this server's rows."""
+        for n, p in self.w.items():
+            p.set_value(paddle.to_tensor(np.ascontiguousarray(tables[n][self.lo:self.hi], dtype="float32")))
+        self.opt.t = step
+        for n, (m, v) in moments.items():
+            self.opt.m[n] = paddle.to_tensor(np.ascontiguousarray(m[self.lo:self.hi], dtype="float32"))
+            self.opt.v[n] = paddle.to_tensor(np.ascontiguousarray(v[self.lo:self.hi], dtype="float32"))
+
+
+def checkpoint_tables(path: str, model, names: list[str]) -> tuple[dict, dict, int]:
+    """(full tables in HF layout, their AdamW moments in the same layout, optimizer step) of a
+    training checkpoint: what a server resumes its rows from. `model` is this process's full
+    model, filled from the checkpoint on the way."""
+    import os
+
+    from safetensors import safe_open
+
+    from erniekit.models.ernie4_5.checkpoint import load_state_into
+    from erniekit.train.checkpointing import OPTIMIZER_NAME
+
+    load_state_into(model, path)
+    tables = {EMBED: model.model.embed_tokens.weight.numpy()}
+    if HEAD_NAME in names:
+        tables[HEAD_NAME] = model.lm_head.weight.numpy().T
+    moments, step = {}, 0
+    opt_file = os.path.join(path, OPTIMIZER_NAME)
+    if os.path.isfile(opt_file):
+        with safe_open(opt_file, framework="numpy") as f:
+            keys = set(f.keys())
+            step = int(f.get_tensor("__step__")[0]) if "__step__" in keys else 0
+            for n in names:
+                if f"{n}::exp_avg" in keys:
+                    m, v = f.get_tensor(f"{n}::exp_avg"), f.get_tensor(f"{n}::exp_avg_sq")
+                    moments[n] = (m.T, v.T) if n == HEAD_NAME else (m, v)  # ours: Linear's [in, out]
+    return tables, moments, step

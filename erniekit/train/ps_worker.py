@@ -1,0 +1,275 @@
+"""A worker of `distributed_mode: ps` (docs/ps.md): the transformer blocks and the final norm run
+here; the token embedding and the LM head live on the parameter servers (erniekit/train/ps_server.py).
+
+One micro-batch: pull the embedding rows the batch touches (only those), run the blocks, send the
+final hidden states of the trained positions to every server and combine their per-block softmax
+statistics into the loss (a vocabulary-parallel cross entropy: the head is never copied here),
+send back each position's log-sum-exp and loss weight, receive the hidden states' gradient, run
+the backward, push the gradient of the pulled rows. Workers split each global batch like data
+ranks and sum their block gradients (all-reduce among the workers); the servers sum the pushes.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import paddle
+import paddle.distributed as dist
+from paddle import nn
+
+from erniekit.distributed.ps.topology import (HEAD, HEAD_BACK, PULL, PUSH, SAVE, STEP, STOP, SYNC, PeerLost,
+                                              PSTopology, row_ranges)
+from erniekit.train.losses import position_weights
+
+_ACTIVE: "PSWorker | None" = None
+
+
+def active_worker() -> "PSWorker | None":
+    """The running PS worker (None outside a PS job and on servers)."""
+    return _ACTIVE
+
+
+class HeldByServers(nn.Layer):
+    """Stands in for the embedding / LM head on a worker: the parameter servers hold its rows."""
+
+    def forward(self, *args, **kwargs):
+        raise RuntimeError("this table lives on the parameter servers (distributed_mode: ps); a full-model "
+                           "forward cannot run on a worker")
+
+
+class PSWorker:
+    def __init__(self, topo: PSTopology, model, token_balance: bool = False):
+        global _ACTIVE
+        self.topo, self.model = topo, model
+        c = model.config
+        self.vocab, self.hidden, self.tied = c.vocab_size, c.hidden_size, bool(c.tie_word_embeddings)
+        self.token_balance = token_balance
+        self.ranges = row_ranges(self.vocab, topo.servers)
+        self.dtype = "float32"
+        # the workers' group: sums of block gradients and of router statistics over the workers
+        self.group = topo.worker_group
+        # the tables are the servers': drop them here (memory, and the optimizer skips them)
+        model.model.embed_tokens = HeldByServers()
+        if not self.tied:
+            model.lm_head = HeldByServers()
+        if self.group is not None and c.is_moe:  # router losses and loads of the whole batch
+            for m in model.moe_layers():
+                m.data_sum, m.data_ranks = self.data_sum, topo.workers
+        self.bytes_sent = self.bytes_received = 0
+        self.servers = [topo.link(s) for s in range(topo.servers)]  # in server order
+        _ACTIVE = self
+
+    def _all_reduce(self, t: paddle.Tensor) -> None:
+        try:
+            dist.all_reduce(t, group=self.group)
+        except RuntimeError as e:
+            raise PeerLost(f"lost another worker: the workers' all-reduce got no answer within gloo's timeout (a "
+                           "worker process died or hangs; see launch_logs/ in the output_dir); the job stops: run it "
+                           f"again with resume_from_checkpoint=auto, or set max_restart [{str(e).splitlines()[0][:120]}]"
+                           ) from None
+
+    def data_sum(self, t: paddle.Tensor) -> paddle.Tensor:
+        out = t.detach().clone()
+        self._all_reduce(out)
+        return out
+
+    def local_rows(self, batch: dict[str, np.ndarray]) -> tuple[dict[str, np.ndarray], float]:
+        """This worker's rows of a global micro-batch and its loss weight (a batch that does not
+        split evenly is computed whole by every worker, each with weight 1/W)."""
+        k, b = self.topo.workers, len(batch["input_ids"])
+        if k == 1:
+            return batch, 1.0
+        if b % k:
+            return batch, 1.0 / k
+        n = b // k
+        sl = slice(self.topo.worker_index * n, (self.topo.worker_index + 1) * n)
+        return {key: v[sl] for key, v in batch.items()}, 1.0
+
+    # ---- the exchanges -----------------------------------------------------------------------
+    def pull(self, ids: np.ndarray) -> tuple[paddle.Tensor, np.ndarray, list[int]]:
+        """The embedding rows of the distinct ids (a leaf that collects their gradient), each
+        id's index into them, and how many rows came from each server."""
+        uniq, inverse = np.unique(ids, return_inverse=True)
+        owner = self.topo.owner(uniq, self.vocab)
+        parts, counts = [], []
+        for s, srv in enumerate(self.servers):
+            mine = uniq[owner == s]
+            srv.send_header(PULL, len(mine))
+            counts.append(len(mine))
+            if len(mine):
+                srv.send_array(mine.astype("int64"))
+                parts.append(srv.recv_tensor([len(mine), self.hidden], self.dtype))
+                self.bytes_sent += 8 * len(mine)
+                self.bytes_received += 4 * len(mine) * self.hidden
+        rows = paddle.concat(parts) if len(parts) > 1 else parts[0]
+        rows.stop_gradient = False
+        return rows, inverse.reshape(ids.shape), counts
+
+    def head_loss(self, h: paddle.Tensor, target: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """h [n, H] (trained positions), target [n] -> (per-position NLL, log-sum-exp), from every
+        server's block of the softmax."""
+        stats = []
+        for srv in self.servers:
+            srv.send_header(HEAD, len(target))
+            srv.send_tensor(h)
+            srv.send_array(target.astype("int64"))
+            stats.append(srv.recv_tensor([len(target), 3], "float32").numpy().astype("float64"))
+            self.bytes_sent += 4 * h.shape[0] * self.hidden + 8 * len(target)
+            self.bytes_received += 12 * len(target)
+        st = np.stack(stats)  # [S, n, 3]: block max, sum of exp below it, target logit (0 off-block)
+        top = st[:, :, 0].max(axis=0)
+        lse = top + np.log((st[:, :, 1] * np.exp(st[:, :, 0] - top)).sum(axis=0))
+        return lse - st[:, :, 2].sum(axis=0), lse
+
+    def head_backward(self, lse: np.ndarray, coef: np.ndarray) -> paddle.Tensor:
+        """d loss / d h of the positions last sent to head_loss, given each one's loss weight."""
+        msg = np.stack([lse, coef], axis=1).astype("float32")
+        total = None
+        for srv in self.servers:
+            srv.send_header(HEAD_BACK, len(lse))
+            srv.send_array(msg)
+            g = srv.recv_tensor([len(lse), self.hidden], "float32")
+            total = g if total is None else total + g
+            self.bytes_sent += msg.nbytes
+            self.bytes_received += 4 * len(lse) * self.hidden
+        return total
+
+    def push(self, grad: paddle.Tensor, counts: list[int]) -> None:
+        start = 0
+        for srv, n in zip(self.servers, counts):
+            srv.send_header(PUSH, n)
+            if n:
+                srv.send_tensor(grad[start:start + n])
+                self.bytes_sent += 4 * n * self.hidden
+            start += n
+
+    # ---- one step ------------------------------------------------------------------------------
+    def _blocks(self, batch: dict[str, np.ndarray], x: paddle.Tensor) -> paddle.Tensor:
+        from erniekit.train.losses import batch_tensor
+
+        core = self.model.model
+        ids = batch_tensor(batch["input_ids"])
+        packed = bool((batch["segment_ids"] > 1).any())
+        pos = batch_tensor(batch["position_ids"]) if packed else None
+        seg = batch_tensor(batch["segment_ids"]) if packed else None
+        tt = batch_tensor(batch["token_type_ids"]) if "token_type_ids" in batch else None
+        cos, sin, mask = core.rope_and_mask(ids, pos, seg, None, 0, dtype=self.dtype)
+        h = x
+        for layer in core.layers:
+            h = layer(h, cos, sin, mask, None, tt)
+        return core.norm(h)
+
+    def _router_loss(self) -> paddle.Tensor | None:
+        if not (self.model.training and self.model.config.is_moe):
+            return None
+        losses = [m.router_loss for m in self.model.moe_layers() if m.router_loss is not None]
+        return paddle.add_n(losses) if losses else None
+
+    def run(self, micro: list[dict[str, np.ndarray]], n_units: int, on_forward=None) -> tuple[float, float]:
+        """Forward and backward of every micro-batch (block gradients accumulate in .grad, row and
+        head gradients on the servers); returns (loss sum, router-loss sum) over all workers."""
+        loss_sum = aux_sum = 0.0
+        m = len(micro)
+        for batch in micro:
+            batch, w = self.local_rows(batch)
+            B, S = batch["input_ids"].shape
+            rows, inverse, counts = self.pull(batch["input_ids"])
+            x = paddle.gather(rows, paddle.to_tensor(inverse.reshape(-1))).reshape([B, S, self.hidden])
+            h = self._blocks(batch, x).reshape([B * S, self.hidden])
+            if on_forward is not None:
+                on_forward(batch)
+            weight = position_weights(batch["labels"], batch.get("segment_ids"), self.token_balance).reshape(-1)
+            pos = np.nonzero(weight > 0)[0]
+            target = np.zeros(B * S, dtype="int64")
+            target[:-1] = batch["labels"].reshape(-1)[1:]  # position t predicts labels[t+1] (row ends weigh 0)
+            sel = paddle.gather(h, paddle.to_tensor(pos)) if len(pos) else None
+            tensors, grads = [], []
+            if sel is not None:
+                nll, lse = self.head_loss(sel.detach(), target[pos])
+                loss_sum += float((nll * weight[pos]).sum()) * w
+                gh = self.head_backward(lse, weight[pos] * w / max(n_units, 1))
+                tensors.append(sel)
+                grads.append(gh)
+            aux = self._router_loss()
+            if aux is not None:
+                aw = 1.0 if self.group is not None else w  # beside other workers already this one's share
+                aux_sum += float(aux) * aw / m
+                tensors.append(aux * (aw / m))
+                grads.append(None)
+            if tensors:
+                paddle.autograd.backward(tensors, grads)
+            self.push(rows.grad if rows.grad is not None else paddle.zeros_like(rows), counts)
+        vals = [loss_sum, aux_sum]
+        if self.group is not None:
+            vals = self.data_sum(paddle.to_tensor(vals, dtype="float64")).numpy().tolist()
+        return vals[0], vals[1]
+
+    @paddle.no_grad()
+    def reduce_grads(self, named_params: list[tuple[str, paddle.Tensor]]) -> None:
+        """Block gradients summed over the workers (each worker's loss is its share of the batch)."""
+        if self.group is None:
+            return
+        for _, p in named_params:
+            if p.grad is not None:
+                self._all_reduce(p.grad)
+
+    @paddle.no_grad()
+    def finish_step(self, named_params: list[tuple[str, paddle.Tensor]], max_norm: float, lr: float) -> float:
+        """Global gradient norm (blocks here + rows on the servers), the blocks' clip here, and the
+        servers' clipped AdamW update of their rows; returns the norm before clipping."""
+        grads = [p.grad for _, p in named_params if p.grad is not None]
+        sq = sum(float(paddle.sum(g.astype("float32") ** 2)) for g in grads)
+        for srv in self.servers:
+            srv.send_header(STEP, 0)
+            sq += float(srv.recv_array([1], "float64")[0])
+        norm = float(np.sqrt(sq))
+        if self.topo.worker_index == 0:
+            for srv in self.servers:
+                srv.send_array(np.array([norm, lr], dtype="float64"))
+        if max_norm > 0 and norm > max_norm:
+            coef = max_norm / (norm + 1e-6)
+            for g in grads:
+                g.scale_(coef)
+        return norm
+
+    # ---- checkpoints and shutdown ----------------------------------------------------------------
+    def gather_tables(self, with_optimizer: bool) -> list[dict]:
+        """Every server's rows (and moments) on worker 0 ([] on the other workers)."""
+        out = []
+        for srv in self.servers:
+            srv.send_header(SAVE, int(with_optimizer))
+            if self.topo.worker_index == 0:
+                out.append(srv.recv_object())
+        return out
+
+    def full_state(self, state: dict[str, paddle.Tensor]) -> dict[str, paddle.Tensor]:
+        """This worker's HF-layout tensors plus the servers' tables, on worker 0 ({} elsewhere)."""
+        shards = self.gather_tables(with_optimizer=False)
+        if self.topo.worker_index != 0:
+            return {}
+        out = dict(state)
+        for name in shards[0]["tables"]:
+            out[name] = paddle.to_tensor(np.concatenate([sh["tables"][name] for sh in shards]))
+        return out
+
+    def full_optimizer_state(self, opt: dict[str, paddle.Tensor]) -> dict[str, paddle.Tensor]:
+        """This worker's optimizer state plus the servers' moments (in the parameters' own layout:
+        the LM head's as Linear's [hidden, vocab]), on worker 0; unchanged elsewhere."""
+        shards = self.gather_tables(with_optimizer=True)
+        if self.topo.worker_index != 0:
+            return opt
+        out = dict(opt)
+        for name in shards[0]["moments"]:
+            for i, kind in enumerate(("exp_avg", "exp_avg_sq")):
+                full = np.concatenate([sh["moments"][name][i] for sh in shards])
+                out[f"{name}::{kind}"] = paddle.to_tensor(np.ascontiguousarray(full.T if name == "lm_head.weight" else full))
+        return out
+
+    def sync(self) -> None:
+        """A barrier of every process, servers included."""
+        for srv in self.servers:
+            srv.send_header(SYNC, 0)
+        dist.barrier()
+
+    def stop(self) -> None:
+        for srv in self.servers:
+            srv.send_header(STOP, 0)

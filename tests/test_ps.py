@@ -1,0 +1,134 @@
+"""Parameter-server mode (`distributed_mode: ps`, docs/ps.md): servers hold the embedding / LM-head
+rows, workers the blocks. A synchronous run must follow the 1-process curve; its checkpoints are the
+single-process layout; a killed server stops the job with a clear error and a restart resumes."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from erniekit.config import load_config
+from erniekit.config.checks import validate
+from erniekit.distributed.ps.topology import PSTopology, row_ranges
+from erniekit.errors import ConfigError
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CFG = os.path.join(ROOT, "examples", "configs", "tiny", "ps.yaml")
+COMMON = ["max_steps=6", "logging_steps=1", "save_steps=3", "disable_tqdm=true", "max_seq_len=64",
+          "model_overrides.num_hidden_layers=2"]
+
+
+def _train(out, *extra, popen=False):
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "erniekit", "train", CFG, *COMMON, f"output_dir={out}", *extra]
+    if popen:
+        return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    return r
+
+
+def _one_process(out, *extra):
+    return _train(out, "distributed_mode=collective", "nproc_per_node=1", "per_device_train_batch_size=16", *extra)
+
+
+def _curve(out, key="train/loss"):
+    rows = [json.loads(line) for line in open(os.path.join(out, "vdl_log", "scalars.jsonl"))]
+    by_step = {r["step"]: r[key] for r in rows if key in r}
+    return np.array([by_step[s] for s in sorted(by_step)])
+
+
+def _tensors(path):
+    from safetensors.numpy import load_file
+
+    return load_file(os.path.join(path, "model.safetensors"))
+
+
+def test_row_ranges_and_owners():
+    assert row_ranges(10, 3) == [(0, 4), (4, 7), (7, 10)]
+    topo = PSTopology(workers=2, servers=3, rank=0)
+    np.testing.assert_array_equal(topo.owner(np.array([0, 3, 4, 6, 7, 9]), 10), [0, 0, 1, 1, 2, 2])
+    assert not topo.is_server and PSTopology(2, 3, 4).server_index == 2
+
+
+@pytest.mark.parametrize("kw, match", [
+    ({"ps_servers": 3}, "needs at least one worker too, but the job has 3 processes"),
+    ({"tensor_parallel_degree": 2}, "splits the batch over its workers only; drop tensor_parallel_degree=2"),
+    ({"do_eval": True}, "does not evaluate in this version"),
+    ({"stage": "DPO"}, "trains the pretrain and SFT stages, not stage=DPO"),
+])
+def test_ps_config_errors_are_one_line(kw, match):
+    cfg = load_config(CFG, [f"{k}={v}" for k, v in kw.items()])
+    with pytest.raises(ConfigError, match=match) as e:
+        validate(cfg)
+    assert "\n" not in str(e.value)
+
+
+def test_one_server_two_workers_follow_the_one_process_curve(tmp_path):
+    """tiny-moe (tied embedding, router losses): losses, gradient norms and the saved model equal a
+    1-process run over the same global batches; the PS checkpoint resumes in one process."""
+    _train(tmp_path / "ps")
+    _one_process(tmp_path / "one")
+    np.testing.assert_allclose(_curve(tmp_path / "ps"), _curve(tmp_path / "one"), rtol=1e-5)
+    np.testing.assert_allclose(_curve(tmp_path / "ps", "train/grad_norm"), _curve(tmp_path / "one", "train/grad_norm"),
+                               rtol=1e-4)
+    a, b = _tensors(tmp_path / "ps"), _tensors(tmp_path / "one")
+    assert sorted(a) == sorted(b)
+    for k in a:
+        np.testing.assert_allclose(a[k], b[k], rtol=1e-4, atol=1e-5, err_msg=k)
+    results = json.load(open(tmp_path / "ps" / "train_results.json"))
+    assert results["ps_bytes_per_worker"]["sent"] > 0
+    # the PS checkpoint (tables gathered from the server) continues in one process: steps 4-6
+    resumed = tmp_path / "resumed"
+    resumed.mkdir()
+    os.rename(tmp_path / "ps" / "checkpoint-3", resumed / "checkpoint-3")
+    _one_process(resumed, "resume_from_checkpoint=auto")
+    np.testing.assert_allclose(_curve(resumed), _curve(tmp_path / "one")[3:], rtol=1e-5)
+
+
+def test_two_servers_split_untied_tables(tmp_path):
+    """An untied LM head and 2 servers (vocabulary split in two, one worker): the same curve."""
+    untied = ["model_name_or_path=tiny-dense", "model_overrides.tie_word_embeddings=false"]
+    _train(tmp_path / "ps", *untied, "ps_servers=2")
+    _one_process(tmp_path / "one", *untied, "per_device_train_batch_size=8")
+    np.testing.assert_allclose(_curve(tmp_path / "ps"), _curve(tmp_path / "one"), rtol=1e-5)
+    a, b = _tensors(tmp_path / "ps"), _tensors(tmp_path / "one")
+    np.testing.assert_allclose(a["lm_head.weight"], b["lm_head.weight"], rtol=1e-4, atol=1e-5)
+
+
+def _rank_pid(out, rank: int) -> int | None:
+    for d in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            cmd = open(f"/proc/{d}/cmdline").read().split("\0")
+            if not any(c.endswith("launch_entry.py") for c in cmd) or f"output_dir={out}" not in cmd:
+                continue
+            env = dict(kv.split("=", 1) for kv in open(f"/proc/{d}/environ").read().split("\0") if "=" in kv)
+            if int(env["PADDLE_TRAINER_ID"]) == rank:
+                return int(d)
+        except (OSError, KeyError, ValueError):
+            continue
+    return None
+
+
+def test_killed_server_stops_the_job_with_a_clear_error_and_the_restart_resumes(tmp_path):
+    out = tmp_path / "killed"
+    steps = ["max_steps=40", "save_steps=10", "logging_steps=5"]
+    p = _train(out, *steps, "max_restart=1", popen=True)
+    deadline = time.time() + 300
+    while not (out / "checkpoint-10").is_dir() and p.poll() is None and time.time() < deadline:
+        time.sleep(0.1)
+    pid = _rank_pid(out, 2)  # the server
+    assert pid is not None and not (out / "checkpoint-40").exists()
+    os.kill(pid, signal.SIGKILL)
+    stdout, _ = p.communicate(timeout=600)
+    assert p.returncode == 0, stdout[-3000:]
+    assert "restart 1 of 1 from the latest checkpoint" in stdout and "resumed from" in stdout
+    assert "lost parameter server 0 (rank 2)" in stdout  # rank 0 of the first attempt says what stopped it
+    ref = tmp_path / "ref"
+    _train(ref, *steps)
+    np.testing.assert_allclose(_curve(out)[-1], _curve(ref)[-1], rtol=1e-5)
