@@ -241,6 +241,16 @@ def test_tensor_and_expert_parallel_on_four_processes(reference, tmp_path):
     assert plan["expert_all_to_all"] == [[0, 2]]  # rank 0's group: tp coordinate 0 of both data ranks
     assert plan["parameters"]["model.layers.1.mlp.experts.up_proj"]["local_shape"] == [4, 128, 128]
 
+
+def test_expert_parallel_over_four_ranks(reference, tmp_path):
+    """ep=4: three rounds of paired exchanges, each pair on its own process group."""
+    out = tmp_path / "ep4"
+    _ok(_train(_args(out, "tiny-moe", batch=2) + ["nproc_per_node=4", "expert_parallel_degree=4"]))
+    np.testing.assert_allclose(_losses(out), _losses(reference / "moe"), rtol=1e-5)
+    plan = json.load(open(out / "parallel_plan.json"))
+    assert plan["expert_all_to_all"] == [[0, 1, 2, 3]]
+    assert plan["parameters"]["model.layers.1.mlp.experts.up_proj"]["local_shape"] == [2, 128, 128]
+
 def test_expert_parallel_runs_fp8_experts(tmp_path):
     """An expert-parallel process runs its expert slice on local tensors, so the FP8 expert GEMM
     runs there too: 2 processes follow the 1-process FP8 curve (each expert sees the same rows in

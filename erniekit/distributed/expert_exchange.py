@@ -10,7 +10,11 @@ The all-to-all is built from point-to-point sends: Gloo has no all_to_all (measu
 "ProcessGroupGLOO does not support all_to_all"). Ranks meet in pairs, n-1 rounds of a
 round-robin tournament, and in each pair the lower rank sends first: Gloo's send blocks until
 the peer receives, so both ends must agree on the order. Row counts travel first (a small
-all-to-all), so every receiver knows its buffer sizes and no empty message is sent.
+all-to-all), so every receiver knows its buffer sizes and no empty message is sent. Each pair
+talks over a process group of its own: Paddle's gloo tags a message with its group's running
+operation count, so two ranks that skipped different empty messages, or sat out different
+rounds, would disagree on the tag over a shared group and wait forever (measured in the
+parameter-server mode, erniekit/distributed/ps/topology.py).
 """
 
 from __future__ import annotations
@@ -54,9 +58,11 @@ class ExpertExchange:
     that split the experts: they are the data ranks with this process's pipeline and tensor
     coordinates. Injected into each StackedExperts as `expert_parallel`."""
 
-    def __init__(self, ranks: list[int], me: int, mesh):
+    def __init__(self, ranks: list[int], me: int, mesh, pair_groups: dict | None = None):
+        """pair_groups: (lower, higher) exchange index -> the pair's process group (`make_pair_groups`)."""
         self.ranks, self.mesh = list(ranks), mesh
         self.rank, self.size = self.ranks.index(me), len(self.ranks)
+        self.pair_groups = pair_groups or {}
         # this rank's partner in each round (None: a bye)
         self.partners = [next((b if a == self.rank else a for a, b in r if self.rank in (a, b)), None)
                          for r in pair_rounds(self.size)]
@@ -100,13 +106,30 @@ class ExpertExchange:
                 continue
             buf = paddle.empty([recv[peer]] + width, dtype=x.dtype)
             part = x[int(starts[peer]):int(starts[peer + 1])].contiguous()
+            group = self.pair_groups.get((min(me, peer), max(me, peer)))
             for step in ("send", "recv") if me < peer else ("recv", "send"):
                 if step == "send" and send[peer]:
-                    dist.send(part, dst=self.ranks[peer])
+                    dist.send(part, dst=self.ranks[peer], group=group)
                 elif step == "recv" and recv[peer]:
-                    dist.recv(buf, src=self.ranks[peer])
+                    dist.recv(buf, src=self.ranks[peer], group=group)
             out[peer] = buf
         kept = [t for t in out if t is not None and t.shape[0]]
         if not kept:
             return paddle.empty([0] + width, dtype=x.dtype)
         return paddle.concat(kept, axis=0) if len(kept) > 1 else kept[0]
+
+
+def make_pair_groups(exchanges: list[list[int]], me: int) -> dict[tuple[int, int], object]:
+    """A process group for every pair of every exchange (lists of global ranks), created by every
+    rank of the job in one order (group creation is collective), a barrier after each (gloo groups
+    created back to back failed to connect with 4 processes, erniekit/distributed/pipeline.py).
+    Returns this rank's: (lower, higher) index in its exchange -> group."""
+    mine = {}
+    for ranks in exchanges:
+        for a in range(len(ranks)):
+            for b in range(a + 1, len(ranks)):
+                g = dist.new_group([ranks[a], ranks[b]])
+                dist.barrier()
+                if me in (ranks[a], ranks[b]):
+                    mine[(a, b)] = g
+    return mine

@@ -20,7 +20,7 @@ from __future__ import annotations
 import paddle
 import paddle.distributed as dist
 
-from erniekit.distributed.expert_exchange import ExpertExchange
+from erniekit.distributed.expert_exchange import ExpertExchange, make_pair_groups
 from erniekit.distributed.layout import DIMS, Layout
 from erniekit.distributed.pipeline import PipelineTopology
 from erniekit.nn.moe import StackedExperts
@@ -44,6 +44,7 @@ class ParallelContext:
         # pp > 1: each stage keeps its layers as plain tensors and the schedule moves activations
         # (erniekit/distributed/pipeline.py); built in `init`, once the process group exists
         self.pipeline: PipelineTopology | None = None
+        self._exchange: ExpertExchange | None = None
 
     @property
     def data_ranks(self) -> int:
@@ -113,15 +114,22 @@ class ParallelContext:
     def expert_exchange(self) -> ExpertExchange | None:
         """The all-to-all among the data ranks that share this process's tp (and pp) coordinates,
         in the order the nested Shard(0) gives them expert slices (dp outer, sharding inner);
-        None without expert parallelism."""
+        None without expert parallelism. The first call creates the pair groups of every exchange
+        in the job (collective: every rank makes it, from shard_model)."""
         lay = self.layout
         if lay.ep == 1:
             return None
-        me = dist.get_rank()
-        c = lay.coords(me)
-        ranks = [((c["pp"] * lay.dp + d) * lay.sharding + s) * lay.tp + c["tp"]
-                 for d in range(lay.dp) for s in range(lay.sharding)]
-        return ExpertExchange(ranks, me, self.mesh)
+        if self._exchange is None:
+            def ranks_at(pp: int, tp: int) -> list[int]:
+                return [((pp * lay.dp + d) * lay.sharding + s) * lay.tp + tp
+                        for d in range(lay.dp) for s in range(lay.sharding)]
+
+            me = dist.get_rank()
+            c = lay.coords(me)
+            every = [ranks_at(pp, tp) for pp in range(lay.pp) for tp in range(lay.tp)]
+            groups = make_pair_groups(every, me) if lay.ep > 2 else {}  # 2 ranks: each group's ops pair up
+            self._exchange = ExpertExchange(ranks_at(c["pp"], c["tp"]), me, self.mesh, groups)
+        return self._exchange
 
     def plan(self, model: paddle.nn.Layer) -> dict:
         if self.pipeline is not None:  # rank 0 writes it: the first stage's parameters
