@@ -142,8 +142,14 @@ def plan(args: list[str]) -> int:
     p.add_argument("--top", type=int, default=15, help="rows to print")
     p.add_argument("--all", action="store_true", help="also layouts this version cannot run yet (a pipeline beside tp, ep or sharding; stage 3 on CPU)")
     p.add_argument("--json", metavar="PATH", help="write every prediction as JSON")
+    p.add_argument("--mode", choices=("collective", "ps"), default="collective",
+                   help="ps: place the model's parts on a heterogeneous cluster (docs/ps.md)")
+    p.add_argument("--target", type=float, help="--mode ps: throughput target, tokens/s (default: half the fastest "
+                                                "single-type placement)")
     ns = p.parse_intermixed_args(args)
     items = ns.items
+    if ns.mode == "ps":
+        return _plan_ps(items, ns)
     path, overrides = (None, items) if not items or "=" in items[0] else (items[0], items[1:])
     from erniekit.config import load_config
     from erniekit.distributed import planner
@@ -168,6 +174,56 @@ def plan(args: list[str]) -> int:
         with open(ns.json, "w", encoding="utf-8") as f:
             json.dump(rows, f, indent=1)
     return 0 if preds and preds[0].fits else 1
+
+
+def _plan_ps(items: list[str], ns) -> int:
+    """`erniekit plan --mode ps CLUSTER.yaml [CONFIG.yaml] [key=value ...]`: a YAML file with
+    device_types is the cluster, another YAML the training config (default: the embedded one's keys)."""
+    import yaml
+
+    from erniekit.config import load_config
+    from erniekit.distributed import planner
+    from erniekit.distributed.ps.cost_model import load_hetero_cluster
+    from erniekit.distributed.ps.plan import format_rows, plan_placement
+
+    files = [i for i in items if "=" not in i]
+    overrides = [i for i in items if "=" in i]
+    cluster_path, config_path = None, None
+    for f in files:
+        try:
+            with open(f) as fh:
+                raw = yaml.safe_load(fh)
+        except OSError as e:
+            raise ErniekitError(f"{f}: {e.strerror}") from None
+        if isinstance(raw, dict) and "device_types" in raw:
+            cluster_path = f
+        else:
+            config_path = f
+    cfg = load_config(config_path, [o for o in overrides if not o.startswith("cluster=")])
+    cluster_path = cluster_path or next((o.split("=", 1)[1] for o in overrides if o.startswith("cluster=")), None)
+    if not cluster_path:
+        raise ErniekitError("plan --mode ps needs a cluster file with device_types (see examples/clusters/hetero-cpu-gpu.yaml)")
+    cluster = load_hetero_cluster(cluster_path)
+    c = planner.model_config_of(cfg)
+    workers = max(1, cfg.nproc_per_node * cfg.nnodes - (cfg.ps_servers if cfg.distributed_mode == "ps" else 0))
+    batch = cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps * workers
+    rows, target = plan_placement(c, cluster, cfg.max_seq_len, batch, ns.target, seed=cfg.seed)
+    tokens = batch * cfg.max_seq_len
+    print(f"model {cfg.model_name_or_path}: embedding, {c.num_hidden_layers} layers, head; global batch {batch} x "
+          f"{cfg.max_seq_len} tokens; cluster {cluster.name}: " + ", ".join(
+              f"{t.count} {t.name} (${t.price_per_hour}/h)" for t in cluster.types) + f"; target {target:.0f} tokens/s")
+    print(format_rows(rows[:ns.top], tokens))
+    if ns.json:
+        import json
+
+        out = [{"name": r.name, "placement": list(r.placement) if r.placement else None,
+                "feasible": bool(r.evaluation and r.evaluation.feasible),
+                "tokens_per_s": r.evaluation.throughput if r.evaluation else None,
+                "cost_per_batch": r.evaluation.cost_per_batch if r.evaluation and r.evaluation.feasible else None,
+                "devices": r.evaluation.devices if r.evaluation else None} for r in rows]
+        with open(ns.json, "w", encoding="utf-8") as f:
+            json.dump({"target_tokens_per_s": target, "tokens_per_batch": tokens, "rows": out}, f, indent=1)
+    return 0
 
 
 def _eval_parser() -> argparse.ArgumentParser:

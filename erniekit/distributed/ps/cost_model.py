@@ -2,12 +2,16 @@
 the model, how many devices each stage gets, the throughput that gives and what it costs.
 
 The model is a chain of parts: the embedding table, the decoder layers, the LM head (with its
-loss). A placement gives each part a device type; consecutive parts on one type form a stage, and
-stages form a pipeline over micro-batches. A stage of n devices splits its batch n ways (data
+loss). A placement gives each part a device type, optionally marked `*` to start a new stage;
+consecutive parts on one type form a stage unless a `*` cuts it (so several GPU stages can follow
+each other, each all-reducing only its own parameters), and stages form a pipeline over
+micro-batches. A stage of n devices splits its batch n ways (data
 parallel) and all-reduces its parameters' gradients; between stages the activations (and their
 gradients) cross the slower of the two types' links. So, per global batch:
 
     stage time   = (FLOPs / flops_t + memory traffic / membw_t) / n + 2 (n-1)/n * grad bytes / bw_t
+                   (a row-sharded table, as on parameter servers, is split over the n devices and
+                   not all-reduced: its rows are pulled and pushed)
     link time    = 2 * activation bytes / min(bw_a, bw_b)
     batch time   = max over stages and links            (the pipeline's steady state)
     throughput   = tokens per batch / batch time
@@ -51,6 +55,8 @@ class Part:
     activation: float  # floats per token sent to the next part (hidden size)
     saved: float  # floats per token kept for the backward
     memory_traffic: float = 0.0  # bytes per token of memory-bound work
+    sharded: bool = False  # a row-sharded table (parameter-server style): split over the stage's
+    # devices, no all-reduce (rows are pulled and pushed), not replicated like a data-parallel stage
 
 
 @dataclass
@@ -83,7 +89,8 @@ def model_parts(config, seq_len: int) -> list[Part]:
     from erniekit.distributed.planner import layer_costs
 
     H, V = config.hidden_size, config.vocab_size
-    parts = [Part("embedding", flops=0.0, params=V * H, activation=H, saved=0.0, memory_traffic=2 * BYTES * H)]
+    parts = [Part("embedding", flops=0.0, params=V * H, activation=H, saved=0.0, memory_traffic=2 * BYTES * H,
+                  sharded=True)]
     for i, lc in enumerate(layer_costs(config)):
         fwd = lc.attn_flops + lc.mlp_flops + lc.core_flops_per_s * seq_len
         parts.append(Part(f"layer{i}", flops=3 * fwd, params=lc.attn_params + lc.mlp_params, activation=H,
@@ -100,13 +107,16 @@ class PlacementProblem:
         if target <= 0:
             raise ConfigError(f"throughput target {target} must be positive (tokens/s)")
         self.parts, self.cluster, self.tokens, self.target = parts, cluster, tokens, target
-        self.type_names = [t.name for t in cluster.types]
+        self.base_names = [t.name for t in cluster.types]
+        # the choices per part: a type, or a type that starts a new stage (`gpu*`)
+        self.type_names = self.base_names + [n + "*" for n in self.base_names]
         self.budget = tokens / target  # seconds a batch may take
-        acc = {"flops": [0.0], "traffic": [0.0], "params": [0.0], "saved": [0.0]}
+        acc = {"flops": [0.0], "traffic": [0.0], "params": [0.0], "table": [0.0], "saved": [0.0]}
         for p in parts:
             acc["flops"].append(acc["flops"][-1] + p.flops * tokens)
             acc["traffic"].append(acc["traffic"][-1] + p.memory_traffic * tokens)
-            acc["params"].append(acc["params"][-1] + p.params)
+            acc["params"].append(acc["params"][-1] + (0 if p.sharded else p.params))
+            acc["table"].append(acc["table"][-1] + (p.params if p.sharded else 0))
             acc["saved"].append(acc["saved"][-1] + p.saved * tokens)
         self.acc = acc
         # the most any feasible placement can cost: every device busy for the whole budget
@@ -125,8 +135,8 @@ class PlacementProblem:
         t = self.cluster.type(tname)
         A = self._sum("flops", i, j) / t.flops + self._sum("traffic", i, j) / t.memory_bandwidth
         C = 2 * BYTES * self._sum("params", i, j) / t.bandwidth  # the ring all-reduce's limit for large n
-        fixed = STATE * BYTES * self._sum("params", i, j)
-        act = BYTES * self._sum("saved", i, j)
+        fixed = STATE * BYTES * self._sum("params", i, j)  # replicated on each device
+        act = BYTES * self._sum("saved", i, j) + STATE * BYTES * self._sum("table", i, j)  # split n ways
 
         def time(n: int) -> float:
             return A / n + (C * (n - 1) / n if n > 1 else 0.0)
@@ -155,9 +165,10 @@ class PlacementProblem:
         """Cost and throughput of `placement` (a device-type name per part) at the least devices
         that meet the target."""
         bounds, start = [], 0
+        base = [t.rstrip("*") for t in placement]
         for k in range(1, len(placement) + 1):
-            if k == len(placement) or placement[k] != placement[start]:
-                bounds.append((placement[start], start, k))
+            if k == len(placement) or base[k] != base[start] or placement[k].endswith("*"):
+                bounds.append((base[start], start, k))
                 start = k
         used: dict[str, int] = {}
         plan, worst, shortfall, why = [], 0.0, 0.0, ""
