@@ -132,3 +132,37 @@ def test_killed_server_stops_the_job_with_a_clear_error_and_the_restart_resumes(
     ref = tmp_path / "ref"
     _train(ref, *steps)
     np.testing.assert_allclose(_curve(out)[-1], _curve(ref)[-1], rtol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["int8", "topk"])
+def test_compression_with_error_feedback_loses_nothing_for_good(kind):
+    """What the server receives over many pushes sums to the true gradients minus the residual
+    still held (error feedback), and one push is close to its row within the method's error."""
+    from erniekit.distributed.ps.compression import RowCompressor, decode, encode
+
+    rng = np.random.default_rng(0)
+    comp = RowCompressor(kind, vocab=50, hidden=32, topk_ratio=0.25)
+    ids = np.array([3, 7, 11])
+    true_sum, got_sum = np.zeros((3, 32), np.float32), np.zeros((3, 32), np.float32)
+    for _ in range(30):
+        g = rng.standard_normal((3, 32)).astype(np.float32)
+        got = decode(kind, comp.encode(ids, g), 3, 32)
+        true_sum += g
+        got_sum += got
+    np.testing.assert_allclose(got_sum + comp.residual[ids], true_sum, atol=1e-4)
+    assert np.abs(comp.residual[ids]).max() < np.abs(true_sum).max()  # bounded, not growing with the pushes
+    g = rng.standard_normal((3, 32)).astype(np.float32)
+    one = decode(kind, encode(kind, g, 8), 3, 32)
+    if kind == "int8":
+        assert np.abs(one - g).max() <= np.abs(g).max() / 127 * 0.5 + 1e-6
+    else:  # the 8 largest entries of each row kept exactly, the rest 0
+        assert ((one != 0).sum(axis=1) == 8).all() and np.allclose(one[one != 0], g[one != 0])
+
+
+def test_int8_pushes_a_quarter_of_the_bytes_and_trains_alike(tmp_path):
+    _train(tmp_path / "f32", "ps_servers=1")
+    _train(tmp_path / "int8", "ps_compress=int8")
+    a = json.load(open(tmp_path / "f32" / "train_results.json"))["ps_bytes_per_worker"]["pushed_row_gradients"]
+    b = json.load(open(tmp_path / "int8" / "train_results.json"))["ps_bytes_per_worker"]["pushed_row_gradients"]
+    assert 0.2 < b / a < 0.3
+    np.testing.assert_allclose(_curve(tmp_path / "int8"), _curve(tmp_path / "f32"), rtol=2e-3)

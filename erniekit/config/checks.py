@@ -284,6 +284,7 @@ def _check_ps(cfg: TrainConfig) -> None:
 
     world = world_size(cfg)
     _require(cfg.ps_servers >= 1, "ps_servers", cfg.ps_servers, ">= 1")
+    _require(0 < cfg.ps_topk_ratio <= 1, "ps_topk_ratio", cfg.ps_topk_ratio, "in (0, 1]")
     if world <= cfg.ps_servers:
         raise ConfigError(f"distributed_mode=ps with ps_servers={cfg.ps_servers} needs at least one worker too, but the "
                           f"job has {world} processes (nproc_per_node {cfg.nproc_per_node} x nnodes {cfg.nnodes}); "

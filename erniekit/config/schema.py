@@ -36,6 +36,7 @@ SHARDING = {"": "", "none": "", "stage1": "stage1", "stage2": "stage2", "stage3"
 PARALLEL = {"": "", "none": "", "manual": "", "auto": "auto"}
 DISTRIBUTED_MODES = _spellings("collective", "ps")
 PS_SYNC_MODES = _spellings("sync")
+PS_COMPRESSION = _spellings("none", "int8", "topk")
 
 
 def _opt(default: Any, help: str, choices: dict[str, str] | None = None) -> Any:
@@ -252,6 +253,10 @@ class TrainConfig:
     ps_servers: int = _opt(1, "with distributed_mode ps: processes that are parameter servers (the rest are workers)")
     ps_sync_mode: str = _opt("sync", "with distributed_mode ps: sync (every step waits for all workers; equals a "
                              "single-process step)", PS_SYNC_MODES)
+    ps_compress: str = _opt("none", "with distributed_mode ps: compress the pushed row gradients (int8: per-row "
+                            "scale; topk: the ps_topk_ratio largest entries per row), with error feedback",
+                            PS_COMPRESSION)
+    ps_topk_ratio: float = _opt(0.1, "with ps_compress topk: fraction of each row's entries sent")
 
 
 def field_types() -> dict[str, Any]:

@@ -14,10 +14,13 @@ block is the update of those rows).
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import paddle
 import paddle.distributed as dist
 
+from erniekit.distributed.ps.compression import decode, payload_spec
 from erniekit.distributed.ps.topology import (HEAD, HEAD_BACK, OP_NAMES, PULL, PUSH, SAVE, STEP, STOP, SYNC,
                                               PSTopology, row_ranges)
 from erniekit.errors import ErniekitError
@@ -112,10 +115,17 @@ class ParameterServer:
         elif op == PUSH:
             ids = self.pulled.pop(w)
             if len(ids):
-                g = link.recv_tensor([len(ids), H], "float32")
+                kind = self.cfg.ps_compress
+                if kind == "none":
+                    g = link.recv_tensor([len(ids), H], "float32")
+                    self.bytes_in += 4 * len(ids) * H
+                else:  # erniekit/distributed/ps/compression.py
+                    k = max(1, math.ceil(self.cfg.ps_topk_ratio * H))
+                    payload = [link.recv_array(shape, dtype) for shape, dtype in payload_spec(kind, len(ids), H, k)]
+                    g = paddle.to_tensor(decode(kind, payload, len(ids), H))
+                    self.bytes_in += sum(a.nbytes for a in payload)
                 with paddle.no_grad():
                     self.grad[EMBED] = paddle.index_add(self.grad[EMBED], paddle.to_tensor(ids), 0, g)
-                self.bytes_in += 4 * len(ids) * H
         elif op == STEP:
             link.send_array(np.array([self.grad_sq()], dtype="float64"))
         elif op == SAVE:

@@ -18,6 +18,7 @@ from paddle import nn
 
 from erniekit.distributed.ps.topology import (HEAD, HEAD_BACK, PULL, PUSH, SAVE, STEP, STOP, SYNC, PeerLost,
                                               PSTopology, row_ranges)
+from erniekit.distributed.ps.compression import RowCompressor
 from erniekit.train.losses import position_weights
 
 _ACTIVE: "PSWorker | None" = None
@@ -37,7 +38,8 @@ class HeldByServers(nn.Layer):
 
 
 class PSWorker:
-    def __init__(self, topo: PSTopology, model, token_balance: bool = False):
+    def __init__(self, topo: PSTopology, model, token_balance: bool = False, compress: str = "none",
+                 topk_ratio: float = 0.1):
         global _ACTIVE
         self.topo, self.model = topo, model
         c = model.config
@@ -55,6 +57,8 @@ class PSWorker:
             for m in model.moe_layers():
                 m.data_sum, m.data_ranks = self.data_sum, topo.workers
         self.bytes_sent = self.bytes_received = 0
+        self.push_bytes = 0  # of bytes_sent: the row gradients (what ps_compress shrinks)
+        self.compressor = RowCompressor(compress, self.vocab, self.hidden, topk_ratio)
         self.servers = [topo.link(s) for s in range(topo.servers)]  # in server order
         _ACTIVE = self
 
@@ -89,6 +93,7 @@ class PSWorker:
         """The embedding rows of the distinct ids (a leaf that collects their gradient), each
         id's index into them, and how many rows came from each server."""
         uniq, inverse = np.unique(ids, return_inverse=True)
+        self.pulled_ids = uniq
         owner = self.topo.owner(uniq, self.vocab)
         parts, counts = [], []
         for s, srv in enumerate(self.servers):
@@ -134,12 +139,22 @@ class PSWorker:
         return total
 
     def push(self, grad: paddle.Tensor, counts: list[int]) -> None:
+        """The pulled rows' gradients to their servers (compressed with ps_compress)."""
         start = 0
+        g = grad.numpy() if self.compressor.kind != "none" else None
         for srv, n in zip(self.servers, counts):
             srv.send_header(PUSH, n)
             if n:
-                srv.send_tensor(grad[start:start + n])
-                self.bytes_sent += 4 * n * self.hidden
+                if g is None:
+                    srv.send_tensor(grad[start:start + n])
+                    sent = 4 * n * self.hidden
+                else:
+                    payload = self.compressor.encode(self.pulled_ids[start:start + n], g[start:start + n])
+                    for a in payload:
+                        srv.send_array(a)
+                    sent = sum(a.nbytes for a in payload)
+                self.bytes_sent += sent
+                self.push_bytes += sent
             start += n
 
     # ---- one step ------------------------------------------------------------------------------

@@ -164,7 +164,7 @@ def run_train(cfg, log=print) -> dict:
             return serve_tables(cfg, model, ps, log)
         from erniekit.train.ps_worker import PSWorker
 
-        PSWorker(ps, model)  # the trainer sets its loss options
+        PSWorker(ps, model, compress=cfg.ps_compress, topk_ratio=cfg.ps_topk_ratio)  # the trainer sets the loss options
         log(f"parameter-server mode: {ps.workers} workers, {ps.servers} server(s) holding the embedding"
             f"{'' if model.config.tie_word_embeddings else ' and LM head'} rows")
     if ctx is not None:
@@ -217,7 +217,8 @@ def run_train(cfg, log=print) -> dict:
     else:
         save_model_or_adapter(model, cfg.output_dir, tokenizer, cfg.model_name_or_path)
     if trainer.ps is not None:
-        results["ps_bytes_per_worker"] = {"sent": trainer.ps.bytes_sent, "received": trainer.ps.bytes_received}
+        results["ps_bytes_per_worker"] = {"sent": trainer.ps.bytes_sent, "received": trainer.ps.bytes_received,
+                                          "pushed_row_gradients": trainer.ps.push_bytes}
         trainer.ps.stop()
     if main:
         atomic_write_json(os.path.join(cfg.output_dir, "train_results.json"), {"global_step": trainer.step, **results})
