@@ -83,6 +83,11 @@ def test_one_server_two_workers_follow_the_one_process_curve(tmp_path):
         np.testing.assert_allclose(a[k], b[k], rtol=1e-4, atol=1e-5, err_msg=k)
     results = json.load(open(tmp_path / "ps" / "train_results.json"))
     assert results["ps_bytes_per_worker"]["sent"] > 0
+    # int8 pushes (error feedback): about a quarter of the row-gradient bytes, nearly the same curve
+    _train(tmp_path / "int8", "ps_compress=int8")
+    pushed = json.load(open(tmp_path / "int8" / "train_results.json"))["ps_bytes_per_worker"]["pushed_row_gradients"]
+    assert 0.2 < pushed / results["ps_bytes_per_worker"]["pushed_row_gradients"] < 0.3
+    np.testing.assert_allclose(_curve(tmp_path / "int8"), _curve(tmp_path / "ps"), rtol=2e-3)
     # the PS checkpoint (tables gathered from the server) continues in one process: steps 4-6
     resumed = tmp_path / "resumed"
     resumed.mkdir()
@@ -128,7 +133,9 @@ def test_killed_server_stops_the_job_with_a_clear_error_and_the_restart_resumes(
     stdout, _ = p.communicate(timeout=600)
     assert p.returncode == 0, stdout[-3000:]
     assert "restart 1 of 1 from the latest checkpoint" in stdout and "resumed from" in stdout
-    assert "lost parameter server 0 (rank 2)" in stdout  # rank 0 of the first attempt says what stopped it
+    # what stopped the first attempt, in one line: rank 0 names the lost server when gloo times out
+    # first; when the launcher ends the pod first, erniekit names the failure and the logs
+    assert "lost parameter server 0 (rank 2)" in stdout or "erniekit: the job failed (launcher exit code" in stdout
     ref = tmp_path / "ref"
     _train(ref, *steps)
     np.testing.assert_allclose(_curve(out)[-1], _curve(ref)[-1], rtol=1e-5)
@@ -159,10 +166,25 @@ def test_compression_with_error_feedback_loses_nothing_for_good(kind):
         assert ((one != 0).sum(axis=1) == 8).all() and np.allclose(one[one != 0], g[one != 0])
 
 
-def test_int8_pushes_a_quarter_of_the_bytes_and_trains_alike(tmp_path):
-    _train(tmp_path / "f32", "ps_servers=1")
-    _train(tmp_path / "int8", "ps_compress=int8")
-    a = json.load(open(tmp_path / "f32" / "train_results.json"))["ps_bytes_per_worker"]["pushed_row_gradients"]
-    b = json.load(open(tmp_path / "int8" / "train_results.json"))["ps_bytes_per_worker"]["pushed_row_gradients"]
-    assert 0.2 < b / a < 0.3
-    np.testing.assert_allclose(_curve(tmp_path / "int8"), _curve(tmp_path / "f32"), rtol=2e-3)
+def test_async_mode_converges_like_sync(tmp_path):
+    """Async (servers apply each worker's gradients as they come, workers average their blocks every
+    2 steps): it trains, ends near the synchronous loss, and its checkpoint resumes."""
+    steps = ["max_steps=16", "save_steps=8", "logging_steps=4"]
+    _train(tmp_path / "sync", *steps)
+    _train(tmp_path / "async", *steps, "ps_sync_mode=async", "ps_k_steps=2")
+    sync, asyn = _curve(tmp_path / "sync"), _curve(tmp_path / "async")
+    assert asyn[-1] < 0.5 * asyn[0]  # it learns
+    assert abs(asyn[-1] - sync[-1]) < 0.1 * sync[-1]
+    assert not np.allclose(asyn, sync, rtol=1e-6)  # and it is not the synchronous run
+    resumed = tmp_path / "resumed"
+    resumed.mkdir()
+    os.rename(tmp_path / "async" / "checkpoint-8", resumed / "checkpoint-8")
+    r = _train(resumed, *steps, "ps_sync_mode=async", "ps_k_steps=2", "resume_from_checkpoint=auto")
+    assert "resumed from" in r.stdout
+    assert abs(_curve(resumed)[-1] - sync[-1]) < 0.1 * sync[-1]
+
+
+def test_async_saves_only_at_averaging_steps():
+    cfg = load_config(CFG, ["ps_sync_mode=async", "ps_k_steps=4", "save_steps=6"])
+    with pytest.raises(ConfigError, match="save_steps=6 must be a multiple of ps_k_steps=4"):
+        validate(cfg)

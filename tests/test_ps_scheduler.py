@@ -169,3 +169,14 @@ def test_plan_mode_ps_prints_the_placements_and_refuses_an_unreachable_target(tm
     assert r.returncode != 0
     err = [line for line in r.stderr.splitlines() if line.startswith("error:")]
     assert len(err) == 1 and "unreachable" in err[0] and "the best placement found reaches" in err[0]
+
+
+def test_a_cluster_that_cannot_hold_a_part_is_a_one_line_error():
+    from erniekit.distributed.ps.plan import plan_placement
+    from erniekit.models.ernie4_5 import get_preset
+
+    tiny = DeviceType("small", 8, flops=1e12, memory=1e9, bandwidth=1e9, price_per_hour=1.0)
+    with pytest.raises(ConfigError, match=r"no device type can hold layer0: .* need [\d.]+ GB, the most any type "
+                                          r"offers is 1.0 GB") as e:  # the table, row-sharded, fits 8 x 1 GB
+        plan_placement(get_preset("ERNIE-4.5-21B-A3B"), HeteroCluster([tiny], "tiny"), 1024, 8, target=1e3)
+    assert "\n" not in str(e.value)

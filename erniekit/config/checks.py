@@ -285,6 +285,10 @@ def _check_ps(cfg: TrainConfig) -> None:
     world = world_size(cfg)
     _require(cfg.ps_servers >= 1, "ps_servers", cfg.ps_servers, ">= 1")
     _require(0 < cfg.ps_topk_ratio <= 1, "ps_topk_ratio", cfg.ps_topk_ratio, "in (0, 1]")
+    _require(cfg.ps_k_steps >= 1, "ps_k_steps", cfg.ps_k_steps, ">= 1")
+    if cfg.ps_sync_mode == "async" and cfg.save_steps > 0 and cfg.save_steps % cfg.ps_k_steps:
+        raise ConfigError(f"ps_sync_mode=async saves at block-averaging steps: save_steps={cfg.save_steps} must be a "
+                          f"multiple of ps_k_steps={cfg.ps_k_steps}")
     if world <= cfg.ps_servers:
         raise ConfigError(f"distributed_mode=ps with ps_servers={cfg.ps_servers} needs at least one worker too, but the "
                           f"job has {world} processes (nproc_per_node {cfg.nproc_per_node} x nnodes {cfg.nnodes}); "

@@ -35,7 +35,7 @@ RECOMPUTE_GRANULARITIES = _spellings("full", "full_attn", "core_attn", "mlp")
 SHARDING = {"": "", "none": "", "stage1": "stage1", "stage2": "stage2", "stage3": "stage3"}
 PARALLEL = {"": "", "none": "", "manual": "", "auto": "auto"}
 DISTRIBUTED_MODES = _spellings("collective", "ps")
-PS_SYNC_MODES = _spellings("sync")
+PS_SYNC_MODES = _spellings("sync", "async")
 PS_COMPRESSION = _spellings("none", "int8", "topk")
 
 
@@ -252,7 +252,10 @@ class TrainConfig:
                                  DISTRIBUTED_MODES)
     ps_servers: int = _opt(1, "with distributed_mode ps: processes that are parameter servers (the rest are workers)")
     ps_sync_mode: str = _opt("sync", "with distributed_mode ps: sync (every step waits for all workers; equals a "
-                             "single-process step)", PS_SYNC_MODES)
+                             "single-process step) or async (servers apply each worker's gradients as they come; "
+                             "workers average their blocks every ps_k_steps)", PS_SYNC_MODES)
+    ps_k_steps: int = _opt(4, "with ps_sync_mode async: steps between the workers' block averaging (how far they "
+                              "may drift)")
     ps_compress: str = _opt("none", "with distributed_mode ps: compress the pushed row gradients (int8: per-row "
                             "scale; topk: the ps_topk_ratio largest entries per row), with error feedback",
                             PS_COMPRESSION)

@@ -55,4 +55,7 @@ def relaunch(cfg, train_args: list[str], user_threads: str | None = None) -> int
         print(f"erniekit: the job failed (launcher exit code {rc}, see {logs}); restart {attempt + 1} of "
               f"{cfg.max_restart} from the latest checkpoint in {cfg.output_dir}", flush=True)
         args = [a for a in train_args if not a.startswith("resume_from_checkpoint=")] + ["resume_from_checkpoint=auto"]
+    if rc:
+        print(f"erniekit: the job failed (launcher exit code {rc}); every rank's log is in {logs}; run it again with "
+              f"resume_from_checkpoint=auto to continue from the latest checkpoint in {cfg.output_dir}", flush=True)
     return rc

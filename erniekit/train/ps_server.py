@@ -15,6 +15,7 @@ block is the update of those rows).
 from __future__ import annotations
 
 import math
+import threading
 
 import numpy as np
 import paddle
@@ -45,15 +46,28 @@ class ParameterServer:
         # the trainer's rule (optim.build_optimizer): no weight decay on the embedding
         self.opt = AdamW(list(self.w.items()), cfg.learning_rate, cfg.adam_beta1, cfg.adam_beta2, cfg.adam_epsilon,
                          cfg.weight_decay, no_decay={EMBED})
-        self.grad = {n: paddle.zeros_like(p) for n, p in self.w.items()}
+        # gradient accumulators: one shared in sync mode; one per worker in async mode, each
+        # applied as its own update when that worker ends a step
+        self.asynchronous = cfg.ps_sync_mode == "async"
+        self.grads = {w: self._zeros() for w in (range(topo.workers) if self.asynchronous else [0])}
+        self.lock = threading.Lock()  # async: the tables and optimizer, never held across a send/recv
         self.pulled: dict[int, np.ndarray] = {}  # worker -> local row ids of its last pull
         self.head_ctx: dict[int, tuple] = {}  # worker -> (h, z, local target, owned) of its last head request
         self.bytes_in = self.bytes_out = 0
         self.links = [topo.link(w) for w in range(topo.workers)]
 
+    def _zeros(self) -> dict[str, paddle.Tensor]:
+        return {n: paddle.zeros_like(p) for n, p in self.w.items()}
+
+    def _acc(self, w: int) -> dict[str, paddle.Tensor]:
+        return self.grads[w if self.asynchronous else 0]
+
     # ---- the loop --------------------------------------------------------------------------
     def serve(self) -> None:
-        """Rounds of one request per worker (worker 0 first), until the workers send STOP."""
+        """Sync: rounds of one request per worker (worker 0 first), until the workers send STOP.
+        Async: a thread per worker link serves it on its own, until it sends STOP."""
+        if self.asynchronous:
+            return self._serve_async()
         W = self.topo.workers
         while True:
             ops = []
@@ -68,11 +82,36 @@ class ParameterServer:
             op = ops[0]
             if op == STEP:
                 norm, lr = self.links[0].recv_array([2], "float64")
-                self._update(float(norm), float(lr))
+                self._update(float(norm), float(lr), self._acc(0))
             elif op == SYNC:
                 dist.barrier()
             elif op == STOP:
                 return
+
+    def _serve_async(self) -> None:
+        errors: list[BaseException] = []
+
+        def serve_one(w: int) -> None:
+            try:
+                while True:
+                    op, n = self.links[w].recv_header()
+                    if op == STOP:
+                        return
+                    self._handle(op, n, w)
+                    if op == STEP:  # this worker's own update, with its own norm and rate
+                        norm, lr = self.links[w].recv_array([2], "float64")
+                        with self.lock:
+                            self._update(float(norm), float(lr) / self.topo.workers, self._acc(w))
+            except BaseException as e:  # noqa: BLE001 - re-raised by the main thread below
+                errors.append(e)
+
+        threads = [threading.Thread(target=serve_one, args=(w,), daemon=True) for w in range(self.topo.workers)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if errors:
+            raise errors[0]
 
     def _handle(self, op: int, n: int, w: int) -> None:
         H, link = self.hidden, self.links[w]
@@ -80,7 +119,9 @@ class ParameterServer:
             ids = link.recv_array([n], "int64") - self.lo if n else np.zeros([0], "int64")
             self.pulled[w] = ids
             if n:
-                link.send_tensor(paddle.gather(self.w[EMBED], paddle.to_tensor(ids)))
+                with self.lock:
+                    rows = paddle.gather(self.w[EMBED], paddle.to_tensor(ids))
+                link.send_tensor(rows)
                 self.bytes_in += 8 * n
                 self.bytes_out += 4 * n * H
         elif op == HEAD:
@@ -89,12 +130,13 @@ class ParameterServer:
             owned = (target >= self.lo) & (target < self.hi)
             local = np.where(owned, target - self.lo, 0)
             with paddle.no_grad():
-                z = paddle.matmul(h, self.w[self.head_name], transpose_y=True)  # [n, rows]
+                with self.lock:
+                    z = paddle.matmul(h, self.w[self.head_name], transpose_y=True)  # [n, rows]
                 m = z.max(axis=1)
                 se = paddle.exp(z - m.unsqueeze(1)).sum(axis=1)
                 zt = paddle.take_along_axis(z, paddle.to_tensor(local).unsqueeze(1), axis=1).squeeze(1)
                 zt = zt * paddle.to_tensor(owned.astype("float32"))
-                link.send_tensor(paddle.stack([m, se, zt], axis=1))
+            link.send_tensor(paddle.stack([m, se, zt], axis=1))
             self.head_ctx[w] = (h, z, local, owned)
             self.bytes_in += 4 * n * H + 8 * n
             self.bytes_out += 12 * n
@@ -108,8 +150,11 @@ class ParameterServer:
                     idx = paddle.to_tensor(np.stack([rows, local[rows]], axis=1))
                     p = paddle.scatter_nd_add(p, idx, paddle.full([len(rows)], -1.0, "float32"))
                 g = p * lse_coef[:, 1:2]
-                self.grad[self.head_name] += paddle.matmul(g, h, transpose_x=True)
-                link.send_tensor(paddle.matmul(g, self.w[self.head_name]))
+                acc = self._acc(w)
+                with self.lock:
+                    acc[self.head_name] += paddle.matmul(g, h, transpose_x=True)
+                    gh = paddle.matmul(g, self.w[self.head_name])
+            link.send_tensor(gh)
             self.bytes_in += 8 * n
             self.bytes_out += 4 * n * H
         elif op == PUSH:
@@ -124,32 +169,41 @@ class ParameterServer:
                     payload = [link.recv_array(shape, dtype) for shape, dtype in payload_spec(kind, len(ids), H, k)]
                     g = paddle.to_tensor(decode(kind, payload, len(ids), H))
                     self.bytes_in += sum(a.nbytes for a in payload)
-                with paddle.no_grad():
-                    self.grad[EMBED] = paddle.index_add(self.grad[EMBED], paddle.to_tensor(ids), 0, g)
+                acc = self._acc(w)
+                with paddle.no_grad(), self.lock:
+                    acc[EMBED] = paddle.index_add(acc[EMBED], paddle.to_tensor(ids), 0, g)
         elif op == STEP:
-            link.send_array(np.array([self.grad_sq()], dtype="float64"))
+            with self.lock:
+                sq = self.grad_sq(self._acc(w))
+            link.send_array(np.array([sq], dtype="float64"))
         elif op == SAVE:
             if w == 0:
-                link.send_object(self.shard_state(with_optimizer=bool(n)))
+                with self.lock:
+                    state = self.shard_state(with_optimizer=bool(n))
+                link.send_object(state)
         elif op not in (SYNC, STOP):
             raise ErniekitError(f"parameter server {self.topo.server_index}: unknown request {op} from worker {w}")
 
     # ---- the update --------------------------------------------------------------------------
-    def grad_sq(self) -> float:
-        """Sum of squares of this server's gradients, one float32 sum per table as the trainer's clip does."""
-        return float(sum(float(paddle.sum(g ** 2)) for g in self.grad.values()))
+    @staticmethod
+    def grad_sq(acc: dict[str, paddle.Tensor]) -> float:
+        """Sum of squares of gradients, one float32 sum per table as the trainer's clip does."""
+        return float(sum(float(paddle.sum(g ** 2)) for g in acc.values()))
 
     @paddle.no_grad()
-    def _update(self, norm: float, lr: float) -> None:
+    def _update(self, norm: float, lr: float, acc: dict[str, paddle.Tensor]) -> None:
+        """Clipped AdamW on this server's rows from accumulator `acc`, which is then zeroed. Async:
+        every worker's step is an update of its own, at lr / workers, so a step of all the workers
+        moves the tables about as far as one synchronous step."""
         max_norm = self.cfg.max_grad_norm
         if max_norm > 0 and norm > max_norm:
             coef = max_norm / (norm + 1e-6)
-            for g in self.grad.values():
+            for g in acc.values():
                 g.scale_(coef)
         self.opt.set_lr(lr)
-        self.opt.step({id(p): self.grad[n] for n, p in self.w.items()})
-        for n in self.grad:
-            self.grad[n] = paddle.zeros_like(self.w[n])
+        self.opt.step({id(p): acc[n] for n, p in self.w.items()})
+        for n in acc:
+            acc[n] = paddle.zeros_like(self.w[n])
 
     # ---- checkpoints -------------------------------------------------------------------------
     def shard_state(self, with_optimizer: bool) -> dict:

@@ -39,7 +39,10 @@ class HeldByServers(nn.Layer):
 
 class PSWorker:
     def __init__(self, topo: PSTopology, model, token_balance: bool = False, compress: str = "none",
-                 topk_ratio: float = 0.1):
+                 topk_ratio: float = 0.1, k_steps: int = 0):
+        """k_steps > 0: asynchronous mode (docs/ps.md): this worker trains on its own rows with its
+        own block replica, its table gradients are applied by the servers as they come, and the
+        workers average their blocks every k_steps steps (the bound on how far they drift)."""
         global _ACTIVE
         self.topo, self.model = topo, model
         c = model.config
@@ -53,7 +56,8 @@ class PSWorker:
         model.model.embed_tokens = HeldByServers()
         if not self.tied:
             model.lm_head = HeldByServers()
-        if self.group is not None and c.is_moe:  # router losses and loads of the whole batch
+        self.k_steps = k_steps
+        if self.group is not None and c.is_moe and not k_steps:  # router losses and loads of the whole batch
             for m in model.moe_layers():
                 m.data_sum, m.data_ranks = self.data_sum, topo.workers
         self.bytes_sent = self.bytes_received = 0
@@ -179,11 +183,17 @@ class PSWorker:
         losses = [m.router_loss for m in self.model.moe_layers() if m.router_loss is not None]
         return paddle.add_n(losses) if losses else None
 
-    def run(self, micro: list[dict[str, np.ndarray]], n_units: int, on_forward=None) -> tuple[float, float]:
+    def run(self, micro: list[dict[str, np.ndarray]], n_units: int, on_forward=None,
+            normalizer=None) -> tuple[float, float]:
         """Forward and backward of every micro-batch (block gradients accumulate in .grad, row and
-        head gradients on the servers); returns (loss sum, router-loss sum) over all workers."""
+        head gradients on the servers); returns (loss sum, router-loss sum) over all workers.
+        Async: this worker's own mean (normalizer: trained units of a batch), scaled so that
+        dividing by n_units gives it."""
         loss_sum = aux_sum = 0.0
         m = len(micro)
+        global_units = n_units
+        if self.k_steps:
+            n_units = sum(normalizer(self.local_rows(b)[0]) for b in micro)
         for batch in micro:
             batch, w = self.local_rows(batch)
             B, S = batch["input_ids"].shape
@@ -206,13 +216,15 @@ class PSWorker:
                 grads.append(gh)
             aux = self._router_loss()
             if aux is not None:
-                aw = 1.0 if self.group is not None else w  # beside other workers already this one's share
+                aw = 1.0 if self.group is not None and not self.k_steps else w  # beside other workers already this one's share
                 aux_sum += float(aux) * aw / m
                 tensors.append(aux * (aw / m))
                 grads.append(None)
             if tensors:
                 paddle.autograd.backward(tensors, grads)
             self.push(rows.grad if rows.grad is not None else paddle.zeros_like(rows), counts)
+        if self.k_steps:
+            return loss_sum * global_units / max(n_units, 1), aux_sum
         vals = [loss_sum, aux_sum]
         if self.group is not None:
             vals = self.data_sum(paddle.to_tensor(vals, dtype="float64")).numpy().tolist()
@@ -220,8 +232,9 @@ class PSWorker:
 
     @paddle.no_grad()
     def reduce_grads(self, named_params: list[tuple[str, paddle.Tensor]]) -> None:
-        """Block gradients summed over the workers (each worker's loss is its share of the batch)."""
-        if self.group is None:
+        """Block gradients summed over the workers (each worker's loss is its share of the batch);
+        async: none (each worker updates its own replica)."""
+        if self.group is None or self.k_steps:
             return
         for _, p in named_params:
             if p.grad is not None:
@@ -237,7 +250,7 @@ class PSWorker:
             srv.send_header(STEP, 0)
             sq += float(srv.recv_array([1], "float64")[0])
         norm = float(np.sqrt(sq))
-        if self.topo.worker_index == 0:
+        if self.topo.worker_index == 0 or self.k_steps:  # async: every worker's step is an update
             for srv in self.servers:
                 srv.send_array(np.array([norm, lr], dtype="float64"))
         if max_norm > 0 and norm > max_norm:
@@ -279,8 +292,23 @@ class PSWorker:
                 out[f"{name}::{kind}"] = paddle.to_tensor(np.ascontiguousarray(full.T if name == "lm_head.weight" else full))
         return out
 
+    @paddle.no_grad()
+    def after_step(self, step: int, final: bool = False) -> None:
+        """Async: every k_steps steps (and after the last) the workers average their blocks (all
+        parameters, the router biases too), so no replica drifts more than k_steps steps."""
+        if not self.k_steps or self.group is None or (step % self.k_steps and not final):
+            return
+        for p in self.model.parameters():
+            self._all_reduce(p)
+            p.scale_(1.0 / self.topo.workers)
+
     def sync(self) -> None:
-        """A barrier of every process, servers included."""
+        """A barrier of every process, servers included (async: of the workers; each server thread
+        follows its own worker)."""
+        if self.k_steps:
+            if self.group is not None:
+                dist.barrier(group=self.group)
+            return
         for srv in self.servers:
             srv.send_header(SYNC, 0)
         dist.barrier()

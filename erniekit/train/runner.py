@@ -131,6 +131,9 @@ def serve_tables(cfg, model, topo, log) -> dict:
         server.load(*checkpoint_tables(path, model, list(tables)))
     del model, tables
     server.serve()
+    import paddle.distributed as dist
+
+    dist.barrier()  # leave with the workers
     return {"ps_server": topo.server_index, "bytes_in": server.bytes_in, "bytes_out": server.bytes_out}
 
 
@@ -164,7 +167,8 @@ def run_train(cfg, log=print) -> dict:
             return serve_tables(cfg, model, ps, log)
         from erniekit.train.ps_worker import PSWorker
 
-        PSWorker(ps, model, compress=cfg.ps_compress, topk_ratio=cfg.ps_topk_ratio)  # the trainer sets the loss options
+        PSWorker(ps, model, compress=cfg.ps_compress, topk_ratio=cfg.ps_topk_ratio,
+                 k_steps=cfg.ps_k_steps if cfg.ps_sync_mode == "async" else 0)  # the trainer sets the loss options
         log(f"parameter-server mode: {ps.workers} workers, {ps.servers} server(s) holding the embedding"
             f"{'' if model.config.tie_word_embeddings else ' and LM head'} rows")
     if ctx is not None:
@@ -220,6 +224,9 @@ def run_train(cfg, log=print) -> dict:
         results["ps_bytes_per_worker"] = {"sent": trainer.ps.bytes_sent, "received": trainer.ps.bytes_received,
                                           "pushed_row_gradients": trainer.ps.push_bytes}
         trainer.ps.stop()
+        import paddle.distributed as dist
+
+        dist.barrier()  # every role leaves together (a server gone early tore the store down under others)
     if main:
         atomic_write_json(os.path.join(cfg.output_dir, "train_results.json"), {"global_step": trainer.step, **results})
     trainer.logger.close()

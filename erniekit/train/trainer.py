@@ -168,7 +168,8 @@ class Trainer:
             micro_loop = []
         elif self.ps is not None:
             loss_sum, aux_sum = self.ps.run(micro, n_units,
-                                            on_forward=lambda b: self.routing.after_forward(b["segment_ids"] > 0))
+                                            on_forward=lambda b: self.routing.after_forward(b["segment_ids"] > 0),
+                                            normalizer=self.stage.normalizer)
             self.ps.reduce_grads(self.named_params)
             micro_loop = []
         else:
@@ -231,6 +232,8 @@ class Trainer:
                                 "or check the data (the last checkpoint is intact)")
         self.optimizer.clear_grad()
         self.after_update()
+        if self.ps is not None:
+            self.ps.after_step(self.step + 1, final=self.step + 1 == self.total_steps)
         if self.elastic is not None:  # back to the full model before anything else sees it
             apply_elastic(self.model, ElasticSpec())
         self.step += 1

@@ -28,6 +28,20 @@ def describe(ev: Evaluation) -> str:
     return " | ".join(parts)
 
 
+def check_parts_fit(parts, cluster: HeteroCluster) -> None:
+    """Every part must fit some device type: its parameters with gradients and AdamW moments on
+    one device (a row-sharded table: over all devices of the type). One-line error otherwise."""
+    from erniekit.distributed.ps.cost_model import BYTES, STATE
+
+    for p in parts:
+        need = STATE * BYTES * p.params
+        room = max(t.memory * (t.count if p.sharded else 1) for t in cluster.types)
+        if need > room:
+            raise ConfigError(f"cluster {cluster.name}: no device type can hold {p.name}: its parameters, gradients "
+                              f"and optimizer state need {need / 1e9:.1f} GB, the most any type offers is "
+                              f"{room / 1e9:.1f} GB; add a device type with more memory (device_types[].memory)")
+
+
 def default_target(problem_of, cluster: HeteroCluster) -> float:
     """Half the throughput of the fastest single-type placement that fits."""
     probe = problem_of(1.0)
@@ -41,6 +55,7 @@ def plan_placement(model_config, cluster: HeteroCluster, seq_len: int, global_ba
     target is a one-line error naming the best throughput found."""
     tokens = seq_len * global_batch
     parts = model_parts(model_config, seq_len)
+    check_parts_fit(parts, cluster)
 
     def problem_of(t: float) -> PlacementProblem:
         return PlacementProblem(parts, cluster, tokens, t)
