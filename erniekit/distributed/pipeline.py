@@ -10,7 +10,11 @@ embeddings, a copy of the embedding whose gradient is summed with the first stag
 
 Gloo's send blocks until the peer receives, also through `isend` (measured: two ranks that
 isend to each other first time out), so the schedule (erniekit/train/pipeline_schedule.py)
-orders sends and receives so that both ends of every link agree.
+orders sends and receives so that both ends of every link agree. Every link between neighbour
+stages, and every stage leader's link to rank 0 for checkpoints, is a process group of its own:
+Paddle's gloo tags a message with its group's running operation count, so on one shared group a
+middle stage, which talks to both neighbours, soon disagrees with each of them on the tag (pp=3
+timed out at its first step, measured).
 """
 
 from __future__ import annotations
@@ -69,6 +73,8 @@ class PipelineTopology:
         self.layers = range(*self.bounds[self.stage])
         self.data_rank = self.column  # rows of the global batch this rank trains: its slice
         self.pp_group = self.tied_group = self.dp_group = None
+        self.prev_link = self.next_link = None  # groups of this rank and its neighbour stages
+        self.gather_links: dict[int, object] = {}  # stage -> group of rank 0 and that stage's leader
         self.tied = False  # embedding tied to the LM head: set by `keep_stage`
         for c in range(self.per_stage):  # one pipeline per data rank; first+last share the tied embedding
             ranks = [c + s * self.per_stage for s in range(self.pp)]
@@ -81,6 +87,18 @@ class PipelineTopology:
                 g = _group(list(range(s * self.per_stage, (s + 1) * self.per_stage)))
                 if s == self.stage:
                     self.dp_group = g
+        for c in range(self.per_stage):  # neighbour links, one group each (see the module docstring)
+            for s in range(self.pp - 1):
+                a, b = c + s * self.per_stage, c + (s + 1) * self.per_stage
+                g = _group([a, b])
+                if rank == a:
+                    self.next_link = g
+                if rank == b:
+                    self.prev_link = g
+        for s in range(1, self.pp):  # checkpoints: each stage leader to rank 0
+            g = _group([0, s * self.per_stage])
+            if rank in (0, s * self.per_stage):
+                self.gather_links[s] = g
 
     def describe(self) -> str:
         a, b = self.bounds[self.stage]
@@ -121,11 +139,12 @@ class PipelineTopology:
 
     # ---- point to point --------------------------------------------------------------------
     def send(self, t: paddle.Tensor, forward: bool) -> None:
-        dist.send(t.contiguous(), dst=self.next if forward else self.prev)
+        dist.send(t.contiguous(), dst=self.next if forward else self.prev,
+                  group=self.next_link if forward else self.prev_link)
 
     def recv(self, shape: list[int], dtype, forward: bool) -> paddle.Tensor:
         t = paddle.empty(shape, dtype=dtype)
-        dist.recv(t, src=self.prev if forward else self.next)
+        dist.recv(t, src=self.prev if forward else self.next, group=self.prev_link if forward else self.next_link)
         return t
 
     # ---- reductions ------------------------------------------------------------------------
@@ -156,10 +175,11 @@ class PipelineTopology:
             out = dict(tensors)
             for s in range(1, self.pp):
                 got = [None]
-                dist.recv_object_list(got, src=s * self.per_stage)
+                dist.recv_object_list(got, src=s * self.per_stage, group=self.gather_links[s])
                 for k, v in got[0].items():
                     out.setdefault(k, paddle.to_tensor(v))
             return out
         if leader:
-            dist.send_object_list([{k: np.asarray(v.numpy()) for k, v in tensors.items()}], dst=0)
+            dist.send_object_list([{k: np.asarray(v.numpy()) for k, v in tensors.items()}], dst=0,
+                                  group=self.gather_links[self.stage])
         return {}
