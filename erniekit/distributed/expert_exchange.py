@@ -124,12 +124,13 @@ def make_pair_groups(exchanges: list[list[int]], me: int) -> dict[tuple[int, int
     rank of the job in one order (group creation is collective), a barrier after each (gloo groups
     created back to back failed to connect with 4 processes, erniekit/distributed/pipeline.py).
     Returns this rank's: (lower, higher) index in its exchange -> group."""
+    from erniekit.distributed.pipeline import new_group
+
     mine = {}
     for ranks in exchanges:
         for a in range(len(ranks)):
             for b in range(a + 1, len(ranks)):
-                g = dist.new_group([ranks[a], ranks[b]])
-                dist.barrier()
+                g = new_group([ranks[a], ranks[b]])
                 if me in (ranks[a], ranks[b]):
                     mine[(a, b)] = g
     return mine

@@ -50,9 +50,12 @@ def stage_bounds(num_layers: int, pp: int) -> list[tuple[int, int]]:
     return out
 
 
-def _group(ranks: list[int]):
-    """dist.new_group, then a barrier: with gloo, 4 processes creating [0,2], [1,3], [0,1], [2,3]
-    back to back fail to connect (measured); one group at a time they work."""
+def new_group(ranks: list[int]):
+    """dist.new_group between two barriers: with gloo, 4 processes creating [0,2], [1,3], [0,1],
+    [2,3] back to back fail to connect (measured); one group at a time, every rank past the
+    previous step, they work. (Once in ~20 runs under a loaded machine the first group of a
+    3-process pipeline still saw "Connection refused"; the barrier before was added for it.)"""
+    dist.barrier()
     g = dist.new_group(ranks)
     dist.barrier()
     return g
@@ -78,25 +81,30 @@ class PipelineTopology:
         self.tied = False  # embedding tied to the LM head: set by `keep_stage`
         for c in range(self.per_stage):  # one pipeline per data rank; first+last share the tied embedding
             ranks = [c + s * self.per_stage for s in range(self.pp)]
-            g = _group(ranks)
-            t = g if self.pp == 2 else _group([ranks[0], ranks[-1]])
+            g = new_group(ranks)
+            t = g if self.pp == 2 else new_group([ranks[0], ranks[-1]])
             if c == self.column:
                 self.pp_group, self.tied_group = g, t
         if self.per_stage > 1:
             for s in range(self.pp):
-                g = _group(list(range(s * self.per_stage, (s + 1) * self.per_stage)))
+                g = new_group(list(range(s * self.per_stage, (s + 1) * self.per_stage)))
                 if s == self.stage:
                     self.dp_group = g
+        if self.pp == 2:  # the column's pipeline group is the one link: no more groups to create
+            self.next_link = self.prev_link = self.pp_group
+            if self.column == 0:
+                self.gather_links[1] = self.pp_group
+            return
         for c in range(self.per_stage):  # neighbour links, one group each (see the module docstring)
             for s in range(self.pp - 1):
                 a, b = c + s * self.per_stage, c + (s + 1) * self.per_stage
-                g = _group([a, b])
+                g = new_group([a, b])
                 if rank == a:
                     self.next_link = g
                 if rank == b:
                     self.prev_link = g
         for s in range(1, self.pp):  # checkpoints: each stage leader to rank 0
-            g = _group([0, s * self.per_stage])
+            g = new_group([0, s * self.per_stage])
             if rank in (0, s * self.per_stage):
                 self.gather_links[s] = g
 

@@ -110,8 +110,9 @@ def join_ps(cfg):
     dist.init_parallel_env()
     workers = world - cfg.ps_servers
     # the workers' group (their gradient sums): group creation is collective, servers join it too
-    group = dist.new_group(list(range(workers))) if workers > 1 else None
-    dist.barrier()
+    from erniekit.distributed.pipeline import new_group
+
+    group = new_group(list(range(workers))) if workers > 1 else None
     links = make_links(workers, cfg.ps_servers)
     return PSTopology(workers=workers, servers=cfg.ps_servers, rank=dist.get_rank(), worker_group=group, links=links)
 
