@@ -11,6 +11,7 @@ import time
 
 import numpy as np
 import pytest
+from launched_jobs import worker_pids
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DATA = os.path.join(ROOT, "examples", "data", "arithmetic", "train.jsonl")
@@ -106,21 +107,6 @@ def test_checkpoints_move_between_process_counts(reference, tmp_path):
     np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)
 
 
-def _worker_pids(out) -> dict[int, int]:
-    """rank -> PID of this job's workers (found by their command line and rank variable)."""
-    found = {}
-    for d in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            cmd = open(f"/proc/{d}/cmdline").read().split("\0")
-            if not any(c.endswith("launch_entry.py") for c in cmd) or f"output_dir={out}" not in cmd:
-                continue
-            env = dict(kv.split("=", 1) for kv in open(f"/proc/{d}/environ").read().split("\0") if "=" in kv)
-            found[int(env["PADDLE_TRAINER_ID"])] = int(d)
-        except (OSError, KeyError):
-            continue
-    return found
-
-
 def test_killed_worker_restarts_from_the_latest_checkpoint_and_ends_on_the_same_loss(reference, tmp_path):
     out = tmp_path / "killed"
     env = dict(os.environ, OMP_NUM_THREADS="1")
@@ -130,7 +116,7 @@ def test_killed_worker_restarts_from_the_latest_checkpoint_and_ends_on_the_same_
     deadline = time.time() + 300
     while not (out / "checkpoint-10").is_dir() and p.poll() is None and time.time() < deadline:
         time.sleep(0.1)
-    pids = _worker_pids(out)
+    pids = worker_pids(out)
     assert 1 in pids and not (out / "checkpoint-20").exists(), pids
     os.kill(pids[1], signal.SIGKILL)
     stdout, _ = p.communicate(timeout=600)

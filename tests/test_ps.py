@@ -11,6 +11,7 @@ import time
 
 import numpy as np
 import pytest
+from launched_jobs import worker_pids
 
 from erniekit.config import load_config
 from erniekit.config.checks import validate
@@ -106,20 +107,6 @@ def test_two_servers_split_untied_tables(tmp_path):
     np.testing.assert_allclose(a["lm_head.weight"], b["lm_head.weight"], rtol=1e-4, atol=1e-5)
 
 
-def _rank_pid(out, rank: int) -> int | None:
-    for d in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            cmd = open(f"/proc/{d}/cmdline").read().split("\0")
-            if not any(c.endswith("launch_entry.py") for c in cmd) or f"output_dir={out}" not in cmd:
-                continue
-            env = dict(kv.split("=", 1) for kv in open(f"/proc/{d}/environ").read().split("\0") if "=" in kv)
-            if int(env["PADDLE_TRAINER_ID"]) == rank:
-                return int(d)
-        except (OSError, KeyError, ValueError):
-            continue
-    return None
-
-
 def test_killed_server_stops_the_job_with_a_clear_error_and_the_restart_resumes(tmp_path):
     out = tmp_path / "killed"
     steps = ["max_steps=40", "save_steps=10", "logging_steps=5"]
@@ -127,7 +114,7 @@ def test_killed_server_stops_the_job_with_a_clear_error_and_the_restart_resumes(
     deadline = time.time() + 300
     while not (out / "checkpoint-10").is_dir() and p.poll() is None and time.time() < deadline:
         time.sleep(0.1)
-    pid = _rank_pid(out, 2)  # the server
+    pid = worker_pids(out).get(2)  # the server
     assert pid is not None and not (out / "checkpoint-40").exists()
     os.kill(pid, signal.SIGKILL)
     stdout, _ = p.communicate(timeout=600)

@@ -82,33 +82,16 @@ def modelled(unique_fraction: float) -> dict:
 
 
 def scheduler_quality() -> dict:
-    from erniekit.distributed.ps.scheduler import exact, feasible_target, greedy, rl_search, synthetic_instance
+    from erniekit.distributed.ps.scheduler import against_exact, against_greedy
 
-    hits = total = 0
     t0 = time.perf_counter()
-    for seed in range(40):
-        rng = np.random.default_rng(seed)
-        cluster, parts = synthetic_instance(rng, int(rng.integers(4, 6)), int(rng.integers(2, 4)))
-        prob = feasible_target(parts, cluster, 4096)
-        if prob is None:
-            continue
-        total += 1
-        hits += rl_search(prob, seed=seed).cost <= exact(prob).cost * (1 + 1e-9)
-    small = {"instances": total, "rl_equals_exact": hits, "seconds": time.perf_counter() - t0}
-    ratios, better, n = [], 0, 0
-    for seed in range(12):
-        rng = np.random.default_rng(100 + seed)
-        cluster, parts = synthetic_instance(rng, 40, 3)
-        prob = feasible_target(parts, cluster, 4096, solver=greedy)
-        if prob is None:
-            continue
-        n += 1
-        g = greedy(prob)
-        rl = rl_search(prob, seed=seed, warm_start=g.placement)
-        better += rl.cost < g.cost * (1 - 1e-6)
-        ratios.append(rl.cost / g.cost)
-    large = {"instances": n, "rl_cheaper_than_greedy": better, "mean_rl_over_greedy_cost": float(np.mean(ratios)),
-             "min_rl_over_greedy_cost": float(np.min(ratios))}
+    pairs = against_exact(range(40))
+    small = {"instances": len(pairs), "rl_equals_exact": sum(rl <= ex * (1 + 1e-9) for rl, ex in pairs),
+             "seconds": time.perf_counter() - t0}
+    pairs = against_greedy(range(12))
+    ratios = [rl / g for rl, g in pairs]
+    large = {"instances": len(pairs), "rl_cheaper_than_greedy": sum(rl < g * (1 - 1e-6) for rl, g in pairs),
+             "mean_rl_over_greedy_cost": float(np.mean(ratios)), "min_rl_over_greedy_cost": float(np.min(ratios))}
     return {"small_4_5_parts": small, "large_40_parts": large}
 
 

@@ -43,6 +43,44 @@ def one_f_one_b(pp: int, stage: int, m: int) -> list[tuple[str, int]]:
     return ops
 
 
+def data_rank_rows(batch: dict[str, np.ndarray], ranks: int, rank: int) -> tuple[dict[str, np.ndarray], float]:
+    """Data rank `rank` of `ranks`: its rows of a global micro-batch, and the weight of its loss.
+    A batch that does not split evenly is computed whole by every data rank, each with weight
+    1/ranks. Shared by pipeline stages and parameter-server workers."""
+    b = len(batch["input_ids"])
+    if ranks == 1:
+        return batch, 1.0
+    if b % ranks:
+        return batch, 1.0 / ranks
+    n = b // ranks
+    sl = slice(rank * n, (rank + 1) * n)
+    return {key: v[sl] for key, v in batch.items()}, 1.0
+
+
+def run_layers(model, batch: dict[str, np.ndarray], x: paddle.Tensor | None, layers, dtype) -> paddle.Tensor:
+    """Decoder layers `layers` of `model` over a batch; x: their input, None = embed the ids here.
+    RoPE and the attention mask are built as the full model's forward builds them."""
+    core = model.model
+    ids = batch_tensor(batch["input_ids"])
+    packed = bool((batch["segment_ids"] > 1).any())
+    pos = batch_tensor(batch["position_ids"]) if packed else None
+    seg = batch_tensor(batch["segment_ids"]) if packed else None
+    tt = batch_tensor(batch["token_type_ids"]) if "token_type_ids" in batch else None
+    cos, sin, mask = core.rope_and_mask(ids, pos, seg, None, 0, dtype=dtype)
+    h = core.embed_tokens(ids) if x is None else x
+    for i in layers:
+        h = core.layers[i](h, cos, sin, mask, None, tt)
+    return h
+
+
+def router_loss(model) -> paddle.Tensor | None:
+    """Sum of the weighted router losses of the model's MoE layers in the last forward (training)."""
+    if not (model.training and model.config.is_moe):
+        return None
+    losses = [m.router_loss for m in model.moe_layers() if m.router_loss is not None]
+    return paddle.add_n(losses) if losses else None
+
+
 class PipelineStep:
     def __init__(self, topo: PipelineTopology, model, token_balance: bool = False):
         self.topo, self.model = topo, model
@@ -52,38 +90,15 @@ class PipelineStep:
 
     # ---- data ------------------------------------------------------------------------------
     def local_rows(self, batch: dict[str, np.ndarray]) -> tuple[dict[str, np.ndarray], float]:
-        """This data rank's rows of a global micro-batch, and the weight of its loss: a batch
-        that does not split evenly is computed whole by every data rank, each with weight 1/k."""
-        k, b = self.topo.per_stage, len(batch["input_ids"])
-        if k == 1:
-            return batch, 1.0
-        if b % k:
-            return batch, 1.0 / k
-        n = b // k
-        sl = slice(self.topo.data_rank * n, (self.topo.data_rank + 1) * n)
-        return {key: v[sl] for key, v in batch.items()}, 1.0
+        return data_rank_rows(batch, self.topo.per_stage, self.topo.data_rank)
 
     # ---- one stage's share of the model ----------------------------------------------------
     def _stage_forward(self, batch: dict[str, np.ndarray], x: paddle.Tensor | None) -> paddle.Tensor:
-        core, topo = self.model.model, self.topo
-        ids = batch_tensor(batch["input_ids"])
-        packed = bool((batch["segment_ids"] > 1).any())
-        pos = batch_tensor(batch["position_ids"]) if packed else None
-        seg = batch_tensor(batch["segment_ids"]) if packed else None
-        tt = batch_tensor(batch["token_type_ids"]) if "token_type_ids" in batch else None
-        cos, sin, mask = core.rope_and_mask(ids, pos, seg, None, 0, dtype=self.dtype)
-        h = core.embed_tokens(ids) if topo.first else x
-        for i in topo.layers:
-            h = core.layers[i](h, cos, sin, mask, None, tt)
+        topo = self.topo
+        h = run_layers(self.model, batch, None if topo.first else x, topo.layers, self.dtype)
         if topo.last:
-            return self.model.head(core.norm(h))
+            return self.model.head(self.model.model.norm(h))
         return h.astype(self.dtype)
-
-    def _router_loss(self) -> paddle.Tensor | None:
-        if not (self.model.training and self.model.config.is_moe):
-            return None
-        losses = [m.router_loss for m in self.model.moe_layers() if m.router_loss is not None]
-        return paddle.add_n(losses) if losses else None
 
     def _recv_input(self, batch: dict[str, np.ndarray]) -> paddle.Tensor | None:
         if self.topo.first:
@@ -115,7 +130,7 @@ class PipelineStep:
                 out = self._stage_forward(batch, x)
             if on_forward is not None:
                 on_forward(batch)
-            aux = self._router_loss()
+            aux = router_loss(self.model)
             # beside dp the router losses are already this rank's share of the whole batch's
             # (MoEBlock.data_sum), also for a batch every data rank computes whole
             aw = 1.0 if topo.dp_group is not None else w

@@ -223,6 +223,15 @@ class ParameterServer:
             self.opt.v[n] = paddle.to_tensor(np.ascontiguousarray(v[self.lo:self.hi], dtype="float32"))
 
 
+def model_tables(model) -> dict[str, np.ndarray]:
+    """The tables a server shards, in HF layout (one row per token): the embedding, and the LM
+    head when it is not tied."""
+    tables = {EMBED: model.model.embed_tokens.weight.numpy()}
+    if not model.config.tie_word_embeddings:
+        tables[HEAD_NAME] = model.lm_head.weight.numpy().T  # Linear's [hidden, vocab] -> rows
+    return tables
+
+
 def checkpoint_tables(path: str, model, names: list[str]) -> tuple[dict, dict, int]:
     """(full tables in HF layout, their AdamW moments in the same layout, optimizer step) of a
     training checkpoint: what a server resumes its rows from. `model` is this process's full
@@ -235,9 +244,7 @@ def checkpoint_tables(path: str, model, names: list[str]) -> tuple[dict, dict, i
     from erniekit.train.checkpointing import OPTIMIZER_NAME
 
     load_state_into(model, path)
-    tables = {EMBED: model.model.embed_tokens.weight.numpy()}
-    if HEAD_NAME in names:
-        tables[HEAD_NAME] = model.lm_head.weight.numpy().T
+    tables = model_tables(model)
     moments, step = {}, 0
     opt_file = os.path.join(path, OPTIMIZER_NAME)
     if os.path.isfile(opt_file):

@@ -20,6 +20,7 @@ from erniekit.distributed.ps.topology import (HEAD, HEAD_BACK, PULL, PUSH, SAVE,
                                               PSTopology, row_ranges)
 from erniekit.distributed.ps.compression import RowCompressor
 from erniekit.train.losses import position_weights
+from erniekit.train.pipeline_schedule import data_rank_rows, router_loss, run_layers
 
 _ACTIVE: "PSWorker | None" = None
 
@@ -81,16 +82,8 @@ class PSWorker:
         return out
 
     def local_rows(self, batch: dict[str, np.ndarray]) -> tuple[dict[str, np.ndarray], float]:
-        """This worker's rows of a global micro-batch and its loss weight (a batch that does not
-        split evenly is computed whole by every worker, each with weight 1/W)."""
-        k, b = self.topo.workers, len(batch["input_ids"])
-        if k == 1:
-            return batch, 1.0
-        if b % k:
-            return batch, 1.0 / k
-        n = b // k
-        sl = slice(self.topo.worker_index * n, (self.topo.worker_index + 1) * n)
-        return {key: v[sl] for key, v in batch.items()}, 1.0
+        """This worker's rows of a global micro-batch and its loss weight (workers split batches like data ranks)."""
+        return data_rank_rows(batch, self.topo.workers, self.topo.worker_index)
 
     # ---- the exchanges -----------------------------------------------------------------------
     def pull(self, ids: np.ndarray) -> tuple[paddle.Tensor, np.ndarray, list[int]]:
@@ -162,27 +155,6 @@ class PSWorker:
             start += n
 
     # ---- one step ------------------------------------------------------------------------------
-    def _blocks(self, batch: dict[str, np.ndarray], x: paddle.Tensor) -> paddle.Tensor:
-        from erniekit.train.losses import batch_tensor
-
-        core = self.model.model
-        ids = batch_tensor(batch["input_ids"])
-        packed = bool((batch["segment_ids"] > 1).any())
-        pos = batch_tensor(batch["position_ids"]) if packed else None
-        seg = batch_tensor(batch["segment_ids"]) if packed else None
-        tt = batch_tensor(batch["token_type_ids"]) if "token_type_ids" in batch else None
-        cos, sin, mask = core.rope_and_mask(ids, pos, seg, None, 0, dtype=self.dtype)
-        h = x
-        for layer in core.layers:
-            h = layer(h, cos, sin, mask, None, tt)
-        return core.norm(h)
-
-    def _router_loss(self) -> paddle.Tensor | None:
-        if not (self.model.training and self.model.config.is_moe):
-            return None
-        losses = [m.router_loss for m in self.model.moe_layers() if m.router_loss is not None]
-        return paddle.add_n(losses) if losses else None
-
     def run(self, micro: list[dict[str, np.ndarray]], n_units: int, on_forward=None,
             normalizer=None) -> tuple[float, float]:
         """Forward and backward of every micro-batch (block gradients accumulate in .grad, row and
@@ -199,7 +171,8 @@ class PSWorker:
             B, S = batch["input_ids"].shape
             rows, inverse, counts = self.pull(batch["input_ids"])
             x = paddle.gather(rows, paddle.to_tensor(inverse.reshape(-1))).reshape([B, S, self.hidden])
-            h = self._blocks(batch, x).reshape([B * S, self.hidden])
+            core = self.model.model
+            h = core.norm(run_layers(self.model, batch, x, range(len(core.layers)), self.dtype)).reshape([B * S, self.hidden])
             if on_forward is not None:
                 on_forward(batch)
             weight = position_weights(batch["labels"], batch.get("segment_ids"), self.token_balance).reshape(-1)
@@ -214,7 +187,7 @@ class PSWorker:
                 gh = self.head_backward(lse, weight[pos] * w / max(n_units, 1))
                 tensors.append(sel)
                 grads.append(gh)
-            aux = self._router_loss()
+            aux = router_loss(self.model)
             if aux is not None:
                 aw = 1.0 if self.group is not None and not self.k_steps else w  # beside other workers already this one's share
                 aux_sum += float(aux) * aw / m

@@ -121,11 +121,9 @@ def serve_tables(cfg, model, topo, log) -> dict:
     """A parameter server's whole run: its rows of the tables (resumed from the checkpoint the
     workers resume from), then requests until the workers stop it."""
     from erniekit.train.checkpointing import resolve_resume
-    from erniekit.train.ps_server import ParameterServer, checkpoint_tables
+    from erniekit.train.ps_server import ParameterServer, checkpoint_tables, model_tables
 
-    tables = {"model.embed_tokens.weight": model.model.embed_tokens.weight.numpy()}
-    if not model.config.tie_word_embeddings:
-        tables["lm_head.weight"] = model.lm_head.weight.numpy().T  # HF layout: one row per token
+    tables = model_tables(model)
     server = ParameterServer(topo, tables, cfg)
     path = resolve_resume(cfg.resume_from_checkpoint, cfg.output_dir)
     if path is not None:

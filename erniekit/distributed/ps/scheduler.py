@@ -180,3 +180,31 @@ def feasible_target(parts, cluster, tokens: int, solver=None) -> PlacementProble
         if res.placement is not None and res.evaluation.feasible:
             return prob
     return None
+
+
+def against_exact(seeds) -> list[tuple[float, float]]:
+    """(RL cost, exact cost) on seeded small enumerable instances (4-5 parts, 2-3 types, instance
+    `seed` drawn from default_rng(seed)), each at the highest target some placement meets; seeds
+    with none are skipped. The scheduler's quality test and tools/bench_ps.py."""
+    out = []
+    for seed in seeds:
+        rng = np.random.default_rng(seed)
+        cluster, parts = synthetic_instance(rng, int(rng.integers(4, 6)), int(rng.integers(2, 4)))
+        prob = feasible_target(parts, cluster, 4096)
+        if prob is not None:
+            out.append((rl_search(prob, seed=seed).cost, exact(prob).cost))
+    return out
+
+
+def against_greedy(seeds) -> list[tuple[float, float]]:
+    """(RL cost, greedy cost) on seeded 40-part, 3-type instances (default_rng(100 + seed)), each at
+    the highest target greedy meets; RL warm-started from the greedy placement."""
+    out = []
+    for seed in seeds:
+        rng = np.random.default_rng(100 + seed)
+        cluster, parts = synthetic_instance(rng, 40, 3)
+        prob = feasible_target(parts, cluster, 4096, solver=greedy)
+        if prob is not None:
+            g = greedy(prob)
+            out.append((rl_search(prob, seed=seed, warm_start=g.placement).cost, g.cost))
+    return out
