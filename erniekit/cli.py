@@ -66,6 +66,8 @@ def train(args: list[str]) -> int:
         best = auto_plan(cfg)
         print(f"erniekit: parallel: auto chose {best.plan.describe()} (predicted {best.step_s:.3f} s/step, "
               f"{best.memory / 1e9:.2f} GB per device; erniekit plan shows the ranking)", flush=True)
+    if cfg.distributed_mode == "ps" and cfg.ps_placement == "auto" and not in_launched_worker():
+        cfg, args = _apply_ps_placement(cfg, path, overrides)
     from erniekit.distributed.layout import world_size
 
     if world_size(cfg) > 1 and not in_launched_worker():
@@ -74,6 +76,31 @@ def train(args: list[str]) -> int:
 
     result = run_train(cfg)
     return result if isinstance(result, int) and not isinstance(result, bool) else 0
+
+
+def _apply_ps_placement(cfg, path: str | None, overrides: list[str]):
+    """ps_placement: auto: the scheduler's stages become overrides every launched process gets
+    (and the restart after a failure), and the plan is written to output_dir/ps_placement.json."""
+    import json
+
+    from erniekit.config import load_config, validate
+    from erniekit.distributed.ps.plan import placement_for_config
+
+    auto = placement_for_config(cfg)
+    print(f"erniekit: ps_placement auto on {cfg.cluster}: {auto.describe()}", flush=True)
+    args = ([path] if path else []) + list(overrides) + auto.overrides()
+    cfg = validate(load_config(path, list(overrides) + auto.overrides()))
+    os.makedirs(cfg.output_dir, exist_ok=True)
+    rows = [{"name": r.name, "placement": list(r.placement) if r.placement else None,
+             "feasible": bool(r.evaluation and r.evaluation.feasible),
+             "tokens_per_s": r.evaluation.throughput if r.evaluation else None} for r in auto.rows]
+    with open(os.path.join(cfg.output_dir, "ps_placement.json"), "w", encoding="utf-8") as f:
+        json.dump({"cluster": cfg.cluster, "target_tokens_per_s": auto.target, "stage_layers": auto.stage_layers,
+                   "stage_types": auto.stage_types, "stage_devices": auto.stage_devices,
+                   "workers_per_stage": auto.replicas, "processes": auto.processes,
+                   "predicted_tokens_per_s": auto.evaluation.throughput,
+                   "cost_per_batch": auto.evaluation.cost_per_batch, "candidates": rows}, f, indent=1)
+    return cfg, args
 
 
 def _chat_parser() -> argparse.ArgumentParser:

@@ -59,7 +59,7 @@ def test_row_ranges_and_owners():
 
 @pytest.mark.parametrize("kw, match", [
     ({"ps_servers": 3}, "needs at least one worker too, but the job has 3 processes"),
-    ({"tensor_parallel_degree": 2}, "splits the batch over its workers only; drop tensor_parallel_degree=2"),
+    ({"tensor_parallel_degree": 2}, "splits the batch over its workers \(and pipeline stages\) only; drop tensor_parallel_degree=2"),
     ({"do_eval": True}, "does not evaluate in this version"),
     ({"stage": "DPO"}, "trains the pretrain and SFT stages, not stage=DPO"),
 ])
@@ -67,6 +67,92 @@ def test_ps_config_errors_are_one_line(kw, match):
     cfg = load_config(CFG, [f"{k}={v}" for k, v in kw.items()])
     with pytest.raises(ConfigError, match=match) as e:
         validate(cfg)
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("over, match", [
+    (["pipeline_parallel_degree=2", "nproc_per_node=4"], "pipeline_parallel_degree=2 does not divide the 3 workers"),
+    (["pipeline_parallel_degree=2", "ps_sync_mode=async", "save_steps=4"], "async runs without pipeline stages"),
+    (["pipeline_parallel_degree=2", "ps_stage_devices=[cpu]"], "names 1 devices for pipeline_parallel_degree=2"),
+    (["pipeline_parallel_degree=2", "ps_stage_devices=[cpu,tpu]"], "'tpu' is not a device"),
+    (["pipeline_parallel_degree=2", "pipeline_stage_layers=[1,1,1]"], "lists 3 stages but pipeline_parallel_degree=2"),
+    (["ps_placement=auto"], "ps_placement=auto needs cluster=PATH"),
+])
+def test_ps_pipeline_config_errors_are_one_line(over, match):
+    with pytest.raises(ConfigError, match=match) as e:
+        validate(load_config(CFG, over))
+    assert "\n" not in str(e.value)
+
+
+def test_a_gpu_stage_needs_a_cuda_build():
+    import paddle
+
+    cfg = load_config(CFG, ["pipeline_parallel_degree=2", "ps_stage_devices=[cpu,gpu]"])
+    if paddle.device.is_compiled_with_cuda():
+        validate(cfg)
+    else:
+        with pytest.raises(ConfigError, match="puts a stage on gpu, but this Paddle build has no CUDA"):
+            validate(cfg)
+
+
+def test_pipeline_stages_of_workers_follow_the_one_process_curve(tmp_path):
+    """Workers as 2 pipeline stages (layer 0 | layers 1-2, 1F1B over 3 micro-batches): the first
+    pulls and pushes rows, the last asks the server for the loss; losses, gradient norms and the
+    saved model equal 1 process, and the checkpoint (stages and server rows gathered) resumes there."""
+    shape = ["model_overrides.num_hidden_layers=3", "gradient_accumulation_steps=3", "per_device_train_batch_size=4"]
+    r = _train(tmp_path / "pp", *shape, "pipeline_parallel_degree=2", "pipeline_stage_layers=[1,2]")
+    assert "workers in 2 pipeline stages of layers 0-0, 1-2" in r.stdout
+    _one_process(tmp_path / "one", *shape, "per_device_train_batch_size=4")
+    np.testing.assert_allclose(_curve(tmp_path / "pp"), _curve(tmp_path / "one"), rtol=1e-5)
+    np.testing.assert_allclose(_curve(tmp_path / "pp", "train/grad_norm"), _curve(tmp_path / "one", "train/grad_norm"),
+                               rtol=1e-4)
+    a, b = _tensors(tmp_path / "pp"), _tensors(tmp_path / "one")
+    assert sorted(a) == sorted(b)
+    for k in a:
+        np.testing.assert_allclose(a[k], b[k], rtol=1e-4, atol=1e-5, err_msg=k)
+    resumed = tmp_path / "resumed"
+    resumed.mkdir()
+    os.rename(tmp_path / "pp" / "checkpoint-3", resumed / "checkpoint-3")
+    _one_process(resumed, *shape, "per_device_train_batch_size=4", "resume_from_checkpoint=auto")
+    np.testing.assert_allclose(_curve(resumed), _curve(tmp_path / "one")[3:], rtol=1e-5)
+
+
+TWO_KINDS = """name: two-cpu-kinds
+device_types:
+  - {name: fast, count: 1, flops: 1.0e+9, memory: 1.0e+9, bandwidth: 1.0e+9, price_per_hour: 2.0, device: cpu}
+  - {name: slow, count: 1, flops: 0.8e+9, memory: 1.0e+9, bandwidth: 1.0e+9, price_per_hour: 1.0, device: cpu}
+"""
+
+
+def test_auto_placement_runs_the_schedulers_stages(tmp_path):
+    """ps_placement: auto on a cluster of one fast and one slow CPU worker, at a target neither
+    meets with both layers (tiny-moe, 512 tokens per batch: ~1.3 s of FLOPs for 2 layers, budget
+    1 s): the plan cuts the layers over the two kinds, cheaper kind first (its layer is lighter),
+    the launch follows it (1 server + 2 stages), and training follows the 1-process curve."""
+    cluster = tmp_path / "two.yaml"
+    cluster.write_text(TWO_KINDS)
+    r = _train(tmp_path / "auto", "ps_placement=auto", f"cluster={cluster}", "ps_target=512", "nproc_per_node=1")
+    assert "ps_placement auto" in r.stdout and "slow x1 [layer0] | fast x1 [layer1]" in r.stdout
+    plan = json.load(open(tmp_path / "auto" / "ps_placement.json"))
+    assert plan["stage_layers"] == [1, 1] and plan["stage_types"] == ["slow", "fast"] and plan["processes"] == 3
+    exact = next(c for c in plan["candidates"] if c["name"] == "exact")
+    assert exact["tokens_per_s"] == pytest.approx(plan["predicted_tokens_per_s"])  # RL found the optimum
+    assert "workers in 2 pipeline stages of layers 0-0, 1-1" in r.stdout
+    _one_process(tmp_path / "one", "per_device_train_batch_size=8")
+    np.testing.assert_allclose(_curve(tmp_path / "auto"), _curve(tmp_path / "one"), rtol=1e-5)
+
+
+def test_auto_placement_errors_name_the_launch_and_the_best_throughput(tmp_path):
+    from erniekit.distributed.ps.plan import placement_for_config
+
+    cluster = tmp_path / "two.yaml"
+    cluster.write_text(TWO_KINDS)
+    base = [*COMMON, "ps_placement=auto", f"cluster={cluster}"]
+    with pytest.raises(ConfigError, match=r"needs 3 processes \(1 server\(s\) \+ 2 stage\(s\) x 1 worker\(s\)\), "
+                                          r"but nproc_per_node=5"):
+        placement_for_config(validate(load_config(CFG, [*base, "ps_target=512", "nproc_per_node=5"])))
+    with pytest.raises(ConfigError, match=r"ps_target 5000 tokens/s is unreachable .* reaches \d+ tokens/s") as e:
+        placement_for_config(validate(load_config(CFG, [*base, "ps_target=5000"])))
     assert "\n" not in str(e.value)
 
 

@@ -165,3 +165,54 @@ def test_a_cluster_that_cannot_hold_a_part_is_a_one_line_error():
                                           r"offers is 1.0 GB") as e:  # the table, row-sharded, fits 8 x 1 GB
         plan_placement(get_preset("ERNIE-4.5-21B-A3B"), HeteroCluster([tiny], "tiny"), 1024, 8, target=1e3)
     assert "\n" not in str(e.value)
+
+
+def test_fixed_workers_per_stage_cost_every_stage_that_many_devices():
+    """replicas=R (ps_stage_workers: the PS pipeline runs R copies of itself): a stage gets R
+    devices, not the fewest that meet the target; it is infeasible when R are too slow or cannot
+    hold its share, and the device counts of all stages add up against the cluster's."""
+    rng = np.random.default_rng(3)
+    for _ in range(100):
+        cluster, parts = synthetic_instance(rng, 3, 2)
+        target = float(10 ** rng.uniform(2, 6))
+        for r in (1, 2, 3):
+            prob = PlacementProblem(parts, cluster, 4096, target, replicas=r)
+            for t in cluster.types:
+                n, time, _ = prob.stage(t.name, 0, 3)
+                flops = sum(p.flops for p in parts) * 4096
+                traffic = sum(p.memory_traffic for p in parts) * 4096
+                grad = BYTES * sum(p.params for p in parts)
+                want_t = (flops / t.flops + traffic / t.memory_bandwidth) / r + (2 * (r - 1) / r * grad / t.bandwidth)
+                mem = STATE * BYTES * sum(p.params for p in parts) + BYTES * 4096 * sum(p.saved for p in parts) / r
+                assert time == pytest.approx(want_t)
+                assert (n == r) == (mem <= t.memory and want_t <= 4096 / target)
+            pl = (cluster.types[0].name, cluster.types[1].name + "*", cluster.types[1].name + "*")
+            ev = prob.evaluate(pl)
+            if ev.feasible:
+                assert all(n == r for _, _, n in ev.stages)
+                assert ev.devices[cluster.types[1].name] == 2 * r <= cluster.types[1].count
+
+
+def test_auto_placement_takes_the_cheapest_of_rl_and_exact():
+    """The placement `ps_placement: auto` applies on a fast and a slow worker kind: both layers on
+    one kind miss the target, so the layers are cut over the two kinds, the cheap slow kind taking
+    the lighter layer; the exact search agrees."""
+    from erniekit.distributed.ps.plan import auto_placement
+    from erniekit.models.ernie4_5.configuration import get_preset
+
+    fast = DeviceType("fast", 1, flops=1e9, memory=1e9, bandwidth=1e9, price_per_hour=2.0)
+    slow = DeviceType("slow", 1, flops=0.8e9, memory=1e9, bandwidth=1e9, price_per_hour=1.0)
+    config = get_preset("tiny-moe").replace(num_hidden_layers=2)
+    auto = auto_placement(config, HeteroCluster([fast, slow]), seq_len=64, micro_batch=8, accum=1, replicas=1,
+                          servers=1, target=512.0)
+    assert auto.stage_layers == [1, 1] and auto.stage_types == ["slow", "fast"] and auto.processes == 3
+    assert auto.overrides()[:2] == ["pipeline_parallel_degree=2", "pipeline_stage_layers=[1,1]"]
+    exact_row = next(r for r in auto.rows if r.name == "exact")
+    assert auto.evaluation.cost_per_batch == pytest.approx(exact_row.evaluation.cost_per_batch)
+    pairs = HeteroCluster([DeviceType("fast", 2, 1e9, 1e9, 1e9, 2.0), DeviceType("slow", 2, 0.8e9, 1e9, 1e9, 1.0)])
+    two = auto_placement(config, pairs, 64, 8, 1, replicas=2, servers=1, target=600.0)
+    # 1024 tokens a batch: two slow workers run both layers in 1.6 s, too slow for 600 tokens/s
+    assert two.replicas == 2 and two.processes == 1 + 2 * len(two.stage_layers)
+    assert two.evaluation.feasible and two.evaluation.throughput >= 600.0
+    with pytest.raises(ConfigError, match="no placement fits the cluster's device counts with ps_stage_workers=3"):
+        auto_placement(config, pairs, 64, 8, 1, replicas=3, servers=1, target=600.0)

@@ -262,6 +262,13 @@ def _check_parallel(cfg: TrainConfig) -> None:
     from erniekit.distributed.layout import layout_from_config
 
     _require(cfg.max_restart >= 0, "max_restart", cfg.max_restart, ">= 0")
+    if cfg.pipeline_stage_layers:
+        n = len(cfg.pipeline_stage_layers)
+        if n != cfg.pipeline_parallel_degree:
+            raise ConfigError(f"pipeline_stage_layers={cfg.pipeline_stage_layers} lists {n} stages but "
+                              f"pipeline_parallel_degree={cfg.pipeline_parallel_degree}; give one layer count per stage")
+        if min(cfg.pipeline_stage_layers) < 1:
+            raise ConfigError(f"pipeline_stage_layers={cfg.pipeline_stage_layers}: every stage needs >= 1 layer")
     if cfg.distributed_mode == "ps":
         _check_ps(cfg)
         return
@@ -289,15 +296,17 @@ def _check_ps(cfg: TrainConfig) -> None:
     if cfg.ps_sync_mode == "async" and cfg.save_steps > 0 and cfg.save_steps % cfg.ps_k_steps:
         raise ConfigError(f"ps_sync_mode=async saves at block-averaging steps: save_steps={cfg.save_steps} must be a "
                           f"multiple of ps_k_steps={cfg.ps_k_steps}")
-    if world <= cfg.ps_servers:
+    if world <= cfg.ps_servers and cfg.ps_placement != "auto":  # auto: the placement sets the count
         raise ConfigError(f"distributed_mode=ps with ps_servers={cfg.ps_servers} needs at least one worker too, but the "
                           f"job has {world} processes (nproc_per_node {cfg.nproc_per_node} x nnodes {cfg.nnodes}); "
                           f"set nproc_per_node to ps_servers + the workers")
     degrees = {k: getattr(cfg, k) for k in ("tensor_parallel_degree", "expert_parallel_degree",
-                                             "pipeline_parallel_degree", "sharding_parallel_degree")}
+                                             "sharding_parallel_degree")}
     set_ = [f"{k}={v}" for k, v in degrees.items() if v != 1] + ([f"sharding={cfg.sharding}"] if cfg.sharding else [])
     if set_ or cfg.parallel:
-        raise ConfigError(f"distributed_mode=ps splits the batch over its workers only; drop {(set_ or ['parallel=auto'])[0]}")
+        raise ConfigError(f"distributed_mode=ps splits the batch over its workers (and pipeline stages) only; drop "
+                          f"{(set_ or ['parallel=auto'])[0]}")
+    _check_ps_pipeline(cfg, world - cfg.ps_servers)
     why = None
     if cfg.stage not in ("pretrain", "SFT"):
         why = f"trains the pretrain and SFT stages, not stage={cfg.stage}"
@@ -311,6 +320,38 @@ def _check_ps(cfg: TrainConfig) -> None:
         why = "does not keep a weight EMA in this version (the tables live on the servers); set ema_decay=0"
     if why:
         raise ConfigError(f"distributed_mode=ps {why}")
+
+
+def _check_ps_pipeline(cfg: TrainConfig, workers: int) -> None:
+    """The workers as a pipeline (docs/ps.md "Heterogeneous pipeline"), by hand or ps_placement: auto."""
+    _require(cfg.ps_stage_workers >= 1, "ps_stage_workers", cfg.ps_stage_workers, ">= 1")
+    _require(cfg.ps_target >= 0, "ps_target", cfg.ps_target, ">= 0 (0: half the fastest single-type placement)")
+    if cfg.ps_placement == "auto":
+        if not cfg.cluster:
+            raise ConfigError("ps_placement=auto needs cluster=PATH, a file with device_types "
+                              "(see examples/clusters/hetero-cpu-gpu.yaml)")
+        if not os.path.isfile(cfg.cluster):
+            raise ConfigError(f"cluster={cfg.cluster}: no such file")
+        return  # the stages come from the placement (erniekit/distributed/ps/plan.py: auto_placement)
+    pp = cfg.pipeline_parallel_degree
+    if pp > 1:
+        if workers % pp:
+            raise ConfigError(f"distributed_mode=ps: pipeline_parallel_degree={pp} does not divide the {workers} "
+                              f"workers (nproc_per_node {cfg.nproc_per_node} - ps_servers {cfg.ps_servers}); launch "
+                              f"ps_servers + a multiple of {pp} processes")
+        if cfg.ps_sync_mode == "async":
+            raise ConfigError("ps_sync_mode=async runs without pipeline stages in this version; set "
+                              "pipeline_parallel_degree=1 or ps_sync_mode=sync")
+    if cfg.ps_stage_devices:
+        if len(cfg.ps_stage_devices) != pp:
+            raise ConfigError(f"ps_stage_devices={cfg.ps_stage_devices} names {len(cfg.ps_stage_devices)} devices for "
+                              f"pipeline_parallel_degree={pp} stages; give one per stage")
+        bad = [d for d in cfg.ps_stage_devices if d not in ("cpu", "gpu")]
+        if bad:
+            raise ConfigError(f"ps_stage_devices: {bad[0]!r} is not a device; use cpu or gpu")
+        if "gpu" in cfg.ps_stage_devices and not _has_cuda():
+            raise ConfigError("ps_stage_devices puts a stage on gpu, but this Paddle build has no CUDA; install "
+                              "paddlepaddle-gpu (README.md, GPU) or use cpu for that stage")
 
 
 def _check_pipeline(cfg: TrainConfig, lay) -> None:

@@ -37,6 +37,8 @@ PARALLEL = {"": "", "none": "", "manual": "", "auto": "auto"}
 DISTRIBUTED_MODES = _spellings("collective", "ps")
 PS_SYNC_MODES = _spellings("sync", "async")
 PS_COMPRESSION = _spellings("none", "int8", "topk")
+PS_PLACEMENTS = _spellings("manual", "auto")
+STAGE_DEVICES = _spellings("cpu", "gpu")
 
 
 def _opt(default: Any, help: str, choices: dict[str, str] | None = None) -> Any:
@@ -230,6 +232,8 @@ class TrainConfig:
     expert_parallel_degree: int = _opt(1, "MoE experts split over all the data ranks (1, or dp x sharding), tokens "
                                           "moved by all-to-all")
     pipeline_parallel_degree: int = _opt(1, "pipeline stages (groups of layers)")
+    pipeline_stage_layers: list[int] = _opt([], "decoder layers of each pipeline stage, e.g. [3, 1]; [] = an even "
+                                                "split (set by ps_placement: auto)")
     sharding: str = _opt("", "ZeRO sharding of the data ranks: stage1 (optimizer state), stage2 (+ gradients), "
                          "stage3 (+ parameters); empty = none", SHARDING)
     sharding_parallel_degree: int = _opt(1, "data ranks that shard (with sharding set); 1 with "
@@ -260,6 +264,15 @@ class TrainConfig:
                             "scale; topk: the ps_topk_ratio largest entries per row), with error feedback",
                             PS_COMPRESSION)
     ps_topk_ratio: float = _opt(0.1, "with ps_compress topk: fraction of each row's entries sent")
+    ps_stage_devices: list[str] = _opt([], "with distributed_mode ps and pipeline stages: the device of each stage's "
+                                           "workers (cpu or gpu); [] = this machine's default")
+    ps_placement: str = _opt("manual", "with distributed_mode ps: auto = the cost model and RL scheduler (erniekit "
+                                       "plan --mode ps) choose the workers' pipeline stages, their layers and devices "
+                                       "on the `cluster` file, and the process count follows", PS_PLACEMENTS)
+    ps_target: float = _opt(0.0, "with ps_placement auto: throughput target in tokens/s; 0 = half of the fastest "
+                                 "single-device-type placement")
+    ps_stage_workers: int = _opt(1, "with ps_placement auto: workers per pipeline stage (data-parallel copies of "
+                                    "the pipeline)")
 
 
 def field_types() -> dict[str, Any]:

@@ -94,7 +94,14 @@ def layout_from_config(cfg, world: int | None = None) -> Layout:
     return lay
 
 
-def check_model_fits(lay: Layout, config, supported_only: bool = True) -> None:
+def check_stage_layers(stage_layers: list[int] | None, num_layers: int) -> None:
+    """`pipeline_stage_layers` must cover the model's layers exactly."""
+    if stage_layers and sum(stage_layers) != num_layers:
+        raise ConfigError(f"pipeline_stage_layers={list(stage_layers)} adds up to {sum(stage_layers)} layers, the model "
+                          f"has {num_layers} (num_hidden_layers); make the counts add up to {num_layers}")
+
+
+def check_model_fits(lay: Layout, config, supported_only: bool = True, stage_layers: list[int] | None = None) -> None:
     """Each degree must split the model evenly: one line naming the key, the sizes and the fix.
     supported_only=False skips the refusal of layouts this version cannot run yet (the planner
     still models them)."""
@@ -119,6 +126,7 @@ def check_model_fits(lay: Layout, config, supported_only: bool = True) -> None:
         raise ConfigError(f"pipeline_parallel_degree {lay.pp} with MTP heads (num_nextn_predict_layers "
                           f"{config.num_nextn_predict_layers}) is not supported: the heads need the embedding and "
                           "the last layer in one stage; set model_overrides num_nextn_predict_layers: 0 or pp 1")
+    check_stage_layers(stage_layers, config.num_hidden_layers)
     if lay.pp > config.num_hidden_layers:
         raise ConfigError(f"pipeline_parallel_degree {lay.pp} is more than the model's {config.num_hidden_layers} "
                           "layers (num_hidden_layers); lower it")

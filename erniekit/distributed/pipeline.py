@@ -50,30 +50,81 @@ def stage_bounds(num_layers: int, pp: int) -> list[tuple[int, int]]:
     return out
 
 
+def bounds_from_counts(counts: list[int]) -> list[tuple[int, int]]:
+    """`pipeline_stage_layers` (layers per stage, e.g. from a placement) -> [start, end) ranges."""
+    out, start = [], 0
+    for n in counts:
+        out.append((start, start + n))
+        start += n
+    return out
+
+
 def new_group(ranks: list[int]):
-    """dist.new_group between two barriers: with gloo, 4 processes creating [0,2], [1,3], [0,1],
-    [2,3] back to back fail to connect (measured); one group at a time, every rank past the
-    previous step, they work. (Once in ~20 runs under a loaded machine the first group of a
-    3-process pipeline still saw "Connection refused"; the barrier before was added for it.)"""
+    """A process group of `ranks`; collective: every rank of the job calls it, in the same order.
+
+    On gloo (CPU) the group rendezvouses through a TCP store of its own, hosted by its first rank:
+    Paddle's `dist.new_group` rendezvouses every group through the job's one store under the same
+    key names, so a member may read a key an earlier group left there before its owner rewrites
+    it. Measured on 4-5 processes: a group of 3-4 ranks created after the default one failed in
+    about half the runs ("sizeof(impl_) == bytes.size(). 136 vs 181", or "Connection refused" to
+    a port decoded from the stale bytes; 3-stage pipelines failed now and then in CI), 2-rank
+    groups never; with a store per group, 12 of 12 runs passed. NCCL groups (GPU) are Paddle's."""
+    import paddle.distributed.collective as collective
+
+    default = collective._get_default_group()
+    if collective._group_map_backend.get(default) != "gloo":
+        dist.barrier()
+        g = dist.new_group(ranks)
+        dist.barrier()
+        return g
+    import os
+    import socket
+
+    from paddle.base import core
+
+    ranks = sorted(ranks)
+    me, leader = dist.get_rank(), ranks[0]
+    where = paddle.zeros([5], dtype="int64")  # the leader's IPv4 address and a free port
+    if me == leader:
+        host = os.environ.get("PADDLE_CURRENT_ENDPOINT", "127.0.0.1:0").rsplit(":", 1)[0]
+        with socket.socket() as sock:
+            sock.bind(("", 0))
+            port = sock.getsockname()[1]
+        where[:] = paddle.to_tensor([*map(int, socket.gethostbyname(host).split(".")), port], dtype="int64")
+    dist.broadcast(where, src=leader)
+    gid = collective._new_ring_id()
+    pg, store = None, None
+    if me in ranks and len(ranks) > 1:
+        w = where.numpy().tolist()
+        store = core.TCPStore(".".join(str(int(v)) for v in w[:4]), int(w[4]), me == leader, len(ranks), 900)
+        pg = core.ProcessGroupGloo.create(store, ranks.index(me), len(ranks), gid)
+    group = collective.Group(ranks.index(me) if me in ranks else -1, gid, ranks, pg=pg,
+                             name=collective._default_group_name + str(gid))
+    group._erniekit_store = store  # the store's host lives as long as the group
+    collective._group_map[gid] = group
+    collective._group_map_by_name[group.name] = group
+    collective._group_map_backend[group] = "gloo"
     dist.barrier()
-    g = dist.new_group(ranks)
-    dist.barrier()
-    return g
+    return group
 
 
 class PipelineTopology:
     """This rank's stage, neighbours and groups. Every rank must build it (group creation is
-    collective), in the same order."""
+    collective), in the same order; a rank at or past layout.world (a parameter server beside a
+    pipeline of PS workers) only joins the group creation.
 
-    def __init__(self, layout: Layout, rank: int, num_layers: int):
+    stage_layers: layers per stage (`pipeline_stage_layers`, a placement's cuts); [] = even."""
+
+    def __init__(self, layout: Layout, rank: int, num_layers: int, stage_layers: list[int] | None = None):
         self.pp = layout.pp
         self.per_stage = layout.world // layout.pp  # the data ranks of one stage
-        self.stage, self.column = divmod(rank, self.per_stage)
+        self.member = rank < layout.world
+        self.stage, self.column = divmod(rank, self.per_stage) if self.member else (None, None)
         self.first, self.last = self.stage == 0, self.stage == self.pp - 1
-        self.prev = rank - self.per_stage if not self.first else None
-        self.next = rank + self.per_stage if not self.last else None
-        self.bounds = stage_bounds(num_layers, self.pp)
-        self.layers = range(*self.bounds[self.stage])
+        self.prev = rank - self.per_stage if self.member and not self.first else None
+        self.next = rank + self.per_stage if self.member and not self.last else None
+        self.bounds = bounds_from_counts(stage_layers) if stage_layers else stage_bounds(num_layers, self.pp)
+        self.layers = range(*self.bounds[self.stage]) if self.member else range(0)
         self.data_rank = self.column  # rows of the global batch this rank trains: its slice
         self.pp_group = self.tied_group = self.dp_group = None
         self.prev_link = self.next_link = None  # groups of this rank and its neighbour stages
@@ -92,7 +143,7 @@ class PipelineTopology:
                     self.dp_group = g
         if self.pp == 2:  # the column's pipeline group is the one link: no more groups to create
             self.next_link = self.prev_link = self.pp_group
-            if self.column == 0:
+            if self.member and self.column == 0:
                 self.gather_links[1] = self.pp_group
             return
         for c in range(self.per_stage):  # neighbour links, one group each (see the module docstring)

@@ -166,10 +166,10 @@ def init(layout: Layout) -> ParallelContext:
     return _ACTIVE
 
 
-def init_pipeline(num_layers: int) -> None:
+def init_pipeline(num_layers: int, stage_layers: list[int] | None = None) -> None:
     """The active job's pipeline groups (collective: every rank calls it), when pp > 1."""
     if _ACTIVE is not None and _ACTIVE.layout.pp > 1:
-        _ACTIVE.pipeline = PipelineTopology(_ACTIVE.layout, dist.get_rank(), num_layers)
+        _ACTIVE.pipeline = PipelineTopology(_ACTIVE.layout, dist.get_rank(), num_layers, stage_layers)
 
 
 def place_batch(t: paddle.Tensor) -> paddle.Tensor:

@@ -30,24 +30,28 @@ def save_model_or_adapter(model, path: str, tokenizer, base_model_name_or_path: 
         save_adapter(model, path, base_model_name_or_path=base_model_name_or_path)
         model.config.save_pretrained(path)  # shapes of the base, so the directory is self-describing
         tokenizer.save_pretrained(path)
+    elif _ps_worker() is not None:  # the servers hold the tables' rows: worker 0 writes them all
+        from erniekit.models.ernie4_5.checkpoint import hf_state_dict
+
+        state = _ps_worker().full_state(_gathered(hf_state_dict(model)))
+        save_pretrained(model, path, tokenizer=tokenizer, state=state)
     elif _pipeline() is not None:  # each stage holds its layers: rank 0 writes the union
         from erniekit.models.ernie4_5.checkpoint import hf_state_dict
 
         save_pretrained(model, path, tokenizer=tokenizer, state=_gathered(hf_state_dict(model)))
-    elif _ps_worker() is not None:  # the servers hold the tables' rows: worker 0 writes them all
-        from erniekit.models.ernie4_5.checkpoint import hf_state_dict
-
-        save_pretrained(model, path, tokenizer=tokenizer, state=_ps_worker().full_state(hf_state_dict(model)))
     else:
         save_pretrained(model, path, tokenizer=tokenizer)
 
 
 def _pipeline():
-    """The pipeline topology of a pipeline-parallel run, else None."""
+    """The pipeline topology of a pipeline-parallel run (collective, or PS workers), else None."""
     from erniekit.distributed.runtime import active
 
     ctx = active()
-    return ctx.pipeline if ctx is not None else None
+    if ctx is not None:
+        return ctx.pipeline
+    ps = _ps_worker()
+    return ps.pipe if ps is not None else None
 
 
 def _ps_worker():

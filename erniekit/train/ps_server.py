@@ -10,12 +10,18 @@ the gradient of the rows it pulled. At the step's end the server reports the squ
 gradients, receives the global norm and learning rate from worker 0 and applies clipped AdamW to
 its rows, so a synchronous step equals a single-process step (elementwise, the update of a row
 block is the update of those rows).
+
+When the workers form a pipeline (docs/ps.md "Heterogeneous pipeline"), the first stage pulls
+and pushes and the last stage asks for the loss, in an order the 1F1B schedule sets: the server
+then serves each worker link in a thread of its own (as in async mode), keeps each worker's
+gradients apart and, at the step's end, sums them in worker order (the same sum every run).
 """
 
 from __future__ import annotations
 
 import math
 import threading
+from collections import deque
 
 import numpy as np
 import paddle
@@ -47,11 +53,15 @@ class ParameterServer:
         self.opt = AdamW(list(self.w.items()), cfg.learning_rate, cfg.adam_beta1, cfg.adam_beta2, cfg.adam_epsilon,
                          cfg.weight_decay, no_decay={EMBED})
         # gradient accumulators: one shared in sync mode; one per worker in async mode, each
-        # applied as its own update when that worker ends a step
+        # applied as its own update when that worker ends a step, and beside a pipeline (summed
+        # in worker order at the step's end)
         self.asynchronous = cfg.ps_sync_mode == "async"
-        self.grads = {w: self._zeros() for w in (range(topo.workers) if self.asynchronous else [0])}
-        self.lock = threading.Lock()  # async: the tables and optimizer, never held across a send/recv
-        self.pulled: dict[int, np.ndarray] = {}  # worker -> local row ids of its last pull
+        self.pipelined = topo.pipe is not None
+        self.threaded = self.asynchronous or self.pipelined
+        self.grads = {w: self._zeros() for w in (range(topo.workers) if self.threaded else [0])}
+        self.lock = threading.Lock()  # threads: the tables and optimizer, never held across a send/recv
+        self.pulled: dict[int, deque] = {w: deque() for w in range(topo.workers)}  # local row ids of
+        # each worker's pulls not pushed yet (a pipeline's first stage pulls ahead of its pushes)
         self.head_ctx: dict[int, tuple] = {}  # worker -> (h, z, local target, owned) of its last head request
         self.bytes_in = self.bytes_out = 0
         self.links = [topo.link(w) for w in range(topo.workers)]
@@ -60,14 +70,14 @@ class ParameterServer:
         return {n: paddle.zeros_like(p) for n, p in self.w.items()}
 
     def _acc(self, w: int) -> dict[str, paddle.Tensor]:
-        return self.grads[w if self.asynchronous else 0]
+        return self.grads[w if self.threaded else 0]
 
     # ---- the loop --------------------------------------------------------------------------
     def serve(self) -> None:
         """Sync: rounds of one request per worker (worker 0 first), until the workers send STOP.
         Async: a thread per worker link serves it on its own, until it sends STOP."""
-        if self.asynchronous:
-            return self._serve_async()
+        if self.threaded:
+            return self._serve_threads()
         W = self.topo.workers
         while True:
             ops = []
@@ -88,24 +98,52 @@ class ParameterServer:
             elif op == STOP:
                 return
 
-    def _serve_async(self) -> None:
+    def _serve_threads(self) -> None:
+        """A thread per worker link. Async: each worker's STEP is an update of its own. Sync beside
+        a pipeline: the threads meet at STEP (every worker's gradients are in), thread 0 sums them,
+        each answers its worker with the squared norm, thread 0 applies the update with worker 0's
+        norm and rate, and no thread serves a pull before it is applied; SYNC is a barrier of all."""
+        W = self.topo.workers
         errors: list[BaseException] = []
+        meet = threading.Barrier(W)
 
         def serve_one(w: int) -> None:
+            link = self.links[w]
             try:
                 while True:
-                    op, n = self.links[w].recv_header()
+                    op, n = link.recv_header()
                     if op == STOP:
                         return
-                    self._handle(op, n, w)
-                    if op == STEP:  # this worker's own update, with its own norm and rate
-                        norm, lr = self.links[w].recv_array([2], "float64")
-                        with self.lock:
-                            self._update(float(norm), float(lr) / self.topo.workers, self._acc(w))
+                    if self.asynchronous:
+                        self._handle(op, n, w)
+                        if op == STEP:  # this worker's own update, with its own norm and rate
+                            norm, lr = link.recv_array([2], "float64")
+                            with self.lock:
+                                self._update(float(norm), float(lr) / W, self._acc(w))
+                    elif op == STEP:
+                        meet.wait()
+                        if w == 0:
+                            self.grads["sum"] = self._summed()
+                        meet.wait()
+                        link.send_array(np.array([self.grad_sq(self.grads["sum"])], dtype="float64"))
+                        if w == 0:
+                            norm, lr = link.recv_array([2], "float64")
+                            self._update(float(norm), float(lr), self.grads.pop("sum"))
+                        meet.wait()
+                    elif op == SYNC:
+                        meet.wait()
+                        if w == 0:
+                            dist.barrier()
+                        meet.wait()
+                    else:
+                        self._handle(op, n, w)
+            except threading.BrokenBarrierError:
+                pass  # another thread failed: its error is the one reported
             except BaseException as e:  # noqa: BLE001 - re-raised by the main thread below
                 errors.append(e)
+                meet.abort()
 
-        threads = [threading.Thread(target=serve_one, args=(w,), daemon=True) for w in range(self.topo.workers)]
+        threads = [threading.Thread(target=serve_one, args=(w,), daemon=True) for w in range(W)]
         for t in threads:
             t.start()
         for t in threads:
@@ -113,11 +151,21 @@ class ParameterServer:
         if errors:
             raise errors[0]
 
+    def _summed(self) -> dict[str, paddle.Tensor]:
+        """The workers' gradients summed in worker order (the order fixes the rounding), and the
+        per-worker accumulators zeroed."""
+        total = self._zeros()
+        for w in range(self.topo.workers):
+            for n in total:
+                total[n] += self.grads[w][n]
+            self.grads[w] = self._zeros()
+        return total
+
     def _handle(self, op: int, n: int, w: int) -> None:
         H, link = self.hidden, self.links[w]
         if op == PULL:
             ids = link.recv_array([n], "int64") - self.lo if n else np.zeros([0], "int64")
-            self.pulled[w] = ids
+            self.pulled[w].append(ids)
             if n:
                 with self.lock:
                     rows = paddle.gather(self.w[EMBED], paddle.to_tensor(ids))
@@ -158,7 +206,7 @@ class ParameterServer:
             self.bytes_in += 8 * n
             self.bytes_out += 4 * n * H
         elif op == PUSH:
-            ids = self.pulled.pop(w)
+            ids = self.pulled[w].popleft()
             if len(ids):
                 kind = self.cfg.ps_compress
                 if kind == "none":

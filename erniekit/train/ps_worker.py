@@ -7,6 +7,13 @@ statistics into the loss (a vocabulary-parallel cross entropy: the head is never
 send back each position's log-sum-exp and loss weight, receive the hidden states' gradient, run
 the backward, push the gradient of the pulled rows. Workers split each global batch like data
 ranks and sum their block gradients (all-reduce among the workers); the servers sum the pushes.
+
+With pipeline stages (docs/ps.md "Heterogeneous pipeline") the workers form a pipeline as in
+the collective mode (erniekit/train/pipeline_schedule.py: 1F1B over the micro-batches): the
+first stage pulls and pushes the rows, the last stage runs the final norm and asks the servers
+for the loss, and the stages in between only move activations. Each server serves every worker
+link in a thread of its own, so a first stage's pull and a last stage's head request never wait
+on each other.
 """
 
 from __future__ import annotations
@@ -20,7 +27,7 @@ from erniekit.distributed.ps.topology import (HEAD, HEAD_BACK, PULL, PUSH, SAVE,
                                               PSTopology, row_ranges)
 from erniekit.distributed.ps.compression import RowCompressor
 from erniekit.train.losses import position_weights
-from erniekit.train.pipeline_schedule import data_rank_rows, router_loss, run_layers
+from erniekit.train.pipeline_schedule import data_rank_rows, one_f_one_b, router_loss, run_layers
 
 _ACTIVE: "PSWorker | None" = None
 
@@ -51,21 +58,38 @@ class PSWorker:
         self.token_balance = token_balance
         self.ranges = row_ranges(self.vocab, topo.servers)
         self.dtype = "float32"
-        # the workers' group: sums of block gradients and of router statistics over the workers
-        self.group = topo.worker_group
+        # the data ranks' group: sums of block gradients and of router statistics over the workers
+        # (with pipeline stages: over the workers of this stage)
+        self.pipe = topo.pipe
+        self.group = topo.worker_group if self.pipe is None else self.pipe.dp_group
+        self.data_ranks = topo.workers if self.pipe is None else self.pipe.per_stage
+        self.data_rank = topo.worker_index if self.pipe is None else self.pipe.column
         # the tables are the servers': drop them here (memory, and the optimizer skips them)
         model.model.embed_tokens = HeldByServers()
         if not self.tied:
             model.lm_head = HeldByServers()
+        if self.pipe is not None:
+            self._keep_stage()
         self.k_steps = k_steps
         if self.group is not None and c.is_moe and not k_steps:  # router losses and loads of the whole batch
             for m in model.moe_layers():
-                m.data_sum, m.data_ranks = self.data_sum, topo.workers
+                m.data_sum, m.data_ranks = self.data_sum, self.data_ranks
         self.bytes_sent = self.bytes_received = 0
         self.push_bytes = 0  # of bytes_sent: the row gradients (what ps_compress shrinks)
         self.compressor = RowCompressor(compress, self.vocab, self.hidden, topk_ratio)
         self.servers = [topo.link(s) for s in range(topo.servers)]  # in server order
         _ACTIVE = self
+
+    def _keep_stage(self) -> None:
+        """Drop the layers other stages run (and the final norm except on the last stage)."""
+        from erniekit.distributed.pipeline import StageElsewhere
+
+        pipe, core = self.pipe, self.model.model
+        for i in range(len(core.layers)):
+            if i not in pipe.layers:
+                core.layers[i] = StageElsewhere(pipe._owner(i))
+        if not pipe.last:
+            core.norm = StageElsewhere(pipe.pp - 1)
 
     def _all_reduce(self, t: paddle.Tensor) -> None:
         try:
@@ -83,14 +107,13 @@ class PSWorker:
 
     def local_rows(self, batch: dict[str, np.ndarray]) -> tuple[dict[str, np.ndarray], float]:
         """This worker's rows of a global micro-batch and its loss weight (workers split batches like data ranks)."""
-        return data_rank_rows(batch, self.topo.workers, self.topo.worker_index)
+        return data_rank_rows(batch, self.data_ranks, self.data_rank)
 
     # ---- the exchanges -----------------------------------------------------------------------
-    def pull(self, ids: np.ndarray) -> tuple[paddle.Tensor, np.ndarray, list[int]]:
+    def pull(self, ids: np.ndarray) -> tuple[paddle.Tensor, np.ndarray, list[int], np.ndarray]:
         """The embedding rows of the distinct ids (a leaf that collects their gradient), each
-        id's index into them, and how many rows came from each server."""
+        id's index into them, how many rows came from each server, and the distinct ids."""
         uniq, inverse = np.unique(ids, return_inverse=True)
-        self.pulled_ids = uniq
         owner = self.topo.owner(uniq, self.vocab)
         parts, counts = [], []
         for s, srv in enumerate(self.servers):
@@ -104,7 +127,7 @@ class PSWorker:
                 self.bytes_received += 4 * len(mine) * self.hidden
         rows = paddle.concat(parts) if len(parts) > 1 else parts[0]
         rows.stop_gradient = False
-        return rows, inverse.reshape(ids.shape), counts
+        return rows, inverse.reshape(ids.shape), counts, uniq
 
     def head_loss(self, h: paddle.Tensor, target: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """h [n, H] (trained positions), target [n] -> (per-position NLL, log-sum-exp), from every
@@ -135,8 +158,9 @@ class PSWorker:
             self.bytes_received += 4 * len(lse) * self.hidden
         return total
 
-    def push(self, grad: paddle.Tensor, counts: list[int]) -> None:
-        """The pulled rows' gradients to their servers (compressed with ps_compress)."""
+    def push(self, grad: paddle.Tensor, counts: list[int], ids: np.ndarray) -> None:
+        """The pulled rows' gradients to their servers (compressed with ps_compress); ids: the
+        distinct ids of that pull (servers answer pushes in the order of the pulls)."""
         start = 0
         g = grad.numpy() if self.compressor.kind != "none" else None
         for srv, n in zip(self.servers, counts):
@@ -146,7 +170,7 @@ class PSWorker:
                     srv.send_tensor(grad[start:start + n])
                     sent = 4 * n * self.hidden
                 else:
-                    payload = self.compressor.encode(self.pulled_ids[start:start + n], g[start:start + n])
+                    payload = self.compressor.encode(ids[start:start + n], g[start:start + n])
                     for a in payload:
                         srv.send_array(a)
                     sent = sum(a.nbytes for a in payload)
@@ -161,6 +185,8 @@ class PSWorker:
         head gradients on the servers); returns (loss sum, router-loss sum) over all workers.
         Async: this worker's own mean (normalizer: trained units of a batch), scaled so that
         dividing by n_units gives it."""
+        if self.pipe is not None:
+            return self._run_pipeline(micro, n_units, on_forward)
         loss_sum = aux_sum = 0.0
         m = len(micro)
         global_units = n_units
@@ -169,24 +195,14 @@ class PSWorker:
         for batch in micro:
             batch, w = self.local_rows(batch)
             B, S = batch["input_ids"].shape
-            rows, inverse, counts = self.pull(batch["input_ids"])
+            rows, inverse, counts, ids = self.pull(batch["input_ids"])
             x = paddle.gather(rows, paddle.to_tensor(inverse.reshape(-1))).reshape([B, S, self.hidden])
             core = self.model.model
-            h = core.norm(run_layers(self.model, batch, x, range(len(core.layers)), self.dtype)).reshape([B * S, self.hidden])
+            h = core.norm(run_layers(self.model, batch, x, range(len(core.layers)), self.dtype))
             if on_forward is not None:
                 on_forward(batch)
-            weight = position_weights(batch["labels"], batch.get("segment_ids"), self.token_balance).reshape(-1)
-            pos = np.nonzero(weight > 0)[0]
-            target = np.zeros(B * S, dtype="int64")
-            target[:-1] = batch["labels"].reshape(-1)[1:]  # position t predicts labels[t+1] (row ends weigh 0)
-            sel = paddle.gather(h, paddle.to_tensor(pos)) if len(pos) else None
-            tensors, grads = [], []
-            if sel is not None:
-                nll, lse = self.head_loss(sel.detach(), target[pos])
-                loss_sum += float((nll * weight[pos]).sum()) * w
-                gh = self.head_backward(lse, weight[pos] * w / max(n_units, 1))
-                tensors.append(sel)
-                grads.append(gh)
+            loss, tensors, grads = self._loss_and_grad(h, batch, w, n_units)
+            loss_sum += loss
             aux = router_loss(self.model)
             if aux is not None:
                 aw = 1.0 if self.group is not None and not self.k_steps else w  # beside other workers already this one's share
@@ -195,10 +211,95 @@ class PSWorker:
                 grads.append(None)
             if tensors:
                 paddle.autograd.backward(tensors, grads)
-            self.push(rows.grad if rows.grad is not None else paddle.zeros_like(rows), counts)
+            self.push(rows.grad if rows.grad is not None else paddle.zeros_like(rows), counts, ids)
         if self.k_steps:
             return loss_sum * global_units / max(n_units, 1), aux_sum
         vals = [loss_sum, aux_sum]
+        if self.group is not None:
+            vals = self.data_sum(paddle.to_tensor(vals, dtype="float64")).numpy().tolist()
+        return vals[0], vals[1]
+
+    def _loss_and_grad(self, h: paddle.Tensor, batch: dict[str, np.ndarray], w: float,
+                       n_units: int) -> tuple[float, list, list]:
+        """The final hidden states [B, S, H] -> (this batch's weighted loss sum, [trained
+        positions' states], [their gradient]): the servers' vocabulary blocks give the softmax
+        statistics, then d loss / d h."""
+        B, S = batch["input_ids"].shape
+        h = h.reshape([B * S, self.hidden])
+        weight = position_weights(batch["labels"], batch.get("segment_ids"), self.token_balance).reshape(-1)
+        pos = np.nonzero(weight > 0)[0]
+        if not len(pos):
+            return 0.0, [], []
+        target = np.zeros(B * S, dtype="int64")
+        target[:-1] = batch["labels"].reshape(-1)[1:]  # position t predicts labels[t+1] (row ends weigh 0)
+        sel = paddle.gather(h, paddle.to_tensor(pos))
+        nll, lse = self.head_loss(sel.detach(), target[pos])
+        gh = self.head_backward(lse, weight[pos] * w / max(n_units, 1))
+        return float((nll * weight[pos]).sum()) * w, [sel], [gh]
+
+    def _run_pipeline(self, micro: list[dict[str, np.ndarray]], n_units: int, on_forward=None) -> tuple[float, float]:
+        """This stage's share of a step in the 1F1B order: F (pull or receive, this stage's
+        layers; on the last: the loss through the servers), SEND_F, RECV_B, B (backward, then
+        push the rows or send the input's gradient back)."""
+        pipe, m, H = self.pipe, len(micro), self.hidden
+        local = [self.local_rows(b) for b in micro]
+        live: dict[int, tuple] = {}
+        grads_in: dict[int, paddle.Tensor] = {}
+        sums = [0.0, 0.0]  # loss, router loss
+
+        def forward(i: int) -> None:
+            batch, w = local[i]
+            B, S = batch["input_ids"].shape
+            pulled = None
+            if pipe.first:
+                rows, inverse, counts, ids = self.pull(batch["input_ids"])
+                x = paddle.gather(rows, paddle.to_tensor(inverse.reshape(-1))).reshape([B, S, H])
+                pulled = (rows, counts, ids)
+            else:
+                x = pipe.recv([B, S, H], self.dtype, forward=True)
+                x.stop_gradient = False
+            h = run_layers(self.model, batch, x, pipe.layers, self.dtype)
+            if on_forward is not None:
+                on_forward(batch)
+            tensors, grads = [], []
+            aux = router_loss(self.model)
+            if aux is not None:
+                aw = 1.0 if self.group is not None else w  # beside other data ranks already this one's share
+                sums[1] += float(aux) * aw / m
+                tensors.append(aux * (aw / m))
+                grads.append(None)
+            out = None
+            if pipe.last:
+                loss, t, g = self._loss_and_grad(self.model.model.norm(h), batch, w, n_units)
+                sums[0] += loss
+                tensors, grads = t + tensors, g + grads
+            else:
+                out = h
+            live[i] = (x, out, tensors, grads, pulled)
+
+        def backward(i: int) -> None:
+            x, out, tensors, grads, pulled = live.pop(i)
+            if out is not None:
+                tensors, grads = [out] + tensors, [grads_in.pop(i)] + grads
+            if tensors:
+                paddle.autograd.backward(tensors, grads)
+            if pulled is not None:
+                rows, counts, ids = pulled
+                self.push(rows.grad if rows.grad is not None else paddle.zeros_like(rows), counts, ids)
+            else:
+                pipe.send(x.grad if x.grad is not None else paddle.zeros_like(x), forward=False)
+
+        for op, i in one_f_one_b(pipe.pp, pipe.stage, m):
+            if op == "F":
+                forward(i)
+            elif op == "SEND_F":
+                pipe.send(live[i][1], forward=True)
+            elif op == "RECV_B":
+                B, S = local[i][0]["input_ids"].shape
+                grads_in[i] = pipe.recv([B, S, H], self.dtype, forward=False)
+            else:
+                backward(i)
+        vals = pipe.sum_over_pipeline(sums)
         if self.group is not None:
             vals = self.data_sum(paddle.to_tensor(vals, dtype="float64")).numpy().tolist()
         return vals[0], vals[1]
@@ -219,6 +320,8 @@ class PSWorker:
         servers' clipped AdamW update of their rows; returns the norm before clipping."""
         grads = [p.grad for _, p in named_params if p.grad is not None]
         sq = sum(float(paddle.sum(g.astype("float32") ** 2)) for g in grads)
+        if self.pipe is not None:  # each stage holds its own layers (its data ranks the same gradients)
+            sq = self.pipe.sum_over_pipeline([sq])[0]
         for srv in self.servers:
             srv.send_header(STEP, 0)
             sq += float(srv.recv_array([1], "float64")[0])

@@ -117,6 +117,20 @@ def join_ps(cfg):
     return PSTopology(workers=workers, servers=cfg.ps_servers, rank=dist.get_rank(), worker_group=group, links=links)
 
 
+def stage_device(kind: str, model) -> str:
+    """A PS pipeline stage's device (ps_stage_devices): gpu stages take this node's GPUs in rank
+    order. The model was built on the default device; it moves when that differs."""
+    if kind == "cpu":
+        device = "cpu"
+    else:
+        local = int(os.environ.get("PADDLE_LOCAL_RANK", os.environ.get("PADDLE_RANK_IN_NODE", "0")))
+        device = f"gpu:{local % max(1, paddle.device.cuda.device_count())}"
+    if paddle.get_device() != device:
+        paddle.set_device(device)
+        model.to(device=device)
+    return device
+
+
 def serve_tables(cfg, model, topo, log) -> dict:
     """A parameter server's whole run: its rows of the tables (resumed from the checkpoint the
     workers resume from), then requests until the workers stop it."""
@@ -162,20 +176,29 @@ def run_train(cfg, log=print) -> dict:
         if model.config.num_nextn_predict_layers > 0:
             raise ConfigError("distributed_mode=ps does not train MTP heads (they need the embedding and head on the "
                               "worker); set model_overrides.num_nextn_predict_layers=0")
+        from erniekit.distributed.ps.topology import with_pipeline
+
+        ps = with_pipeline(ps, cfg.pipeline_parallel_degree, model.config.num_hidden_layers, cfg.pipeline_stage_layers)
         if ps.is_server:
             return serve_tables(cfg, model, ps, log)
         from erniekit.train.ps_worker import PSWorker
 
+        if cfg.ps_stage_devices:
+            stage = ps.pipe.stage if ps.pipe is not None else 0
+            log(f"workers of pipeline stage {stage + 1} on {stage_device(cfg.ps_stage_devices[stage], model)}")
+
         PSWorker(ps, model, compress=cfg.ps_compress, topk_ratio=cfg.ps_topk_ratio,
                  k_steps=cfg.ps_k_steps if cfg.ps_sync_mode == "async" else 0)  # the trainer sets the loss options
         log(f"parameter-server mode: {ps.workers} workers, {ps.servers} server(s) holding the embedding"
-            f"{'' if model.config.tie_word_embeddings else ' and LM head'} rows")
+            f"{'' if model.config.tie_word_embeddings else ' and LM head'} rows"
+            + (f"; workers in {ps.pipe.pp} pipeline stages of layers "
+               + ", ".join(f"{a}-{b - 1}" for a, b in ps.pipe.bounds) if ps.pipe is not None else ""))
     if ctx is not None:
         from erniekit.distributed import runtime
         from erniekit.distributed.layout import check_model_fits
 
-        check_model_fits(ctx.layout, model.config)
-        runtime.init_pipeline(model.config.num_hidden_layers)
+        check_model_fits(ctx.layout, model.config, stage_layers=cfg.pipeline_stage_layers)
+        runtime.init_pipeline(model.config.num_hidden_layers, cfg.pipeline_stage_layers)
         ctx.shard_model(model)
         if ctx.pipeline is not None:
             log(ctx.pipeline.describe())

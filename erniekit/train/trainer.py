@@ -75,7 +75,7 @@ class Trainer:
         from erniekit.train.ps_worker import active_worker
 
         self.ps = active_worker()  # distributed_mode ps: the servers hold the embedding / head rows
-        self.data_ranks = ctx.data_ranks if ctx is not None else (self.ps.topo.workers if self.ps else 1)
+        self.data_ranks = ctx.data_ranks if ctx is not None else (self.ps.data_ranks if self.ps else 1)
         self.batches = MicroBatches(train_rows, cfg.per_device_train_batch_size * self.data_ranks, cfg.seed,
                                     tokenizer.pad_token_id, collate_fn=stage.collate)
         accum = cfg.gradient_accumulation_steps

@@ -43,6 +43,7 @@ class DeviceType:
     bandwidth: float  # bytes/s of its network link
     price_per_hour: float
     memory_bandwidth: float = 1e11  # bytes/s, for memory-bound parts (a table lookup)
+    device: str = "cpu"  # what a worker of this type runs on (cpu or gpu): ps_placement auto's stage devices
 
 
 @dataclass(frozen=True)
@@ -103,10 +104,14 @@ class PlacementProblem:
     """Parts, cluster, batch and target together; `evaluate` is O(stages) (prefix sums and a
     closed form for each stage's device count), so schedulers can score many placements."""
 
-    def __init__(self, parts: list[Part], cluster: HeteroCluster, tokens: int, target: float):
+    def __init__(self, parts: list[Part], cluster: HeteroCluster, tokens: int, target: float, replicas: int = 0):
+        """replicas > 0: every stage has exactly that many devices (the PS workers' pipeline runs
+        `replicas` data-parallel copies of itself, ps_stage_workers) instead of the fewest that
+        meet the target."""
         if target <= 0:
             raise ConfigError(f"throughput target {target} must be positive (tokens/s)")
         self.parts, self.cluster, self.tokens, self.target = parts, cluster, tokens, target
+        self.replicas = replicas
         self.base_names = [t.name for t in cluster.types]
         # the choices per part: a type, or a type that starts a new stage (`gpu*`)
         self.type_names = self.base_names + [n + "*" for n in self.base_names]
@@ -142,7 +147,15 @@ class PlacementProblem:
             return A / n + (C * (n - 1) / n if n > 1 else 0.0)
 
         if fixed >= t.memory:
-            out = (None, time(1), 10.0)
+            out = (None, time(self.replicas or 1), 10.0)
+        elif self.replicas:
+            n = self.replicas
+            if act / n > t.memory - fixed:
+                out = (None, time(n), 10.0)
+            elif time(n) > self.budget:
+                out = (None, time(n), time(n) / self.budget - 1.0)
+            else:  # the type's device count is checked over all stages in `evaluate`
+                out = (n, time(n), 0.0)
         else:
             n_mem = max(1, math.ceil(act / (t.memory - fixed)))
             if time(n_mem) <= self.budget:
@@ -203,7 +216,7 @@ class PlacementProblem:
 
 def load_hetero_cluster(path: str) -> HeteroCluster:
     """A cluster YAML with a `device_types` list (name, count, flops, memory, bandwidth,
-    price_per_hour, memory_bandwidth) -> HeteroCluster; one-line errors name file and key."""
+    price_per_hour, memory_bandwidth, device) -> HeteroCluster; one-line errors name file and key."""
     import yaml
 
     try:
@@ -222,7 +235,7 @@ def load_hetero_cluster(path: str) -> HeteroCluster:
         missing = [k for k in need if k not in d]
         if missing:
             raise ConfigError(f"{path}: device_types[{i}] lacks {missing[0]}")
-        extra = set(d) - set(need) - {"memory_bandwidth"}
+        extra = set(d) - set(need) - {"memory_bandwidth", "device"}
         if extra:
             raise ConfigError(f"{path}: device_types[{i}] has unknown key {sorted(extra)[0]}")
         for k in need[1:] + ("memory_bandwidth",):
@@ -234,9 +247,12 @@ def load_hetero_cluster(path: str) -> HeteroCluster:
         for k in need[1:]:
             if not isinstance(d[k], (int, float)) or isinstance(d[k], bool) or d[k] <= 0:
                 raise ConfigError(f"{path}: device_types[{i}].{k}={d[k]!r} must be a positive number")
+        device = str(d.get("device", "cpu")).lower()
+        if device not in ("cpu", "gpu"):
+            raise ConfigError(f"{path}: device_types[{i}].device={d['device']!r} must be cpu or gpu")
         types.append(DeviceType(str(d["name"]), int(d["count"]), float(d["flops"]), float(d["memory"]),
                                 float(d["bandwidth"]), float(d["price_per_hour"]),
-                                float(d.get("memory_bandwidth", 1e11))))
+                                float(d.get("memory_bandwidth", 1e11)), device))
     if len({t.name for t in types}) != len(types):
         raise ConfigError(f"{path}: device type names must be unique")
     return HeteroCluster(types, str(raw.get("name", path)))

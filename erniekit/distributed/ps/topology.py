@@ -20,7 +20,7 @@ import numpy as np
 import paddle
 import paddle.distributed as dist
 
-from erniekit.errors import ErniekitError
+from erniekit.errors import ConfigError, ErniekitError
 
 # opcodes a worker sends a server; every worker sends the same sequence (synchronous training)
 PULL, HEAD, HEAD_BACK, PUSH, STEP, SAVE, SYNC, STOP = range(8)
@@ -45,6 +45,7 @@ class PSTopology:
     rank: int
     worker_group: Any = None  # the workers' process group (None with one worker)
     links: Any = None  # (worker, server index) -> the pair's process group
+    pipe: Any = None  # the workers as pipeline stages (erniekit/distributed/pipeline.PipelineTopology), or None
 
     @property
     def world(self) -> int:
@@ -75,6 +76,24 @@ class PSTopology:
         """Server index holding each row id."""
         ends = np.array([b for _, b in row_ranges(vocab, self.servers)])
         return np.searchsorted(ends, ids, side="right")
+
+
+def with_pipeline(topo: PSTopology, pp: int, num_layers: int, stage_layers: list[int] | None = None) -> PSTopology:
+    """The workers as `pp` pipeline stages of workers/pp data ranks each (stage-major ranks, as in
+    the collective pipeline); servers join the group creation, which is collective. pp=1: as is."""
+    if pp <= 1:
+        return topo
+    import dataclasses
+
+    from erniekit.distributed.layout import Layout, check_stage_layers
+    from erniekit.distributed.pipeline import PipelineTopology
+
+    check_stage_layers(stage_layers, num_layers)
+    if pp > num_layers:
+        raise ConfigError(f"pipeline_parallel_degree {pp} is more than the model's {num_layers} layers "
+                            "(num_hidden_layers); lower it")
+    pipe = PipelineTopology(Layout(pp=pp, dp=topo.workers // pp), topo.rank, num_layers, stage_layers)
+    return dataclasses.replace(topo, pipe=pipe)
 
 
 def make_links(workers: int, servers: int) -> dict[tuple[int, int], Any]:
