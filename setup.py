@@ -16,6 +16,6 @@ setup(
     include_package_data=True,
     python_requires=">=3.10",
     install_requires=[line.strip() for line in open("requirements.txt") if line.strip() and not line.startswith("#")],
-    extras_require={"test": ["pytest>=8", "pytest-xdist>=3.2", "torch==2.13.0", "transformers>=5.3"]},
+    extras_require={"test": ["pytest>=8", "pytest-xdist>=3.2", "torch==2.13.0", "transformers>=5.3", "openai>=1.40"]},
     entry_points={"console_scripts": ["erniekit=erniekit.cli:main"]},
 )

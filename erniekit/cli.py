@@ -137,6 +137,36 @@ def chat(args: list[str]) -> int:
     return result if isinstance(result, int) and not isinstance(result, bool) else 0
 
 
+def _server_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="erniekit server", description="OpenAI-compatible HTTP server "
+                                "(/v1/chat/completions, /v1/completions, /v1/models, /health).")
+    p.add_argument("model_dir", help="checkpoint or exported directory (Hugging Face layout)")
+    p.add_argument("--host", default="127.0.0.1", help="interface to bind (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' (or set ERNIEKIT_API_KEY)")
+    p.add_argument("--served-model-name", help="the model id clients send (default: the directory's name)")
+    p.add_argument("--max-batch", type=int, default=8, help="requests decoded together; more wait in a queue")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="context per request, prompt + completion (default: min(model's, 4096))")
+    p.add_argument("--backend", choices=("builtin", "fastdeploy"), default="builtin",
+                   help="fastdeploy: start FastDeploy's OpenAI server on the directory (GPU, FastDeploy installed)")
+    p.add_argument("--log-level", default="warning", help="uvicorn's log level")
+    return p
+
+
+def server(args: list[str]) -> int:
+    """Serve a checkpoint over an OpenAI-compatible API."""
+    ns = _server_parser().parse_args(args)
+    if not 1 <= ns.port <= 65535:
+        raise ErniekitError(f"server: --port {ns.port} must be in 1..65535")
+    if ns.max_batch < 1 or (ns.max_model_len is not None and ns.max_model_len < 2):
+        raise ErniekitError("server: --max-batch must be >= 1 and --max-model-len >= 2")
+    _import_paddle()
+    from erniekit.infer.server import run_server
+
+    return run_server(ns)
+
+
 def export(args: list[str]) -> int:
     """Merge LoRA (if any) and write a self-contained Hugging Face-layout directory."""
     p = argparse.ArgumentParser(prog="erniekit export", description=export.__doc__)
@@ -385,6 +415,7 @@ def _unknown_verb(verb: str) -> str:
 VERBS: dict[str, tuple[Callable[[list[str]], int], str]] = {
     "train": (train, "train a model: erniekit train CONFIG.yaml [key=value ...]"),
     "chat": (chat, "chat with a checkpoint: erniekit chat MODEL_DIR [--prompt TEXT]"),
+    "server": (server, "OpenAI-compatible API: erniekit server MODEL_DIR [--host 127.0.0.1] [--port 8000]"),
     "export": (export, "merge LoRA and write a Hugging Face-layout directory: erniekit export SRC -o OUT"),
     "plan": (plan, "rank parallel layouts on a cluster: erniekit plan CONFIG.yaml cluster=CLUSTER.yaml"),
     "eval": (eval_, "report on a checkpoint: erniekit eval MODEL_DIR --routing|--elastic [--data PATH]"),

@@ -47,6 +47,24 @@ def stop_ids(model: Ernie4_5ForCausalLM, tokenizer: ErnieTokenizer) -> list[int]
     return sorted({int(i) for i in ids if i is not None})
 
 
+def chat_prompt_ids(tokenizer: ErnieTokenizer, messages: list[dict[str, str]]) -> list[int]:
+    """Ids of a whole conversation plus the generation prompt, encoded chunk by chunk as SFT and
+    `ChatSession` encode it (each user turn's prompt, then each reply with its sep token)."""
+    text, ids = "", []
+
+    def extend(rendered: str) -> None:
+        nonlocal text, ids
+        ids = ids + tokenizer.encode(rendered[len(text):]) if rendered.startswith(text) else tokenizer.encode(rendered)
+        text = rendered
+
+    for k, m in enumerate(messages):
+        if m["role"] == "assistant":
+            extend(tokenizer.apply_chat_template(messages[:k], add_generation_prompt=True))
+            extend(tokenizer.apply_chat_template(messages[:k + 1], add_generation_prompt=False))
+    extend(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+    return ids
+
+
 class ChatSession:
     """A conversation: the messages list plus the token ids its rendering has been encoded to."""
 
