@@ -168,26 +168,47 @@ def server(args: list[str]) -> int:
 
 
 def export(args: list[str]) -> int:
-    """Merge LoRA (if any) and write a self-contained Hugging Face-layout directory."""
-    p = argparse.ArgumentParser(prog="erniekit export", description=export.__doc__)
-    p.add_argument("src", help="checkpoint or LoRA adapter directory (output of erniekit train)")
-    p.add_argument("--output", "-o", required=True, help="directory to write")
+    """Merge LoRA (if any) and write a deployable directory (docs/deploy.md)."""
+    p = argparse.ArgumentParser(prog="erniekit export", description=export.__doc__,
+                                usage="erniekit export SRC -o OUT [--format hf|wint8|wint4] | erniekit export --verify OUT")
+    p.add_argument("src", nargs="?", help="checkpoint or LoRA adapter directory (output of erniekit train)")
+    p.add_argument("--output", "-o", help="directory to write")
+    p.add_argument("--format", choices=("hf", "wint8", "wint4"), default="hf",
+                   help="hf: Hugging Face layout (FastDeploy, transformers); wint8/wint4: the same with the decoder's "
+                        "matrices weight-only quantized (int8 per channel / int4 per group), for erniekit's engine")
+    p.add_argument("--group-size", type=int, default=64, help="wint4: inputs per scale")
     p.add_argument("--max-shard-size", default="5GB", help="split weights into files of at most this size")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
                    help="weight dtype in the files (default: as trained)")
+    p.add_argument("--verify", metavar="DIR", help="reload an exported DIR and compare its logits with its source")
     p.add_argument("elastic", nargs="*", metavar="elastic.KEY=N",
                    help="write an elastic sub-model: elastic.depth=N elastic.experts=N elastic.top_k=N "
                         "(docs/elastic.md)")
     ns = p.parse_intermixed_args(args)
+    if ns.verify:
+        _import_paddle()
+        from erniekit.export.hf import verify
+
+        r = verify(ns.verify)
+        print(f"verify {ns.verify} ({r['format']}) against {r['source']}: max |logit difference| "
+              f"{r['max_abs_diff']:.3g} (tolerance {r['tolerance']:.3g}, logits up to {r['max_logit']:.3g}), "
+              f"greedy token agrees at {100 * r['same_greedy']:.1f}% of positions: {'OK' if r['ok'] else 'FAILED'}")
+        return 0 if r["ok"] else 1
+    if not ns.src or not ns.output:
+        raise ErniekitError("export needs SRC and --output OUT (or --verify DIR)")
+    if ns.format == "wint4" and (ns.group_size < 2 or ns.group_size % 2):
+        raise ErniekitError(f"export: --group-size {ns.group_size} must be an even number >= 2")
     from erniekit.nn.elastic import parse_settings
 
     spec = parse_settings(ns.elastic)  # before paddle: a typo is reported at once
     _import_paddle()
     from erniekit.export.hf import export_hf
 
-    out = export_hf(ns.src, ns.output, ns.max_shard_size, ns.dtype, elastic=spec)
+    out = export_hf(ns.src, ns.output, ns.max_shard_size, ns.dtype, elastic=spec, fmt=ns.format,
+                    group_size=ns.group_size)
     what = "" if spec.is_full else f" (elastic sub-model depth={spec.depth} experts={spec.experts} top_k={spec.top_k})"
-    print(f"exported {ns.src} -> {out}{what}")
+    fmt = "" if ns.format == "hf" else f" as {ns.format}"
+    print(f"exported {ns.src} -> {out}{fmt}{what}; check it with: erniekit export --verify {out}")
     return 0
 
 

@@ -1,26 +1,97 @@
 """`erniekit export`: a self-contained Hugging Face-layout directory (what FastDeploy and
 transformers read): LoRA merged into the base, config, generation config, tokenizer with its chat
-template, safetensors sharded above `max_shard_size`."""
+template, safetensors sharded above `max_shard_size`. `wint8` / `wint4` write the same layout with
+the decoder's matrices weight-only quantized (erniekit/nn/weight_only.py; erniekit loads them
+dequantized). Every export records its source in `export_info.json`, which `--verify` reads."""
 
 from __future__ import annotations
 
+import json
 import os
 
 from erniekit.errors import CheckpointError
 
+INFO_NAME = "export_info.json"
+HF_FORMATS = ("hf", "wint8", "wint4")
 
-def export_hf(src: str, out: str, max_shard_size: str = "5GB", dtype: str | None = None, elastic=None) -> str:
-    """`elastic` (an erniekit.nn.elastic.ElasticSpec) writes that sub-model as an ordinary smaller checkpoint."""
-    from erniekit.models.ernie4_5.checkpoint import load_model_or_adapter, save_pretrained
+
+def _load_source(src: str, elastic=None):
+    from erniekit.models.ernie4_5.checkpoint import load_model_or_adapter
     from erniekit.models.ernie4_5.tokenizer import ErnieTokenizer
 
-    if os.path.abspath(src) == os.path.abspath(out):
-        raise CheckpointError(f"export: --output {out} is the source directory; choose a new directory")
     tokenizer = ErnieTokenizer.from_pretrained(src)
     model = load_model_or_adapter(src)
     if elastic is not None and not elastic.is_full:
         from erniekit.nn.elastic import extract_submodel
 
         model = extract_submodel(model, elastic)
-    save_pretrained(model, out, tokenizer=tokenizer, max_shard_size=max_shard_size, dtype=dtype)
+    model.eval()
+    return model, tokenizer
+
+
+def export_hf(src: str, out: str, max_shard_size: str = "5GB", dtype: str | None = None, elastic=None,
+              fmt: str = "hf", group_size: int = 64) -> str:
+    """`elastic` (an erniekit.nn.elastic.ElasticSpec) writes that sub-model as an ordinary smaller checkpoint."""
+    import paddle
+
+    from erniekit.models.ernie4_5.checkpoint import hf_state_dict, save_pretrained
+    from erniekit.utils.io import atomic_write_json
+
+    if os.path.abspath(src) == os.path.abspath(out):
+        raise CheckpointError(f"export: --output {out} is the source directory; choose a new directory")
+    model, tokenizer = _load_source(src, elastic)
+    state, info = None, {"source": os.path.abspath(src), "format": fmt}
+    if elastic is not None and not elastic.is_full:
+        info["elastic"] = {"depth": elastic.depth, "experts": elastic.experts, "top_k": elastic.top_k}
+    if fmt in ("wint8", "wint4"):
+        from erniekit.nn.weight_only import quantize_state
+
+        bits = 8 if fmt == "wint8" else 4
+        full = {k: v.numpy() for k, v in hf_state_dict(model, "float32").items()}
+        try:
+            quant, n = quantize_state(full, bits, group_size)
+        except ValueError as e:
+            raise CheckpointError(f"export --format {fmt}: {e}; choose --group-size accordingly") from None
+        state = {k: paddle.to_tensor(v) for k, v in quant.items()}
+        info.update(bits=bits, group_size=group_size if bits == 4 else None, quantized_matrices=n)
+    save_pretrained(model, out, tokenizer=tokenizer, max_shard_size=max_shard_size, dtype=dtype, state=state)
+    atomic_write_json(os.path.join(out, INFO_NAME), info)
     return out
+
+
+def verify(out: str, atol: float | None = None) -> dict:
+    """Reload an exported directory and compare its logits with its source's on fixed prompts:
+    {max_abs_diff, max_logit, same_greedy (argmax agreement), tolerance, ok}."""
+    import numpy as np
+    import paddle
+
+    from erniekit.models.ernie4_5.checkpoint import load_model_or_adapter
+    from erniekit.nn.elastic import ElasticSpec
+
+    info_file = os.path.join(out, INFO_NAME)
+    if not os.path.isfile(info_file):
+        raise CheckpointError(f"{out}: no {INFO_NAME}; --verify checks a directory written by erniekit export")
+    info = json.load(open(info_file, encoding="utf-8"))
+    src = info["source"]
+    if not os.path.isdir(src):
+        raise CheckpointError(f"{out}: its source {src} is gone; --verify needs the source to compare with")
+    el = info.get("elastic")
+    ref_model, tokenizer = _load_source(src, ElasticSpec(**el) if el else None)
+    got_model = load_model_or_adapter(out)
+    got_model.eval()
+    texts = ["1+2=", "What is 7 plus 5?", "Hello, ERNIE."]
+    ids = [tokenizer.encode(t) for t in texts]
+    L = max(len(i) for i in ids)
+    batch = paddle.to_tensor([[0] * (L - len(i)) + i for i in ids], dtype="int64")
+    mask = paddle.to_tensor([[0] * (L - len(i)) + [1] * len(i) for i in ids], dtype="int64")
+    with paddle.no_grad():
+        a = ref_model(batch, attention_mask=mask).logits.astype("float32").numpy()
+        b = got_model(batch, attention_mask=mask).logits.astype("float32").numpy()
+    real = mask.numpy().astype(bool)
+    a, b = a[real], b[real]
+    diff = float(np.abs(a - b).max())
+    tol = atol if atol is not None else {"hf": 1e-4, "wint8": 0.05, "wint4": 0.25}.get(info["format"], 1e-4) * \
+        max(1.0, float(np.abs(a).max()))
+    same = float((a.argmax(-1) == b.argmax(-1)).mean())
+    return {"format": info["format"], "source": src, "max_abs_diff": diff, "max_logit": float(np.abs(a).max()),
+            "same_greedy": same, "tolerance": tol, "ok": diff <= tol}

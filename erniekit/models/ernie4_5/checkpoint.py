@@ -17,12 +17,13 @@ from safetensors import safe_open
 from erniekit.errors import CheckpointError
 from erniekit.models.ernie4_5.configuration import Ernie4_5Config
 from erniekit.models.ernie4_5.modeling import Ernie4_5ForCausalLM
+from erniekit.nn.weight_only import SCALE_SUFFIX, dequantize, logical_shape
 from erniekit.utils.dtensor import assign_full, is_main_process, to_dense
 from erniekit.utils.io import atomic_write, atomic_write_json, read_json_object
 
 WEIGHTS_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
-_IGNORED_UNEXPECTED = re.compile(r"^(mtp|model\.mtp)|rotary_emb\.inv_freq$")
+_IGNORED_UNEXPECTED = re.compile(r"^(mtp|model\.mtp)|rotary_emb\.inv_freq$|_scale$")
 
 
 @dataclass
@@ -93,10 +94,18 @@ class _ShardReader:
         return self._files[file]
 
     def shape(self, name: str) -> list[int]:
-        return list(self._open(self.where[name]).get_slice(name).get_shape())
+        stored = list(self._open(self.where[name]).get_slice(name).get_shape())
+        scale = name + SCALE_SUFFIX
+        if scale in self.where:  # a weight-only quantized matrix (erniekit/nn/weight_only.py)
+            return logical_shape(stored, list(self._open(self.where[scale]).get_slice(scale).get_shape()))
+        return stored
 
     def get(self, name: str) -> paddle.Tensor:
-        return self._open(self.where[name]).get_tensor(name)
+        t = self._open(self.where[name]).get_tensor(name)
+        scale = name + SCALE_SUFFIX
+        if scale in self.where:  # dequantized on load: the engine computes with what the export kept
+            t = paddle.to_tensor(dequantize(t.numpy(), self._open(self.where[scale]).get_tensor(scale).numpy()))
+        return t
 
 
 def load_state_into(model: Ernie4_5ForCausalLM, path: str) -> None:
