@@ -2,10 +2,11 @@
 
 Every running request owns a row of a preallocated cache [rows, max_model_len, KVH, D] per layer;
 all rows share one time axis of T columns, and each row's tokens are the last columns it filled,
-left-padded by a mask (positions come from the mask's running count, as in `generate`). A
-request joins between decode steps: its prompt is prefilled alone (so its first token is exactly
-the single-request one), its keys and values are copied into a free row at columns [T-p, T),
-and from then on one forward per step decodes every running row. A finished row is refilled by
+left-padded by a mask (positions come from the mask's running count, as in `generate`).
+Requests join between decode steps: the prompts that arrived are prefilled together in one
+left-padded forward (each row's keys and values are those of its prompt alone: padding is masked
+and does not count as a position), copied into free rows at columns [T-p, T), and from then on
+one forward per step decodes every running row. A finished row is refilled by
 moving the last running row into it; when the time axis is full, the columns no running row uses
 are dropped (a shift left). The only Python loops per step are over requests (sampling with each
 request's own options, stop strings), never over tokens of a sequence.
@@ -58,11 +59,11 @@ class SlotCache:
         self.v[layer][:n, start:end] = v
         return self.k[layer][:n, :end], self.v[layer][:n, :end]
 
-    def put(self, row: int, src: KVCache, cols: slice) -> None:
-        """Row `row`, columns `cols` <- the single-request cache `src` (all its tokens)."""
+    def put(self, row: int, src: KVCache, src_row: int, src_cols: slice, cols: slice) -> None:
+        """Row `row`, columns `cols` <- row `src_row`, columns `src_cols` of a prefill's cache."""
         for layer in range(len(self.k)):
-            self.k[layer][row, cols] = src.k[layer][0, :src.length]
-            self.v[layer][row, cols] = src.v[layer][0, :src.length]
+            self.k[layer][row, cols] = src.k[layer][src_row, src_cols]
+            self.v[layer][row, cols] = src.v[layer][src_row, src_cols]
 
     def move_row(self, dst: int, src: int, cols: int) -> None:
         for layer in range(len(self.k)):
@@ -133,45 +134,62 @@ class Engine:
 
     @paddle.no_grad()
     def _admit(self, block: bool) -> None:
-        """Prefill waiting requests into free rows (between decode steps)."""
-        while len(self.rows) < self.max_batch:
+        """Prefill waiting requests into free rows (between decode steps), all in one forward."""
+        new: list[Request] = []
+        while len(self.rows) + len(new) < self.max_batch:
             try:
-                req = self.pending.get(block=block, timeout=0.5 if block else None)
+                req = self.pending.get(block=block and not new, timeout=0.5 if block and not new else None)
             except queue.Empty:
-                return
+                break
             if req is None:
-                return
-            block = False
-            if req.cancelled:
-                continue
-            try:
-                self._prefill(req)
-            except Exception as e:  # noqa: BLE001 - this request fails, the others go on
-                self._finish(req, "error", f"{type(e).__name__}: {e}")
+                break
+            if not req.cancelled:
+                new.append(req)
+        if not new:
+            return
+        try:
+            self._prefill(new)
+        except Exception as e:  # noqa: BLE001 - these requests fail, the running ones go on
+            for req in new:
+                if req not in self.rows:
+                    self._finish(req, "error", f"{type(e).__name__}: {e}")
 
-    def _prefill(self, req: Request) -> None:
-        p = len(req.prompt)
-        single = KVCache(self.model.config, 1, p, dtype=self.dtype)
-        logits = self.model(paddle.to_tensor([req.prompt], dtype="int64"), cache=single, logits_to_keep=1).logits
-        self.rngs[id(req)] = np.random.default_rng(req.params.seed)  # None: fresh entropy
-        first = self._sample(logits[:, -1].astype("float32").numpy(), [req])[0]
-        cache, n = self.cache, len(self.rows)
+    def _prefill(self, reqs: list[Request]) -> None:
+        """The prompts left-padded into one batch (positions count real tokens, so each row's
+        keys and values are those of its prompt alone), then copied into free rows."""
+        lens = [len(r.prompt) for r in reqs]
+        L = max(lens)
+        ids = np.zeros((len(reqs), L), dtype=np.int64)
+        pad = np.zeros((len(reqs), L), dtype=np.int64)
+        for i, r in enumerate(reqs):
+            ids[i, L - lens[i]:] = r.prompt
+            pad[i, L - lens[i]:] = 1
+        batch = KVCache(self.model.config, len(reqs), L, dtype=self.dtype)
+        am = paddle.to_tensor(pad) if min(lens) < L else None
+        logits = self.model(paddle.to_tensor(ids), attention_mask=am, cache=batch, logits_to_keep=1).logits
+        for r in reqs:
+            self.rngs[id(r)] = np.random.default_rng(r.params.seed)  # None: fresh entropy
+        first = self._sample(logits[:, -1].astype("float32").numpy(), reqs)
+        cache = self.cache
+        if L > cache.length:  # a prompt longer than the time axis: make room on the left
+            n, T = len(self.rows), cache.length
+            if T and n:
+                cache.shift(n, L - T)
+                self.mask[:n, L - T:L] = self.mask[:n, :T].copy()
+                self.mask[:n, :L - T] = 0
+            cache.length = L
         T = cache.length
-        if p > T:  # the new prompt is longer than the time axis: make room on the left
-            if T:
-                cache.shift(n, p - T)
-                self.mask[:n, p - T:p] = self.mask[:n, :T].copy()
-                self.mask[:n, :p - T] = 0
-            cache.length = T = p
-        cache.put(n, single, slice(T - p, T))
-        self.mask[n, :] = 0
-        self.mask[n, T - p:T] = 1
-        self.rows.append(req)
-        cache.n = len(self.rows)
-        if not self._advance(req, first):
-            self.next_ids[n] = first
-        else:
-            self._remove(n)
+        for i, r in enumerate(reqs):
+            row, p = len(self.rows), lens[i]
+            cache.put(row, batch, i, slice(L - p, L), slice(T - p, T))
+            self.mask[row, :] = 0
+            self.mask[row, T - p:T] = 1
+            self.rows.append(r)
+            cache.n = len(self.rows)
+            if self._advance(r, int(first[i])):
+                self._remove(row)
+            else:
+                self.next_ids[row] = first[i]
 
     def _decode_step(self) -> None:
         cache, n = self.cache, len(self.rows)
