@@ -16,6 +16,8 @@ setup(
     include_package_data=True,
     python_requires=">=3.10",
     install_requires=[line.strip() for line in open("requirements.txt") if line.strip() and not line.startswith("#")],
-    extras_require={"test": ["pytest>=8", "pytest-xdist>=3.2", "torch==2.13.0", "transformers>=5.3", "openai>=1.40"]},
+    extras_require={"onnx": ["paddle2onnx>=2.0", "onnxruntime>=1.17"],
+                    "test": ["pytest>=8", "pytest-xdist>=3.2", "torch==2.13.0", "transformers>=5.3", "openai>=1.40",
+                             "paddle2onnx>=2.0", "onnxruntime>=1.17"]},
     entry_points={"console_scripts": ["erniekit=erniekit.cli:main"]},
 )

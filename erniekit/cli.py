@@ -170,12 +170,15 @@ def server(args: list[str]) -> int:
 def export(args: list[str]) -> int:
     """Merge LoRA (if any) and write a deployable directory (docs/deploy.md)."""
     p = argparse.ArgumentParser(prog="erniekit export", description=export.__doc__,
-                                usage="erniekit export SRC -o OUT [--format hf|wint8|wint4] | erniekit export --verify OUT")
+                                usage="erniekit export SRC -o OUT [--format hf|wint8|wint4|paddle|onnx] | "
+                                      "erniekit export --verify OUT")
     p.add_argument("src", nargs="?", help="checkpoint or LoRA adapter directory (output of erniekit train)")
     p.add_argument("--output", "-o", help="directory to write")
-    p.add_argument("--format", choices=("hf", "wint8", "wint4"), default="hf",
+    p.add_argument("--format", choices=("hf", "wint8", "wint4", "paddle", "onnx"), default="hf",
                    help="hf: Hugging Face layout (FastDeploy, transformers); wint8/wint4: the same with the decoder's "
-                        "matrices weight-only quantized (int8 per channel / int4 per group), for erniekit's engine")
+                        "matrices weight-only quantized (int8 per channel / int4 per group), for erniekit's engine; "
+                        "paddle: the decoding step as a static graph for paddle.inference; onnx: the same for "
+                        "onnxruntime (needs paddle2onnx)")
     p.add_argument("--group-size", type=int, default=64, help="wint4: inputs per scale")
     p.add_argument("--max-shard-size", default="5GB", help="split weights into files of at most this size")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,

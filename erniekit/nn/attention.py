@@ -11,7 +11,9 @@ def rope_cos_sin(position_ids: paddle.Tensor, head_dim: int, theta: float) -> tu
     computed once per forward in float32 (as the reference does)."""
     inv_freq = 1.0 / (theta ** (paddle.arange(0, head_dim, 2, dtype="float32") / head_dim))
     freqs = position_ids.astype("float32").unsqueeze(-1) * inv_freq  # [B, S, D/2]
-    freqs = paddle.repeat_interleave(freqs, 2, axis=-1)
+    # each angle twice (pair i -> dims 2i, 2i+1); tile + flatten rather than repeat_interleave,
+    # which paddle2onnx cannot convert with dynamic shapes (the onnx export)
+    freqs = paddle.tile(freqs.unsqueeze(-1), [1, 1, 1, 2]).flatten(start_axis=-2)
     return paddle.cos(freqs).unsqueeze(2), paddle.sin(freqs).unsqueeze(2)
 
 

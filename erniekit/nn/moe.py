@@ -223,12 +223,26 @@ class StackedExperts(nn.Layer):
         if self.expert_parallel is not None:
             return self.expert_parallel.run(self._forward_expert_parallel, x, topk_idx, topk_weight, keep,
                                             self.expert_params())
+        if not paddle.in_dynamic_mode():
+            return self._forward_every_expert(x, topk_idx, topk_weight, keep)
         d = dispatch(topk_idx, topk_weight, self.num_experts, keep)
         out = paddle.zeros_like(x)
         if not d.token.shape[0]:
             return out
         y = self._swiglu(paddle.gather(x, d.token), d.counts)
         return paddle.index_add(out, d.token, 0, y * d.weight.astype(x.dtype).unsqueeze(-1))
+
+    def _forward_every_expert(self, x: paddle.Tensor, topk_idx: paddle.Tensor, topk_weight: paddle.Tensor,
+                              keep: paddle.Tensor | None = None) -> paddle.Tensor:
+        """Every expert on every token, summed with the gate weights (0 off the top-k): the same
+        result without data-dependent shapes, which a static graph (the `paddle` / `onnx` export,
+        erniekit/export/static.py) cannot hold; E / k times the expert FLOPs."""
+        w = topk_weight if keep is None else topk_weight * keep.astype(topk_weight.dtype)
+        comb = paddle.sum(F.one_hot(topk_idx, self.num_experts) * w.unsqueeze(-1), axis=1)  # [T, E]
+        xe = x.unsqueeze(0)  # [1, T, H] against [E, H, I]
+        h = F.silu(paddle.matmul(xe, self.gate_proj)) * paddle.matmul(xe, self.up_proj)
+        y = paddle.matmul(h, self.down_proj)  # [E, T, H]
+        return paddle.sum(comb.astype(x.dtype).transpose([1, 0]).unsqueeze(-1) * y, axis=0)
 
     def _swiglu(self, xs: paddle.Tensor, counts: list[int]) -> paddle.Tensor:
         """Rows sorted into consecutive groups of counts[e] rows for expert e -> the experts' outputs."""
