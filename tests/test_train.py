@@ -3,6 +3,7 @@
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 
@@ -253,3 +254,51 @@ def test_diverging_run_stops_with_one_line_error(tmp_path):
              f"output_dir={tmp_path / 'o'}")
     assert r.returncode == 2, r.stderr[-500:]
     assert "gradient norm is nan" in r.stderr and r.stderr.count("\n") == 1, r.stderr[-500:]
+
+
+def test_sigterm_ends_the_run_with_a_checkpoint_and_it_resumes(tmp_path):
+    """The WebUI's stop button: SIGTERM ends the run after its step with checkpoint-N and the
+    model; resume_from_checkpoint=auto continues from N."""
+    import signal
+    import time
+
+    out = tmp_path / "run"
+    args = [sys.executable, "-m", "erniekit", "train", "examples/configs/tiny/pretrain.yaml", f"output_dir={out}",
+            "max_steps=500", "logging_steps=1", "save_steps=1000", "disable_tqdm=true", "max_seq_len=64",
+            "model_overrides.num_hidden_layers=2"]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    p = subprocess.Popen(args, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    scalars = out / "vdl_log" / "scalars.jsonl"
+    deadline = time.time() + 120
+    while time.time() < deadline and (not scalars.exists() or len(scalars.read_text().splitlines()) < 3):
+        time.sleep(0.1)
+    assert (out / ".erniekit-run.lock").read_text() == str(p.pid)  # held while it runs
+    p.send_signal(signal.SIGTERM)
+    stdout, _ = p.communicate(timeout=120)
+    assert p.returncode == 0, stdout[-2000:]
+    m = re.search(r"stopping at step (\d+)/500 on request: writing checkpoint-(\d+)", stdout)
+    assert m and m[1] == m[2], stdout[-2000:]
+    n = int(m[1])
+    assert (out / f"checkpoint-{n}" / "optimizer.safetensors").exists() and (out / "model.safetensors").exists()
+    assert json.loads((out / "train_results.json").read_text())["stopped_at_step"] == n
+    assert not (out / ".erniekit-run.lock").exists()
+    r = subprocess.run([*args[:5], f"output_dir={out}", f"max_steps={n + 2}", *args[7:], "resume_from_checkpoint=auto"],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and f"resumed from" in r.stdout, r.stdout[-2000:] + r.stderr[-2000:]
+    steps = [json.loads(line)["step"] for line in scalars.read_text().splitlines()]
+    assert steps[-2:] == [n + 1, n + 2]
+
+
+def test_a_second_run_into_a_busy_output_dir_is_refused(tmp_path):
+    out = tmp_path / "busy"
+    out.mkdir()
+    (out / ".erniekit-run.lock").write_text(str(os.getpid()))  # a live holder: this test process
+    args = [sys.executable, "-m", "erniekit", "train", "examples/configs/tiny/pretrain.yaml", f"output_dir={out}",
+            "max_steps=2", "disable_tqdm=true", "max_seq_len=64"]
+    r = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2 and r.stderr.strip().splitlines()[-1] == (
+        f"error: output_dir={out} is in use by a running training job (pid {os.getpid()}); choose another "
+        "output_dir or stop that job first")
+    (out / ".erniekit-run.lock").write_text("999999999")  # a holder that is gone: taken over
+    r = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]

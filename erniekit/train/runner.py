@@ -159,6 +159,16 @@ def _parallel_note(ctx) -> str:
 
 
 def run_train(cfg, log=print) -> dict:
+    """One training run; rank 0 (or the only process) holds output_dir against a second run."""
+    if os.environ.get("PADDLE_TRAINER_ID", "0") != "0":
+        return _run_train(cfg, log)
+    from erniekit.train.run_control import output_dir_lock
+
+    with output_dir_lock(cfg.output_dir):
+        return _run_train(cfg, log)
+
+
+def _run_train(cfg, log=print) -> dict:
     device = select_device()
     ctx = join_job(cfg)
     ps = join_ps(cfg)
@@ -223,13 +233,21 @@ def run_train(cfg, log=print) -> dict:
         results["eval_start"] = trainer.evaluate()  # the starting point, so the run can report its gain
     if cfg.do_train:
         t1 = time.perf_counter()
-        results["train"] = trainer.train()
+        if launched_world() == 1:  # SIGTERM / Ctrl-C: end after the step with a checkpoint
+            from erniekit.train.run_control import stop_on_signal
+
+            with stop_on_signal(trainer.request_stop):
+                results["train"] = trainer.train()
+        else:
+            results["train"] = trainer.train()
+        if trainer.stop_requested:
+            results["stopped_at_step"] = trainer.step
         results["train_runtime_s"] = time.perf_counter() - t1
         results["peak_memory_bytes"] = peak_memory_bytes()
         if ctx is not None:
             local, total = trainer.optimizer.state_numel()
             log(f"optimizer state on rank 0: {local} of {total} values ({100 * local / max(total, 1):.0f}%)")
-    if cfg.do_eval and eval_data is not None:
+    if cfg.do_eval and eval_data is not None and not trainer.stop_requested:
         results["eval"] = trainer.evaluate()
         ev = results["eval"]
         if "exact_match" in ev:

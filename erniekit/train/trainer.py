@@ -95,6 +95,7 @@ class Trainer:
             self.ema = WeightEMA([(n, p) for n, p in model.named_parameters() if not p.stop_gradient], cfg.ema_decay)
         self.loss_scale = 2.0**15 if cfg.fp16 else 1.0  # dynamic loss scaling for fp16 only
         self.good_steps = 0
+        self.stop_requested = False  # request_stop(): end after the current step with a checkpoint
         self.step = 0
         self.consumed = 0  # micro-batches consumed: the data position
         self.logger_dir = cfg.logging_dir or os.path.join(cfg.output_dir, "vdl_log")
@@ -288,7 +289,7 @@ class Trainer:
             m = self.train_step()
             window_tokens += m.pop("train/tokens")
             window_steps += 1
-            if self.step % cfg.logging_steps == 0 or self.step == self.total_steps:
+            if self.step % cfg.logging_steps == 0 or self.step == self.total_steps or self.stop_requested:
                 dt = time.perf_counter() - window_start
                 m["train/tokens_per_sec"] = window_tokens / max(dt, 1e-9)
                 m["train/step_time_s"] = dt / window_steps
@@ -312,6 +313,10 @@ class Trainer:
             if cfg.do_eval and self.eval_data is not None and cfg.eval_steps > 0 and self.step % cfg.eval_steps == 0 \
                     and self.step < self.total_steps:
                 self.evaluate()
+            if self.stop_requested:  # a stop request (SIGTERM/SIGINT): end here with a checkpoint
+                self.log(f"stopping at step {self.step}/{self.total_steps} on request: writing checkpoint-{self.step}; "
+                         "continue with resume_from_checkpoint=auto")
+                break
             if cfg.save_steps > 0 and self.step % cfg.save_steps == 0 and self.step < self.total_steps:
                 self.save()
         if bar is not None:
@@ -320,6 +325,10 @@ class Trainer:
             self.routing.maybe_write_pictures(self.step, self.logger.writer, final=True)
         self.save()
         return last
+
+    def request_stop(self) -> None:
+        """End training after the current step, with a checkpoint (the WebUI's stop button, Ctrl-C)."""
+        self.stop_requested = True
 
     def _progress_extra(self, m: dict[str, float]) -> dict[str, str]:
         return {short: f"{m[key]:.3f}" for short, key in self.stage.progress_keys.items() if key in m}
