@@ -17,7 +17,8 @@ setup(
     python_requires=">=3.10",
     install_requires=[line.strip() for line in open("requirements.txt") if line.strip() and not line.startswith("#")],
     extras_require={"onnx": ["paddle2onnx>=2.0", "onnxruntime>=1.17"],
+                    "webui": ["gradio>=6.0,<7"],
                     "test": ["pytest>=8", "pytest-xdist>=3.2", "torch==2.13.0", "transformers>=5.3", "openai>=1.40",
-                             "paddle2onnx>=2.0", "onnxruntime>=1.17"]},
+                             "paddle2onnx>=2.0", "onnxruntime>=1.17", "gradio>=6.0,<7", "playwright>=1.45"]},
     entry_points={"console_scripts": ["erniekit=erniekit.cli:main"]},
 )

@@ -167,6 +167,25 @@ def server(args: list[str]) -> int:
     return run_server(ns)
 
 
+def webui(args: list[str]) -> int:
+    """Fine-tune, chat and export in the browser."""
+    p = argparse.ArgumentParser(prog="erniekit webui", description=webui.__doc__)
+    p.add_argument("--host", default="127.0.0.1", help="interface to bind (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=int, default=7860)
+    p.add_argument("--share", action="store_true", help="also open a public gradio.live link (off by default)")
+    ns = p.parse_args(args)
+    if not 1 <= ns.port <= 65535:
+        raise ErniekitError(f"webui: --port {ns.port} must be in 1..65535")
+    try:
+        import gradio  # noqa: F401
+    except ImportError:
+        raise ErniekitError("webui needs gradio: pip install 'erniekit[webui]' (gradio>=6,<7)") from None
+    _import_paddle()
+    from erniekit.webui.app import run_webui
+
+    return run_webui(ns.host, ns.port, ns.share)
+
+
 def export(args: list[str]) -> int:
     """Merge LoRA (if any) and write a deployable directory (docs/deploy.md)."""
     p = argparse.ArgumentParser(prog="erniekit export", description=export.__doc__,
@@ -440,6 +459,7 @@ VERBS: dict[str, tuple[Callable[[list[str]], int], str]] = {
     "train": (train, "train a model: erniekit train CONFIG.yaml [key=value ...]"),
     "chat": (chat, "chat with a checkpoint: erniekit chat MODEL_DIR [--prompt TEXT]"),
     "server": (server, "OpenAI-compatible API: erniekit server MODEL_DIR [--host 127.0.0.1] [--port 8000]"),
+    "webui": (webui, "fine-tune, chat and export in the browser: erniekit webui [--host 127.0.0.1] [--port 7860]"),
     "export": (export, "merge LoRA and write a Hugging Face-layout directory: erniekit export SRC -o OUT"),
     "plan": (plan, "rank parallel layouts on a cluster: erniekit plan CONFIG.yaml cluster=CLUSTER.yaml"),
     "eval": (eval_, "report on a checkpoint: erniekit eval MODEL_DIR --routing|--elastic [--data PATH]"),

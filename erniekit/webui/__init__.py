@@ -1,0 +1,1 @@
+"""The gradio WebUI (`erniekit webui`)."""

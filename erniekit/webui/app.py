@@ -1,0 +1,259 @@
+"""`erniekit webui`: fine-tune, chat and export in the browser (gradio), local by default.
+
+Train starts `erniekit train` as a child process (erniekit/webui/runs.py) and polls it every
+second: log tail, loss (and reward) plot from the run's VisualDL log directory, progress and ETA.
+Chat loads a checkpoint or exported directory and streams replies. Export runs `erniekit
+export` and shows the command that serves the result. Every handler turns errors into a message
+in the page (never a stack trace).
+"""
+
+from __future__ import annotations
+
+import os
+import traceback
+
+import gradio as gr
+
+from erniekit.errors import ErniekitError
+from erniekit.webui.runs import EMBEDDED, STAGES, Form, Runs, check_form, cli_command, yaml_preview
+
+CSS = ".erniekit-error {color: #b00020; font-weight: 600}"
+
+
+def _message(e: Exception) -> str:
+    """One line for the page: erniekit's own errors as they are, anything else with its type."""
+    if isinstance(e, ErniekitError):
+        return str(e)
+    return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}".strip()
+
+
+def _error(e: Exception) -> str:
+    traceback.print_exc()  # the server's console keeps the trace; the page gets one line
+    return f"<span class='erniekit-error'>Error: {_message(e)}</span>"
+
+
+def _fmt_eta(s: float | None) -> str:
+    if s is None:
+        return ""
+    s = int(s)
+    return f", ETA {s // 60}m{s % 60:02d}s" if s >= 60 else f", ETA {s}s"
+
+
+def build_app(runs: Runs | None = None) -> gr.Blocks:
+    runs = runs or Runs()
+    chat_state: dict = {}
+
+    with gr.Blocks(title="erniekit") as app:
+        gr.Markdown("# erniekit\nFine-tune, chat with and export ERNIE 4.5 models.")
+        with gr.Tab("Train"):
+            with gr.Row():
+                stage = gr.Dropdown(list(STAGES), value="SFT", label="Stage", elem_id="stage")
+                model = gr.Textbox(EMBEDDED, label="Model directory (or the embedded tiny model)", elem_id="model")
+                dataset = gr.Textbox("", label="Dataset path (empty: the stage's bundled data)", elem_id="dataset")
+            with gr.Row():
+                output_dir = gr.Textbox("output/webui-run", label="Output directory", elem_id="output_dir")
+                max_steps = gr.Number(200, precision=0, label="Max steps", elem_id="max_steps")
+                lr = gr.Number(3e-3, label="Learning rate", elem_id="learning_rate")
+                batch = gr.Number(32, precision=0, label="Batch size", elem_id="batch_size")
+                seq = gr.Number(32, precision=0, label="Max sequence length", elem_id="max_seq_len")
+                rank = gr.Number(8, precision=0, label="LoRA rank", elem_id="lora_rank")
+            with gr.Row():
+                preview_btn = gr.Button("Show config", elem_id="preview")
+                start_btn = gr.Button("Start", variant="primary", elem_id="start")
+                stop_btn = gr.Button("Stop", variant="stop", elem_id="stop")
+                resume_btn = gr.Button("Resume", elem_id="resume")
+            message = gr.HTML("", elem_id="train_message")
+            with gr.Row():
+                yaml_box = gr.Code("", language="yaml", label="Config (YAML) the run uses", elem_id="yaml", max_lines=16)
+                cli_box = gr.Textbox("", label="Equivalent command", elem_id="cli", lines=3)
+            progress = gr.Markdown("", elem_id="progress")
+            plot = gr.LinePlot(None, x="step", y="value", color="series", label="Loss (and reward)",
+                               elem_id="loss_plot", height=300,
+                               color_map={"loss": "#e8590c", "reward": "#2b8a3e", "eval loss": "#5f3dc4"})
+            points = gr.Markdown("", elem_id="points")
+            log = gr.Textbox("", label="Log (last lines)", lines=12, max_lines=12, elem_id="log", autoscroll=True)
+            timer = gr.Timer(1.0, active=False)
+
+            inputs = [stage, model, dataset, output_dir, max_steps, lr, batch, seq, rank]
+
+            def form_of(*vals) -> Form:
+                st, mo, ds, out, steps, rate, bs, sl, rk = vals
+                for name, v in (("max steps", steps), ("learning rate", rate), ("batch size", bs),
+                                ("max sequence length", sl), ("LoRA rank", rk)):
+                    if v is None:
+                        raise ErniekitError(f"{name} is empty")
+                return Form(stage=st, model=(mo or EMBEDDED).strip(), dataset=(ds or "").strip(),
+                            output_dir=(out or "").strip(), max_steps=int(steps), learning_rate=float(rate),
+                            batch_size=int(bs), max_seq_len=int(sl), lora_rank=int(rk))
+
+            def preview(*vals):
+                try:
+                    f = form_of(*vals)
+                    return yaml_preview(f), cli_command(f), ""
+                except Exception as e:  # noqa: BLE001 - shown in the page
+                    return "", "", _error(e)
+
+            def start(resume: bool, *vals):
+                try:
+                    f = form_of(*vals)
+                    runs.start(f, resume=resume)
+                    what = "resumed" if resume else "started"
+                    return yaml_preview(f), cli_command(f), f"Run {what}: {f.output_dir}", gr.Timer(active=True)
+                except Exception as e:  # noqa: BLE001 - shown in the page
+                    return gr.update(), gr.update(), _error(e), gr.Timer()
+
+            def stop(out):
+                try:
+                    return runs.stop(out or "")
+                except Exception as e:  # noqa: BLE001 - shown in the page
+                    return _error(e)
+
+            def poll(out):
+                st = runs.status(out or "")
+                pts = st["points"]
+                # no frame until there are points: a first, empty frame left the lines without a color
+                df = _points_frame(pts) if pts else gr.skip()
+                total = st["total"]
+                prog = f"**{st['state']}**"
+                if st["step"]:
+                    prog += f": step {st['step']}" + (f" / {total} ({100 * st['step'] // total}%)" if total else "")
+                prog += _fmt_eta(st["eta_s"])
+                if st["error"]:
+                    prog += f" &mdash; <span class='erniekit-error'>Error: {st['error']}</span>"
+                n = sum(1 for p in pts if p[2] == "loss")
+                keep = gr.Timer(active=st["state"] in ("running", "stopping"))
+                return df, f"loss points: {n}", prog, st["log"], keep
+
+            preview_btn.click(preview, inputs, [yaml_box, cli_box, message])
+            start_btn.click(lambda *v: start(False, *v), inputs, [yaml_box, cli_box, message, timer])
+            resume_btn.click(lambda *v: start(True, *v), inputs, [yaml_box, cli_box, message, timer])
+            stop_btn.click(stop, [output_dir], [message])
+            timer.tick(poll, [output_dir], [plot, points, progress, log, timer])
+
+        with gr.Tab("Chat"):
+            with gr.Row():
+                chat_dir = gr.Textbox("output/webui-run", label="Checkpoint or exported directory", elem_id="chat_dir")
+                load_btn = gr.Button("Load", elem_id="chat_load")
+            chat_message = gr.HTML("", elem_id="chat_message")
+            with gr.Row():
+                temperature = gr.Slider(0.0, 2.0, 0.0, step=0.05, label="Temperature (0 = greedy)", elem_id="temperature")
+                top_p = gr.Slider(0.05, 1.0, 1.0, step=0.05, label="Top-p", elem_id="top_p")
+                max_new = gr.Slider(1, 1024, 64, step=1, label="Max new tokens", elem_id="max_new_tokens")
+            chatbot = gr.Chatbot(label="Conversation", elem_id="chatbot", height=320)
+            with gr.Row():
+                user = gr.Textbox("", label="Message", elem_id="chat_input", scale=4)
+                send_btn = gr.Button("Send", variant="primary", elem_id="chat_send")
+                clear_btn = gr.Button("Clear", elem_id="chat_clear")
+
+            def load(path):
+                try:
+                    from erniekit.infer.chat import load_chat_model, stop_ids
+
+                    path = (path or "").strip()
+                    model_, tok = load_chat_model(path)
+                    chat_state.update(model=model_, tokenizer=tok, stops=stop_ids(model_, tok), path=path)
+                    return f"Loaded {path} ({sum(int(p.numel()) for p in model_.parameters()) / 1e6:.2f}M parameters)"
+                except Exception as e:  # noqa: BLE001 - shown in the page
+                    return _error(e)
+
+            def reply(text, history, temp, tp, mx):
+                history = list(history or [])
+                if "model" not in chat_state:
+                    yield history, _error(ErniekitError("load a checkpoint first (Load)")), text
+                    return
+                if not (text or "").strip():
+                    yield history, "", ""
+                    return
+                try:
+                    from erniekit.infer.chat import chat_prompt_ids
+                    from erniekit.infer.generate import generate_stream
+                    from erniekit.infer.sampling import SamplingParams
+
+                    params = SamplingParams(max_new_tokens=int(mx), temperature=float(temp), top_p=float(tp),
+                                            stop_token_ids=chat_state["stops"])
+                    tok = chat_state["tokenizer"]
+                    msgs = [{"role": m["role"], "content": _text(m["content"])} for m in history]
+                    msgs.append({"role": "user", "content": text})
+                    ids = chat_prompt_ids(tok, msgs)
+                    history = history + [{"role": "user", "content": text}, {"role": "assistant", "content": ""}]
+                    new: list[int] = []
+                    stops = set(params.stop_token_ids)
+                    for step in generate_stream(chat_state["model"], [ids], params, pad_id=tok.pad_token_id or 0):
+                        t = int(step[0])
+                        if t < 0 or t in stops:
+                            break
+                        new.append(t)
+                        history[-1]["content"] = tok.decode(new).rstrip("\ufffd")
+                        yield history, "", ""
+                    history[-1]["content"] = tok.decode(new)
+                    yield history, "", ""
+                except Exception as e:  # noqa: BLE001 - shown in the page
+                    yield history, _error(e), text
+
+            load_btn.click(load, [chat_dir], [chat_message])
+            send_btn.click(reply, [user, chatbot, temperature, top_p, max_new], [chatbot, chat_message, user])
+            user.submit(reply, [user, chatbot, temperature, top_p, max_new], [chatbot, chat_message, user])
+            clear_btn.click(lambda: ([], ""), None, [chatbot, chat_message])
+
+        with gr.Tab("Export"):
+            with gr.Row():
+                src = gr.Textbox("output/webui-run", label="Checkpoint or LoRA adapter directory", elem_id="export_src")
+                dst = gr.Textbox("output/webui-export", label="Export to", elem_id="export_dst")
+                fmt = gr.Dropdown(["hf", "wint8", "wint4", "paddle", "onnx"], value="hf", label="Format",
+                                  elem_id="export_format")
+            export_btn = gr.Button("Export", variant="primary", elem_id="export")
+            export_out = gr.Markdown("", elem_id="export_result")
+
+            def do_export(s, d, f):
+                try:
+                    from erniekit.export.hf import export_hf
+
+                    s, d = (s or "").strip(), (d or "").strip()
+                    if not os.path.isdir(s):
+                        raise ErniekitError(f"{s or '(empty)'}: no such directory; pick a checkpoint written by a run")
+                    if not d:
+                        raise ErniekitError("the export directory is empty")
+                    if os.path.isdir(d) and os.listdir(d):
+                        raise ErniekitError(f"{d} already exists and is not empty; choose a new directory")
+                    export_hf(s, d, fmt=f)
+                    if f in ("paddle", "onnx"):
+                        serve = (f"erniekit export --verify {d}\n# the decoding step runs under "
+                                 f"{'paddle.inference' if f == 'paddle' else 'onnxruntime'}: "
+                                 f"erniekit.export.static.StepRunner('{d}', '{f}', config)")
+                    else:
+                        serve = f"erniekit export --verify {d}\nerniekit server {d} --port 8000"
+                    return f"Exported {s} to {d} ({f}). Check and serve it:\n\n```bash\n{serve}\n```"
+                except Exception as e:  # noqa: BLE001 - shown in the page
+                    return _error(e)
+
+            export_btn.click(do_export, [src, dst, fmt], [export_out])
+    return app
+
+
+def _points_frame(points):
+    """(step, value, series) rows as a frame with numeric columns (untyped ones made the plot
+    treat the values as categories)."""
+    import pandas as pd
+
+    return pd.DataFrame({"step": pd.Series([p[0] for p in points], dtype="int64"),
+                         "value": pd.Series([p[1] for p in points], dtype="float64"),
+                         "series": pd.Series([p[2] for p in points], dtype=object)})
+
+
+def _text(content) -> str:
+    """A chatbot message's content as text (gradio may hand back a list of parts)."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "".join(p.get("text", "") if isinstance(p, dict) else str(p) for p in content)
+    if isinstance(content, dict):
+        return str(content.get("text", ""))
+    return str(content)
+
+
+def run_webui(host: str = "127.0.0.1", port: int = 7860, share: bool = False) -> int:
+    app = build_app()
+    print(f"erniekit: WebUI at http://{host}:{port} (Ctrl-C to quit)", flush=True)
+    app.queue().launch(server_name=host, server_port=port, share=share, show_error=False, quiet=True,
+                       css=CSS, footer_links=[])
+    return 0

@@ -1,0 +1,107 @@
+"""`erniekit webui` in a real browser (Playwright driving Debian's Chromium): a short training of
+the tiny model started from the page shows loss points on the plot, the stop button ends it with
+a checkpoint, the Chat tab answers with the result, and invalid input shows an error in the page.
+Saves a screenshot (ERNIEKIT_SCREENSHOT=path also writes it there: the README's picture)."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture()
+def webui(tmp_path):
+    port = _port()
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    p = subprocess.Popen([sys.executable, "-m", "erniekit", "webui", "--port", str(port)], cwd=tmp_path, env=env,
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}/"
+    deadline = time.time() + 180
+    while time.time() < deadline:
+        try:
+            urllib.request.urlopen(url, timeout=2)
+            break
+        except OSError:
+            if p.poll() is not None:
+                raise RuntimeError(p.stdout.read())
+            time.sleep(0.5)
+    yield url
+    p.terminate()
+    try:
+        p.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        p.kill()
+
+
+def _fill(page, elem_id: str, value: str) -> None:
+    box = page.locator(f"#{elem_id}").locator("textarea, input").first
+    box.fill(value)
+    box.press("Tab")
+
+
+def test_train_stop_and_chat_through_the_page(webui, tmp_path):
+    assert CHROMIUM, "the browser test needs Chromium (.ci/run installs Debian's chromium package)"
+    from playwright.sync_api import expect, sync_playwright
+
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox", "--disable-gpu"])
+        page = browser.new_page(viewport={"width": 1280, "height": 1600})
+        page.goto(webui)
+        # an impossible hyperparameter: an error line in the page, no run
+        _fill(page, "max_steps", "0")
+        page.locator("#start").click()
+        expect(page.locator("#train_message")).to_contain_text("Error: max steps 0 must be >= 1", timeout=60_000)
+        expect(page.locator("#train_message")).not_to_contain_text("Traceback")
+        # a short SFT run of the embedded tiny model (long enough to stop it halfway)
+        _fill(page, "max_steps", "400")
+        _fill(page, "output_dir", str(tmp_path / "run"))
+        _fill(page, "batch_size", "16")
+        page.locator("#start").click()
+        expect(page.locator("#train_message")).to_contain_text("Run started", timeout=60_000)
+        expect(page.locator("#cli textarea")).to_have_value(re.compile(r"^erniekit train .*sft\.yaml .*max_steps=400"))
+        expect(page.locator("#points")).to_contain_text(re.compile(r"loss points: ([5-9]|\d\d+)"), timeout=180_000)
+        expect(page.locator("#progress")).to_contain_text("ETA")
+        # the plot draws the loss as a coloured line through the points (vega-lite's SVG marks)
+        expect(page.locator("#loss_plot .mark-line path[stroke]")).to_have_count(1, timeout=30_000)
+        # a second start into the same directory is refused in the page
+        page.locator("#start").click()
+        expect(page.locator("#train_message")).to_contain_text("a run is already writing to", timeout=30_000)
+        page.locator("#stop").click()
+        expect(page.locator("#progress")).to_contain_text("stopped", timeout=120_000)
+        steps = [int(d.name.split("-")[1]) for d in (tmp_path / "run").iterdir() if d.name.startswith("checkpoint-")]
+        assert steps and max(steps) < 400
+        page.screenshot(path=str(tmp_path / "webui-train.png"), full_page=True)
+        # chat with the result
+        page.get_by_role("tab", name="Chat").click()
+        _fill(page, "chat_dir", str(tmp_path / "run"))
+        page.locator("#chat_load").click()
+        expect(page.locator("#chat_message")).to_contain_text("Loaded", timeout=60_000)
+        _fill(page, "chat_input", "12+7=")
+        page.locator("#chat_send").click()
+        expect(page.locator("#chatbot")).to_contain_text("12+7=", timeout=30_000)
+        page.wait_for_function("document.querySelectorAll('#chatbot .bot, #chatbot [data-testid=\"bot\"]').length > 0",
+                               timeout=60_000)
+        page.get_by_role("tab", name="Train").click()
+        shot = tmp_path / "webui.png"
+        page.screenshot(path=str(shot), full_page=True)
+        browser.close()
+    if os.environ.get("ERNIEKIT_SCREENSHOT"):
+        shutil.copy(tmp_path / "webui-train.png", os.environ["ERNIEKIT_SCREENSHOT"])
+    assert shot.stat().st_size > 10_000
