@@ -88,6 +88,14 @@ def test_train_stop_and_chat_through_the_page(webui, tmp_path):
         steps = [int(d.name.split("-")[1]) for d in (tmp_path / "run").iterdir() if d.name.startswith("checkpoint-")]
         assert steps and max(steps) < 400
         page.screenshot(path=str(tmp_path / "webui-train.png"), full_page=True)
+        # resume: the run continues from its checkpoint (the log says so), then stop it again
+        n = max(steps)
+        page.locator("#resume").click()
+        expect(page.locator("#train_message")).to_contain_text("Run resumed", timeout=60_000)
+        expect(page.locator("#log textarea")).to_have_value(re.compile(f"resumed from .*checkpoint-{n}"), timeout=120_000)
+        expect(page.locator("#progress")).to_contain_text(re.compile(r"running: step \d+"), timeout=120_000)
+        page.locator("#stop").click()
+        expect(page.locator("#progress")).to_contain_text("stopped", timeout=120_000)
         # chat with the result
         page.get_by_role("tab", name="Chat").click()
         _fill(page, "chat_dir", str(tmp_path / "run"))
