@@ -1,4 +1,4 @@
-"""Helpers for tests that start `erniekit train ... nproc_per_node=N` jobs and act on their processes."""
+"""Helpers for tests that start `erniekit` processes: training jobs (and their ranks), servers."""
 
 import os
 
@@ -16,3 +16,44 @@ def worker_pids(out) -> dict[int, int]:
         except (OSError, KeyError, ValueError):
             continue
     return found
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def serve(args: list[str], url: str, cwd: str, timeout: float = 180.0):
+    """Start `python -m erniekit ARGS` (a server) and wait until `url` answers; a generator for
+    pytest fixtures: yields the process, stops it afterwards."""
+    import subprocess
+    import sys
+    import time
+    import urllib.request
+
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    p = subprocess.Popen([sys.executable, "-m", "erniekit", *args], cwd=cwd, env=env, stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, text=True)
+    deadline = time.time() + timeout
+    while True:
+        try:
+            urllib.request.urlopen(url, timeout=2).close()
+            break
+        except OSError:
+            if p.poll() is not None:
+                raise RuntimeError(p.stdout.read()) from None
+            if time.time() > deadline:
+                p.kill()
+                raise TimeoutError(f"{url} did not answer within {timeout} s") from None
+            time.sleep(0.3)
+    try:
+        yield p
+    finally:
+        p.terminate()
+        try:
+            p.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            p.kill()

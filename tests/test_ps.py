@@ -44,6 +44,16 @@ def _curve(out, key="train/loss"):
     return np.array([by_step[s] for s in sorted(by_step)])
 
 
+def _assert_same_run(a_dir, b_dir):
+    """Losses (1e-5), gradient norms (1e-4) and saved tensors of two runs agree."""
+    np.testing.assert_allclose(_curve(a_dir), _curve(b_dir), rtol=1e-5)
+    np.testing.assert_allclose(_curve(a_dir, "train/grad_norm"), _curve(b_dir, "train/grad_norm"), rtol=1e-4)
+    a, b = _tensors(a_dir), _tensors(b_dir)
+    assert sorted(a) == sorted(b)
+    for k in a:
+        np.testing.assert_allclose(a[k], b[k], rtol=1e-4, atol=1e-5, err_msg=k)
+
+
 def _tensors(path):
     from safetensors.numpy import load_file
 
@@ -103,13 +113,7 @@ def test_pipeline_stages_of_workers_follow_the_one_process_curve(tmp_path):
     r = _train(tmp_path / "pp", *shape, "pipeline_parallel_degree=2", "pipeline_stage_layers=[1,2]")
     assert "workers in 2 pipeline stages of layers 0-0, 1-2" in r.stdout
     _one_process(tmp_path / "one", *shape, "per_device_train_batch_size=4")
-    np.testing.assert_allclose(_curve(tmp_path / "pp"), _curve(tmp_path / "one"), rtol=1e-5)
-    np.testing.assert_allclose(_curve(tmp_path / "pp", "train/grad_norm"), _curve(tmp_path / "one", "train/grad_norm"),
-                               rtol=1e-4)
-    a, b = _tensors(tmp_path / "pp"), _tensors(tmp_path / "one")
-    assert sorted(a) == sorted(b)
-    for k in a:
-        np.testing.assert_allclose(a[k], b[k], rtol=1e-4, atol=1e-5, err_msg=k)
+    _assert_same_run(tmp_path / "pp", tmp_path / "one")
     resumed = tmp_path / "resumed"
     resumed.mkdir()
     os.rename(tmp_path / "pp" / "checkpoint-3", resumed / "checkpoint-3")
@@ -161,13 +165,7 @@ def test_one_server_two_workers_follow_the_one_process_curve(tmp_path):
     1-process run over the same global batches; the PS checkpoint resumes in one process."""
     _train(tmp_path / "ps")
     _one_process(tmp_path / "one")
-    np.testing.assert_allclose(_curve(tmp_path / "ps"), _curve(tmp_path / "one"), rtol=1e-5)
-    np.testing.assert_allclose(_curve(tmp_path / "ps", "train/grad_norm"), _curve(tmp_path / "one", "train/grad_norm"),
-                               rtol=1e-4)
-    a, b = _tensors(tmp_path / "ps"), _tensors(tmp_path / "one")
-    assert sorted(a) == sorted(b)
-    for k in a:
-        np.testing.assert_allclose(a[k], b[k], rtol=1e-4, atol=1e-5, err_msg=k)
+    _assert_same_run(tmp_path / "ps", tmp_path / "one")
     results = json.load(open(tmp_path / "ps" / "train_results.json"))
     assert results["ps_bytes_per_worker"]["sent"] > 0
     # int8 pushes (error feedback): about a quarter of the row-gradient bytes, nearly the same curve

@@ -6,10 +6,8 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
-import time
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
@@ -17,6 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import paddle
 import pytest
+from launched_jobs import free_port, serve
 
 from erniekit.infer.chat import chat_prompt_ids, stop_ids
 from erniekit.infer.generate import generate
@@ -38,33 +37,12 @@ def ckpt(tmp_path_factory):
     return path
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def live(ckpt):
-    port = _free_port()
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    p = subprocess.Popen([sys.executable, "-m", "erniekit", "server", ckpt, "--port", str(port), "--max-batch", "16",
-                          "--max-model-len", "256", "--served-model-name", MODEL], cwd=ROOT, env=env,
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    port = free_port()
     base = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 120
-    while time.time() < deadline:
-        try:
-            with urllib.request.urlopen(base + "/health", timeout=2) as r:
-                if json.load(r)["status"] == "ok":
-                    break
-        except OSError:
-            if p.poll() is not None:
-                raise RuntimeError(p.stdout.read())
-            time.sleep(0.3)
-    yield base
-    p.terminate()
-    p.wait(timeout=30)
+    yield from (base for _ in serve(["server", ckpt, "--port", str(port), "--max-batch", "16", "--max-model-len", "256",
+                                     "--served-model-name", MODEL], base + "/health", ROOT))
 
 
 def _reference(ckpt, prompts, max_tokens):

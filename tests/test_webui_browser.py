@@ -8,46 +8,19 @@ from __future__ import annotations
 import os
 import re
 import shutil
-import socket
-import subprocess
-import sys
-import time
-import urllib.request
 
 import pytest
+from launched_jobs import free_port, serve
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture()
 def webui(tmp_path):
-    port = _port()
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    p = subprocess.Popen([sys.executable, "-m", "erniekit", "webui", "--port", str(port)], cwd=tmp_path, env=env,
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    port = free_port()
     url = f"http://127.0.0.1:{port}/"
-    deadline = time.time() + 180
-    while time.time() < deadline:
-        try:
-            urllib.request.urlopen(url, timeout=2)
-            break
-        except OSError:
-            if p.poll() is not None:
-                raise RuntimeError(p.stdout.read())
-            time.sleep(0.5)
-    yield url
-    p.terminate()
-    try:
-        p.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        p.kill()
+    yield from (url for _ in serve(["webui", "--port", str(port)], url, str(tmp_path)))
 
 
 def _fill(page, elem_id: str, value: str) -> None:

@@ -43,6 +43,22 @@ def one_f_one_b(pp: int, stage: int, m: int) -> list[tuple[str, int]]:
     return ops
 
 
+def run_1f1b(pp: int, stage: int, m: int, forward, send_forward, recv_grad, backward) -> None:
+    """Drive stage `stage`'s operations in the 1F1B order: forward(i), send_forward(i),
+    recv_grad(i) -> the output's gradient, backward(i, that gradient or None on the last stage).
+    Shared by pipeline stages and the parameter-server workers' pipeline."""
+    grads: dict[int, paddle.Tensor | None] = {}
+    for op, i in one_f_one_b(pp, stage, m):
+        if op == "F":
+            forward(i)
+        elif op == "SEND_F":
+            send_forward(i)
+        elif op == "RECV_B":
+            grads[i] = recv_grad(i)
+        else:
+            backward(i, grads.pop(i, None))
+
+
 def data_rank_rows(batch: dict[str, np.ndarray], ranks: int, rank: int) -> tuple[dict[str, np.ndarray], float]:
     """Data rank `rank` of `ranks`: its rows of a global micro-batch, and the weight of its loss.
     A batch that does not split evenly is computed whole by every data rank, each with weight
@@ -162,16 +178,7 @@ class PipelineStep:
             b, s = local[i][0]["input_ids"].shape
             return topo.recv([b, s, self.hidden], self.dtype, forward=False)
 
-        grads: dict[int, paddle.Tensor | None] = {}
-        for op, i in one_f_one_b(topo.pp, topo.stage, m):
-            if op == "F":
-                forward(i)
-            elif op == "SEND_F":
-                topo.send(live[i][1], forward=True)
-            elif op == "RECV_B":
-                grads[i] = recv_grad(i)
-            else:
-                backward(i, grads.pop(i, None))
+        run_1f1b(topo.pp, topo.stage, m, forward, lambda i: topo.send(live[i][1], forward=True), recv_grad, backward)
         return self._summed([loss_sum, aux_sum])
 
     def _summed(self, values: list[float]) -> list[float]:

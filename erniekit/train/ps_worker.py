@@ -27,7 +27,7 @@ from erniekit.distributed.ps.topology import (HEAD, HEAD_BACK, PULL, PUSH, SAVE,
                                               PSTopology, row_ranges)
 from erniekit.distributed.ps.compression import RowCompressor
 from erniekit.train.losses import position_weights
-from erniekit.train.pipeline_schedule import data_rank_rows, one_f_one_b, router_loss, run_layers
+from erniekit.train.pipeline_schedule import data_rank_rows, router_loss, run_1f1b, run_layers
 
 _ACTIVE: "PSWorker | None" = None
 
@@ -244,7 +244,6 @@ class PSWorker:
         pipe, m, H = self.pipe, len(micro), self.hidden
         local = [self.local_rows(b) for b in micro]
         live: dict[int, tuple] = {}
-        grads_in: dict[int, paddle.Tensor] = {}
         sums = [0.0, 0.0]  # loss, router loss
 
         def forward(i: int) -> None:
@@ -277,10 +276,10 @@ class PSWorker:
                 out = h
             live[i] = (x, out, tensors, grads, pulled)
 
-        def backward(i: int) -> None:
+        def backward(i: int, grad: paddle.Tensor | None) -> None:
             x, out, tensors, grads, pulled = live.pop(i)
             if out is not None:
-                tensors, grads = [out] + tensors, [grads_in.pop(i)] + grads
+                tensors, grads = [out] + tensors, [grad] + grads
             if tensors:
                 paddle.autograd.backward(tensors, grads)
             if pulled is not None:
@@ -289,16 +288,11 @@ class PSWorker:
             else:
                 pipe.send(x.grad if x.grad is not None else paddle.zeros_like(x), forward=False)
 
-        for op, i in one_f_one_b(pipe.pp, pipe.stage, m):
-            if op == "F":
-                forward(i)
-            elif op == "SEND_F":
-                pipe.send(live[i][1], forward=True)
-            elif op == "RECV_B":
-                B, S = local[i][0]["input_ids"].shape
-                grads_in[i] = pipe.recv([B, S, H], self.dtype, forward=False)
-            else:
-                backward(i)
+        def recv_grad(i: int) -> paddle.Tensor:
+            B, S = local[i][0]["input_ids"].shape
+            return pipe.recv([B, S, H], self.dtype, forward=False)
+
+        run_1f1b(pipe.pp, pipe.stage, m, forward, lambda i: pipe.send(live[i][1], forward=True), recv_grad, backward)
         vals = pipe.sum_over_pipeline(sums)
         if self.group is not None:
             vals = self.data_sum(paddle.to_tensor(vals, dtype="float64")).numpy().tolist()
