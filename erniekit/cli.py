@@ -91,9 +91,7 @@ def _apply_ps_placement(cfg, path: str | None, overrides: list[str]):
     args = ([path] if path else []) + list(overrides) + auto.overrides()
     cfg = validate(load_config(path, list(overrides) + auto.overrides()))
     os.makedirs(cfg.output_dir, exist_ok=True)
-    rows = [{"name": r.name, "placement": list(r.placement) if r.placement else None,
-             "feasible": bool(r.evaluation and r.evaluation.feasible),
-             "tokens_per_s": r.evaluation.throughput if r.evaluation else None} for r in auto.rows]
+    rows = [r.as_dict() for r in auto.rows]
     with open(os.path.join(cfg.output_dir, "ps_placement.json"), "w", encoding="utf-8") as f:
         json.dump({"cluster": cfg.cluster, "target_tokens_per_s": auto.target, "stage_layers": auto.stage_layers,
                    "stage_types": auto.stage_types, "stage_devices": auto.stage_devices,
@@ -193,7 +191,9 @@ def export(args: list[str]) -> int:
                                       "erniekit export --verify OUT")
     p.add_argument("src", nargs="?", help="checkpoint or LoRA adapter directory (output of erniekit train)")
     p.add_argument("--output", "-o", help="directory to write")
-    p.add_argument("--format", choices=("hf", "wint8", "wint4", "paddle", "onnx"), default="hf",
+    from erniekit.export.hf import FORMATS
+
+    p.add_argument("--format", choices=FORMATS, default="hf",
                    help="hf: Hugging Face layout (FastDeploy, transformers); wint8/wint4: the same with the decoder's "
                         "matrices weight-only quantized (int8 per channel / int4 per group), for erniekit's engine; "
                         "paddle: the decoding step as a static graph for paddle.inference; onnx: the same for "
@@ -316,11 +316,7 @@ def _plan_ps(items: list[str], ns) -> int:
     if ns.json:
         import json
 
-        out = [{"name": r.name, "placement": list(r.placement) if r.placement else None,
-                "feasible": bool(r.evaluation and r.evaluation.feasible),
-                "tokens_per_s": r.evaluation.throughput if r.evaluation else None,
-                "cost_per_batch": r.evaluation.cost_per_batch if r.evaluation and r.evaluation.feasible else None,
-                "devices": r.evaluation.devices if r.evaluation else None} for r in rows]
+        out = [r.as_dict() for r in rows]
         with open(ns.json, "w", encoding="utf-8") as f:
             json.dump({"target_tokens_per_s": target, "tokens_per_batch": tokens, "rows": out}, f, indent=1)
     return 0

@@ -38,7 +38,6 @@ DISTRIBUTED_MODES = _spellings("collective", "ps")
 PS_SYNC_MODES = _spellings("sync", "async")
 PS_COMPRESSION = _spellings("none", "int8", "topk")
 PS_PLACEMENTS = _spellings("manual", "auto")
-STAGE_DEVICES = _spellings("cpu", "gpu")
 
 
 def _opt(default: Any, help: str, choices: dict[str, str] | None = None) -> Any:

@@ -13,6 +13,7 @@ from erniekit.errors import CheckpointError
 
 INFO_NAME = "export_info.json"
 FORMATS = ("hf", "wint8", "wint4", "paddle", "onnx")
+VERIFY_PROMPTS = ("1+2=", "What is 7 plus 5?", "Hello, ERNIE.")  # what --verify compares the logits on
 
 
 def _load_source(src: str, elastic=None):
@@ -92,8 +93,7 @@ def verify(out: str, atol: float | None = None) -> dict:
         return _verify_static(out, info, ref_model, tokenizer, atol)
     got_model = load_model_or_adapter(out)
     got_model.eval()
-    texts = ["1+2=", "What is 7 plus 5?", "Hello, ERNIE."]
-    ids = [tokenizer.encode(t) for t in texts]
+    ids = [tokenizer.encode(t) for t in VERIFY_PROMPTS]
     L = max(len(i) for i in ids)
     batch = paddle.to_tensor([[0] * (L - len(i)) + i for i in ids], dtype="int64")
     mask = paddle.to_tensor([[0] * (L - len(i)) + [1] * len(i) for i in ids], dtype="int64")
@@ -119,7 +119,7 @@ def _verify_static(out: str, info: dict, ref_model, tokenizer, atol: float | Non
 
     runner = StepRunner(out, info["format"], ref_model.config)
     diffs, agree, top = [], [], 0.0
-    for text in ("1+2=", "What is 7 plus 5?", "Hello, ERNIE."):
+    for text in VERIFY_PROMPTS:
         ids = tokenizer.encode(text)
         want, toks = reference_logits(ref_model, ids, 4)
         got = [runner.prefill(ids)] + [runner.decode(t) for t in toks[:-1]]

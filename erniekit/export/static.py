@@ -20,7 +20,6 @@ import paddle
 from erniekit.errors import CheckpointError
 
 MODEL_PREFIX = "model"  # model.json + model.pdiparams (paddle), model.onnx (onnx)
-INPUTS = ("input_ids", "position_ids", "attention_mask", "past_k", "past_v")
 
 
 class _ConcatCache:
@@ -57,7 +56,7 @@ def save_static(model, out: str) -> None:
     from paddle.static import InputSpec
 
     c = model.config
-    model.set_fp8(0)  # MTP heads are not part of the step: speculative decoding is erniekit's own
+    model.set_fp8(0)  # a training-time setting; MTP heads are not part of the step either
     model.eval()
     L, KVH, D = c.num_hidden_layers, c.num_key_value_heads, c.head_dim
     dtype = str(model.model.embed_tokens.weight.dtype).replace("paddle.", "")

@@ -86,10 +86,11 @@ class OpenAIServer:
             max_tokens = max(1, min(DEFAULT_MAX_TOKENS, room))
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
             raise BadRequest(f"{key}={max_tokens!r} must be an integer >= 1", key)
-        if len(prompt) + max_tokens > self.engine.max_model_len:
-            raise BadRequest(f"this model's context is {self.engine.max_model_len} tokens, but the prompt has "
-                             f"{len(prompt)} and {key} asks for {max_tokens}; shorten the prompt or lower {key}",
-                             "messages" if "messages" in body else "prompt", "context_length_exceeded")
+        try:
+            self.engine.check(len(prompt), max_tokens)
+        except ValueError as e:
+            raise BadRequest(f"{e} ({key})", "messages" if "messages" in body else "prompt",
+                             "context_length_exceeded") from None
         seed = body.get("seed")
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
             raise BadRequest(f"seed={seed!r} must be an integer", "seed")

@@ -68,8 +68,8 @@ class PSWorker:
         model.model.embed_tokens = HeldByServers()
         if not self.tied:
             model.lm_head = HeldByServers()
-        if self.pipe is not None:
-            self._keep_stage()
+        if self.pipe is not None:  # this stage's layers; the final norm on the last (tables: placeholders anyway)
+            self.pipe.keep_stage(model)
         self.k_steps = k_steps
         if self.group is not None and c.is_moe and not k_steps:  # router losses and loads of the whole batch
             for m in model.moe_layers():
@@ -79,17 +79,6 @@ class PSWorker:
         self.compressor = RowCompressor(compress, self.vocab, self.hidden, topk_ratio)
         self.servers = [topo.link(s) for s in range(topo.servers)]  # in server order
         _ACTIVE = self
-
-    def _keep_stage(self) -> None:
-        """Drop the layers other stages run (and the final norm except on the last stage)."""
-        from erniekit.distributed.pipeline import StageElsewhere
-
-        pipe, core = self.pipe, self.model.model
-        for i in range(len(core.layers)):
-            if i not in pipe.layers:
-                core.layers[i] = StageElsewhere(pipe._owner(i))
-        if not pipe.last:
-            core.norm = StageElsewhere(pipe.pp - 1)
 
     def _all_reduce(self, t: paddle.Tensor) -> None:
         try:

@@ -15,7 +15,8 @@ import traceback
 import gradio as gr
 
 from erniekit.errors import ErniekitError
-from erniekit.webui.runs import EMBEDDED, STAGES, Form, Runs, check_form, cli_command, yaml_preview
+from erniekit.export.hf import FORMATS
+from erniekit.webui.runs import EMBEDDED, STAGES, Form, Runs, cli_command, config_yaml, yaml_preview
 
 CSS = ".erniekit-error {color: #b00020; font-weight: 600}"
 
@@ -96,9 +97,9 @@ def build_app(runs: Runs | None = None) -> gr.Blocks:
             def start(resume: bool, *vals):
                 try:
                     f = form_of(*vals)
-                    runs.start(f, resume=resume)
+                    run = runs.start(f, resume=resume)
                     what = "resumed" if resume else "started"
-                    return yaml_preview(f), cli_command(f), f"Run {what}: {f.output_dir}", gr.Timer(active=True)
+                    return config_yaml(run.cfg), cli_command(f), f"Run {what}: {f.output_dir}", gr.Timer(active=True)
                 except Exception as e:  # noqa: BLE001 - shown in the page
                     return gr.update(), gr.update(), _error(e), gr.Timer()
 
@@ -199,7 +200,7 @@ def build_app(runs: Runs | None = None) -> gr.Blocks:
             with gr.Row():
                 src = gr.Textbox("output/webui-run", label="Checkpoint or LoRA adapter directory", elem_id="export_src")
                 dst = gr.Textbox("output/webui-export", label="Export to", elem_id="export_dst")
-                fmt = gr.Dropdown(["hf", "wint8", "wint4", "paddle", "onnx"], value="hf", label="Format",
+                fmt = gr.Dropdown(list(FORMATS), value="hf", label="Format",
                                   elem_id="export_format")
             export_btn = gr.Button("Export", variant="primary", elem_id="export")
             export_out = gr.Markdown("", elem_id="export_result")

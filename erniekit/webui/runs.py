@@ -89,10 +89,13 @@ def check_form(form: Form):
 
 def yaml_preview(form: Form) -> str:
     """The merged config the run uses, as YAML."""
-    from erniekit.config import dump_config
+    return config_yaml(check_form(form))
 
-    cfg = check_form(form)
+
+def config_yaml(cfg) -> str:
     import tempfile
+
+    from erniekit.config import dump_config
 
     with tempfile.TemporaryDirectory() as d:
         path = os.path.join(d, "run.yaml")
@@ -110,7 +113,7 @@ class Run:
     output_dir: str
     proc: subprocess.Popen
     started: float
-    max_steps: int
+    cfg: object  # the validated TrainConfig it runs
     log_path: str
     stop_sent: bool = False
 
@@ -139,7 +142,7 @@ class Runs:
         proc = subprocess.Popen([sys.executable, "-m", "erniekit", "train", *args], stdout=log,
                                 stderr=subprocess.STDOUT, cwd=os.getcwd(), env=env)
         log.close()
-        run = Run(out, proc, time.time(), cfg.max_steps, log_path)
+        run = Run(out, proc, time.time(), cfg, log_path)
         self.runs[out] = run
         return run
 
@@ -156,7 +159,7 @@ class Runs:
         out = os.path.abspath(output_dir)
         r = self.runs.get(out)
         points, step = read_points(out)
-        total = r.max_steps if r is not None else None
+        total = r.cfg.max_steps if r is not None else None
         log = tail(os.path.join(out, LOG_NAME))
         if r is None:
             state = "idle"
@@ -167,7 +170,8 @@ class Runs:
             state = ("stopped" if r.stop_sent else "finished") if rc == 0 else f"failed (exit code {rc})"
         eta = None
         if r is not None and state == "running" and step and total:
-            per = (time.time() - r.started) / max(step - first_step(out), 1)
+            first = min(p[0] for p in points) - 1 if points else 0  # a resumed run starts past 0
+            per = (time.time() - r.started) / max(step - first, 1)
             eta = max(total - step, 0) * per
         return {"state": state, "step": step, "total": total, "eta_s": eta, "points": points, "log": log,
                 "error": last_error(log) if state.startswith("failed") else None}
@@ -189,11 +193,6 @@ def read_points(out: str) -> tuple[list[tuple[int, float, str]], int]:
                 if key in row:
                     points.append((int(row["step"]), float(row[key]), name))
     return points, step
-
-
-def first_step(out: str) -> int:
-    pts, _ = read_points(out)
-    return min((p[0] for p in pts), default=0) - 1
 
 
 def tail(path: str, lines: int = 40) -> str:

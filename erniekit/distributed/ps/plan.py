@@ -8,7 +8,7 @@ import math
 from dataclasses import dataclass
 
 from erniekit.distributed.ps.cost_model import Evaluation, HeteroCluster, PlacementProblem, model_parts
-from erniekit.distributed.ps.scheduler import EXACT_LIMIT, best_reachable, exact, greedy, rl_search
+from erniekit.distributed.ps.scheduler import best_reachable, schedule
 from erniekit.errors import ConfigError
 
 
@@ -17,6 +17,23 @@ class Row:
     name: str
     placement: tuple[str, ...] | None
     evaluation: Evaluation | None
+
+    def as_dict(self) -> dict:
+        """For JSON (`erniekit plan --json`, output_dir/ps_placement.json)."""
+        ev = self.evaluation
+        return {"name": self.name, "placement": list(self.placement) if self.placement else None,
+                "feasible": bool(ev and ev.feasible), "tokens_per_s": ev.throughput if ev else None,
+                "cost_per_batch": ev.cost_per_batch if ev and ev.feasible else None,
+                "devices": ev.devices if ev else None}
+
+
+def scheduler_rows(prob: PlacementProblem, seed: int = 0, iterations: int = 150) -> list[Row]:
+    """RL (warm-started from greedy), greedy and, when the instance is small enough, exact."""
+    rl, g, ex = schedule(prob, seed=seed, iterations=iterations)
+    rows = [Row("RL scheduler", rl.placement, rl.evaluation), Row("greedy", g.placement, g.evaluation)]
+    if ex is not None:
+        rows.append(Row("exact", ex.placement, ex.evaluation))
+    return rows
 
 
 def describe(ev: Evaluation) -> str:
@@ -62,16 +79,11 @@ def plan_placement(model_config, cluster: HeteroCluster, seq_len: int, global_ba
 
     target = target if target is not None else default_target(problem_of, cluster)
     prob = problem_of(target)
-    g = greedy(prob)
-    rl = rl_search(prob, seed=seed, iterations=iterations, warm_start=g.placement)
-    rows = [Row("RL scheduler", rl.placement, rl.evaluation), Row("greedy", g.placement, g.evaluation)]
-    if len(prob.type_names) ** len(parts) <= EXACT_LIMIT:
-        ex = exact(prob)
-        rows.append(Row("exact", ex.placement, ex.evaluation))
+    rows = scheduler_rows(prob, seed, iterations)
     for t in prob.base_names:
         pl = tuple([t] * len(parts))
         rows.append(Row(f"{t} only", pl, prob.evaluate(pl)))
-    if rl.placement is None:
+    if rows[0].placement is None:  # the RL scheduler found nothing feasible
         best, pl = best_reachable(prob, [r.placement for r in rows if r.placement is not None])
         raise ConfigError(f"throughput target {target:.0f} tokens/s is unreachable on cluster {cluster.name}: the best "
                           f"placement found reaches {best:.0f} tokens/s ({describe(prob.evaluate(pl))}); lower --target "
@@ -131,8 +143,6 @@ def auto_placement(model_config, cluster: HeteroCluster, seq_len: int, micro_bat
     cheaper one that meets the target. The embedding and head are not placed: in PS mode they
     live on the `servers` parameter servers whatever the placement, so their cost is the same for
     every choice. An unreachable target is a one-line error naming the best throughput found."""
-    from erniekit.distributed.ps.scheduler import schedule
-
     parts = model_parts(model_config, seq_len)[1:-1]
     check_parts_fit(parts, cluster)
     tokens = seq_len * micro_batch * accum * replicas
@@ -142,10 +152,7 @@ def auto_placement(model_config, cluster: HeteroCluster, seq_len: int, micro_bat
 
     target = target or default_target(problem_of, cluster)
     prob = problem_of(target)
-    rl, g, ex = schedule(prob, seed=seed)
-    rows = [Row("RL scheduler", rl.placement, rl.evaluation), Row("greedy", g.placement, g.evaluation)]
-    if ex is not None:
-        rows.append(Row("exact", ex.placement, ex.evaluation))
+    rows = scheduler_rows(prob, seed)
     found = [r for r in rows if r.evaluation is not None and r.evaluation.feasible]
     if not found:
         best, pl = best_reachable(prob, [r.placement for r in rows if r.placement is not None])
