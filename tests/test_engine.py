@@ -128,3 +128,124 @@ def test_a_cancelled_request_leaves_and_frees_its_row(model, tokenizer):
         assert complete(engine, [8, 9], SamplingParams(max_new_tokens=3))[2] == "length"  # the row is free again
     finally:
         engine.close()
+
+
+# ---- faults stay with the request that caused them (issue #23) --------------------------------
+
+def _run_all(engine, jobs):
+    """jobs: [(prompt, SamplingParams)] submitted together; [(text, ids, reason) or the error string]."""
+    out = [None] * len(jobs)
+
+    def run(i):
+        try:
+            out[i] = complete(engine, jobs[i][0], jobs[i][1], timeout=120)
+        except RuntimeError as e:
+            out[i] = str(e)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(jobs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return out
+
+
+def test_a_fault_in_one_sequence_fails_only_that_request(model, tokenizer, monkeypatch):
+    """Three poison requests share the batch with six greedy ones: one gets NaN logits at its 3rd
+    step, one raises while its token is processed, one raises inside its sampling. They fail
+    (with the cause in the error); every other request keeps exactly its single-request tokens."""
+    prompts, lengths = _prompts(9, model.config.vocab_size, seed=11)
+    lengths = [max(n, 8) for n in lengths]
+    ref = [generate(model, [p], SamplingParams(max_new_tokens=n))[0] for p, n in zip(prompts, lengths)]
+    nan_p = SamplingParams(max_new_tokens=lengths[6])
+    raise_p = SamplingParams(max_new_tokens=lengths[7])
+    sample_p = SamplingParams(max_new_tokens=lengths[8], temperature=0.7, seed=1)
+    engine = Engine(model, tokenizer, max_batch=16, max_model_len=64)
+    real_sample, real_advance, real_choose = engine._sample, engine._advance, engine._choose
+
+    def sample(logits, reqs):
+        logits = logits.copy()
+        for i, r in enumerate(reqs):
+            if r.params is nan_p and len(r.completion) >= 2:
+                logits[i, 3] = np.nan
+        return real_sample(logits, reqs)
+
+    def advance(req, tok):
+        if req.params is raise_p and len(req.completion) >= 2:
+            raise KeyError("injected fault")
+        return real_advance(req, tok)
+
+    def choose(req, row):
+        if req.params is sample_p and len(req.completion) >= 1:
+            raise ValueError("injected sampling fault")
+        return real_choose(req, row)
+
+    monkeypatch.setattr(engine, "_sample", sample)
+    monkeypatch.setattr(engine, "_advance", advance)
+    monkeypatch.setattr(engine, "_choose", choose)
+    try:
+        jobs = [(p, SamplingParams(max_new_tokens=n)) for p, n in zip(prompts[:6], lengths[:6])]
+        jobs += [(prompts[6], nan_p), (prompts[7], raise_p), (prompts[8], sample_p)]
+        got = _run_all(engine, jobs)
+        assert [g[1] for g in got[:6]] == ref[:6]
+        assert "non-finite logits" in got[6] and "KeyError: 'injected fault'" in got[7]
+        assert "sampling failed: ValueError: injected sampling fault" in got[8]
+        assert not engine.rows and complete(engine, prompts[0], SamplingParams(max_new_tokens=lengths[0]))[1] == ref[0]
+    finally:
+        engine.close()
+
+
+def test_a_prefill_that_raises_fails_only_the_request_that_broke_it(model, tokenizer, monkeypatch):
+    prompts, lengths = _prompts(5, model.config.vocab_size, seed=12)
+    ref = [generate(model, [p], SamplingParams(max_new_tokens=n))[0] for p, n in zip(prompts, lengths)]
+    poison = [7, 7, 7, 7]
+    engine = Engine(model, tokenizer, max_batch=8, max_model_len=64)
+    real = engine._prefill_forward
+
+    def forward(reqs):
+        if any(r.prompt == poison for r in reqs):
+            raise RuntimeError("injected prefill fault")
+        return real(reqs)
+
+    monkeypatch.setattr(engine, "_prefill_forward", forward)
+    try:
+        got = _run_all(engine, [(p, SamplingParams(max_new_tokens=n)) for p, n in zip(prompts, lengths)]
+                       + [(poison, SamplingParams(max_new_tokens=4))])
+    finally:
+        engine.close()
+    assert [g[1] for g in got[:5]] == ref and "injected prefill fault" in got[5]
+
+
+def test_bad_sampling_values_are_refused_before_they_reach_the_batch(model, tokenizer):
+    for kw, match in [({"temperature": float("nan")}, "temperature"), ({"top_p": float("inf")}, "top_p"),
+                      ({"temperature": -1}, "temperature"), ({"presence_penalty": 3}, "presence_penalty"),
+                      ({"seed": -1}, "seed"), ({"logit_bias": {5: float("nan")}}, r"logit_bias\[5\]"),
+                      ({"logit_bias": {5: 101}}, r"logit_bias\[5\]"), ({"max_new_tokens": 0}, "max_new_tokens")]:
+        with pytest.raises(ValueError, match=match):
+            SamplingParams(**kw)
+    engine = Engine(model, tokenizer, max_batch=2, max_model_len=32)
+    try:
+        with pytest.raises(ValueError, match="logit_bias key 99999 is outside the vocabulary"):
+            engine.submit(Request([5, 6], SamplingParams(max_new_tokens=4, logit_bias={99999: 1.0}), lambda d, f: None))
+        with pytest.raises(ValueError, match="prompt token id -3 is outside the vocabulary"):
+            engine.submit(Request([5, -3], SamplingParams(max_new_tokens=4), lambda d, f: None))
+    finally:
+        engine.close()
+
+
+def test_logit_bias_and_penalties_steer_only_their_own_row(model, tokenizer):
+    prompts, _ = _prompts(2, model.config.vocab_size, seed=13)
+    plain = generate(model, [prompts[0]], SamplingParams(max_new_tokens=6))[0]
+    engine = Engine(model, tokenizer, max_batch=4, max_model_len=64)
+    try:
+        got = _run_all(engine, [(prompts[0], SamplingParams(max_new_tokens=6, logit_bias={42: 100.0})),
+                                (prompts[0], SamplingParams(max_new_tokens=6, logit_bias={plain[0]: -100.0})),
+                                (prompts[0], SamplingParams(max_new_tokens=6, frequency_penalty=2.0,
+                                                            presence_penalty=2.0)),
+                                (prompts[0], SamplingParams(max_new_tokens=6))])
+    finally:
+        engine.close()
+    assert got[0][1] == [42] * 6  # +100 wins every step
+    assert got[1][1][0] != plain[0]  # -100 removes the greedy choice
+    assert len(set(got[2][1])) >= len(set(plain))  # penalties never repeat more than plain greedy
+    assert got[3][1] == plain  # the neighbours' biases did not leak into this row

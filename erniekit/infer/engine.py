@@ -10,10 +10,17 @@ one forward per step decodes every running row. A finished row is refilled by
 moving the last running row into it; when the time axis is full, the columns no running row uses
 are dropped (a shift left). The only Python loops per step are over requests (sampling with each
 request's own options, stop strings), never over tokens of a sequence.
+
+Faults are confined to the request that caused them: each row is sampled and advanced on its
+own (a row whose logits are not finite, or whose sampling / decoding / emit raises, fails alone
+with finish reason "error" while the others keep their exact tokens), and a prefill forward that
+raises is retried one request at a time so only the request that breaks it fails. Only a shared
+decode forward that raises fails every running row: no row can be blamed for it.
 """
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 from dataclasses import dataclass, field
@@ -24,6 +31,12 @@ import paddle
 
 from erniekit.infer.sampling import SamplingParams
 from erniekit.models.ernie4_5.modeling import KVCache
+
+log = logging.getLogger("erniekit.engine")
+
+
+def _describe(e: BaseException) -> str:
+    return f"{type(e).__name__}: {e}"
 
 
 @dataclass
@@ -95,6 +108,7 @@ class Engine:
         self.rows: list[Request] = []  # running requests, row i = rows[i]
         self.next_ids = np.zeros(max_batch, dtype=np.int64)  # each row's token to feed next
         self.rngs: dict[int, np.random.Generator] = {}
+        self.biases: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # logit_bias as (ids, values) per request
         self.default_stops = sorted(set(stop_token_ids or []))
         self.pending: queue.Queue[Request] = queue.Queue()
         self.steps = 0  # decode forwards run (stats)
@@ -111,8 +125,20 @@ class Engine:
             raise ValueError(f"the prompt ({prompt_len} tokens) plus max_tokens ({max_new_tokens}) exceeds the "
                              f"context of {self.max_model_len} tokens; shorten the prompt or lower max_tokens")
 
+    def check_ids(self, prompt: list[int], params: SamplingParams) -> None:
+        """ValueError when a prompt id or a logit_bias key is outside the model's vocabulary (an
+        out-of-range id would index past the embedding or the logits inside the shared step)."""
+        vocab = int(self.model.config.vocab_size)
+        bad = next((t for t in prompt if not 0 <= int(t) < vocab), None)
+        if bad is not None:
+            raise ValueError(f"prompt token id {bad} is outside the vocabulary [0, {vocab})")
+        bad = next((t for t in params.logit_bias if not 0 <= int(t) < vocab), None)
+        if bad is not None:
+            raise ValueError(f"logit_bias key {bad} is outside the vocabulary [0, {vocab})")
+
     def submit(self, req: Request) -> None:
         self.check(len(req.prompt), req.params.max_new_tokens)
+        self.check_ids(req.prompt, req.params)
         self.pending.put(req)
 
     def close(self) -> None:
@@ -127,9 +153,10 @@ class Engine:
                 self._admit(block=not self.rows)
                 if self.rows:
                     self._decode_step()
-            except Exception as e:  # noqa: BLE001 - a failed step fails its requests, the engine keeps serving
+            except Exception as e:  # noqa: BLE001 - the shared forward failed: no single row to blame
+                log.error("decode step failed, failing its %d requests: %s", len(self.rows), _describe(e))
                 for req in self.rows:
-                    self._finish(req, "error", f"{type(e).__name__}: {e}")
+                    self._finish(req, "error", _describe(e))
                 self.rows, self.cache.n, self.cache.length = [], 0, 0
 
     @paddle.no_grad()
@@ -145,18 +172,26 @@ class Engine:
                 break
             if not req.cancelled:
                 new.append(req)
-        if not new:
-            return
-        try:
-            self._prefill(new)
-        except Exception as e:  # noqa: BLE001 - these requests fail, the running ones go on
-            for req in new:
-                if req not in self.rows:
-                    self._finish(req, "error", f"{type(e).__name__}: {e}")
+        if new:
+            self._prefill_isolated(new)
 
-    def _prefill(self, reqs: list[Request]) -> None:
+    def _prefill_isolated(self, reqs: list[Request]) -> None:
+        """Prefill `reqs` together; when that forward raises, each request alone, so the one that
+        breaks it fails by itself (the forward touches no engine state: it fills its own cache)."""
+        try:
+            batch, logits = self._prefill_forward(reqs)
+        except Exception as e:  # noqa: BLE001 - isolate the request that caused it
+            if len(reqs) == 1:
+                self._finish(reqs[0], "error", _describe(e))
+                return
+            for r in reqs:
+                self._prefill_isolated([r])
+            return
+        self._place(reqs, batch, logits)
+
+    def _prefill_forward(self, reqs: list[Request]) -> tuple[KVCache, np.ndarray]:
         """The prompts left-padded into one batch (positions count real tokens, so each row's
-        keys and values are those of its prompt alone), then copied into free rows."""
+        keys and values are those of its prompt alone): their cache and last logits [B, V]."""
         lens = [len(r.prompt) for r in reqs]
         L = max(lens)
         ids = np.zeros((len(reqs), L), dtype=np.int64)
@@ -167,9 +202,20 @@ class Engine:
         batch = KVCache(self.model.config, len(reqs), L, dtype=self.dtype)
         am = paddle.to_tensor(pad) if min(lens) < L else None
         logits = self.model(paddle.to_tensor(ids), attention_mask=am, cache=batch, logits_to_keep=1).logits
+        return batch, logits[:, -1].astype("float32").numpy()
+
+    def _place(self, reqs: list[Request], batch: KVCache, logits: np.ndarray) -> None:
+        """Sample each prefilled request's first token and copy its keys and values into a free
+        row; a request whose sampling or first step fails finishes with an error and takes no row."""
+        lens = [len(r.prompt) for r in reqs]
+        L = max(lens)
         for r in reqs:
             self.rngs[id(r)] = np.random.default_rng(r.params.seed)  # None: fresh entropy
-        first = self._sample(logits[:, -1].astype("float32").numpy(), reqs)
+            if r.params.logit_bias:
+                self.biases[id(r)] = (np.fromiter(r.params.logit_bias, dtype=np.int64, count=len(r.params.logit_bias)),
+                                      np.fromiter(r.params.logit_bias.values(), dtype=np.float64,
+                                                  count=len(r.params.logit_bias)))
+        first, failed = self._sample(logits, reqs)
         cache = self.cache
         if L > cache.length:  # a prompt longer than the time axis: make room on the left
             n, T = len(self.rows), cache.length
@@ -180,13 +226,16 @@ class Engine:
             cache.length = L
         T = cache.length
         for i, r in enumerate(reqs):
+            if i in failed:
+                self._finish(r, "error", failed[i])
+                continue
             row, p = len(self.rows), lens[i]
             cache.put(row, batch, i, slice(L - p, L), slice(T - p, T))
             self.mask[row, :] = 0
             self.mask[row, T - p:T] = 1
             self.rows.append(r)
             cache.n = len(self.rows)
-            if self._advance(r, int(first[i])):
+            if self._advance_guarded(r, int(first[i])):
                 self._remove(row)
             else:
                 self.next_ids[row] = first[i]
@@ -206,29 +255,70 @@ class Engine:
         with paddle.no_grad():
             logits = self.model(x, attention_mask=am, cache=cache, logits_to_keep=1).logits[:, -1]
         self.steps += 1
-        nxt = self._sample(logits.astype("float32").numpy(), self.rows)
-        done = [i for i, req in enumerate(self.rows) if self._advance(req, int(nxt[i]))]
+        nxt, failed = self._sample(logits.astype("float32").numpy(), self.rows)
+        done = []
+        for i, req in enumerate(self.rows):
+            if i in failed:
+                self._finish(req, "error", failed[i])
+                done.append(i)
+            elif self._advance_guarded(req, int(nxt[i])):
+                done.append(i)
         self.next_ids[:n] = nxt
         for i in reversed(done):
             self._remove(i)
 
-    def _sample(self, logits: np.ndarray, reqs: list[Request]) -> np.ndarray:
-        """Next id per row: argmax for greedy rows (all at once), each sampling row with its own
-        temperature, top-p and random stream."""
+    def _sample(self, logits: np.ndarray, reqs: list[Request]) -> tuple[np.ndarray, dict[int, str]]:
+        """Next id per row, and {row: error} for the rows that cannot have one: argmax for plain
+        greedy rows (all at once), each other row with its own biases, penalties, temperature,
+        top-p and random stream. A row with non-finite logits, or whose sampling raises, fails
+        alone; the other rows' ids do not depend on it."""
         out = logits.argmax(axis=-1).astype(np.int64)
+        finite = np.isfinite(logits).all(axis=-1)
+        failed: dict[int, str] = {}
         for i, req in enumerate(reqs):
-            t, top_p = req.params.temperature, req.params.top_p
-            if t == 0:
+            if not finite[i]:
+                failed[i] = "the model produced non-finite logits (NaN or inf) for this request"
                 continue
-            z = logits[i].astype(np.float64) / t
-            prob = np.exp(z - z.max())
-            prob /= prob.sum()
-            order = np.argsort(-prob, kind="stable")
-            sp = prob[order]
-            keep = (np.cumsum(sp) - sp) < top_p  # the smallest set reaching top_p
-            sp = np.where(keep, sp, 0.0)
-            out[i] = order[self.rngs[id(req)].choice(len(sp), p=sp / sp.sum())]
-        return out
+            p = req.params
+            if p.temperature == 0 and not p.adjusts_logits:
+                continue
+            try:
+                out[i] = self._choose(req, logits[i])
+            except Exception as e:  # noqa: BLE001 - this row fails, the batch goes on
+                failed[i] = f"sampling failed: {_describe(e)}"
+        return out, failed
+
+    def _choose(self, req: Request, row: np.ndarray) -> int:
+        """One row's next id: logit_bias added, presence / frequency penalties subtracted (as
+        OpenAI defines them, over the tokens generated so far), then greedy or top-p sampling."""
+        p = req.params
+        z = row.astype(np.float64)
+        if id(req) in self.biases:
+            ids, vals = self.biases[id(req)]
+            z[ids] += vals
+        if (p.presence_penalty or p.frequency_penalty) and req.completion:
+            ids, counts = np.unique(np.asarray(req.completion, dtype=np.int64), return_counts=True)
+            z[ids] -= p.frequency_penalty * counts + p.presence_penalty
+        if not np.isfinite(z).all():
+            raise FloatingPointError("logits are not finite after biases and penalties")
+        if p.temperature == 0:
+            return int(z.argmax())
+        z = z / p.temperature
+        prob = np.exp(z - z.max())
+        prob /= prob.sum()
+        order = np.argsort(-prob, kind="stable")
+        sp = prob[order]
+        keep = (np.cumsum(sp) - sp) < p.top_p  # the smallest set reaching top_p
+        sp = np.where(keep, sp, 0.0)
+        return int(order[self.rngs[id(req)].choice(len(sp), p=sp / sp.sum())])
+
+    def _advance_guarded(self, req: Request, tok: int) -> bool:
+        """`_advance`, but an exception there (decoding, a stop string, the emit callback) fails
+        this request alone; True when it finished either way."""
+        try:
+            return self._advance(req, tok)
+        except Exception as e:  # noqa: BLE001 - this request fails, its neighbours go on
+            return self._finish(req, "error", _describe(e))
 
     def _advance(self, req: Request, tok: int) -> bool:
         """Take token `tok` for `req`; emit the text that is certain; True when it finished."""
@@ -260,7 +350,11 @@ class Engine:
         rest = req.text[req.sent:] if reason != "error" else ""
         req.sent = len(req.text)
         self.rngs.pop(id(req), None)
-        req.emit(rest, reason)
+        self.biases.pop(id(req), None)
+        try:
+            req.emit(rest, reason)
+        except Exception as e:  # noqa: BLE001 - its receiver is broken (e.g. gone): nobody to tell but the log
+            log.warning("could not deliver the end (%s) of a request: %s", reason, _describe(e))
         return True
 
     def _remove(self, i: int) -> None:
