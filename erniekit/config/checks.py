@@ -3,14 +3,41 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
+import sys
+import tempfile
 
 from erniekit.config.schema import RL_STAGES, TrainConfig, fields
 from erniekit.errors import ConfigError
 
+# Limits on the learning rate (docs/training.md, "Limits"). AdamW moves every weight by about
+# learning_rate per step whatever the gradient's size, and weights start near 0.02: above 1 every
+# step rewrites the model (1e6 "trains" to a collapsed model); above 1e-2 is beyond published
+# recipes for transformers (the tiny configs use 3e-3), legal but worth a loud warning.
+MAX_LEARNING_RATE = 1.0
+WARN_LEARNING_RATE = 1e-2
+_warned: set[str] = set()
+_pending: list[str] = []
+
+
+def _warn(message: str) -> None:
+    """A legal but suspicious setting; printed once validation has passed (an error stays one line)."""
+    _pending.append(message)
+
+
+def _flush_warnings() -> None:
+    """One loud line on stderr per suspicious setting, once per process, before the first step."""
+    for message in _pending:
+        if message not in _warned:
+            _warned.add(message)
+            print(f"WARNING: {message}", file=sys.stderr, flush=True)
+    _pending.clear()
+
 
 def validate(cfg: TrainConfig) -> TrainConfig:
     """Return a normalised copy of cfg, or raise ConfigError naming the first bad key."""
+    _pending.clear()
     changes = _normalise_choices(cfg)
     if cfg.logging_dir is None:
         changes["logging_dir"] = os.path.join(cfg.output_dir, "vdl_log")
@@ -24,12 +51,14 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         from erniekit.distributed.planner import auto_plan, with_plan
 
         cfg = with_plan(cfg, auto_plan(cfg).plan)
+    _check_finite(cfg)
     _check_ranges(cfg)
     _check_elastic_sandwich(cfg)
     _check_length(cfg)
     _check_paths(cfg)
     _check_precision(cfg)
     _check_parallel(cfg)
+    _flush_warnings()
     return cfg
 
 
@@ -56,7 +85,33 @@ def _require(ok: bool, key: str, value: object, rule: str) -> None:
         raise ConfigError(f"{key}={value!r} is invalid: it must be {rule}; change {key}")
 
 
+def _check_finite(cfg: TrainConfig) -> None:
+    """nan and inf pass every `>=` / `<=` test that is written the wrong way round; refuse them once, here."""
+    for f in fields():
+        value = getattr(cfg, f.name)
+        values = value if isinstance(value, list) else [value]
+        if any(isinstance(v, float) and not math.isfinite(v) for v in values):
+            raise ConfigError(f"{f.name}={value!r} is invalid: it must be a finite number; change {f.name}")
+
+
 def _check_ranges(cfg: TrainConfig) -> None:
+    _require(cfg.max_steps >= 1 or cfg.max_steps == -1, "max_steps", cfg.max_steps,
+             "a positive number of optimizer steps, or -1 to train for num_train_epochs")
+    _require(cfg.num_train_epochs >= 0, "num_train_epochs", cfg.num_train_epochs, ">= 0")
+    _require(0 < cfg.learning_rate <= MAX_LEARNING_RATE, "learning_rate", cfg.learning_rate,
+             f"in (0, {MAX_LEARNING_RATE:g}] (AdamW moves every weight by about learning_rate per step; "
+             "typical values are 1e-5 to 3e-3)")
+    if cfg.learning_rate > WARN_LEARNING_RATE:
+        _warn(f"learning_rate={cfg.learning_rate:g} is above {WARN_LEARNING_RATE:g}, larger than published "
+                  "recipes for transformers (1e-5 to 3e-3); expect divergence, or lower learning_rate")
+    if cfg.max_steps > 0 and cfg.warmup_steps > cfg.max_steps:
+        _warn(f"warmup_steps={cfg.warmup_steps} > max_steps={cfg.max_steps}: the learning rate only reaches "
+                  f"{cfg.max_steps / cfg.warmup_steps:.0%} of learning_rate={cfg.learning_rate:g}; for a real run "
+                  "set warmup_steps <= max_steps")
+    _require(cfg.learning_rate * cfg.weight_decay < 1, "weight_decay", cfg.weight_decay,
+             f"< 1 / learning_rate = {1 / cfg.learning_rate:g} (AdamW shrinks every weight by "
+             "learning_rate x weight_decay per step)")
+    _require(0 <= cfg.seed < 2**32, "seed", cfg.seed, "in [0, 2**32)")
     for key in ("per_device_train_batch_size", "per_device_eval_batch_size",
                 "gradient_accumulation_steps", "logging_steps", "save_steps", "eval_steps",
                 "eval_max_new_tokens", "eval_max_samples"):
@@ -65,7 +120,6 @@ def _check_ranges(cfg: TrainConfig) -> None:
                 "weight_decay", "max_grad_norm", "min_lr"):
         _require(getattr(cfg, key) >= 0, key, getattr(cfg, key), ">= 0")
     _require(cfg.max_seq_len >= 8, "max_seq_len", cfg.max_seq_len, ">= 8")
-    _require(cfg.learning_rate > 0, "learning_rate", cfg.learning_rate, "> 0")
     _require(cfg.min_lr <= cfg.learning_rate, "min_lr", cfg.min_lr,
              f"<= learning_rate ({cfg.learning_rate})")
     _require(cfg.adam_epsilon > 0, "adam_epsilon", cfg.adam_epsilon, "> 0")
@@ -78,6 +132,9 @@ def _check_ranges(cfg: TrainConfig) -> None:
     else:
         _require(cfg.beta > 0, "beta", cfg.beta, "> 0")
     _require(cfg.lora_rank >= 1, "lora_rank", cfg.lora_rank, ">= 1")
+    _require(cfg.lora_alpha > 0, "lora_alpha", cfg.lora_alpha, "> 0")
+    for key in ("simpo_gamma", "dpop_lambda"):
+        _require(getattr(cfg, key) >= 0, key, getattr(cfg, key), ">= 0")
     _require(0 <= cfg.lora_dropout < 1, "lora_dropout", cfg.lora_dropout, "in [0, 1)")
     _require(cfg.lora_plus_scale > 0, "lora_plus_scale", cfg.lora_plus_scale, "> 0")
     _require(cfg.lora_base_dtype in (None, "bfloat16", "float16", "float32"), "lora_base_dtype",
@@ -145,9 +202,12 @@ def _typed_list(key: str, value: object, kind: type) -> list:
 
 
 def _normalise_rl_lists(cfg: TrainConfig) -> dict:
-    return {"reward_funcs": _typed_list("reward_funcs", cfg.reward_funcs, str),
-            "reward_weights": _typed_list("reward_weights", cfg.reward_weights, float),
-            "stop_token_ids": _typed_list("stop_token_ids", cfg.stop_token_ids, int)}
+    out = {"reward_funcs": _typed_list("reward_funcs", cfg.reward_funcs, str),
+           "reward_weights": _typed_list("reward_weights", cfg.reward_weights, float),
+           "stop_token_ids": _typed_list("stop_token_ids", cfg.stop_token_ids, int)}
+    _require(all(v >= 0 for v in out["stop_token_ids"]), "stop_token_ids", out["stop_token_ids"],
+             "a list of token ids >= 0")
+    return out
 
 
 def _normalise_elastic(cfg: TrainConfig) -> dict:
@@ -203,12 +263,32 @@ def _check_paths(cfg: TrainConfig) -> None:
                     f"(relative paths start at {os.getcwd()})"
                 )
     _check_model(cfg.model_name_or_path)
+    _check_writable_dir("output_dir", cfg.output_dir)
+    if cfg.logging_dir != os.path.join(cfg.output_dir, "vdl_log"):
+        _check_writable_dir("logging_dir", cfg.logging_dir)
     resume = cfg.resume_from_checkpoint
     if resume is not None and resume != "auto" and not os.path.isdir(resume):
         raise ConfigError(
             f"resume_from_checkpoint: directory not found: {resume}; "
             f"give a checkpoint directory, 'auto' for the latest in output_dir, or null"
         )
+
+
+def _check_writable_dir(key: str, path: str) -> None:
+    """The run writes here, so find out now rather than after loading the model: the path (or its
+    nearest existing parent, which the run would create it under) must be a directory we can write in."""
+    if not str(path).strip():
+        raise ConfigError(f"{key} is empty; set {key} to a directory to write the run into")
+    probe = os.path.abspath(path)
+    while not os.path.lexists(probe) and os.path.dirname(probe) != probe:
+        probe = os.path.dirname(probe)
+    if not os.path.isdir(probe):
+        raise ConfigError(f"{key}={path}: {probe} is a file, not a directory; choose another {key}")
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".erniekit-write-check-", dir=probe))
+    except OSError as e:
+        raise ConfigError(f"{key}={path}: cannot create files in {probe} ({e.strerror}); choose a writable "
+                          f"{key}") from None
 
 
 def _check_model(name: str) -> None:
