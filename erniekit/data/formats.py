@@ -55,10 +55,25 @@ def split_paths(path: str) -> list[str]:
     return paths
 
 
+def read_text(path: str) -> str:
+    """The file's text; bytes that are not UTF-8 are a DataError naming file:line and the byte offset
+    (an encoding mistake, e.g. a latin-1 or GBK export, is found before the first step, not as a traceback)."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError as e:
+        raise DataError(f"{path}: cannot read the dataset file ({e.strerror}); check its permissions") from None
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data.count(b"\n", 0, e.start) + 1
+        raise DataError(f"{path}:{line}: not UTF-8 (byte 0x{data[e.start]:02x} at byte offset {e.start}); "
+                        "re-save the file as UTF-8, e.g. iconv -f GBK -t UTF-8") from None
+
+
 def _records(path: str) -> Iterator[tuple[int, object]]:
     """Yield (line, record) from a .jsonl file or a .json list (line = 1-based position)."""
-    with open(path, encoding="utf-8") as f:
-        text = f.read()
+    text = read_text(path)
     data = None
     if text.lstrip().startswith("["):  # a JSON list of records, whatever the extension
         try:
@@ -75,7 +90,7 @@ def _records(path: str) -> Iterator[tuple[int, object]]:
             raise DataError(f"{path}:1: expected a JSON list of records, got {type(data).__name__}")
         yield from enumerate(data, 1)  # position in the list stands in for the line
         return
-    for lineno, line in enumerate(text.splitlines(), 1):
+    for lineno, line in enumerate(text.split("\n"), 1):  # JSON lines end at \n only (U+2028 may sit in a string)
         if not line.strip():
             continue
         try:
@@ -206,8 +221,7 @@ def load_pretrain_texts(path: str) -> list[str]:
                     raise DataError(f"{where}: expected a JSON object with a 'text' field, got {type(rec).__name__}")
                 texts.append(_str(rec, "text", where))
         else:
-            with open(p, encoding="utf-8") as f:
-                texts.extend(line.rstrip("\r\n") for line in f if line.strip())
+            texts.extend(line.rstrip("\r") for line in read_text(p).split("\n") if line.strip())
         if len(texts) == before:
             raise DataError(f"{p}: no examples; the file is empty or has only blank lines")
     return texts
