@@ -171,9 +171,26 @@ def webui(args: list[str]) -> int:
     p.add_argument("--host", default="127.0.0.1", help="interface to bind (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=7860)
     p.add_argument("--share", action="store_true", help="also open a public gradio.live link (off by default)")
+    p.add_argument("--auth", metavar="USER:PASSWORD",
+                   help="require this login (visible in `ps`: prefer --auth-file or ERNIEKIT_WEBUI_AUTH)")
+    p.add_argument("--auth-file", metavar="FILE", help="require a login from FILE: one USER:PASSWORD per line")
+    p.add_argument("--workdir", metavar="DIR",
+                   help="serve from DIR (default: the current directory): relative paths start there and every "
+                        "path the page accepts must lie inside it or an --allow-path DIR")
+    p.add_argument("--allow-path", metavar="DIR", action="append", default=[],
+                   help="also let the page read and write under DIR (repeatable)")
     ns = p.parse_args(args)
     if not 1 <= ns.port <= 65535:
         raise ErniekitError(f"webui: --port {ns.port} must be in 1..65535")
+    # the checks that need no gradio come first: a typo is reported at once
+    from erniekit.webui.access import PathPolicy, resolve_auth
+
+    auth = resolve_auth(ns.auth, ns.auth_file)  # ERNIEKIT_WEBUI_AUTH when neither flag is given
+    if ns.workdir:
+        if not os.path.isdir(ns.workdir):
+            raise ErniekitError(f"webui: --workdir {ns.workdir}: not a directory; give an existing directory")
+        os.chdir(ns.workdir)  # relative paths in the page, and the training runs it starts, begin here
+    paths = PathPolicy(os.getcwd(), ns.allow_path)
     try:
         import gradio  # noqa: F401
     except ImportError:
@@ -181,7 +198,7 @@ def webui(args: list[str]) -> int:
     _import_paddle()
     from erniekit.webui.app import run_webui
 
-    return run_webui(ns.host, ns.port, ns.share)
+    return run_webui(ns.host, ns.port, ns.share, auth, paths)
 
 
 def export(args: list[str]) -> int:

@@ -4,21 +4,26 @@ Train starts `erniekit train` as a child process (erniekit/webui/runs.py) and po
 second: log tail, loss (and reward) plot from the run's VisualDL log directory, progress and ETA.
 Chat loads a checkpoint or exported directory and streams replies. Export runs `erniekit
 export` and shows the command that serves the result. Every handler turns errors into a message
-in the page (never a stack trace).
+in the page (never a stack trace). Every path a handler receives (from the page or from gradio's
+HTTP API, which calls the same handlers) must lie in the allowed directories (access.PathPolicy).
 """
 
 from __future__ import annotations
 
+import html
 import os
+import sys
 import traceback
 
 import gradio as gr
 
 from erniekit.errors import ErniekitError
 from erniekit.export.hf import FORMATS
+from erniekit.webui.access import PathPolicy, banner, exposure_warning
 from erniekit.webui.runs import EMBEDDED, STAGES, Form, Runs, cli_command, config_yaml, yaml_preview
 
-CSS = ".erniekit-error {color: #b00020; font-weight: 600}"
+CSS = (".erniekit-error {color: #b00020; font-weight: 600}\n"
+       "#exposure_warning {background: #fff3bf; border: 2px solid #e67700; padding: 8px 12px; font-weight: 600}")
 
 
 def _message(e: Exception) -> str:
@@ -29,7 +34,12 @@ def _message(e: Exception) -> str:
 
 
 def _error(e: Exception) -> str:
-    traceback.print_exc()  # the server's console keeps the trace; the page gets one line
+    """The page's one-line error. The console gets the same line for the user's own mistakes
+    (ErniekitError) and the full trace for anything else, which is a bug worth reporting."""
+    if isinstance(e, ErniekitError):
+        print(f"webui: error: {e}", file=sys.stderr, flush=True)
+    else:
+        traceback.print_exc()
     return f"<span class='erniekit-error'>Error: {_message(e)}</span>"
 
 
@@ -40,12 +50,45 @@ def _fmt_eta(s: float | None) -> str:
     return f", ETA {s // 60}m{s % 60:02d}s" if s >= 60 else f", ETA {s}s"
 
 
-def build_app(runs: Runs | None = None) -> gr.Blocks:
-    runs = runs or Runs()
+def export_model(paths: PathPolicy, s: str, d: str, f: str) -> str:
+    """The Export tab's work: source and destination must be allowed paths, the destination new or
+    empty; returns the page's message (markdown) with the commands that check and serve the result."""
+    from erniekit.export.hf import export_hf
+
+    s, d = (s or "").strip(), (d or "").strip()
+    if not s:
+        raise ErniekitError("the source directory is empty; pick a checkpoint written by a run")
+    if not d:
+        raise ErniekitError("the export directory is empty")
+    paths.check(s, "source directory")
+    paths.check(d, "export directory")
+    if not os.path.isdir(s):
+        raise ErniekitError(f"{s}: no such directory; pick a checkpoint written by a run")
+    if os.path.isdir(d) and os.listdir(d):
+        raise ErniekitError(f"{d} already exists and is not empty; choose a new directory")
+    export_hf(s, d, fmt=f)
+    if f in ("paddle", "onnx"):
+        serve = (f"erniekit export --verify {d}\n# the decoding step runs under "
+                 f"{'paddle.inference' if f == 'paddle' else 'onnxruntime'}: "
+                 f"erniekit.export.static.StepRunner('{d}', '{f}', config)")
+    else:
+        serve = f"erniekit export --verify {d}\nerniekit server {d} --port 8000"
+    return f"Exported {s} to {d} ({f}). Check and serve it:\n\n```bash\n{serve}\n```"
+
+
+def build_app(runs: Runs | None = None, paths: PathPolicy | None = None, warning: str | None = None) -> gr.Blocks:
+    """The page. `paths` confines every path a handler accepts (default: the current directory);
+    `warning` (the exposure warning, if any) is shown at the top of every tab."""
+    paths = paths or (runs.paths if runs is not None and runs.paths is not None else PathPolicy())
+    runs = runs or Runs(paths)
     chat_state: dict = {}
 
     with gr.Blocks(title="erniekit") as app:
         gr.Markdown("# erniekit\nFine-tune, chat with and export ERNIE 4.5 models.")
+        if warning:
+            gr.HTML(f"<div id='exposure_warning'>{html.escape(warning)}</div>")
+        gr.Markdown(f"Files: inside `{'`, `'.join(paths.roots)}` (widen with `--allow-path DIR`).",
+                    elem_id="allowed_paths")
         with gr.Tab("Train"):
             with gr.Row():
                 stage = gr.Dropdown(list(STAGES), value="SFT", label="Stage", elem_id="stage")
@@ -90,7 +133,7 @@ def build_app(runs: Runs | None = None) -> gr.Blocks:
             def preview(*vals):
                 try:
                     f = form_of(*vals)
-                    return yaml_preview(f), cli_command(f), ""
+                    return yaml_preview(f, paths), cli_command(f), ""
                 except Exception as e:  # noqa: BLE001 - shown in the page
                     return "", "", _error(e)
 
@@ -110,7 +153,11 @@ def build_app(runs: Runs | None = None) -> gr.Blocks:
                     return _error(e)
 
             def poll(out):
-                st = runs.status(out or "")
+                try:
+                    st = runs.status(out or "")
+                except ErniekitError as e:  # the output directory box now names a refused path
+                    return (gr.skip(), "", f"<span class='erniekit-error'>Error: {e}</span>", "",
+                            gr.Timer(active=False))
                 pts = st["points"]
                 # no frame until there are points: a first, empty frame left the lines without a color
                 df = _points_frame(pts) if pts else gr.skip()
@@ -150,7 +197,7 @@ def build_app(runs: Runs | None = None) -> gr.Blocks:
                 try:
                     from erniekit.infer.chat import load_chat_model, stop_ids
 
-                    path = (path or "").strip()
+                    path = paths.check(path, "checkpoint directory")
                     model_, tok = load_chat_model(path)
                     chat_state.update(model=model_, tokenizer=tok, stops=stop_ids(model_, tok), path=path)
                     return f"Loaded {path} ({sum(int(p.numel()) for p in model_.parameters()) / 1e6:.2f}M parameters)"
@@ -191,7 +238,7 @@ def build_app(runs: Runs | None = None) -> gr.Blocks:
                 except Exception as e:  # noqa: BLE001 - shown in the page
                     yield history, _error(e), text
 
-            load_btn.click(load, [chat_dir], [chat_message])
+            load_btn.click(load, [chat_dir], [chat_message], api_name="chat_load")
             send_btn.click(reply, [user, chatbot, temperature, top_p, max_new], [chatbot, chat_message, user])
             user.submit(reply, [user, chatbot, temperature, top_p, max_new], [chatbot, chat_message, user])
             clear_btn.click(lambda: ([], ""), None, [chatbot, chat_message])
@@ -207,27 +254,11 @@ def build_app(runs: Runs | None = None) -> gr.Blocks:
 
             def do_export(s, d, f):
                 try:
-                    from erniekit.export.hf import export_hf
-
-                    s, d = (s or "").strip(), (d or "").strip()
-                    if not os.path.isdir(s):
-                        raise ErniekitError(f"{s or '(empty)'}: no such directory; pick a checkpoint written by a run")
-                    if not d:
-                        raise ErniekitError("the export directory is empty")
-                    if os.path.isdir(d) and os.listdir(d):
-                        raise ErniekitError(f"{d} already exists and is not empty; choose a new directory")
-                    export_hf(s, d, fmt=f)
-                    if f in ("paddle", "onnx"):
-                        serve = (f"erniekit export --verify {d}\n# the decoding step runs under "
-                                 f"{'paddle.inference' if f == 'paddle' else 'onnxruntime'}: "
-                                 f"erniekit.export.static.StepRunner('{d}', '{f}', config)")
-                    else:
-                        serve = f"erniekit export --verify {d}\nerniekit server {d} --port 8000"
-                    return f"Exported {s} to {d} ({f}). Check and serve it:\n\n```bash\n{serve}\n```"
+                    return export_model(paths, s, d, f)
                 except Exception as e:  # noqa: BLE001 - shown in the page
                     return _error(e)
 
-            export_btn.click(do_export, [src, dst, fmt], [export_out])
+            export_btn.click(do_export, [src, dst, fmt], [export_out], api_name="export")
     return app
 
 
@@ -252,9 +283,28 @@ def _text(content) -> str:
     return str(content)
 
 
-def run_webui(host: str = "127.0.0.1", port: int = 7860, share: bool = False) -> int:
-    app = build_app()
-    print(f"erniekit: WebUI at http://{host}:{port} (Ctrl-C to quit)", flush=True)
-    app.queue().launch(server_name=host, server_port=port, share=share, show_error=False, quiet=True,
-                       css=CSS, footer_links=[])
+def prepare_launch(host: str = "127.0.0.1", port: int = 7860, share: bool = False,
+                   auth: list[tuple[str, str]] | None = None, stderr=None) -> tuple[dict, str | None]:
+    """gradio's launch() arguments, and the exposure warning (printed to stderr, framed, before
+    anything binds) when the WebUI will be reachable beyond this machine. The accounts go to
+    gradio's own login (it compares passwords in constant time); nothing here prints them."""
+    warning = exposure_warning(host, share, bool(auth))
+    if warning:
+        print(banner(warning), file=stderr or sys.stderr, flush=True)
+    kwargs = dict(server_name=host, server_port=port, share=share, show_error=False, quiet=True, css=CSS,
+                  footer_links=[], auth=list(auth) if auth else None,
+                  auth_message="erniekit WebUI: log in with the account given by --auth, --auth-file or "
+                               "ERNIEKIT_WEBUI_AUTH" if auth else None)
+    return kwargs, warning
+
+
+def run_webui(host: str = "127.0.0.1", port: int = 7860, share: bool = False,
+              auth: list[tuple[str, str]] | None = None, paths: PathPolicy | None = None) -> int:
+    kwargs, warning = prepare_launch(host, port, share, auth)
+    paths = paths or PathPolicy()
+    app = build_app(Runs(paths), paths, warning)
+    login = f", login required ({len(auth)} account{'s' if len(auth) > 1 else ''})" if auth else ""
+    print(f"erniekit: WebUI at http://{host}:{port}{login}; files inside {', '.join(paths.roots)} "
+          "(Ctrl-C to quit)", flush=True)
+    app.queue().launch(**kwargs)
     return 0

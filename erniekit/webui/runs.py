@@ -17,6 +17,7 @@ import time
 from dataclasses import dataclass, field
 
 from erniekit.errors import ErniekitError
+from erniekit.webui.access import AUTH_ENV, PathPolicy
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # the WebUI's stages: each starts from the shipped tiny config (bundled data, tested settings)
@@ -70,10 +71,18 @@ def bundled_data(stage: str) -> dict[str, str]:
             if isinstance(raw.get(k), str) and not os.path.isabs(raw[k])}
 
 
-def check_form(form: Form):
-    """The config the form describes, validated like `erniekit train` does; one-line errors."""
+def check_form(form: Form, paths: PathPolicy | None = None):
+    """The config the form describes, validated like `erniekit train` does; one-line errors. With
+    `paths`, the model, dataset and output directory must lie in the WebUI's allowed directories
+    (checked first: a refused path is not even probed for existence)."""
     from erniekit.config import load_config, validate
 
+    if paths is not None:
+        if form.model and form.model != EMBEDDED:
+            paths.check(form.model, "model directory")
+        if form.dataset:
+            paths.check(form.dataset, "dataset")
+        paths.check(str(form.output_dir), "output directory")
     if form.model and form.model != EMBEDDED and not os.path.isdir(form.model):
         raise ErniekitError(f"model directory {form.model} not found; pick a checkpoint directory or the embedded "
                             "tiny model")
@@ -87,9 +96,9 @@ def check_form(form: Form):
     return validate(cfg)
 
 
-def yaml_preview(form: Form) -> str:
+def yaml_preview(form: Form, paths: PathPolicy | None = None) -> str:
     """The merged config the run uses, as YAML."""
-    return config_yaml(check_form(form))
+    return config_yaml(check_form(form, paths))
 
 
 def config_yaml(cfg) -> str:
@@ -119,17 +128,18 @@ class Run:
 
 
 class Runs:
-    """Child training processes, one per output_dir."""
+    """Child training processes, one per output_dir; with `paths`, only inside the allowed directories."""
 
-    def __init__(self):
+    def __init__(self, paths: PathPolicy | None = None):
         self.runs: dict[str, Run] = {}
+        self.paths = paths
 
     def active(self, output_dir: str) -> Run | None:
         r = self.runs.get(os.path.abspath(output_dir))
         return r if r is not None and r.proc.poll() is None else None
 
     def start(self, form: Form, resume: bool = False) -> Run:
-        cfg = check_form(form)
+        cfg = check_form(form, self.paths)
         out = os.path.abspath(cfg.output_dir)
         if self.active(out) is not None:
             raise ErniekitError(f"a run is already writing to {cfg.output_dir}; stop it first or choose another "
@@ -139,6 +149,7 @@ class Runs:
         log_path = os.path.join(out, LOG_NAME)
         log = open(log_path, "a" if resume else "w", encoding="utf-8")
         env = dict(os.environ, PYTHONUNBUFFERED="1")
+        env.pop(AUTH_ENV, None)  # the WebUI's password has no business in the trainer's environment
         proc = subprocess.Popen([sys.executable, "-m", "erniekit", "train", *args], stdout=log,
                                 stderr=subprocess.STDOUT, cwd=os.getcwd(), env=env)
         log.close()
@@ -155,7 +166,10 @@ class Runs:
         return "stopping: the run ends after its current step and writes a checkpoint"
 
     def status(self, output_dir: str) -> dict:
-        """{state, step, total, eta_s, points [(step, value, series)], log} of the run in output_dir."""
+        """{state, step, total, eta_s, points [(step, value, series)], log} of the run in output_dir
+        (it reads files there, so the directory must be an allowed one)."""
+        if self.paths is not None:
+            self.paths.check(output_dir, "output directory")
         out = os.path.abspath(output_dir)
         r = self.runs.get(out)
         points, step = read_points(out)
