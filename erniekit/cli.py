@@ -141,13 +141,18 @@ def _server_parser() -> argparse.ArgumentParser:
     p.add_argument("model_dir", help="checkpoint or exported directory (Hugging Face layout)")
     p.add_argument("--host", default="127.0.0.1", help="interface to bind (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' (or set ERNIEKIT_API_KEY)")
+    p.add_argument("--api-key", help="require 'Authorization: Bearer KEY'; the environment variable ERNIEKIT_API_KEY "
+                   "does the same without showing the key in `ps` (--api-key wins when both are set)")
     p.add_argument("--served-model-name", help="the model id clients send (default: the directory's name)")
     p.add_argument("--max-batch", type=int, default=8, help="requests decoded together; more wait in a queue")
     p.add_argument("--max-model-len", type=int, default=None,
                    help="context per request, prompt + completion (default: min(model's, 4096))")
     p.add_argument("--backend", choices=("builtin", "fastdeploy"), default="builtin",
                    help="fastdeploy: start FastDeploy's OpenAI server on the directory (GPU, FastDeploy installed)")
+    p.add_argument("--quantization", choices=("wint8", "wint4"), default=None,
+                   help="--backend fastdeploy: FastDeploy quantizes the (hf export's) weights as it loads them")
+    p.add_argument("--max-body-bytes", type=int, default=1 << 20,
+                   help="larger request bodies get 413 before they are read (default 1 MiB)")
     p.add_argument("--log-level", default="warning", help="uvicorn's log level")
     return p
 
@@ -159,6 +164,8 @@ def server(args: list[str]) -> int:
         raise ErniekitError(f"server: --port {ns.port} must be in 1..65535")
     if ns.max_batch < 1 or (ns.max_model_len is not None and ns.max_model_len < 2):
         raise ErniekitError("server: --max-batch must be >= 1 and --max-model-len >= 2")
+    if ns.max_body_bytes < 1024:
+        raise ErniekitError(f"server: --max-body-bytes {ns.max_body_bytes} must be >= 1024 (a request needs room)")
     _import_paddle()
     from erniekit.infer.server import run_server
 

@@ -1,15 +1,25 @@
 """`erniekit server`: an OpenAI-compatible HTTP API over the built-in engine (erniekit/infer/engine.py).
 
 /v1/chat/completions and /v1/completions (streamed as server-sent events or whole), /v1/models,
-/health. Bad requests get a 4xx JSON body in OpenAI's error shape and the server keeps serving.
-The engine runs in its own thread; a handler waits on an asyncio queue the engine thread fills
-through the event loop (call_soon_threadsafe), so no handler blocks the loop.
+/health. The engine runs in its own thread; a handler waits on an asyncio queue the engine thread
+fills through the event loop (call_soon_threadsafe), so no handler blocks the loop.
+
+Hostile input stops at the edge (issue #23): the body is read in bounded pieces (413 past
+--max-body-bytes, before the rest is read), parsed, validated field by field (finite numbers in
+OpenAI's documented ranges, bools that are bools, token ids in the vocabulary; a nesting-depth
+limit) and tokenised in a worker thread, never on the event loop; a prompt that cannot fit the
+context is refused from its character count before it is tokenised. Every error, 404/405/500
+included, is one JSON object in OpenAI's shape naming the parameter. The API key is compared in
+constant time and never printed.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
+import math
+import os
 import time
 import uuid
 from typing import Any
@@ -20,9 +30,17 @@ from erniekit.infer.engine import Engine, Request
 from erniekit.infer.sampling import SamplingParams
 
 DEFAULT_MAX_TOKENS = 256  # when a request sets none (capped by what the context leaves)
+DEFAULT_MAX_BODY_BYTES = 1 << 20  # 1 MiB: a context's worth of text many times over
+MAX_JSON_DEPTH = 32  # the deepest well-formed request (content parts) is 4 levels deep
+BODY_TIMEOUT_S = 60.0  # a body that trickles in slower than this is refused (408)
+MAX_STOP_CHARS = 256  # per stop string: longer ones would hold back that much of the stream
+API_KEY_ENV = "ERNIEKIT_API_KEY"
+ROLES = ("system", "user", "assistant", "developer")
 
 
 class BadRequest(Exception):
+    """A request refused with an OpenAI-shaped error (status 4xx, or 500 for a generation fault)."""
+
     def __init__(self, message: str, param: str | None = None, code: str | None = None, status: int = 400,
                  kind: str = "invalid_request_error"):
         super().__init__(message)
@@ -33,14 +51,41 @@ def error_body(e: BadRequest) -> dict:
     return {"error": {"message": e.message, "type": e.kind, "param": e.param, "code": e.code}}
 
 
-def _number(body: dict, key: str, default: float, lo: float, hi: float, lo_open: bool = False) -> float:
+def _short(v: Any) -> str:
+    r = repr(v)
+    return r if len(r) <= 40 else r[:37] + "..."
+
+
+def _number(body: dict, key: str, default: float, lo: float, hi: float, lo_open: bool = False,
+            hint: str = "") -> float:
+    """body[key] as a finite float in [lo, hi] (or (lo, hi]); NaN / Infinity, which Python's json
+    accepts, and bools are refused."""
     v = body.get(key)
     if v is None:
         return default
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or v > hi or v < lo or (lo_open and v == lo):
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v > hi or v < lo \
+            or (lo_open and v == lo):
         side = f"({lo}" if lo_open else f"[{lo}"
-        raise BadRequest(f"{key}={v!r} must be a number in {side}, {hi}]", key)
+        raise BadRequest(f"{key}={_short(v)} must be a finite number in {side}, {hi}]{hint}", key)
     return float(v)
+
+
+def _integer(body: dict, key: str, lo: int, hi: int) -> int | None:
+    v = body.get(key)
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
+        raise BadRequest(f"{key}={_short(v)} must be an integer in [{lo}, {hi}]", key)
+    return v
+
+
+def _flag(body: dict, key: str, where: str | None = None) -> bool:
+    v = body.get(key)
+    if v is None:
+        return False
+    if not isinstance(v, bool):
+        raise BadRequest(f"{where or key}={_short(v)} must be true or false", where or key)
+    return v
 
 
 def _stops(body: dict) -> list[str]:
@@ -48,104 +93,220 @@ def _stops(body: dict) -> list[str]:
     if stop is None:
         return []
     stops = [stop] if isinstance(stop, str) else stop
-    if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops) or len(stops) > 4:
-        raise BadRequest("stop must be a non-empty string or a list of up to 4 of them", "stop")
+    if not isinstance(stops, list) or len(stops) > 4 or not all(
+            isinstance(s, str) and 0 < len(s) <= MAX_STOP_CHARS for s in stops):
+        raise BadRequest(f"stop must be a string or a list of up to 4 strings, each 1 to {MAX_STOP_CHARS} "
+                         "characters", "stop")
     return stops
+
+
+def _logit_bias(body: dict, vocab: int) -> dict[int, float]:
+    """{"token id": bias}: JSON keys are strings of ids in [0, vocab), biases finite in [-100, 100]."""
+    bias = body.get("logit_bias")
+    if bias is None:
+        return {}
+    if not isinstance(bias, dict):
+        raise BadRequest(f"logit_bias={_short(bias)} must be an object mapping token ids to numbers", "logit_bias")
+    out = {}
+    for k, v in bias.items():
+        try:
+            tok = int(k)
+        except ValueError:
+            raise BadRequest(f"logit_bias key {_short(k)} is not a token id; keys are token ids in [0, {vocab})",
+                             "logit_bias") from None
+        if not 0 <= tok < vocab:
+            raise BadRequest(f"logit_bias key {tok} is outside the vocabulary [0, {vocab})", "logit_bias")
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or not -100 <= v <= 100:
+            raise BadRequest(f"logit_bias[{k}]={_short(v)} must be a finite number in [-100, 100]", "logit_bias")
+        out[tok] = float(v)
+    return out
+
+
+def _depth(obj: Any) -> int:
+    """Nesting depth of parsed JSON, without recursion."""
+    deepest, todo = 0, [(obj, 1)]
+    while todo:
+        o, d = todo.pop()
+        if isinstance(o, (dict, list)):
+            deepest = max(deepest, d)
+            if deepest > MAX_JSON_DEPTH:
+                return deepest
+            todo.extend((c, d + 1) for c in (o.values() if isinstance(o, dict) else o))
+    return deepest
+
+
+def parse_json(raw: bytes) -> Any:
+    """The body as JSON, or a 400 saying why not (empty, not UTF-8, malformed, too deep)."""
+    if not raw.strip():
+        raise BadRequest("the request body is empty; send a JSON object")
+    try:
+        body = json.loads(raw)
+    except UnicodeDecodeError as e:
+        raise BadRequest(f"the request body is not UTF-8 text ({e.reason} at byte {e.start}); send UTF-8 JSON") \
+            from None
+    except json.JSONDecodeError as e:
+        raise BadRequest(f"the request body is not valid JSON ({e.msg} at line {e.lineno} column {e.colno})") \
+            from None
+    except RecursionError:
+        raise BadRequest(f"the request body nests deeper than {MAX_JSON_DEPTH} levels; flatten it",
+                         code="json_too_deep") from None
+    except ValueError as e:  # e.g. an integer literal with more digits than Python converts
+        raise BadRequest(f"the request body is not valid JSON ({e})") from None
+    if _depth(body) > MAX_JSON_DEPTH:
+        raise BadRequest(f"the request body nests deeper than {MAX_JSON_DEPTH} levels; flatten it",
+                         code="json_too_deep")
+    return body
+
+
+def _max_chars_per_token(tokenizer) -> int:
+    """The most characters one token can stand for (longest piece or special token): a prompt of
+    C characters has at least C / this many tokens, whatever the tokenizer does with it."""
+    pieces = tokenizer.convert_ids_to_tokens(range(len(tokenizer)))
+    return max(1, max(len(p) for p in pieces))
 
 
 class OpenAIServer:
     """The request handling, free of the web framework (the FastAPI routes call it)."""
 
-    def __init__(self, engine: Engine, tokenizer, model_name: str, api_key: str | None = None):
-        self.engine, self.tokenizer, self.model_name, self.api_key = engine, tokenizer, model_name, api_key
+    def __init__(self, engine: Engine, tokenizer, model_name: str, api_key: str | None = None,
+                 max_body_bytes: int = DEFAULT_MAX_BODY_BYTES):
+        self.engine, self.tokenizer, self.model_name = engine, tokenizer, model_name
+        self._expected_auth = f"Bearer {api_key}".encode() if api_key else None  # the key itself is kept nowhere else
+        self.max_body_bytes = max_body_bytes
+        self.vocab = min(len(tokenizer), int(engine.model.config.vocab_size))
+        self.chars_per_token = _max_chars_per_token(tokenizer)
         self.created = int(time.time())
 
     # ---- validation ------------------------------------------------------------------------
     def check_key(self, authorization: str | None) -> None:
-        if self.api_key and authorization != f"Bearer {self.api_key}":
-            raise BadRequest("invalid or missing API key (send Authorization: Bearer KEY)", None, "invalid_api_key",
-                             status=401)
+        """Constant-time comparison (hmac.compare_digest), so response timing tells nothing about
+        how much of a guessed key was right."""
+        if self._expected_auth is None:
+            return
+        given = (authorization or "").encode("utf-8", "surrogateescape")
+        if not hmac.compare_digest(given, self._expected_auth):
+            raise BadRequest("invalid or missing API key; send the header 'Authorization: Bearer KEY' with the "
+                             "server's key", None, "invalid_api_key", status=401, kind="authentication_error")
 
-    def _common(self, body: dict, prompt: list[int]) -> tuple[SamplingParams, list[str], bool]:
-        if body.get("model") != self.model_name:
-            raise BadRequest(f"the model {body.get('model')!r} does not exist; this server serves "
+    def _fits(self, chars: int, param: str) -> None:
+        """Refuse before tokenising a prompt whose characters alone need more tokens than the
+        context holds (each token stands for at most `chars_per_token` characters)."""
+        need = -(-chars // self.chars_per_token)
+        if need + 1 > self.engine.max_model_len:
+            raise BadRequest(f"the prompt has {chars} characters, at least {need} tokens, more than the context of "
+                             f"{self.engine.max_model_len} tokens; shorten it", param, "context_length_exceeded")
+
+    def _options(self, body: dict) -> dict:
+        """Every field but the prompt, checked before any tokenising."""
+        model = body.get("model")
+        if not isinstance(model, str):
+            raise BadRequest(f"model={_short(model)} must be a string: this server serves {self.model_name!r}", "model")
+        if model != self.model_name:
+            raise BadRequest(f"the model {_short(model)} does not exist; this server serves "
                              f"{self.model_name!r} (GET /v1/models)", "model", "model_not_found", status=404)
-        n = body.get("n", 1)
-        if n != 1:
-            raise BadRequest(f"n={n!r}: this server returns one choice per request (n=1)", "n")
-        for key in ("logprobs", "top_logprobs", "tools", "functions", "response_format"):
-            if body.get(key) not in (None, False, [], {"type": "text"}):
-                raise BadRequest(f"{key} is not supported by this server", key)
-        stream = body.get("stream", False)
-        if not isinstance(stream, bool):
-            raise BadRequest(f"stream={stream!r} must be true or false", "stream")
-        room = self.engine.max_model_len - len(prompt)
-        key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-        max_tokens = body.get(key)
-        if max_tokens is None:
-            max_tokens = max(1, min(DEFAULT_MAX_TOKENS, room))
-        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
-            raise BadRequest(f"{key}={max_tokens!r} must be an integer >= 1", key)
-        try:
-            self.engine.check(len(prompt), max_tokens)
-        except ValueError as e:
-            raise BadRequest(f"{e} ({key})", "messages" if "messages" in body else "prompt",
-                             "context_length_exceeded") from None
-        seed = body.get("seed")
-        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-            raise BadRequest(f"seed={seed!r} must be an integer", "seed")
-        params = SamplingParams(max_new_tokens=max_tokens,
-                                temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
-                                top_p=_number(body, "top_p", 1.0, 0.0, 1.0, lo_open=True), seed=seed)
-        return params, _stops(body), stream
+        n = body.get("n")
+        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n != 1):
+            raise BadRequest(f"n={_short(n)}: this server returns one choice per request; send n=1 or leave it out",
+                             "n")
+        for key in ("logprobs", "top_logprobs", "tools", "functions", "response_format", "suffix"):
+            if body.get(key) not in (None, False, 0, [], {"type": "text"}):  # the values that ask for nothing
+                raise BadRequest(f"{key} is not supported by this server; leave it out", key)
+        if body.get("best_of") not in (None, 1) or isinstance(body.get("best_of"), bool):
+            raise BadRequest(f"best_of={_short(body.get('best_of'))}: this server returns one choice per request; "
+                             "leave it out", "best_of")
+        if _flag(body, "echo"):
+            raise BadRequest("echo is not supported by this server; leave it out", "echo")
+        stream = _flag(body, "stream")
+        opts = body.get("stream_options")
+        if opts is not None and not isinstance(opts, dict):
+            raise BadRequest(f"stream_options={_short(opts)} must be an object", "stream_options")
+        include_usage = _flag(opts or {}, "include_usage", "stream_options.include_usage")
+        if body.get("user") is not None and not isinstance(body.get("user"), str):
+            raise BadRequest(f"user={_short(body.get('user'))} must be a string", "user")
+        keys = [k for k in ("max_completion_tokens", "max_tokens") if body.get(k) is not None]
+        max_key = keys[0] if keys else "max_tokens"
+        max_tokens = _integer(body, max_key, 1, self.engine.max_model_len - 1) if keys else None
+        return dict(
+            stream=stream, include_usage=include_usage, stops=_stops(body), max_key=max_key, max_tokens=max_tokens,
+            temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
+            top_p=_number(body, "top_p", 1.0, 0.0, 1.0, lo_open=True, hint=" (for greedy, send temperature 0)"),
+            presence_penalty=_number(body, "presence_penalty", 0.0, -2.0, 2.0),
+            frequency_penalty=_number(body, "frequency_penalty", 0.0, -2.0, 2.0),
+            seed=_integer(body, "seed", 0, 2 ** 63 - 1), logit_bias=_logit_bias(body, self.vocab))
 
-    def chat_request(self, body: Any) -> tuple[list[int], SamplingParams, list[str], bool]:
+    def _messages(self, body: dict) -> list[int]:
         from erniekit.errors import DataError
         from erniekit.infer.chat import chat_prompt_ids
 
-        if not isinstance(body, dict):
-            raise BadRequest("the request body must be a JSON object")
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
             raise BadRequest("messages must be a non-empty list of {role, content}", "messages")
-        msgs = []
+        msgs, chars = [], 0
         for i, m in enumerate(messages):
-            content = m.get("content") if isinstance(m, dict) else None
+            if not isinstance(m, dict):
+                raise BadRequest(f"messages[{i}] must be an object {{role, content}}", f"messages[{i}]")
+            role, content = m.get("role"), m.get("content")
+            if role not in ROLES:
+                raise BadRequest(f"messages[{i}].role={_short(role)} must be one of {', '.join(ROLES)}",
+                                 f"messages[{i}].role")
             if isinstance(content, list):  # [{"type": "text", "text": ...}] parts: text only
-                if not all(isinstance(p, dict) and p.get("type") == "text" for p in content):
-                    raise BadRequest(f"messages[{i}].content: only text parts are supported", f"messages[{i}]")
-                content = "".join(p.get("text", "") for p in content)
-            role = m.get("role") if isinstance(m, dict) else None
-            role = "system" if role == "developer" else role
-            msgs.append({"role": role, "content": content})
+                if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                           for p in content):
+                    raise BadRequest(f"messages[{i}].content: only text parts {{type: text, text: str}} are "
+                                     "supported", f"messages[{i}].content")
+                content = "".join(p["text"] for p in content)
+            if not isinstance(content, str):
+                raise BadRequest(f"messages[{i}].content must be a string or a list of text parts",
+                                 f"messages[{i}].content")
+            chars += len(content)
+            msgs.append({"role": "system" if role == "developer" else role, "content": content})
+        self._fits(chars, "messages")
         try:
-            prompt = chat_prompt_ids(self.tokenizer, msgs)
+            self._fits(len(self.tokenizer.apply_chat_template(msgs, add_generation_prompt=True)), "messages")
+            return chat_prompt_ids(self.tokenizer, msgs)
         except DataError as e:
             raise BadRequest(str(e), "messages") from None
-        params, stops, stream = self._common(body, prompt)
-        return prompt, params, stops, stream
 
-    def completion_request(self, body: Any) -> tuple[list[int], SamplingParams, list[str], bool]:
-        if not isinstance(body, dict):
-            raise BadRequest("the request body must be a JSON object")
+    def _prompt(self, body: dict) -> list[int]:
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
             prompt = prompt[0]
         if isinstance(prompt, str):
+            self._fits(len(prompt), "prompt")
             ids = self.tokenizer.encode(prompt)
         elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            if not all(0 <= t < len(self.tokenizer) for t in prompt):
-                raise BadRequest("prompt token ids must be in [0, vocab size)", "prompt")
+            if not all(0 <= t < self.vocab for t in prompt):
+                raise BadRequest(f"prompt token ids must be in [0, {self.vocab})", "prompt")
             ids = list(prompt)
         else:
             raise BadRequest("prompt must be a non-empty string, a list with one string, or a list of token ids",
                              "prompt")
         if not ids:
-            raise BadRequest("the prompt encodes to no tokens", "prompt")
-        if body.get("echo"):
-            raise BadRequest("echo is not supported by this server", "echo")
-        params, stops, stream = self._common(body, ids)
-        return ids, params, stops, stream
+            raise BadRequest("the prompt encodes to no tokens; send some text", "prompt")
+        return ids
+
+    def parse(self, raw: bytes, chat: bool) -> tuple[list[int], SamplingParams, list[str], bool, bool]:
+        """Raw body -> (prompt ids, sampling, stop strings, stream, include_usage), or BadRequest.
+        Runs in a worker thread (JSON parsing and tokenising are CPU work)."""
+        body = parse_json(raw)
+        if not isinstance(body, dict):
+            raise BadRequest("the request body must be a JSON object")
+        o = self._options(body)
+        prompt = self._messages(body) if chat else self._prompt(body)
+        room = self.engine.max_model_len - len(prompt)
+        max_tokens = o["max_tokens"] if o["max_tokens"] is not None else max(1, min(DEFAULT_MAX_TOKENS, room))
+        try:
+            self.engine.check(len(prompt), max_tokens)
+        except ValueError as e:
+            raise BadRequest(f"{e} ({o['max_key']})", "messages" if chat else "prompt",
+                             "context_length_exceeded") from None
+        try:
+            params = SamplingParams(max_new_tokens=max_tokens, temperature=o["temperature"], top_p=o["top_p"],
+                                    seed=o["seed"], presence_penalty=o["presence_penalty"],
+                                    frequency_penalty=o["frequency_penalty"], logit_bias=o["logit_bias"])
+        except ValueError as e:  # the checks above cover these; kept so a gap is a 400, not a 500
+            raise BadRequest(str(e)) from None
+        return prompt, params, o["stops"], o["stream"], o["include_usage"]
 
     # ---- running ---------------------------------------------------------------------------
     def start(self, prompt: list[int], params: SamplingParams, stops: list[str]) -> tuple[Request, asyncio.Queue]:
@@ -220,21 +381,47 @@ class OpenAIServer:
 
 
 def build_app(server: OpenAIServer):
-    """The FastAPI application around `server`."""
+    """The FastAPI application around `server`: every response that is not a success, whatever
+    raised it (a route, the framework, a bug), is one JSON object in OpenAI's error shape."""
     from fastapi import FastAPI
+    from fastapi.exceptions import RequestValidationError
     from fastapi.responses import JSONResponse, StreamingResponse
+    from starlette.exceptions import HTTPException as StarletteHTTPException
 
-    app = FastAPI(title="erniekit", docs_url=None, redoc_url=None)
+    app = FastAPI(title="erniekit", docs_url=None, redoc_url=None, openapi_url=None)
 
     def fail(e: BadRequest) -> JSONResponse:
         return JSONResponse(error_body(e), status_code=e.status)
 
-    async def body_of(request: HTTPRequest) -> Any:
-        raw = await request.body()
+    async def read_body(request: HTTPRequest) -> bytes:
+        """The body, refused with 413 as soon as it is known to exceed the limit: from
+        Content-Length before reading anything, else while counting the streamed (chunked) pieces,
+        so a huge upload costs at most max_body_bytes of memory and never delays other clients."""
+        limit = server.max_body_bytes
+        too_big = BadRequest(f"the request body exceeds {limit} bytes (the server's --max-body-bytes); send a "
+                             "shorter request", None, "request_too_large", status=413)
+        declared = request.headers.get("content-length")
+        if declared is not None:
+            if not declared.isdigit():
+                raise BadRequest(f"Content-Length {_short(declared)} is not a byte count")
+            if int(declared) > limit:
+                raise too_big
+        chunks, size = [], 0
+
+        async def collect() -> None:
+            nonlocal size
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    raise too_big
+                chunks.append(chunk)
+
         try:
-            return json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise BadRequest(f"the request body is not valid JSON ({e})") from None
+            await asyncio.wait_for(collect(), BODY_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            raise BadRequest(f"the request body did not arrive within {BODY_TIMEOUT_S:.0f} s", None,
+                             "request_timeout", status=408) from None
+        return b"".join(chunks)
 
     @app.get("/health")
     async def health():
@@ -253,14 +440,11 @@ def build_app(server: OpenAIServer):
     async def handle(request: HTTPRequest, chat: bool):
         try:
             server.check_key(request.headers.get("authorization"))
-            body = await body_of(request)
-            parse = server.chat_request if chat else server.completion_request
-            prompt, params, stops, stream = parse(body)
+            raw = await read_body(request)
+            prompt, params, stops, stream, include_usage = await asyncio.to_thread(server.parse, raw, chat)
             if stream:
-                opts = body.get("stream_options") or {}
-                gen = server.stream(chat, prompt, params, stops, bool(isinstance(opts, dict) and
-                                                                      opts.get("include_usage")))
-                return StreamingResponse(gen, media_type="text/event-stream")
+                return StreamingResponse(server.stream(chat, prompt, params, stops, include_usage),
+                                         media_type="text/event-stream")
             return await server.whole(chat, prompt, params, stops)
         except BadRequest as e:
             return fail(e)
@@ -273,22 +457,49 @@ def build_app(server: OpenAIServer):
     async def completions(request: HTTPRequest):
         return await handle(request, chat=False)
 
-    @app.exception_handler(404)
-    async def not_found(request: HTTPRequest, exc):
-        return fail(BadRequest(f"no route {request.method} {request.url.path}; see /v1/models, /v1/chat/completions, "
-                               "/v1/completions, /health", status=404, code="not_found"))
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: HTTPRequest, exc: StarletteHTTPException):
+        if exc.status_code == 404:
+            e = BadRequest(f"no route {request.method} {request.url.path}; see /v1/models, /v1/chat/completions, "
+                           "/v1/completions, /health", status=404, code="not_found")
+        elif exc.status_code == 405:
+            e = BadRequest(f"{request.method} is not allowed on {request.url.path}", status=405,
+                           code="method_not_allowed")
+        else:
+            e = BadRequest(str(exc.detail), status=exc.status_code)
+        return fail(e)
 
-    @app.exception_handler(405)
-    async def bad_method(request: HTTPRequest, exc):
-        return fail(BadRequest(f"{request.method} is not allowed on {request.url.path}", status=405))
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request: HTTPRequest, exc: RequestValidationError):
+        first = (exc.errors() or [{}])[0]
+        where = ".".join(str(x) for x in first.get("loc", ()) if x != "body") or None
+        return fail(BadRequest(f"invalid request: {first.get('msg', 'malformed')}", where, status=422))
+
+    @app.exception_handler(Exception)
+    async def internal(request: HTTPRequest, exc: Exception):
+        return fail(BadRequest(f"internal error ({type(exc).__name__}); the server keeps serving, please report it",
+                               status=500, kind="server_error", code="internal_error"))
 
     return app
 
 
+def api_key_from(flag: str | None) -> tuple[str | None, str]:
+    """The API key and where it came from: --api-key wins over the ERNIEKIT_API_KEY environment
+    variable (which, unlike a flag, other users cannot read in `ps`)."""
+    if flag:
+        return flag, "--api-key"
+    env = os.environ.get(API_KEY_ENV)
+    return (env, API_KEY_ENV) if env else (None, "")
+
+
 def fastdeploy_command(model_dir: str, host: str, port: int, max_model_len: int, max_batch: int,
-                       quantization: str | None = None) -> list[str]:
-    """FastDeploy's own OpenAI server on an exported directory, as ERNIEKit starts it; a one-line
-    error when FastDeploy or a GPU is missing."""
+                       quantization: str | None = None, api_key: str | None = None) -> tuple[list[str], dict[str, str]]:
+    """FastDeploy's own OpenAI server on an exported directory, as ERNIEKit starts it: (command,
+    extra environment). The API key goes in FastDeploy's FD_API_KEY variable, not on the command
+    line, where `ps` and FastDeploy's own argument log would show it; `quantization` (wint8 /
+    wint4) becomes its `--quantization`, which quantizes the float weights as it loads them. A
+    one-line error when FastDeploy or a GPU is missing, or for an erniekit wint8/wint4 directory
+    (erniekit's own int8/int4 + scale layout, which FastDeploy does not read)."""
     import importlib.util
     import sys
 
@@ -301,21 +512,50 @@ def fastdeploy_command(model_dir: str, host: str, port: int, max_model_len: int,
 
     if not paddle.device.is_compiled_with_cuda() or paddle.device.cuda.device_count() < 1:
         raise ErniekitError("--backend fastdeploy needs a GPU and paddlepaddle-gpu; use --backend builtin here")
+    info_path = os.path.join(model_dir, "export_info.json")
+    fmt = None
+    if os.path.isfile(info_path):
+        try:
+            with open(info_path, encoding="utf-8") as f:
+                fmt = json.load(f).get("format")
+        except (OSError, ValueError, AttributeError) as e:
+            raise ErniekitError(f"{info_path}: unreadable ({e}); re-export the model") from None
+    if fmt in ("wint8", "wint4"):
+        raise ErniekitError(f"{model_dir} is an erniekit {fmt} export, whose int8/int4 + scale layout FastDeploy "
+                            f"does not read; export --format hf and serve that with --backend fastdeploy "
+                            f"--quantization {fmt} (FastDeploy quantizes as it loads)")
+    if quantization not in (None, "wint8", "wint4"):
+        raise ErniekitError(f"--quantization {quantization}: FastDeploy's weight-only choices here are wint8, wint4")
     cmd = [sys.executable, "-m", "fastdeploy.entrypoints.openai.api_server", "--model", model_dir, "--host", host,
            "--port", str(port), "--max-model-len", str(max_model_len), "--max-num-seqs", str(max_batch)]
-    return cmd + (["--quantization", quantization] if quantization else [])
+    if quantization:
+        cmd += ["--quantization", quantization]
+    env = {}
+    if api_key:
+        if "," in api_key:
+            raise ErniekitError("the API key contains ',', which FastDeploy's FD_API_KEY reads as a separator "
+                                "between keys; choose a key without commas")
+        env["FD_API_KEY"] = api_key
+    return cmd, env
 
 
 def run_server(ns) -> int:
-    """`erniekit server`: load the model, start the engine and serve until interrupted."""
-    import os
-
+    """`erniekit server`: load the model, start the engine and serve until interrupted. The API
+    key is said to be required, never printed."""
+    api_key, key_source = api_key_from(ns.api_key)
     if ns.backend == "fastdeploy":
         import subprocess
 
-        cmd = fastdeploy_command(ns.model_dir, ns.host, ns.port, ns.max_model_len or 32768, ns.max_batch)
-        print("erniekit: starting FastDeploy: " + " ".join(cmd), flush=True)
-        return subprocess.call(cmd)
+        cmd, env = fastdeploy_command(ns.model_dir, ns.host, ns.port, ns.max_model_len or 32768, ns.max_batch,
+                                      quantization=ns.quantization, api_key=api_key)
+        note = f" (API key from {key_source}, passed in FD_API_KEY)" if api_key else ""
+        print("erniekit: starting FastDeploy: " + " ".join(cmd) + note, flush=True)
+        return subprocess.call(cmd, env={**os.environ, **env})
+    if ns.quantization:
+        from erniekit.errors import ErniekitError
+
+        raise ErniekitError("--quantization is for --backend fastdeploy; the built-in engine serves a wint8/wint4 "
+                            "export directory (erniekit export --format wint8) as it is")
     import uvicorn
 
     from erniekit.infer.chat import load_chat_model, stop_ids
@@ -324,9 +564,10 @@ def run_server(ns) -> int:
     engine = Engine(model, tokenizer, max_batch=ns.max_batch, max_model_len=ns.max_model_len,
                     stop_token_ids=stop_ids(model, tokenizer))
     name = ns.served_model_name or os.path.basename(os.path.normpath(ns.model_dir))
-    app = build_app(OpenAIServer(engine, tokenizer, name, ns.api_key or os.environ.get("ERNIEKIT_API_KEY")))
+    app = build_app(OpenAIServer(engine, tokenizer, name, api_key, max_body_bytes=ns.max_body_bytes))
     print(f"erniekit: serving {name} ({ns.model_dir}) at http://{ns.host}:{ns.port}/v1 (up to {ns.max_batch} "
-          f"requests at once, context {engine.max_model_len} tokens)", flush=True)
+          f"requests at once, context {engine.max_model_len} tokens, bodies up to {ns.max_body_bytes} bytes, "
+          + (f"API key required, from {key_source})" if api_key else "no API key)"), flush=True)
     try:
         uvicorn.run(app, host=ns.host, port=ns.port, log_level=ns.log_level)
     finally:
