@@ -12,7 +12,7 @@ import warnings
 from dataclasses import dataclass
 
 import paddle
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from erniekit.errors import CheckpointError
 from erniekit.models.ernie4_5.configuration import Ernie4_5Config
@@ -24,6 +24,20 @@ from erniekit.utils.io import atomic_write, atomic_write_json, read_json_object
 WEIGHTS_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
 _IGNORED_UNEXPECTED = re.compile(r"^(mtp|model\.mtp)|rotary_emb\.inv_freq$|_scale$")
+# safetensors dtype names a weight may be stored in; int8 / uint8 only beside a weight-only scale
+_FLOAT_DTYPES = {"F16", "BF16", "F32", "F64"}
+_QUANT_DTYPES = {"I8", "U8"}
+
+
+def open_safetensors(file: str, framework: str = "paddle"):
+    """safe_open, with a truncated, empty or non-safetensors file as one CheckpointError (not the
+    Rust library's exception and a traceback)."""
+    try:
+        return safe_open(file, framework=framework)
+    except (SafetensorError, OSError) as e:
+        size = os.path.getsize(file) if os.path.isfile(file) else 0
+        raise CheckpointError(f"{file}: not a readable safetensors file ({e}; {size} bytes); it is truncated or "
+                              "corrupt: copy or re-save it (training checkpoints: resume from an earlier one)") from None
 
 
 @dataclass
@@ -71,8 +85,8 @@ class _ShardReader:
         single = os.path.join(path, WEIGHTS_NAME)
         if os.path.isfile(index):
             weight_map = read_json_object(index, f"fix {INDEX_NAME}").get("weight_map")
-            if not isinstance(weight_map, dict):
-                raise CheckpointError(f"{index}: no 'weight_map' object; rewrite the index or re-save the checkpoint")
+            if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+                raise CheckpointError(f"{index}: no 'weight_map' object of tensor name -> file name; rewrite the index or re-save the checkpoint")
         elif os.path.isfile(single):
             weight_map = None
         else:
@@ -90,21 +104,40 @@ class _ShardReader:
         if file not in self._files:
             if not os.path.isfile(file):
                 raise CheckpointError(f"{file}: shard listed in {INDEX_NAME} is missing")
-            self._files[file] = safe_open(file, framework="paddle")
+            self._files[file] = open_safetensors(file)
         return self._files[file]
 
+    def _slice(self, name: str):
+        """The lazy view of one tensor; an index naming a tensor its shard lacks is a CheckpointError."""
+        file = self.where[name]
+        try:
+            return self._open(file).get_slice(name)
+        except SafetensorError as e:
+            raise CheckpointError(f"{file}: cannot read tensor {name} ({e}); the index and the shard disagree or "
+                                  "the file is damaged: re-save the checkpoint") from None
+
     def shape(self, name: str) -> list[int]:
-        stored = list(self._open(self.where[name]).get_slice(name).get_shape())
+        """Logical shape; also refuses a dtype no weight is stored in (an int tensor under a weight's name)."""
+        view = self._slice(name)
+        stored, dtype = list(view.get_shape()), view.get_dtype()
         scale = name + SCALE_SUFFIX
+        allowed = _FLOAT_DTYPES | (_QUANT_DTYPES if scale in self.where else set())
+        if dtype not in allowed:
+            raise CheckpointError(f"{self.where[name]}: tensor {name} is stored as {dtype}, not a floating-point "
+                                  "type; the file was not written from a model: re-save or re-download it")
         if scale in self.where:  # a weight-only quantized matrix (erniekit/nn/weight_only.py)
-            return logical_shape(stored, list(self._open(self.where[scale]).get_slice(scale).get_shape()))
+            return logical_shape(stored, list(self._slice(scale).get_shape()))
         return stored
 
     def get(self, name: str) -> paddle.Tensor:
-        t = self._open(self.where[name]).get_tensor(name)
-        scale = name + SCALE_SUFFIX
-        if scale in self.where:  # dequantized on load: the engine computes with what the export kept
-            t = paddle.to_tensor(dequantize(t.numpy(), self._open(self.where[scale]).get_tensor(scale).numpy()))
+        try:
+            t = self._open(self.where[name]).get_tensor(name)
+            scale = name + SCALE_SUFFIX
+            if scale in self.where:  # dequantized on load: the engine computes with what the export kept
+                t = paddle.to_tensor(dequantize(t.numpy(), self._open(self.where[scale]).get_tensor(scale).numpy()))
+        except SafetensorError as e:
+            raise CheckpointError(f"{self.where[name]}: cannot read tensor {name} ({e}); the file is damaged: "
+                                  "re-save the checkpoint") from None
         return t
 
 
@@ -118,7 +151,7 @@ def load_state_into(model: Ernie4_5ForCausalLM, path: str) -> None:
         if missing:
             hint = "; set num_nextn_predict_layers to 0 in config.json to load without MTP heads" \
                 if name.startswith("mtp.") else ""
-            raise CheckpointError(f"{path}: tensor {missing[0]} is missing from the checkpoint (needed for {name}){hint}")
+            raise CheckpointError(f"{path}: tensor {missing[0]} is missing from the checkpoint (needed for {name}){hint or '; the weights are incomplete or belong to another model: re-save them'}")
         expected = list(p.shape)
         if spec.kind == "experts":
             want = [expected[2], expected[1]]
@@ -156,7 +189,7 @@ def _check_shape(path: str, name: str, got: list[int], want: list[int]) -> None:
     if list(got) != list(want):
         raise CheckpointError(
             f"{path}: tensor {name} has shape {list(got)}, the model config expects {list(want)}: "
-            "config.json and weights disagree"
+            "config.json and weights disagree: use the config.json the weights were saved with"
         )
 
 

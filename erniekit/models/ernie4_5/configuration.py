@@ -65,6 +65,7 @@ class Ernie4_5Config:
     extra: dict[str, Any] = field(default_factory=dict)  # unknown config.json keys, written back as read
 
     def __post_init__(self) -> None:
+        self._check_types()
         if self.head_dim is None:
             self.head_dim = self.hidden_size // self.num_attention_heads
         if self.moe_layer_end_index == -1:
@@ -81,6 +82,30 @@ class Ernie4_5Config:
         if self.moe_capacity_factor < 0:
             raise CheckpointError(f"moe_capacity_factor={self.moe_capacity_factor} must be >= 0 (0 = no limit)")
         self._check_mtp()
+
+    def _check_types(self) -> None:
+        """A config.json (or model_overrides) value of the wrong type or range is one CheckpointError here,
+        not a ZeroDivisionError or a Paddle shape error while the layers are built."""
+        def bad(key: str, rule: str) -> CheckpointError:
+            return CheckpointError(f"{key}={getattr(self, key)!r} is invalid: it must be {rule}")
+
+        for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                    "num_key_value_heads", "max_position_embeddings", "moe_k", "moe_layer_interval"):
+            v = getattr(self, key)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise bad(key, "a positive integer")
+        if self.head_dim is not None and (isinstance(self.head_dim, bool) or not isinstance(self.head_dim, int)
+                                          or self.head_dim < 1):
+            raise bad("head_dim", "a positive integer or null")
+        for key in ("rms_norm_eps", "rope_theta"):
+            v = getattr(self, key)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < float("inf"):
+                raise bad(key, "a positive number")
+        for key in ("use_bias", "tie_word_embeddings", "use_gpas"):
+            if not isinstance(getattr(self, key), bool):
+                raise bad(key, "true or false")
+        if self.hidden_act != "silu":
+            raise bad("hidden_act", "'silu' (the only activation of ERNIE 4.5)")
 
     def _check_mtp(self) -> None:
         n = self.num_nextn_predict_layers
@@ -196,7 +221,9 @@ class Ernie4_5Config:
         try:
             return cls.from_dict(d)
         except TypeError as e:
-            raise CheckpointError(f"{file}: bad config value ({e})") from None
+            raise CheckpointError(f"{file}: bad config value ({e}); fix config.json") from None
+        except CheckpointError as e:
+            raise CheckpointError(f"{file}: {e}" + ("" if "config.json" in str(e) else "; fix config.json")) from None
 
     def save_pretrained(self, path: str) -> None:
         from erniekit.utils.io import atomic_write_text
@@ -212,7 +239,10 @@ class Ernie4_5Config:
         if "num_hidden_layers" in changes and self.moe_layer_end_index == self.num_hidden_layers - 1:
             d["moe_layer_end_index"] = -1
         d.update(changes)
-        return Ernie4_5Config(**d)
+        try:
+            return Ernie4_5Config(**d)
+        except (CheckpointError, TypeError) as e:
+            raise CheckpointError(f"model_overrides: {e}; fix the override") from None
 
 
 # Presets: public shapes, plus the tiny models of the embedded default and the tests.
