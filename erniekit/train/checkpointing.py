@@ -1,12 +1,16 @@
 """Training checkpoints: model in HF layout + optimizer state + trainer state, written atomically.
 
-A checkpoint is built in `checkpoint-N.tmp/` and renamed to `checkpoint-N/` only when complete,
-so a crash mid-save never leaves a checkpoint that `resume_from_checkpoint: auto` would pick.
+A checkpoint is built in `checkpoint-N.tmp/`, fsynced and renamed to `checkpoint-N/` only when
+complete (an existing `checkpoint-N/` is swapped out atomically, never deleted first), so a crash
+mid-save never leaves a checkpoint that `resume_from_checkpoint: auto` would pick. A full disk
+removes the partial one and says how much was to be written; earlier checkpoints stay as they were.
+The final model in output_dir is published file by file (publish_model_files): old or new, never none.
 Optimizer tensors are keyed by structured parameter names, stored in safetensors: no pickle.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import shutil
@@ -14,7 +18,7 @@ import shutil
 from erniekit.errors import CheckpointError
 from erniekit.models.ernie4_5.checkpoint import load_state_into, save_pretrained
 from erniekit.utils.dtensor import barrier, is_main_process, to_dense
-from erniekit.utils.io import atomic_write_json, read_json_object, replace_dir
+from erniekit.utils.io import atomic_write_json, read_json_object, replace_dir, write_errors
 
 OPTIMIZER_NAME = "optimizer.safetensors"
 EMA_NAME = "ema.safetensors"
@@ -27,9 +31,16 @@ def save_model_or_adapter(model, path: str, tokenizer, base_model_name_or_path: 
     from erniekit.nn.lora import lora_layers, save_adapter
 
     if lora_layers(model):
-        save_adapter(model, path, base_model_name_or_path=base_model_name_or_path)
-        model.config.save_pretrained(path)  # shapes of the base, so the directory is self-describing
-        tokenizer.save_pretrained(path)
+        if is_main_process():  # staged and published like a full model: old adapter or new, never none
+            from erniekit.models.ernie4_5.checkpoint import STAGING_NAME, publish_model_files, start_staging
+
+            needed = sum(int(p.numel()) * p.element_size() for p in model.parameters() if not p.stop_gradient)
+            with write_errors("the LoRA adapter", path, needed, partial=os.path.join(path, STAGING_NAME)):
+                staging = start_staging(path)
+                save_adapter(model, staging, base_model_name_or_path=base_model_name_or_path)
+                model.config.save_pretrained(staging)  # shapes of the base, so the directory is self-describing
+                tokenizer.save_pretrained(staging)
+                publish_model_files(staging, path)
     elif _ps_worker() is not None:  # the servers hold the tables' rows: worker 0 writes them all
         from erniekit.models.ernie4_5.checkpoint import hf_state_dict
 
@@ -82,20 +93,39 @@ def save_checkpoint(path: str, model, tokenizer, optimizer, state: dict, base_mo
     main = is_main_process()
     if main and os.path.exists(tmp):
         shutil.rmtree(tmp)
-    save_model_or_adapter(model, tmp, tokenizer, base_model_name_or_path)
     opt = _gathered(optimizer.state_dict())
     if _ps_worker() is not None:
         opt = _ps_worker().full_optimizer_state(opt)
     extra = {name: _gathered({k: to_dense(v) for k, v in tensors.items()})
              for name, tensors in (extra_tensors or {}).items()}
-    if main:
-        save_file({k: v.contiguous() for k, v in opt.items()}, os.path.join(tmp, OPTIMIZER_NAME))
-        for name, tensors in extra.items():  # e.g. ema.safetensors
-            save_file({k: v.contiguous() for k, v in tensors.items()}, os.path.join(tmp, name))
-        atomic_write_json(os.path.join(tmp, STATE_NAME), state)
-        replace_dir(tmp, path)
+    needed = _model_bytes(model) + _tensor_bytes(opt) + sum(_tensor_bytes(t) for t in extra.values())
+    last = list_checkpoints(os.path.dirname(path) or ".")
+    hint = (f"; {last[-1][1]} (the last complete checkpoint) is intact: resume_from_checkpoint=auto continues "
+            "from it" if last else "; no earlier checkpoint exists")
+    with write_errors(f"checkpoint {os.path.basename(path)}", os.path.dirname(os.path.abspath(path)),
+                      needed if main else 0,
+                      partial=tmp if main else None, hint=hint):
+        save_model_or_adapter(model, tmp, tokenizer, base_model_name_or_path)
+        if main:
+            save_file({k: v.contiguous() for k, v in opt.items()}, os.path.join(tmp, OPTIMIZER_NAME))
+            for name, tensors in extra.items():  # e.g. ema.safetensors
+                save_file({k: v.contiguous() for k, v in tensors.items()}, os.path.join(tmp, name))
+            atomic_write_json(os.path.join(tmp, STATE_NAME), state)
+            replace_dir(tmp, path)
     # no rank runs ahead of a checkpoint that is not on disk yet (PS servers too)
     _ps_worker().sync() if _ps_worker() is not None else barrier()
+
+
+def _tensor_bytes(tensors: dict) -> int:
+    return sum(int(t.numel()) * t.element_size() for t in tensors.values())
+
+
+def _model_bytes(model) -> int:
+    """Bytes the model part of a checkpoint takes: the adapter of a LoRA run, else every parameter."""
+    from erniekit.nn.lora import lora_layers
+
+    params = [p for p in model.parameters() if not p.stop_gradient] if lora_layers(model) else model.parameters()
+    return sum(int(math.prod(p.shape)) * p.element_size() for p in params)
 
 
 def load_checkpoint(path: str, model, optimizer) -> dict:

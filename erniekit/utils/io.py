@@ -1,23 +1,67 @@
-"""Atomic file writes: a crash never leaves a half-written config, checkpoint or log index."""
+"""Atomic file writes: a crash never leaves a half-written config, checkpoint or log index.
+
+The pattern everywhere: write beside the target (a temp file or directory in the same parent, so
+the rename stays on one filesystem), fsync the data, rename into place, fsync the parent so the
+rename itself survives a power cut. Old data is removed only after the new is in place.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import errno
 import json
 import os
 import shutil
 import tempfile
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
+
+from erniekit.errors import CheckpointError
+
+# errno values that mean "the disk (or quota) is full", for the one-line message that says so
+NO_SPACE = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
+
+
+def fsync_file(path: str) -> None:
+    """Flush one file's data to disk (a rename of an unflushed file can survive a crash empty)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_dir(path: str) -> None:
+    """Flush a directory's entries (so renames and new names in it are on disk)."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    try:
+        os.fsync(fd)
+    except OSError as e:
+        if e.errno != errno.EINVAL:  # some filesystems cannot fsync a directory; nothing to flush there
+            raise
+    finally:
+        os.close(fd)
+
+
+def fsync_tree(root: str) -> None:
+    """fsync every file and directory under root (a finished checkpoint before it is published)."""
+    for d, _, files in os.walk(root):
+        for f in files:
+            fsync_file(os.path.join(d, f))
+        fsync_dir(d)
 
 
 def atomic_write(path: str, write: Callable[[str], None]) -> None:
-    """Call `write(tmp_path)` then rename over `path` (same directory, so the rename is atomic)."""
+    """Call `write(tmp_path)`, fsync, then rename over `path` (same directory, so the rename is atomic)."""
     d = os.path.dirname(os.path.abspath(path))
     os.makedirs(d, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=d)
     os.close(fd)
     try:
         write(tmp)
+        fsync_file(tmp)
         os.replace(tmp, path)
+        fsync_dir(d)
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)
@@ -39,8 +83,6 @@ def atomic_write_json(path: str, obj: Any) -> None:
 
 def read_json_object(path: str, hint: str = "fix or regenerate the file") -> dict:
     """A JSON object from `path`; malformed JSON or a non-object is a one-line CheckpointError."""
-    from erniekit.errors import CheckpointError
-
     try:
         with open(path, encoding="utf-8") as f:
             data = json.load(f)
@@ -51,14 +93,83 @@ def read_json_object(path: str, hint: str = "fix or regenerate the file") -> dic
     return data
 
 
+def _exchange(a: str, b: str) -> bool:
+    """Swap two paths in one atomic step (Linux renameat2 RENAME_EXCHANGE); False where unsupported."""
+    fn = getattr(ctypes.CDLL(None, use_errno=True), "renameat2", None)
+    if fn is None:
+        return False
+    at_fdcwd, rename_exchange = -100, 2
+    if fn(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.ENOSYS, errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP):
+        return False
+    raise OSError(err, os.strerror(err), b)
+
+
 def replace_dir(tmp_dir: str, final_dir: str) -> None:
-    """Publish a fully written directory under its final name (old one removed after the swap)."""
-    old = None
-    if os.path.exists(final_dir):
+    """Publish a fully written directory under its final name: fsync it, then rename (or, when the
+    final name exists, swap it in atomically and delete the old one afterwards). The old directory
+    is never deleted before the new one holds its name; only where the kernel cannot swap is there a
+    moment with the old one at `final_dir.old` and the new one at `tmp_dir`."""
+    fsync_tree(tmp_dir)
+    parent = os.path.dirname(os.path.abspath(final_dir))
+    if not os.path.exists(final_dir):
+        os.rename(tmp_dir, final_dir)
+    elif _exchange(tmp_dir, final_dir):
+        shutil.rmtree(tmp_dir)  # now the old one
+    else:
         old = final_dir + ".old"
         if os.path.exists(old):
             shutil.rmtree(old)
         os.replace(final_dir, old)
-    os.replace(tmp_dir, final_dir)
-    if old:
+        os.replace(tmp_dir, final_dir)
         shutil.rmtree(old)
+    fsync_dir(parent)
+
+
+def free_bytes(path: str) -> int:
+    """Free space on the filesystem that holds `path` (or its nearest existing parent)."""
+    probe = os.path.abspath(path)
+    while not os.path.exists(probe) and os.path.dirname(probe) != probe:
+        probe = os.path.dirname(probe)
+    return shutil.disk_usage(probe).free
+
+
+class WriteFailed(CheckpointError):
+    """A write that failed for lack of space or permission; an enclosing write_errors rewords it."""
+
+    def __init__(self, message: str, errno_: int | None, strerror: str, filename: str | None):
+        super().__init__(message)
+        self.errno, self.strerror, self.filename = errno_, strerror, filename
+
+
+@contextlib.contextmanager
+def write_errors(what: str, where: str, needed: int, partial: str | None = None,
+                 hint: str = "") -> Iterator[None]:
+    """Turn an OSError while writing `what` into one CheckpointError saying how much was about to be
+    written (`needed` bytes), where, and how much is free; `partial` (a temp file or directory) is
+    removed on any failure, so nothing half-written is left for a later load or resume to find. A
+    shortfall already visible (needed > free) is refused before anything is written."""
+    if needed > free_bytes(where):
+        raise WriteFailed(_space_message(what, where, needed, "not enough space", hint), errno.ENOSPC,
+                          "not enough space", where)
+    try:
+        yield
+    except BaseException as e:
+        if partial and os.path.isdir(partial):
+            shutil.rmtree(partial, ignore_errors=True)
+        elif partial and os.path.lexists(partial):
+            os.remove(partial)
+        if not isinstance(e, (OSError, WriteFailed)):
+            raise
+        if e.errno in NO_SPACE:
+            raise WriteFailed(_space_message(what, where, needed, e.strerror, hint), e.errno, e.strerror,
+                              e.filename) from None
+        raise WriteFailed(f"cannot write {what} in {where} ({e.strerror}: {e.filename}); make {where} writable "
+                          f"or choose another directory{hint}", e.errno, e.strerror, e.filename) from None
+
+
+def _space_message(what: str, where: str, needed: int, why: str, hint: str) -> str:
+    return (f"{why} for {what} in {where}: about {needed / 2**20:.1f} MiB ({needed} bytes) to write, "
+            f"{free_bytes(where) / 2**20:.1f} MiB free; free space or write to a larger disk{hint}")

@@ -6,8 +6,10 @@ Tensor names are those of the public ERNIE-4.5 PT checkpoints (per-expert MoE te
 
 from __future__ import annotations
 
+import json
 import os
 import re
+import shutil
 import warnings
 from dataclasses import dataclass
 
@@ -19,7 +21,7 @@ from erniekit.models.ernie4_5.configuration import Ernie4_5Config
 from erniekit.models.ernie4_5.modeling import Ernie4_5ForCausalLM
 from erniekit.nn.weight_only import SCALE_SUFFIX, dequantize, logical_shape
 from erniekit.utils.dtensor import assign_full, is_main_process, to_dense
-from erniekit.utils.io import atomic_write, atomic_write_json, read_json_object
+from erniekit.utils.io import atomic_write_json, fsync_dir, fsync_tree, read_json_object, write_errors
 
 WEIGHTS_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
@@ -229,24 +231,21 @@ def save_pretrained(
     state: dict[str, paddle.Tensor] | None = None,
 ) -> None:
     """Write config, generation config, weights (sharded above `max_shard_size`) and tokenizer.
-    state: the HF-layout tensors when the caller assembled them (a pipeline run's stages)."""
+    state: the HF-layout tensors when the caller assembled them (a pipeline run's stages).
+
+    Atomic: everything is written into a staging directory inside `path` and then published by
+    renames (publish_model_files), so a crash at any moment leaves `path` loadable with either the
+    old weights or the new ones, never without weights. A full disk is one CheckpointError saying how
+    much was to be written, and the old files stay."""
     from safetensors.paddle import save_file
 
     if state is None:
         state = hf_state_dict(model, dtype)  # a collective in multi-process runs: every rank gathers
     if not is_main_process():
         return
-    os.makedirs(path, exist_ok=True)
-    model.config.save_pretrained(path)
-    c = model.config
-    atomic_write_json(
-        os.path.join(path, "generation_config.json"),
-        {"bos_token_id": c.bos_token_id, "eos_token_id": c.eos_token_id, "pad_token_id": c.pad_token_id,
-         "do_sample": True, "top_p": 0.8, "temperature": 0.8},
-    )
     limit = _parse_size(max_shard_size)
     shards: list[dict[str, paddle.Tensor]] = [{}]
-    size = 0
+    size = total = 0
     for n, t in state.items():
         nbytes = t.numel().item() * t.element_size()
         if shards[-1] and size + nbytes > limit:
@@ -254,24 +253,126 @@ def save_pretrained(
             size = 0
         shards[-1][n] = t
         size += nbytes
-    for stale in os.listdir(path):  # a previous save with another shard count must not linger
-        if re.fullmatch(r"model(-\d+-of-\d+)?\.safetensors|model\.safetensors\.index\.json", stale):
-            os.remove(os.path.join(path, stale))
-    meta = {"format": "pt"}
-    if len(shards) == 1:
-        atomic_write(os.path.join(path, WEIGHTS_NAME), lambda tmp: save_file(shards[0], tmp, metadata=meta))
-    else:
-        weight_map = {}
-        total = 0
-        for i, shard in enumerate(shards):
-            fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-            atomic_write(os.path.join(path, fname), lambda tmp, s=shard: save_file(s, tmp, metadata=meta))
-            for n, t in shard.items():
-                weight_map[n] = fname
-                total += t.numel().item() * t.element_size()
-        atomic_write_json(os.path.join(path, INDEX_NAME), {"metadata": {"total_size": total}, "weight_map": weight_map})
-    if tokenizer is not None:
-        tokenizer.save_pretrained(path)
+        total += nbytes
+    with write_errors("the model weights", path, total, partial=os.path.join(path, STAGING_NAME)):
+        staging = start_staging(path)
+        model.config.save_pretrained(staging)
+        c = model.config
+        atomic_write_json(
+            os.path.join(staging, "generation_config.json"),
+            {"bos_token_id": c.bos_token_id, "eos_token_id": c.eos_token_id, "pad_token_id": c.pad_token_id,
+             "do_sample": True, "top_p": 0.8, "temperature": 0.8},
+        )
+        meta = {"format": "pt"}
+        if len(shards) == 1:
+            save_file(shards[0], os.path.join(staging, WEIGHTS_NAME), metadata=meta)
+        else:
+            weight_map = {}
+            for i, shard in enumerate(shards):
+                fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+                save_file(shard, os.path.join(staging, fname), metadata=meta)
+                weight_map.update(dict.fromkeys(shard, fname))
+            atomic_write_json(os.path.join(staging, INDEX_NAME),
+                              {"metadata": {"total_size": total}, "weight_map": weight_map})
+        if tokenizer is not None:
+            tokenizer.save_pretrained(staging)
+        publish_model_files(staging, path)
+
+
+STAGING_NAME = ".erniekit-save.tmp"
+_PREV_PREFIX = ".prev-"  # hard links that keep an old shard readable while a new one takes its name
+_SHARD_RE = re.compile(r"model(-\d+-of-\d+)?\.safetensors")
+ADAPTER_FILES = ("adapter_model.safetensors", "adapter_config.json")
+
+
+def start_staging(path: str) -> str:
+    """A fresh staging directory inside `path` (what a crashed save left there is dropped first).
+    A chat_template.jinja already in `path` is carried in, as the tokenizer rewrites only an existing one."""
+    os.makedirs(path, exist_ok=True)
+    staging = os.path.join(path, STAGING_NAME)
+    if os.path.exists(staging):
+        shutil.rmtree(staging)
+    for leftover in os.listdir(path):
+        if leftover.startswith(_PREV_PREFIX) and not _index_names(os.path.join(path, INDEX_NAME)) & {leftover}:
+            os.remove(os.path.join(path, leftover))
+    os.makedirs(staging)
+    template = os.path.join(path, "chat_template.jinja")
+    if os.path.isfile(template):
+        shutil.copyfile(template, os.path.join(staging, "chat_template.jinja"))
+    return staging
+
+
+def _read_index(index: str) -> dict | None:
+    """An index file as {"weight_map": {tensor: file}, ...}; None when missing or unreadable."""
+    try:
+        with open(index, encoding="utf-8") as f:
+            data = json.load(f)
+    except (OSError, ValueError):
+        return None
+    ok = isinstance(data, dict) and isinstance(data.get("weight_map"), dict)
+    return data if ok and all(isinstance(v, str) for v in data["weight_map"].values()) else None
+
+
+def _index_names(index: str) -> set[str]:
+    """File names an index's weight_map points at (empty without a readable index)."""
+    data = _read_index(index)
+    return set(data["weight_map"].values()) if data else set()
+
+
+def publish_model_files(staging: str, path: str) -> None:
+    """Move a complete model (or adapter) from `staging` into `path` so that at every moment `path`
+    loads as the old model or the new one (here and in transformers):
+
+    1. fsync the staged files; move the files that are the same within a run (config, tokenizer).
+    2. Single file: one os.replace of model.safetensors switches the weights; an old index (which our
+       loader prefers) is removed after it, then its shards.
+    3. Sharded: old shards whose names the new ones take are first hard-linked to `.prev-NAME` and
+       the old index pointed at the links; then the new shards take their names and the new index
+       switches the weights in one os.replace; the links and an old model.safetensors go last.
+    4. An adapter's adapter_config.json (what makes a directory an adapter) moves after its weights;
+       a full model's save removes a stale adapter only once the new weights are in place.
+    Nothing old is deleted before the new weights are in place; the staging directory goes last."""
+    fsync_tree(staging)
+    names = sorted(os.listdir(staging))
+    shards = [n for n in names if _SHARD_RE.fullmatch(n)]
+    weights = set(shards) | {INDEX_NAME, *ADAPTER_FILES}
+    for n in names:
+        if n not in weights:
+            os.replace(os.path.join(staging, n), os.path.join(path, n))
+    old_index = os.path.join(path, INDEX_NAME)
+    if INDEX_NAME in names:
+        old = _read_index(old_index)
+        taken = set(old["weight_map"].values()) & set(shards) if old else set()
+        if taken:
+            for n in taken:
+                prev = os.path.join(path, _PREV_PREFIX + n)
+                if os.path.exists(prev):
+                    os.remove(prev)
+                os.link(os.path.join(path, n), prev)
+            old["weight_map"] = {k: (_PREV_PREFIX + v if v in taken else v) for k, v in old["weight_map"].items()}
+            atomic_write_json(old_index, old)
+        for n in shards:
+            os.replace(os.path.join(staging, n), os.path.join(path, n))
+        fsync_dir(path)
+        os.replace(os.path.join(staging, INDEX_NAME), old_index)  # the switch
+    elif shards:
+        os.replace(os.path.join(staging, WEIGHTS_NAME), os.path.join(path, WEIGHTS_NAME))  # the switch
+        if os.path.exists(old_index):
+            os.remove(old_index)
+    for n in ADAPTER_FILES:  # weights first, then the config that makes the directory an adapter
+        if n in names:
+            os.replace(os.path.join(staging, n), os.path.join(path, n))
+    fsync_dir(path)
+    if shards:  # a full model: old weight files and a stale adapter (which loaders prefer) go now
+        for n in reversed(ADAPTER_FILES):  # the config first: without it the directory is no adapter
+            if os.path.exists(os.path.join(path, n)):
+                os.remove(os.path.join(path, n))
+        keep = set(names) | _index_names(old_index)
+        for n in os.listdir(path):
+            if (_SHARD_RE.fullmatch(n) or n.startswith(_PREV_PREFIX)) and n not in keep:
+                os.remove(os.path.join(path, n))
+    shutil.rmtree(staging)
+    fsync_dir(path)
 
 
 def from_pretrained(path: str, dtype: str = "float32", config_overrides: dict | None = None) -> Ernie4_5ForCausalLM:
