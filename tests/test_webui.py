@@ -261,3 +261,21 @@ def test_gradio_login_guards_every_route_and_the_api_refuses_outside_paths(tmp_p
         assert not os.path.exists(tmp_path.parent.parent / "x")
     finally:
         app.close()
+
+
+@pytest.mark.parametrize("code, stop_sent, state", [
+    (0, False, "finished"), (0, True, "stopped"), (143, True, "stopped"), (130, False, "stopped"),
+    (1, False, "failed (exit code 1)"), (2, True, "failed (exit code 2)"),
+])
+def test_exit_code_of_a_run_becomes_its_state(tmp_path, code, stop_sent, state):
+    """`erniekit train` stopped by SIGTERM / SIGINT exits 128 + N with its checkpoint: the page says stopped."""
+    import subprocess
+
+    from erniekit.webui.runs import Run
+
+    proc = subprocess.Popen([sys.executable, "-c", f"raise SystemExit({code})"])
+    proc.wait()
+    runs = Runs()
+    runs.runs[str(tmp_path)] = Run(str(tmp_path), proc, time.time(), check_form(Form(output_dir=str(tmp_path))),
+                                   str(tmp_path / "log"), stop_sent=stop_sent)
+    assert runs.status(str(tmp_path))["state"] == state

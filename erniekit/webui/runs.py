@@ -26,6 +26,8 @@ STAGES = {"pretrain": "pretrain.yaml", "SFT": "sft.yaml", "LoRA": "sft_lora.yaml
 EMBEDDED = "tiny-moe (embedded, random init)"
 LOG_NAME = "webui_train.log"
 SERIES = {"train/loss": "loss", "train/reward": "reward", "eval/loss": "eval loss"}
+# a run stopped by SIGTERM / SIGINT exits 128 + N after writing its checkpoint (not 0: it did not finish)
+STOPPED_CODES = (128 + signal.SIGTERM, 128 + signal.SIGINT)
 
 
 def base_config(stage: str) -> str:
@@ -181,7 +183,12 @@ class Runs:
             state = "stopping" if r.stop_sent else "running"
         else:
             rc = r.proc.returncode
-            state = ("stopped" if r.stop_sent else "finished") if rc == 0 else f"failed (exit code {rc})"
+            if rc == 0:
+                state = "stopped" if r.stop_sent else "finished"
+            elif rc in STOPPED_CODES:  # `erniekit train` stopped by a signal, with its checkpoint
+                state = "stopped"
+            else:
+                state = f"failed (exit code {rc})"
         eta = None
         if r is not None and state == "running" and step and total:
             first = min(p[0] for p in points) - 1 if points else 0  # a resumed run starts past 0
