@@ -6,7 +6,6 @@ dequantized). Every export records its source in `export_info.json`, which `--ve
 
 from __future__ import annotations
 
-import json
 import os
 
 from erniekit.errors import CheckpointError
@@ -30,16 +29,34 @@ def _load_source(src: str, elastic=None):
     return model, tokenizer
 
 
+def check_output(src: str, out: str, force: bool = False) -> None:
+    """Before any loading: `out` must not be the source, not a file, and new or empty unless `force`
+    (an export over an earlier one would silently mix their files), and must be writable."""
+    if os.path.abspath(src) == os.path.abspath(out):
+        raise CheckpointError(f"export: --output {out} is the source directory; choose a new directory")
+    if os.path.lexists(out) and not os.path.isdir(out):
+        raise CheckpointError(f"export: --output {out} is a file, not a directory; choose a new directory")
+    if os.path.isdir(out) and os.listdir(out) and not force:
+        raise CheckpointError(f"export: --output {out} is not empty; choose a new directory, or add --force to "
+                              "replace the model files in it")
+    probe = os.path.abspath(out)
+    while not os.path.exists(probe) and os.path.dirname(probe) != probe:
+        probe = os.path.dirname(probe)
+    if not os.path.isdir(probe) or not os.access(probe, os.W_OK | os.X_OK):
+        raise CheckpointError(f"export: cannot write {out}: {probe} is not a writable directory; choose another "
+                              "--output")
+
+
 def export_hf(src: str, out: str, max_shard_size: str = "5GB", dtype: str | None = None, elastic=None,
-              fmt: str = "hf", group_size: int = 64) -> str:
-    """`elastic` (an erniekit.nn.elastic.ElasticSpec) writes that sub-model as an ordinary smaller checkpoint."""
+              fmt: str = "hf", group_size: int = 64, force: bool = False) -> str:
+    """`elastic` (an erniekit.nn.elastic.ElasticSpec) writes that sub-model as an ordinary smaller checkpoint.
+    `force` writes into a non-empty `out` (the weights are replaced atomically: old or new, never mixed)."""
     import paddle
 
     from erniekit.models.ernie4_5.checkpoint import hf_state_dict, save_pretrained
-    from erniekit.utils.io import atomic_write_json
+    from erniekit.utils.io import atomic_write_json, write_errors
 
-    if os.path.abspath(src) == os.path.abspath(out):
-        raise CheckpointError(f"export: --output {out} is the source directory; choose a new directory")
+    check_output(src, out, force)
     model, tokenizer = _load_source(src, elastic)
     state, info = None, {"source": os.path.abspath(src), "format": fmt}
     if elastic is not None and not elastic.is_full:
@@ -47,13 +64,15 @@ def export_hf(src: str, out: str, max_shard_size: str = "5GB", dtype: str | None
     if fmt in ("paddle", "onnx"):
         from erniekit.export.static import save_onnx, save_static
 
-        os.makedirs(out, exist_ok=True)
-        model.config.save_pretrained(out)
-        tokenizer.save_pretrained(out)
-        save_static(model, out)
-        if fmt == "onnx":
-            save_onnx(out)
-        atomic_write_json(os.path.join(out, INFO_NAME), info)
+        needed = sum(int(p.numel()) * p.element_size() for p in model.parameters())
+        with write_errors(f"the {fmt} export", out, needed):
+            os.makedirs(out, exist_ok=True)
+            model.config.save_pretrained(out)
+            tokenizer.save_pretrained(out)
+            save_static(model, out)
+            if fmt == "onnx":
+                save_onnx(out)
+            atomic_write_json(os.path.join(out, INFO_NAME), info)
         return out
     if fmt in ("wint8", "wint4"):
         from erniekit.nn.weight_only import quantize_state
@@ -83,8 +102,13 @@ def verify(out: str, atol: float | None = None) -> dict:
     info_file = os.path.join(out, INFO_NAME)
     if not os.path.isfile(info_file):
         raise CheckpointError(f"{out}: no {INFO_NAME}; --verify checks a directory written by erniekit export")
-    info = json.load(open(info_file, encoding="utf-8"))
-    src = info["source"]
+    from erniekit.utils.io import read_json_object
+
+    info = read_json_object(info_file, "re-run erniekit export to rewrite it")
+    src = info.get("source")
+    if not isinstance(src, str) or info.get("format") not in FORMATS:
+        raise CheckpointError(f"{info_file}: needs 'source' (a directory) and 'format' (one of {', '.join(FORMATS)}); "
+                              "re-run erniekit export to rewrite it")
     if not os.path.isdir(src):
         raise CheckpointError(f"{out}: its source {src} is gone; --verify needs the source to compare with")
     el = info.get("elastic")

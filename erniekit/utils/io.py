@@ -51,14 +51,32 @@ def fsync_tree(root: str) -> None:
         fsync_dir(d)
 
 
+def _umask() -> int:
+    """The process umask, read without changing it where Linux allows (os.umask would, for a moment,
+    for every thread)."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except OSError:
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 def atomic_write(path: str, write: Callable[[str], None]) -> None:
-    """Call `write(tmp_path)`, fsync, then rename over `path` (same directory, so the rename is atomic)."""
+    """Call `write(tmp_path)`, fsync, then rename over `path` (same directory, so the rename is atomic).
+    The file gets the mode an ordinary open() would give it (mkstemp's 0600 would hide a deployed
+    model from a server running as another user)."""
     d = os.path.dirname(os.path.abspath(path))
     os.makedirs(d, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=d)
     os.close(fd)
     try:
         write(tmp)
+        os.chmod(tmp, 0o666 & ~_umask())
         fsync_file(tmp)
         os.replace(tmp, path)
         fsync_dir(d)
