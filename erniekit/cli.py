@@ -211,11 +211,13 @@ def webui(args: list[str]) -> int:
 def export(args: list[str]) -> int:
     """Merge LoRA (if any) and write a deployable directory (docs/deploy.md)."""
     p = argparse.ArgumentParser(prog="erniekit export", description=export.__doc__,
-                                usage="erniekit export SRC -o OUT [--format hf|wint8|wint4|paddle|onnx] | "
+                                usage="erniekit export SRC -o OUT [--format hf|wint8|wint4|paddle|onnx] [--force] | "
                                       "erniekit export --verify OUT")
     p.add_argument("src", nargs="?", help="checkpoint or LoRA adapter directory (output of erniekit train)")
-    p.add_argument("--output", "-o", help="directory to write")
-    from erniekit.export.hf import FORMATS
+    p.add_argument("--output", "-o", help="directory to write (new or empty, unless --force)")
+    p.add_argument("--force", action="store_true",
+                   help="write into a non-empty --output: its model files are replaced (atomically), others kept")
+    from erniekit.export.hf import FORMATS, check_output
 
     p.add_argument("--format", choices=FORMATS, default="hf",
                    help="hf: Hugging Face layout (FastDeploy, transformers); wint8/wint4: the same with the decoder's "
@@ -244,6 +246,10 @@ def export(args: list[str]) -> int:
         raise ErniekitError("export needs SRC and --output OUT (or --verify DIR)")
     if ns.format == "wint4" and (ns.group_size < 2 or ns.group_size % 2):
         raise ErniekitError(f"export: --group-size {ns.group_size} must be an even number >= 2")
+    if not os.path.isdir(ns.src):
+        raise ErniekitError(f"export: source {ns.src} is not a directory; give a checkpoint or LoRA adapter directory "
+                            "(output of erniekit train)")
+    check_output(ns.src, ns.output, ns.force)  # before paddle: a mistake is reported at once
     from erniekit.nn.elastic import parse_settings
 
     spec = parse_settings(ns.elastic)  # before paddle: a typo is reported at once
@@ -251,7 +257,7 @@ def export(args: list[str]) -> int:
     from erniekit.export.hf import export_hf
 
     out = export_hf(ns.src, ns.output, ns.max_shard_size, ns.dtype, elastic=spec, fmt=ns.format,
-                    group_size=ns.group_size)
+                    group_size=ns.group_size, force=ns.force)
     what = "" if spec.is_full else f" (elastic sub-model depth={spec.depth} experts={spec.experts} top_k={spec.top_k})"
     fmt = "" if ns.format == "hf" else f" as {ns.format}"
     print(f"exported {ns.src} -> {out}{fmt}{what}; check it with: erniekit export --verify {out}")
