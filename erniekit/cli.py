@@ -23,6 +23,14 @@ PIP_NAMES = {"paddle": "paddlepaddle", "yaml": "pyyaml"}
 TRAIN_USAGE = "usage: erniekit train CONFIG.yaml [key=value ...]"
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse that reports a bad flag as one line (error: PROG: what; see PROG --help), like every
+    other user error, instead of a usage block followed by the message."""
+
+    def error(self, message: str):
+        raise ErniekitError(f"{self.prog}: {message}; see '{self.prog} --help'")
+
+
 def _import_paddle() -> None:
     """Import paddle using every CPU core and reusing freed memory, without its start-up noise.
 
@@ -102,7 +110,7 @@ def _apply_ps_placement(cfg, path: str | None, overrides: list[str]):
 
 
 def _chat_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="erniekit chat", description="Chat with a checkpoint.")
+    p = _Parser(prog="erniekit chat", description="Chat with a checkpoint.")
     p.add_argument("model_dir", help="checkpoint directory (Hugging Face layout)")
     p.add_argument("--prompt", help="answer this one message and exit (no interactive session)")
     p.add_argument("--system", help="system message")
@@ -136,7 +144,7 @@ def chat(args: list[str]) -> int:
 
 
 def _server_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="erniekit server", description="OpenAI-compatible HTTP server "
+    p = _Parser(prog="erniekit server", description="OpenAI-compatible HTTP server "
                                 "(/v1/chat/completions, /v1/completions, /v1/models, /health).")
     p.add_argument("model_dir", help="checkpoint or exported directory (Hugging Face layout)")
     p.add_argument("--host", default="127.0.0.1", help="interface to bind (default 127.0.0.1: this machine only)")
@@ -174,7 +182,7 @@ def server(args: list[str]) -> int:
 
 def webui(args: list[str]) -> int:
     """Fine-tune, chat and export in the browser."""
-    p = argparse.ArgumentParser(prog="erniekit webui", description=webui.__doc__)
+    p = _Parser(prog="erniekit webui", description=webui.__doc__)
     p.add_argument("--host", default="127.0.0.1", help="interface to bind (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=7860)
     p.add_argument("--share", action="store_true", help="also open a public gradio.live link (off by default)")
@@ -210,7 +218,7 @@ def webui(args: list[str]) -> int:
 
 def export(args: list[str]) -> int:
     """Merge LoRA (if any) and write a deployable directory (docs/deploy.md)."""
-    p = argparse.ArgumentParser(prog="erniekit export", description=export.__doc__,
+    p = _Parser(prog="erniekit export", description=export.__doc__,
                                 usage="erniekit export SRC -o OUT [--format hf|wint8|wint4|paddle|onnx] [--force] | "
                                       "erniekit export --verify OUT")
     p.add_argument("src", nargs="?", help="checkpoint or LoRA adapter directory (output of erniekit train)")
@@ -266,7 +274,7 @@ def export(args: list[str]) -> int:
 
 def plan(args: list[str]) -> int:
     """Rank parallel layouts of a training config on a described cluster (docs/planner.md)."""
-    p = argparse.ArgumentParser(prog="erniekit plan", description=plan.__doc__,
+    p = _Parser(prog="erniekit plan", description=plan.__doc__,
                                 usage="erniekit plan CONFIG.yaml cluster=CLUSTER.yaml [key=value ...] [--top N]")
     p.add_argument("items", nargs="*", help="CONFIG.yaml, then key=value overrides (cluster=FILE is required)")
     p.add_argument("--top", type=int, default=15, help="rows to print")
@@ -353,7 +361,7 @@ def _plan_ps(items: list[str], ns) -> int:
 
 
 def _eval_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="erniekit eval", description="Analyse a checkpoint on a dataset.")
+    p = _Parser(prog="erniekit eval", description="Analyse a checkpoint on a dataset.")
     p.add_argument("model_dir", help="checkpoint directory (Hugging Face layout, or a LoRA adapter)")
     kind = p.add_mutually_exclusive_group(required=True)  # one report per run; add report kinds here
     kind.add_argument("--routing", dest="report", action="store_const", const="routing",
