@@ -20,6 +20,7 @@ import hmac
 import json
 import math
 import os
+import sys
 import time
 import uuid
 from typing import Any
@@ -140,18 +141,21 @@ def parse_json(raw: bytes) -> Any:
     if not raw.strip():
         raise BadRequest("the request body is empty; send a JSON object")
     try:
-        body = json.loads(raw)
+        text = raw.decode("utf-8")  # JSON over HTTP is UTF-8 (RFC 8259); json.loads(bytes) would guess UTF-16/32
     except UnicodeDecodeError as e:
         raise BadRequest(f"the request body is not UTF-8 text ({e.reason} at byte {e.start}); send UTF-8 JSON") \
             from None
+    try:
+        body = json.loads(text)
     except json.JSONDecodeError as e:
         raise BadRequest(f"the request body is not valid JSON ({e.msg} at line {e.lineno} column {e.colno})") \
             from None
     except RecursionError:
         raise BadRequest(f"the request body nests deeper than {MAX_JSON_DEPTH} levels; flatten it",
                          code="json_too_deep") from None
-    except ValueError as e:  # e.g. an integer literal with more digits than Python converts
-        raise BadRequest(f"the request body is not valid JSON ({e})") from None
+    except ValueError:  # an integer literal longer than Python converts (sys.get_int_max_str_digits)
+        raise BadRequest(f"the request body has a number of more than {sys.get_int_max_str_digits()} digits; "
+                         "send ordinary numbers") from None
     if _depth(body) > MAX_JSON_DEPTH:
         raise BadRequest(f"the request body nests deeper than {MAX_JSON_DEPTH} levels; flatten it",
                          code="json_too_deep")
@@ -183,8 +187,12 @@ class OpenAIServer:
         how much of a guessed key was right."""
         if self._expected_auth is None:
             return
-        given = (authorization or "").encode("utf-8", "surrogateescape")
-        if not hmac.compare_digest(given, self._expected_auth):
+        given = authorization or ""
+        try:
+            raw = given.encode("latin-1")  # the header's bytes as sent (Starlette decodes headers as latin-1)
+        except UnicodeEncodeError:  # a str that did not come from a header
+            raw = given.encode("utf-8")
+        if not hmac.compare_digest(raw, self._expected_auth):
             raise BadRequest("invalid or missing API key; send the header 'Authorization: Bearer KEY' with the "
                              "server's key", None, "invalid_api_key", status=401, kind="authentication_error")
 
@@ -391,7 +399,9 @@ def build_app(server: OpenAIServer):
     app = FastAPI(title="erniekit", docs_url=None, redoc_url=None, openapi_url=None)
 
     def fail(e: BadRequest) -> JSONResponse:
-        return JSONResponse(error_body(e), status_code=e.status)
+        # after 408 / 413 the rest of the body is not wanted: close, so the client stops sending it
+        headers = {"Connection": "close"} if e.status in (408, 413) else None
+        return JSONResponse(error_body(e), status_code=e.status, headers=headers)
 
     async def read_body(request: HTTPRequest) -> bytes:
         """The body, refused with 413 as soon as it is known to exceed the limit: from
@@ -501,7 +511,6 @@ def fastdeploy_command(model_dir: str, host: str, port: int, max_model_len: int,
     one-line error when FastDeploy or a GPU is missing, or for an erniekit wint8/wint4 directory
     (erniekit's own int8/int4 + scale layout, which FastDeploy does not read)."""
     import importlib.util
-    import sys
 
     from erniekit.errors import ErniekitError
 
