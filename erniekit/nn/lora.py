@@ -627,7 +627,7 @@ def _expected_shapes(model: nn.Layer, plan, r: int, dora: bool) -> dict[str, lis
 def load_adapter(model: nn.Layer, path: str, base_dtype: str | None = None) -> LoraConfig:
     """Apply LoRA as `path`/adapter_config.json says and load adapter_model.safetensors (PEFT layout).
     Everything is checked before the model is changed; errors name the tensor."""
-    from safetensors import safe_open
+    from erniekit.utils.io import open_safetensors
 
     config = _read_adapter_config(path)
     config.base_dtype = base_dtype
@@ -641,7 +641,7 @@ def load_adapter(model: nn.Layer, path: str, base_dtype: str | None = None) -> L
     except ConfigError as e:
         raise CheckpointError(f"{path}: {e}") from None
     expected = _expected_shapes(model, plan, config.r, config.use_dora)
-    with safe_open(file, framework="paddle") as f:
+    with open_safetensors(file) as f:
         names = list(f.keys())
         known = {n for n, _ in _candidates(model)}
         for n in names:
@@ -685,12 +685,12 @@ def _fill_adapters(model: nn.Layer, f) -> None:
 
 def load_adapter_weights(model: nn.Layer, path: str) -> None:
     """Refill the adapters of a model that already has LoRA applied (resume), from `path`."""
-    from safetensors import safe_open
+    from erniekit.utils.io import open_safetensors
 
     file = os.path.join(path, ADAPTER_WEIGHTS_NAME)
     if not lora_layers(model):
         raise CheckpointError(f"{path}: holds a LoRA adapter but the model has none; set fine_tuning=LoRA")
-    with safe_open(file, framework="paddle") as f:
+    with open_safetensors(file) as f:
         missing = [k for name, layer in lora_layers(model) for k in layer.peft_tensors(name) if k not in f.keys()]
         if missing:
             raise CheckpointError(f"{file}: tensor {missing[0]} is missing; the adapter was saved with other lora settings")

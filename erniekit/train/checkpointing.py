@@ -18,7 +18,7 @@ import shutil
 from erniekit.errors import CheckpointError
 from erniekit.models.ernie4_5.checkpoint import load_state_into, save_pretrained
 from erniekit.utils.dtensor import barrier, is_main_process, to_dense
-from erniekit.utils.io import atomic_write_json, read_json_object, replace_dir, write_errors
+from erniekit.utils.io import atomic_write_json, open_safetensors, read_json_object, replace_dir, write_errors
 
 OPTIMIZER_NAME = "optimizer.safetensors"
 EMA_NAME = "ema.safetensors"
@@ -130,8 +130,6 @@ def _model_bytes(model) -> int:
 
 def load_checkpoint(path: str, model, optimizer) -> dict:
     """Restore model weights and optimizer state; return the trainer state."""
-    from safetensors import safe_open
-
     state_file = os.path.join(path, STATE_NAME)
     if not os.path.isfile(state_file):
         raise CheckpointError(f"resume_from_checkpoint={path}: no {STATE_NAME}; is this a training checkpoint?")
@@ -145,7 +143,7 @@ def load_checkpoint(path: str, model, optimizer) -> dict:
     opt_file = os.path.join(path, OPTIMIZER_NAME)
     if optimizer is not None and os.path.isfile(opt_file):
         known = {n for n, _ in optimizer.params} if _partial_model() else None  # this stage's / worker's only
-        with safe_open(opt_file, framework="paddle") as f:
+        with open_safetensors(opt_file) as f:
             sd = {key: f.get_tensor(key) for key in f.keys()
                   if known is None or key == "__step__" or key.rsplit("::", 1)[0] in known}
         try:

@@ -125,6 +125,19 @@ def _exchange(a: str, b: str) -> bool:
     raise OSError(err, os.strerror(err), b)
 
 
+def open_safetensors(file: str, framework: str = "paddle"):
+    """safe_open, with a missing, truncated, empty or non-safetensors file as one CheckpointError
+    (not the Rust library's exception and a traceback). Usable as a context manager, as safe_open."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        return safe_open(file, framework=framework)
+    except (SafetensorError, OSError) as e:
+        size = os.path.getsize(file) if os.path.isfile(file) else 0
+        raise CheckpointError(f"{file}: not a readable safetensors file ({e}; {size} bytes); it is truncated or "
+                              "corrupt: copy or re-save it (training checkpoints: resume from an earlier one)") from None
+
+
 def replace_dir(tmp_dir: str, final_dir: str) -> None:
     """Publish a fully written directory under its final name: fsync it, then rename (or, when the
     final name exists, swap it in atomically and delete the old one afterwards). The old directory

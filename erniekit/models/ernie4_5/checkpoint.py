@@ -14,14 +14,14 @@ import warnings
 from dataclasses import dataclass
 
 import paddle
-from safetensors import SafetensorError, safe_open
+from safetensors import SafetensorError
 
 from erniekit.errors import CheckpointError
 from erniekit.models.ernie4_5.configuration import Ernie4_5Config
 from erniekit.models.ernie4_5.modeling import Ernie4_5ForCausalLM
 from erniekit.nn.weight_only import SCALE_SUFFIX, dequantize, logical_shape
 from erniekit.utils.dtensor import assign_full, is_main_process, to_dense
-from erniekit.utils.io import atomic_write_json, fsync_dir, fsync_tree, read_json_object, write_errors
+from erniekit.utils.io import atomic_write_json, fsync_dir, fsync_tree, open_safetensors, read_json_object, write_errors
 
 WEIGHTS_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
@@ -29,17 +29,6 @@ _IGNORED_UNEXPECTED = re.compile(r"^(mtp|model\.mtp)|rotary_emb\.inv_freq$|_scal
 # safetensors dtype names a weight may be stored in; int8 / uint8 only beside a weight-only scale
 _FLOAT_DTYPES = {"F16", "BF16", "F32", "F64"}
 _QUANT_DTYPES = {"I8", "U8"}
-
-
-def open_safetensors(file: str, framework: str = "paddle"):
-    """safe_open, with a truncated, empty or non-safetensors file as one CheckpointError (not the
-    Rust library's exception and a traceback)."""
-    try:
-        return safe_open(file, framework=framework)
-    except (SafetensorError, OSError) as e:
-        size = os.path.getsize(file) if os.path.isfile(file) else 0
-        raise CheckpointError(f"{file}: not a readable safetensors file ({e}; {size} bytes); it is truncated or "
-                              "corrupt: copy or re-save it (training checkpoints: resume from an earlier one)") from None
 
 
 @dataclass
