@@ -1,0 +1,191 @@
+#!/usr/bin/env python
+"""Run README's first command (the embedded default) over seeds x thread counts x CPU kernel sets
+and report the held-out exact match as a range, not as one machine's number.
+
+The accuracy a run reaches depends on the last bits of its arithmetic (GEMM summation order
+changes with the thread count and with the vector ISA the kernels pick), so a claim about the
+default is a claim about this whole matrix. `--isa avx2` forces the non-AVX-512 kernels most
+laptops and AMD machines get (ONEDNN_MAX_CPU_ISA=AVX2, MKL_ENABLE_INSTRUCTIONS=AVX2).
+
+Resumable: every finished run is written to the JSON file at once, and a rerun skips the
+(seed, threads, isa) cells already there for the same config and overrides. Runs go in parallel
+while their threads fit in the cores (`--jobs`).
+
+    python tools/embedded_default_matrix.py                          # the full matrix
+    python tools/embedded_default_matrix.py --seeds 1,2 --threads 1 --isa avx2 max_steps=500
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures as futures
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+ISA_ENV = {"native": {}, "avx2": {"ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"}}
+
+
+def cpu_model() -> str:
+    """The CPU's marketing name (Linux /proc/cpuinfo, else platform's guess)."""
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def cpu_flags() -> list[str]:
+    """The AVX-512 / AVX2 flags of this CPU, which decide the kernels the native runs get."""
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("flags"):
+                flags = line.split(":", 1)[1].split()
+                return sorted(f for f in flags if f.startswith(("avx2", "avx512f", "avx512_bf16", "amx")))
+    except OSError:
+        pass
+    return []
+
+
+def _csv(kind):
+    def parse(text: str) -> list:
+        try:
+            return [kind(x) for x in text.split(",") if x.strip()]
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of {kind.__name__}") from None
+    return parse
+
+
+def loss_summary(out_dir: Path) -> dict:
+    """First / lowest / last logged training loss and the eval exact match at every eval step."""
+    path = out_dir / "vdl_log" / "scalars.jsonl"
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+    losses = [(r["step"], r["train/loss"]) for r in rows if "train/loss" in r]
+    evals = [(r["step"], r["eval/exact_match"]) for r in rows if "eval/exact_match" in r]
+    if not losses:
+        return {"eval_exact_match": evals}
+    return {"first_loss": losses[0][1], "min_loss": min(v for _, v in losses), "final_loss": losses[-1][1],
+            "loss_at": {str(s): round(v, 4) for s, v in losses[:: max(1, len(losses) // 8)]},
+            "eval_exact_match": evals}
+
+
+def run_cell(config: str, overrides: list[str], seed: int, threads: int, isa: str, out_dir: Path) -> dict:
+    """One `erniekit train` run of the matrix; its record (exact match None when it failed)."""
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads), **ISA_ENV[isa])
+    for key in ("ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS"):
+        if isa == "native":
+            env.pop(key, None)
+    cmd = [sys.executable, "-m", "erniekit", "train", config, f"seed={seed}", f"output_dir={out_dir}",
+           "disable_tqdm=true", *overrides]
+    start = time.perf_counter()
+    r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+    wall = time.perf_counter() - start
+    rec = {"seed": seed, "threads": threads, "isa": isa, "cpu": cpu_model(), "wall_s": round(wall, 1),
+           "returncode": r.returncode, "exact_match": None}
+    results = out_dir / "train_results.json"
+    if r.returncode == 0 and results.exists():
+        res = json.loads(results.read_text())
+        rec["exact_match"] = res.get("eval", {}).get("exact_match")
+        rec["global_step"] = res.get("global_step")
+        rec["train_runtime_s"] = round(res.get("train_runtime_s", float("nan")), 1)
+    else:
+        rec["error_tail"] = (r.stdout[-1500:] + r.stderr[-1500:]).strip()
+    rec.update(loss_summary(out_dir))
+    return rec
+
+
+def summarize(runs: list[dict]) -> dict:
+    scores = [r["exact_match"] for r in runs if r.get("exact_match") is not None]
+    if not scores:
+        return {"runs": len(runs), "finished": 0}
+    return {"runs": len(runs), "finished": len(scores), "min": min(scores), "median": statistics.median(scores),
+            "max": max(scores), "mean": statistics.fmean(scores)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("overrides", nargs="*", help="key=value overrides passed to every run (part of the cell key)")
+    p.add_argument("--config", default="examples/configs/tiny/sft.yaml", help="training config (default: %(default)s)")
+    p.add_argument("--seeds", type=_csv(int), default=[1, 2, 3, 42], help="comma-separated seeds (default: 1,2,3,42)")
+    p.add_argument("--threads", type=_csv(int), default=[1, 2], help="OMP_NUM_THREADS values (default: 1,2)")
+    p.add_argument("--isa", type=_csv(str), default=["native", "avx2"],
+                   help="kernel sets: native and/or avx2 (default: native,avx2)")
+    p.add_argument("--jobs", type=int, default=0, help="runs at once (default: as many as the cores hold)")
+    p.add_argument("--out", default="bench_results/embedded_default_matrix.json", help="JSON file (default: %(default)s)")
+    p.add_argument("--workdir", default="output/embedded_default_matrix", help="run directories (default: %(default)s)")
+    p.add_argument("--fresh", action="store_true", help="ignore finished runs in --out and run every cell again")
+    args = p.parse_args(argv)
+    bad = [i for i in args.isa if i not in ISA_ENV]
+    if bad:
+        p.error(f"--isa {','.join(bad)}: use native and/or avx2")
+    if any(t < 1 for t in args.threads) or args.jobs < 0:
+        p.error("--threads must be >= 1 and --jobs >= 0")
+
+    out_path = ROOT / args.out
+    key = {"config": args.config, "overrides": args.overrides}
+    doc = json.loads(out_path.read_text()) if out_path.exists() and not args.fresh else {}
+    if doc.get("key") != key:
+        doc = {"key": key, "runs": []}
+    doc.update(cpu=cpu_model(), cpu_flags=cpu_flags(), cores=os.cpu_count(), python=platform.python_version())
+    done = {(r["seed"], r["threads"], r["isa"]) for r in doc["runs"] if r.get("exact_match") is not None}
+    doc["runs"] = [r for r in doc["runs"] if (r["seed"], r["threads"], r["isa"]) in done]
+    cells = [(s, t, i) for i in args.isa for t in args.threads for s in args.seeds if (s, t, i) not in done]
+    cores = os.cpu_count() or 1
+    lock = threading.Lock()
+
+    def finish(rec: dict) -> None:
+        with lock:
+            doc["runs"].append(rec)
+            doc["summary"] = summarize(doc["runs"])
+            out_path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = out_path.with_suffix(".tmp")
+            tmp.write_text(json.dumps(doc, indent=1) + "\n")
+            os.replace(tmp, out_path)
+        print(f"seed {rec['seed']:>3} threads {rec['threads']} isa {rec['isa']:<6} exact match "
+              f"{rec['exact_match'] if rec['exact_match'] is not None else 'FAILED'}  ({rec['wall_s']:.0f} s)", flush=True)
+
+    print(f"{len(done)} cells done, {len(cells)} to run on {cpu_model()} ({cores} cores)", flush=True)
+    # Runs share the cores: several 1-thread runs at once, a 2-thread run next to at most cores-2 threads.
+    jobs = args.jobs or max(1, cores // max(1, min(args.threads)))
+    capacity = max(cores, max(args.threads))
+    free = [capacity]
+    cond = threading.Condition()
+
+    def cell(c):
+        s, t, i = c
+        with cond:  # take all of a run's cores at once, so two runs never hold half each
+            cond.wait_for(lambda: free[0] >= t)
+            free[0] -= t
+        try:
+            rec = run_cell(args.config, args.overrides, s, t, i, ROOT / args.workdir / f"s{s}_t{t}_{i}")
+            rec["parallel_jobs"] = jobs
+            finish(rec)
+        finally:
+            with cond:
+                free[0] += t
+                cond.notify_all()
+
+    # 2-thread cells first, so the 1-thread ones fill the gaps at the end.
+    cells.sort(key=lambda c: -c[1])
+    with futures.ThreadPoolExecutor(jobs) as pool:
+        list(pool.map(cell, cells))
+    summary = summarize(doc["runs"])
+    if not summary.get("finished"):
+        print("no run finished")
+        return 1
+    print(f"held-out exact match over {summary['finished']} runs: min {summary['min']:.3f}  median "
+          f"{summary['median']:.3f}  max {summary['max']:.3f}  ({cpu_model()}; {out_path.relative_to(ROOT)})")
+    return 0 if summary["finished"] == summary["runs"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
