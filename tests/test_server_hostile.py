@@ -345,6 +345,124 @@ def test_a_flood_of_large_bodies_keeps_memory_bounded(live):
     assert status == 200
 
 
+# ---- work off the event loop; a fault inside generation, over HTTP -------------------------------
+@pytest.fixture
+def inproc(ckpt):  # noqa: F811
+    """An app served by uvicorn in a thread of this process, so the engine and tokenizer can be
+    patched: yields (port, server, engine)."""
+    import uvicorn
+
+    from erniekit.infer.chat import load_chat_model, stop_ids
+    from erniekit.infer.engine import Engine
+    from erniekit.infer.server import OpenAIServer, build_app
+
+    model, tok = load_chat_model(ckpt)
+    engine = Engine(model, tok, max_batch=4, max_model_len=CTX, stop_token_ids=stop_ids(model, tok))
+    srv = OpenAIServer(engine, tok, MODEL, api_key=KEY)
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(build_app(srv), host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.time() + 30
+    while not server.started:
+        assert time.time() < deadline and thread.is_alive()
+        time.sleep(0.05)
+    yield port, srv, engine
+    server.should_exit = True
+    thread.join(30)
+    engine.close()
+
+
+def _get_health(port: int) -> float:
+    t0 = time.time()
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    conn.request("GET", "/health")
+    assert conn.getresponse().status == 200
+    conn.close()
+    return time.time() - t0
+
+
+def test_tokenising_runs_off_the_event_loop(inproc, monkeypatch):
+    """A prompt whose tokenising takes 2 s does not delay /health or a normal request."""
+    port, srv, _ = inproc
+    real = srv.tokenizer.encode
+
+    def slow(text, *a, **kw):
+        if "SLOW" in text:
+            time.sleep(2.0)
+        return real(text, *a, **kw)
+
+    monkeypatch.setattr(srv.tokenizer, "encode", slow)
+    solo = post(port, P, enc({**OKP, "temperature": 0}))[1]["choices"][0]["text"]
+    out = []
+    t = threading.Thread(target=lambda: out.append(post(port, P, enc({**OKP, "prompt": "SLOW 1+1="}))))
+    t.start()
+    time.sleep(0.3)  # the slow one is being tokenised
+    assert _get_health(port) < 1.0
+    t0 = time.time()
+    assert post(port, P, enc({**OKP, "temperature": 0}))[1]["choices"][0]["text"] == solo
+    assert time.time() - t0 < 1.5 and not out  # done while the slow one still tokenises
+    t.join(30)
+    assert out[0][0] == 200
+
+
+def test_a_fault_inside_generation_fails_only_its_request_over_http(inproc, monkeypatch):
+    """The engine raises while processing one request's tokens: that request gets a 500 in
+    OpenAI's shape (whole) or an error event in the stream; the request beside it in the batch
+    gets its solo text."""
+    port, srv, engine = inproc
+    solo = _innocent(port, 1)
+    real = engine._advance
+
+    def advance(req, tok):
+        if req.stop == ["POISON"] and len(req.completion) >= 2:
+            raise RuntimeError("injected fault")
+        return real(req, tok)
+
+    monkeypatch.setattr(engine, "_advance", advance)
+    poison = chat("one two", max_tokens=30, stop=["POISON"], logit_bias={"5": -1})
+    with ThreadPoolExecutor(4) as pool:
+        whole = pool.submit(post, port, C, enc(poison))
+        streamed = pool.submit(post, port, C, enc({**poison, "stream": True}))
+        innocent = [pool.submit(_innocent, port, 1) for _ in range(2)]
+        status, body = whole.result()
+        assert status == 500 and "injected fault" in assert_openai_error(status, body)
+        assert body["error"]["type"] == "server_error"
+        status, text = streamed.result()
+        assert status == 200 and text.rstrip().endswith("data: [DONE]")
+        events = [json.loads(line[6:]) for line in text.splitlines() if line.startswith("data: {")]
+        assert "injected fault" in assert_openai_error(500, events[-1])
+        assert [f.result() for f in innocent] == [solo, solo]
+
+
+def test_a_bug_in_a_handler_is_an_openai_shaped_500_and_the_server_goes_on(inproc, monkeypatch):
+    port, srv, _ = inproc
+    real = srv.parse
+
+    def broken(raw, chat):
+        if b"BUG" in raw:
+            raise TypeError("an unforeseen bug")
+        return real(raw, chat)
+
+    monkeypatch.setattr(srv, "parse", broken)
+    status, body = post(port, P, enc({**OKP, "prompt": "BUG"}))
+    assert status == 500 and body["error"]["type"] == "server_error" and body["error"]["code"] == "internal_error"
+    assert "TypeError" in assert_openai_error(status, body)
+    assert post(port, P, enc(OKP))[0] == 200
+
+
+def test_server_flags_are_checked_in_one_line(ckpt):  # noqa: F811
+    import subprocess
+    import sys
+
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    for args, want in [(["--max-body-bytes", "10"], "error: server: --max-body-bytes 10 must be >= 1024"),
+                       (["--quantization", "wint8"], "error: --quantization is for --backend fastdeploy")]:
+        r = subprocess.run([sys.executable, "-m", "erniekit", "server", ckpt, *args], cwd=ROOT, env=env,
+                           capture_output=True, text=True, timeout=120)
+        assert r.returncode == 2 and r.stderr.startswith(want) and len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
 # ---- secrets ----------------------------------------------------------------------------------
 def test_the_key_is_compared_in_constant_time(ckpt, monkeypatch):  # noqa: F811
     from fastapi.testclient import TestClient
