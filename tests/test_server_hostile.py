@@ -451,6 +451,27 @@ def test_a_bug_in_a_handler_is_an_openai_shaped_500_and_the_server_goes_on(inpro
     assert post(port, P, enc(OKP))[0] == 200
 
 
+def test_a_body_that_trickles_in_gets_408(inproc, monkeypatch):
+    from erniekit.infer import server as srv_mod
+
+    port, _, _ = inproc
+    monkeypatch.setattr(srv_mod, "BODY_TIMEOUT_S", 0.5)
+    s = socket.create_connection(("127.0.0.1", port), timeout=30)
+    try:
+        s.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
+                  "Content-Length: 100\r\n\r\n{\"model\"".encode())  # 9 of the 100 bytes, then nothing
+        reply = b""
+        while b"}}" not in reply:
+            got = s.recv(4096)
+            if not got:
+                break
+            reply += got
+    finally:
+        s.close()
+    assert reply.startswith(b"HTTP/1.1 408 ")
+    assert_openai_error(408, json.loads(reply.split(b"\r\n\r\n", 1)[1]), code="request_timeout")
+
+
 def test_server_flags_are_checked_in_one_line(ckpt):  # noqa: F811
     import subprocess
     import sys
