@@ -86,7 +86,7 @@ def chat(content: str, **kw) -> dict:
 
 
 def enc(body) -> bytes:
-    return body if isinstance(body, bytes) else json.dumps(body).encode()  # allow_nan: NaN / Infinity as Python writes them
+    return body if isinstance(body, bytes) else json.dumps(body).encode()  # NaN / Infinity written as Python does
 
 
 # ---- the table: one bad request each, its status, the parameter named -------------------------
@@ -197,11 +197,13 @@ HOSTILE_VALUES = {  # every value here is invalid for its field
     "logprobs": [True, 5],
     "stream_options": ["x", {"include_usage": "yes"}],
     "messages": [[], "hi", [{"role": "robot", "content": "x"}], [{"role": "user"}], [{"role": "user", "content": 5}],
-                 [1], [{"role": "user", "content": [{"type": "image_url"}]}], [{"role": "user", "content": "x" * 50_000}]],
+                 [1], [{"role": "user", "content": [{"type": "image_url"}]}],
+                 [{"role": "user", "content": "x" * 50_000}]],
 }
 PROMPT_HOSTILE = [[], [-1], [10 ** 9], [1.5], {"a": 1}, "x" * 100_000, [True], None, ""]
 RAW = [b"", b"   ", b"\xff\xfe{", b"[" * 50_000, b'{"a":' * 40 + b"1" + b"}" * 40, b"null", b"[1,2]", b'"str"', b"{",
-       b'{"model": NaN}', b"\x00" * 64, b'{"model": "tiny-test", "messages": [{"role": "user", "content": "\xc3\x28"}]}']
+       b'{"model": NaN}', b"\x00" * 64,
+       b'{"model": "tiny-test", "messages": [{"role": "user", "content": "\xc3\x28"}]}']
 
 
 def _poison(rng: random.Random):
@@ -260,10 +262,16 @@ def test_fuzz_poison_requests_never_change_an_innocent_reply_and_the_server_stay
             assert_openai_error(status, body)
     statuses = {r[2][0] for r in results if r[0] == "poison"}
     assert statuses <= {400, 404, 413}
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
-    conn.request("GET", "/health")
-    health = conn.getresponse()
-    assert health.status == 200 and json.loads(health.read())["running"] == 0
+    deadline = time.time() + 10
+    while True:  # a reply is sent just before its row is freed: allow a moment
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+        conn.request("GET", "/health")
+        health = conn.getresponse()
+        assert health.status == 200
+        if json.loads(health.read())["running"] == 0:
+            break
+        assert time.time() < deadline, "rows still running 10 s after every reply"
+        time.sleep(0.1)
     assert [_innocent(port, i) for i in range(len(INNOCENT))] == solo
 
 
@@ -383,13 +391,13 @@ def _get_health(port: int) -> float:
 
 
 def test_tokenising_runs_off_the_event_loop(inproc, monkeypatch):
-    """A prompt whose tokenising takes 2 s does not delay /health or a normal request."""
+    """A prompt whose tokenising takes 3 s does not delay /health or a normal request."""
     port, srv, _ = inproc
     real = srv.tokenizer.encode
 
     def slow(text, *a, **kw):
         if "SLOW" in text:
-            time.sleep(2.0)
+            time.sleep(3.0)
         return real(text, *a, **kw)
 
     monkeypatch.setattr(srv.tokenizer, "encode", slow)
@@ -398,10 +406,10 @@ def test_tokenising_runs_off_the_event_loop(inproc, monkeypatch):
     t = threading.Thread(target=lambda: out.append(post(port, P, enc({**OKP, "prompt": "SLOW 1+1="}))))
     t.start()
     time.sleep(0.3)  # the slow one is being tokenised
-    assert _get_health(port) < 1.0
+    assert _get_health(port) < 1.5
     t0 = time.time()
     assert post(port, P, enc({**OKP, "temperature": 0}))[1]["choices"][0]["text"] == solo
-    assert time.time() - t0 < 1.5 and not out  # done while the slow one still tokenises
+    assert time.time() - t0 < 2.0 and not out  # done while the slow one still tokenises
     t.join(30)
     assert out[0][0] == 200
 
@@ -531,7 +539,8 @@ def _pretend_fastdeploy_and_gpu(monkeypatch):
     import paddle
 
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "fastdeploy" else real(name, *a))
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: object() if name == "fastdeploy" else real(name, *a))
     monkeypatch.setattr(paddle.device, "is_compiled_with_cuda", lambda: True)
     monkeypatch.setattr(paddle.device.cuda, "device_count", lambda: 1)
 
