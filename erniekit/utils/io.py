@@ -12,6 +12,7 @@ import ctypes
 import errno
 import json
 import os
+import re
 import shutil
 import tempfile
 from typing import Any, Callable, Iterator
@@ -192,13 +193,25 @@ def write_errors(what: str, where: str, needed: int, partial: str | None = None,
             shutil.rmtree(partial, ignore_errors=True)
         elif partial and os.path.lexists(partial):
             os.remove(partial)
-        if not isinstance(e, (OSError, WriteFailed)):
+        code, strerror, filename = _os_error(e)
+        if code is None:
             raise
-        if e.errno in NO_SPACE:
-            raise WriteFailed(_space_message(what, where, needed, e.strerror, hint), e.errno, e.strerror,
-                              e.filename) from None
-        raise WriteFailed(f"cannot write {what} in {where} ({e.strerror}: {e.filename}); make {where} writable "
-                          f"or choose another directory{hint}", e.errno, e.strerror, e.filename) from None
+        if code in NO_SPACE:
+            raise WriteFailed(_space_message(what, where, needed, strerror, hint), code, strerror, filename) from None
+        raise WriteFailed(f"cannot write {what} in {where} ({strerror}: {filename or where}); make {where} writable "
+                          f"or choose another directory{hint}", code, strerror, filename) from None
+
+
+def _os_error(e: BaseException) -> tuple[int | None, str, str | None]:
+    """(errno, text, file) of an OS-level write failure, else (None, ...). safetensors reports the
+    kernel's error inside its own exception ("I/O error: No space left on device (os error 28)")."""
+    if isinstance(e, (OSError, WriteFailed)):
+        return e.errno, e.strerror, e.filename
+    if type(e).__name__ == "SafetensorError":
+        m = re.search(r"\(os error (\d+)\)", str(e))
+        if m:
+            return int(m[1]), os.strerror(int(m[1])), None
+    return None, "", None
 
 
 def _space_message(what: str, where: str, needed: int, why: str, hint: str) -> str:
