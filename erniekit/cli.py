@@ -83,6 +83,12 @@ def train(args: list[str]) -> int:
     from erniekit.train.runner import run_train
 
     result = run_train(cfg)
+    if isinstance(result, dict) and result.get("stop_signal"):
+        if in_launched_worker():  # paddle.distributed.launch reads any other code as a failure and kills
+            return 0              # the other ranks; `erniekit train` (the parent) reports the stop
+        from erniekit.train.run_control import stopped_exit_code
+
+        return stopped_exit_code(result["stop_signal"])  # stopped, not finished: 143 (SIGTERM) / 130 (SIGINT)
     return result if isinstance(result, int) and not isinstance(result, bool) else 0
 
 

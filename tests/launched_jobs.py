@@ -57,3 +57,17 @@ def serve(args: list[str], url: str, cwd: str, timeout: float = 180.0):
             p.wait(timeout=30)
         except subprocess.TimeoutExpired:
             p.kill()
+
+
+def job_processes(out) -> list[int]:
+    """PIDs of live processes whose command line names `output_dir=<out>` (`erniekit train`, the
+    launcher, every rank and server of the job): what must be gone once `erniekit train` ended."""
+    found = []
+    for d in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            cmd = open(f"/proc/{d}/cmdline").read().split("\0")
+        except OSError:
+            continue
+        if f"output_dir={out}" in cmd:
+            found.append(int(d))
+    return found

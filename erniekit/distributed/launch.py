@@ -8,9 +8,14 @@ picks from the build, nothing else changes.
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
+import signal
 import subprocess
 import sys
+import time
+import uuid
 
 ENTRY = os.path.join(os.path.dirname(os.path.abspath(__file__)), "launch_entry.py")
 
@@ -22,39 +27,198 @@ def in_launched_worker() -> bool:
 
 
 def launch_command(cfg, train_args: list[str]) -> list[str]:
-    # restarts are ours (`relaunch`): paddle's own need elastic_level > 0 and did not restart on CPU
-    cmd = [sys.executable, "-m", "paddle.distributed.launch", "--nproc_per_node", str(cfg.nproc_per_node),
+    # restarts are ours (`relaunch`): paddle's own need elastic_level > 0 and did not restart on CPU;
+    # ENTRY --launcher runs paddle.distributed.launch so that it dies with this process (PDEATHSIG)
+    cmd = [sys.executable, ENTRY, LAUNCHER_FLAG, "--nproc_per_node", str(cfg.nproc_per_node),
            "--log_dir", os.path.join(cfg.output_dir, "launch_logs"), "--max_restart", "0"]
     if cfg.nnodes > 1:
         cmd += ["--nnodes", str(cfg.nnodes), "--master", cfg.master]
     return cmd + [ENTRY, "train", *train_args]
 
 
+LAUNCHER_FLAG = "--launcher"
+JOB_ENV = "ERNIEKIT_JOB"  # in the environment of every process of one launched job: how it is found
+STOP_GRACE_S = 600.0  # after a stop signal: time the ranks get to finish their step and checkpoint
+REAP_GRACE_S = 30.0  # after the launcher is gone: SIGTERM to any process of the job left, then SIGKILL
+
+
+def job_pids(job: str) -> list[int]:
+    """Every live process (this one excepted) whose environment has ERNIEKIT_JOB=job: the launcher,
+    the ranks, PS servers. The ranks run in sessions of their own (paddle's launcher setsid()s
+    them), so neither the process tree nor a process group finds them all; the environment does."""
+    if not os.path.isdir("/proc"):
+        return []
+    needle, me, found = f"{JOB_ENV}={job}".encode(), os.getpid(), []
+    for d in os.listdir("/proc"):
+        if not d.isdigit() or int(d) == me:
+            continue
+        try:
+            with open(f"/proc/{d}/environ", "rb") as f:
+                if needle in f.read().split(b"\0"):
+                    found.append(int(d))
+        except OSError:  # gone meanwhile, or another user's process
+            continue
+    return found
+
+
+def _signal(pids, sig: int) -> None:
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, sig)
+
+
+def reap(job: str, grace: float = REAP_GRACE_S) -> list[int]:
+    """Make sure no process of the job outlives `erniekit train`: SIGTERM to those left, SIGKILL
+    to those still there after `grace` seconds. Returns the PIDs it had to signal."""
+    left = job_pids(job)
+    if not left:
+        return []
+    _signal(left, signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    while time.monotonic() < deadline and job_pids(job):
+        time.sleep(0.2)
+    _signal(job_pids(job), signal.SIGKILL)
+    return left
+
+
+class Supervisor:
+    """`erniekit train`'s side of a launched job: runs the launcher in a session of its own (a
+    terminal's Ctrl-C reaches this process only) and passes a stop on.
+
+    SIGTERM / SIGINT here are forwarded to every rank (not to paddle's launcher: it would SIGKILL
+    them 30 s later); the ranks agree on a step, checkpoint and exit 0, the launcher follows. A
+    second signal, or STOP_GRACE_S without an end, kills the job. Whatever happens, no process of
+    the job is left when `run` returns."""
+
+    def __init__(self, job: str):
+        self.job = job
+        self.signum = 0
+        self.signal_time = 0.0
+        self.launcher = None
+        self.forwarded: set[int] = set()
+
+    @contextlib.contextmanager
+    def handling_signals(self):
+        previous = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+        for s in previous:
+            signal.signal(s, self._on_signal)
+        try:
+            yield
+        finally:
+            for s, h in previous.items():
+                signal.signal(s, h if h is not None else signal.SIG_DFL)
+
+    def _on_signal(self, signum, frame) -> None:
+        name = signal.Signals(signum).name
+        if self.signum:  # a second signal: no more waiting
+            os.write(2, f"erniekit: {name} again: killing every process of the job\n".encode())
+            _signal(job_pids(self.job), signal.SIGKILL)
+            return
+        self.signum, self.signal_time = signum, time.monotonic()
+        os.write(2, f"erniekit: {name}: every rank stops after the same step and writes a checkpoint; a second "
+                    f"signal kills the job\n".encode())
+        self._forward()
+
+    def _forward(self) -> None:
+        """The stop signal to each process of the job but the launcher, once (ranks that start
+        after the signal get it when they appear)."""
+        fresh = [p for p in job_pids(self.job) if p != getattr(self.launcher, "pid", None) and p not in self.forwarded]
+        _signal(fresh, self.signum)
+        self.forwarded.update(fresh)
+
+    def run(self, cmd: list[str], env: dict) -> int:
+        """Run the launcher to its end; returns its exit code."""
+        self.launcher = subprocess.Popen(cmd, env=env, start_new_session=True)
+        try:
+            while True:
+                try:
+                    return self.launcher.wait(timeout=0.5)
+                except subprocess.TimeoutExpired:
+                    pass
+                if self.signum:
+                    self._forward()
+                    if time.monotonic() - self.signal_time > STOP_GRACE_S:
+                        print(f"erniekit: the job did not stop within {STOP_GRACE_S:.0f} s of the signal; killing it",
+                              flush=True)
+                        _signal(job_pids(self.job), signal.SIGKILL)
+        finally:
+            if self.launcher.poll() is None:  # an error here: the launcher goes first, with its ranks
+                _signal([self.launcher.pid], signal.SIGTERM)
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    self.launcher.wait(timeout=REAP_GRACE_S)
+            left = reap(self.job)
+            if left:
+                print(f"erniekit: {len(left)} process(es) of the job were still running after the launcher "
+                      f"ended; stopped them (pids {', '.join(map(str, left))})", flush=True)
+            if self.launcher.poll() is None:
+                self.launcher.kill()
+                self.launcher.wait()
+
+
+def stop_signal_of_run(output_dir: str, since: float) -> tuple[int, int | None]:
+    """(stop signal, step) from the train_results.json rank 0 wrote after `since` (time.time()):
+    a stop any rank received ends the job like one sent here. (0, None) when the run did not stop
+    (or wrote no results)."""
+    path = os.path.join(output_dir, "train_results.json")
+    try:
+        if os.stat(path).st_mtime < since:
+            return 0, None
+        with open(path, encoding="utf-8") as f:
+            res = json.load(f)
+    except FileNotFoundError:
+        return 0, None
+    return int(res.get("stop_signal") or 0), res.get("stopped_at_step")
+
+
 def relaunch(cfg, train_args: list[str], user_threads: str | None = None) -> int:
-    """Run the job's workers on this machine and return the launcher's exit code.
+    """Run the job's workers on this machine and return the exit code of `erniekit train`.
 
     Unless the user set OMP_NUM_THREADS, the cores are split between the workers (oversubscribed
     OpenMP threads spin against each other). A failed job (a worker killed or crashed: the
     launcher stops the others) is started again up to `max_restart` times with
     `resume_from_checkpoint=auto`, so it continues from the latest complete checkpoint.
     Checkpoints are unsharded, so a restart may also use another process count.
+    A stop (SIGTERM / SIGINT here or to any rank) is not a failure: no restart, exit code
+    128 + the signal (run_control.stopped_exit_code).
     """
+    from erniekit.train.run_control import stopped_exit_code
+
     env = dict(os.environ)
     env["OMP_NUM_THREADS"] = user_threads or str(max(1, (os.cpu_count() or 1) // cfg.nproc_per_node))
     env.setdefault("PYTHONWARNINGS", "ignore:No ccache found")  # the launcher imports paddle too
     env.setdefault("GLOG_minloglevel", "1")  # gloo's connection chatter is INFO
+    job = f"{os.getpid()}-{uuid.uuid4().hex[:12]}"
+    env[JOB_ENV] = job
     os.makedirs(cfg.output_dir, exist_ok=True)
     logs = os.path.join(cfg.output_dir, "launch_logs")
     print(f"erniekit: launching {cfg.nproc_per_node} processes x {cfg.nnodes} node(s) through "
           f"paddle.distributed.launch; logs of every rank in {logs}", flush=True)
     args = list(train_args)
-    for attempt in range(cfg.max_restart + 1):
-        rc = subprocess.call(launch_command(cfg, args), env=env)
-        if rc == 0 or attempt == cfg.max_restart:
-            break
-        print(f"erniekit: the job failed (launcher exit code {rc}, see {logs}); restart {attempt + 1} of "
-              f"{cfg.max_restart} from the latest checkpoint in {cfg.output_dir}", flush=True)
-        args = [a for a in train_args if not a.startswith("resume_from_checkpoint=")] + ["resume_from_checkpoint=auto"]
+    sup = Supervisor(job)
+    with sup.handling_signals():
+        for attempt in range(cfg.max_restart + 1):
+            started = time.time()
+            rc = sup.run(launch_command(cfg, args), env)
+            stopped, step = stop_signal_of_run(cfg.output_dir, started)
+            if stopped:
+                print(f"erniekit: the job stopped on {signal.Signals(stopped).name} after step {step} with "
+                      f"checkpoint-{step} in {cfg.output_dir}; continue with resume_from_checkpoint=auto "
+                      f"(exit code {stopped_exit_code(stopped)})", flush=True)
+                return stopped_exit_code(stopped)
+            if sup.signum:
+                if rc == 0:  # the signal came after the last step: the run is complete
+                    print(f"erniekit: {signal.Signals(sup.signum).name} came after the last step; the run finished",
+                          flush=True)
+                    return 0
+                print(f"erniekit: the job ended on {signal.Signals(sup.signum).name} before a checkpoint of the stop "
+                      f"(launcher exit code {rc}); every rank's log is in {logs}; resume_from_checkpoint=auto "
+                      f"continues from the latest checkpoint in {cfg.output_dir}", flush=True)
+                return stopped_exit_code(sup.signum)
+            if rc == 0 or attempt == cfg.max_restart:
+                break
+            print(f"erniekit: the job failed (launcher exit code {rc}, see {logs}); restart {attempt + 1} of "
+                  f"{cfg.max_restart} from the latest checkpoint in {cfg.output_dir}", flush=True)
+            args = [a for a in train_args if not a.startswith("resume_from_checkpoint=")] + ["resume_from_checkpoint=auto"]
     if rc:
         print(f"erniekit: the job failed (launcher exit code {rc}); every rank's log is in {logs}; run it again with "
               f"resume_from_checkpoint=auto to continue from the latest checkpoint in {cfg.output_dir}", flush=True)

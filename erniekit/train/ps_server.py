@@ -125,7 +125,7 @@ class ParameterServer:
                         if w == 0:
                             self.grads["sum"] = self._summed()
                         meet.wait()
-                        link.send_array(np.array([self.grad_sq(self.grads["sum"])], dtype="float64"))
+                        link.send_array(self._step_answer(self.grads["sum"]))
                         if w == 0:
                             norm, lr = link.recv_array([2], "float64")
                             self._update(float(norm), float(lr), self.grads.pop("sum"))
@@ -222,8 +222,8 @@ class ParameterServer:
                     acc[EMBED] = paddle.index_add(acc[EMBED], paddle.to_tensor(ids), 0, g)
         elif op == STEP:
             with self.lock:
-                sq = self.grad_sq(self._acc(w))
-            link.send_array(np.array([sq], dtype="float64"))
+                answer = self._step_answer(self._acc(w))
+            link.send_array(answer)
         elif op == SAVE:
             if w == 0:
                 with self.lock:
@@ -231,6 +231,14 @@ class ParameterServer:
                 link.send_object(state)
         elif op not in (SYNC, STOP):
             raise ErniekitError(f"parameter server {self.topo.server_index}: unknown request {op} from worker {w}")
+
+    def _step_answer(self, acc: dict[str, paddle.Tensor]) -> np.ndarray:
+        """[squared gradient norm, stop signal]: a server that got SIGTERM / SIGINT tells the
+        workers with its step's norm; they agree on the stop and end the job with a checkpoint
+        (a server never leaves on its own: the workers' STOP ends it)."""
+        from erniekit.train.run_control import stop_signal
+
+        return np.array([self.grad_sq(acc), stop_signal()], dtype="float64")
 
     # ---- the update --------------------------------------------------------------------------
     @staticmethod

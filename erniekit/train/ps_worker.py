@@ -78,11 +78,12 @@ class PSWorker:
         self.push_bytes = 0  # of bytes_sent: the row gradients (what ps_compress shrinks)
         self.compressor = RowCompressor(compress, self.vocab, self.hidden, topk_ratio)
         self.servers = [topo.link(s) for s in range(topo.servers)]  # in server order
+        self.server_stop = 0  # a stop signal a server reported with its step's norm (0: none)
         _ACTIVE = self
 
-    def _all_reduce(self, t: paddle.Tensor) -> None:
+    def _all_reduce(self, t: paddle.Tensor, group=None, op=dist.ReduceOp.SUM) -> None:
         try:
-            dist.all_reduce(t, group=self.group)
+            dist.all_reduce(t, op=op, group=self.group if group is None else group)
         except RuntimeError as e:
             raise PeerLost(f"lost another worker: the workers' all-reduce got no answer within gloo's timeout (a "
                            "worker process died or hangs; see launch_logs/ in the output_dir); the job stops: run it "
@@ -307,7 +308,9 @@ class PSWorker:
             sq = self.pipe.sum_over_pipeline([sq])[0]
         for srv in self.servers:
             srv.send_header(STEP, 0)
-            sq += float(srv.recv_array([1], "float64")[0])
+            got = srv.recv_array([2], "float64")  # its squared norm and its stop signal
+            sq += float(got[0])
+            self.server_stop = max(self.server_stop, int(got[1]))
         norm = float(np.sqrt(sq))
         if self.topo.worker_index == 0 or self.k_steps:  # async: every worker's step is an update
             for srv in self.servers:
@@ -317,6 +320,16 @@ class PSWorker:
             for g in grads:
                 g.scale_(coef)
         return norm
+
+    def agree_stop(self, local: int) -> int:
+        """The stop signal of any process of the job, the same on every worker: this worker's or a
+        server's request, all-reduced (MAX) over all the workers (every pipeline stage)."""
+        flag = max(local, self.server_stop)
+        if self.topo.worker_group is None:
+            return flag
+        t = paddle.to_tensor([flag], dtype="int64")
+        self._all_reduce(t, group=self.topo.worker_group, op=dist.ReduceOp.MAX)
+        return int(t.numpy()[0])
 
     # ---- checkpoints and shutdown ----------------------------------------------------------------
     def gather_tables(self, with_optimizer: bool) -> list[dict]:

@@ -54,19 +54,51 @@ def output_dir_lock(output_dir: str):
                 os.remove(path)
 
 
+STOPPED_EXIT_BASE = 128  # a run stopped by signal N exits 128 + N (143 SIGTERM, 130 SIGINT), as shells report it
+
+_requested = {"signal": 0}  # the first stop signal this process got (0: none); the trainer polls it
+
+
+def stop_signal() -> int:
+    """The signal number of this process's pending stop request, 0 when none."""
+    return _requested["signal"]
+
+
+def request_stop(signum: int = signal.SIGTERM) -> None:
+    """Ask the run to end after its current step (with a checkpoint); the first request's signal is kept."""
+    if not _requested["signal"]:
+        _requested["signal"] = int(signum)
+
+
+def stopped_exit_code(signum: int) -> int:
+    """What `erniekit train` exits with after a stop by `signum`: the shell's 128 + N, which schedulers
+    read as "terminated by signal N", never 0 (finished), 1 (failed) or 2 (user error)."""
+    return STOPPED_EXIT_BASE + int(signum)
+
+
 @contextlib.contextmanager
-def stop_on_signal(request_stop):
-    """SIGTERM / SIGINT call `request_stop()` once (the run ends after its step, with a checkpoint);
-    a second signal acts as usual. Only in the main thread of a single-process run."""
+def stop_on_signal(launched: bool = False):
+    """SIGTERM / SIGINT request a stop once: the run ends after its step, with a checkpoint.
+
+    Single process: a second signal acts as it did before (a second Ctrl-C interrupts at once).
+    A rank of a launched job ignores later signals: its launcher repeats SIGTERM (paddle's sends
+    it up to 3 times 0.2 s apart) and the ranks must still finish the agreed step together; the
+    `erniekit train` parent escalates to SIGKILL after its grace period. Installed after paddle's
+    import, it replaces paddle's own SIGTERM handler (a `FatalError: Termination signal` exit).
+    Only in the main thread (Python runs signal handlers there)."""
+    _requested["signal"] = 0
     if threading.current_thread() is not threading.main_thread():
         yield
         return
     previous = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
 
     def handler(signum, frame):
-        request_stop()
-        for s, h in previous.items():  # the next signal is not ours to soften
-            signal.signal(s, h)
+        if _requested["signal"] and launched:
+            return  # already stopping: the agreed step ends it
+        request_stop(signum)
+        if not launched:
+            for s, h in previous.items():  # the next signal is not ours to soften
+                signal.signal(s, h if h is not None else signal.SIG_DFL)
 
     for s in previous:
         signal.signal(s, handler)
@@ -74,4 +106,17 @@ def stop_on_signal(request_stop):
         yield
     finally:
         for s, h in previous.items():
-            signal.signal(s, h)
+            signal.signal(s, h if h is not None else signal.SIG_DFL)
+        _requested["signal"] = 0
+
+
+def die_with_parent(sig: int = signal.SIGTERM) -> bool:
+    """Linux: have the kernel send this process `sig` when its parent dies (prctl PR_SET_PDEATHSIG),
+    so a SIGKILLed launcher leaves no rank training on; False where prctl is not available."""
+    import ctypes
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        return False
+    libc = ctypes.CDLL(None, use_errno=True)
+    return libc.prctl(1, int(sig), 0, 0, 0) == 0  # 1 = PR_SET_PDEATHSIG

@@ -159,13 +159,16 @@ def _parallel_note(ctx) -> str:
 
 
 def run_train(cfg, log=print) -> dict:
-    """One training run; rank 0 (or the only process) holds output_dir against a second run."""
-    if os.environ.get("PADDLE_TRAINER_ID", "0") != "0":
-        return _run_train(cfg, log)
-    from erniekit.train.run_control import output_dir_lock
+    """One training run; rank 0 (or the only process) holds output_dir against a second run.
+    SIGTERM / SIGINT to any process of the run end it after a step every rank agrees on, with
+    checkpoint-N (docs/training.md "Stopping and preemption")."""
+    from erniekit.train.run_control import output_dir_lock, stop_on_signal
 
-    with output_dir_lock(cfg.output_dir):
-        return _run_train(cfg, log)
+    with stop_on_signal(launched=launched_world() > 1):
+        if os.environ.get("PADDLE_TRAINER_ID", "0") != "0":
+            return _run_train(cfg, log)
+        with output_dir_lock(cfg.output_dir):
+            return _run_train(cfg, log)
 
 
 def _run_train(cfg, log=print) -> dict:
@@ -233,15 +236,10 @@ def _run_train(cfg, log=print) -> dict:
         results["eval_start"] = trainer.evaluate()  # the starting point, so the run can report its gain
     if cfg.do_train:
         t1 = time.perf_counter()
-        if launched_world() == 1:  # SIGTERM / Ctrl-C: end after the step with a checkpoint
-            from erniekit.train.run_control import stop_on_signal
-
-            with stop_on_signal(trainer.request_stop):
-                results["train"] = trainer.train()
-        else:
-            results["train"] = trainer.train()
-        if trainer.stop_requested:
+        results["train"] = trainer.train()
+        if trainer.stopped_by:  # SIGTERM / Ctrl-C: ended after this step with a checkpoint
             results["stopped_at_step"] = trainer.step
+            results["stop_signal"] = trainer.stopped_by
         results["train_runtime_s"] = time.perf_counter() - t1
         results["peak_memory_bytes"] = peak_memory_bytes()
         if ctx is not None:

@@ -29,18 +29,27 @@ from erniekit.utils.dtensor import is_main_process, scalar
 
 
 class ScalarLogger:
-    """VisualDL scalars plus a JSON-lines copy (easy to read in tests and tools)."""
+    """VisualDL scalars plus a JSON-lines copy (easy to read in tests and tools).
+
+    The VisualDL writer opens on first use, so that a resumed run can first drop what the
+    interrupted run logged past its checkpoint (`drop_after`): those steps are trained again."""
 
     def __init__(self, logdir: str, enabled: bool = True):
         self.enabled = enabled
-        self.writer = None
+        self.logdir = logdir
+        self._writer = None
         self.jsonl = None
         if enabled:
+            os.makedirs(logdir, exist_ok=True)
+            self.jsonl = open(os.path.join(logdir, JSONL_NAME), "a", encoding="utf-8")
+
+    @property
+    def writer(self):
+        if self._writer is None and self.enabled:
             from visualdl import LogWriter
 
-            os.makedirs(logdir, exist_ok=True)
-            self.writer = LogWriter(logdir=logdir)
-            self.jsonl = open(os.path.join(logdir, "scalars.jsonl"), "a", encoding="utf-8")
+            self._writer = LogWriter(logdir=self.logdir)
+        return self._writer
 
     def log(self, step: int, values: dict[str, float]) -> None:
         if not self.enabled:
@@ -50,10 +59,94 @@ class ScalarLogger:
         self.jsonl.write(json.dumps({"step": step, **{k: float(v) for k, v in values.items()}}) + "\n")
         self.jsonl.flush()
 
+    def drop_after(self, step: int) -> int:
+        """Remove every record past `step` from the VisualDL files and scalars.jsonl (a resumed
+        run logs those steps again); returns how many records went. Each file is rewritten beside
+        itself and renamed over the old one, so a crash here keeps the old file whole."""
+        if not self.enabled:
+            return 0
+        if self._writer is not None:
+            raise RuntimeError("drop_after must run before the first record of this run is written")
+        self.jsonl.close()
+        dropped = drop_jsonl_after(os.path.join(self.logdir, JSONL_NAME), step)
+        self.jsonl = open(os.path.join(self.logdir, JSONL_NAME), "a", encoding="utf-8")
+        for name in sorted(os.listdir(self.logdir)):
+            if "vdlrecords" in name and not name.endswith(".tmp"):
+                dropped += drop_vdl_after(os.path.join(self.logdir, name), step)
+        return dropped
+
     def close(self) -> None:
-        if self.writer is not None:
-            self.writer.close()
+        if self._writer is not None:
+            self._writer.close()
+        if self.jsonl is not None:
             self.jsonl.close()
+
+
+JSONL_NAME = "scalars.jsonl"
+
+
+def drop_jsonl_after(path: str, step: int) -> int:
+    """Keep the lines of a scalars.jsonl at or before `step` (a torn last line goes too)."""
+    if not os.path.isfile(path):
+        return 0
+    kept, dropped = [], 0
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            try:
+                row_step = int(json.loads(line)["step"])
+            except (ValueError, KeyError, TypeError):
+                dropped += 1
+                continue
+            if row_step <= step:
+                kept.append(line if line.endswith("\n") else line + "\n")
+            else:
+                dropped += 1
+    if dropped:
+        _replace_file(path, "".join(kept).encode("utf-8"))
+    return dropped
+
+
+def drop_vdl_after(path: str, step: int) -> int:
+    """Keep the values of a VisualDL record file (uint64 length + a `Record` protobuf, repeated)
+    whose step (`id`) is at or before `step`; a torn last record goes too."""
+    import struct
+
+    from visualdl.proto import record_pb2
+
+    data = open(path, "rb").read()
+    out, pos, dropped = bytearray(), 0, 0
+    while pos + 8 <= len(data):
+        (n,) = struct.unpack("<Q", data[pos:pos + 8])
+        body = data[pos + 8:pos + 8 + n]
+        pos += 8 + n
+        if len(body) < n:
+            dropped += 1
+            break
+        rec = record_pb2.Record()
+        rec.ParseFromString(body)
+        keep = [v for v in rec.values if v.id <= step]
+        dropped += len(rec.values) - len(keep)
+        if len(keep) == len(rec.values):
+            out += data[pos - 8 - n:pos]
+        elif keep:
+            new = record_pb2.Record()
+            new.values.extend(keep)
+            b = new.SerializeToString()
+            out += struct.pack("<Q", len(b)) + b
+    if pos < len(data):
+        dropped += 1  # a torn header
+    if dropped:
+        _replace_file(path, bytes(out))
+    return dropped
+
+
+def _replace_file(path: str, content: bytes) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "wb") as f:
+        f.write(content)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
 
 
 def amp_context(cfg):
@@ -95,7 +188,7 @@ class Trainer:
             self.ema = WeightEMA([(n, p) for n, p in model.named_parameters() if not p.stop_gradient], cfg.ema_decay)
         self.loss_scale = 2.0**15 if cfg.fp16 else 1.0  # dynamic loss scaling for fp16 only
         self.good_steps = 0
-        self.stop_requested = False  # request_stop(): end after the current step with a checkpoint
+        self.stopped_by = 0  # the stop signal every rank agreed on after a step (0: none); see agree_stop
         self.step = 0
         self.consumed = 0  # micro-batches consumed: the data position
         self.logger_dir = cfg.logging_dir or os.path.join(cfg.output_dir, "vdl_log")
@@ -132,6 +225,8 @@ class Trainer:
         elif self.ema is not None:
             self.log(f"{path} has no {EMA_NAME}: the weight EMA restarts from the resumed weights")
             self.ema = type(self.ema)(list(self.ema.params.items()), self.ema.decay)
+        if is_main_process():  # the interrupted run may have logged steps past its checkpoint
+            self.logger.drop_after(self.step)
         self.log(f"resumed from {path} at step {self.step}")
 
     def save(self) -> str:
@@ -287,9 +382,10 @@ class Trainer:
         last: dict[str, float] = {}
         while self.step < self.total_steps:
             m = self.train_step()
+            self.stopped_by = self.agree_stop()  # every rank: the same answer after the same step
             window_tokens += m.pop("train/tokens")
             window_steps += 1
-            if self.step % cfg.logging_steps == 0 or self.step == self.total_steps or self.stop_requested:
+            if self.step % cfg.logging_steps == 0 or self.step == self.total_steps or self.stopped_by:
                 dt = time.perf_counter() - window_start
                 m["train/tokens_per_sec"] = window_tokens / max(dt, 1e-9)
                 m["train/step_time_s"] = dt / window_steps
@@ -313,9 +409,16 @@ class Trainer:
             if cfg.do_eval and self.eval_data is not None and cfg.eval_steps > 0 and self.step % cfg.eval_steps == 0 \
                     and self.step < self.total_steps:
                 self.evaluate()
-            if self.stop_requested:  # a stop request (SIGTERM/SIGINT): end here with a checkpoint
-                self.log(f"stopping at step {self.step}/{self.total_steps} on request: writing checkpoint-{self.step}; "
-                         "continue with resume_from_checkpoint=auto")
+            if self.stopped_by:  # a stop request (SIGTERM/SIGINT) on any rank: all end here with a checkpoint
+                import signal
+
+                msg = (f"stopping at step {self.step}/{self.total_steps} on {signal.Signals(self.stopped_by).name}: "
+                       f"writing checkpoint-{self.step}; continue with resume_from_checkpoint=auto")
+                self.log(msg)
+                if not is_main_process():  # each rank's own log (launch_logs/workerlog.N) shows where it stopped
+                    print(msg, flush=True)
+                if self.ps is not None and self.ps.k_steps and self.step % self.ps.k_steps:
+                    self.ps.after_step(self.step, final=True)  # async: one block replica to save
                 break
             if cfg.save_steps > 0 and self.step % cfg.save_steps == 0 and self.step < self.total_steps:
                 self.save()
@@ -326,9 +429,39 @@ class Trainer:
         self.save()
         return last
 
-    def request_stop(self) -> None:
+    def request_stop(self, signum: int = 15) -> None:
         """End training after the current step, with a checkpoint (the WebUI's stop button, Ctrl-C)."""
-        self.stop_requested = True
+        from erniekit.train.run_control import request_stop
+
+        request_stop(signum)
+
+    @property
+    def stop_requested(self) -> bool:
+        """The run ended early on a stop request (every rank agreed on it)."""
+        return bool(self.stopped_by)
+
+    def agree_stop(self) -> int:
+        """The stop signal of any process of the job (0: go on), the same on every rank.
+
+        A signal may reach one rank only (a scheduler preempting one process, a kill by hand) or
+        reach the ranks in different steps; an all-reduce MAX of each rank's request after every
+        step makes them all stop after the same one, so checkpoint-N is written by all. PS
+        workers also carry a server's request (it answers their step's norm request with it);
+        servers stop when the workers send STOP."""
+        from erniekit.train.run_control import stop_signal
+
+        local = stop_signal()
+        if self.ps is not None:
+            return self.ps.agree_stop(local)
+        from erniekit.distributed.runtime import active
+
+        if active() is None:
+            return local
+        import paddle.distributed as dist
+
+        flag = paddle.to_tensor([local], dtype="int64")
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return int(flag.numpy()[0])
 
     def _progress_extra(self, m: dict[str, float]) -> dict[str, str]:
         return {short: f"{m[key]:.3f}" for short, key in self.stage.progress_keys.items() if key in m}
