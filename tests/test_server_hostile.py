@@ -480,6 +480,30 @@ def test_a_body_that_trickles_in_gets_408(inproc, monkeypatch):
     assert_openai_error(408, json.loads(reply.split(b"\r\n\r\n", 1)[1]), code="request_timeout")
 
 
+def test_a_client_that_leaves_a_whole_request_frees_its_row(inproc, monkeypatch):
+    port, _, engine = inproc
+    real = engine._advance
+
+    def slow(req, tok):
+        time.sleep(0.05)
+        return real(req, tok)
+
+    monkeypatch.setattr(engine, "_advance", slow)
+    s = socket.create_connection(("127.0.0.1", port), timeout=30)
+    body = enc({**OKP, "max_tokens": 200, "stop": None})
+    s.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
+              f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+    deadline = time.time() + 10
+    while not engine.rows:
+        assert time.time() < deadline
+        time.sleep(0.05)
+    s.close()  # gone after a few tokens of 200 (10 s of generation)
+    t0 = time.time()
+    while engine.rows:
+        assert time.time() - t0 < 3, "the row of a client that left is still generating"
+        time.sleep(0.05)
+
+
 def test_server_flags_are_checked_in_one_line(ckpt):  # noqa: F811
     import subprocess
     import sys

@@ -334,11 +334,16 @@ class OpenAIServer:
         return {"prompt_tokens": len(req.prompt), "completion_tokens": n, "total_tokens": len(req.prompt) + n}
 
     async def whole(self, chat: bool, prompt, params, stops) -> dict:
+        """The whole reply; if this coroutine is cancelled (its client went away) the request
+        leaves the batch at the next step instead of generating for nobody."""
         req, out = self.start(prompt, params, stops)
-        while True:
-            _, finish = await out.get()
-            if finish is not None:
-                break
+        finish = None
+        try:
+            while finish is None:
+                _, finish = await out.get()
+        finally:
+            if finish is None:
+                req.cancelled = True
         if finish == "error":
             raise BadRequest(f"generation failed: {req.error}", status=500, kind="server_error")
         rid, now = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex, int(time.time())
@@ -433,6 +438,23 @@ def build_app(server: OpenAIServer):
                              "request_timeout", status=408) from None
         return b"".join(chunks)
 
+    async def until_disconnect(request: HTTPRequest, work):
+        """Run `work`, cancelled when the client disconnects first (the body is read by now, so
+        the next ASGI message is the disconnect)."""
+        task = asyncio.ensure_future(work)
+
+        async def gone() -> None:
+            while (await request.receive())["type"] != "http.disconnect":
+                pass
+
+        watch = asyncio.ensure_future(gone())
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+        if task.done():
+            watch.cancel()
+            return task.result()
+        task.cancel()
+        return fail(BadRequest("the client disconnected before the reply", status=499, code="client_closed"))
+
     @app.get("/health")
     async def health():
         return {"status": "ok", "model": server.model_name, "running": len(server.engine.rows),
@@ -455,7 +477,7 @@ def build_app(server: OpenAIServer):
             if stream:
                 return StreamingResponse(server.stream(chat, prompt, params, stops, include_usage),
                                          media_type="text/event-stream")
-            return await server.whole(chat, prompt, params, stops)
+            return await until_disconnect(request, server.whole(chat, prompt, params, stops))
         except BadRequest as e:
             return fail(e)
 
