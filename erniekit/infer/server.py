@@ -175,7 +175,7 @@ class OpenAIServer:
     def __init__(self, engine: Engine, tokenizer, model_name: str, api_key: str | None = None,
                  max_body_bytes: int = DEFAULT_MAX_BODY_BYTES):
         self.engine, self.tokenizer, self.model_name = engine, tokenizer, model_name
-        self._expected_auth = f"Bearer {api_key}".encode() if api_key else None  # the key itself is kept nowhere else
+        self._expected_auth = f"Bearer {api_key}".encode() if api_key else None  # the header bytes to expect
         self.max_body_bytes = max_body_bytes
         self.vocab = min(len(tokenizer), int(engine.model.config.vocab_size))
         self.chars_per_token = _max_chars_per_token(tokenizer)
