@@ -63,7 +63,8 @@ def assign_full(param: paddle.Tensor, value: paddle.Tensor) -> None:
     if not is_dist(param):
         param.set_value(value)
         return
-    param._local_value().set_value(like(param, value.astype(param.dtype))._local_value())
+    # contiguous: a transposed view (HF [out, in] -> [in, out]) was split by its storage order (wrong rows)
+    param._local_value().set_value(like(param, value.astype(param.dtype).contiguous())._local_value())
 
 
 def barrier() -> None:
