@@ -64,15 +64,18 @@ def export_hf(src: str, out: str, max_shard_size: str = "5GB", dtype: str | None
     if fmt in ("paddle", "onnx"):
         from erniekit.export.static import save_onnx, save_static
 
+        from erniekit.models.ernie4_5.checkpoint import STAGING_NAME, publish_model_files, start_staging
+
         needed = sum(int(p.numel()) * p.element_size() for p in model.parameters())
-        with write_errors(f"the {fmt} export", out, needed):
-            os.makedirs(out, exist_ok=True)
-            model.config.save_pretrained(out)
-            tokenizer.save_pretrained(out)
-            save_static(model, out)
+        with write_errors(f"the {fmt} export", out, needed, partial=os.path.join(out, STAGING_NAME)):
+            staging = start_staging(out)  # no half-written file ever sits under its final name
+            model.config.save_pretrained(staging)
+            tokenizer.save_pretrained(staging)
+            save_static(model, staging)
             if fmt == "onnx":
-                save_onnx(out)
-            atomic_write_json(os.path.join(out, INFO_NAME), info)
+                save_onnx(staging)
+            atomic_write_json(os.path.join(staging, INFO_NAME), info)
+            publish_model_files(staging, out)
         return out
     if fmt in ("wint8", "wint4"):
         from erniekit.nn.weight_only import quantize_state
