@@ -337,6 +337,43 @@ def test_resume_from_a_checkpoint_without_trainer_state(run_cli, tmp_path, good_
     run_cli(_train_args(tmp_path, f"resume_from_checkpoint={good_ckpt}"), "no trainer_state.json")
 
 
+def _training_checkpoint(good: Path, tmp_path: Path, state: str, optimizer: bytes | None) -> Path:
+    ckpt = _damaged(good, tmp_path, _write("trainer_state.json", state))
+    if optimizer is not None:
+        (ckpt / "optimizer.safetensors").write_bytes(optimizer)
+    return ckpt
+
+
+@pytest.mark.parametrize("state, optimizer, must", [
+    ('{"global_step": 1', None, "trainer_state.json:1: invalid JSON"),
+    ('{"global_step": 1}', os.urandom(512), "optimizer.safetensors: not a readable safetensors file"),
+], ids=["bad-trainer-state", "random-optimizer-state"])
+def test_resume_from_a_damaged_training_checkpoint(run_cli, tmp_path, good_ckpt, state, optimizer, must):
+    ckpt = _training_checkpoint(good_ckpt, tmp_path, state, optimizer)
+    run_cli(_train_args(tmp_path, f"model_name_or_path={good_ckpt}", f"resume_from_checkpoint={ckpt}"), must)
+
+
+def test_chat_on_a_directory_without_tokenizer(run_cli, tmp_path, good_ckpt):
+    ckpt = _damaged(good_ckpt, tmp_path, lambda p: (p / "tokenizer.model").unlink())
+    run_cli(["chat", ckpt, "--prompt", "hi"], "no tokenizer files (tokenizer.model)")
+
+
+@pytest.mark.parametrize("adapter, weights, must", [
+    ({"base_model_name_or_path": "/no/such/base"}, b"", "base_model_name_or_path='/no/such/base'"),
+    ({"r": 4, "lora_alpha": 8, "target_modules": ["q_proj"]}, os.urandom(256),
+     "adapter_model.safetensors: not a readable safetensors file"),
+    ({"r": 4, "lora_alpha": 8, "target_modules": ["q_proj"], "peft_type": "IA3"}, b"", "peft_type='IA3'"),
+], ids=["missing-base", "random-adapter-weights", "other-peft-type"])
+def test_bad_lora_adapter_for_chat(run_cli, tmp_path, good_ckpt, adapter, weights, must):
+    path = tmp_path / "adapter"
+    path.mkdir()
+    for name in ("tokenizer.model", "tokenizer_config.json", "special_tokens_map.json"):  # as save_adapter does
+        shutil.copy(good_ckpt / name, path / name)
+    (path / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": str(good_ckpt), **adapter}))
+    (path / "adapter_model.safetensors").write_bytes(weights)
+    run_cli(["chat", path, "--prompt", "hi"], must)
+
+
 # --------------------------------------------------------------------------------------- CLI flags
 def _cli_cases(tmp: Path, good: Path) -> list[tuple[str, list, str]]:
     full = tmp / "full"
