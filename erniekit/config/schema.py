@@ -90,11 +90,11 @@ class TrainConfig:
     per_device_train_batch_size: int = _opt(8, "examples per micro-batch on each device")
     per_device_eval_batch_size: int = _opt(32, "examples per eval batch on each device")
     gradient_accumulation_steps: int = _opt(1, "micro-batches summed per optimizer step")
-    max_steps: int = _opt(-1, "optimizer steps to run; > 0 overrides num_train_epochs")
-    num_train_epochs: float = _opt(1.0, "passes over the training data when max_steps <= 0")
+    max_steps: int = _opt(-1, "optimizer steps to run (>= 1), or -1 to train for num_train_epochs")
+    num_train_epochs: float = _opt(1.0, "passes over the training data when max_steps is -1")
 
     # ### optimizer (AdamW)
-    learning_rate: float = _opt(3e-4, "peak learning rate")
+    learning_rate: float = _opt(3e-4, "peak learning rate, in (0, 1]; above 1e-2 is warned about")
     min_lr: float = _opt(0.0, "learning rate at the end of the decay")
     weight_decay: float = _opt(0.01, "AdamW decoupled weight decay")
     adam_beta1: float = _opt(0.9, "AdamW beta1")
@@ -106,7 +106,7 @@ class TrainConfig:
     lr_scheduler_type: str = _opt(
         "cosine", "learning-rate schedule: cosine, constant, linear, wsd", LR_SCHEDULERS
     )
-    warmup_steps: int = _opt(0, "linear warmup steps; > 0 overrides warmup_ratio")
+    warmup_steps: int = _opt(0, "linear warmup steps; > 0 overrides warmup_ratio (more than max_steps is warned about)")
     warmup_ratio: float = _opt(0.0, "fraction of total steps used for warmup")
     decay_ratio: float = _opt(0.1, "fraction of total steps used for the final decay (wsd)")
 
