@@ -60,6 +60,10 @@ def train(args: list[str]) -> int:
         return 0
     if not args:
         raise ErniekitError(f"train needs a config file; {TRAIN_USAGE}")
+    flag = next((a for a in args if a.startswith("--")), None)
+    if flag:  # `--max-steps 5` is a habit from other tools; say what this one takes
+        key = flag.lstrip("-").split("=", 1)[0].replace("-", "_")
+        raise ErniekitError(f"train: {flag} is not an option; settings are key=value, e.g. {key}=VALUE; {TRAIN_USAGE}")
     path, overrides = (None, args) if "=" in args[0] else (args[0], args[1:])
     from erniekit.config import load_config, validate
 

@@ -403,6 +403,8 @@ def _cli_cases(tmp: Path, good: Path) -> list[tuple[str, list, str]]:
         ("plan-mode", ["plan", "--mode", "mesh"], "argument --mode: invalid choice"),
         ("train-override", ["train", "max_steps=1", "oops"], "override 'oops' (command line) is not key=value"),
         ("train-no-args", ["train"], "train needs a config file"),
+        ("train-dash-flag", ["train", "--max-steps", "5"], "train: --max-steps is not an option; settings are "
+                                                          "key=value, e.g. max_steps=VALUE"),
         ("server-port", ["server", good, "--port", "99999"], "--port 99999"),
         ("webui-port", ["webui", "--port", "x"], "argument --port: invalid int value"),
         ("help-unknown", ["help", "trainn"], "unknown command 'trainn'"),
