@@ -133,6 +133,49 @@ def test_kill_at_every_step_of_a_final_save_leaves_old_or_new(tmp_path, old_shar
         assert WEIGHTS_NAME not in names and set(json.load(open(os.path.join(target, INDEX_NAME)))["weight_map"].values()) == shards
 
 
+def test_kill_at_every_step_of_a_lora_final_save_leaves_old_or_new_adapter(tmp_path):
+    """A LoRA run's final save over the previous run's adapter in the same output_dir."""
+    from erniekit.models.ernie4_5.checkpoint import load_model_or_adapter
+    from erniekit.nn.lora import LoraConfig, apply_lora
+
+    tok = default_tokenizer()
+    base = tmp_path / "base"
+    save_pretrained(_model(0), str(base), tokenizer=tok)
+    adapters = []
+    for seed in (1, 2):
+        m = _model(0)
+        apply_lora(m, LoraConfig(r=2, lora_alpha=4.0))
+        paddle.seed(seed)
+        for p in m.parameters():
+            if not p.stop_gradient:
+                p.set_value(paddle.randn(p.shape, dtype=p.dtype) * 0.1)  # B != 0: the adapters change the model
+        adapters.append(m)
+    pristine = tmp_path / "pristine"
+    checkpointing.save_model_or_adapter(adapters[0], str(pristine), tok, str(base))
+    old, new = (_numpy_state(_merged(m)) for m in adapters)
+    target = tmp_path / "out"
+    k = 1
+    while True:
+        shutil.rmtree(target, ignore_errors=True)
+        shutil.copytree(pristine, target)
+        killed = _killed_at(k, lambda: checkpointing.save_model_or_adapter(adapters[1], str(target), tok, str(base)))
+        got = _which(_numpy_state(load_model_or_adapter(str(target))), old, new)
+        assert got != "neither", (k, sorted(os.listdir(target)))
+        if not killed:
+            break
+        k += 1
+    assert k > 3 and got == "new"
+
+
+def _merged(model):
+    """The model a LoRA directory loads as: a copy with the adapters merged."""
+    import copy
+
+    from erniekit.nn.lora import merge_and_unload
+
+    return merge_and_unload(copy.deepcopy(model))
+
+
 class _Opt:
     """The part of the optimizer a checkpoint save uses."""
 
