@@ -305,3 +305,31 @@ def test_json_extension_holding_json_lines(tmp_path):
     single = tmp_path / "one.json"
     single.write_text(json.dumps({"instruction": "i", "output": "o"}, indent=2))
     assert load_sft_examples(str(single))[0].turns == [("i", "o")]
+
+
+def test_value_sampling_draws_problems_as_the_held_out_partition_holds_them():
+    """The embedded default trains on operands uniform over 0..99: two-digit pairs are 81% of the
+    problem space and of the held-out split, so they must be ~81% of training, not the 25% that
+    digit-count sampling gives (which spent a quarter of the steps on 200 one-digit problems)."""
+    def two_digit_share(rows):
+        pairs = [r["src"][0].rstrip("=").replace("-", "+", 1).split("+") for r in rows]
+        return sum(len(a) == 2 and len(b) == 2 for a, b in pairs) / len(rows)
+
+    by_value = make_arithmetic(4000, seed=0, split="train", sampling="value")
+    by_digits = make_arithmetic(4000, seed=0, split="train", sampling="digits")
+    assert abs(two_digit_share(by_value) - 0.81) < 0.03
+    assert abs(two_digit_share(by_digits) - 0.25) < 0.03
+    assert all(_check_answer(r["src"][0], r["tgt"][0]) for r in by_value)
+    with pytest.raises(DataError, match="sampling='uniform'"):
+        make_arithmetic(1, seed=0, sampling="uniform")
+
+
+def test_bundled_dataset_is_what_the_tool_writes(tmp_path):
+    """examples/data/arithmetic is reproducible from tools/make_arithmetic.py's defaults."""
+    import subprocess
+    import sys
+
+    subprocess.run([sys.executable, os.path.join(ROOT, "tools", "make_arithmetic.py"), "--out", str(tmp_path)],
+                   check=True, capture_output=True)
+    for name in os.listdir(BUNDLED):
+        assert (tmp_path / name).read_bytes() == open(os.path.join(BUNDLED, name), "rb").read(), name

@@ -27,10 +27,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--min-digits", type=int, default=1, help="fewest digits per operand (default: %(default)s)")
     parser.add_argument("--max-digits", type=int, default=2, help="most digits per operand (default: %(default)s)")
     parser.add_argument("--ops", default="+-", help="operators to use, any of '+-*' (default: %(default)s)")
+    parser.add_argument("--sampling", default="value", choices=("value", "digits"),
+                        help="value: operands uniform over the range; digits: digit count uniform first (default: %(default)s)")
     args = parser.parse_args(argv)
     paths = write_arithmetic_dataset(
         args.out, args.n_train, args.n_eval, args.seed,
-        min_digits=args.min_digits, max_digits=args.max_digits, ops=tuple(args.ops),
+        min_digits=args.min_digits, max_digits=args.max_digits, ops=tuple(args.ops), sampling=args.sampling,
     )
     for name, path in paths.items():
         print(f"{name}: {path} ({os.path.getsize(path)} bytes)")

@@ -35,7 +35,12 @@ def split_heldout(
     return train, held
 
 
-def _operand(rng: random.Random, min_digits: int, max_digits: int) -> int:
+SAMPLINGS = ("digits", "value")
+
+
+def _operand(rng: random.Random, min_digits: int, max_digits: int, sampling: str = "digits") -> int:
+    if sampling == "value":  # every number of the range equally likely, as in the held-out partition
+        return rng.randint(0 if min_digits == 1 else 10 ** (min_digits - 1), 10**max_digits - 1)
     digits = rng.randint(min_digits, max_digits)
     low = 0 if digits == 1 else 10 ** (digits - 1)
     return rng.randint(low, 10**digits - 1)
@@ -50,11 +55,15 @@ def make_arithmetic(
     split: str | None = None,
     heldout_fraction: float = DEFAULT_HELDOUT_FRACTION,
     unique: bool = False,
+    sampling: str = "digits",
 ) -> list[dict]:
     """Return ``n`` rows ``{"src": ["a+b="], "tgt": ["answer"]}``.
 
-    Each operand first draws its digit count uniformly in [min_digits, max_digits], so short
-    and long numbers are equally common. ``split`` = "train" keeps only non-held-out problems,
+    ``sampling="digits"``: each operand first draws its digit count uniformly in [min_digits,
+    max_digits], so short and long numbers are equally common (a quarter of 1-2 digit problems
+    are then one of the 200 one-digit ones). ``sampling="value"``: each operand is uniform over
+    the range, so problems are drawn as the held-out partition holds them (81% two-digit pairs
+    at 1-2 digits); the embedded default uses it (docs/reproducibility.md). ``split`` = "train" keeps only non-held-out problems,
     "eval" only held-out ones, None keeps all. ``unique`` forbids repeated problems.
     """
     if not 1 <= min_digits <= max_digits:
@@ -62,6 +71,8 @@ def make_arithmetic(
     bad = [op for op in ops if op not in OPS]
     if bad or not ops:
         raise DataError(f"make_arithmetic: unknown ops {bad or list(ops)}; use some of {sorted(OPS)}")
+    if sampling not in SAMPLINGS:
+        raise DataError(f"make_arithmetic: sampling={sampling!r}; use one of {SAMPLINGS}")
     if split not in (None, "train", "eval"):
         raise DataError(f"make_arithmetic: split={split!r}; use None, 'train' or 'eval'")
     rng = random.Random(f"arith-{seed}-{split}")
@@ -74,7 +85,7 @@ def make_arithmetic(
                 f"make_arithmetic: only {len(rows)} of {n} {split or 'any'} problems found with "
                 f"{min_digits}-{max_digits} digits; ask for fewer or allow more digits/ops"
             )
-        a, b = _operand(rng, min_digits, max_digits), _operand(rng, min_digits, max_digits)
+        a, b = _operand(rng, min_digits, max_digits, sampling), _operand(rng, min_digits, max_digits, sampling)
         op = ops[rng.randrange(len(ops))]
         problem = f"{a}{op}{b}="
         if split is not None and is_heldout(problem, heldout_fraction) != (split == "eval"):
@@ -158,6 +169,7 @@ def write_arithmetic_dataset(
     max_digits: int = 2,
     ops: Sequence[str] = ("+", "-"),
     heldout_fraction: float = DEFAULT_HELDOUT_FRACTION,
+    sampling: str = "value",
 ) -> dict[str, str]:
     """Write train.jsonl / eval.jsonl (SFT form), pretrain.jsonl (``{"text": ...}``, see
     pretrain_text),
@@ -168,16 +180,16 @@ def write_arithmetic_dataset(
     come from the rest (repeats allowed when n_train exceeds the problem space).
     """
     kw = dict(min_digits=min_digits, max_digits=max_digits, ops=ops, heldout_fraction=heldout_fraction)
-    train = make_arithmetic(n_train, seed, split="train", **kw)
-    evals = make_arithmetic(n_eval, seed, split="eval", unique=True, **kw)
-    pretrain = make_arithmetic(n_train, seed + 1, split="train", **kw)
+    train = make_arithmetic(n_train, seed, split="train", sampling=sampling, **kw)
+    evals = make_arithmetic(n_eval, seed, split="eval", unique=True, sampling=sampling, **kw)
+    pretrain = make_arithmetic(n_train, seed + 1, split="train", sampling=sampling, **kw)
     os.makedirs(out_dir, exist_ok=True)
     names = ("train", "eval", "pretrain", "dpo_train", "dpo_eval", "rl_prompts")
     paths = {name: os.path.join(out_dir, f"{name}.jsonl") for name in names}
     _write_jsonl(paths["train"], train)
     _write_jsonl(paths["eval"], evals)
     _write_jsonl(paths["pretrain"], ({"text": pretrain_text(r, i)} for i, r in enumerate(pretrain)))
-    dpo_rows = make_arithmetic(n_train // 5, seed + 2, split="train", **kw)
+    dpo_rows = make_arithmetic(n_train // 5, seed + 2, split="train", sampling=sampling, **kw)
     _write_jsonl(paths["dpo_train"], make_arithmetic_preferences(dpo_rows, seed))
     _write_jsonl(paths["dpo_eval"], make_arithmetic_preferences(evals, seed + 1))
     _write_jsonl(paths["rl_prompts"], rl_prompt_rows(train, n_train // 5, seed + 3, **kw))

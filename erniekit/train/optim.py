@@ -164,10 +164,10 @@ def clip_grad_norm_(params: list[paddle.Tensor], max_norm: float,
     if not owned:
         return 0.0
     # per-tensor sums of squares as full values (a partial sum is reduced before it is squared)
-    # `** 2`, not paddle.square (40x faster on CPU): the embedded default's late accuracy jump is
-    # chaotic, and square's last-bit difference in this norm moved it from 0.796 to 0.300
-    # (measured). Switch together with a re-measured default (docs/fp8.md, "chaotic").
-    sq = [to_dense(paddle.sum(g.astype("float32") ** 2)) for g in owned]
+    # paddle.square: 40x faster on CPU than `** 2`, and a last-bit difference from it; the embedded
+    # default is measured over seeds, threads and ISAs so it does not hang on such bits
+    # (docs/reproducibility.md).
+    sq = [to_dense(paddle.sum(paddle.square(g.astype("float32")))) for g in owned]
     norm = float(paddle.sqrt(paddle.add_n(sq)))
     if max_norm > 0 and norm > max_norm:
         coef = max_norm / (norm + 1e-6)
