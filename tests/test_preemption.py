@@ -127,15 +127,43 @@ def test_a_run_resumed_after_a_kill_logs_no_step_twice(tmp_path):
     np.testing.assert_allclose([again[s] for s in range(5, 9)], [first[s] for s in range(5, 9)], rtol=1e-6)
 
 
+def test_a_sigkilled_run_resumes_with_every_step_logged_once(tmp_path):
+    """A real SIGKILL at some step past checkpoint-4: after the resume scalars.jsonl and the
+    VisualDL files hold steps 1..end once each (the checkpoint flushed VisualDL's buffered records,
+    the resume dropped the ones past its checkpoint)."""
+    out = tmp_path / "run"
+    args = [a for a in _args(out, steps=500) if not a.startswith("save_steps=")] + ["save_steps=4"]
+    p = _start(args)
+    deadline = time.time() + 300
+    while not (out / "checkpoint-4").is_dir() or max(_loss_steps(out), default=0) < 6:
+        assert p.poll() is None and time.time() < deadline, p.communicate()[0][-3000:]
+        time.sleep(0.05)
+    p.kill()
+    p.communicate(timeout=60)
+    end = max(_loss_steps(out)) + 2
+    r = _run([*args, f"max_steps={end}", "resume_from_checkpoint=auto"])
+    assert r.returncode == 0 and "resumed from" in r.stdout, r.stdout[-2000:] + r.stderr[-2000:]
+    assert _loss_steps(out) == list(range(1, end + 1))
+    assert sorted(_vdl_loss_steps(out)) == list(range(1, end + 1))
+
+
 # ---- launched jobs ----------------------------------------------------------------------------
 STEPS = 20
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    """The uninterrupted curve: one process, global batch 8 (what 2 data ranks x 4 train on)."""
-    out = tmp_path_factory.mktemp("ref") / "dense"
-    r = _run(_args(out, steps=STEPS))
-    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
-    return out
+    """model -> the uninterrupted curve's run: one process, global batch 8 (what 2 data ranks x 4
+    train on); each model's run once per module."""
+    base, done = tmp_path_factory.mktemp("ref"), {}
+
+    def run(model):
+        if model not in done:
+            out = base / model
+            r = _run(_args(out, steps=STEPS) + [f"model_name_or_path={model}"])
+            assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+            done[model] = out
+        return done[model]
+
+    return run
 
 
 def _by_step(out):
@@ -145,13 +173,15 @@ def _by_step(out):
     return {r["step"]: r["train/loss"] for r in rows}
 
 
-LAYOUTS = {"dp": (4, []), "tp": (8, ["tensor_parallel_degree=2"]), "pp": (8, ["pipeline_parallel_degree=2"])}
+LAYOUTS = {"dp": (4, []), "tp": (8, ["tensor_parallel_degree=2"]), "pp": (8, ["pipeline_parallel_degree=2"]),
+           "ep": (4, ["model_name_or_path=tiny-moe", "expert_parallel_degree=2"])}
 
 
 @pytest.mark.parametrize("layout, target, sig", [("dp", "erniekit train", signal.SIGTERM), ("dp", "rank 1", signal.SIGTERM),
-                                                 ("tp", "erniekit train", signal.SIGINT), ("pp", "rank 1", signal.SIGTERM)])
+                                                 ("tp", "erniekit train", signal.SIGINT), ("pp", "rank 1", signal.SIGTERM),
+                                                 ("ep", "erniekit train", signal.SIGTERM)])
 def test_a_signal_stops_every_rank_of_a_launched_job_after_the_same_step(reference, tmp_path, layout, target, sig):
-    """2 processes (data, tensor or pipeline parallel), the signal to `erniekit train` (a scheduler,
+    """2 processes (data, tensor, pipeline or expert parallel), the signal to `erniekit train` (a scheduler,
     Ctrl-C) or to one rank: one checkpoint-N that both ranks wrote after the same step N, exit
     128 + the signal, no survivor; the resume follows the 1-process curve."""
     out = tmp_path / layout
@@ -163,7 +193,7 @@ def test_a_signal_stops_every_rank_of_a_launched_job_after_the_same_step(referen
     assert sorted(pids) == [0, 1], pids
     os.kill(p.pid if target == "erniekit train" else pids[1], sig)
     stdout, _ = p.communicate(timeout=180)
-    assert p.returncode == 128 + sig and "restart" not in stdout, stdout[-3000:]
+    assert p.returncode == 128 + sig and "restart 1 of 1" not in stdout, stdout[-3000:]
     assert _wait_gone(out) == [], "processes of the job outlived erniekit train"
     logs = [(out / "launch_logs" / f"workerlog.{r}").read_text() for r in (0, 1)]
     (n,), (n1,) = _stop_steps(logs[0]), _stop_steps(logs[1])
@@ -174,10 +204,11 @@ def test_a_signal_stops_every_rank_of_a_launched_job_after_the_same_step(referen
     assert "FatalError" not in logs[0] + logs[1]
     r = _run(args + ["resume_from_checkpoint=auto"])
     assert r.returncode == 0 and f"checkpoint-{n} at step {n}" in r.stdout, r.stdout[-3000:] + r.stderr[-3000:]
-    got, want = _by_step(out), _by_step(reference)
+    got, want = _by_step(out), _by_step(reference("tiny-moe" if layout == "ep" else "tiny-dense"))
     assert sorted(got) == list(range(1, STEPS + 1))
     # 1e-5: what a 2-process layout keeps from the 1-process curve over 20 steps (tests/test_distributed.py)
-    np.testing.assert_allclose([got[s] for s in sorted(got)], [want[s] for s in sorted(got)], rtol=1e-5)
+    np.testing.assert_allclose([got[s] for s in sorted(got)], [want[s] for s in sorted(got)], rtol=1e-5,
+                               err_msg=f"stopped at {n}; resumed run:\n{r.stdout[-3000:]}")
 
 
 def test_a_sigkilled_erniekit_train_leaves_no_process_of_its_job(tmp_path):

@@ -102,6 +102,10 @@ def stop_on_signal(launched: bool = False):
 
     for s in previous:
         signal.signal(s, handler)
+        # restart system calls the signal interrupts (SA_RESTART): Python installs its handlers
+        # without it, and the signal may land in any thread, e.g. one of gloo's or paddle's C++
+        # threads in a socket read; the handler only sets a flag, nothing needs the interruption
+        signal.siginterrupt(s, False)
     try:
         yield
     finally:

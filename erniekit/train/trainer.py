@@ -75,6 +75,11 @@ class ScalarLogger:
                 dropped += drop_vdl_after(os.path.join(self.logdir, name), step)
         return dropped
 
+    def flush(self) -> None:
+        """The VisualDL writer keeps records in memory up to 120 s; a checkpoint flushes them."""
+        if self._writer is not None:
+            self._writer.flush()
+
     def close(self) -> None:
         if self._writer is not None:
             self._writer.close()
@@ -231,6 +236,7 @@ class Trainer:
 
     def save(self) -> str:
         path = os.path.join(self.cfg.output_dir, f"checkpoint-{self.step}")
+        self.logger.flush()  # every step up to this checkpoint on disk: a kill leaves no hole before it
         extra = dict(self.stage.checkpoint_tensors())
         if self.ema is not None:
             extra[EMA_NAME] = self.ema.state_dict()
