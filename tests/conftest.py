@@ -5,7 +5,9 @@ import os
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 from erniekit.utils.malloc import keep_freed_memory  # noqa: E402  (as `erniekit` does: freed tensors are reused)
+from erniekit.utils.mkl import use_mkl_vector_kernels  # noqa: E402  (as `erniekit` does: MKL's AVX kernels on AMD)
 
+use_mkl_vector_kernels()
 keep_freed_memory()
 
 

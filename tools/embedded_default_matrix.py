@@ -4,8 +4,10 @@ and report the held-out exact match as a range, not as one machine's number.
 
 The accuracy a run reaches depends on the last bits of its arithmetic (GEMM summation order
 changes with the thread count and with the vector ISA the kernels pick), so a claim about the
-default is a claim about this whole matrix. `--isa avx2` forces the non-AVX-512 kernels most
-laptops and AMD machines get (ONEDNN_MAX_CPU_ISA=AVX2, MKL_ENABLE_INSTRUCTIONS=AVX2).
+default is a claim about this whole matrix. `--isa native` runs the kernels erniekit picks on this
+CPU by itself; `--isa avx2` forces the non-AVX-512 kernels many laptops and AMD machines get
+(ONEDNN_MAX_CPU_ISA=AVX2, MKL_ENABLE_INSTRUCTIONS=AVX2; on AMD CPUs erniekit maps them to MKL's
+AVX2 kernels, erniekit/utils/mkl.py). Each run records the MKL kernel set it got.
 
 Resumable: every finished run is written to the JSON file at once, and a rerun skips the
 (seed, threads, isa) cells already there for the same config and overrides. Runs go in parallel
@@ -31,6 +33,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 ISA_ENV = {"native": {}, "avx2": {"ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"}}
+ISA_KEYS = ("ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS", "MKL_DEBUG_CPU_TYPE")
+MKL_KERNELS = {"5": "AVX2 (MKL_DEBUG_CPU_TYPE=5)", "7": "AVX-512 (MKL_DEBUG_CPU_TYPE=7)"}
 
 
 def cpu_model() -> str:
@@ -54,6 +58,15 @@ def cpu_flags() -> list[str]:
     except OSError:
         pass
     return []
+
+
+def kernels(isa: str) -> str:
+    """Which GEMM kernels an `isa` run gets here: MKL's own dispatch, or the set erniekit asks for."""
+    sys.path.insert(0, str(ROOT))
+    from erniekit.utils.mkl import mkl_cpu_type, read_cpuinfo
+
+    chosen = mkl_cpu_type(ISA_ENV[isa], *read_cpuinfo())
+    return MKL_KERNELS.get(chosen, "MKL's own dispatch") + ("; " + ", ".join(f"{k}={v}" for k, v in ISA_ENV[isa].items()) if ISA_ENV[isa] else "")
 
 
 def _csv(kind):
@@ -80,16 +93,14 @@ def loss_summary(out_dir: Path) -> dict:
 
 def run_cell(config: str, overrides: list[str], seed: int, threads: int, isa: str, out_dir: Path) -> dict:
     """One `erniekit train` run of the matrix; its record (exact match None when it failed)."""
-    env = dict(os.environ, OMP_NUM_THREADS=str(threads), **ISA_ENV[isa])
-    for key in ("ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS"):
-        if isa == "native":
-            env.pop(key, None)
+    env = {k: v for k, v in os.environ.items() if k not in ISA_KEYS}
+    env.update(ISA_ENV[isa], OMP_NUM_THREADS=str(threads))
     cmd = [sys.executable, "-m", "erniekit", "train", config, f"seed={seed}", f"output_dir={out_dir}",
            "disable_tqdm=true", *overrides]
     start = time.perf_counter()
     r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
     wall = time.perf_counter() - start
-    rec = {"seed": seed, "threads": threads, "isa": isa, "cpu": cpu_model(), "wall_s": round(wall, 1),
+    rec = {"seed": seed, "threads": threads, "isa": isa, "cpu": cpu_model(), "kernels": kernels(isa), "wall_s": round(wall, 1),
            "returncode": r.returncode, "exact_match": None}
     results = out_dir / "train_results.json"
     if r.returncode == 0 and results.exists():
