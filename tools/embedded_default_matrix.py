@@ -7,7 +7,9 @@ changes with the thread count and with the vector ISA the kernels pick), so a cl
 default is a claim about this whole matrix. `--isa native` runs the kernels erniekit picks on this
 CPU by itself; `--isa avx2` forces the non-AVX-512 kernels many laptops and AMD machines get
 (ONEDNN_MAX_CPU_ISA=AVX2, MKL_ENABLE_INSTRUCTIONS=AVX2; on AMD CPUs erniekit maps them to MKL's
-AVX2 kernels, erniekit/utils/mkl.py). Each run records the MKL kernel set it got.
+AVX2 kernels, erniekit/utils/mkl.py); `--isa generic` runs MKL's generic kernels (what Paddle's
+MKL 2019 gives AMD CPUs outside erniekit's CLI: MKL_DEBUG_CPU_TYPE=1). Each run records the MKL
+kernel set it got.
 
 Resumable: every finished run is written to the JSON file at once, and a rerun skips the
 (seed, threads, isa) cells already there for the same config and overrides. Runs go in parallel
@@ -32,9 +34,11 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-ISA_ENV = {"native": {}, "avx2": {"ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"}}
+ISA_ENV = {"native": {}, "avx2": {"ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"},
+           "generic": {"MKL_DEBUG_CPU_TYPE": "1"}}
 ISA_KEYS = ("ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS", "MKL_DEBUG_CPU_TYPE")
 MKL_KERNELS = {"5": "AVX2 (MKL_DEBUG_CPU_TYPE=5)", "7": "AVX-512 (MKL_DEBUG_CPU_TYPE=7)"}
+NAMED_BY_USER = {"1": "generic"}
 
 
 def cpu_model() -> str:
@@ -66,6 +70,8 @@ def kernels(isa: str) -> str:
     from erniekit.utils.mkl import mkl_cpu_type, read_cpuinfo
 
     chosen = mkl_cpu_type(ISA_ENV[isa], *read_cpuinfo())
+    if "MKL_DEBUG_CPU_TYPE" in ISA_ENV[isa]:
+        return NAMED_BY_USER[ISA_ENV[isa]["MKL_DEBUG_CPU_TYPE"]] + " (MKL_DEBUG_CPU_TYPE set by the run)"
     return MKL_KERNELS.get(chosen, "MKL's own dispatch") + ("; " + ", ".join(f"{k}={v}" for k, v in ISA_ENV[isa].items()) if ISA_ENV[isa] else "")
 
 
@@ -129,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seeds", type=_csv(int), default=[1, 2, 3, 42], help="comma-separated seeds (default: 1,2,3,42)")
     p.add_argument("--threads", type=_csv(int), default=[1, 2], help="OMP_NUM_THREADS values (default: 1,2)")
     p.add_argument("--isa", type=_csv(str), default=["native", "avx2"],
-                   help="kernel sets: native and/or avx2 (default: native,avx2)")
+                   help="kernel sets: native, avx2 and/or generic (default: native,avx2)")
     p.add_argument("--jobs", type=int, default=0, help="runs at once (default: as many as the cores hold)")
     p.add_argument("--out", default="bench_results/embedded_default_matrix.json", help="JSON file (default: %(default)s)")
     p.add_argument("--workdir", default="output/embedded_default_matrix", help="run directories (default: %(default)s)")
@@ -137,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     bad = [i for i in args.isa if i not in ISA_ENV]
     if bad:
-        p.error(f"--isa {','.join(bad)}: use native and/or avx2")
+        p.error(f"--isa {','.join(bad)}: use some of {', '.join(ISA_ENV)}")
     if any(t < 1 for t in args.threads) or args.jobs < 0:
         p.error("--threads must be >= 1 and --jobs >= 0")
 
