@@ -26,7 +26,7 @@ import paddle
 from paddle.autograd import PyLayer
 
 from erniekit.errors import ConfigError
-from erniekit.nn.moe import concat_rows, split_rows
+from erniekit.nn.rows import concat_rows, split_rows
 
 E4M3_MAX = 448.0  # largest finite float8_e4m3fn
 E4M3_MANTISSA_BITS = 3

@@ -22,7 +22,8 @@ import paddle.nn as nn
 import paddle.nn.functional as F
 
 from erniekit.errors import CheckpointError, ConfigError
-from erniekit.nn.moe import StackedExperts, concat_rows, split_rows
+from erniekit.nn.moe import StackedExperts
+from erniekit.nn.rows import concat_rows, split_rows
 from erniekit.utils.io import read_json_object
 
 ADAPTER_CONFIG_NAME = "adapter_config.json"

@@ -29,7 +29,10 @@ import paddle.nn as nn
 import paddle.nn.functional as F
 
 from erniekit.errors import DataError
+from erniekit.nn.fp8 import fp8_grouped_matmul
 from erniekit.nn.recompute import recomputing
+from erniekit.nn.rows import concat_rows, split_rows
+
 
 class ExpertExchange(Protocol):
     """What an expert-parallel StackedExperts needs from the runtime (erniekit/distributed/expert_exchange.py)."""
@@ -204,8 +207,6 @@ class StackedExperts(nn.Layer):
         """
         w = self.param(p)
         if self.fp8_block:
-            from erniekit.nn.fp8 import fp8_grouped_matmul
-
             return fp8_grouped_matmul(x, w, sizes, used, block=self.fp8_block, grad_format=self.fp8_grad_format)
         W = paddle.unbind(w)
         return concat_rows([self.base_matmul(g, W[e]) for g, e in zip(split_rows(x, sizes), used)])
@@ -302,16 +303,6 @@ def source_to_expert_order(blocks: np.ndarray) -> np.ndarray:
     em_starts = np.ascontiguousarray(starts.reshape(blocks.shape).T).reshape(-1)
     offsets = np.arange(int(em.sum()), dtype="int64") - np.repeat(np.cumsum(em) - em, em)
     return np.repeat(em_starts, em).astype("int64") + offsets
-
-
-def split_rows(x: paddle.Tensor, sizes: list[int]) -> list[paddle.Tensor]:
-    """x [M, ...] cut into consecutive row groups of the given sizes (one group: no split op)."""
-    return paddle.split(x, sizes, axis=0) if len(sizes) > 1 else [x]
-
-
-def concat_rows(ts: list[paddle.Tensor]) -> paddle.Tensor:
-    """Inverse of split_rows."""
-    return paddle.concat(ts, axis=0) if len(ts) > 1 else ts[0]
 
 
 # ---- router losses ---------------------------------------------------------------------------

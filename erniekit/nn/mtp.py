@@ -35,13 +35,12 @@ def shift_left(input_ids: paddle.Tensor, k: int, pad_id: int) -> paddle.Tensor:
 
 class MultiTokenPredictor(nn.Layer):
     """The D MTP depths; the trunk (`Ernie4_5ForCausalLM`) is passed in, never owned, so embedding,
-    final norm and head stay shared."""
+    final norm and head stay shared. The model family hands in its own decoder layer and norm
+    classes (`decoder_layer(config, layer_idx)`, `norm(hidden_size, eps)`), so nn/ needs no model."""
 
-    def __init__(self, config):
-        # imported here: modeling imports this module to build the heads
-        from erniekit.models.ernie4_5.modeling import DecoderLayer, RMSNorm
-
+    def __init__(self, config, decoder_layer, norm):
         super().__init__()
+        DecoderLayer, RMSNorm = decoder_layer, norm
         d, hs, eps = config.num_nextn_predict_layers, config.hidden_size, config.rms_norm_eps
         block = mtp_block_config(config)
         self.mtp_emb_norm = nn.LayerList([RMSNorm(hs, eps) for _ in range(d)])

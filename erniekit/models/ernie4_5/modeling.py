@@ -212,7 +212,7 @@ class Ernie4_5ForCausalLM(nn.Layer):
         if not config.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias_attr=False)
         # multi-token prediction heads (off by default): sharing embedding, final norm and head with the trunk
-        self.mtp = MultiTokenPredictor(config) if config.num_nextn_predict_layers > 0 else None
+        self.mtp = MultiTokenPredictor(config, DecoderLayer, RMSNorm) if config.num_nextn_predict_layers > 0 else None
         self.init_weights()
 
     def init_weights(self) -> None:
