@@ -27,3 +27,36 @@ def test_onpolicy_pairs_are_valid_preferences(tmp_path):
     pairs = load_preference_pairs(str(out))  # validates the ERNIEKit format, chosen != rejected
     assert pairs and all(p.chosen == answer(p.prompt) != p.rejected for p in pairs)
     assert all(json.loads(line)["sort"] == [1, 0] for line in out.read_text().splitlines())
+
+
+def test_matrix_runs_every_cell_within_the_cores_and_never_idles_a_core_behind_a_wide_run():
+    """tools/embedded_default_matrix.run_all: threads in use never exceed the cores; while a
+    2-thread run waits for both cores, 1-thread runs still start two at a time."""
+    import threading
+    import time
+
+    sys.path.insert(0, os.path.join(ROOT, "tools"))
+    from embedded_default_matrix import run_all
+
+    lock, busy, peak, log = threading.Lock(), [0], [0], []
+
+    def run(cell):
+        with lock:
+            busy[0] += cell[1]
+            peak[0] = max(peak[0], busy[0])
+            log.append(("start", cell, busy[0]))
+        time.sleep(0.05)
+        with lock:
+            busy[0] -= cell[1]
+        return {"cell": cell}
+
+    cells = [(1, 2, "a"), (2, 2, "a"), (1, 1, "a"), (2, 1, "a"), (3, 1, "a"), (4, 1, "a")]
+    got = []
+    run_all(cells, capacity=2, jobs=2, run=run, done=lambda rec: got.append(rec["cell"]))
+    assert sorted(got) == sorted(cells) and peak[0] == 2
+    one_thread = [b for kind, c, b in log if c[1] == 1]
+    assert one_thread.count(2) == 2  # the four 1-thread runs went two at a time
+    # a cell wider than the machine still runs, alone
+    got.clear()
+    run_all([(1, 4, "a"), (2, 1, "a")], capacity=2, jobs=2, run=run, done=lambda rec: got.append(rec["cell"]))
+    assert sorted(got) == [(1, 4, "a"), (2, 1, "a")]

@@ -120,6 +120,25 @@ def run_cell(config: str, overrides: list[str], seed: int, threads: int, isa: st
     return rec
 
 
+def run_all(cells: list[tuple], capacity: int, jobs: int, run, done) -> None:
+    """Run every cell (seed, threads, isa) with at most `jobs` at once and their threads summed
+    within `capacity`: the first cell in order that fits starts; `done` gets each record."""
+    pending, running = list(cells), {}
+    free = capacity
+    with futures.ThreadPoolExecutor(max(1, jobs)) as pool:
+        while pending or running:
+            fits = next((c for c in pending if c[1] <= free or (not running and c[1] > capacity)), None)
+            if fits is not None and len(running) < jobs:
+                pending.remove(fits)
+                free -= fits[1]
+                running[pool.submit(run, fits)] = fits
+                continue
+            finished, _ = futures.wait(running, return_when=futures.FIRST_COMPLETED)
+            for f in finished:
+                free += running.pop(f)[1]
+                done(f.result())
+
+
 def summarize(runs: list[dict]) -> dict:
     scores = [r["exact_match"] for r in runs if r.get("exact_match") is not None]
     if not scores:
@@ -171,30 +190,14 @@ def main(argv: list[str] | None = None) -> int:
               f"{rec['exact_match'] if rec['exact_match'] is not None else 'FAILED'}  ({rec['wall_s']:.0f} s)", flush=True)
 
     print(f"{len(done)} cells done, {len(cells)} to run on {cpu_model()} ({cores} cores)", flush=True)
-    # Runs share the cores: several 1-thread runs at once, a 2-thread run next to at most cores-2 threads.
+    # Runs share the cores: a run starts when its threads fit in the free cores (never two runs
+    # holding half the cores each), widest first, and the narrow ones fill the gaps; a wide run
+    # waiting for cores never keeps a narrow one from starting on a free core.
     jobs = args.jobs or max(1, cores // max(1, min(args.threads)))
     capacity = max(cores, max(args.threads))
-    free = [capacity]
-    cond = threading.Condition()
-
-    def cell(c):
-        s, t, i = c
-        with cond:  # take all of a run's cores at once, so two runs never hold half each
-            cond.wait_for(lambda: free[0] >= t)
-            free[0] -= t
-        try:
-            rec = run_cell(args.config, args.overrides, s, t, i, ROOT / args.workdir / f"s{s}_t{t}_{i}")
-            rec["parallel_jobs"] = jobs
-            finish(rec)
-        finally:
-            with cond:
-                free[0] += t
-                cond.notify_all()
-
-    # 2-thread cells first, so the 1-thread ones fill the gaps at the end.
-    cells.sort(key=lambda c: -c[1])
-    with futures.ThreadPoolExecutor(jobs) as pool:
-        list(pool.map(cell, cells))
+    run_all(sorted(cells, key=lambda c: -c[1]), capacity, jobs,
+            lambda c: run_cell(args.config, args.overrides, *c, ROOT / args.workdir / f"s{c[0]}_t{c[1]}_{c[2]}"),
+            lambda rec: finish({**rec, "parallel_jobs": jobs}))
     summary = summarize(doc["runs"])
     if not summary.get("finished"):
         print("no run finished")
