@@ -88,7 +88,7 @@ def train(args: list[str]) -> int:
 
     if world_size(cfg) > 1 and not in_launched_worker():
         return relaunch(cfg, args, user_threads)
-    from erniekit.train.runner import run_train
+    from erniekit.train.run import run_train
 
     result = run_train(cfg)
     if isinstance(result, dict) and result.get("stop_signal"):

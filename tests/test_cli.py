@@ -103,11 +103,11 @@ def test_train_without_config_exits_2(capsys):
 
 @pytest.fixture
 def fake_runner(monkeypatch):
-    """Stand-in for erniekit.train.runner that records the config it is given."""
+    """Stand-in for erniekit.train.run that records the config it is given."""
     seen = []
-    module = types.ModuleType("erniekit.train.runner")
+    module = types.ModuleType("erniekit.train.run")
     module.run_train = seen.append
-    monkeypatch.setitem(sys.modules, "erniekit.train.runner", module)
+    monkeypatch.setitem(sys.modules, "erniekit.train.run", module)
     return seen
 
 

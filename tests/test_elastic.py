@@ -128,7 +128,7 @@ def test_config_accepts_comma_strings():
 
 
 def test_model_dependent_ranges_fail_before_training(tmp_path):
-    from erniekit.train.runner import run_train
+    from erniekit.train.run import run_train
 
     for bad, key in (("elastic_depth=[2,7]", "elastic_depth"), ("elastic_experts=[16]", "elastic_experts")):
         cfg = validate(load_config(None, SMALL + [bad, "max_steps=1", f"output_dir={tmp_path / key}"]))
@@ -139,7 +139,7 @@ def test_model_dependent_ranges_fail_before_training(tmp_path):
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     """A 6-step elastic run (shared by the training, export and eval tests)."""
-    from erniekit.train.runner import run_train
+    from erniekit.train.run import run_train
 
     out = tmp_path_factory.mktemp("elastic") / "run"
     cfg = validate(load_config(None, SMALL + ["max_steps=6", "elastic_full_prob=0.2", f"output_dir={out}"]))
@@ -226,7 +226,7 @@ def test_eval_elastic_defaults_to_run_choices(trained):
 
 
 def test_resume_replays_the_same_submodels(tmp_path):
-    from erniekit.train.runner import run_train
+    from erniekit.train.run import run_train
 
     def run(name, *extra):
         cfg = validate(load_config(None, SMALL + ["max_steps=4", "save_steps=2", "save_total_limit=0", "do_eval=false",
@@ -300,7 +300,7 @@ def test_sandwich_config_errors(override, words):
 
 
 def test_sandwich_needs_a_smaller_choice(tmp_path):
-    from erniekit.train.runner import run_train
+    from erniekit.train.run import run_train
 
     cfg = validate(load_config(None, SMALL + ["elastic_depth=[4]", "elastic_experts=[8]", "elastic_top_k=[2]",
                                               "elastic_sandwich=true", "max_steps=1", f"output_dir={tmp_path}"]))
@@ -314,9 +314,9 @@ def test_sandwich_step_gradient_is_full_plus_distilled_submodel(tmp_path):
     import paddle.nn.functional as F
 
     from erniekit.train.losses import count_target_tokens
-    from erniekit.train.runner import load_model, load_tokenizer
+    from erniekit.train.run import load_model, load_tokenizer
     from erniekit.train.stages import get_stage
-    from erniekit.train.trainer import Trainer
+    from erniekit.train.loop import Trainer
 
     w = 0.6
     cfg = validate(load_config(None, SMALL + ["elastic_sandwich=true", f"elastic_distill_weight={w}",

@@ -348,19 +348,18 @@ def test_lora_adapts_every_modality_with_global_expert_names(tmp_path):
     np.testing.assert_allclose(back(ids, token_type_ids=types).logits.numpy(), ref, rtol=1e-4, atol=1e-5)
 
 
-def test_loss_token_balance_key_trains_end_to_end(tmp_path):
+def test_loss_token_balance_key_trains_end_to_end(tmp_path, monkeypatch):
     """The config key reaches the stage: the logged loss is the per-example average (normaliser = examples)."""
     from erniekit.config import load_config, validate
-    from erniekit.train.runner import run_train
+    from erniekit.train import run as runner
+    from erniekit.train.stages import get_stage
     from tests.test_train import SMALL
 
     cfg = validate(load_config(None, SMALL + [f"output_dir={tmp_path / 'tb'}", "loss_token_balance=true", "max_steps=3",
                                               "do_eval=false", "save_steps=100"]))
-    from erniekit.train.stages.sft import STAGE
-
+    used = []  # the run's own stage instance (each run gets a fresh one)
+    monkeypatch.setattr(runner, "get_stage", lambda name: used.append(get_stage(name)) or used[-1])
     assert cfg.loss_token_balance is True
-    try:
-        run_train(cfg, log=lambda s: None)
-        assert STAGE.token_balance is True
-    finally:
-        STAGE.token_balance = False  # the stage is a module singleton shared with other tests
+    runner.run_train(cfg, log=lambda s: None)
+    assert len(used) == 1 and used[0].token_balance is True
+    assert get_stage("SFT").token_balance is False  # nothing of the run is left on the class

@@ -21,7 +21,7 @@ BASE = [
 
 
 def _run(tmp_path, name, *overrides):
-    from erniekit.train.runner import run_train
+    from erniekit.train.run import run_train
 
     cfg = validate(load_config(None, BASE + [f"output_dir={tmp_path / name}", *overrides]))
     logs: list[str] = []
@@ -147,7 +147,7 @@ def test_token_balanced_loss_is_rejected_outside_lm_stages():
 
 
 def test_fp8_grad_format_reaches_every_expert_stack():
-    from erniekit.train.runner import load_model
+    from erniekit.train.run import load_model
 
     cfg = validate(load_config(None, BASE + ["fp8=true", "fp8_grad_format=E5M2", "fine_tuning=LoRA"]))
     model = load_model(cfg)  # FP8 set on the base, then LoRA wraps the expert stacks

@@ -90,7 +90,7 @@ def test_the_recomputed_part_runs_again_in_the_backward(mode, part, monkeypatch)
 
 
 def test_recompute_keys_validate_and_reach_the_model(tmp_path):
-    from erniekit.train.runner import load_model
+    from erniekit.train.run import load_model
 
     with pytest.raises(ConfigError, match="recompute_granularity") as e:
         validate(load_config(None, ["recompute=true", "recompute_granularity=attn"]))

@@ -56,7 +56,7 @@ def _cfg(tmp_path, *overrides, stage="GRPO"):
 
 
 def _run(tmp_path, *overrides, stage="GRPO"):
-    from erniekit.train.runner import run_train
+    from erniekit.train.run import run_train
 
     logs: list[str] = []
     res = run_train(_cfg(tmp_path, *overrides, stage=stage), log=logs.append)
@@ -70,7 +70,7 @@ def _scalars(path):
 
 def _prepared_stage(tmp_path, *overrides, stage="GRPO"):
     """(model, stage, tokenizer) after the runner's setup, without training."""
-    from erniekit.train.runner import load_model, load_tokenizer
+    from erniekit.train.run import load_model, load_tokenizer
     from erniekit.train.stages import get_stage
 
     cfg = _cfg(tmp_path, *overrides, stage=stage)

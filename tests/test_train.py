@@ -26,7 +26,7 @@ SMALL = [
 
 
 def _run(tmp_path, name, *overrides, expect_ok=True):
-    from erniekit.train.runner import run_train
+    from erniekit.train.run import run_train
 
     cfg = validate(load_config(None, SMALL + [f"output_dir={tmp_path / name}", *overrides]))
     logs: list[str] = []
@@ -187,7 +187,9 @@ def test_sft_packing_gives_the_same_loss_as_separate_examples():
     from erniekit.models.ernie4_5.tokenizer import default_tokenizer
     from erniekit.train.batching import collate
     from erniekit.train.losses import count_target_tokens
-    from erniekit.train.stages.sft import STAGE
+    from erniekit.train.stages import get_stage
+
+    STAGE = get_stage("SFT")
 
     tok = default_tokenizer()
     pairs = encode_conversations(load_sft_examples(f"{DATA}/eval.jsonl")[:12], tok, 32)

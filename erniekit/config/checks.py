@@ -8,7 +8,7 @@ import os
 import sys
 import tempfile
 
-from erniekit.config.schema import RL_STAGES, TrainConfig, fields
+from erniekit.config.schema import TrainConfig, fields
 from erniekit.errors import ConfigError
 
 # Limits on the learning rate (docs/training.md, "Limits"). AdamW moves every weight by about
@@ -35,8 +35,33 @@ def _flush_warnings() -> None:
     _pending.clear()
 
 
+def _supports(cfg: TrainConfig):
+    """What cfg's stage declares it can run with (erniekit/train/stage.py: Supports)."""
+    from erniekit.train.stages import stage_class
+
+    return stage_class(cfg.stage).supports
+
+
+def _stages_that(capability: str, sep: str = " and ") -> str:
+    """The registered stages declaring `capability`, for an error message: "pretrain and SFT"."""
+    from erniekit.train.stages import stage_classes
+
+    names = [c.name for c in stage_classes() if getattr(c.supports, capability)]
+    return sep.join(names) if sep != " and " or len(names) < 3 else ", ".join(names[:-1]) + " and " + names[-1]
+
+
 def validate(cfg: TrainConfig) -> TrainConfig:
-    """Return a normalised copy of cfg, or raise ConfigError naming the first bad key."""
+    """Return a normalised copy of cfg, or raise ConfigError naming the first bad key. A
+    `parallel: auto` config is checked with the degrees it names; `erniekit.config.validate`
+    applies the planner's choice between the two halves (normalise, check)."""
+    cfg = normalise(cfg)
+    check(cfg)
+    return cfg
+
+
+def normalise(cfg: TrainConfig) -> TrainConfig:
+    """Canonical spellings, derived defaults and typed lists; raises ConfigError on values that
+    cannot be read at all."""
     _pending.clear()
     changes = _normalise_choices(cfg)
     if cfg.logging_dir is None:
@@ -46,11 +71,11 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         changes[compute] = True
     changes.update(_normalise_elastic(cfg))
     changes.update(_normalise_rl_lists(cfg))
-    cfg = dataclasses.replace(cfg, **changes)
-    if cfg.parallel == "auto":  # the planner's layout, batch split and recompute replace the ones set
-        from erniekit.distributed.planner import auto_plan, with_plan
+    return dataclasses.replace(cfg, **changes)
 
-        cfg = with_plan(cfg, auto_plan(cfg).plan)
+
+def check(cfg: TrainConfig) -> None:
+    """Raise ConfigError naming the first bad key of a normalised config; print its warnings."""
     _check_finite(cfg)
     _check_ranges(cfg)
     _check_elastic_sandwich(cfg)
@@ -59,7 +84,6 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     _check_precision(cfg)
     _check_parallel(cfg)
     _flush_warnings()
-    return cfg
 
 
 def _normalise_choices(cfg: TrainConfig) -> dict[str, str]:
@@ -127,7 +151,7 @@ def _check_ranges(cfg: TrainConfig) -> None:
         _require(0 <= getattr(cfg, key) < 1, key, getattr(cfg, key), "in [0, 1)")
     for key in ("warmup_ratio", "decay_ratio"):
         _require(0 <= getattr(cfg, key) <= 1, key, getattr(cfg, key), "in [0, 1]")
-    if cfg.stage in RL_STAGES:
+    if _supports(cfg).rollouts:
         _check_rl(cfg)
     else:
         _require(cfg.beta > 0, "beta", cfg.beta, "> 0")
@@ -141,8 +165,14 @@ def _check_ranges(cfg: TrainConfig) -> None:
              cfg.lora_base_dtype, "null, bfloat16, float16 or float32")
     _require(0 <= cfg.label_smoothing < 0.5, "label_smoothing", cfg.label_smoothing, "in [0, 0.5)")
     _require(cfg.sft_loss_ratio >= 0, "sft_loss_ratio", cfg.sft_loss_ratio, ">= 0")
-    if cfg.loss_token_balance and cfg.stage not in ("pretrain", "SFT"):
-        raise ConfigError(f"loss_token_balance applies to the pretrain and SFT stages, not {cfg.stage}; "
+    if (cfg.elastic_depth or cfg.elastic_experts or cfg.elastic_top_k) and not _supports(cfg).elastic:
+        raise ConfigError(f"elastic_* sub-model training applies to the {_stages_that('elastic')} stages, not "
+                          f"{cfg.stage}; clear elastic_depth, elastic_experts and elastic_top_k")
+    if cfg.packing and not _supports(cfg).packing:
+        raise ConfigError(f"packing applies to the {_stages_that('packing')} stages, not {cfg.stage}; "
+                          "set packing=false")
+    if cfg.loss_token_balance and not _supports(cfg).token_balance:
+        raise ConfigError(f"loss_token_balance applies to the {_stages_that('token_balance')} stages, not {cfg.stage}; "
                           "set loss_token_balance=false")
     _require(0 <= cfg.ema_decay < 1, "ema_decay", cfg.ema_decay, "in [0, 1) (0 turns the EMA off)")
     _require(cfg.fp8_block_size >= 1, "fp8_block_size", cfg.fp8_block_size, ">= 1")
@@ -153,7 +183,7 @@ def _check_ranges(cfg: TrainConfig) -> None:
 
 def _check_rl(cfg: TrainConfig) -> None:
     _require(cfg.beta >= 0, "beta", cfg.beta, ">= 0 (0 drops the reference model)")
-    low = 2 if cfg.stage == "GRPO" else 1
+    low = _supports(cfg).min_generations
     _require(cfg.num_generations >= low, "num_generations", cfg.num_generations,
              f">= {low}" + (" (group-relative advantages compare samples of one prompt)" if low == 2 else ""))
     for key in ("max_new_tokens", "num_iterations"):
@@ -173,9 +203,6 @@ def _check_rl(cfg: TrainConfig) -> None:
     if cfg.reward_weights and len(cfg.reward_weights) != len(cfg.reward_funcs):
         raise ConfigError(f"reward_weights has {len(cfg.reward_weights)} values for {len(cfg.reward_funcs)} reward_funcs; "
                           "give one weight per function or [] for all 1")
-    if cfg.elastic_depth or cfg.elastic_experts or cfg.elastic_top_k:
-        raise ConfigError(f"elastic_* sub-model training applies to the LM stages, not {cfg.stage}; clear elastic_depth, "
-                          "elastic_experts and elastic_top_k")
 
 
 _LIST_HINTS = {int: "integers such as [2, 4]", float: "numbers such as [1.0, 0.5]", str: "names such as [accuracy, format]"}
@@ -234,8 +261,9 @@ def _check_elastic_sandwich(cfg: TrainConfig) -> None:
     if not (cfg.elastic_depth or cfg.elastic_experts or cfg.elastic_top_k):
         raise ConfigError("elastic_sandwich: true needs sub-models to train; set elastic_depth, elastic_experts "
                           "or elastic_top_k")
-    if cfg.stage not in ("pretrain", "SFT"):
-        raise ConfigError(f"elastic_sandwich applies to the LM stages (pretrain, SFT), not {cfg.stage}; "
+    if not _supports(cfg).elastic_sandwich:
+        raise ConfigError(f"elastic_sandwich applies to the LM stages ({_stages_that('elastic_sandwich', ', ')}), "
+                          f"not {cfg.stage}; "
                           "set elastic_sandwich=false")
 
 
@@ -388,8 +416,8 @@ def _check_ps(cfg: TrainConfig) -> None:
                           f"{(set_ or ['parallel=auto'])[0]}")
     _check_ps_pipeline(cfg, world - cfg.ps_servers)
     why = None
-    if cfg.stage not in ("pretrain", "SFT"):
-        why = f"trains the pretrain and SFT stages, not stage={cfg.stage}"
+    if not _supports(cfg).parameter_server:
+        why = f"trains the {_stages_that('parameter_server')} stages, not stage={cfg.stage}"
     elif cfg.fine_tuning != "Full":
         why = f"trains full models, not fine_tuning={cfg.fine_tuning}"
     elif cfg.elastic_depth or cfg.elastic_experts or cfg.elastic_top_k:
@@ -449,8 +477,8 @@ def pipeline_refusal(cfg: TrainConfig) -> str | None:
     """Why this config's stage or options cannot run in a pipeline (None: they can); the planner
     leaves pipeline layouts out of `parallel: auto` for such a config."""
     why = None
-    if cfg.stage not in ("pretrain", "SFT"):
-        why = f"runs the pretrain and SFT stages, not stage={cfg.stage}; set pipeline_parallel_degree=1"
+    if not _supports(cfg).pipeline:
+        why = f"runs the {_stages_that('pipeline')} stages, not stage={cfg.stage}; set pipeline_parallel_degree=1"
     elif cfg.fine_tuning != "Full":
         why = f"runs full fine-tuning, not fine_tuning={cfg.fine_tuning}; set pipeline_parallel_degree=1"
     elif cfg.elastic_depth or cfg.elastic_experts or cfg.elastic_top_k:

@@ -19,11 +19,10 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass, field
-from typing import Iterator
+from collections.abc import Callable, Iterator, Mapping
 
 from erniekit.errors import DataError
 
-SFT_FORMATS = ("auto", "erniekit", "alpaca", "messages")
 
 
 @dataclass
@@ -165,21 +164,48 @@ def _from_messages(rec: dict, where: str) -> Conversation:
     return Conversation(system, turns, [True] * len(turns), where)
 
 
-_READERS = {"erniekit": _from_erniekit, "alpaca": _from_alpaca, "messages": _from_messages}
+_READERS: dict[str, Callable[[dict, str], Conversation]] = {}
+_DETECTORS: dict[str, Callable[[dict], bool]] = {}
+
+
+def register_sft_format(name: str, detect: Callable[[dict], bool]):
+    """Decorator: `reader(record, "file:line") -> Conversation` reads SFT format `name`, a valid
+    `train_dataset_type` / `eval_dataset_type` from then on; `detect(record)` says whether a record
+    is in it (auto-detection asks the formats in registration order). CONTRIBUTING.md: adding a format."""
+
+    def add(reader: Callable[[dict, str], Conversation]) -> Callable[[dict, str], Conversation]:
+        _READERS[name] = reader
+        _DETECTORS[name] = detect
+        return reader
+
+    return add
+
+
+def unregister_sft_format(name: str) -> None:
+    _READERS.pop(name, None)
+    _DETECTORS.pop(name, None)
+
+
+def sft_format_names() -> list[str]:
+    return list(_READERS)
+
+
+register_sft_format("messages", lambda rec: "messages" in rec)(_from_messages)
+register_sft_format("alpaca", lambda rec: "instruction" in rec)(_from_alpaca)
+register_sft_format("erniekit", lambda rec: "src" in rec or "tgt" in rec)(_from_erniekit)
 
 
 def detect_format(rec: object, where: str) -> str:
     """Guess the SFT format from a record's keys."""
     if isinstance(rec, dict):
-        if "messages" in rec:
-            return "messages"
-        if "instruction" in rec:
-            return "alpaca"
-        if "src" in rec or "tgt" in rec:
-            return "erniekit"
+        for name, detect in _DETECTORS.items():
+            if detect(rec):
+                return name
     keys = sorted(rec) if isinstance(rec, dict) else type(rec).__name__
     raise DataError(
-        f"{where}: cannot tell the data format from keys {keys}; use erniekit (src/tgt), alpaca (instruction/output) or messages"
+        f"{where}: cannot tell the data format from keys {keys}; use erniekit (src/tgt), alpaca (instruction/output)"
+        f", messages{''.join(f', {n}' for n in _READERS if n not in ('messages', 'alpaca', 'erniekit'))} or set "
+        "train_dataset_type"
     )
 
 
@@ -225,3 +251,23 @@ def load_pretrain_texts(path: str) -> list[str]:
         if len(texts) == before:
             raise DataError(f"{p}: no examples; the file is empty or has only blank lines")
     return texts
+
+
+class DatasetTypeSpellings(Mapping):
+    """lower-case spelling -> dataset type, read live: the `choices` of train_dataset_type and
+    eval_dataset_type (auto, text for pretraining, prompt for preference / RL data, and every
+    registered SFT format)."""
+
+    _FIXED = ("auto", "text", "prompt")
+
+    def _table(self) -> dict[str, str]:
+        return {n.lower(): n for n in (*self._FIXED, *_READERS)}
+
+    def __getitem__(self, key: str) -> str:
+        return self._table()[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._table())
+
+    def __len__(self) -> int:
+        return len(self._table())

@@ -17,7 +17,8 @@ import shutil
 
 from erniekit.errors import CheckpointError
 from erniekit.models.ernie4_5.checkpoint import load_state_into, save_pretrained
-from erniekit.utils.dtensor import barrier, is_main_process, to_dense
+from erniekit.train.runners.base import StepRunner
+from erniekit.utils.dtensor import is_main_process, to_dense
 from erniekit.utils.io import atomic_write_json, open_safetensors, read_json_object, replace_dir, write_errors
 
 OPTIMIZER_NAME = "optimizer.safetensors"
@@ -26,8 +27,10 @@ STATE_NAME = "trainer_state.json"
 _CKPT_RE = re.compile(r"^checkpoint-(\d+)$")
 
 
-def save_model_or_adapter(model, path: str, tokenizer, base_model_name_or_path: str | None = None) -> None:
-    """Full model in HF layout, or, for a LoRA run, only the adapter (PEFT layout) + tokenizer."""
+def save_model_or_adapter(model, path: str, tokenizer, base_model_name_or_path: str | None = None,
+                          runner: StepRunner | None = None) -> None:
+    """Full model in HF layout, or, for a LoRA run, only the adapter (PEFT layout) + tokenizer.
+    runner: the run's step runner when this process holds part of the model (it gathers the rest)."""
     from erniekit.nn.lora import lora_layers, save_adapter
 
     if lora_layers(model):
@@ -41,62 +44,27 @@ def save_model_or_adapter(model, path: str, tokenizer, base_model_name_or_path: 
                 model.config.save_pretrained(staging)  # shapes of the base, so the directory is self-describing
                 tokenizer.save_pretrained(staging)
                 publish_model_files(staging, path)
-    elif _ps_worker() is not None:  # the servers hold the tables' rows: worker 0 writes them all
-        from erniekit.models.ernie4_5.checkpoint import hf_state_dict
-
-        state = _ps_worker().full_state(_gathered(hf_state_dict(model)))
-        save_pretrained(model, path, tokenizer=tokenizer, state=state)
-    elif _pipeline() is not None:  # each stage holds its layers: rank 0 writes the union
-        from erniekit.models.ernie4_5.checkpoint import hf_state_dict
-
-        save_pretrained(model, path, tokenizer=tokenizer, state=_gathered(hf_state_dict(model)))
-    else:
+        return
+    state = runner.model_state(model) if runner is not None else None  # a pipeline's stages, a PS job's tables
+    if state is None:
         save_pretrained(model, path, tokenizer=tokenizer)
-
-
-def _pipeline():
-    """The pipeline topology of a pipeline-parallel run (collective, or PS workers), else None."""
-    from erniekit.distributed.runtime import active
-
-    ctx = active()
-    if ctx is not None:
-        return ctx.pipeline
-    ps = _ps_worker()
-    return ps.pipe if ps is not None else None
-
-
-def _ps_worker():
-    """This process's parameter-server-mode worker, else None."""
-    from erniekit.train.ps_worker import active_worker
-
-    return active_worker()
-
-
-def _partial_model() -> bool:
-    """This process holds only part of the model (a pipeline stage, a PS worker)."""
-    return _pipeline() is not None or _ps_worker() is not None
-
-
-def _gathered(tensors: dict) -> dict:
-    """In a pipeline run, the union of every stage's tensors on rank 0 (names are global)."""
-    pipe = _pipeline()
-    return tensors if pipe is None else pipe.gather_to_main(tensors)
+    else:
+        save_pretrained(model, path, tokenizer=tokenizer, state=state)
 
 
 def save_checkpoint(path: str, model, tokenizer, optimizer, state: dict, base_model_name_or_path: str | None = None,
-                    extra_tensors: dict[str, dict] | None = None) -> None:
+                    extra_tensors: dict[str, dict] | None = None, runner: StepRunner | None = None) -> None:
     """In a multi-process run every rank calls this (the full values are gathered collectively);
     rank 0 alone writes, so the checkpoint is the unsharded layout any process count can load."""
     from safetensors.paddle import save_file
 
+    runner = runner if runner is not None else StepRunner()
     tmp = path + ".tmp"
     main = is_main_process()
     if main and os.path.exists(tmp):
         shutil.rmtree(tmp)
-    opt = _gathered(optimizer.state_dict())
-    if _ps_worker() is not None:
-        opt = _ps_worker().full_optimizer_state(opt)
-    extra = {name: _gathered({k: to_dense(v) for k, v in tensors.items()})
+    opt = runner.optimizer_state(optimizer.state_dict())
+    extra = {name: runner.full_tensors({k: to_dense(v) for k, v in tensors.items()})
              for name, tensors in (extra_tensors or {}).items()}
     needed = _model_bytes(model) + _tensor_bytes(opt) + sum(_tensor_bytes(t) for t in extra.values())
     last = list_checkpoints(os.path.dirname(path) or ".")
@@ -105,15 +73,14 @@ def save_checkpoint(path: str, model, tokenizer, optimizer, state: dict, base_mo
     with write_errors(f"checkpoint {os.path.basename(path)}", os.path.dirname(os.path.abspath(path)),
                       needed if main else 0,
                       partial=tmp if main else None, hint=hint):
-        save_model_or_adapter(model, tmp, tokenizer, base_model_name_or_path)
+        save_model_or_adapter(model, tmp, tokenizer, base_model_name_or_path, runner)
         if main:
             save_file({k: v.contiguous() for k, v in opt.items()}, os.path.join(tmp, OPTIMIZER_NAME))
             for name, tensors in extra.items():  # e.g. ema.safetensors
                 save_file({k: v.contiguous() for k, v in tensors.items()}, os.path.join(tmp, name))
             atomic_write_json(os.path.join(tmp, STATE_NAME), state)
             replace_dir(tmp, path)
-    # no rank runs ahead of a checkpoint that is not on disk yet (PS servers too)
-    _ps_worker().sync() if _ps_worker() is not None else barrier()
+    runner.sync()  # no rank runs ahead of a checkpoint that is not on disk yet (PS servers too)
 
 
 def _tensor_bytes(tensors: dict) -> int:
@@ -128,8 +95,9 @@ def _model_bytes(model) -> int:
     return sum(int(math.prod(p.shape)) * p.element_size() for p in params)
 
 
-def load_checkpoint(path: str, model, optimizer) -> dict:
-    """Restore model weights and optimizer state; return the trainer state."""
+def load_checkpoint(path: str, model, optimizer, partial: bool = False) -> dict:
+    """Restore model weights and optimizer state; return the trainer state. partial: this process
+    holds part of the model (a pipeline stage, a PS worker) and takes its parameters' state only."""
     state_file = os.path.join(path, STATE_NAME)
     if not os.path.isfile(state_file):
         raise CheckpointError(f"resume_from_checkpoint={path}: no {STATE_NAME}; is this a training checkpoint?")
@@ -142,7 +110,7 @@ def load_checkpoint(path: str, model, optimizer) -> dict:
         load_state_into(model, path)
     opt_file = os.path.join(path, OPTIMIZER_NAME)
     if optimizer is not None and os.path.isfile(opt_file):
-        known = {n for n, _ in optimizer.params} if _partial_model() else None  # this stage's / worker's only
+        known = {n for n, _ in optimizer.params} if partial else None  # this stage's / worker's only
         with open_safetensors(opt_file) as f:
             sd = {key: f.get_tensor(key) for key in f.keys()
                   if known is None or key == "__step__" or key.rsplit("::", 1)[0] in known}

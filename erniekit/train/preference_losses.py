@@ -99,6 +99,19 @@ def preference_loss(
     (token mean), ``loss = nll + losses.mean()`` (beta plays ORPO's lambda, as in TRL).
     """
     _check(loss_type, beta, label_smoothing)
+    pi_w, pi_l, ref_w, ref_l = _log_probs(loss_type, policy_chosen_logps, policy_rejected_logps, ref_chosen_logps,
+                                          ref_rejected_logps, reference_free, chosen_lengths, rejected_lengths,
+                                          length_normalize)
+    losses = _pair_losses(loss_type, pi_w, pi_l, ref_w, ref_l, beta, label_smoothing, simpo_gamma, dpop_lambda)
+    if loss_type in REFERENCE_FREE_LOSSES:
+        return losses, (beta * pi_w).detach(), (beta * pi_l).detach()
+    return losses, (beta * (pi_w - ref_w)).detach(), (beta * (pi_l - ref_l)).detach()
+
+
+def _log_probs(loss_type, policy_chosen_logps, policy_rejected_logps, ref_chosen_logps, ref_rejected_logps,
+               reference_free, chosen_lengths, rejected_lengths, length_normalize):
+    """Policy and reference log-probs as tensors, zeros for an unused reference, length-averaged
+    where the loss type (or length_normalize) asks for it."""
     pi_w, pi_l = _tensor(policy_chosen_logps), _tensor(policy_rejected_logps)
     if needs_reference(loss_type, reference_free):
         if ref_chosen_logps is None or ref_rejected_logps is None:
@@ -116,9 +129,13 @@ def preference_loss(
         n_w = _tensor(chosen_lengths).astype("float32").clip(min=1)
         n_l = _tensor(rejected_lengths).astype("float32").clip(min=1)
         pi_w, ref_w, pi_l, ref_l = pi_w / n_w, ref_w / n_w, pi_l / n_l, ref_l / n_l
+    return pi_w, pi_l, ref_w, ref_l
+
+
+def _pair_losses(loss_type, pi_w, pi_l, ref_w, ref_l, beta, ls, simpo_gamma, dpop_lambda):
+    """The per-pair loss of each loss type (formulas: docs/dpo.md)."""
     r_w, r_l = pi_w - ref_w, pi_l - ref_l
     h = r_w - r_l
-    ls = label_smoothing
     if loss_type == "sigmoid":
         losses = -F.log_sigmoid(beta * h) * (1 - ls) - F.log_sigmoid(-beta * h) * ls
     elif loss_type == "hinge":
@@ -140,6 +157,4 @@ def preference_loss(
         losses = -F.log_sigmoid(beta * r_w) - 0.5 * F.log_sigmoid(-beta * r_w) - 0.5 * F.log_sigmoid(-beta * r_l)
     else:  # dpop
         losses = -F.log_sigmoid(beta * (h - dpop_lambda * F.relu(ref_w - pi_w)))
-    if loss_type in REFERENCE_FREE_LOSSES:
-        return losses, (beta * pi_w).detach(), (beta * pi_l).detach()
-    return losses, (beta * r_w).detach(), (beta * r_l).detach()
+    return losses

@@ -65,6 +65,8 @@ class ParameterServer:
         self.head_ctx: dict[int, tuple] = {}  # worker -> (h, z, local target, owned) of its last head request
         self.bytes_in = self.bytes_out = 0
         self.links = [topo.link(w) for w in range(topo.workers)]
+        self._handlers = {PULL: self._pull, HEAD: self._head, HEAD_BACK: self._head_back, PUSH: self._push,
+                          STEP: self._step, SAVE: self._save}
 
     def _zeros(self) -> dict[str, paddle.Tensor]:
         return {n: paddle.zeros_like(p) for n, p in self.w.items()}
@@ -162,75 +164,99 @@ class ParameterServer:
         return total
 
     def _handle(self, op: int, n: int, w: int) -> None:
-        H, link = self.hidden, self.links[w]
-        if op == PULL:
-            ids = link.recv_array([n], "int64") - self.lo if n else np.zeros([0], "int64")
-            self.pulled[w].append(ids)
-            if n:
-                with self.lock:
-                    rows = paddle.gather(self.w[EMBED], paddle.to_tensor(ids))
-                link.send_tensor(rows)
-                self.bytes_in += 8 * n
-                self.bytes_out += 4 * n * H
-        elif op == HEAD:
-            h = link.recv_tensor([n, H], "float32")
-            target = link.recv_array([n], "int64")
-            owned = (target >= self.lo) & (target < self.hi)
-            local = np.where(owned, target - self.lo, 0)
-            with paddle.no_grad():
-                with self.lock:
-                    z = paddle.matmul(h, self.w[self.head_name], transpose_y=True)  # [n, rows]
-                m = z.max(axis=1)
-                se = paddle.exp(z - m.unsqueeze(1)).sum(axis=1)
-                zt = paddle.take_along_axis(z, paddle.to_tensor(local).unsqueeze(1), axis=1).squeeze(1)
-                zt = zt * paddle.to_tensor(owned.astype("float32"))
-            link.send_tensor(paddle.stack([m, se, zt], axis=1))
-            self.head_ctx[w] = (h, z, local, owned)
-            self.bytes_in += 4 * n * H + 8 * n
-            self.bytes_out += 12 * n
-        elif op == HEAD_BACK:
-            h, z, local, owned = self.head_ctx.pop(w)
-            lse_coef = link.recv_tensor([n, 2], "float32")
-            with paddle.no_grad():
-                p = paddle.exp(z - lse_coef[:, 0:1])  # this block's columns of the softmax
-                rows = np.nonzero(owned)[0]
-                if len(rows):  # minus the one-hot of targets in this block
-                    idx = paddle.to_tensor(np.stack([rows, local[rows]], axis=1))
-                    p = paddle.scatter_nd_add(p, idx, paddle.full([len(rows)], -1.0, "float32"))
-                g = p * lse_coef[:, 1:2]
-                acc = self._acc(w)
-                with self.lock:
-                    acc[self.head_name] += paddle.matmul(g, h, transpose_x=True)
-                    gh = paddle.matmul(g, self.w[self.head_name])
-            link.send_tensor(gh)
-            self.bytes_in += 8 * n
-            self.bytes_out += 4 * n * H
-        elif op == PUSH:
-            ids = self.pulled[w].popleft()
-            if len(ids):
-                kind = self.cfg.ps_compress
-                if kind == "none":
-                    g = link.recv_tensor([len(ids), H], "float32")
-                    self.bytes_in += 4 * len(ids) * H
-                else:  # erniekit/distributed/ps/compression.py
-                    k = max(1, math.ceil(self.cfg.ps_topk_ratio * H))
-                    payload = [link.recv_array(shape, dtype) for shape, dtype in payload_spec(kind, len(ids), H, k)]
-                    g = paddle.to_tensor(decode(kind, payload, len(ids), H))
-                    self.bytes_in += sum(a.nbytes for a in payload)
-                acc = self._acc(w)
-                with paddle.no_grad(), self.lock:
-                    acc[EMBED] = paddle.index_add(acc[EMBED], paddle.to_tensor(ids), 0, g)
-        elif op == STEP:
-            with self.lock:
-                answer = self._step_answer(self._acc(w))
-            link.send_array(answer)
-        elif op == SAVE:
-            if w == 0:
-                with self.lock:
-                    state = self.shard_state(with_optimizer=bool(n))
-                link.send_object(state)
+        handler = self._handlers.get(op)
+        if handler is not None:
+            handler(n, w)
         elif op not in (SYNC, STOP):
             raise ErniekitError(f"parameter server {self.topo.server_index}: unknown request {op} from worker {w}")
+
+    def _pull(self, n: int, w: int) -> None:
+        """The embedding rows a worker's batch touches."""
+        H = self.hidden
+        link = self.links[w]
+        ids = link.recv_array([n], "int64") - self.lo if n else np.zeros([0], "int64")
+        self.pulled[w].append(ids)
+        if n:
+            with self.lock:
+                rows = paddle.gather(self.w[EMBED], paddle.to_tensor(ids))
+            link.send_tensor(rows)
+            self.bytes_in += 8 * n
+            self.bytes_out += 4 * n * H
+
+    def _head(self, n: int, w: int) -> None:
+        """This block's softmax statistics (max, sum of exp, target logit) of the hidden states."""
+        H = self.hidden
+        link = self.links[w]
+        h = link.recv_tensor([n, H], "float32")
+        target = link.recv_array([n], "int64")
+        owned = (target >= self.lo) & (target < self.hi)
+        local = np.where(owned, target - self.lo, 0)
+        with paddle.no_grad():
+            with self.lock:
+                z = paddle.matmul(h, self.w[self.head_name], transpose_y=True)  # [n, rows]
+            m = z.max(axis=1)
+            se = paddle.exp(z - m.unsqueeze(1)).sum(axis=1)
+            zt = paddle.take_along_axis(z, paddle.to_tensor(local).unsqueeze(1), axis=1).squeeze(1)
+            zt = zt * paddle.to_tensor(owned.astype("float32"))
+        link.send_tensor(paddle.stack([m, se, zt], axis=1))
+        self.head_ctx[w] = (h, z, local, owned)
+        self.bytes_in += 4 * n * H + 8 * n
+        self.bytes_out += 12 * n
+
+    def _head_back(self, n: int, w: int) -> None:
+        """The head's gradient from this block and the hidden states' gradient back."""
+        H = self.hidden
+        link = self.links[w]
+        h, z, local, owned = self.head_ctx.pop(w)
+        lse_coef = link.recv_tensor([n, 2], "float32")
+        with paddle.no_grad():
+            p = paddle.exp(z - lse_coef[:, 0:1])  # this block's columns of the softmax
+            rows = np.nonzero(owned)[0]
+            if len(rows):  # minus the one-hot of targets in this block
+                idx = paddle.to_tensor(np.stack([rows, local[rows]], axis=1))
+                p = paddle.scatter_nd_add(p, idx, paddle.full([len(rows)], -1.0, "float32"))
+            g = p * lse_coef[:, 1:2]
+            acc = self._acc(w)
+            with self.lock:
+                acc[self.head_name] += paddle.matmul(g, h, transpose_x=True)
+                gh = paddle.matmul(g, self.w[self.head_name])
+        link.send_tensor(gh)
+        self.bytes_in += 8 * n
+        self.bytes_out += 4 * n * H
+
+    def _push(self, n: int, w: int) -> None:
+        """The pulled rows' gradient, accumulated for the step."""
+        H = self.hidden
+        link = self.links[w]
+        ids = self.pulled[w].popleft()
+        if len(ids):
+            kind = self.cfg.ps_compress
+            if kind == "none":
+                g = link.recv_tensor([len(ids), H], "float32")
+                self.bytes_in += 4 * len(ids) * H
+            else:  # erniekit/distributed/ps/compression.py
+                k = max(1, math.ceil(self.cfg.ps_topk_ratio * H))
+                payload = [link.recv_array(shape, dtype) for shape, dtype in payload_spec(kind, len(ids), H, k)]
+                g = paddle.to_tensor(decode(kind, payload, len(ids), H))
+                self.bytes_in += sum(a.nbytes for a in payload)
+            acc = self._acc(w)
+            with paddle.no_grad(), self.lock:
+                acc[EMBED] = paddle.index_add(acc[EMBED], paddle.to_tensor(ids), 0, g)
+
+    def _step(self, n: int, w: int) -> None:
+        """The squared norm of this step's gradients and a stop request."""
+        link = self.links[w]
+        with self.lock:
+            answer = self._step_answer(self._acc(w))
+        link.send_array(answer)
+
+    def _save(self, n: int, w: int) -> None:
+        """This block's rows (and moments) to worker 0."""
+        link = self.links[w]
+        if w == 0:
+            with self.lock:
+                state = self.shard_state(with_optimizer=bool(n))
+            link.send_object(state)
 
     def _step_answer(self, acc: dict[str, paddle.Tensor]) -> np.ndarray:
         """[squared gradient norm, stop signal]: a server that got SIGTERM / SIGINT tells the

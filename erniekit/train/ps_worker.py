@@ -29,14 +29,6 @@ from erniekit.distributed.ps.compression import RowCompressor
 from erniekit.train.losses import position_weights
 from erniekit.train.pipeline_schedule import data_rank_rows, router_loss, run_1f1b, run_layers
 
-_ACTIVE: "PSWorker | None" = None
-
-
-def active_worker() -> "PSWorker | None":
-    """The running PS worker (None outside a PS job and on servers)."""
-    return _ACTIVE
-
-
 class HeldByServers(nn.Layer):
     """Stands in for the embedding / LM head on a worker: the parameter servers hold its rows."""
 
@@ -51,7 +43,6 @@ class PSWorker:
         """k_steps > 0: asynchronous mode (docs/ps.md): this worker trains on its own rows with its
         own block replica, its table gradients are applied by the servers as they come, and the
         workers average their blocks every k_steps steps (the bound on how far they drift)."""
-        global _ACTIVE
         self.topo, self.model = topo, model
         c = model.config
         self.vocab, self.hidden, self.tied = c.vocab_size, c.hidden_size, bool(c.tie_word_embeddings)
@@ -79,7 +70,6 @@ class PSWorker:
         self.compressor = RowCompressor(compress, self.vocab, self.hidden, topk_ratio)
         self.servers = [topo.link(s) for s in range(topo.servers)]  # in server order
         self.server_stop = 0  # a stop signal a server reported with its step's norm (0: none)
-        _ACTIVE = self
 
     def _all_reduce(self, t: paddle.Tensor, group=None, op=dist.ReduceOp.SUM) -> None:
         try:

@@ -14,6 +14,25 @@ from erniekit.train.mtp_loss import add_mtp_loss, wants_mtp
 from erniekit.utils.dtensor import scalar
 
 
+@dataclass(frozen=True)
+class Supports:
+    """What a stage can run with. Config validation (erniekit/config/checks.py) reads it, so a
+    stage states its limits in one place and its error messages name the stages that can."""
+
+    pipeline: bool = False  # pipeline_parallel_degree > 1 (layers split over processes)
+    parameter_server: bool = False  # distributed_mode: ps
+    packing: bool = False  # packing: true (several examples per row)
+    elastic: bool = False  # elastic_depth / elastic_experts / elastic_top_k sub-models
+    elastic_sandwich: bool = False  # the sandwich rule with in-place distillation of an LM loss
+    token_balance: bool = False  # loss_token_balance
+    rollouts: bool = False  # RL: sampled generations scored by rewards (the RL keys apply)
+    min_generations: int = 1  # num_generations below this is refused
+
+
+LM = Supports(pipeline=True, parameter_server=True, packing=True, elastic=True, elastic_sandwich=True,
+              token_balance=True)  # the causal-LM stages (pretrain, SFT)
+
+
 @dataclass
 class LossOutput:
     loss_sum: paddle.Tensor  # summed over the batch's units; the loop divides by the step's `normalizer`
@@ -52,6 +71,8 @@ class Stage:
     """Base: causal LM on rows of input_ids/labels/position_ids/segment_ids."""
 
     name = "base"
+    aliases: tuple[str, ...] = ()  # other spellings accepted for `stage:` (pretrain: PT)
+    supports = Supports()
     token_balance = False  # loss_token_balance, set in `prepare`: loss averaged per example, then over examples
     progress_keys: dict[str, str] = {}  # extra progress-bar fields: short name -> metric key (RL: reward)
 
@@ -82,7 +103,7 @@ class Stage:
     def evaluate(self, model, tokenizer, eval_data, cfg) -> dict[str, float]:
         return {}
 
-    # ---- hooks the loop calls; RL stages use them (erniekit/rl/stage.py) ----------------------
+    # ---- hooks the loop calls; RL stages use them (erniekit/train/rl_stage.py) ----------------------
     def step_batches(self, model, micro: list[dict[str, np.ndarray]], step: int) -> list[dict[str, np.ndarray]]:
         """The micro-batches optimizer step `step` trains on, from the collated data rows: RL
         stages turn prompts into scored rollouts here."""

@@ -20,7 +20,7 @@ import gradio as gr
 from erniekit.errors import ErniekitError
 from erniekit.export.hf import FORMATS
 from erniekit.webui.access import PathPolicy, banner, exposure_warning
-from erniekit.webui.runs import EMBEDDED, STAGES, Form, Runs, cli_command, config_yaml, yaml_preview
+from erniekit.webui.runs import EMBEDDED, RECIPES, Form, Runs, cli_command, config_yaml, yaml_preview
 
 CSS = (".erniekit-error {color: #b00020; font-weight: 600}\n"
        "#exposure_warning {background: #fff3bf; border: 2px solid #e67700; padding: 8px 12px; font-weight: 600}")
@@ -91,7 +91,7 @@ def build_app(runs: Runs | None = None, paths: PathPolicy | None = None, warning
                     elem_id="allowed_paths")
         with gr.Tab("Train"):
             with gr.Row():
-                stage = gr.Dropdown(list(STAGES), value="SFT", label="Stage", elem_id="stage")
+                stage = gr.Dropdown(list(RECIPES), value="SFT", label="Stage", elem_id="stage")
                 model = gr.Textbox(EMBEDDED, label="Model directory (or the embedded tiny model)", elem_id="model")
                 dataset = gr.Textbox("", label="Dataset path (empty: the stage's bundled data)", elem_id="dataset")
             with gr.Row():

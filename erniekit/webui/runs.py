@@ -20,9 +20,11 @@ from erniekit.errors import ErniekitError
 from erniekit.webui.access import AUTH_ENV, PathPolicy
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-# the WebUI's stages: each starts from the shipped tiny config (bundled data, tested settings)
-STAGES = {"pretrain": "pretrain.yaml", "SFT": "sft.yaml", "LoRA": "sft_lora.yaml", "DPO": "dpo.yaml",
-          "GRPO": "grpo.yaml"}
+# the page's recipe menu: each entry starts from a shipped tiny config (bundled data, tested
+# settings); "LoRA" is the SFT stage with fine_tuning: LoRA. Stage names themselves come from the
+# stage registry (erniekit/train/stages).
+RECIPES = {"pretrain": "pretrain.yaml", "SFT": "sft.yaml", "LoRA": "sft_lora.yaml", "DPO": "dpo.yaml",
+           "GRPO": "grpo.yaml", "PPO": "ppo.yaml"}
 EMBEDDED = "tiny-moe (embedded, random init)"
 LOG_NAME = "webui_train.log"
 SERIES = {"train/loss": "loss", "train/reward": "reward", "eval/loss": "eval loss"}
@@ -31,9 +33,9 @@ STOPPED_CODES = (128 + signal.SIGTERM, 128 + signal.SIGINT)
 
 
 def base_config(stage: str) -> str:
-    if stage not in STAGES:
-        raise ErniekitError(f"stage {stage!r}: choose one of {', '.join(STAGES)}")
-    return os.path.join(ROOT, "examples", "configs", "tiny", STAGES[stage])
+    if stage not in RECIPES:
+        raise ErniekitError(f"stage {stage!r}: choose one of {', '.join(RECIPES)}")
+    return os.path.join(ROOT, "examples", "configs", "tiny", RECIPES[stage])
 
 
 @dataclass

@@ -16,7 +16,8 @@ from erniekit.data.preference import encode_preference_pairs, load_preference_pa
 from erniekit.data.formats import Conversation
 from erniekit.train.evaluation import exact_match_eval
 from erniekit.train.preference_losses import needs_reference, preference_loss, sequence_logps
-from erniekit.train.stage import LossOutput, Stage, model_inputs
+from erniekit.train.stage import LossOutput, Stage, Supports, model_inputs
+from erniekit.train.stages import register_stage
 
 
 def _rows(pairs, cfg, tokenizer):
@@ -52,8 +53,10 @@ def _score(model, rows, batch_size: int, pad_id: int) -> tuple[np.ndarray, np.nd
     return np.concatenate(ch), np.concatenate(rj)
 
 
+@register_stage
 class DPOStage(Stage):
     name = "DPO"
+    supports = Supports(elastic=True)
 
     def build_train_rows(self, cfg, tokenizer):
         return _rows(load_preference_pairs(cfg.train_dataset_path, cfg.train_dataset_type), cfg, tokenizer)
@@ -138,5 +141,3 @@ class DPOStage(Stage):
                                                   cfg.eval_max_new_tokens)
         return res
 
-
-STAGE = DPOStage()

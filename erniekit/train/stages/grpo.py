@@ -14,12 +14,15 @@ import paddle
 
 from erniekit.rl.advantages import group_advantages
 from erniekit.rl.losses import aggregate, clipped_surrogate, k3_kl
-from erniekit.rl.stage import RLStage
-from erniekit.train.stage import LossOutput
+from erniekit.train.rl_stage import RLStage
+from erniekit.train.stage import LossOutput, Supports
+from erniekit.train.stages import register_stage
 
 
+@register_stage
 class GRPOStage(RLStage):
     name = "GRPO"
+    supports = Supports(rollouts=True, min_generations=2)
 
     def build_advantages(self, model, batch, ro, rewards) -> None:
         cfg = self.cfg
@@ -50,5 +53,3 @@ class GRPOStage(RLStage):
         self._stat("ratio", float((ratio.detach() * mask).sum()), n)
         return LossOutput(aggregate(per_token, mask, cfg.loss_aggregation), out.aux_loss)
 
-
-STAGE = GRPOStage()

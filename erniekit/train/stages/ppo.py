@@ -18,8 +18,9 @@ import paddle.nn as nn
 
 from erniekit.rl.advantages import gae
 from erniekit.rl.losses import aggregate, clipped_surrogate, clipped_value_loss
-from erniekit.rl.stage import RLStage
-from erniekit.train.stage import LossOutput
+from erniekit.train.rl_stage import RLStage
+from erniekit.train.stage import LossOutput, Supports
+from erniekit.train.stages import register_stage
 
 VALUE_HEAD_NAME = "value_head.safetensors"
 
@@ -37,8 +38,10 @@ class ValueHead(nn.Layer):
         return (paddle.matmul(h.astype("float32"), self.weight) + self.bias).squeeze(-1)
 
 
+@register_stage
 class PPOStage(RLStage):
     name = "PPO"
+    supports = Supports(rollouts=True)
 
     def prepare(self, model, train_rows, eval_data, cfg, tokenizer) -> None:
         super().prepare(model, train_rows, eval_data, cfg, tokenizer)
@@ -94,5 +97,3 @@ class PPOStage(RLStage):
         self._stat("value_loss", float((vloss.detach() * mask).sum()), n)
         return LossOutput(aggregate(pg + cfg.vf_coef * vloss, mask, cfg.loss_aggregation), out.aux_loss)
 
-
-STAGE = PPOStage()

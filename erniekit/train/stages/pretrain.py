@@ -6,11 +6,15 @@ from __future__ import annotations
 from erniekit.data.encode import encode_pretrain, pack
 from erniekit.data.formats import load_pretrain_texts
 from erniekit.errors import DataError
-from erniekit.train.stage import Stage, eval_loss
+from erniekit.train.stage import LM, Stage, eval_loss
+from erniekit.train.stages import register_stage
 
 
+@register_stage
 class PretrainStage(Stage):
     name = "pretrain"
+    aliases = ("PT",)
+    supports = LM
 
     def _rows(self, path: str, cfg, tokenizer):
         docs = [encode_pretrain(t, tokenizer) for t in load_pretrain_texts(path)]
@@ -28,5 +32,3 @@ class PretrainStage(Stage):
     def evaluate(self, model, tokenizer, eval_data, cfg):
         return eval_loss(model, eval_data, cfg.per_device_eval_batch_size, tokenizer.pad_token_id)
 
-
-STAGE = PretrainStage()

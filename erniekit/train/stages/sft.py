@@ -11,7 +11,8 @@ from collections import Counter
 from erniekit.data.encode import encode_conversations, pack
 from erniekit.data.formats import Conversation, load_sft_examples
 from erniekit.train.evaluation import exact_match_eval
-from erniekit.train.stage import Stage, eval_loss
+from erniekit.train.stage import LM, Stage, eval_loss
+from erniekit.train.stages import register_stage
 
 
 def _rows(convs: list[Conversation], cfg, tokenizer, packing: bool):
@@ -23,8 +24,10 @@ def _rows(convs: list[Conversation], cfg, tokenizer, packing: bool):
     return [{"input_ids": np.asarray(i, np.int64), "labels": np.asarray(l, np.int64)} for i, l in pairs]
 
 
+@register_stage
 class SFTStage(Stage):
     name = "SFT"
+    supports = LM
 
     def build_train_rows(self, cfg, tokenizer):
         convs = load_sft_examples(cfg.train_dataset_path, cfg.train_dataset_type)
@@ -49,5 +52,3 @@ class SFTStage(Stage):
                 res["baseline_exact_match"] = sum(c.turns[-1][1].strip() == majority for c in convs) / max(len(convs), 1)
         return res
 
-
-STAGE = SFTStage()

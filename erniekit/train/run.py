@@ -10,7 +10,7 @@ import paddle
 from erniekit.config import dump_config
 from erniekit.errors import ConfigError
 from erniekit.train.stages import get_stage
-from erniekit.train.trainer import Trainer
+from erniekit.train.loop import Trainer
 from erniekit.utils.dtensor import is_main_process, launched_world
 from erniekit.utils.io import atomic_write_json
 
@@ -185,39 +185,15 @@ def _run_train(cfg, log=print) -> dict:
     model = load_model(cfg)  # first: a broken config.json is reported before tokenizer issues
     tokenizer = load_tokenizer(cfg)
     check_vocab(model, tokenizer)
+    stage = get_stage(cfg.stage)
+    runner = None
     if ps is not None:
-        if model.config.num_nextn_predict_layers > 0:
-            raise ConfigError("distributed_mode=ps does not train MTP heads (they need the embedding and head on the "
-                              "worker); set model_overrides.num_nextn_predict_layers=0")
-        from erniekit.distributed.ps.topology import with_pipeline
-
-        ps = with_pipeline(ps, cfg.pipeline_parallel_degree, model.config.num_hidden_layers, cfg.pipeline_stage_layers)
+        ps = _ps_role(cfg, model, ps)
         if ps.is_server:
             return serve_tables(cfg, model, ps, log)
-        from erniekit.train.ps_worker import PSWorker
-
-        if cfg.ps_stage_devices:
-            stage = ps.pipe.stage if ps.pipe is not None else 0
-            log(f"workers of pipeline stage {stage + 1} on {stage_device(cfg.ps_stage_devices[stage], model)}")
-
-        PSWorker(ps, model, compress=cfg.ps_compress, topk_ratio=cfg.ps_topk_ratio,
-                 k_steps=cfg.ps_k_steps if cfg.ps_sync_mode == "async" else 0)  # the trainer sets the loss options
-        log(f"parameter-server mode: {ps.workers} workers, {ps.servers} server(s) holding the embedding"
-            f"{'' if model.config.tie_word_embeddings else ' and LM head'} rows"
-            + (f"; workers in {ps.pipe.pp} pipeline stages of layers "
-               + ", ".join(f"{a}-{b - 1}" for a, b in ps.pipe.bounds) if ps.pipe is not None else ""))
+        runner = _ps_runner(cfg, model, ps, stage, log)
     if ctx is not None:
-        from erniekit.distributed import runtime
-        from erniekit.distributed.layout import check_model_fits
-
-        check_model_fits(ctx.layout, model.config, stage_layers=cfg.pipeline_stage_layers)
-        runtime.init_pipeline(model.config.num_hidden_layers, cfg.pipeline_stage_layers)
-        ctx.shard_model(model)
-        if ctx.pipeline is not None:
-            log(ctx.pipeline.describe())
-        if main:  # where every parameter went: placements over the mesh and rank 0's shard
-            atomic_write_json(os.path.join(cfg.output_dir, "parallel_plan.json"), ctx.plan(model))
-    stage = get_stage(cfg.stage)
+        _place_model(cfg, ctx, model, log)
     t0 = time.perf_counter()
     train_rows = stage.build_train_rows(cfg, tokenizer) if cfg.do_train else []
     eval_data = stage.build_eval_data(cfg, tokenizer) if cfg.do_eval else None
@@ -227,10 +203,64 @@ def _run_train(cfg, log=print) -> dict:
     log(f"erniekit: stage={cfg.stage} model={cfg.model_name_or_path} ({n_params / 1e6:.2f}M params, {n_train / 1e6:.2f}M trainable, "
         f"{model.config.model_type}) device={device}{_parallel_note(ctx)} threads={os.environ.get('OMP_NUM_THREADS', '1')} "
         f"train_rows={len(train_rows)} data_prep={time.perf_counter() - t0:.1f}s")
-    trainer = Trainer(cfg, model, tokenizer, stage, train_rows, eval_data, log=log)
-    results: dict = {}
+    trainer = Trainer(cfg, model, tokenizer, stage, train_rows, eval_data, log=log, runner=runner)
+    results = _train_and_evaluate(cfg, trainer, eval_data, ctx is not None, log)
+    _save_final(cfg, trainer)
+    results.update(trainer.runner.finish())
+    if main:
+        atomic_write_json(os.path.join(cfg.output_dir, "train_results.json"), {"global_step": trainer.step, **results})
+    trainer.logger.close()
+    what = "LoRA adapter (PEFT layout)" if cfg.fine_tuning == "LoRA" else "model (Hugging Face layout)"
+    log(f"saved {what} to {cfg.output_dir}; VisualDL logs in {trainer.logger_dir}")
+    return results
+
+
+def _ps_role(cfg, model, ps):
+    """This process's PS role with its pipeline segment (distributed_mode: ps)."""
+    if model.config.num_nextn_predict_layers > 0:
+        raise ConfigError("distributed_mode=ps does not train MTP heads (they need the embedding and head on the "
+                          "worker); set model_overrides.num_nextn_predict_layers=0")
+    from erniekit.distributed.ps.topology import with_pipeline
+
+    return with_pipeline(ps, cfg.pipeline_parallel_degree, model.config.num_hidden_layers, cfg.pipeline_stage_layers)
+
+
+def _ps_runner(cfg, model, ps, stage, log):
+    """A PS worker's step runner: its blocks here, the tables' rows on the servers."""
+    from erniekit.train.ps_worker import PSWorker
+    from erniekit.train.runners.ps import PSRunner
+
+    if cfg.ps_stage_devices:
+        segment = ps.pipe.stage if ps.pipe is not None else 0
+        log(f"workers of pipeline stage {segment + 1} on {stage_device(cfg.ps_stage_devices[segment], model)}")
+    worker = PSWorker(ps, model, compress=cfg.ps_compress, topk_ratio=cfg.ps_topk_ratio,
+                      k_steps=cfg.ps_k_steps if cfg.ps_sync_mode == "async" else 0)
+    log(f"parameter-server mode: {ps.workers} workers, {ps.servers} server(s) holding the embedding"
+        f"{'' if model.config.tie_word_embeddings else ' and LM head'} rows"
+        + (f"; workers in {ps.pipe.pp} pipeline stages of layers "
+           + ", ".join(f"{a}-{b - 1}" for a, b in ps.pipe.bounds) if ps.pipe is not None else ""))
+    return PSRunner(worker, stage.token_balance)
+
+
+def _place_model(cfg, ctx, model, log) -> None:
+    """A collective job: this rank's share of the model over the mesh (and its pipeline segment)."""
+    from erniekit.distributed import runtime
+    from erniekit.distributed.layout import check_model_fits
+
+    check_model_fits(ctx.layout, model.config, stage_layers=cfg.pipeline_stage_layers)
+    runtime.init_pipeline(model.config.num_hidden_layers, cfg.pipeline_stage_layers)
+    ctx.shard_model(model)
+    if ctx.pipeline is not None:
+        log(ctx.pipeline.describe())
+    if is_main_process():  # where every parameter went: placements over the mesh and rank 0's shard
+        atomic_write_json(os.path.join(cfg.output_dir, "parallel_plan.json"), ctx.plan(model))
+
+
+def _train_and_evaluate(cfg, trainer, eval_data, collective: bool, log) -> dict:
+    """Score the start (a fine-tuning run reports its gain), train, score the end."""
     from erniekit.train.checkpointing import resolve_resume
 
+    results: dict = {}
     fresh = resolve_resume(cfg.resume_from_checkpoint, cfg.output_dir) is None
     if cfg.do_train and cfg.do_eval and eval_data is not None and os.path.isdir(cfg.model_name_or_path) and fresh:
         results["eval_start"] = trainer.evaluate()  # the starting point, so the run can report its gain
@@ -242,32 +272,25 @@ def _run_train(cfg, log=print) -> dict:
             results["stop_signal"] = trainer.stopped_by
         results["train_runtime_s"] = time.perf_counter() - t1
         results["peak_memory_bytes"] = peak_memory_bytes()
-        if ctx is not None:
+        if collective:
             local, total = trainer.optimizer.state_numel()
             log(f"optimizer state on rank 0: {local} of {total} values ({100 * local / max(total, 1):.0f}%)")
     if cfg.do_eval and eval_data is not None and not trainer.stop_requested:
         results["eval"] = trainer.evaluate()
-        ev = results["eval"]
-        if "exact_match" in ev:
-            log(_exact_match_line(ev, results.get("eval_start")))
+        if "exact_match" in results["eval"]:
+            log(_exact_match_line(results["eval"], results.get("eval_start")))
+    return results
+
+
+def _save_final(cfg, trainer) -> None:
+    """The model in output_dir: the EMA weights when the run keeps an EMA and save_ema is set."""
     from erniekit.train.checkpointing import save_model_or_adapter
 
+    model, runner = trainer.model, trainer.runner
     if trainer.ema is not None and cfg.save_ema:
         with trainer.ema.applied():
-            save_model_or_adapter(model, cfg.output_dir, tokenizer, cfg.model_name_or_path)
-        log(f"output_dir holds the EMA weights (ema_decay {cfg.ema_decay}); the raw weights are in the last checkpoint")
+            save_model_or_adapter(model, cfg.output_dir, trainer.tokenizer, cfg.model_name_or_path, runner)
+        trainer.log(f"output_dir holds the EMA weights (ema_decay {cfg.ema_decay}); the raw weights are in the last "
+                    "checkpoint")
     else:
-        save_model_or_adapter(model, cfg.output_dir, tokenizer, cfg.model_name_or_path)
-    if trainer.ps is not None:
-        results["ps_bytes_per_worker"] = {"sent": trainer.ps.bytes_sent, "received": trainer.ps.bytes_received,
-                                          "pushed_row_gradients": trainer.ps.push_bytes}
-        trainer.ps.stop()
-        import paddle.distributed as dist
-
-        dist.barrier()  # every role leaves together (a server gone early tore the store down under others)
-    if main:
-        atomic_write_json(os.path.join(cfg.output_dir, "train_results.json"), {"global_step": trainer.step, **results})
-    trainer.logger.close()
-    what = "LoRA adapter (PEFT layout)" if cfg.fine_tuning == "LoRA" else "model (Hugging Face layout)"
-    log(f"saved {what} to {cfg.output_dir}; VisualDL logs in {trainer.logger_dir}")
-    return results
+        save_model_or_adapter(model, cfg.output_dir, trainer.tokenizer, cfg.model_name_or_path, runner)
