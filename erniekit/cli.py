@@ -75,52 +75,9 @@ def train(args: list[str]) -> int:
     user_threads = os.environ.get("OMP_NUM_THREADS")
     _import_paddle()
     cfg = validate(cfg)  # config errors stop the job before any worker starts
-    from erniekit.distributed.launch import in_launched_worker, relaunch
-    if cfg.parallel == "auto" and not in_launched_worker():
-        from erniekit.distributed.planner import auto_plan
+    from erniekit.train.start import start_training
 
-        best = auto_plan(cfg)
-        print(f"erniekit: parallel: auto chose {best.plan.describe()} (predicted {best.step_s:.3f} s/step, "
-              f"{best.memory / 1e9:.2f} GB per device; erniekit plan shows the ranking)", flush=True)
-    if cfg.distributed_mode == "ps" and cfg.ps_placement == "auto" and not in_launched_worker():
-        cfg, args = _apply_ps_placement(cfg, path, overrides)
-    from erniekit.distributed.layout import world_size
-
-    if world_size(cfg) > 1 and not in_launched_worker():
-        return relaunch(cfg, args, user_threads)
-    from erniekit.train.run import run_train
-
-    result = run_train(cfg)
-    if isinstance(result, dict) and result.get("stop_signal"):
-        if in_launched_worker():  # paddle.distributed.launch reads any other code as a failure and kills
-            return 0              # the other ranks; `erniekit train` (the parent) reports the stop
-        from erniekit.train.run_control import stopped_exit_code
-
-        return stopped_exit_code(result["stop_signal"])  # stopped, not finished: 143 (SIGTERM) / 130 (SIGINT)
-    return result if isinstance(result, int) and not isinstance(result, bool) else 0
-
-
-def _apply_ps_placement(cfg, path: str | None, overrides: list[str]):
-    """ps_placement: auto: the scheduler's stages become overrides every launched process gets
-    (and the restart after a failure), and the plan is written to output_dir/ps_placement.json."""
-    import json
-
-    from erniekit.config import load_config, validate
-    from erniekit.distributed.ps.plan import placement_for_config
-
-    auto = placement_for_config(cfg)
-    print(f"erniekit: ps_placement auto on {cfg.cluster}: {auto.describe()}", flush=True)
-    args = ([path] if path else []) + list(overrides) + auto.overrides()
-    cfg = validate(load_config(path, list(overrides) + auto.overrides()))
-    os.makedirs(cfg.output_dir, exist_ok=True)
-    rows = [r.as_dict() for r in auto.rows]
-    with open(os.path.join(cfg.output_dir, "ps_placement.json"), "w", encoding="utf-8") as f:
-        json.dump({"cluster": cfg.cluster, "target_tokens_per_s": auto.target, "stage_layers": auto.stage_layers,
-                   "stage_types": auto.stage_types, "stage_devices": auto.stage_devices,
-                   "workers_per_stage": auto.replicas, "processes": auto.processes,
-                   "predicted_tokens_per_s": auto.evaluation.throughput,
-                   "cost_per_batch": auto.evaluation.cost_per_batch, "candidates": rows}, f, indent=1)
-    return cfg, args
+    return start_training(cfg, path, overrides, user_threads)
 
 
 def _chat_parser() -> argparse.ArgumentParser:
@@ -272,7 +229,7 @@ def export(args: list[str]) -> int:
         raise ErniekitError(f"export: source {ns.src} is not a directory; give a checkpoint or LoRA adapter directory "
                             "(output of erniekit train)")
     check_output(ns.src, ns.output, ns.force)  # before paddle: a mistake is reported at once
-    from erniekit.nn.elastic import parse_settings
+    from erniekit.elastic.submodels import parse_settings
 
     spec = parse_settings(ns.elastic)  # before paddle: a typo is reported at once
     _import_paddle()
@@ -416,7 +373,7 @@ def _eval_routing(ns: argparse.Namespace) -> int:
     if ns.batch_size < 1 or ns.max_seq_len < 1:
         raise ErniekitError(f"--batch-size {ns.batch_size} --max-seq-len {ns.max_seq_len}: both must be positive")
     _import_paddle()
-    from erniekit.evaluate.routing import format_routing_table, routing_report
+    from erniekit.routing.report import format_routing_table, routing_report
 
     stats = routing_report(ns.model_dir, data, ns.out, batch_size=ns.batch_size, max_seq_len=ns.max_seq_len)
     print(format_routing_table(stats))
@@ -431,7 +388,7 @@ def _eval_elastic(ns: argparse.Namespace) -> int:
     if data is None:
         raise ErniekitError("eval --elastic needs --data PATH (the bundled examples/data is not next to this install)")
     _import_paddle()
-    from erniekit.evaluate.elastic import elastic_report, format_elastic_table
+    from erniekit.elastic.report import elastic_report, format_elastic_table
 
     table = elastic_report(ns.model_dir, data, ns.depths, ns.experts, ns.top_k, max_samples=ns.max_samples,
                            batch_size=ns.batch_size, out_dir=ns.out)

@@ -14,7 +14,7 @@ import pytest
 from erniekit.config import load_config, validate
 from erniekit.errors import ConfigError, ErniekitError
 from erniekit.models.ernie4_5 import Ernie4_5ForCausalLM, from_pretrained, get_preset
-from erniekit.nn.elastic import (
+from erniekit.elastic.submodels import (
     ElasticChoices, ElasticSpec, elastic, extract_submodel, layer_subset, sample_spec,
     submodel_config,
 )
@@ -217,7 +217,7 @@ def test_eval_elastic_prints_table(trained, tmp_path, capsys):
 
 
 def test_eval_elastic_defaults_to_run_choices(trained):
-    from erniekit.evaluate.elastic import run_choices, specs_for
+    from erniekit.elastic.report import run_choices, specs_for
 
     ch = run_choices(str(trained))
     assert ch == {"depth": [2, 3, 4], "experts": [4, 8], "top_k": [1, 2]}
@@ -280,7 +280,7 @@ def test_distill_loss_is_weighted_kl_with_cross_entropy_gradient():
 
 
 def test_smaller_specs_leave_out_the_full_model():
-    from erniekit.nn.elastic import smaller_specs
+    from erniekit.elastic.submodels import smaller_specs
 
     c = get_preset("tiny-moe")  # 4 layers, 8 experts, top-2
     got = smaller_specs(c, ElasticChoices([2, 4], [8], [1, 2]))

@@ -99,3 +99,66 @@ def test_layering():
             if mod.startswith("erniekit.train.stages.") and d.startswith("erniekit.train.stages."):
                 bad.append((mod, d))
     assert bad == []
+
+
+def test_distributed_never_imports_train():
+    """The PS server and worker get the optimizer and the stop signal from the training side
+    (launch_entry is the launched processes' entry point: it starts the CLI)."""
+    assert [(m, d) for m, deps in GRAPH.items() for d in deps
+            if _layer(m) == "distributed" and _layer(d) in ("train", "cli")
+            and m != "erniekit.distributed.launch_entry"] == []
+
+
+_CONFIG_PATH_PROBE = r'''
+import json, os, sys
+from erniekit import cli
+from erniekit.config.schema import TrainConfig
+import erniekit
+PKG = os.path.dirname(erniekit.__file__)
+seen, done = {}, []
+
+def holds_config(frame):
+    return any(isinstance(v, TrainConfig) for v in frame.f_locals.values())
+
+def probe(frame, event, arg):
+    if done or event not in ("call", "return"):
+        return
+    path = frame.f_code.co_filename
+    if not path.startswith(PKG):
+        return
+    if frame.f_code.co_name == "step" and path.endswith(os.path.join("train", "optim.py")):
+        done.append(1)  # the first optimizer step: what is on the stack counts too
+        f = frame
+        while f is not None:
+            if f.f_code.co_filename.startswith(PKG) and holds_config(f):
+                seen.setdefault(os.path.relpath(f.f_code.co_filename, PKG), f.f_code.co_name)
+            f = f.f_back
+        return
+    if holds_config(frame):
+        seen.setdefault(os.path.relpath(path, PKG), frame.f_code.co_name)
+
+sys.setprofile(probe)
+cli.main(["train", "examples/configs/tiny/sft.yaml", "max_steps=1", "do_eval=false", "save_steps=100",
+          "disable_tqdm=true", "output_dir=" + sys.argv[1]])
+sys.setprofile(None)
+print("FILES " + json.dumps(seen))
+'''
+
+
+def test_the_config_reaches_the_first_step_through_at_most_12_files(tmp_path):
+    """Issue #24: following the run config from `erniekit train` to the first optimizer step (every
+    erniekit frame that holds a TrainConfig) touches at most 12 files; nn/ and models/ get their own
+    section or a model config, never the run config."""
+    import json
+    import subprocess
+    import sys
+
+    probe = tmp_path / "probe.py"
+    probe.write_text(_CONFIG_PATH_PROBE)
+    out = subprocess.run([sys.executable, str(probe), str(tmp_path / "run")], cwd=ROOT, capture_output=True,
+                         text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert out.returncode == 0, out.stderr[-2000:]
+    files = json.loads(out.stdout.split("FILES ", 1)[1])
+    assert {"cli.py", "train/run.py", "train/loop.py", "train/stages/sft.py"} <= set(files), files  # the probe saw the path
+    assert not [f for f in files if f.startswith(("nn/", "models/"))], files
+    assert len(files) <= 12, sorted(files)

@@ -280,7 +280,7 @@ def test_token_balanced_loss_gradient_weights_each_example_equally():
 
 
 def test_training_with_token_type_ids_learns(tmp_path):
-    from erniekit.nn.routing_stats import RoutingAccumulator
+    from erniekit.routing.stats import RoutingAccumulator
     from erniekit.train.batching import collate
     from erniekit.train.stage import Stage
 

@@ -119,7 +119,7 @@ def _rollout_batch(st, model):
 
 
 def test_routing_recorded_in_rollout_matches_training_forward_and_replay_forces_it(tmp_path):
-    from erniekit.rl.routing import changed_counts
+    from erniekit.routing.replay import changed_counts
 
     model, st, tok, _ = _prepared_stage(tmp_path, "beta=0")
     batch = _rollout_batch(st, model)

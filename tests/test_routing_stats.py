@@ -10,7 +10,7 @@ import os
 import numpy as np
 import pytest
 
-from erniekit.nn.routing_stats import (
+from erniekit.routing.stats import (
     RoutingAccumulator, expert_counts, expert_load, load_cv, load_imbalance, modality_usage, routing_entropy,
     token_entropy,
 )
@@ -157,7 +157,7 @@ def test_accumulator_per_modality_imbalance_over_own_experts():
 def test_heatmap_png_is_valid_and_readable(tmp_path):
     import matplotlib.image as mpimg
 
-    from erniekit.utils.routing_plots import log_images_to_visualdl, png_to_uint8, save_load_heatmap, save_modality_usage
+    from erniekit.routing.plots import log_images_to_visualdl, png_to_uint8, save_load_heatmap, save_modality_usage
 
     load = np.random.default_rng(0).dirichlet(np.ones(8), size=3)
     path = save_load_heatmap(load, str(tmp_path / "sub" / "load.png"), "test load", [1, 2, 3])
@@ -211,7 +211,7 @@ def test_monitor_scalars_pictures_and_visualdl(tiny_moe, tmp_path):
     import paddle
     from visualdl import LogWriter
 
-    from erniekit.train.routing_monitor import RoutingMonitor
+    from erniekit.routing.monitor import RoutingMonitor
 
     mon = RoutingMonitor(tiny_moe, str(tmp_path), every_steps=2)
     assert [layer for layer, _ in mon.blocks] == [1, 2]
@@ -262,7 +262,7 @@ def test_monitor_is_a_noop_for_dense_models(tmp_path):
     import paddle
 
     from erniekit.models.ernie4_5 import Ernie4_5ForCausalLM, get_preset
-    from erniekit.train.routing_monitor import RoutingMonitor
+    from erniekit.routing.monitor import RoutingMonitor
 
     model = Ernie4_5ForCausalLM(get_preset("tiny-dense").replace(num_hidden_layers=1))
     mon = RoutingMonitor(model, str(tmp_path), every_steps=1)

@@ -240,7 +240,7 @@ def _normalise_rl_lists(cfg: TrainConfig) -> dict:
 def _normalise_elastic(cfg: TrainConfig) -> dict:
     """Elastic sub-model choices as sorted unique int lists, range-checked against each other;
     ranges against the model (depth <= num_hidden_layers, experts <= moe_num_experts) are checked
-    when the model is loaded (erniekit.nn.elastic.ElasticTraining.from_config)."""
+    when the model is loaded (erniekit.elastic.submodels.ElasticTraining.from_config)."""
     out = {k: sorted(set(_typed_list(k, getattr(cfg, k), int))) for k in ("elastic_depth", "elastic_experts", "elastic_top_k")}
     for key, values in out.items():
         _require(all(v >= 1 for v in values), key, values, "a list of integers >= 1")
@@ -380,7 +380,7 @@ def _check_parallel(cfg: TrainConfig) -> None:
     if cfg.distributed_mode == "ps":
         _check_ps(cfg)
         return
-    lay = layout_from_config(cfg)
+    lay = layout_from_config(cfg.parallelism)
     # the FP8 expert GEMM runs on local tensors: a pipeline stage's, or an expert-parallel slice's
     if lay.world > 1 and cfg.fp8 and lay.pp == 1 and lay.ep == 1:
         raise ConfigError("fp8: true with several processes needs the experts' GEMMs local: set "
@@ -394,10 +394,10 @@ def _check_parallel(cfg: TrainConfig) -> None:
 
 
 def _check_ps(cfg: TrainConfig) -> None:
-    """What the parameter-server mode (erniekit/train/ps_worker.py) runs in this version."""
+    """What the parameter-server mode (erniekit/train/runners/ps.py) runs in this version."""
     from erniekit.distributed.layout import world_size
 
-    world = world_size(cfg)
+    world = world_size(cfg.parallelism)
     _require(cfg.ps_servers >= 1, "ps_servers", cfg.ps_servers, ">= 1")
     _require(0 < cfg.ps_topk_ratio <= 1, "ps_topk_ratio", cfg.ps_topk_ratio, "in (0, 1]")
     _require(cfg.ps_k_steps >= 1, "ps_k_steps", cfg.ps_k_steps, ">= 1")

@@ -301,3 +301,59 @@ def format_value(value: Any) -> str:
 def fields() -> tuple[dataclasses.Field, ...]:
     """TrainConfig fields in declaration order (for help and dumping)."""
     return dataclasses.fields(TrainConfig)
+
+
+# ---- sections ---------------------------------------------------------------------------------
+# The same keys, grouped: a module that needs the optimizer's settings takes `cfg.optim`, not the
+# whole run config, so it cannot come to depend on unrelated keys. Users still write flat keys.
+SECTION_KEYS: dict[str, tuple[str, ...]] = {
+    "method": ("stage", "fine_tuning"),
+    "model": ("model_name_or_path", "tokenizer_name_or_path", "model_overrides"),
+    "data": ("train_dataset_path", "train_dataset_type", "eval_dataset_path", "eval_dataset_type", "max_seq_len",
+             "packing", "truncation"),
+    "batch": ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps", "max_steps",
+              "num_train_epochs"),
+    "optim": ("learning_rate", "min_lr", "weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon", "max_grad_norm",
+              "lr_scheduler_type", "warmup_steps", "warmup_ratio", "decay_ratio"),
+    "output": ("seed", "output_dir", "logging_dir", "logging_steps", "save_steps", "routing_plot_steps", "eval_steps",
+               "save_total_limit", "resume_from_checkpoint", "disable_tqdm"),
+    "evaluation": ("do_train", "do_eval", "eval_generation", "eval_max_new_tokens", "eval_max_samples"),
+    "lora": ("lora_rank", "lora_alpha", "lora_dropout", "lora_target_modules", "rslora", "use_dora", "lora_plus_scale",
+             "lora_base_dtype"),
+    "dpo": ("beta", "loss_type", "label_smoothing", "reference_free", "sft_loss_ratio", "simpo_gamma", "dpop_lambda"),
+    "rl": ("num_generations", "max_new_tokens", "temperature", "top_p", "stop_token_ids", "reward_funcs",
+           "reward_weights", "num_iterations", "epsilon", "epsilon_high", "scale_rewards", "loss_aggregation",
+           "filter_zero_std_groups", "routing_replay", "gamma", "lam", "vf_coef", "cliprange_value"),
+    "ema": ("ema_decay", "save_ema"),
+    "loss": ("loss_token_balance",),
+    "elastic": ("elastic_depth", "elastic_experts", "elastic_top_k", "elastic_full_prob", "elastic_sandwich",
+                "elastic_distill_weight"),
+    "precision": ("bf16", "fp16", "fp8", "fp8_block_size", "fp8_grad_format", "compute_type", "recompute",
+                  "recompute_granularity"),
+    "parallelism": ("data_parallel_degree", "tensor_parallel_degree", "expert_parallel_degree",
+                    "pipeline_parallel_degree", "pipeline_stage_layers", "sharding", "sharding_parallel_degree",
+                    "parallel", "cluster", "nproc_per_node", "nnodes", "master", "max_restart",
+                    "dataloader_num_workers"),
+    "ps": ("distributed_mode", "ps_servers", "ps_sync_mode", "ps_k_steps", "ps_compress", "ps_topk_ratio",
+           "ps_stage_devices", "ps_placement", "ps_target", "ps_stage_workers"),
+}
+
+SECTIONS: dict[str, type] = {
+    name: dataclasses.make_dataclass(
+        "".join(part.title() for part in name.split("_")) + "Section",
+        [(key, TrainConfig.__annotations__[key]) for key in keys], frozen=True)
+    for name, keys in SECTION_KEYS.items()
+}
+
+
+def section(cfg: TrainConfig, name: str):
+    """The keys of section `name` of cfg, as a frozen dataclass of the same field names."""
+    return SECTIONS[name](**{key: getattr(cfg, key) for key in SECTION_KEYS[name]})
+
+
+def _section_property(name: str) -> property:
+    return property(lambda self: section(self, name), doc=f"the {name} keys: {', '.join(SECTION_KEYS[name])}")
+
+
+for _name in SECTION_KEYS:
+    setattr(TrainConfig, _name, _section_property(_name))

@@ -181,7 +181,7 @@ def relaunch(cfg, train_args: list[str], user_threads: str | None = None) -> int
     A stop (SIGTERM / SIGINT here or to any rank) is not a failure: no restart, exit code
     128 + the signal (run_control.stopped_exit_code).
     """
-    from erniekit.train.run_control import stopped_exit_code
+    from erniekit.utils.run_control import stopped_exit_code
 
     env = dict(os.environ)
     env["OMP_NUM_THREADS"] = user_threads or str(max(1, (os.cpu_count() or 1) // cfg.nproc_per_node))

@@ -14,7 +14,7 @@ import sys
 
 
 def _die_with_parent() -> None:
-    from erniekit.train.run_control import die_with_parent
+    from erniekit.utils.run_control import die_with_parent
 
     if die_with_parent() and os.getppid() == 1:  # the parent died before prctl: nobody would signal us
         sys.exit("erniekit: the process that started this one is gone; not starting")

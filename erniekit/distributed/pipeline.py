@@ -15,6 +15,9 @@ stages, and every stage leader's link to rank 0 for checkpoints, is a process gr
 Paddle's gloo tags a message with its group's running operation count, so on one shared group a
 middle stage, which talks to both neighbours, soon disagrees with each of them on the tag (pp=3
 timed out at its first step, measured).
+
+In code a pipeline stage is a *segment* (`segment`, `per_segment`): "stage" is the training
+algorithm (erniekit/train/stages). Config keys and messages keep "pipeline stage", as users know it.
 """
 
 from __future__ import annotations
@@ -29,12 +32,12 @@ from erniekit.distributed.layout import Layout
 class StageElsewhere(nn.Layer):
     """Stands in for a layer another pipeline stage holds (no parameters, never called)."""
 
-    def __init__(self, stage: int):
+    def __init__(self, segment: int):
         super().__init__()
-        self.stage = stage
+        self.segment = segment
 
     def forward(self, *args, **kwargs):
-        raise RuntimeError(f"this layer lives on pipeline stage {self.stage}; a full-model forward cannot run "
+        raise RuntimeError(f"this layer lives on pipeline stage {self.segment}; a full-model forward cannot run "
                            "in a pipeline-parallel process")
 
 
@@ -117,54 +120,54 @@ class PipelineTopology:
 
     def __init__(self, layout: Layout, rank: int, num_layers: int, stage_layers: list[int] | None = None):
         self.pp = layout.pp
-        self.per_stage = layout.world // layout.pp  # the data ranks of one stage
+        self.per_segment = layout.world // layout.pp  # the data ranks of one stage
         self.member = rank < layout.world
-        self.stage, self.column = divmod(rank, self.per_stage) if self.member else (None, None)
-        self.first, self.last = self.stage == 0, self.stage == self.pp - 1
-        self.prev = rank - self.per_stage if self.member and not self.first else None
-        self.next = rank + self.per_stage if self.member and not self.last else None
+        self.segment, self.column = divmod(rank, self.per_segment) if self.member else (None, None)
+        self.first, self.last = self.segment == 0, self.segment == self.pp - 1
+        self.prev = rank - self.per_segment if self.member and not self.first else None
+        self.next = rank + self.per_segment if self.member and not self.last else None
         self.bounds = bounds_from_counts(stage_layers) if stage_layers else stage_bounds(num_layers, self.pp)
-        self.layers = range(*self.bounds[self.stage]) if self.member else range(0)
+        self.layers = range(*self.bounds[self.segment]) if self.member else range(0)
         self.data_rank = self.column  # rows of the global batch this rank trains: its slice
         self.pp_group = self.tied_group = self.dp_group = None
         self.prev_link = self.next_link = None  # groups of this rank and its neighbour stages
         self.gather_links: dict[int, object] = {}  # stage -> group of rank 0 and that stage's leader
-        self.tied = False  # embedding tied to the LM head: set by `keep_stage`
-        for c in range(self.per_stage):  # one pipeline per data rank; first+last share the tied embedding
-            ranks = [c + s * self.per_stage for s in range(self.pp)]
+        self.tied = False  # embedding tied to the LM head: set by `keep_segment`
+        for c in range(self.per_segment):  # one pipeline per data rank; first+last share the tied embedding
+            ranks = [c + s * self.per_segment for s in range(self.pp)]
             g = new_group(ranks)
             t = g if self.pp == 2 else new_group([ranks[0], ranks[-1]])
             if c == self.column:
                 self.pp_group, self.tied_group = g, t
-        if self.per_stage > 1:
+        if self.per_segment > 1:
             for s in range(self.pp):
-                g = new_group(list(range(s * self.per_stage, (s + 1) * self.per_stage)))
-                if s == self.stage:
+                g = new_group(list(range(s * self.per_segment, (s + 1) * self.per_segment)))
+                if s == self.segment:
                     self.dp_group = g
         if self.pp == 2:  # the column's pipeline group is the one link: no more groups to create
             self.next_link = self.prev_link = self.pp_group
             if self.member and self.column == 0:
                 self.gather_links[1] = self.pp_group
             return
-        for c in range(self.per_stage):  # neighbour links, one group each (see the module docstring)
+        for c in range(self.per_segment):  # neighbour links, one group each (see the module docstring)
             for s in range(self.pp - 1):
-                a, b = c + s * self.per_stage, c + (s + 1) * self.per_stage
+                a, b = c + s * self.per_segment, c + (s + 1) * self.per_segment
                 g = new_group([a, b])
                 if rank == a:
                     self.next_link = g
                 if rank == b:
                     self.prev_link = g
         for s in range(1, self.pp):  # checkpoints: each stage leader to rank 0
-            g = new_group([0, s * self.per_stage])
-            if rank in (0, s * self.per_stage):
+            g = new_group([0, s * self.per_segment])
+            if rank in (0, s * self.per_segment):
                 self.gather_links[s] = g
 
     def describe(self) -> str:
-        a, b = self.bounds[self.stage]
-        return f"pipeline stage {self.stage + 1}/{self.pp}: layers {a}-{b - 1}"
+        a, b = self.bounds[self.segment]
+        return f"pipeline stage {self.segment + 1}/{self.pp}: layers {a}-{b - 1}"
 
     # ---- the model -------------------------------------------------------------------------
-    def keep_stage(self, model) -> None:
+    def keep_segment(self, model) -> None:
         """Drop what other stages hold (in place): layers outside this stage, the embedding
         except on the first stage (and the last, when tied to the LM head), the final norm and
         LM head except on the last."""
@@ -181,7 +184,7 @@ class PipelineTopology:
                 model.lm_head = StageElsewhere(self.pp - 1)
         if self.dp_group is not None:  # router losses and load counts over the whole batch
             for m in model.moe_layers():
-                m.data_sum, m.data_ranks = self.data_sum, self.per_stage
+                m.data_sum, m.data_ranks = self.data_sum, self.per_segment
 
     def data_sum(self, t: paddle.Tensor) -> paddle.Tensor:
         """t summed over this stage's data ranks (a copy; no gradient flows through it)."""
@@ -230,15 +233,29 @@ class PipelineTopology:
         import numpy as np
 
         leader = self.column == 0
-        if self.stage == 0 and leader:
+        if self.segment == 0 and leader:
             out = dict(tensors)
             for s in range(1, self.pp):
                 got = [None]
-                dist.recv_object_list(got, src=s * self.per_stage, group=self.gather_links[s])
+                dist.recv_object_list(got, src=s * self.per_segment, group=self.gather_links[s])
                 for k, v in got[0].items():
                     out.setdefault(k, paddle.to_tensor(v))
             return out
         if leader:
             dist.send_object_list([{k: np.asarray(v.numpy()) for k, v in tensors.items()}], dst=0,
-                                  group=self.gather_links[self.stage])
+                                  group=self.gather_links[self.segment])
         return {}
+
+
+def data_rank_rows(batch: dict[str, np.ndarray], ranks: int, rank: int) -> tuple[dict[str, np.ndarray], float]:
+    """Data rank `rank` of `ranks`: its rows of a global micro-batch, and the weight of its loss.
+    A batch that does not split evenly is computed whole by every data rank, each with weight
+    1/ranks. Shared by pipeline stages and parameter-server workers."""
+    b = len(batch["input_ids"])
+    if ranks == 1:
+        return batch, 1.0
+    if b % ranks:
+        return batch, 1.0 / ranks
+    n = b // ranks
+    sl = slice(rank * n, (rank + 1) * n)
+    return {key: v[sl] for key, v in batch.items()}, 1.0

@@ -411,7 +411,7 @@ def workload_from_config(cfg, world: int | None = None) -> Workload:
     """The global batch a training config asks for: per-device batch x accumulation x its data ranks."""
     from erniekit.distributed.layout import layout_from_config
 
-    lay = layout_from_config(cfg, world)
+    lay = layout_from_config(cfg.parallelism, world)
     return Workload(cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps * lay.dp * lay.sharding,
                     cfg.max_seq_len)
 
@@ -442,7 +442,7 @@ def auto_plan(cfg) -> Prediction:
         raise ConfigError("parallel: auto needs cluster: FILE, a cluster description (examples/clusters/"
                           "cpu-2core.yaml describes this kind of 2-core machine)")
     cluster = load_cluster(cfg.cluster)
-    world = world_size(cfg)
+    world = world_size(cfg.parallelism)
     if cluster.world != world:
         raise ConfigError(f"cluster {cfg.cluster} has {cluster.world} devices (nodes x devices_per_node) but the "
                           f"launch has {world} processes (nproc_per_node {cfg.nproc_per_node} x nnodes {cfg.nnodes}); "

@@ -95,7 +95,7 @@ class ParallelContext:
         """Turn every parameter into a DistTensor with its placements (in place, names kept);
         in a pipeline run, drop the layers other stages hold instead."""
         if self.pipeline is not None:
-            self.pipeline.keep_stage(model)
+            self.pipeline.keep_segment(model)
             return
         names = {id(p): n for n, p in model.named_parameters()}
         exchange = self.expert_exchange()
@@ -136,7 +136,7 @@ class ParallelContext:
             t = self.pipeline
             return {"mesh": {d: getattr(self.layout, d) for d in DIMS}, "pipeline_schedule": "1F1B",
                     "stage_layers": [list(range(a, b)) for a, b in t.bounds],
-                    "parameters": {n: {"stage": t.stage, "shape": list(p.shape)} for n, p in model.named_parameters()}}
+                    "parameters": {n: {"stage": t.segment, "shape": list(p.shape)} for n, p in model.named_parameters()}}
         ex = self.expert_exchange()
         return {"mesh": {d: getattr(self.layout, d) for d in DIMS}, "expert_parallel_degree": self.layout.ep,
                 "sharding_stage": self.layout.sharding_stage,

@@ -22,7 +22,7 @@ def _load_source(src: str, elastic=None):
     tokenizer = ErnieTokenizer.from_pretrained(src)
     model = load_model_or_adapter(src)
     if elastic is not None and not elastic.is_full:
-        from erniekit.nn.elastic import extract_submodel
+        from erniekit.elastic.submodels import extract_submodel
 
         model = extract_submodel(model, elastic)
     model.eval()
@@ -49,7 +49,7 @@ def check_output(src: str, out: str, force: bool = False) -> None:
 
 def export_hf(src: str, out: str, max_shard_size: str = "5GB", dtype: str | None = None, elastic=None,
               fmt: str = "hf", group_size: int = 64, force: bool = False) -> str:
-    """`elastic` (an erniekit.nn.elastic.ElasticSpec) writes that sub-model as an ordinary smaller checkpoint.
+    """`elastic` (an erniekit.elastic.submodels.ElasticSpec) writes that sub-model as an ordinary smaller checkpoint.
     `force` writes into a non-empty `out` (the weights are replaced atomically: old or new, never mixed)."""
     import paddle
 
@@ -100,7 +100,7 @@ def verify(out: str, atol: float | None = None) -> dict:
     import paddle
 
     from erniekit.models.ernie4_5.checkpoint import load_model_or_adapter
-    from erniekit.nn.elastic import ElasticSpec
+    from erniekit.elastic.submodels import ElasticSpec
 
     info_file = os.path.join(out, INFO_NAME)
     if not os.path.isfile(info_file):

@@ -399,7 +399,7 @@ class MoEBlock(nn.Layer):
         self.last_probs: paddle.Tensor | None = None
         self.last_modality: paddle.Tensor | None = None  # [T] int64 modality id, None when text only
         self.last_dropped: float = 0.0  # fraction of assignments dropped by the capacity limit
-        self.routing_reference: RoutingReference | None = None  # set around a forward by erniekit.rl.routing
+        self.routing_reference: RoutingReference | None = None  # set around a forward by erniekit.routing.replay
         self.last_changed: tuple[int, int] | None = None  # (tokens whose routing differs from the reference, tokens compared)
 
     def router(self, m: int) -> TopKRouter:

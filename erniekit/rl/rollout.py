@@ -7,7 +7,7 @@ used are the model's current ones: rollouts always come from the current policy.
 
 The result is laid out exactly as the training forward will see it (left-padded prompt, then
 the completion, padded on the right), so the MoE routing recorded during sampling lines up
-token for token with the training forward (routing replay, erniekit/rl/routing.py).
+token for token with the training forward (routing replay, erniekit/routing/replay.py).
 """
 
 from __future__ import annotations

@@ -18,11 +18,11 @@ import time
 import paddle
 
 from erniekit.errors import ErniekitError
-from erniekit.nn.elastic import ElasticSpec, ElasticTraining, apply_elastic
+from erniekit.elastic.submodels import ElasticSpec, ElasticTraining, apply_elastic
 from erniekit.train.batching import MicroBatches
 from erniekit.train.checkpointing import EMA_NAME, load_checkpoint, resolve_resume, rotate_checkpoints, save_checkpoint
 from erniekit.train.optim import build_optimizer
-from erniekit.train.routing_monitor import RoutingMonitor
+from erniekit.routing.monitor import RoutingMonitor
 from erniekit.train.runners import StepRunner, StepSums, default_runner
 from erniekit.train.scalar_log import ScalarLogger
 from erniekit.train.schedules import lr_at
@@ -35,8 +35,10 @@ class Trainer:
                  runner: StepRunner | None = None):
         self.cfg, self.model, self.tokenizer, self.stage = cfg, model, tokenizer, stage
         self.eval_data = eval_data
+        self.eval_batch_size = cfg.per_device_eval_batch_size
         self.log = log
-        self.runner = runner if runner is not None else default_runner(model, stage)
+        self.runner = runner if runner is not None else default_runner(model, stage, cfg.precision,
+                                                                       cfg.elastic_distill_weight)
         # every data rank builds the same global batch and keeps its rows
         self.batches = MicroBatches(train_rows, cfg.per_device_train_batch_size * self.runner.data_ranks, cfg.seed,
                                     tokenizer.pad_token_id, collate_fn=stage.collate)
@@ -48,7 +50,8 @@ class Trainer:
         warmup = cfg.warmup_steps or int(round(cfg.warmup_ratio * self.total_steps))
         self.warmup = min(warmup, self.total_steps)
         extra = stage.extra_named_parameters()  # e.g. a PPO value head
-        self.optimizer = build_optimizer(model, cfg, extra)
+        self.optimizer = build_optimizer(model, cfg.optim, extra,
+                                         cfg.lora_plus_scale if cfg.fine_tuning == "LoRA" else 1.0)
         self.params = [p for p in model.parameters() if not p.stop_gradient] + [p for _, p in extra]
         self.ema = None
         if cfg.ema_decay > 0:
@@ -63,7 +66,7 @@ class Trainer:
         self.logger_dir = cfg.logging_dir or os.path.join(cfg.output_dir, "vdl_log")
         self.logger = ScalarLogger(self.logger_dir, enabled=is_main_process())
         self.routing = RoutingMonitor(model, cfg.output_dir, every_steps=cfg.routing_plot_steps)
-        self.elastic = ElasticTraining.from_config(cfg, model)  # None unless elastic_* choices are set
+        self.elastic = ElasticTraining.from_config(cfg.elastic, model)  # None unless elastic_* choices are set
         self.runner.bind(self)
 
     # ---- state -----------------------------------------------------------------------------
@@ -256,7 +259,7 @@ class Trainer:
 
     def request_stop(self, signum: int = 15) -> None:
         """End training after the current step, with a checkpoint (the WebUI's stop button, Ctrl-C)."""
-        from erniekit.train.run_control import request_stop
+        from erniekit.utils.run_control import request_stop
 
         request_stop(signum)
 
@@ -271,7 +274,7 @@ class Trainer:
         A signal may reach one rank only (a scheduler preempting one process, a kill by hand) or
         reach the ranks in different steps; the runner combines every rank's request after each
         step, so they all stop after the same one and checkpoint-N is written by all."""
-        from erniekit.train.run_control import stop_signal
+        from erniekit.utils.run_control import stop_signal
 
         return self.runner.agree_stop(stop_signal())
 

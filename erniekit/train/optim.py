@@ -121,17 +121,20 @@ class AdamW:
             (self.m if kind == "exp_avg" else self.v)[name] = self._place(params[name], value.astype("float32"))
 
 
-def build_optimizer(model: paddle.nn.Layer, cfg, extra: list[tuple[str, paddle.Tensor]] = ()) -> AdamW:
-    """AdamW over the model's trainable parameters plus `extra` named ones (a PPO value head)."""
+def build_optimizer(model: paddle.nn.Layer, optim, extra: list[tuple[str, paddle.Tensor]] = (),
+                    lora_plus_scale: float = 1.0) -> AdamW:
+    """AdamW over the model's trainable parameters plus `extra` named ones (a PPO value head).
+    optim: the run config's `optim` section (learning_rate, adam_*, weight_decay); lora_plus_scale:
+    LoRA+'s learning-rate ratio of the B matrices (1: none)."""
     named = list(model.named_parameters()) + list(extra)
     no_decay = {n for n, p in named if p.ndim < 2 or "norm" in n or "embed_tokens" in n}
     lr_mult = None
-    if getattr(cfg, "fine_tuning", "Full") == "LoRA" and cfg.lora_plus_scale != 1.0:
+    if lora_plus_scale != 1.0:
         from erniekit.nn.lora import lora_param_groups
 
-        lr_mult = lora_param_groups(model, cfg.lora_plus_scale)
-    opt = AdamW(named, cfg.learning_rate, cfg.adam_beta1, cfg.adam_beta2, cfg.adam_epsilon,
-                cfg.weight_decay, no_decay, lr_mult)
+        lr_mult = lora_param_groups(model, lora_plus_scale)
+    opt = AdamW(named, optim.learning_rate, optim.adam_beta1, optim.adam_beta2, optim.adam_epsilon,
+                optim.weight_decay, no_decay, lr_mult)
     from erniekit.distributed.runtime import active
 
     if active() is not None:

@@ -19,7 +19,7 @@ from __future__ import annotations
 import numpy as np
 import paddle
 
-from erniekit.distributed.pipeline import PipelineTopology
+from erniekit.distributed.pipeline import PipelineTopology, data_rank_rows  # noqa: F401  (data_rank_rows: used here)
 from erniekit.train.losses import batch_tensor, causal_lm_loss_sum, count_target_tokens, token_balanced_loss_sum
 
 
@@ -59,20 +59,6 @@ def run_1f1b(pp: int, stage: int, m: int, forward, send_forward, recv_grad, back
             backward(i, grads.pop(i, None))
 
 
-def data_rank_rows(batch: dict[str, np.ndarray], ranks: int, rank: int) -> tuple[dict[str, np.ndarray], float]:
-    """Data rank `rank` of `ranks`: its rows of a global micro-batch, and the weight of its loss.
-    A batch that does not split evenly is computed whole by every data rank, each with weight
-    1/ranks. Shared by pipeline stages and parameter-server workers."""
-    b = len(batch["input_ids"])
-    if ranks == 1:
-        return batch, 1.0
-    if b % ranks:
-        return batch, 1.0 / ranks
-    n = b // ranks
-    sl = slice(rank * n, (rank + 1) * n)
-    return {key: v[sl] for key, v in batch.items()}, 1.0
-
-
 def run_layers(model, batch: dict[str, np.ndarray], x: paddle.Tensor | None, layers, dtype) -> paddle.Tensor:
     """Decoder layers `layers` of `model` over a batch; x: their input, None = embed the ids here.
     RoPE and the attention mask are built as the full model's forward builds them."""
@@ -106,7 +92,7 @@ class PipelineStep:
 
     # ---- data ------------------------------------------------------------------------------
     def local_rows(self, batch: dict[str, np.ndarray]) -> tuple[dict[str, np.ndarray], float]:
-        return data_rank_rows(batch, self.topo.per_stage, self.topo.data_rank)
+        return data_rank_rows(batch, self.topo.per_segment, self.topo.data_rank)
 
     # ---- one stage's share of the model ----------------------------------------------------
     def _stage_forward(self, batch: dict[str, np.ndarray], x: paddle.Tensor | None) -> paddle.Tensor:
@@ -178,7 +164,7 @@ class PipelineStep:
             b, s = local[i][0]["input_ids"].shape
             return topo.recv([b, s, self.hidden], self.dtype, forward=False)
 
-        run_1f1b(topo.pp, topo.stage, m, forward, lambda i: topo.send(live[i][1], forward=True), recv_grad, backward)
+        run_1f1b(topo.pp, topo.segment, m, forward, lambda i: topo.send(live[i][1], forward=True), recv_grad, backward)
         return self._summed([loss_sum, aux_sum])
 
     def _summed(self, values: list[float]) -> list[float]:

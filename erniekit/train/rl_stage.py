@@ -23,7 +23,7 @@ from erniekit.rl.data import PromptExample, load_prompts
 from erniekit.rl.losses import token_entropy
 from erniekit.rl.rewards import accuracy, check_fields, compute_rewards, load_reward_functions
 from erniekit.rl.rollout import Rollout, greedy_completions, repeat_prompts, rollout
-from erniekit.rl.routing import changed_counts, routing_reference
+from erniekit.routing.replay import changed_counts, routing_reference
 from erniekit.train.evaluation import prompt_ids
 from erniekit.train.losses import IGNORE_INDEX, token_logps
 from erniekit.train.stage import Stage

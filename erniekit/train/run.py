@@ -85,71 +85,6 @@ def _exact_match_line(ev: dict, start: dict | None) -> str:
     return line
 
 
-def join_job(cfg):
-    """In a worker started by paddle.distributed.launch: join the process group and return the
-    parallel context (mesh, placements); None in a single-process run."""
-    world = launched_world()
-    if world == 1 or cfg.distributed_mode == "ps":  # PS roles: join_ps
-        return None
-    from erniekit.distributed import runtime
-    from erniekit.distributed.layout import layout_from_config
-
-    return runtime.init(layout_from_config(cfg, world))
-
-
-def join_ps(cfg):
-    """In a `distributed_mode: ps` job: join the process group and return this process's role
-    (erniekit/distributed/ps/topology.py); None otherwise."""
-    world = launched_world()
-    if cfg.distributed_mode != "ps" or world == 1:
-        return None
-    import paddle.distributed as dist
-
-    from erniekit.distributed.ps.topology import PSTopology, make_links
-
-    dist.init_parallel_env()
-    workers = world - cfg.ps_servers
-    # the workers' group (their gradient sums): group creation is collective, servers join it too
-    from erniekit.distributed.pipeline import new_group
-
-    group = new_group(list(range(workers))) if workers > 1 else None
-    links = make_links(workers, cfg.ps_servers)
-    return PSTopology(workers=workers, servers=cfg.ps_servers, rank=dist.get_rank(), worker_group=group, links=links)
-
-
-def stage_device(kind: str, model) -> str:
-    """A PS pipeline stage's device (ps_stage_devices): gpu stages take this node's GPUs in rank
-    order. The model was built on the default device; it moves when that differs."""
-    if kind == "cpu":
-        device = "cpu"
-    else:
-        local = int(os.environ.get("PADDLE_LOCAL_RANK", os.environ.get("PADDLE_RANK_IN_NODE", "0")))
-        device = f"gpu:{local % max(1, paddle.device.cuda.device_count())}"
-    if paddle.get_device() != device:
-        paddle.set_device(device)
-        model.to(device=device)
-    return device
-
-
-def serve_tables(cfg, model, topo, log) -> dict:
-    """A parameter server's whole run: its rows of the tables (resumed from the checkpoint the
-    workers resume from), then requests until the workers stop it."""
-    from erniekit.train.checkpointing import resolve_resume
-    from erniekit.train.ps_server import ParameterServer, checkpoint_tables, model_tables
-
-    tables = model_tables(model)
-    server = ParameterServer(topo, tables, cfg)
-    path = resolve_resume(cfg.resume_from_checkpoint, cfg.output_dir)
-    if path is not None:
-        server.load(*checkpoint_tables(path, model, list(tables)))
-    del model, tables
-    server.serve()
-    import paddle.distributed as dist
-
-    dist.barrier()  # leave with the workers
-    return {"ps_server": topo.server_index, "bytes_in": server.bytes_in, "bytes_out": server.bytes_out}
-
-
 def _quiet(*args, **kwargs) -> None:
     pass
 
@@ -162,7 +97,7 @@ def run_train(cfg, log=print) -> dict:
     """One training run; rank 0 (or the only process) holds output_dir against a second run.
     SIGTERM / SIGINT to any process of the run end it after a step every rank agrees on, with
     checkpoint-N (docs/training.md "Stopping and preemption")."""
-    from erniekit.train.run_control import output_dir_lock, stop_on_signal
+    from erniekit.utils.run_control import output_dir_lock, stop_on_signal
 
     with stop_on_signal(launched=launched_world() > 1):
         if os.environ.get("PADDLE_TRAINER_ID", "0") != "0":
@@ -173,8 +108,10 @@ def run_train(cfg, log=print) -> dict:
 
 def _run_train(cfg, log=print) -> dict:
     device = select_device()
-    ctx = join_job(cfg)
-    ps = join_ps(cfg)
+    from erniekit.distributed.join import join
+
+    topology = join(cfg)
+    ctx, ps = topology.collective, topology.ps
     main = is_main_process()
     if not main:
         log = _quiet  # rank 0 reports; every rank's output is in launch_logs/
@@ -190,6 +127,8 @@ def _run_train(cfg, log=print) -> dict:
     if ps is not None:
         ps = _ps_role(cfg, model, ps)
         if ps.is_server:
+            from erniekit.train.runners.ps import serve_tables
+
             return serve_tables(cfg, model, ps, log)
         runner = _ps_runner(cfg, model, ps, stage, log)
     if ctx is not None:
@@ -203,6 +142,10 @@ def _run_train(cfg, log=print) -> dict:
     log(f"erniekit: stage={cfg.stage} model={cfg.model_name_or_path} ({n_params / 1e6:.2f}M params, {n_train / 1e6:.2f}M trainable, "
         f"{model.config.model_type}) device={device}{_parallel_note(ctx)} threads={os.environ.get('OMP_NUM_THREADS', '1')} "
         f"train_rows={len(train_rows)} data_prep={time.perf_counter() - t0:.1f}s")
+    if runner is None:
+        from erniekit.train.runners import collective_runner
+
+        runner = collective_runner(ctx, model, stage, cfg.precision, cfg.elastic_distill_weight)
     trainer = Trainer(cfg, model, tokenizer, stage, train_rows, eval_data, log=log, runner=runner)
     results = _train_and_evaluate(cfg, trainer, eval_data, ctx is not None, log)
     _save_final(cfg, trainer)
@@ -227,11 +170,11 @@ def _ps_role(cfg, model, ps):
 
 def _ps_runner(cfg, model, ps, stage, log):
     """A PS worker's step runner: its blocks here, the tables' rows on the servers."""
-    from erniekit.train.ps_worker import PSWorker
-    from erniekit.train.runners.ps import PSRunner
+    from erniekit.distributed.ps.worker import PSWorker
+    from erniekit.train.runners.ps import PSRunner, stage_device
 
     if cfg.ps_stage_devices:
-        segment = ps.pipe.stage if ps.pipe is not None else 0
+        segment = ps.pipe.segment if ps.pipe is not None else 0
         log(f"workers of pipeline stage {segment + 1} on {stage_device(cfg.ps_stage_devices[segment], model)}")
     worker = PSWorker(ps, model, compress=cfg.ps_compress, topk_ratio=cfg.ps_topk_ratio,
                       k_steps=cfg.ps_k_steps if cfg.ps_sync_mode == "async" else 0)

@@ -156,7 +156,7 @@ class Ernie4_5Model(nn.Layer):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.LayerList([DecoderLayer(config, i) for i in range(config.num_hidden_layers)])
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.active_layers: list[int] | None = None  # elastic depth (erniekit/nn/elastic.py); None = all
+        self.active_layers: list[int] | None = None  # elastic depth (erniekit/elastic/submodels.py); None = all
 
     def forward(self, input_ids, position_ids=None, segment_ids=None, attention_mask=None, cache=None,
                 token_type_ids=None):

@@ -5,19 +5,23 @@ from __future__ import annotations
 from erniekit.train.runners.base import StepRunner, StepSums
 
 
-def default_runner(model, stage) -> StepRunner:
-    """The runner of this process in a single-process or collective job: pipeline ranks when the
-    job joined with pipeline stages, else local (PS workers are built by the run, with their worker)."""
-    from erniekit.distributed.runtime import active
-
-    ctx = active()
+def collective_runner(ctx, model, stage, precision=None, distill_weight: float = 0.0) -> StepRunner:
+    """The runner of a single process (ctx None) or a collective job's rank: pipeline segments when
+    the job has them, else local (PS workers get theirs with their connection to the servers)."""
     if ctx is not None and ctx.pipeline is not None:
         from erniekit.train.runners.pipeline import PipelineRunner
 
-        return PipelineRunner(ctx, model, stage.token_balance)
+        return PipelineRunner(ctx, model, stage.token_balance, precision)
     from erniekit.train.runners.local import LocalRunner
 
-    return LocalRunner(ctx)
+    return LocalRunner(ctx, precision, distill_weight)
 
 
-__all__ = ["StepRunner", "StepSums", "default_runner"]
+def default_runner(model, stage, precision=None, distill_weight: float = 0.0) -> StepRunner:
+    """The collective runner of the job this process joined (erniekit/distributed/join.py), if any."""
+    from erniekit.distributed.runtime import active
+
+    return collective_runner(active(), model, stage, precision, distill_weight)
+
+
+__all__ = ["StepRunner", "StepSums", "collective_runner", "default_runner"]

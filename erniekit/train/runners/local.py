@@ -7,26 +7,32 @@ import contextlib
 
 import paddle
 
-from erniekit.nn.elastic import ElasticSpec, apply_elastic
+from erniekit.elastic.submodels import ElasticSpec, apply_elastic
 from erniekit.train.losses import distill_loss_sum
 from erniekit.train.optim import clip_grad_norm_, reduced_grads
 from erniekit.train.runners.base import StepRunner, StepSums
 from erniekit.utils.dtensor import scalar
 
 
-def amp_context(cfg):
-    """bf16/fp16 autocast on GPU; float32 elsewhere (config validation rejects AMP on CPU)."""
-    if not (cfg.bf16 or cfg.fp16):
+def amp_context(precision):
+    """bf16/fp16 autocast on GPU; float32 elsewhere (config validation rejects AMP on CPU).
+    precision: the run config's `precision` section."""
+    if precision is None or not (precision.bf16 or precision.fp16):
         return contextlib.nullcontext()
-    return paddle.amp.auto_cast(enable=True, dtype="bfloat16" if cfg.bf16 else "float16", level="O1")
+    return paddle.amp.auto_cast(enable=True, dtype="bfloat16" if precision.bf16 else "float16", level="O1")
 
 
 class LocalRunner(StepRunner):
     name = "local"
 
-    def __init__(self, ctx=None):
-        self.ctx = ctx  # erniekit/distributed/runtime.py's context in a launched job, else None
+    def __init__(self, ctx=None, precision=None, distill_weight: float = 0.0):
+        """ctx: erniekit/distributed/runtime.py's context in a launched job, else None; precision:
+        the run config's `precision` section (None: float32); distill_weight: elastic_distill_weight."""
+        self.ctx = ctx
         self.data_ranks = ctx.data_ranks if ctx is not None else 1
+        self.precision = precision
+        self.fp16 = bool(precision is not None and precision.fp16)
+        self.distill_weight = distill_weight
 
     def forward_backward(self, trainer, micro: list[dict], n_units: int, specs: list) -> StepSums:
         """Every micro-batch through each sub-model of the step: with a sandwich [full, smaller],
@@ -45,21 +51,21 @@ class LocalRunner(StepRunner):
     def _pass(self, trainer, b: dict, micro: list[dict], n_units: int, j: int, teacher, sums: StepSums,
               distil: bool):
         """One forward and backward; returns the teacher logits for the next sub-model of a sandwich."""
-        cfg, stage, units = trainer.cfg, trainer.stage, max(n_units, 1)
-        with amp_context(cfg):
+        stage, units = trainer.stage, max(n_units, 1)
+        with amp_context(self.precision):
             out = stage.loss(trainer.model, b)
         trainer.routing.after_forward(b["segment_ids"] > 0)
         lm = out.loss_sum
         if teacher is not None:
             kd = distill_loss_sum(out.logits, teacher, b["labels"], b.get("segment_ids"), stage.token_balance)
-            w = cfg.elastic_distill_weight
+            w = self.distill_weight
             lm = (1.0 - w) * lm + w * kd if w > 0 else lm
             sums.elastic["train/elastic_kl"] += scalar(kd) / units
         loss = lm / units
         if out.aux_loss is not None:  # router losses, already weighted by their coefficients
             loss = loss + out.aux_loss / len(micro)
             sums.aux_sum += scalar(out.aux_loss) / len(micro)
-        (loss * trainer.loss_scale if cfg.fp16 else loss).backward()
+        (loss * trainer.loss_scale if self.fp16 else loss).backward()
         if j > 0:
             sums.elastic["train/elastic_loss"] += scalar(out.loss_sum) / units
             return teacher

@@ -12,8 +12,8 @@ class PipelineRunner(LocalRunner):
     name = "pipeline"
     partial = True
 
-    def __init__(self, ctx, model, token_balance: bool):
-        super().__init__(ctx)
+    def __init__(self, ctx, model, token_balance: bool, precision=None):
+        super().__init__(ctx, precision)
         self.pipe = PipelineStep(ctx.pipeline, model, token_balance)
         self.named_params: list = []
 
@@ -21,9 +21,8 @@ class PipelineRunner(LocalRunner):
         self.named_params = [(n, p) for n, p in trainer.model.named_parameters() if not p.stop_gradient]
 
     def forward_backward(self, trainer, micro: list[dict], n_units: int, specs: list) -> StepSums:
-        cfg = trainer.cfg
-        loss_sum, aux_sum = self.pipe.run(micro, n_units, trainer.loss_scale if cfg.fp16 else 1.0,
-                                          amp=lambda: amp_context(cfg),
+        loss_sum, aux_sum = self.pipe.run(micro, n_units, trainer.loss_scale if self.fp16 else 1.0,
+                                          amp=lambda: amp_context(self.precision),
                                           on_forward=lambda b: trainer.routing.after_forward(b["segment_ids"] > 0))
         self.pipe.topo.reduce_grads(self.named_params)
         return StepSums(loss_sum=loss_sum, aux_sum=aux_sum)
@@ -35,7 +34,7 @@ class PipelineRunner(LocalRunner):
         """Held-out loss through the segments (config checks refuse generation here)."""
         data = trainer.eval_data
         rows = data["rows"] if isinstance(data, dict) else data
-        return self.pipe.eval_loss(rows, trainer.cfg.per_device_eval_batch_size, trainer.tokenizer.pad_token_id)
+        return self.pipe.eval_loss(rows, trainer.eval_batch_size, trainer.tokenizer.pad_token_id)
 
     def model_state(self, model):
         from erniekit.models.ernie4_5.checkpoint import hf_state_dict

@@ -31,16 +31,17 @@ from erniekit.distributed.ps.compression import decode, payload_spec
 from erniekit.distributed.ps.topology import (HEAD, HEAD_BACK, OP_NAMES, PULL, PUSH, SAVE, STEP, STOP, SYNC,
                                               PSTopology, row_ranges)
 from erniekit.errors import ErniekitError
-from erniekit.train.optim import AdamW
 
 EMBED, HEAD_NAME = "model.embed_tokens.weight", "lm_head.weight"
 
 
 class ParameterServer:
-    def __init__(self, topo: PSTopology, tables: dict[str, np.ndarray], cfg):
+    def __init__(self, topo: PSTopology, tables: dict[str, np.ndarray], cfg, make_optimizer, stop_signal):
         """tables: HF name -> the full [vocab, hidden] rows (lm_head as HF stores it: one row per
-        token); without lm_head the embedding is tied and serves as the head too."""
-        self.topo, self.cfg = topo, cfg
+        token); without lm_head the embedding is tied and serves as the head too.
+        make_optimizer(named rows) -> the rows' AdamW (the trainer's, so both update alike);
+        stop_signal() -> this process's pending stop request (0: none), reported to the workers."""
+        self.topo, self.cfg, self.stop_signal = topo, cfg, stop_signal
         vocab, self.hidden = tables[EMBED].shape
         self.lo, self.hi = row_ranges(vocab, topo.servers)[topo.server_index]
         self.w: dict[str, paddle.Tensor] = {}
@@ -49,9 +50,7 @@ class ParameterServer:
             p.set_value(paddle.to_tensor(np.ascontiguousarray(full[self.lo:self.hi], dtype="float32")))
             self.w[name] = p
         self.head_name = HEAD_NAME if HEAD_NAME in self.w else EMBED
-        # the trainer's rule (optim.build_optimizer): no weight decay on the embedding
-        self.opt = AdamW(list(self.w.items()), cfg.learning_rate, cfg.adam_beta1, cfg.adam_beta2, cfg.adam_epsilon,
-                         cfg.weight_decay, no_decay={EMBED})
+        self.opt = make_optimizer(list(self.w.items()))
         # gradient accumulators: one shared in sync mode; one per worker in async mode, each
         # applied as its own update when that worker ends a step, and beside a pipeline (summed
         # in worker order at the step's end)
@@ -262,9 +261,7 @@ class ParameterServer:
         """[squared gradient norm, stop signal]: a server that got SIGTERM / SIGINT tells the
         workers with its step's norm; they agree on the stop and end the job with a checkpoint
         (a server never leaves on its own: the workers' STOP ends it)."""
-        from erniekit.train.run_control import stop_signal
-
-        return np.array([self.grad_sq(acc), stop_signal()], dtype="float64")
+        return np.array([self.grad_sq(acc), self.stop_signal()], dtype="float64")
 
     # ---- the update --------------------------------------------------------------------------
     @staticmethod
@@ -312,29 +309,3 @@ def model_tables(model) -> dict[str, np.ndarray]:
     if not model.config.tie_word_embeddings:
         tables[HEAD_NAME] = model.lm_head.weight.numpy().T  # Linear's [hidden, vocab] -> rows
     return tables
-
-
-def checkpoint_tables(path: str, model, names: list[str]) -> tuple[dict, dict, int]:
-    """(full tables in HF layout, their AdamW moments in the same layout, optimizer step) of a
-    training checkpoint: what a server resumes its rows from. `model` is this process's full
-    model, filled from the checkpoint on the way."""
-    import os
-
-    from safetensors import safe_open
-
-    from erniekit.models.ernie4_5.checkpoint import load_state_into
-    from erniekit.train.checkpointing import OPTIMIZER_NAME
-
-    load_state_into(model, path)
-    tables = model_tables(model)
-    moments, step = {}, 0
-    opt_file = os.path.join(path, OPTIMIZER_NAME)
-    if os.path.isfile(opt_file):
-        with safe_open(opt_file, framework="numpy") as f:
-            keys = set(f.keys())
-            step = int(f.get_tensor("__step__")[0]) if "__step__" in keys else 0
-            for n in names:
-                if f"{n}::exp_avg" in keys:
-                    m, v = f.get_tensor(f"{n}::exp_avg"), f.get_tensor(f"{n}::exp_avg_sq")
-                    moments[n] = (m.T, v.T) if n == HEAD_NAME else (m, v)  # ours: Linear's [in, out]
-    return tables, moments, step

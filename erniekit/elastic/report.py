@@ -1,6 +1,6 @@
 """`erniekit eval MODEL_DIR --elastic`: one row per elastic sub-model of a checkpoint.
 
-Each row is the sub-model cut out as a standalone model (erniekit.nn.elastic.extract_submodel,
+Each row is the sub-model cut out as a standalone model (erniekit.elastic.submodels.extract_submodel,
 i.e. exactly what `erniekit export ... elastic.*=` writes): its total and active (per-token)
 parameters, held-out exact match of greedy replies (the SFT stage's metric) and greedy decode
 speed on a fixed batch. The table is also written as elastic_table.json.
@@ -34,7 +34,7 @@ def run_choices(model_dir: str) -> dict[str, list[int]]:
 
 def specs_for(config, depths: list[int], experts: list[int], top_ks: list[int]) -> list:
     """Full model first, then every depth x experts x top_k combination that is valid, largest first."""
-    from erniekit.nn.elastic import ElasticSpec
+    from erniekit.elastic.submodels import ElasticSpec
 
     full = ElasticSpec().resolved(config)
     ds = sorted(set(depths or [full.depth]), reverse=True)
@@ -67,7 +67,7 @@ def elastic_report(model_dir: str, data_path: str, depths: list[int] | None = No
     from erniekit.data.formats import load_sft_examples
     from erniekit.models.ernie4_5.checkpoint import load_model_or_adapter
     from erniekit.models.ernie4_5.tokenizer import ErnieTokenizer
-    from erniekit.nn.elastic import check_spec, count_params, extract_submodel
+    from erniekit.elastic.submodels import check_spec, count_params, extract_submodel
     from erniekit.train.evaluation import exact_match_eval, prompt_ids
     from erniekit.utils.io import atomic_write_json
 

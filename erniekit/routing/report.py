@@ -1,7 +1,7 @@
 """`erniekit eval MODEL_DIR --routing`: how an MoE checkpoint routes the tokens of a dataset.
 
 Runs the model forward (no generation, no gradients) over SFT or pretraining data, adds up the
-routing of every MoE layer with padding excluded (erniekit.nn.routing_stats), and writes
+routing of every MoE layer with padding excluded (erniekit.routing.stats), and writes
 `routing-load.png` (layer x expert load), `routing-modality.png` (only with more than one
 modality) and `routing_stats.json` into the output directory.
 """
@@ -78,7 +78,7 @@ def accumulate_routing(model: Any, seqs: list[list[int]], batch_size: int, pad_i
     import paddle
 
     from erniekit.data.encode import pad_batch
-    from erniekit.nn.routing_stats import RoutingAccumulator
+    from erniekit.routing.stats import RoutingAccumulator
 
     acc = RoutingAccumulator()
     order = np.argsort([len(s) for s in seqs], kind="stable")  # similar lengths together: less padding
@@ -106,7 +106,7 @@ def routing_report(model_dir: str, data_path: str, out_dir: str | None = None, b
     """Route `data_path` through the MoE checkpoint at `model_dir`; write pictures and
     routing_stats.json into `out_dir` (default MODEL_DIR/routing) and return the stats."""
     from erniekit.utils.io import atomic_write_json
-    from erniekit.utils.routing_plots import save_load_heatmap, save_modality_usage
+    from erniekit.routing.plots import save_load_heatmap, save_modality_usage
 
     if batch_size < 1 or max_seq_len < 1:
         raise ErniekitError(f"batch_size={batch_size}, max_seq_len={max_seq_len}: both must be positive")

@@ -4,7 +4,7 @@ The trainer calls `after_forward` after every micro-batch forward (with the batc
 mask), `scalars()` when it logs (token-level entropy / imbalance of the logging window), and
 `maybe_write_pictures` after every optimizer step. For a dense model every call returns at once.
 
-Two windows are kept, both as counts only (erniekit.nn.routing_stats.RoutingAccumulator):
+Two windows are kept, both as counts only (erniekit.routing.stats.RoutingAccumulator):
 one for the scalars (reset at each log) and one for the pictures (reset at each picture), so
 each picture shows the routing of the steps since the previous one.
 """
@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from erniekit.nn.routing_stats import RoutingAccumulator, moe_blocks, read_routing
+from erniekit.routing.stats import RoutingAccumulator, moe_blocks, read_routing
 
 
 class RoutingMonitor:
@@ -70,7 +70,7 @@ class RoutingMonitor:
 
     def write_pictures(self, step: int, writer: Any = None) -> list[str]:
         """Write the pictures of the current picture window now (see maybe_write_pictures)."""
-        from erniekit.utils.routing_plots import log_images_to_visualdl, save_load_heatmap, save_modality_usage
+        from erniekit.routing.plots import log_images_to_visualdl, save_load_heatmap, save_modality_usage
 
         acc = self.picture
         span = f"steps {self.picture_start}-{step}" if self.picture_start is not None else f"up to step {step}"

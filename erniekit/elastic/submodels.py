@@ -274,7 +274,8 @@ class ElasticTraining:
 
     @classmethod
     def from_config(cls, cfg, model) -> "ElasticTraining | None":
-        """None when the run has no elastic_* choices; ConfigError when a choice does not fit the model."""
+        """cfg: the run config's `elastic` section. None when the run has no elastic_* choices;
+        ConfigError when a choice does not fit the model."""
         choices = ElasticChoices(*(list(getattr(cfg, f"elastic_{k}", [])) for k in ("depth", "experts", "top_k")),
                                  getattr(cfg, "elastic_full_prob", 0.25), bool(getattr(cfg, "elastic_sandwich", False)))
         if not choices.enabled:

@@ -1,5 +1,6 @@
-"""A worker of `distributed_mode: ps` (docs/ps.md): the transformer blocks and the final norm run
-here; the token embedding and the LM head live on the parameter servers (erniekit/train/ps_server.py).
+"""A worker's side of `distributed_mode: ps` (docs/ps.md): its connection to the parameter servers
+(erniekit/distributed/ps/server.py), which hold the token embedding and the LM head, and the
+workers' own collectives. The step itself runs in erniekit/train/runners/ps.py.
 
 One micro-batch: pull the embedding rows the batch touches (only those), run the blocks, send the
 final hidden states of the trained positions to every server and combine their per-block softmax
@@ -26,8 +27,7 @@ from paddle import nn
 from erniekit.distributed.ps.topology import (HEAD, HEAD_BACK, PULL, PUSH, SAVE, STEP, STOP, SYNC, PeerLost,
                                               PSTopology, row_ranges)
 from erniekit.distributed.ps.compression import RowCompressor
-from erniekit.train.losses import position_weights
-from erniekit.train.pipeline_schedule import data_rank_rows, router_loss, run_1f1b, run_layers
+from erniekit.distributed.pipeline import data_rank_rows
 
 class HeldByServers(nn.Layer):
     """Stands in for the embedding / LM head on a worker: the parameter servers hold its rows."""
@@ -38,29 +38,27 @@ class HeldByServers(nn.Layer):
 
 
 class PSWorker:
-    def __init__(self, topo: PSTopology, model, token_balance: bool = False, compress: str = "none",
-                 topk_ratio: float = 0.1, k_steps: int = 0):
+    def __init__(self, topo: PSTopology, model, compress: str = "none", topk_ratio: float = 0.1, k_steps: int = 0):
         """k_steps > 0: asynchronous mode (docs/ps.md): this worker trains on its own rows with its
         own block replica, its table gradients are applied by the servers as they come, and the
         workers average their blocks every k_steps steps (the bound on how far they drift)."""
         self.topo, self.model = topo, model
         c = model.config
         self.vocab, self.hidden, self.tied = c.vocab_size, c.hidden_size, bool(c.tie_word_embeddings)
-        self.token_balance = token_balance
         self.ranges = row_ranges(self.vocab, topo.servers)
         self.dtype = "float32"
         # the data ranks' group: sums of block gradients and of router statistics over the workers
         # (with pipeline stages: over the workers of this stage)
         self.pipe = topo.pipe
         self.group = topo.worker_group if self.pipe is None else self.pipe.dp_group
-        self.data_ranks = topo.workers if self.pipe is None else self.pipe.per_stage
+        self.data_ranks = topo.workers if self.pipe is None else self.pipe.per_segment
         self.data_rank = topo.worker_index if self.pipe is None else self.pipe.column
         # the tables are the servers': drop them here (memory, and the optimizer skips them)
         model.model.embed_tokens = HeldByServers()
         if not self.tied:
             model.lm_head = HeldByServers()
         if self.pipe is not None:  # this stage's layers; the final norm on the last (tables: placeholders anyway)
-            self.pipe.keep_stage(model)
+            self.pipe.keep_segment(model)
         self.k_steps = k_steps
         if self.group is not None and c.is_moe and not k_steps:  # router losses and loads of the whole batch
             for m in model.moe_layers():
@@ -157,126 +155,6 @@ class PSWorker:
                 self.bytes_sent += sent
                 self.push_bytes += sent
             start += n
-
-    # ---- one step ------------------------------------------------------------------------------
-    def run(self, micro: list[dict[str, np.ndarray]], n_units: int, on_forward=None,
-            normalizer=None) -> tuple[float, float]:
-        """Forward and backward of every micro-batch (block gradients accumulate in .grad, row and
-        head gradients on the servers); returns (loss sum, router-loss sum) over all workers.
-        Async: this worker's own mean (normalizer: trained units of a batch), scaled so that
-        dividing by n_units gives it."""
-        if self.pipe is not None:
-            return self._run_pipeline(micro, n_units, on_forward)
-        loss_sum = aux_sum = 0.0
-        m = len(micro)
-        global_units = n_units
-        if self.k_steps:
-            n_units = sum(normalizer(self.local_rows(b)[0]) for b in micro)
-        for batch in micro:
-            batch, w = self.local_rows(batch)
-            B, S = batch["input_ids"].shape
-            rows, inverse, counts, ids = self.pull(batch["input_ids"])
-            x = paddle.gather(rows, paddle.to_tensor(inverse.reshape(-1))).reshape([B, S, self.hidden])
-            core = self.model.model
-            h = core.norm(run_layers(self.model, batch, x, range(len(core.layers)), self.dtype))
-            if on_forward is not None:
-                on_forward(batch)
-            loss, tensors, grads = self._loss_and_grad(h, batch, w, n_units)
-            loss_sum += loss
-            aux = router_loss(self.model)
-            if aux is not None:
-                aw = 1.0 if self.group is not None and not self.k_steps else w  # beside other workers already this one's share
-                aux_sum += float(aux) * aw / m
-                tensors.append(aux * (aw / m))
-                grads.append(None)
-            if tensors:
-                paddle.autograd.backward(tensors, grads)
-            self.push(rows.grad if rows.grad is not None else paddle.zeros_like(rows), counts, ids)
-        if self.k_steps:
-            return loss_sum * global_units / max(n_units, 1), aux_sum
-        vals = [loss_sum, aux_sum]
-        if self.group is not None:
-            vals = self.data_sum(paddle.to_tensor(vals, dtype="float64")).numpy().tolist()
-        return vals[0], vals[1]
-
-    def _loss_and_grad(self, h: paddle.Tensor, batch: dict[str, np.ndarray], w: float,
-                       n_units: int) -> tuple[float, list, list]:
-        """The final hidden states [B, S, H] -> (this batch's weighted loss sum, [trained
-        positions' states], [their gradient]): the servers' vocabulary blocks give the softmax
-        statistics, then d loss / d h."""
-        B, S = batch["input_ids"].shape
-        h = h.reshape([B * S, self.hidden])
-        weight = position_weights(batch["labels"], batch.get("segment_ids"), self.token_balance).reshape(-1)
-        pos = np.nonzero(weight > 0)[0]
-        if not len(pos):
-            return 0.0, [], []
-        target = np.zeros(B * S, dtype="int64")
-        target[:-1] = batch["labels"].reshape(-1)[1:]  # position t predicts labels[t+1] (row ends weigh 0)
-        sel = paddle.gather(h, paddle.to_tensor(pos))
-        nll, lse = self.head_loss(sel.detach(), target[pos])
-        gh = self.head_backward(lse, weight[pos] * w / max(n_units, 1))
-        return float((nll * weight[pos]).sum()) * w, [sel], [gh]
-
-    def _run_pipeline(self, micro: list[dict[str, np.ndarray]], n_units: int, on_forward=None) -> tuple[float, float]:
-        """This stage's share of a step in the 1F1B order: F (pull or receive, this stage's
-        layers; on the last: the loss through the servers), SEND_F, RECV_B, B (backward, then
-        push the rows or send the input's gradient back)."""
-        pipe, m, H = self.pipe, len(micro), self.hidden
-        local = [self.local_rows(b) for b in micro]
-        live: dict[int, tuple] = {}
-        sums = [0.0, 0.0]  # loss, router loss
-
-        def forward(i: int) -> None:
-            batch, w = local[i]
-            B, S = batch["input_ids"].shape
-            pulled = None
-            if pipe.first:
-                rows, inverse, counts, ids = self.pull(batch["input_ids"])
-                x = paddle.gather(rows, paddle.to_tensor(inverse.reshape(-1))).reshape([B, S, H])
-                pulled = (rows, counts, ids)
-            else:
-                x = pipe.recv([B, S, H], self.dtype, forward=True)
-                x.stop_gradient = False
-            h = run_layers(self.model, batch, x, pipe.layers, self.dtype)
-            if on_forward is not None:
-                on_forward(batch)
-            tensors, grads = [], []
-            aux = router_loss(self.model)
-            if aux is not None:
-                aw = 1.0 if self.group is not None else w  # beside other data ranks already this one's share
-                sums[1] += float(aux) * aw / m
-                tensors.append(aux * (aw / m))
-                grads.append(None)
-            out = None
-            if pipe.last:
-                loss, t, g = self._loss_and_grad(self.model.model.norm(h), batch, w, n_units)
-                sums[0] += loss
-                tensors, grads = t + tensors, g + grads
-            else:
-                out = h
-            live[i] = (x, out, tensors, grads, pulled)
-
-        def backward(i: int, grad: paddle.Tensor | None) -> None:
-            x, out, tensors, grads, pulled = live.pop(i)
-            if out is not None:
-                tensors, grads = [out] + tensors, [grad] + grads
-            if tensors:
-                paddle.autograd.backward(tensors, grads)
-            if pulled is not None:
-                rows, counts, ids = pulled
-                self.push(rows.grad if rows.grad is not None else paddle.zeros_like(rows), counts, ids)
-            else:
-                pipe.send(x.grad if x.grad is not None else paddle.zeros_like(x), forward=False)
-
-        def recv_grad(i: int) -> paddle.Tensor:
-            B, S = local[i][0]["input_ids"].shape
-            return pipe.recv([B, S, H], self.dtype, forward=False)
-
-        run_1f1b(pipe.pp, pipe.stage, m, forward, lambda i: pipe.send(live[i][1], forward=True), recv_grad, backward)
-        vals = pipe.sum_over_pipeline(sums)
-        if self.group is not None:
-            vals = self.data_sum(paddle.to_tensor(vals, dtype="float64")).numpy().tolist()
-        return vals[0], vals[1]
 
     @paddle.no_grad()
     def reduce_grads(self, named_params: list[tuple[str, paddle.Tensor]]) -> None:

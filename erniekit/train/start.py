@@ -1,0 +1,59 @@
+"""`erniekit train` after its arguments are parsed: plan the layout, start the processes, run,
+turn the result into an exit code."""
+
+from __future__ import annotations
+
+import json
+import os
+
+
+def start_training(cfg, path: str | None, overrides: list[str], user_threads: str | None) -> int:
+    """A validated config -> the exit code: 0 finished, 128 + N stopped by signal N with a
+    checkpoint (docs/reliability.md); a multi-process config relaunches itself under
+    paddle.distributed.launch."""
+    from erniekit.distributed.launch import in_launched_worker, relaunch
+
+    args = ([path] if path else []) + list(overrides)
+    if cfg.parallel == "auto" and not in_launched_worker():
+        from erniekit.distributed.planner import auto_plan
+
+        best = auto_plan(cfg)
+        print(f"erniekit: parallel: auto chose {best.plan.describe()} (predicted {best.step_s:.3f} s/step, "
+              f"{best.memory / 1e9:.2f} GB per device; erniekit plan shows the ranking)", flush=True)
+    if cfg.distributed_mode == "ps" and cfg.ps_placement == "auto" and not in_launched_worker():
+        cfg, args = apply_ps_placement(cfg, path, overrides)
+    from erniekit.distributed.layout import world_size
+
+    if world_size(cfg.parallelism) > 1 and not in_launched_worker():
+        return relaunch(cfg, args, user_threads)
+    from erniekit.train.run import run_train
+
+    result = run_train(cfg)
+    if isinstance(result, dict) and result.get("stop_signal"):
+        if in_launched_worker():  # paddle.distributed.launch reads any other code as a failure and kills
+            return 0              # the other ranks; `erniekit train` (the parent) reports the stop
+        from erniekit.utils.run_control import stopped_exit_code
+
+        return stopped_exit_code(result["stop_signal"])  # stopped, not finished: 143 (SIGTERM) / 130 (SIGINT)
+    return result if isinstance(result, int) and not isinstance(result, bool) else 0
+
+
+def apply_ps_placement(cfg, path: str | None, overrides: list[str]):
+    """ps_placement: auto: the scheduler's stages become overrides every launched process gets
+    (and the restart after a failure), and the plan is written to output_dir/ps_placement.json."""
+    from erniekit.config import load_config, validate
+    from erniekit.distributed.ps.plan import placement_for_config
+
+    auto = placement_for_config(cfg)
+    print(f"erniekit: ps_placement auto on {cfg.cluster}: {auto.describe()}", flush=True)
+    args = ([path] if path else []) + list(overrides) + auto.overrides()
+    cfg = validate(load_config(path, list(overrides) + auto.overrides()))
+    os.makedirs(cfg.output_dir, exist_ok=True)
+    rows = [r.as_dict() for r in auto.rows]
+    with open(os.path.join(cfg.output_dir, "ps_placement.json"), "w", encoding="utf-8") as f:
+        json.dump({"cluster": cfg.cluster, "target_tokens_per_s": auto.target, "stage_layers": auto.stage_layers,
+                   "stage_types": auto.stage_types, "stage_devices": auto.stage_devices,
+                   "workers_per_stage": auto.replicas, "processes": auto.processes,
+                   "predicted_tokens_per_s": auto.evaluation.throughput,
+                   "cost_per_batch": auto.evaluation.cost_per_batch, "candidates": rows}, f, indent=1)
+    return cfg, args
