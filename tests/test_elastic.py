@@ -356,7 +356,7 @@ def test_sandwich_step_gradient_is_full_plus_distilled_submodel(tmp_path):
     assert set(got) == set(want)
     for name in want:
         np.testing.assert_allclose(got[name], want[name], rtol=2e-4, atol=2e-6, err_msg=name)
-    assert float(kl) / n > 1e-3 and metrics["train/elastic_kl"] == pytest.approx(float(kl) / n, rel=1e-4)
+    assert float(kl) / n > 1e-3 and metrics["train/elastic_kl"] == pytest.approx(float(kl) / n, rel=1e-3)
     assert metrics["train/loss"] == pytest.approx(float(ce(logits)) / n, rel=1e-5)
     assert metrics["train/elastic_loss"] == pytest.approx(float(ce(sub_logits)) / n, rel=1e-5)
     assert model.model.active_layers is None  # back to the full model after the step

@@ -55,7 +55,8 @@ def test_matrix_runs_every_cell_within_the_cores_and_never_idles_a_core_behind_a
     run_all(cells, capacity=2, jobs=2, run=run, done=lambda rec: got.append(rec["cell"]))
     assert sorted(got) == sorted(cells) and peak[0] == 2
     one_thread = [b for kind, c, b in log if c[1] == 1]
-    assert one_thread.count(2) == 2  # the four 1-thread runs went two at a time
+    # the four 1-thread runs went two at a time (a third 2 when one of a pair ends before the other)
+    assert one_thread.count(2) >= 2 and max(one_thread) == 2
     # a cell wider than the machine still runs, alone
     got.clear()
     run_all([(1, 4, "a"), (2, 1, "a")], capacity=2, jobs=2, run=run, done=lambda rec: got.append(rec["cell"]))
