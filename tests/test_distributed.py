@@ -134,7 +134,7 @@ def test_zero1_moe_survives_partial_expert_gradients(tmp_path):
     common = ["examples/configs/tiny/pretrain.yaml", "max_steps=30", "logging_steps=1", "save_steps=1000",
               "disable_tqdm=true", "learning_rate=3e-3"]
     _ok(_train([*common, "per_device_train_batch_size=16", f"output_dir={tmp_path / 'one'}"]))
-    r = _ok(_train([*common, "per_device_train_batch_size=8", "sharding=stage1", "nproc_per_node=2",
+    _ok(_train([*common, "per_device_train_batch_size=8", "sharding=stage1", "nproc_per_node=2",
                     f"output_dir={tmp_path / 'two'}"]))
     one, two = _losses(tmp_path / "one"), _losses(tmp_path / "two")
     assert len(two) == 30

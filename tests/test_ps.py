@@ -69,7 +69,7 @@ def test_row_ranges_and_owners():
 
 @pytest.mark.parametrize("kw, match", [
     ({"ps_servers": 3}, "needs at least one worker too, but the job has 3 processes"),
-    ({"tensor_parallel_degree": 2}, "splits the batch over its workers \(and pipeline stages\) only; drop tensor_parallel_degree=2"),
+    ({"tensor_parallel_degree": 2}, r"splits the batch over its workers \(and pipeline stages\) only; drop tensor_parallel_degree=2"),
     ({"do_eval": True}, "does not evaluate in this version"),
     ({"stage": "DPO"}, "trains the pretrain and SFT stages, not stage=DPO"),
 ])

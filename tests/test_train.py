@@ -288,7 +288,7 @@ def test_sigterm_ends_the_run_with_a_checkpoint_and_it_resumes(tmp_path):
     assert not (out / ".erniekit-run.lock").exists()
     r = subprocess.run([*args[:5], f"output_dir={out}", f"max_steps={n + 2}", *args[7:], "resume_from_checkpoint=auto"],
                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0 and f"resumed from" in r.stdout, r.stdout[-2000:] + r.stderr[-2000:]
+    assert r.returncode == 0 and "resumed from" in r.stdout, r.stdout[-2000:] + r.stderr[-2000:]
     steps = [json.loads(line)["step"] for line in scalars.read_text().splitlines()]
     assert steps[-2:] == [n + 1, n + 2]
 

@@ -92,8 +92,8 @@ def matmul_peaks(sizes: list[int], repeats: int) -> dict:
         a, b = rng.standard_normal((n, n), dtype=np.float32), rng.standard_normal((n, n), dtype=np.float32)
         pa, pb = paddle.to_tensor(a), paddle.to_tensor(b)
         flops = 2.0 * n**3
-        out["paddle"][str(n)] = round(flops / _best_of(lambda: paddle.matmul(pa, pb).numpy(), repeats) / 1e9, 2)
-        out["numpy"][str(n)] = round(flops / _best_of(lambda: a @ b, repeats) / 1e9, 2)
+        out["paddle"][str(n)] = round(flops / _best_of(lambda pa=pa, pb=pb: paddle.matmul(pa, pb).numpy(), repeats) / 1e9, 2)
+        out["numpy"][str(n)] = round(flops / _best_of(lambda a=a, b=b: a @ b, repeats) / 1e9, 2)
     out["paddle_peak_gflops"] = max(out["paddle"].values())
     out["numpy_peak_gflops"] = max(out["numpy"].values())
     return out

@@ -22,6 +22,7 @@ algorithm (erniekit/train/stages). Config keys and messages keep "pipeline stage
 
 from __future__ import annotations
 
+import numpy as np
 import paddle
 import paddle.distributed as dist
 from paddle import nn

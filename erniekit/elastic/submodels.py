@@ -163,7 +163,9 @@ def sample_spec(rng: random.Random, choices: ElasticChoices) -> ElasticSpec:
     """The full model with probability full_prob, else each dimension uniformly from its list."""
     if rng.random() < choices.full_prob:
         return ElasticSpec()
-    pick = (lambda xs: rng.choice(xs) if xs else None)
+    def pick(xs):
+        return rng.choice(xs) if xs else None
+
     return ElasticSpec(pick(choices.depth), pick(choices.experts), pick(choices.top_k))
 
 
@@ -273,9 +275,9 @@ class ElasticTraining:
         self.choices, self.seed, self.smaller = choices, seed, smaller
 
     @classmethod
-    def from_config(cls, cfg, model) -> "ElasticTraining | None":
-        """cfg: the run config's `elastic` section. None when the run has no elastic_* choices;
-        ConfigError when a choice does not fit the model."""
+    def from_config(cls, cfg, model, seed: int) -> "ElasticTraining | None":
+        """cfg: the run config's `elastic` section; seed: the run's. None when the run has no
+        elastic_* choices; ConfigError when a choice does not fit the model."""
         choices = ElasticChoices(*(list(getattr(cfg, f"elastic_{k}", [])) for k in ("depth", "experts", "top_k")),
                                  getattr(cfg, "elastic_full_prob", 0.25), bool(getattr(cfg, "elastic_sandwich", False)))
         if not choices.enabled:
@@ -301,7 +303,7 @@ class ElasticTraining:
         if choices.sandwich and not smaller:
             raise ConfigError("elastic_sandwich: every elastic_depth / elastic_experts / elastic_top_k choice is the "
                               "full model; add a smaller value")
-        return cls(choices, cfg.seed, smaller)
+        return cls(choices, seed, smaller)
 
     def specs(self, step: int) -> list[ElasticSpec]:
         """The sub-models step `step` trains, in order (sandwich: [full, smaller])."""

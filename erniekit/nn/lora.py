@@ -677,7 +677,7 @@ def _fill_adapters(model: nn.Layer, f) -> None:
                     p.set_value(t.T if tr else t)
                 continue
             stacks: dict[int, list] = {}
-            for key, (p, e, tr) in specs.items():
+            for key, (p, _expert, tr) in specs.items():
                 t = f.get_tensor(key).astype(p.dtype)
                 stacks.setdefault(id(p), [p, []])[1].append(t.T if tr else t)
             for p, ts in stacks.values():  # peft_tensors lists experts in order

@@ -66,7 +66,7 @@ class Trainer:
         self.logger_dir = cfg.logging_dir or os.path.join(cfg.output_dir, "vdl_log")
         self.logger = ScalarLogger(self.logger_dir, enabled=is_main_process())
         self.routing = RoutingMonitor(model, cfg.output_dir, every_steps=cfg.routing_plot_steps)
-        self.elastic = ElasticTraining.from_config(cfg.elastic, model)  # None unless elastic_* choices are set
+        self.elastic = ElasticTraining.from_config(cfg.elastic, model, cfg.seed)  # None unless elastic_* choices are set
         self.runner.bind(self)
 
     # ---- state -----------------------------------------------------------------------------

@@ -162,7 +162,7 @@ def load_state_into(model: Ernie4_5ForCausalLM, path: str) -> None:
     if model.config.tie_word_embeddings:
         extra = [n for n in extra if n != "lm_head.weight"]
     if extra:
-        warnings.warn(f"{path}: {len(extra)} checkpoint tensors were not used, e.g. {extra[:3]}")
+        warnings.warn(f"{path}: {len(extra)} checkpoint tensors were not used, e.g. {extra[:3]}", stacklevel=2)
 
 
 _SPEC_ATTR = "_erniekit_hf_specs"
