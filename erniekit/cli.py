@@ -89,9 +89,12 @@ def _chat_parser() -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
     p.add_argument("--seed", type=int, default=None, help="random seed for sampling")
-    p.add_argument("--speculative", action="store_true",
-                   help="greedy self-speculative decoding with the model's MTP heads: same reply, fewer "
-                        "forward passes (needs num_nextn_predict_layers >= 1; docs/mtp.md)")
+    p.add_argument(
+        "--speculative",
+        action="store_true",
+        help="greedy self-speculative decoding with the model's MTP heads: same reply, fewer "
+        "forward passes (needs num_nextn_predict_layers >= 1; docs/mtp.md)",
+    )
     return p
 
 
@@ -105,8 +108,9 @@ def chat(args: list[str]) -> int:
     except ValueError as e:
         raise ErniekitError(f"chat: {e}") from None
     if ns.speculative and ns.temperature > 0:
-        raise ErniekitError(f"chat: --speculative supports greedy decoding only: use --temperature 0 "
-                            f"(got {ns.temperature})")
+        raise ErniekitError(
+            f"chat: --speculative supports greedy decoding only: use --temperature 0 (got {ns.temperature})"
+        )
     _import_paddle()
     from erniekit.infer.chat import run_chat
 
@@ -115,23 +119,44 @@ def chat(args: list[str]) -> int:
 
 
 def _server_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="erniekit server", description="OpenAI-compatible HTTP server "
-                                "(/v1/chat/completions, /v1/completions, /v1/models, /health).")
+    p = _Parser(
+        prog="erniekit server",
+        description="OpenAI-compatible HTTP server (/v1/chat/completions, /v1/completions, /v1/models, /health).",
+    )
     p.add_argument("model_dir", help="checkpoint or exported directory (Hugging Face layout)")
     p.add_argument("--host", default="127.0.0.1", help="interface to bind (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--api-key", help="require 'Authorization: Bearer KEY'; the environment variable ERNIEKIT_API_KEY "
-                   "does the same without showing the key in `ps` (--api-key wins when both are set)")
+    p.add_argument(
+        "--api-key",
+        help="require 'Authorization: Bearer KEY'; the environment variable ERNIEKIT_API_KEY "
+        "does the same without showing the key in `ps` (--api-key wins when both are set)",
+    )
     p.add_argument("--served-model-name", help="the model id clients send (default: the directory's name)")
     p.add_argument("--max-batch", type=int, default=8, help="requests decoded together; more wait in a queue")
-    p.add_argument("--max-model-len", type=int, default=None,
-                   help="context per request, prompt + completion (default: min(model's, 4096))")
-    p.add_argument("--backend", choices=("builtin", "fastdeploy"), default="builtin",
-                   help="fastdeploy: start FastDeploy's OpenAI server on the directory (GPU, FastDeploy installed)")
-    p.add_argument("--quantization", choices=("wint8", "wint4"), default=None,
-                   help="--backend fastdeploy: FastDeploy quantizes the (hf export's) weights as it loads them")
-    p.add_argument("--max-body-bytes", type=int, default=1 << 20,
-                   help="larger request bodies get 413 before they are read (default 1 MiB)")
+    p.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="context per request, prompt + completion (default: min(model's, 4096))",
+    )
+    p.add_argument(
+        "--backend",
+        choices=("builtin", "fastdeploy"),
+        default="builtin",
+        help="fastdeploy: start FastDeploy's OpenAI server on the directory (GPU, FastDeploy installed)",
+    )
+    p.add_argument(
+        "--quantization",
+        choices=("wint8", "wint4"),
+        default=None,
+        help="--backend fastdeploy: FastDeploy quantizes the (hf export's) weights as it loads them",
+    )
+    p.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=1 << 20,
+        help="larger request bodies get 413 before they are read (default 1 MiB)",
+    )
     p.add_argument("--log-level", default="warning", help="uvicorn's log level")
     return p
 
@@ -157,14 +182,25 @@ def webui(args: list[str]) -> int:
     p.add_argument("--host", default="127.0.0.1", help="interface to bind (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=7860)
     p.add_argument("--share", action="store_true", help="also open a public gradio.live link (off by default)")
-    p.add_argument("--auth", metavar="USER:PASSWORD",
-                   help="require this login (visible in `ps`: prefer --auth-file or ERNIEKIT_WEBUI_AUTH)")
+    p.add_argument(
+        "--auth",
+        metavar="USER:PASSWORD",
+        help="require this login (visible in `ps`: prefer --auth-file or ERNIEKIT_WEBUI_AUTH)",
+    )
     p.add_argument("--auth-file", metavar="FILE", help="require a login from FILE: one USER:PASSWORD per line")
-    p.add_argument("--workdir", metavar="DIR",
-                   help="serve from DIR (default: the current directory): relative paths start there and every "
-                        "path the page accepts must lie inside it or an --allow-path DIR")
-    p.add_argument("--allow-path", metavar="DIR", action="append", default=[],
-                   help="also let the page read and write under DIR (repeatable)")
+    p.add_argument(
+        "--workdir",
+        metavar="DIR",
+        help="serve from DIR (default: the current directory): relative paths start there and every "
+        "path the page accepts must lie inside it or an --allow-path DIR",
+    )
+    p.add_argument(
+        "--allow-path",
+        metavar="DIR",
+        action="append",
+        default=[],
+        help="also let the page read and write under DIR (repeatable)",
+    )
     ns = p.parse_args(args)
     if not 1 <= ns.port <= 65535:
         raise ErniekitError(f"webui: --port {ns.port} must be in 1..65535")
@@ -189,45 +225,66 @@ def webui(args: list[str]) -> int:
 
 def export(args: list[str]) -> int:
     """Merge LoRA (if any) and write a deployable directory (docs/deploy.md)."""
-    p = _Parser(prog="erniekit export", description=export.__doc__,
-                                usage="erniekit export SRC -o OUT [--format hf|wint8|wint4|paddle|onnx] [--force] | "
-                                      "erniekit export --verify OUT")
+    p = _Parser(
+        prog="erniekit export",
+        description=export.__doc__,
+        usage="erniekit export SRC -o OUT [--format hf|wint8|wint4|paddle|onnx] [--force] | "
+        "erniekit export --verify OUT",
+    )
     p.add_argument("src", nargs="?", help="checkpoint or LoRA adapter directory (output of erniekit train)")
     p.add_argument("--output", "-o", help="directory to write (new or empty, unless --force)")
-    p.add_argument("--force", action="store_true",
-                   help="write into a non-empty --output: its model files are replaced (atomically), others kept")
+    p.add_argument(
+        "--force",
+        action="store_true",
+        help="write into a non-empty --output: its model files are replaced (atomically), others kept",
+    )
     from erniekit.export.hf import FORMATS, check_output
 
-    p.add_argument("--format", choices=FORMATS, default="hf",
-                   help="hf: Hugging Face layout (FastDeploy, transformers); wint8/wint4: the same with the decoder's "
-                        "matrices weight-only quantized (int8 per channel / int4 per group), for erniekit's engine; "
-                        "paddle: the decoding step as a static graph for paddle.inference; onnx: the same for "
-                        "onnxruntime (needs paddle2onnx)")
+    p.add_argument(
+        "--format",
+        choices=FORMATS,
+        default="hf",
+        help="hf: Hugging Face layout (FastDeploy, transformers); wint8/wint4: the same with the decoder's "
+        "matrices weight-only quantized (int8 per channel / int4 per group), for erniekit's engine; "
+        "paddle: the decoding step as a static graph for paddle.inference; onnx: the same for "
+        "onnxruntime (needs paddle2onnx)",
+    )
     p.add_argument("--group-size", type=int, default=64, help="wint4: inputs per scale")
     p.add_argument("--max-shard-size", default="5GB", help="split weights into files of at most this size")
-    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
-                   help="weight dtype in the files (default: as trained)")
+    p.add_argument(
+        "--dtype",
+        choices=["float32", "bfloat16", "float16"],
+        default=None,
+        help="weight dtype in the files (default: as trained)",
+    )
     p.add_argument("--verify", metavar="DIR", help="reload an exported DIR and compare its logits with its source")
-    p.add_argument("elastic", nargs="*", metavar="elastic.KEY=N",
-                   help="write an elastic sub-model: elastic.depth=N elastic.experts=N elastic.top_k=N "
-                        "(docs/elastic.md)")
+    p.add_argument(
+        "elastic",
+        nargs="*",
+        metavar="elastic.KEY=N",
+        help="write an elastic sub-model: elastic.depth=N elastic.experts=N elastic.top_k=N (docs/elastic.md)",
+    )
     ns = p.parse_intermixed_args(args)
     if ns.verify:
         _import_paddle()
         from erniekit.export.hf import verify
 
         r = verify(ns.verify)
-        print(f"verify {ns.verify} ({r['format']}) against {r['source']}: max |logit difference| "
-              f"{r['max_abs_diff']:.3g} (tolerance {r['tolerance']:.3g}, logits up to {r['max_logit']:.3g}), "
-              f"greedy token agrees at {100 * r['same_greedy']:.1f}% of positions: {'OK' if r['ok'] else 'FAILED'}")
+        print(
+            f"verify {ns.verify} ({r['format']}) against {r['source']}: max |logit difference| "
+            f"{r['max_abs_diff']:.3g} (tolerance {r['tolerance']:.3g}, logits up to {r['max_logit']:.3g}), "
+            f"greedy token agrees at {100 * r['same_greedy']:.1f}% of positions: {'OK' if r['ok'] else 'FAILED'}"
+        )
         return 0 if r["ok"] else 1
     if not ns.src or not ns.output:
         raise ErniekitError("export needs SRC and --output OUT (or --verify DIR)")
     if ns.format == "wint4" and (ns.group_size < 2 or ns.group_size % 2):
         raise ErniekitError(f"export: --group-size {ns.group_size} must be an even number >= 2")
     if not os.path.isdir(ns.src):
-        raise ErniekitError(f"export: source {ns.src} is not a directory; give a checkpoint or LoRA adapter directory "
-                            "(output of erniekit train)")
+        raise ErniekitError(
+            f"export: source {ns.src} is not a directory; give a checkpoint or LoRA adapter directory "
+            "(output of erniekit train)"
+        )
     check_output(ns.src, ns.output, ns.force)  # before paddle: a mistake is reported at once
     from erniekit.elastic.submodels import parse_settings
 
@@ -235,8 +292,16 @@ def export(args: list[str]) -> int:
     _import_paddle()
     from erniekit.export.hf import export_hf
 
-    out = export_hf(ns.src, ns.output, ns.max_shard_size, ns.dtype, elastic=spec, fmt=ns.format,
-                    group_size=ns.group_size, force=ns.force)
+    out = export_hf(
+        ns.src,
+        ns.output,
+        ns.max_shard_size,
+        ns.dtype,
+        elastic=spec,
+        fmt=ns.format,
+        group_size=ns.group_size,
+        force=ns.force,
+    )
     what = "" if spec.is_full else f" (elastic sub-model depth={spec.depth} experts={spec.experts} top_k={spec.top_k})"
     fmt = "" if ns.format == "hf" else f" as {ns.format}"
     print(f"exported {ns.src} -> {out}{fmt}{what}; check it with: erniekit export --verify {out}")
@@ -245,16 +310,30 @@ def export(args: list[str]) -> int:
 
 def plan(args: list[str]) -> int:
     """Rank parallel layouts of a training config on a described cluster (docs/planner.md)."""
-    p = _Parser(prog="erniekit plan", description=plan.__doc__,
-                                usage="erniekit plan CONFIG.yaml cluster=CLUSTER.yaml [key=value ...] [--top N]")
+    p = _Parser(
+        prog="erniekit plan",
+        description=plan.__doc__,
+        usage="erniekit plan CONFIG.yaml cluster=CLUSTER.yaml [key=value ...] [--top N]",
+    )
     p.add_argument("items", nargs="*", help="CONFIG.yaml, then key=value overrides (cluster=FILE is required)")
     p.add_argument("--top", type=int, default=15, help="rows to print")
-    p.add_argument("--all", action="store_true", help="also layouts this version cannot run yet (a pipeline beside tp, ep or sharding; stage 3 on CPU)")
+    p.add_argument(
+        "--all",
+        action="store_true",
+        help="also layouts this version cannot run yet (a pipeline beside tp, ep or sharding; stage 3 on CPU)",
+    )
     p.add_argument("--json", metavar="PATH", help="write every prediction as JSON")
-    p.add_argument("--mode", choices=("collective", "ps"), default="collective",
-                   help="ps: place the model's parts on a heterogeneous cluster (docs/ps.md)")
-    p.add_argument("--target", type=float, help="--mode ps: throughput target, tokens/s (default: half the fastest "
-                                                "single-type placement)")
+    p.add_argument(
+        "--mode",
+        choices=("collective", "ps"),
+        default="collective",
+        help="ps: place the model's parts on a heterogeneous cluster (docs/ps.md)",
+    )
+    p.add_argument(
+        "--target",
+        type=float,
+        help="--mode ps: throughput target, tokens/s (default: half the fastest single-type placement)",
+    )
     ns = p.parse_intermixed_args(args)
     items = ns.items
     if ns.mode == "ps":
@@ -270,16 +349,28 @@ def plan(args: list[str]) -> int:
     c = planner.model_config_of(cfg)
     work = planner.workload_from_config(cfg, cluster.world)  # the config's global batch on the cluster's devices
     preds = planner.plan(c, cluster, work, runnable_only=not ns.all)
-    print(f"model {cfg.model_name_or_path}: {c.num_hidden_layers} layers, hidden {c.hidden_size}"
-          f"{f', {c.moe_num_experts} experts top-{c.moe_k}' if c.is_moe else ''}; global batch {work.global_batch} x "
-          f"{work.seq_len} tokens; cluster {cluster.name}: {cluster.nodes} x {cluster.devices_per_node} devices, "
-          f"{cluster.device_memory / 1e9:.1f} GB each")
+    print(
+        f"model {cfg.model_name_or_path}: {c.num_hidden_layers} layers, hidden {c.hidden_size}"
+        f"{f', {c.moe_num_experts} experts top-{c.moe_k}' if c.is_moe else ''}; global batch {work.global_batch} x "
+        f"{work.seq_len} tokens; cluster {cluster.name}: {cluster.nodes} x {cluster.devices_per_node} devices, "
+        f"{cluster.device_memory / 1e9:.1f} GB each"
+    )
     print(planner.format_table(preds, ns.top))
     if ns.json:
         import json
 
-        rows = [{"layout": r.plan.describe(), "plan": dataclasses.asdict(r.plan), "step_s": r.step_s,
-                 "memory_bytes": r.memory, "fits": r.fits, "why": r.why, "parts": r.parts} for r in preds]
+        rows = [
+            {
+                "layout": r.plan.describe(),
+                "plan": dataclasses.asdict(r.plan),
+                "step_s": r.step_s,
+                "memory_bytes": r.memory,
+                "fits": r.fits,
+                "why": r.why,
+                "parts": r.parts,
+            }
+            for r in preds
+        ]
         with open(ns.json, "w", encoding="utf-8") as f:
             json.dump(rows, f, indent=1)
     return 0 if preds and preds[0].fits else 1
@@ -311,17 +402,22 @@ def _plan_ps(items: list[str], ns) -> int:
     cfg = load_config(config_path, [o for o in overrides if not o.startswith("cluster=")])
     cluster_path = cluster_path or next((o.split("=", 1)[1] for o in overrides if o.startswith("cluster=")), None)
     if not cluster_path:
-        raise ErniekitError("plan --mode ps needs a cluster file with device_types (see examples/clusters/hetero-cpu-gpu.yaml)")
+        raise ErniekitError(
+            "plan --mode ps needs a cluster file with device_types (see examples/clusters/hetero-cpu-gpu.yaml)"
+        )
     cluster = load_hetero_cluster(cluster_path)
     c = planner.model_config_of(cfg)
     workers = max(1, cfg.nproc_per_node * cfg.nnodes - (cfg.ps_servers if cfg.distributed_mode == "ps" else 0))
     batch = cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps * workers
     rows, target = plan_placement(c, cluster, cfg.max_seq_len, batch, ns.target, seed=cfg.seed)
     tokens = batch * cfg.max_seq_len
-    print(f"model {cfg.model_name_or_path}: embedding, {c.num_hidden_layers} layers, head; global batch {batch} x "
-          f"{cfg.max_seq_len} tokens; cluster {cluster.name}: " + ", ".join(
-              f"{t.count} {t.name} (${t.price_per_hour}/h)" for t in cluster.types) + f"; target {target:.0f} tokens/s")
-    print(format_rows(rows[:ns.top], tokens))
+    print(
+        f"model {cfg.model_name_or_path}: embedding, {c.num_hidden_layers} layers, head; global batch {batch} x "
+        f"{cfg.max_seq_len} tokens; cluster {cluster.name}: "
+        + ", ".join(f"{t.count} {t.name} (${t.price_per_hour}/h)" for t in cluster.types)
+        + f"; target {target:.0f} tokens/s"
+    )
+    print(format_rows(rows[: ns.top], tokens))
     if ns.json:
         import json
 
@@ -335,19 +431,41 @@ def _eval_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="erniekit eval", description="Analyse a checkpoint on a dataset.")
     p.add_argument("model_dir", help="checkpoint directory (Hugging Face layout, or a LoRA adapter)")
     kind = p.add_mutually_exclusive_group(required=True)  # one report per run; add report kinds here
-    kind.add_argument("--routing", dest="report", action="store_const", const="routing",
-                      help="MoE routing: per-layer entropy, load imbalance, load and modality heatmaps")
-    kind.add_argument("--elastic", dest="report", action="store_const", const="elastic",
-                      help="elastic sub-models: parameters, held-out exact match and decode tokens/s of each")
-    p.add_argument("--data", metavar="PATH", help="jsonl/json/txt dataset, SFT or pretraining format "
-                                  "(default: the bundled examples/data/arithmetic/eval.jsonl)")
-    p.add_argument("--out", metavar="DIR",
-                   help="directory for pictures and JSON (default: MODEL_DIR/routing; --elastic: MODEL_DIR)")
+    kind.add_argument(
+        "--routing",
+        dest="report",
+        action="store_const",
+        const="routing",
+        help="MoE routing: per-layer entropy, load imbalance, load and modality heatmaps",
+    )
+    kind.add_argument(
+        "--elastic",
+        dest="report",
+        action="store_const",
+        const="elastic",
+        help="elastic sub-models: parameters, held-out exact match and decode tokens/s of each",
+    )
+    p.add_argument(
+        "--data",
+        metavar="PATH",
+        help="jsonl/json/txt dataset, SFT or pretraining format "
+        "(default: the bundled examples/data/arithmetic/eval.jsonl)",
+    )
+    p.add_argument(
+        "--out",
+        metavar="DIR",
+        help="directory for pictures and JSON (default: MODEL_DIR/routing; --elastic: MODEL_DIR)",
+    )
     p.add_argument("--batch-size", type=int, metavar="N", default=16, help="sequences per forward pass")
     p.add_argument("--max-seq-len", type=int, metavar="N", default=1024, help="longer sequences are cut into pieces")
     for flag, what in (("--depths", "depths"), ("--experts", "expert counts"), ("--top-k", "top-k values")):
-        p.add_argument(flag, type=_int_csv, metavar="N,N", default=[],
-                       help=f"--elastic: {what} to tabulate (default: the run's elastic_* choices)")
+        p.add_argument(
+            flag,
+            type=_int_csv,
+            metavar="N,N",
+            default=[],
+            help=f"--elastic: {what} to tabulate (default: the run's elastic_* choices)",
+        )
     p.add_argument("--max-samples", type=int, metavar="N", default=500, help="--elastic: examples scored")
     return p
 
@@ -361,8 +479,13 @@ def _int_csv(text: str) -> list[int]:
 
 def _default_eval_data() -> str | None:
     """The bundled arithmetic eval set, when running from a source checkout."""
-    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(erniekit.__file__))),
-                        "examples", "data", "arithmetic", "eval.jsonl")
+    path = os.path.join(
+        os.path.dirname(os.path.dirname(os.path.abspath(erniekit.__file__))),
+        "examples",
+        "data",
+        "arithmetic",
+        "eval.jsonl",
+    )
     return path if os.path.isfile(path) else None
 
 
@@ -390,8 +513,16 @@ def _eval_elastic(ns: argparse.Namespace) -> int:
     _import_paddle()
     from erniekit.elastic.report import elastic_report, format_elastic_table
 
-    table = elastic_report(ns.model_dir, data, ns.depths, ns.experts, ns.top_k, max_samples=ns.max_samples,
-                           batch_size=ns.batch_size, out_dir=ns.out)
+    table = elastic_report(
+        ns.model_dir,
+        data,
+        ns.depths,
+        ns.experts,
+        ns.top_k,
+        max_samples=ns.max_samples,
+        batch_size=ns.batch_size,
+        out_dir=ns.out,
+    )
     print(format_elastic_table(table))
     print(f"table: {table['path']}")
     return 0

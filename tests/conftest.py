@@ -1,8 +1,15 @@
-"""Tests run two pytest-xdist workers on two cores: one Paddle thread each avoids oversubscription."""
+"""Tests run two pytest-xdist workers on two cores: one Paddle thread each avoids oversubscription.
+
+Layout: tests/unit/<package>/ mirror erniekit's packages; tests/e2e/ run the CLI, several
+processes, a live server or a browser and carry the `e2e` marker (`-m "not e2e"`: the fast set)."""
 
 import os
+import sys
+
+import pytest
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # launched_jobs.py, shared by e2e and unit tests
 
 from erniekit.utils.malloc import keep_freed_memory  # noqa: E402  (as `erniekit` does: freed tensors are reused)
 from erniekit.utils.mkl import use_mkl_vector_kernels  # noqa: E402  (as `erniekit` does: MKL's AVX kernels on AMD)
@@ -10,7 +17,13 @@ from erniekit.utils.mkl import use_mkl_vector_kernels  # noqa: E402  (as `erniek
 use_mkl_vector_kernels()
 keep_freed_memory()
 
+E2E_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "e2e")
+
 
 def pytest_collection_modifyitems(config, items):
-    """The embedded-default test takes most of the suite's time: start it first (see pytest.ini)."""
+    """Everything under tests/e2e/ is marked e2e. The embedded-default test takes most of the
+    suite's time: start it first (pyproject.toml: --dist worksteal)."""
+    for item in items:
+        if str(item.fspath).startswith(E2E_DIR + os.sep):
+            item.add_marker(pytest.mark.e2e)
     items.sort(key=lambda item: "test_embedded_default" not in item.nodeid)

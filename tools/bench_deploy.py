@@ -48,8 +48,15 @@ def quant_report(model_dir: str, data: str, samples: int) -> list[dict]:
             model = load_model_or_adapter(out)
             model.eval()
             em = exact_match_eval(model, tok, convs, 64, 16)
-            rows.append({"format": fmt, "weight_bytes": weight_bytes(out), "exact_match": em,
-                         "max_abs_logit_diff": v["max_abs_diff"], "greedy_agreement": v["same_greedy"]})
+            rows.append(
+                {
+                    "format": fmt,
+                    "weight_bytes": weight_bytes(out),
+                    "exact_match": em,
+                    "max_abs_logit_diff": v["max_abs_diff"],
+                    "greedy_agreement": v["same_greedy"],
+                }
+            )
             print(rows[-1], flush=True)
         base = rows[0]
         for r in rows:
@@ -79,6 +86,7 @@ def engine_speed(model_dir: str, new_tokens: int, concurrent: int) -> dict:
         reqs = []
         t0 = time.perf_counter()
         for i, p in enumerate(prompts):
+
             def emit(delta, finish, i=i):
                 now = time.perf_counter()
                 first.setdefault(i, now)
@@ -88,6 +96,7 @@ def engine_speed(model_dir: str, new_tokens: int, concurrent: int) -> dict:
                         left[0] -= 1
                         if not left[0]:
                             done.set()
+
             r = Request(p, SamplingParams(max_new_tokens=new_tokens), emit)
             reqs.append(r)
             engine.submit(r)
@@ -126,8 +135,14 @@ def transformers_speed(hf_dir: str, new_tokens: int, concurrent: int, threads: i
         mask = torch.tensor([[0] * (L - len(p)) + [1] * len(p) for p in prompts])
         t0 = time.perf_counter()
         with torch.no_grad():
-            out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n,
-                                 do_sample=False, pad_token_id=pad)
+            out = model.generate(
+                input_ids=ids,
+                attention_mask=mask,
+                max_new_tokens=n,
+                min_new_tokens=n,
+                do_sample=False,
+                pad_token_id=pad,
+            )
         return time.perf_counter() - t0, int((out.shape[1] - L) * len(prompts))
 
     ps = prompts_of(tok, concurrent)

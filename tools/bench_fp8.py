@@ -74,12 +74,22 @@ def bench(repeats: int) -> list[dict]:
         ref, got = _step(paddle.matmul, x, w, g), _step(fp8, x, w, g)
         n = repeats if M * K * N < 1e8 else max(2, repeats // 3)
         t32, t8 = _best_ms(paddle.matmul, x, w, g, n), _best_ms(fp8, x, w, g, n)
-        rows.append({
-            "shape": name, "M": M, "K": K, "N": N, "block": block, "repeats": n,
-            "fp32_fwd_bwd_ms": round(t32, 3), "fp8_fwd_bwd_ms": round(t8, 3), "overhead_x": round(t8 / t32, 2),
-            "rel_err_y": round(_rel(got[0], ref[0]), 5), "rel_err_dx": round(_rel(got[1], ref[1]), 5),
-            "rel_err_dw": round(_rel(got[2], ref[2]), 5),
-        })
+        rows.append(
+            {
+                "shape": name,
+                "M": M,
+                "K": K,
+                "N": N,
+                "block": block,
+                "repeats": n,
+                "fp32_fwd_bwd_ms": round(t32, 3),
+                "fp8_fwd_bwd_ms": round(t8, 3),
+                "overhead_x": round(t8 / t32, 2),
+                "rel_err_y": round(_rel(got[0], ref[0]), 5),
+                "rel_err_dx": round(_rel(got[1], ref[1]), 5),
+                "rel_err_dw": round(_rel(got[2], ref[2]), 5),
+            }
+        )
     return rows
 
 
@@ -101,15 +111,22 @@ def bench_grouped(repeats: int) -> dict:
         def f(x, w):
             ws, xs = paddle.unbind(w), paddle.split(x, GROUP_SIZES)
             return paddle.concat([mm(a, ws[e]) for a, e in zip(xs, experts)])
+
         return f
 
-    fns = {"fp32_loop": loop(paddle.matmul), "fp8_loop": loop(fp8_matmul),
-           "fp8_grouped": lambda x, w: fp8_grouped_matmul(x, w, GROUP_SIZES, experts)}
+    fns = {
+        "fp32_loop": loop(paddle.matmul),
+        "fp8_loop": loop(fp8_matmul),
+        "fp8_grouped": lambda x, w: fp8_grouped_matmul(x, w, GROUP_SIZES, experts),
+    }
     ms = {k: _best_ms(f, x_np, w_np, g, repeats) for k, f in fns.items()}
-    return {"shape": f"tiny-moe projection, {E} experts, {M} rows", "groups": GROUP_SIZES,
-            **{f"{k}_fwd_bwd_ms": round(v, 3) for k, v in ms.items()},
-            "grouped_vs_loop_x": round(ms["fp8_loop"] / ms["fp8_grouped"], 2),
-            "grouped_overhead_x": round(ms["fp8_grouped"] / ms["fp32_loop"], 2)}
+    return {
+        "shape": f"tiny-moe projection, {E} experts, {M} rows",
+        "groups": GROUP_SIZES,
+        **{f"{k}_fwd_bwd_ms": round(v, 3) for k, v in ms.items()},
+        "grouped_vs_loop_x": round(ms["fp8_loop"] / ms["fp8_grouped"], 2),
+        "grouped_overhead_x": round(ms["fp8_grouped"] / ms["fp32_loop"], 2),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -125,8 +142,11 @@ def main(argv: list[str] | None = None) -> int:
         "what": "fp8_matmul (block-scaled e4m3, all 3 GEMMs) vs float32 paddle.matmul, forward+backward, best of N",
         "backend": fp8_backend() if paddle.device.get_device().startswith("gpu") else "emulated",
         "machine": {
-            "cpu_count": os.cpu_count(), "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
-            "paddle": paddle.__version__, "python": platform.python_version(), "platform": platform.platform(),
+            "cpu_count": os.cpu_count(),
+            "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
+            "paddle": paddle.__version__,
+            "python": platform.python_version(),
+            "platform": platform.platform(),
             "processor": platform.processor() or platform.machine(),
         },
         "rows": rows,
@@ -135,15 +155,21 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"{'shape':28s} {'M':>5s} {'K':>5s} {'N':>5s} {'blk':>4s} {'fp32 ms':>9s} {'fp8 ms':>9s} "
-          f"{'x':>5s} {'err y':>7s} {'err dx':>7s} {'err dw':>7s}")
+    print(
+        f"{'shape':28s} {'M':>5s} {'K':>5s} {'N':>5s} {'blk':>4s} {'fp32 ms':>9s} {'fp8 ms':>9s} "
+        f"{'x':>5s} {'err y':>7s} {'err dx':>7s} {'err dw':>7s}"
+    )
     for r in rows:
-        print(f"{r['shape']:28s} {r['M']:5d} {r['K']:5d} {r['N']:5d} {r['block']:4d} {r['fp32_fwd_bwd_ms']:9.2f} "
-              f"{r['fp8_fwd_bwd_ms']:9.2f} {r['overhead_x']:5.2f} {r['rel_err_y']:7.4f} {r['rel_err_dx']:7.4f} "
-              f"{r['rel_err_dw']:7.4f}")
-    print(f"grouped ({grouped['shape']}): fp32 loop {grouped['fp32_loop_fwd_bwd_ms']:.2f} ms, fp8 loop "
-          f"{grouped['fp8_loop_fwd_bwd_ms']:.2f} ms, fp8 grouped {grouped['fp8_grouped_fwd_bwd_ms']:.2f} ms "
-          f"({grouped['grouped_vs_loop_x']}x faster than the loop, {grouped['grouped_overhead_x']}x fp32)")
+        print(
+            f"{r['shape']:28s} {r['M']:5d} {r['K']:5d} {r['N']:5d} {r['block']:4d} {r['fp32_fwd_bwd_ms']:9.2f} "
+            f"{r['fp8_fwd_bwd_ms']:9.2f} {r['overhead_x']:5.2f} {r['rel_err_y']:7.4f} {r['rel_err_dx']:7.4f} "
+            f"{r['rel_err_dw']:7.4f}"
+        )
+    print(
+        f"grouped ({grouped['shape']}): fp32 loop {grouped['fp32_loop_fwd_bwd_ms']:.2f} ms, fp8 loop "
+        f"{grouped['fp8_loop_fwd_bwd_ms']:.2f} ms, fp8 grouped {grouped['fp8_grouped_fwd_bwd_ms']:.2f} ms "
+        f"({grouped['grouped_vs_loop_x']}x faster than the loop, {grouped['grouped_overhead_x']}x fp32)"
+    )
     print(f"wrote {out}")
     return 0
 

@@ -38,21 +38,37 @@ CFG = str(ROOT / "examples" / "configs" / "tiny" / "ps.yaml")
 
 
 def _run(extra: list[str], steps: int, out: str) -> dict:
-    cmd = [sys.executable, "-m", "erniekit", "train", CFG, f"max_steps={steps}", "logging_steps=5",
-           "save_steps=100000", "disable_tqdm=true", f"output_dir={out}", *extra]
+    cmd = [
+        sys.executable,
+        "-m",
+        "erniekit",
+        "train",
+        CFG,
+        f"max_steps={steps}",
+        "logging_steps=5",
+        "save_steps=100000",
+        "disable_tqdm=true",
+        f"output_dir={out}",
+        *extra,
+    ]
     env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
     before = loopback_tx_bytes()
     train(cmd, out, env)
     res = json.load(open(os.path.join(out, "train_results.json")))
-    return {"bytes": loopback_tx_bytes() - before, "loss": res["train"]["train/loss"],
-            "ps": res.get("ps_bytes_per_worker")}
+    return {
+        "bytes": loopback_tx_bytes() - before,
+        "loss": res["train"]["train/loss"],
+        "ps": res.get("ps_bytes_per_worker"),
+    }
 
 
 def measured(short: int, long: int) -> dict:
-    layouts = {"ps 1 server + 2 workers": [],
-               "ps, int8 pushes": ["ps_compress=int8"],
-               "ps, top-10% pushes": ["ps_compress=topk", "ps_topk_ratio=0.1"],
-               "dp=2 (collective)": ["distributed_mode=collective", "nproc_per_node=2"]}
+    layouts = {
+        "ps 1 server + 2 workers": [],
+        "ps, int8 pushes": ["ps_compress=int8"],
+        "ps, top-10% pushes": ["ps_compress=topk", "ps_topk_ratio=0.1"],
+        "dp=2 (collective)": ["distributed_mode=collective", "nproc_per_node=2"],
+    }
     out = {}
     with tempfile.TemporaryDirectory() as tmp:
         for name, extra in layouts.items():
@@ -61,7 +77,8 @@ def measured(short: int, long: int) -> dict:
             row = {"bytes_per_step": (b["bytes"] - a["bytes"]) / (long - short), "loss": b["loss"]}
             if b["ps"]:
                 row["pushed_row_gradient_bytes_per_step_per_worker"] = (
-                    b["ps"]["pushed_row_gradients"] - a["ps"]["pushed_row_gradients"]) / (long - short)
+                    b["ps"]["pushed_row_gradients"] - a["ps"]["pushed_row_gradients"]
+                ) / (long - short)
             out[name] = row
             print(json.dumps({name: row}), flush=True)
     return out
@@ -76,9 +93,16 @@ def modelled(unique_fraction: float) -> dict:
     dense = 2 * (W - 1) / W * V * H * 4 * W  # ring all-reduce of the table's gradient, all devices
     rows = min(V, unique_fraction * tokens)  # distinct ids per worker
     ps = W * (2 * rows * H * 4 + rows * 8 + 2 * tokens * H * 4)  # pull + push rows, ids, h and its gradient
-    return {"vocab": V, "hidden": H, "workers": W, "tokens_per_worker": tokens,
-            "distinct_rows_per_worker": rows, "dense_allreduce_of_table_bytes": dense, "ps_bytes": ps,
-            "ps_over_dense": ps / dense}
+    return {
+        "vocab": V,
+        "hidden": H,
+        "workers": W,
+        "tokens_per_worker": tokens,
+        "distinct_rows_per_worker": rows,
+        "dense_allreduce_of_table_bytes": dense,
+        "ps_bytes": ps,
+        "ps_over_dense": ps / dense,
+    }
 
 
 def scheduler_quality() -> dict:
@@ -86,12 +110,19 @@ def scheduler_quality() -> dict:
 
     t0 = time.perf_counter()
     pairs = against_exact(range(40))
-    small = {"instances": len(pairs), "rl_equals_exact": sum(rl <= ex * (1 + 1e-9) for rl, ex in pairs),
-             "seconds": time.perf_counter() - t0}
+    small = {
+        "instances": len(pairs),
+        "rl_equals_exact": sum(rl <= ex * (1 + 1e-9) for rl, ex in pairs),
+        "seconds": time.perf_counter() - t0,
+    }
     pairs = against_greedy(range(12))
     ratios = [rl / g for rl, g in pairs]
-    large = {"instances": len(pairs), "rl_cheaper_than_greedy": sum(rl < g * (1 - 1e-6) for rl, g in pairs),
-             "mean_rl_over_greedy_cost": float(np.mean(ratios)), "min_rl_over_greedy_cost": float(np.min(ratios))}
+    large = {
+        "instances": len(pairs),
+        "rl_cheaper_than_greedy": sum(rl < g * (1 - 1e-6) for rl, g in pairs),
+        "mean_rl_over_greedy_cost": float(np.mean(ratios)),
+        "min_rl_over_greedy_cost": float(np.min(ratios)),
+    }
     return {"small_4_5_parts": small, "large_40_parts": large}
 
 
@@ -112,9 +143,17 @@ def placements() -> list[dict]:
         tokens = 16 * 1024
         for r in rows:
             ev = r.evaluation
-            out.append({"target": target, "placement": r.name, "feasible": ev.feasible, "tokens_per_s": ev.throughput,
-                        "usd_per_1m_tokens": ev.cost_per_batch / tokens * 1e6 if ev.feasible else math.inf,
-                        "stages": describe(ev), "why": ev.why})
+            out.append(
+                {
+                    "target": target,
+                    "placement": r.name,
+                    "feasible": ev.feasible,
+                    "tokens_per_s": ev.throughput,
+                    "usd_per_1m_tokens": ev.cost_per_batch / tokens * 1e6 if ev.feasible else math.inf,
+                    "stages": describe(ev),
+                    "why": ev.why,
+                }
+            )
     return out
 
 

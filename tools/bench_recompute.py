@@ -34,8 +34,21 @@ def _heap_in_use():
     import ctypes
 
     class MallInfo2(ctypes.Structure):
-        _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
-                                                    "fsmblks", "uordblks", "fordblks", "keepcost")]
+        _fields_ = [
+            (n, ctypes.c_size_t)
+            for n in (
+                "arena",
+                "ordblks",
+                "smblks",
+                "hblks",
+                "hblkhd",
+                "usmblks",
+                "fsmblks",
+                "uordblks",
+                "fordblks",
+                "keepcost",
+            )
+        ]
 
     libc = ctypes.CDLL("libc.so.6")
     libc.mallinfo2.restype = MallInfo2
@@ -60,8 +73,12 @@ def worker(a: argparse.Namespace) -> dict:
 
     gpu = paddle.device.is_compiled_with_cuda() and paddle.device.cuda.device_count() > 0
     paddle.set_device("gpu" if gpu else "cpu")
-    cfg = get_preset(a.preset).replace(hidden_size=a.hidden, num_hidden_layers=a.layers,
-                                       intermediate_size=a.hidden * 3, max_position_embeddings=max(a.seq, 512))
+    cfg = get_preset(a.preset).replace(
+        hidden_size=a.hidden,
+        num_hidden_layers=a.layers,
+        intermediate_size=a.hidden * 3,
+        max_position_embeddings=max(a.seq, 512),
+    )
     if cfg.is_moe:
         cfg = cfg.replace(moe_intermediate_size=a.hidden)
     paddle.seed(0)
@@ -105,8 +122,13 @@ def worker(a: argparse.Namespace) -> dict:
         del out, loss
         model.clear_gradients(set_to_zero=False)
     params = sum(int(p.numel()) for p in model.parameters())
-    return {"activation_bytes": int(act), "peak_bytes": int(top), "step_s": best, "device": "gpu" if gpu else "cpu",
-            "params": params}
+    return {
+        "activation_bytes": int(act),
+        "peak_bytes": int(top),
+        "step_s": best,
+        "device": "gpu" if gpu else "cpu",
+        "params": params,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -125,13 +147,16 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     rows = {}
     for mode in MODES:
-        cmd = [sys.executable, __file__, "--worker", mode] + [f"--{k}={getattr(a, k)}" for k in
-                                                               ("preset", "hidden", "layers", "batch", "seq", "steps")]
+        cmd = [sys.executable, __file__, "--worker", mode] + [
+            f"--{k}={getattr(a, k)}" for k in ("preset", "hidden", "layers", "batch", "seq", "steps")
+        ]
         r = subprocess.run(cmd, capture_output=True, text=True, check=True)
         rows[mode] = json.loads(r.stdout.strip().splitlines()[-1])
         r = rows[mode]
-        print(f"{mode:10s} activations {r['activation_bytes'] / 1e6:7.1f} MB  peak {r['peak_bytes'] / 1e6:7.1f} MB"
-              f"  step {r['step_s'] * 1e3:8.1f} ms")
+        print(
+            f"{mode:10s} activations {r['activation_bytes'] / 1e6:7.1f} MB  peak {r['peak_bytes'] / 1e6:7.1f} MB"
+            f"  step {r['step_s'] * 1e3:8.1f} ms"
+        )
     from erniekit.distributed import planner
     from erniekit.models.ernie4_5 import get_preset
 
@@ -139,19 +164,24 @@ def main(argv: list[str] | None = None) -> int:
     if cfg.is_moe:
         cfg = cfg.replace(moe_intermediate_size=a.hidden)
     for mode, r in rows.items():  # the planner's count of the same saved activations
-        pred = planner.predict(cfg, planner.Cluster(), planner.Workload(a.batch, a.seq),
-                               planner.Plan(1, 1, 1, 1, 0, mode, a.batch, 1))
+        pred = planner.predict(
+            cfg, planner.Cluster(), planner.Workload(a.batch, a.seq), planner.Plan(1, 1, 1, 1, 0, mode, a.batch, 1)
+        )
         r["planner_activation_bytes"] = pred.parts["activations_bytes"]
     base = rows["none"]
     for r in rows.values():
         for k in ("activation_bytes", "peak_bytes"):
             r[k.replace("_bytes", "_ratio")] = r[k] / max(base[k], 1)
         r["time_ratio"] = r["step_s"] / base["step_s"]
-    out = {"what": "memory the forward keeps for the backward, peak memory of the step above the loaded model, "
-                   "and best step time, per recompute mode (docs/distributed.md)",
-           "setup": {k: getattr(a, k) for k in ("preset", "hidden", "layers", "batch", "seq", "steps")},
-           "threads": os.environ.get("OMP_NUM_THREADS", "1"), "machine": platform.machine(),
-           "command": "python tools/bench_recompute.py " + " ".join(sys.argv[1:]), "modes": rows}
+    out = {
+        "what": "memory the forward keeps for the backward, peak memory of the step above the loaded model, "
+        "and best step time, per recompute mode (docs/distributed.md)",
+        "setup": {k: getattr(a, k) for k in ("preset", "hidden", "layers", "batch", "seq", "steps")},
+        "threads": os.environ.get("OMP_NUM_THREADS", "1"),
+        "machine": platform.machine(),
+        "command": "python tools/bench_recompute.py " + " ".join(sys.argv[1:]),
+        "modes": rows,
+    }
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(out, indent=1) + "\n")
     print(f"wrote {a.out}")

@@ -54,13 +54,20 @@ def run_setting(model, prompts: list[list[int]], params: SamplingParams) -> dict
         t_plain, t_spec = t_plain + best_plain, t_spec + best_spec
     n_tokens = stats.emitted  # generated tokens, stop tokens included (both decoders compute them)
     return {
-        "prompts": len(prompts), "max_new_tokens": params.max_new_tokens, "stop_tokens": bool(params.stop_token_ids),
-        "generated_tokens": n_tokens, "verify_steps": stats.verify_steps, "drafted": stats.drafted,
-        "accepted": stats.accepted, "acceptance_mean_accepted_per_verify": round(stats.acceptance, 4),
+        "prompts": len(prompts),
+        "max_new_tokens": params.max_new_tokens,
+        "stop_tokens": bool(params.stop_token_ids),
+        "generated_tokens": n_tokens,
+        "verify_steps": stats.verify_steps,
+        "drafted": stats.drafted,
+        "accepted": stats.accepted,
+        "acceptance_mean_accepted_per_verify": round(stats.acceptance, 4),
         "draft_accept_rate": round(stats.accepted / max(stats.drafted, 1), 4),
         "trunk_forwards_per_token_speculative": round((stats.verify_steps + len(prompts)) / max(n_tokens, 1), 4),
-        "greedy_tokens_per_s": round(n_tokens / t_plain, 1), "speculative_tokens_per_s": round(n_tokens / t_spec, 1),
-        "speedup": round(t_plain / t_spec, 3), "outputs_identical": True,
+        "greedy_tokens_per_s": round(n_tokens / t_plain, 1),
+        "speculative_tokens_per_s": round(n_tokens / t_spec, 1),
+        "speedup": round(t_plain / t_spec, 3),
+        "outputs_identical": True,
     }
 
 
@@ -84,16 +91,22 @@ def main() -> int:
         stops = sorted({tok.sep_token_id, tok.eos_token_id, *model.config.eos_token_ids})
         models[path] = {
             "num_nextn_predict_layers": model.config.num_nextn_predict_layers,
-            "chat_replies": run_setting(model, prompts[: a.samples], SamplingParams(max_new_tokens=8, stop_token_ids=stops)),
+            "chat_replies": run_setting(
+                model, prompts[: a.samples], SamplingParams(max_new_tokens=8, stop_token_ids=stops)
+            ),
             "fixed_length": run_setting(model, prompts[: a.long_samples], SamplingParams(max_new_tokens=a.long_tokens)),
             "load_avg_1min_after": round(os.getloadavg()[0], 2),
         }
     result = {
         "what": "greedy self-speculative decoding with MTP heads vs plain greedy generate, batch 1, CPU, "
-                "outputs checked identical; times: best of 2 per prompt, summed",
+        "outputs checked identical; times: best of 2 per prompt, summed",
         "data": a.data,
-        "machine": {"cpu_count": os.cpu_count(), "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
-                    "paddle": paddle.__version__, "python": platform.python_version()},
+        "machine": {
+            "cpu_count": os.cpu_count(),
+            "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
+            "paddle": paddle.__version__,
+            "python": platform.python_version(),
+        },
         "models": models,
     }
     os.makedirs(os.path.dirname(a.out), exist_ok=True)

@@ -41,12 +41,24 @@ DEFAULT_WARMUP = {"tiny-moe": 3, "0.3b-2l": 1}  # the first step allocates the A
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", default=os.path.join("bench_results", "train_bench.json"), help="JSON output (default: %(default)s)")
-    p.add_argument("--models", default=",".join(MODELS), help=f"comma-separated subset of {', '.join(MODELS)} (default: all)")
-    p.add_argument("--steps", type=int, default=None,
-                   help="timed steps per model (default: " + ", ".join(f"{k} {v}" for k, v in DEFAULT_STEPS.items()) + ")")
-    p.add_argument("--warmup", type=int, default=None,
-                   help="untimed steps before timing (default: " + ", ".join(f"{k} {v}" for k, v in DEFAULT_WARMUP.items()) + ")")
+    p.add_argument(
+        "--out", default=os.path.join("bench_results", "train_bench.json"), help="JSON output (default: %(default)s)"
+    )
+    p.add_argument(
+        "--models", default=",".join(MODELS), help=f"comma-separated subset of {', '.join(MODELS)} (default: all)"
+    )
+    p.add_argument(
+        "--steps",
+        type=int,
+        default=None,
+        help="timed steps per model (default: " + ", ".join(f"{k} {v}" for k, v in DEFAULT_STEPS.items()) + ")",
+    )
+    p.add_argument(
+        "--warmup",
+        type=int,
+        default=None,
+        help="untimed steps before timing (default: " + ", ".join(f"{k} {v}" for k, v in DEFAULT_WARMUP.items()) + ")",
+    )
     p.add_argument("--peak-sizes", default="1024,2048", help="square matmul sizes for the peak (default: %(default)s)")
     p.add_argument("--peak-repeats", type=int, default=5, help="best of N per matmul size (default: %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="parameter init / data seed (default: %(default)s)")
@@ -92,7 +104,9 @@ def matmul_peaks(sizes: list[int], repeats: int) -> dict:
         a, b = rng.standard_normal((n, n), dtype=np.float32), rng.standard_normal((n, n), dtype=np.float32)
         pa, pb = paddle.to_tensor(a), paddle.to_tensor(b)
         flops = 2.0 * n**3
-        out["paddle"][str(n)] = round(flops / _best_of(lambda pa=pa, pb=pb: paddle.matmul(pa, pb).numpy(), repeats) / 1e9, 2)
+        out["paddle"][str(n)] = round(
+            flops / _best_of(lambda pa=pa, pb=pb: paddle.matmul(pa, pb).numpy(), repeats) / 1e9, 2
+        )
         out["numpy"][str(n)] = round(flops / _best_of(lambda a=a, b=b: a @ b, repeats) / 1e9, 2)
     out["paddle_peak_gflops"] = max(out["paddle"].values())
     out["numpy_peak_gflops"] = max(out["numpy"].values())
@@ -174,9 +188,10 @@ WORKLOADS = {"tiny-moe": tiny_moe_batches, "0.3b-2l": dense_03b_batches}
 
 def bench_model(name: str, steps: int, warmup: int, seed: int, peaks: dict) -> dict:
     """Time `steps` full training steps after `warmup` ones; throughput, FLOPs and MFU."""
+    from types import SimpleNamespace
+
     import numpy as np
     import paddle
-    from types import SimpleNamespace
 
     from erniekit.models.ernie4_5 import Ernie4_5ForCausalLM
     from erniekit.train.losses import causal_lm_loss_sum, count_target_tokens
@@ -235,10 +250,23 @@ def bench_model(name: str, steps: int, warmup: int, seed: int, peaks: dict) -> d
     f = flops_per_token(config, seqs[-1])
     return {
         "model": name,
-        "config": {k: getattr(config, k) for k in (
-            "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-            "num_key_value_heads", "head_dim", "moe_num_experts", "moe_k", "moe_intermediate_size",
-            "moe_num_shared_experts", "tie_word_embeddings")},
+        "config": {
+            k: getattr(config, k)
+            for k in (
+                "vocab_size",
+                "hidden_size",
+                "intermediate_size",
+                "num_hidden_layers",
+                "num_attention_heads",
+                "num_key_value_heads",
+                "head_dim",
+                "moe_num_experts",
+                "moe_k",
+                "moe_intermediate_size",
+                "moe_num_shared_experts",
+                "tie_word_embeddings",
+            )
+        },
         "batch_size": int(batches[0]["input_ids"].shape[0]),
         "seq_lens": seqs,
         "params": {k: int(v) for k, v in f.items() if k not in ("model", "lm_head")},
@@ -248,7 +276,9 @@ def bench_model(name: str, steps: int, warmup: int, seed: int, peaks: dict) -> d
         "step_time_s_mean": round(total / steps, 4),
         "step_time_s_median": round(statistics.median(times), 4),
         "step_time_s_min": round(min(times), 4),
-        "phase_s_mean": {k: round(float(v) / steps, 4) for k, v in zip(("forward_loss", "backward", "clip_adamw"), phases)},
+        "phase_s_mean": {
+            k: round(float(v) / steps, 4) for k, v in zip(("forward_loss", "backward", "clip_adamw"), phases)
+        },
         "tokens_per_s": round(real_tokens / total, 1),  # non-padding tokens, as the trainer logs
         "padded_tokens_per_s": round(padded_tokens / total, 1),  # tokens computed (incl. right padding)
         "achieved_gflops": round(achieved, 3),
@@ -277,38 +307,57 @@ def main(argv: list[str] | None = None) -> int:
     t_start = time.perf_counter()
     load_before = [round(x, 2) for x in os.getloadavg()]
     peaks = matmul_peaks(args.peak_sizes, args.peak_repeats)
-    print(f"peak float32 GEMM: paddle {peaks['paddle_peak_gflops']} GFLOP/s, numpy {peaks['numpy_peak_gflops']} GFLOP/s",
-          flush=True)
+    print(
+        f"peak float32 GEMM: paddle {peaks['paddle_peak_gflops']} GFLOP/s, numpy {peaks['numpy_peak_gflops']} GFLOP/s",
+        flush=True,
+    )
     results = []
     for name in args.models:
         warmup = DEFAULT_WARMUP[name] if args.warmup is None else args.warmup
         r = bench_model(name, args.steps or DEFAULT_STEPS[name], warmup, args.seed, peaks)
         results.append(r)
-        print(f"{name}: {r['tokens_per_s']} tokens/s, {r['step_time_s_mean']} s/step, "
-              f"{r['achieved_gflops']} GFLOP/s, MFU {r['mfu']:.1%} of paddle peak, "
-              f"{r['mfu_vs_numpy_peak']:.1%} of numpy peak", flush=True)
+        print(
+            f"{name}: {r['tokens_per_s']} tokens/s, {r['step_time_s_mean']} s/step, "
+            f"{r['achieved_gflops']} GFLOP/s, MFU {r['mfu']:.1%} of paddle peak, "
+            f"{r['mfu_vs_numpy_peak']:.1%} of numpy peak",
+            flush=True,
+        )
     # same GEMM again after the optimizer steps: a drop here is thread-pool interference, not the model
     after = matmul_peaks(args.peak_sizes[:1], args.peak_repeats)["paddle"]
     report = {
         "tool": "tools/bench_train.py",
         "argv": sys.argv[1:] if argv is None else argv,
-        "machine": {"cpu_count": os.cpu_count(), "omp_num_threads": int(os.environ.get("OMP_NUM_THREADS", "0") or 0),
-                    "threading_env": {k: os.environ.get(k) for k in
-                                      ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "KMP_BLOCKTIME", "OMP_WAIT_POLICY")},
-                    "platform": platform.platform(), "processor": platform.processor() or platform.machine(),
-                    "python": platform.python_version(), "paddle": paddle.__version__,
-                    "device": paddle.device.get_device(),
-                    # other busy processes distort CPU timings (and OpenMP barriers suffer most): check these
-                    "loadavg_1_5_15_before": load_before, "loadavg_1_5_15_after": [round(x, 2) for x in os.getloadavg()]},
-        "peak": {**peaks, "method": "float32 n x n @ n x n, 2 n^3 flops, best of --peak-repeats after one warm-up",
-                 "paddle_after_training": after},
-        "flops_formula": ("model FLOPs/token = 6 * N_active + 12 * L * A * S; N_active = non-embedding params with "
-                          "only moe_k routed + shared experts per MoE layer (router included), L = layers, "
-                          "A = num_attention_heads * head_dim, S = padded sequence length of the batch; tied LM head "
-                          "(6 * hidden * vocab) excluded, counted only in mfu_incl_lm_head"),
+        "machine": {
+            "cpu_count": os.cpu_count(),
+            "omp_num_threads": int(os.environ.get("OMP_NUM_THREADS", "0") or 0),
+            "threading_env": {
+                k: os.environ.get(k) for k in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "KMP_BLOCKTIME", "OMP_WAIT_POLICY")
+            },
+            "platform": platform.platform(),
+            "processor": platform.processor() or platform.machine(),
+            "python": platform.python_version(),
+            "paddle": paddle.__version__,
+            "device": paddle.device.get_device(),
+            # other busy processes distort CPU timings (and OpenMP barriers suffer most): check these
+            "loadavg_1_5_15_before": load_before,
+            "loadavg_1_5_15_after": [round(x, 2) for x in os.getloadavg()],
+        },
+        "peak": {
+            **peaks,
+            "method": "float32 n x n @ n x n, 2 n^3 flops, best of --peak-repeats after one warm-up",
+            "paddle_after_training": after,
+        },
+        "flops_formula": (
+            "model FLOPs/token = 6 * N_active + 12 * L * A * S; N_active = non-embedding params with "
+            "only moe_k routed + shared experts per MoE layer (router included), L = layers, "
+            "A = num_attention_heads * head_dim, S = padded sequence length of the batch; tied LM head "
+            "(6 * hidden * vocab) excluded, counted only in mfu_incl_lm_head"
+        ),
         "mfu_definition": "achieved model GFLOP/s (padded tokens) / paddle_peak_gflops; mfu_vs_numpy_peak uses numpy's",
-        "step": ("forward + causal_lm_loss_sum / tokens (+ router aux loss) + backward + clip_grad_norm_(1.0) "
-                 "+ erniekit.train.optim.build_optimizer AdamW step, as the trainer does"),
+        "step": (
+            "forward + causal_lm_loss_sum / tokens (+ router aux loss) + backward + clip_grad_norm_(1.0) "
+            "+ erniekit.train.optim.build_optimizer AdamW step, as the trainer does"
+        ),
         "results": results,
         "wall_s": round(time.perf_counter() - t_start, 1),
     }

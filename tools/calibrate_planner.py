@@ -23,6 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from _train_runs import median_step_time, train  # noqa: E402
+
 from erniekit.distributed import planner as P  # noqa: E402
 from erniekit.models.ernie4_5 import get_preset  # noqa: E402
 
@@ -44,10 +45,24 @@ LAYOUTS = [
 def measure(model: str, procs: int, plan: P.Plan, steps: int, tmp: str) -> dict:
     out = os.path.join(tmp, f"{model}-{procs}-{plan.describe().replace(' ', '_').replace('=', '')}")
     keys = {**plan.config_overrides(), "nproc_per_node": procs}
-    args = [f"{k}={'true' if v is True else 'false' if v is False else v if v != '' else 'none'}" for k, v in keys.items()]
-    cmd = [sys.executable, "-m", "erniekit", "train", "examples/configs/tiny/pretrain.yaml", f"model_name_or_path={model}",
-           f"max_seq_len={S}", f"max_steps={steps}", "logging_steps=5", "save_steps=100000", "disable_tqdm=true",
-           f"output_dir={out}", *args]
+    args = [
+        f"{k}={'true' if v is True else 'false' if v is False else v if v != '' else 'none'}" for k, v in keys.items()
+    ]
+    cmd = [
+        sys.executable,
+        "-m",
+        "erniekit",
+        "train",
+        "examples/configs/tiny/pretrain.yaml",
+        f"model_name_or_path={model}",
+        f"max_seq_len={S}",
+        f"max_steps={steps}",
+        "logging_steps=5",
+        "save_steps=100000",
+        "disable_tqdm=true",
+        f"output_dir={out}",
+        *args,
+    ]
     env = dict(os.environ, PYTHONWARNINGS="ignore")
     env.pop("OMP_NUM_THREADS", None)  # the CLI splits the cores between the processes
     train(cmd, out, env)
@@ -68,23 +83,44 @@ def main(argv: list[str] | None = None) -> int:
         for model, procs, plan in LAYOUTS:
             pred = P.predict(get_preset(model), clusters[procs], P.Workload(G, S), plan)
             got = measure(model, procs, plan, a.steps, tmp)
-            row = {"model": model, "processes": procs, "layout": plan.describe(), "predicted_step_s": pred.step_s,
-                   "measured_step_s": got["step_s"], "predicted_memory": pred.memory, "measured_memory": got["memory"]}
+            row = {
+                "model": model,
+                "processes": procs,
+                "layout": plan.describe(),
+                "predicted_step_s": pred.step_s,
+                "measured_step_s": got["step_s"],
+                "predicted_memory": pred.memory,
+                "measured_memory": got["memory"],
+            }
             rows.append(row)
             print(json.dumps(row), flush=True)
-    table = ["| model | procs | layout | step s predicted | step s measured | ratio | memory MB predicted | "
-             "memory MB measured | ratio |", "|---|---|---|---|---|---|---|---|---|"]
+    table = [
+        "| model | procs | layout | step s predicted | step s measured | ratio | memory MB predicted | "
+        "memory MB measured | ratio |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
-        table.append(f"| {r['model']} | {r['processes']} | {r['layout']} | {r['predicted_step_s']:.3f} | "
-                     f"{r['measured_step_s']:.3f} | {r['predicted_step_s'] / r['measured_step_s']:.2f} | "
-                     f"{r['predicted_memory'] / 1e6:.0f} | {r['measured_memory'] / 1e6:.0f} | "
-                     f"{r['predicted_memory'] / r['measured_memory']:.2f} |")
+        table.append(
+            f"| {r['model']} | {r['processes']} | {r['layout']} | {r['predicted_step_s']:.3f} | "
+            f"{r['measured_step_s']:.3f} | {r['predicted_step_s'] / r['measured_step_s']:.2f} | "
+            f"{r['predicted_memory'] / 1e6:.0f} | {r['measured_memory'] / 1e6:.0f} | "
+            f"{r['predicted_memory'] / r['measured_memory']:.2f} |"
+        )
     print("\n".join(table))
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.out).write_text(json.dumps({"workload": {"global_batch": G, "seq_len": S, "steps": a.steps},
-                                       "clusters": {k: vars(v) if hasattr(v, "__dict__") else str(v)
-                                                    for k, v in clusters.items()},
-                                       "rows": rows, "table": table}, indent=1, default=str) + "\n")
+    Path(a.out).write_text(
+        json.dumps(
+            {
+                "workload": {"global_batch": G, "seq_len": S, "steps": a.steps},
+                "clusters": {k: vars(v) if hasattr(v, "__dict__") else str(v) for k, v in clusters.items()},
+                "rows": rows,
+                "table": table,
+            },
+            indent=1,
+            default=str,
+        )
+        + "\n"
+    )
     return 0
 
 

@@ -34,8 +34,11 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-ISA_ENV = {"native": {}, "avx2": {"ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"},
-           "generic": {"MKL_DEBUG_CPU_TYPE": "1"}}
+ISA_ENV = {
+    "native": {},
+    "avx2": {"ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"},
+    "generic": {"MKL_DEBUG_CPU_TYPE": "1"},
+}
 ISA_KEYS = ("ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS", "MKL_DEBUG_CPU_TYPE")
 MKL_KERNELS = {"5": "AVX2 (MKL_DEBUG_CPU_TYPE=5)", "7": "AVX-512 (MKL_DEBUG_CPU_TYPE=7)"}
 NAMED_BY_USER = {"1": "generic"}
@@ -72,7 +75,9 @@ def kernels(isa: str) -> str:
     chosen = mkl_cpu_type(ISA_ENV[isa], *read_cpuinfo())
     if "MKL_DEBUG_CPU_TYPE" in ISA_ENV[isa]:
         return NAMED_BY_USER[ISA_ENV[isa]["MKL_DEBUG_CPU_TYPE"]] + " (MKL_DEBUG_CPU_TYPE set by the run)"
-    return MKL_KERNELS.get(chosen, "MKL's own dispatch") + ("; " + ", ".join(f"{k}={v}" for k, v in ISA_ENV[isa].items()) if ISA_ENV[isa] else "")
+    return MKL_KERNELS.get(chosen, "MKL's own dispatch") + (
+        "; " + ", ".join(f"{k}={v}" for k, v in ISA_ENV[isa].items()) if ISA_ENV[isa] else ""
+    )
 
 
 def _csv(kind):
@@ -81,6 +86,7 @@ def _csv(kind):
             return [kind(x) for x in text.split(",") if x.strip()]
         except ValueError:
             raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of {kind.__name__}") from None
+
     return parse
 
 
@@ -92,22 +98,43 @@ def loss_summary(out_dir: Path) -> dict:
     evals = [(r["step"], r["eval/exact_match"]) for r in rows if "eval/exact_match" in r]
     if not losses:
         return {"eval_exact_match": evals}
-    return {"first_loss": losses[0][1], "min_loss": min(v for _, v in losses), "final_loss": losses[-1][1],
-            "loss_at": {str(s): round(v, 4) for s, v in losses[:: max(1, len(losses) // 8)]},
-            "eval_exact_match": evals}
+    return {
+        "first_loss": losses[0][1],
+        "min_loss": min(v for _, v in losses),
+        "final_loss": losses[-1][1],
+        "loss_at": {str(s): round(v, 4) for s, v in losses[:: max(1, len(losses) // 8)]},
+        "eval_exact_match": evals,
+    }
 
 
 def run_cell(config: str, overrides: list[str], seed: int, threads: int, isa: str, out_dir: Path) -> dict:
     """One `erniekit train` run of the matrix; its record (exact match None when it failed)."""
     env = {k: v for k, v in os.environ.items() if k not in ISA_KEYS}
     env.update(ISA_ENV[isa], OMP_NUM_THREADS=str(threads))
-    cmd = [sys.executable, "-m", "erniekit", "train", config, f"seed={seed}", f"output_dir={out_dir}",
-           "disable_tqdm=true", *overrides]
+    cmd = [
+        sys.executable,
+        "-m",
+        "erniekit",
+        "train",
+        config,
+        f"seed={seed}",
+        f"output_dir={out_dir}",
+        "disable_tqdm=true",
+        *overrides,
+    ]
     start = time.perf_counter()
     r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
     wall = time.perf_counter() - start
-    rec = {"seed": seed, "threads": threads, "isa": isa, "cpu": cpu_model(), "kernels": kernels(isa), "wall_s": round(wall, 1),
-           "returncode": r.returncode, "exact_match": None}
+    rec = {
+        "seed": seed,
+        "threads": threads,
+        "isa": isa,
+        "cpu": cpu_model(),
+        "kernels": kernels(isa),
+        "wall_s": round(wall, 1),
+        "returncode": r.returncode,
+        "exact_match": None,
+    }
     results = out_dir / "train_results.json"
     if r.returncode == 0 and results.exists():
         res = json.loads(results.read_text())
@@ -143,8 +170,14 @@ def summarize(runs: list[dict]) -> dict:
     scores = [r["exact_match"] for r in runs if r.get("exact_match") is not None]
     if not scores:
         return {"runs": len(runs), "finished": 0}
-    return {"runs": len(runs), "finished": len(scores), "min": min(scores), "median": statistics.median(scores),
-            "max": max(scores), "mean": statistics.fmean(scores)}
+    return {
+        "runs": len(runs),
+        "finished": len(scores),
+        "min": min(scores),
+        "median": statistics.median(scores),
+        "max": max(scores),
+        "mean": statistics.fmean(scores),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -153,10 +186,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--config", default="examples/configs/tiny/sft.yaml", help="training config (default: %(default)s)")
     p.add_argument("--seeds", type=_csv(int), default=[1, 2, 3, 42], help="comma-separated seeds (default: 1,2,3,42)")
     p.add_argument("--threads", type=_csv(int), default=[1, 2], help="OMP_NUM_THREADS values (default: 1,2)")
-    p.add_argument("--isa", type=_csv(str), default=["native", "avx2"],
-                   help="kernel sets: native, avx2 and/or generic (default: native,avx2)")
+    p.add_argument(
+        "--isa",
+        type=_csv(str),
+        default=["native", "avx2"],
+        help="kernel sets: native, avx2 and/or generic (default: native,avx2)",
+    )
     p.add_argument("--jobs", type=int, default=0, help="runs at once (default: as many as the cores hold)")
-    p.add_argument("--out", default="bench_results/embedded_default_matrix.json", help="JSON file (default: %(default)s)")
+    p.add_argument(
+        "--out", default="bench_results/embedded_default_matrix.json", help="JSON file (default: %(default)s)"
+    )
     p.add_argument("--workdir", default="output/embedded_default_matrix", help="run directories (default: %(default)s)")
     p.add_argument("--fresh", action="store_true", help="ignore finished runs in --out and run every cell again")
     args = p.parse_args(argv)
@@ -186,8 +225,11 @@ def main(argv: list[str] | None = None) -> int:
             tmp = out_path.with_suffix(".tmp")
             tmp.write_text(json.dumps(doc, indent=1) + "\n")
             os.replace(tmp, out_path)
-        print(f"seed {rec['seed']:>3} threads {rec['threads']} isa {rec['isa']:<6} exact match "
-              f"{rec['exact_match'] if rec['exact_match'] is not None else 'FAILED'}  ({rec['wall_s']:.0f} s)", flush=True)
+        print(
+            f"seed {rec['seed']:>3} threads {rec['threads']} isa {rec['isa']:<6} exact match "
+            f"{rec['exact_match'] if rec['exact_match'] is not None else 'FAILED'}  ({rec['wall_s']:.0f} s)",
+            flush=True,
+        )
 
     print(f"{len(done)} cells done, {len(cells)} to run on {cpu_model()} ({cores} cores)", flush=True)
     # Runs share the cores: a run starts when its threads fit in the free cores (never two runs
@@ -195,15 +237,21 @@ def main(argv: list[str] | None = None) -> int:
     # waiting for cores never keeps a narrow one from starting on a free core.
     jobs = args.jobs or max(1, cores // max(1, min(args.threads)))
     capacity = max(cores, max(args.threads))
-    run_all(sorted(cells, key=lambda c: -c[1]), capacity, jobs,
-            lambda c: run_cell(args.config, args.overrides, *c, ROOT / args.workdir / f"s{c[0]}_t{c[1]}_{c[2]}"),
-            lambda rec: finish({**rec, "parallel_jobs": jobs}))
+    run_all(
+        sorted(cells, key=lambda c: -c[1]),
+        capacity,
+        jobs,
+        lambda c: run_cell(args.config, args.overrides, *c, ROOT / args.workdir / f"s{c[0]}_t{c[1]}_{c[2]}"),
+        lambda rec: finish({**rec, "parallel_jobs": jobs}),
+    )
     summary = summarize(doc["runs"])
     if not summary.get("finished"):
         print("no run finished")
         return 1
-    print(f"held-out exact match over {summary['finished']} runs: min {summary['min']:.3f}  median "
-          f"{summary['median']:.3f}  max {summary['max']:.3f}  ({cpu_model()}; {out_path.relative_to(ROOT)})")
+    print(
+        f"held-out exact match over {summary['finished']} runs: min {summary['min']:.3f}  median "
+        f"{summary['median']:.3f}  max {summary['max']:.3f}  ({cpu_model()}; {out_path.relative_to(ROOT)})"
+    )
     return 0 if summary["finished"] == summary["runs"] else 1
 
 

@@ -42,9 +42,11 @@ def main(argv: list[str] | None = None) -> None:
     stops = [tok.sep_token_id, tok.eos_token_id]
     pairs, seen = [], set()
     for s in range(args.samples):
-        params = SamplingParams(max_new_tokens=8, temperature=args.temperature, stop_token_ids=stops, seed=args.seed + s)
+        params = SamplingParams(
+            max_new_tokens=8, temperature=args.temperature, stop_token_ids=stops, seed=args.seed + s
+        )
         for i in range(0, len(convs), 250):
-            chunk = convs[i:i + 250]
+            chunk = convs[i : i + 250]
             outs = generate(model, [prompt_ids(c, tok) for c in chunk], params, pad_id=tok.pad_token_id)
             for c, o in zip(chunk, outs):
                 problem, right, said = c.turns[-1][0], c.turns[-1][1].strip(), tok.decode(o).strip()

@@ -123,20 +123,52 @@ The loss fell from 4.2 to 1.3 after 200 steps.
 Batch size 8, sequence length 256, two CPU cores.
 """
 
-SUBJECTS = ["The teacher", "My friend", "A student", "The doctor", "Our team", "The farmer",
-            "The engineer", "A little girl", "The old sailor", "The assistant"]
+SUBJECTS = [
+    "The teacher",
+    "My friend",
+    "A student",
+    "The doctor",
+    "Our team",
+    "The farmer",
+    "The engineer",
+    "A little girl",
+    "The old sailor",
+    "The assistant",
+]
 VERBS = ["reads", "writes", "finds", "checks", "builds", "explains", "counts", "solves", "shares", "remembers"]
-OBJECTS = ["a long letter", "the answer", "three new words", "a simple plan", "the small boat",
-           "every question", "the number twelve", "a short story", "the missing key", "a better way"]
-ENDINGS = ["before lunch.", "in the evening.", "every day.", "with great care.", "at the library.",
-           "without any help.", "for the whole class.", "after the storm.", "on Monday.", "very quickly."]
+OBJECTS = [
+    "a long letter",
+    "the answer",
+    "three new words",
+    "a simple plan",
+    "the small boat",
+    "every question",
+    "the number twelve",
+    "a short story",
+    "the missing key",
+    "a better way",
+]
+ENDINGS = [
+    "before lunch.",
+    "in the evening.",
+    "every day.",
+    "with great care.",
+    "at the library.",
+    "without any help.",
+    "for the whole class.",
+    "after the storm.",
+    "on Monday.",
+    "very quickly.",
+]
 
 
 def english_lines() -> list[str]:
     """Handwritten lines plus 300 template sentences (fixed, no randomness)."""
     lines = [line for line in ENGLISH.splitlines() if line.strip()]
     for i in range(300):
-        lines.append(f"{SUBJECTS[i % 10]} {VERBS[(i // 10) % 10]} {OBJECTS[(i * 7) % 10]} {ENDINGS[(i * 3 + i // 10) % 10]}")
+        lines.append(
+            f"{SUBJECTS[i % 10]} {VERBS[(i // 10) % 10]} {OBJECTS[(i * 7) % 10]} {ENDINGS[(i * 3 + i // 10) % 10]}"
+        )
     return lines
 
 
@@ -200,7 +232,9 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default=RESOURCE_DIR, help="output directory (default: %(default)s)")
     parser.add_argument("--vocab-size", type=int, default=1024, help="sentencepiece vocab size (default: %(default)s)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the synthetic arithmetic corpus (default: %(default)s)")
+    parser.add_argument(
+        "--seed", type=int, default=0, help="seed of the synthetic arithmetic corpus (default: %(default)s)"
+    )
     args = parser.parse_args(argv)
     tok = train(args.out, args.vocab_size, args.seed)
     ids = {k: tok.convert_tokens_to_ids(v) for k, v in tok.special_tokens.items()}

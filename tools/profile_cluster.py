@@ -75,8 +75,9 @@ def _fit_overheads(paddle, flops_s: float) -> tuple[float, float]:
         plan, work = P.Plan(1, 1, 1, 1, 0, "none", B, 1), P.Workload(B, S)
         flops_only = P.predict(c, base, work, plan).parts["compute_s"]
         per_op = P.predict(c, dataclasses.replace(base, op_overhead_s=1.0), work, plan).parts["compute_s"] - flops_only
-        per_inv_bw = P.predict(c, dataclasses.replace(base, memory_bandwidth=1.0), work, plan).parts["compute_s"] \
-            - flops_only
+        per_inv_bw = (
+            P.predict(c, dataclasses.replace(base, memory_bandwidth=1.0), work, plan).parts["compute_s"] - flops_only
+        )
         rows.append([per_op, per_inv_bw])
         rhs.append(best - flops_only)
     op, inv_bw = np.linalg.solve(np.array(rows), np.array(rhs))
@@ -136,8 +137,16 @@ def main(argv: list[str] | None = None) -> int:
     threads = a.threads or max(1, (os.cpu_count() or 1) // a.devices)
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONWARNINGS="ignore", GLOG_minloglevel="2")
     # all devices of the node measured at once: they share the memory bus, as in training
-    procs = [subprocess.Popen([sys.executable, __file__, "--role", "single"], env=env, stdout=subprocess.PIPE,
-                              stderr=subprocess.DEVNULL, text=True) for _ in range(a.devices)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, __file__, "--role", "single"],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+        )
+        for _ in range(a.devices)
+    ]
     outs = [p.communicate()[0] for p in procs]
     if any(p.returncode for p in procs):
         raise SystemExit("profiling failed: run python tools/profile_cluster.py --role single to see why")
@@ -145,23 +154,44 @@ def main(argv: list[str] | None = None) -> int:
     if a.devices > 1:
         with tempfile.TemporaryDirectory() as tmp:
             out = os.path.join(tmp, "collective.json")
-            subprocess.run([sys.executable, "-m", "paddle.distributed.launch", "--nproc_per_node", str(a.devices),
-                            "--log_dir", os.path.join(tmp, "logs"), __file__, "--role", "collective"],
-                           env=dict(env, PROFILE_OUT=out), check=True, capture_output=True)
+            subprocess.run(
+                [
+                    sys.executable,
+                    "-m",
+                    "paddle.distributed.launch",
+                    "--nproc_per_node",
+                    str(a.devices),
+                    "--log_dir",
+                    os.path.join(tmp, "logs"),
+                    __file__,
+                    "--role",
+                    "collective",
+                ],
+                env=dict(env, PROFILE_OUT=out),
+                check=True,
+                capture_output=True,
+            )
             facts.update(json.loads(Path(out).read_text()))
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     mem = a.memory_gb * 1e9 if a.memory_gb else ram / a.devices
     name = a.name or f"cpu-{os.cpu_count()}core-{a.devices}proc"
-    lines = [f"# measured by: python tools/profile_cluster.py --devices {a.devices} --threads {threads}",
-             f"# ({os.cpu_count()} cores; one device = one process with {threads} OpenMP thread(s))",
-             f"name: {name}", "nodes: 1", f"devices_per_node: {a.devices}",
-             f"device_flops: {facts['device_flops']:.4g}      # float32 GEMM FLOP/s of one process",
-             f"device_memory: {mem:.4g}", f"op_overhead_s: {facts['op_overhead_s']:.3g}     # fitted with memory_bandwidth to tiny-dense",
-             f"memory_bandwidth: {facts['memory_bandwidth']:.4g}   # fwd+bwd steps at 2x128 and 16x128 tokens",
-             f"memory_overhead: {facts['memory_overhead']:.4g}   # resident bytes of an idle process"]
+    lines = [
+        f"# measured by: python tools/profile_cluster.py --devices {a.devices} --threads {threads}",
+        f"# ({os.cpu_count()} cores; one device = one process with {threads} OpenMP thread(s))",
+        f"name: {name}",
+        "nodes: 1",
+        f"devices_per_node: {a.devices}",
+        f"device_flops: {facts['device_flops']:.4g}      # float32 GEMM FLOP/s of one process",
+        f"device_memory: {mem:.4g}",
+        f"op_overhead_s: {facts['op_overhead_s']:.3g}     # fitted with memory_bandwidth to tiny-dense",
+        f"memory_bandwidth: {facts['memory_bandwidth']:.4g}   # fwd+bwd steps at 2x128 and 16x128 tokens",
+        f"memory_overhead: {facts['memory_overhead']:.4g}   # resident bytes of an idle process",
+    ]
     if a.devices > 1:
-        lines += [f"intra_node_bandwidth: {facts['intra_node_bandwidth']:.4g}   # gloo ring all_reduce, bytes/s",
-                  f"intra_node_latency_s: {facts['intra_node_latency_s']:.3g}"]
+        lines += [
+            f"intra_node_bandwidth: {facts['intra_node_bandwidth']:.4g}   # gloo ring all_reduce, bytes/s",
+            f"intra_node_latency_s: {facts['intra_node_latency_s']:.3g}",
+        ]
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

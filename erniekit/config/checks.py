@@ -97,9 +97,7 @@ def _normalise_choices(cfg: TrainConfig) -> dict[str, str]:
         canonical = choices.get(str(value).lower())
         if canonical is None:
             allowed = ", ".join(dict.fromkeys(choices.values()))
-            raise ConfigError(
-                f"{f.name}={value!r} is not supported; set {f.name} to one of: {allowed}"
-            )
+            raise ConfigError(f"{f.name}={value!r} is not supported; set {f.name} to one of: {allowed}")
         changes[f.name] = canonical
     return changes
 
@@ -119,33 +117,63 @@ def _check_finite(cfg: TrainConfig) -> None:
 
 
 def _check_ranges(cfg: TrainConfig) -> None:
-    _require(cfg.max_steps >= 1 or cfg.max_steps == -1, "max_steps", cfg.max_steps,
-             "a positive number of optimizer steps, or -1 to train for num_train_epochs")
+    _require(
+        cfg.max_steps >= 1 or cfg.max_steps == -1,
+        "max_steps",
+        cfg.max_steps,
+        "a positive number of optimizer steps, or -1 to train for num_train_epochs",
+    )
     _require(cfg.num_train_epochs >= 0, "num_train_epochs", cfg.num_train_epochs, ">= 0")
-    _require(0 < cfg.learning_rate <= MAX_LEARNING_RATE, "learning_rate", cfg.learning_rate,
-             f"in (0, {MAX_LEARNING_RATE:g}] (AdamW moves every weight by about learning_rate per step; "
-             "typical values are 1e-5 to 3e-3)")
+    _require(
+        0 < cfg.learning_rate <= MAX_LEARNING_RATE,
+        "learning_rate",
+        cfg.learning_rate,
+        f"in (0, {MAX_LEARNING_RATE:g}] (AdamW moves every weight by about learning_rate per step; "
+        "typical values are 1e-5 to 3e-3)",
+    )
     if cfg.learning_rate > WARN_LEARNING_RATE:
-        _warn(f"learning_rate={cfg.learning_rate:g} is above {WARN_LEARNING_RATE:g}, larger than published "
-                  "recipes for transformers (1e-5 to 3e-3); expect divergence, or lower learning_rate")
+        _warn(
+            f"learning_rate={cfg.learning_rate:g} is above {WARN_LEARNING_RATE:g}, larger than published "
+            "recipes for transformers (1e-5 to 3e-3); expect divergence, or lower learning_rate"
+        )
     if cfg.max_steps > 0 and cfg.warmup_steps > cfg.max_steps:
-        _warn(f"warmup_steps={cfg.warmup_steps} > max_steps={cfg.max_steps}: the learning rate only reaches "
-                  f"{cfg.max_steps / cfg.warmup_steps:.0%} of learning_rate={cfg.learning_rate:g}; for a real run "
-                  "set warmup_steps <= max_steps")
-    _require(cfg.learning_rate * cfg.weight_decay < 1, "weight_decay", cfg.weight_decay,
-             f"< 1 / learning_rate = {1 / cfg.learning_rate:g} (AdamW shrinks every weight by "
-             "learning_rate x weight_decay per step)")
+        _warn(
+            f"warmup_steps={cfg.warmup_steps} > max_steps={cfg.max_steps}: the learning rate only reaches "
+            f"{cfg.max_steps / cfg.warmup_steps:.0%} of learning_rate={cfg.learning_rate:g}; for a real run "
+            "set warmup_steps <= max_steps"
+        )
+    _require(
+        cfg.learning_rate * cfg.weight_decay < 1,
+        "weight_decay",
+        cfg.weight_decay,
+        f"< 1 / learning_rate = {1 / cfg.learning_rate:g} (AdamW shrinks every weight by "
+        "learning_rate x weight_decay per step)",
+    )
     _require(0 <= cfg.seed < 2**32, "seed", cfg.seed, "in [0, 2**32)")
-    for key in ("per_device_train_batch_size", "per_device_eval_batch_size",
-                "gradient_accumulation_steps", "logging_steps", "save_steps", "eval_steps",
-                "eval_max_new_tokens", "eval_max_samples"):
+    for key in (
+        "per_device_train_batch_size",
+        "per_device_eval_batch_size",
+        "gradient_accumulation_steps",
+        "logging_steps",
+        "save_steps",
+        "eval_steps",
+        "eval_max_new_tokens",
+        "eval_max_samples",
+    ):
         _require(getattr(cfg, key) >= 1, key, getattr(cfg, key), ">= 1")
-    for key in ("warmup_steps", "save_total_limit", "routing_plot_steps", "dataloader_num_workers", "seed",
-                "weight_decay", "max_grad_norm", "min_lr"):
+    for key in (
+        "warmup_steps",
+        "save_total_limit",
+        "routing_plot_steps",
+        "dataloader_num_workers",
+        "seed",
+        "weight_decay",
+        "max_grad_norm",
+        "min_lr",
+    ):
         _require(getattr(cfg, key) >= 0, key, getattr(cfg, key), ">= 0")
     _require(cfg.max_seq_len >= 8, "max_seq_len", cfg.max_seq_len, ">= 8")
-    _require(cfg.min_lr <= cfg.learning_rate, "min_lr", cfg.min_lr,
-             f"<= learning_rate ({cfg.learning_rate})")
+    _require(cfg.min_lr <= cfg.learning_rate, "min_lr", cfg.min_lr, f"<= learning_rate ({cfg.learning_rate})")
     _require(cfg.adam_epsilon > 0, "adam_epsilon", cfg.adam_epsilon, "> 0")
     for key in ("adam_beta1", "adam_beta2"):
         _require(0 <= getattr(cfg, key) < 1, key, getattr(cfg, key), "in [0, 1)")
@@ -161,31 +189,46 @@ def _check_ranges(cfg: TrainConfig) -> None:
         _require(getattr(cfg, key) >= 0, key, getattr(cfg, key), ">= 0")
     _require(0 <= cfg.lora_dropout < 1, "lora_dropout", cfg.lora_dropout, "in [0, 1)")
     _require(cfg.lora_plus_scale > 0, "lora_plus_scale", cfg.lora_plus_scale, "> 0")
-    _require(cfg.lora_base_dtype in (None, "bfloat16", "float16", "float32"), "lora_base_dtype",
-             cfg.lora_base_dtype, "null, bfloat16, float16 or float32")
+    _require(
+        cfg.lora_base_dtype in (None, "bfloat16", "float16", "float32"),
+        "lora_base_dtype",
+        cfg.lora_base_dtype,
+        "null, bfloat16, float16 or float32",
+    )
     _require(0 <= cfg.label_smoothing < 0.5, "label_smoothing", cfg.label_smoothing, "in [0, 0.5)")
     _require(cfg.sft_loss_ratio >= 0, "sft_loss_ratio", cfg.sft_loss_ratio, ">= 0")
     if (cfg.elastic_depth or cfg.elastic_experts or cfg.elastic_top_k) and not _supports(cfg).elastic:
-        raise ConfigError(f"elastic_* sub-model training applies to the {_stages_that('elastic')} stages, not "
-                          f"{cfg.stage}; clear elastic_depth, elastic_experts and elastic_top_k")
+        raise ConfigError(
+            f"elastic_* sub-model training applies to the {_stages_that('elastic')} stages, not "
+            f"{cfg.stage}; clear elastic_depth, elastic_experts and elastic_top_k"
+        )
     if cfg.packing and not _supports(cfg).packing:
-        raise ConfigError(f"packing applies to the {_stages_that('packing')} stages, not {cfg.stage}; "
-                          "set packing=false")
+        raise ConfigError(
+            f"packing applies to the {_stages_that('packing')} stages, not {cfg.stage}; set packing=false"
+        )
     if cfg.loss_token_balance and not _supports(cfg).token_balance:
-        raise ConfigError(f"loss_token_balance applies to the {_stages_that('token_balance')} stages, not {cfg.stage}; "
-                          "set loss_token_balance=false")
+        raise ConfigError(
+            f"loss_token_balance applies to the {_stages_that('token_balance')} stages, not {cfg.stage}; "
+            "set loss_token_balance=false"
+        )
     _require(0 <= cfg.ema_decay < 1, "ema_decay", cfg.ema_decay, "in [0, 1) (0 turns the EMA off)")
     _require(cfg.fp8_block_size >= 1, "fp8_block_size", cfg.fp8_block_size, ">= 1")
     if cfg.label_smoothing > 0 and cfg.loss_type not in ("sigmoid", "simpo"):
-        raise ConfigError(f"label_smoothing={cfg.label_smoothing} applies to loss_type sigmoid or simpo only, "
-                          f"not {cfg.loss_type}; set label_smoothing=0")
+        raise ConfigError(
+            f"label_smoothing={cfg.label_smoothing} applies to loss_type sigmoid or simpo only, "
+            f"not {cfg.loss_type}; set label_smoothing=0"
+        )
 
 
 def _check_rl(cfg: TrainConfig) -> None:
     _require(cfg.beta >= 0, "beta", cfg.beta, ">= 0 (0 drops the reference model)")
     low = _supports(cfg).min_generations
-    _require(cfg.num_generations >= low, "num_generations", cfg.num_generations,
-             f">= {low}" + (" (group-relative advantages compare samples of one prompt)" if low == 2 else ""))
+    _require(
+        cfg.num_generations >= low,
+        "num_generations",
+        cfg.num_generations,
+        f">= {low}" + (" (group-relative advantages compare samples of one prompt)" if low == 2 else ""),
+    )
     for key in ("max_new_tokens", "num_iterations"):
         _require(getattr(cfg, key) >= 1, key, getattr(cfg, key), ">= 1")
     _require(cfg.temperature > 0, "temperature", cfg.temperature, "> 0 (RL samples; greedy rollouts give no variance)")
@@ -197,15 +240,25 @@ def _check_rl(cfg: TrainConfig) -> None:
     _require(0 <= cfg.lam <= 1, "lam", cfg.lam, "in [0, 1]")
     _require(cfg.vf_coef >= 0, "vf_coef", cfg.vf_coef, ">= 0")
     _require(cfg.cliprange_value > 0, "cliprange_value", cfg.cliprange_value, "> 0")
-    _require(cfg.max_new_tokens < cfg.max_seq_len, "max_new_tokens", cfg.max_new_tokens,
-             f"< max_seq_len ({cfg.max_seq_len}), leaving room for the prompt")
+    _require(
+        cfg.max_new_tokens < cfg.max_seq_len,
+        "max_new_tokens",
+        cfg.max_new_tokens,
+        f"< max_seq_len ({cfg.max_seq_len}), leaving room for the prompt",
+    )
     _require(bool(cfg.reward_funcs), "reward_funcs", cfg.reward_funcs, "a non-empty list, e.g. [accuracy]")
     if cfg.reward_weights and len(cfg.reward_weights) != len(cfg.reward_funcs):
-        raise ConfigError(f"reward_weights has {len(cfg.reward_weights)} values for {len(cfg.reward_funcs)} reward_funcs; "
-                          "give one weight per function or [] for all 1")
+        raise ConfigError(
+            f"reward_weights has {len(cfg.reward_weights)} values for {len(cfg.reward_funcs)} reward_funcs; "
+            "give one weight per function or [] for all 1"
+        )
 
 
-_LIST_HINTS = {int: "integers such as [2, 4]", float: "numbers such as [1.0, 0.5]", str: "names such as [accuracy, format]"}
+_LIST_HINTS = {
+    int: "integers such as [2, 4]",
+    float: "numbers such as [1.0, 0.5]",
+    str: "names such as [accuracy, format]",
+}
 
 
 def _typed_list(key: str, value: object, kind: type) -> list:
@@ -229,11 +282,14 @@ def _typed_list(key: str, value: object, kind: type) -> list:
 
 
 def _normalise_rl_lists(cfg: TrainConfig) -> dict:
-    out = {"reward_funcs": _typed_list("reward_funcs", cfg.reward_funcs, str),
-           "reward_weights": _typed_list("reward_weights", cfg.reward_weights, float),
-           "stop_token_ids": _typed_list("stop_token_ids", cfg.stop_token_ids, int)}
-    _require(all(v >= 0 for v in out["stop_token_ids"]), "stop_token_ids", out["stop_token_ids"],
-             "a list of token ids >= 0")
+    out = {
+        "reward_funcs": _typed_list("reward_funcs", cfg.reward_funcs, str),
+        "reward_weights": _typed_list("reward_weights", cfg.reward_weights, float),
+        "stop_token_ids": _typed_list("stop_token_ids", cfg.stop_token_ids, int),
+    }
+    _require(
+        all(v >= 0 for v in out["stop_token_ids"]), "stop_token_ids", out["stop_token_ids"], "a list of token ids >= 0"
+    )
     return out
 
 
@@ -241,12 +297,19 @@ def _normalise_elastic(cfg: TrainConfig) -> dict:
     """Elastic sub-model choices as sorted unique int lists, range-checked against each other;
     ranges against the model (depth <= num_hidden_layers, experts <= moe_num_experts) are checked
     when the model is loaded (erniekit.elastic.submodels.ElasticTraining.from_config)."""
-    out = {k: sorted(set(_typed_list(k, getattr(cfg, k), int))) for k in ("elastic_depth", "elastic_experts", "elastic_top_k")}
+    out = {
+        k: sorted(set(_typed_list(k, getattr(cfg, k), int)))
+        for k in ("elastic_depth", "elastic_experts", "elastic_top_k")
+    }
     for key, values in out.items():
         _require(all(v >= 1 for v in values), key, values, "a list of integers >= 1")
     if out["elastic_top_k"] and out["elastic_experts"]:
-        _require(max(out["elastic_top_k"]) <= min(out["elastic_experts"]), "elastic_top_k", out["elastic_top_k"],
-                 f"<= min(elastic_experts) = {min(out['elastic_experts'])}")
+        _require(
+            max(out["elastic_top_k"]) <= min(out["elastic_experts"]),
+            "elastic_top_k",
+            out["elastic_top_k"],
+            f"<= min(elastic_experts) = {min(out['elastic_experts'])}",
+        )
     _require(0 <= cfg.elastic_full_prob <= 1, "elastic_full_prob", cfg.elastic_full_prob, "in [0, 1]")
     _require(0 <= cfg.elastic_distill_weight <= 1, "elastic_distill_weight", cfg.elastic_distill_weight, "in [0, 1]")
     return out
@@ -254,17 +317,22 @@ def _normalise_elastic(cfg: TrainConfig) -> dict:
 
 def _check_elastic_sandwich(cfg: TrainConfig) -> None:
     if cfg.elastic_distill_weight > 0 and not cfg.elastic_sandwich:
-        raise ConfigError(f"elastic_distill_weight={cfg.elastic_distill_weight} needs elastic_sandwich: true (the "
-                          "full model of the same step is the teacher); set it or set elastic_distill_weight=0")
+        raise ConfigError(
+            f"elastic_distill_weight={cfg.elastic_distill_weight} needs elastic_sandwich: true (the "
+            "full model of the same step is the teacher); set it or set elastic_distill_weight=0"
+        )
     if not cfg.elastic_sandwich:
         return
     if not (cfg.elastic_depth or cfg.elastic_experts or cfg.elastic_top_k):
-        raise ConfigError("elastic_sandwich: true needs sub-models to train; set elastic_depth, elastic_experts "
-                          "or elastic_top_k")
+        raise ConfigError(
+            "elastic_sandwich: true needs sub-models to train; set elastic_depth, elastic_experts or elastic_top_k"
+        )
     if not _supports(cfg).elastic_sandwich:
-        raise ConfigError(f"elastic_sandwich applies to the LM stages ({_stages_that('elastic_sandwich', ', ')}), "
-                          f"not {cfg.stage}; "
-                          "set elastic_sandwich=false")
+        raise ConfigError(
+            f"elastic_sandwich applies to the LM stages ({_stages_that('elastic_sandwich', ', ')}), "
+            f"not {cfg.stage}; "
+            "set elastic_sandwich=false"
+        )
 
 
 def _check_length(cfg: TrainConfig) -> None:
@@ -286,10 +354,7 @@ def _check_paths(cfg: TrainConfig) -> None:
         _require(bool(paths), key, value, "one or more comma-separated file paths")
         for p in paths:
             if not os.path.exists(p):
-                raise ConfigError(
-                    f"{key}: file not found: {p}; fix the path "
-                    f"(relative paths start at {os.getcwd()})"
-                )
+                raise ConfigError(f"{key}: file not found: {p}; fix the path (relative paths start at {os.getcwd()})")
     _check_model(cfg.model_name_or_path)
     _check_writable_dir("output_dir", cfg.output_dir)
     if cfg.logging_dir != os.path.join(cfg.output_dir, "vdl_log"):
@@ -315,8 +380,9 @@ def _check_writable_dir(key: str, path: str) -> None:
     try:
         os.rmdir(tempfile.mkdtemp(prefix=".erniekit-write-check-", dir=probe))
     except OSError as e:
-        raise ConfigError(f"{key}={path}: cannot create files in {probe} ({e.strerror}); choose a writable "
-                          f"{key}") from None
+        raise ConfigError(
+            f"{key}={path}: cannot create files in {probe} ({e.strerror}); choose a writable {key}"
+        ) from None
 
 
 def _check_model(name: str) -> None:
@@ -324,8 +390,7 @@ def _check_model(name: str) -> None:
     if os.path.isdir(name):
         if not os.path.isfile(os.path.join(name, "config.json")):
             raise ConfigError(
-                f"model_name_or_path: {name} has no config.json; "
-                f"point it at a Hugging Face-layout checkpoint directory"
+                f"model_name_or_path: {name} has no config.json; point it at a Hugging Face-layout checkpoint directory"
             )
         return
     try:
@@ -360,11 +425,21 @@ def _check_precision(cfg: TrainConfig) -> None:
 def _check_parallel(cfg: TrainConfig) -> None:
     """Degrees against the process count (before any process starts); the model-size checks run
     once the model config is known (erniekit.distributed.layout.check_model_fits)."""
-    for key in ("tensor_parallel_degree", "expert_parallel_degree", "pipeline_parallel_degree",
-                "sharding_parallel_degree", "nproc_per_node", "nnodes"):
+    for key in (
+        "tensor_parallel_degree",
+        "expert_parallel_degree",
+        "pipeline_parallel_degree",
+        "sharding_parallel_degree",
+        "nproc_per_node",
+        "nnodes",
+    ):
         _require(getattr(cfg, key) >= 1, key, getattr(cfg, key), ">= 1")
-    _require(cfg.data_parallel_degree >= 1 or cfg.data_parallel_degree == -1, "data_parallel_degree",
-             cfg.data_parallel_degree, ">= 1, or -1 for what the other degrees leave")
+    _require(
+        cfg.data_parallel_degree >= 1 or cfg.data_parallel_degree == -1,
+        "data_parallel_degree",
+        cfg.data_parallel_degree,
+        ">= 1, or -1 for what the other degrees leave",
+    )
     if cfg.nnodes > 1 and not cfg.master:
         raise ConfigError(f"nnodes={cfg.nnodes} needs master=HOST:PORT (the first machine's rendezvous address)")
     from erniekit.distributed.layout import layout_from_config
@@ -373,8 +448,10 @@ def _check_parallel(cfg: TrainConfig) -> None:
     if cfg.pipeline_stage_layers:
         n = len(cfg.pipeline_stage_layers)
         if n != cfg.pipeline_parallel_degree:
-            raise ConfigError(f"pipeline_stage_layers={cfg.pipeline_stage_layers} lists {n} stages but "
-                              f"pipeline_parallel_degree={cfg.pipeline_parallel_degree}; give one layer count per stage")
+            raise ConfigError(
+                f"pipeline_stage_layers={cfg.pipeline_stage_layers} lists {n} stages but "
+                f"pipeline_parallel_degree={cfg.pipeline_parallel_degree}; give one layer count per stage"
+            )
         if min(cfg.pipeline_stage_layers) < 1:
             raise ConfigError(f"pipeline_stage_layers={cfg.pipeline_stage_layers}: every stage needs >= 1 layer")
     if cfg.distributed_mode == "ps":
@@ -383,12 +460,16 @@ def _check_parallel(cfg: TrainConfig) -> None:
     lay = layout_from_config(cfg.parallelism)
     # the FP8 expert GEMM runs on local tensors: a pipeline stage's, or an expert-parallel slice's
     if lay.world > 1 and cfg.fp8 and lay.pp == 1 and lay.ep == 1:
-        raise ConfigError("fp8: true with several processes needs the experts' GEMMs local: set "
-                          "expert_parallel_degree to the data ranks or pipeline_parallel_degree=nproc_per_node "
-                          "(or fp8=false, nproc_per_node=1)")
+        raise ConfigError(
+            "fp8: true with several processes needs the experts' GEMMs local: set "
+            "expert_parallel_degree to the data ranks or pipeline_parallel_degree=nproc_per_node "
+            "(or fp8=false, nproc_per_node=1)"
+        )
     if lay.world > 1 and lay.sharding_stage == 3 and not _has_cuda():
-        raise ConfigError("sharding=stage3 needs reduce-scatter, which Paddle's CPU build does not have "
-                          "(Unimplemented cpu kernel for CReduceScatterOp); use sharding=stage1 on CPU")
+        raise ConfigError(
+            "sharding=stage3 needs reduce-scatter, which Paddle's CPU build does not have "
+            "(Unimplemented cpu kernel for CReduceScatterOp); use sharding=stage1 on CPU"
+        )
     if lay.pp > 1:
         _check_pipeline(cfg, lay)
 
@@ -402,18 +483,25 @@ def _check_ps(cfg: TrainConfig) -> None:
     _require(0 < cfg.ps_topk_ratio <= 1, "ps_topk_ratio", cfg.ps_topk_ratio, "in (0, 1]")
     _require(cfg.ps_k_steps >= 1, "ps_k_steps", cfg.ps_k_steps, ">= 1")
     if cfg.ps_sync_mode == "async" and cfg.save_steps > 0 and cfg.save_steps % cfg.ps_k_steps:
-        raise ConfigError(f"ps_sync_mode=async saves at block-averaging steps: save_steps={cfg.save_steps} must be a "
-                          f"multiple of ps_k_steps={cfg.ps_k_steps}")
+        raise ConfigError(
+            f"ps_sync_mode=async saves at block-averaging steps: save_steps={cfg.save_steps} must be a "
+            f"multiple of ps_k_steps={cfg.ps_k_steps}"
+        )
     if world <= cfg.ps_servers and cfg.ps_placement != "auto":  # auto: the placement sets the count
-        raise ConfigError(f"distributed_mode=ps with ps_servers={cfg.ps_servers} needs at least one worker too, but the "
-                          f"job has {world} processes (nproc_per_node {cfg.nproc_per_node} x nnodes {cfg.nnodes}); "
-                          f"set nproc_per_node to ps_servers + the workers")
-    degrees = {k: getattr(cfg, k) for k in ("tensor_parallel_degree", "expert_parallel_degree",
-                                             "sharding_parallel_degree")}
+        raise ConfigError(
+            f"distributed_mode=ps with ps_servers={cfg.ps_servers} needs at least one worker too, but the "
+            f"job has {world} processes (nproc_per_node {cfg.nproc_per_node} x nnodes {cfg.nnodes}); "
+            f"set nproc_per_node to ps_servers + the workers"
+        )
+    degrees = {
+        k: getattr(cfg, k) for k in ("tensor_parallel_degree", "expert_parallel_degree", "sharding_parallel_degree")
+    }
     set_ = [f"{k}={v}" for k, v in degrees.items() if v != 1] + ([f"sharding={cfg.sharding}"] if cfg.sharding else [])
     if set_ or cfg.parallel:
-        raise ConfigError(f"distributed_mode=ps splits the batch over its workers (and pipeline stages) only; drop "
-                          f"{(set_ or ['parallel=auto'])[0]}")
+        raise ConfigError(
+            f"distributed_mode=ps splits the batch over its workers (and pipeline stages) only; drop "
+            f"{(set_ or ['parallel=auto'])[0]}"
+        )
     _check_ps_pipeline(cfg, world - cfg.ps_servers)
     why = None
     if not _supports(cfg).parameter_server:
@@ -436,30 +524,40 @@ def _check_ps_pipeline(cfg: TrainConfig, workers: int) -> None:
     _require(cfg.ps_target >= 0, "ps_target", cfg.ps_target, ">= 0 (0: half the fastest single-type placement)")
     if cfg.ps_placement == "auto":
         if not cfg.cluster:
-            raise ConfigError("ps_placement=auto needs cluster=PATH, a file with device_types "
-                              "(see examples/clusters/hetero-cpu-gpu.yaml)")
+            raise ConfigError(
+                "ps_placement=auto needs cluster=PATH, a file with device_types "
+                "(see examples/clusters/hetero-cpu-gpu.yaml)"
+            )
         if not os.path.isfile(cfg.cluster):
             raise ConfigError(f"cluster={cfg.cluster}: no such file")
         return  # the stages come from the placement (erniekit/distributed/ps/plan.py: auto_placement)
     pp = cfg.pipeline_parallel_degree
     if pp > 1:
         if workers % pp:
-            raise ConfigError(f"distributed_mode=ps: pipeline_parallel_degree={pp} does not divide the {workers} "
-                              f"workers (nproc_per_node {cfg.nproc_per_node} - ps_servers {cfg.ps_servers}); launch "
-                              f"ps_servers + a multiple of {pp} processes")
+            raise ConfigError(
+                f"distributed_mode=ps: pipeline_parallel_degree={pp} does not divide the {workers} "
+                f"workers (nproc_per_node {cfg.nproc_per_node} - ps_servers {cfg.ps_servers}); launch "
+                f"ps_servers + a multiple of {pp} processes"
+            )
         if cfg.ps_sync_mode == "async":
-            raise ConfigError("ps_sync_mode=async runs without pipeline stages in this version; set "
-                              "pipeline_parallel_degree=1 or ps_sync_mode=sync")
+            raise ConfigError(
+                "ps_sync_mode=async runs without pipeline stages in this version; set "
+                "pipeline_parallel_degree=1 or ps_sync_mode=sync"
+            )
     if cfg.ps_stage_devices:
         if len(cfg.ps_stage_devices) != pp:
-            raise ConfigError(f"ps_stage_devices={cfg.ps_stage_devices} names {len(cfg.ps_stage_devices)} devices for "
-                              f"pipeline_parallel_degree={pp} stages; give one per stage")
+            raise ConfigError(
+                f"ps_stage_devices={cfg.ps_stage_devices} names {len(cfg.ps_stage_devices)} devices for "
+                f"pipeline_parallel_degree={pp} stages; give one per stage"
+            )
         bad = [d for d in cfg.ps_stage_devices if d not in ("cpu", "gpu")]
         if bad:
             raise ConfigError(f"ps_stage_devices: {bad[0]!r} is not a device; use cpu or gpu")
         if "gpu" in cfg.ps_stage_devices and not _has_cuda():
-            raise ConfigError("ps_stage_devices puts a stage on gpu, but this Paddle build has no CUDA; install "
-                              "paddlepaddle-gpu (README.md, GPU) or use cpu for that stage")
+            raise ConfigError(
+                "ps_stage_devices puts a stage on gpu, but this Paddle build has no CUDA; install "
+                "paddlepaddle-gpu (README.md, GPU) or use cpu for that stage"
+            )
 
 
 def _check_pipeline(cfg: TrainConfig, lay) -> None:
@@ -467,8 +565,10 @@ def _check_pipeline(cfg: TrainConfig, lay) -> None:
     stages, full fine-tuning, with data parallelism beside it."""
     why = pipeline_refusal(cfg)
     if lay.tp > 1 or lay.sharding_stage or lay.ep > 1:
-        why = ("combines with data parallelism only in this version; set tensor_parallel_degree=1, "
-               "expert_parallel_degree=1 and no sharding")
+        why = (
+            "combines with data parallelism only in this version; set tensor_parallel_degree=1, "
+            "expert_parallel_degree=1 and no sharding"
+        )
     if why:
         raise ConfigError(f"pipeline_parallel_degree={lay.pp} {why}")
 
@@ -484,8 +584,9 @@ def pipeline_refusal(cfg: TrainConfig) -> str | None:
     elif cfg.elastic_depth or cfg.elastic_experts or cfg.elastic_top_k:
         why = "does not train elastic sub-models; drop elastic_depth/elastic_experts/elastic_top_k"
     elif cfg.do_eval and cfg.eval_generation and cfg.eval_dataset_path:
-        why = ("evaluates the held-out loss only (generation needs every layer in one process); "
-               "set eval_generation=false")
+        why = (
+            "evaluates the held-out loss only (generation needs every layer in one process); set eval_generation=false"
+        )
     return why
 
 

@@ -36,9 +36,7 @@ def load_config(path: str | None, overrides: Iterable[str] = ()) -> TrainConfig:
         key, sep, raw = token.partition("=")
         key = key.strip()
         if not sep or not key:
-            raise ConfigError(
-                f"override '{token}' (command line) is not key=value; write e.g. max_steps=10"
-            )
+            raise ConfigError(f"override '{token}' (command line) is not key=value; write e.g. max_steps=10")
         name, _, subkey = key.partition(".")
         _check_known(name, CLI, types, shown=key)
         tp = types[name]
@@ -58,10 +56,7 @@ def load_config(path: str | None, overrides: Iterable[str] = ()) -> TrainConfig:
 
 def dump_config(cfg: TrainConfig, path: str) -> None:
     """Write the resolved config as YAML (atomically) so a run can be reproduced from it."""
-    text = (
-        f"# resolved erniekit {erniekit.__version__} config; "
-        f"rerun with: erniekit train {os.path.basename(path)}\n"
-    )
+    text = f"# resolved erniekit {erniekit.__version__} config; rerun with: erniekit train {os.path.basename(path)}\n"
     text += yaml.safe_dump(dataclasses.asdict(cfg), sort_keys=False, default_flow_style=False)
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
@@ -171,9 +166,7 @@ def _set_dotted(target: dict, keys: list[str], value: Any) -> None:
     target[keys[-1]] = value
 
 
-_EXPECTED = {
-    int: "an integer", float: "a number", bool: "true or false", str: "a string", dict: "a mapping"
-}
+_EXPECTED = {int: "an integer", float: "a number", bool: "true or false", str: "a string", dict: "a mapping"}
 
 
 def _coerce(key: str, value: Any, tp: Any, where: str, raw: str | None = None) -> Any:
@@ -224,6 +217,5 @@ def _type_error(key: str, base: Any, optional: bool, where: str, got: Any) -> Co
     if optional:
         expected += " or null"
     return ConfigError(
-        f"{key} must be {expected} ({where}), got {got!r}; "
-        f"fix the value (default: {key}={format_value(_default(key))})"
+        f"{key} must be {expected} ({where}), got {got!r}; fix the value (default: {key}={format_value(_default(key))})"
     )

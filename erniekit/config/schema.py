@@ -61,32 +61,20 @@ class TrainConfig:
     fine_tuning: str = _opt("Full", "which weights train: Full or LoRA (adapters only, base frozen)", FINE_TUNING)
 
     # ### model
-    model_name_or_path: str = _opt(
-        "tiny-moe", "checkpoint directory in Hugging Face layout, or a built-in preset name"
-    )
-    tokenizer_name_or_path: str | None = _opt(
-        None, "tokenizer directory; null uses the one next to the model"
-    )
-    model_overrides: dict = _opt(
-        {}, "model config fields to override, e.g. model_overrides.num_hidden_layers=2"
-    )
+    model_name_or_path: str = _opt("tiny-moe", "checkpoint directory in Hugging Face layout, or a built-in preset name")
+    tokenizer_name_or_path: str | None = _opt(None, "tokenizer directory; null uses the one next to the model")
+    model_overrides: dict = _opt({}, "model config fields to override, e.g. model_overrides.num_hidden_layers=2")
 
     # ### data
-    train_dataset_path: str = _opt(
-        "examples/data/arithmetic/train.jsonl", "training data file(s), comma-separated"
-    )
+    train_dataset_path: str = _opt("examples/data/arithmetic/train.jsonl", "training data file(s), comma-separated")
     train_dataset_type: str = _opt(
         "auto", "format of train data: auto, erniekit, alpaca, messages, text", DATASET_TYPES
     )
     eval_dataset_path: str | None = _opt(None, "held-out data file(s), comma-separated")
-    eval_dataset_type: str = _opt(
-        "auto", "format of eval data (as train_dataset_type)", DATASET_TYPES
-    )
+    eval_dataset_type: str = _opt("auto", "format of eval data (as train_dataset_type)", DATASET_TYPES)
     max_seq_len: int = _opt(512, "longest token sequence fed to the model")
     packing: bool = _opt(False, "pack several short examples into one max_seq_len row")
-    truncation: str = _opt(
-        "error", "what to do with examples over max_seq_len: error or truncate", TRUNCATION
-    )
+    truncation: str = _opt("error", "what to do with examples over max_seq_len: error or truncate", TRUNCATION)
 
     # ### batch and length
     per_device_train_batch_size: int = _opt(8, "examples per micro-batch on each device")
@@ -105,9 +93,7 @@ class TrainConfig:
     max_grad_norm: float = _opt(1.0, "clip the global gradient norm to this; 0 disables clipping")
 
     # ### schedule
-    lr_scheduler_type: str = _opt(
-        "cosine", "learning-rate schedule: cosine, constant, linear, wsd", LR_SCHEDULERS
-    )
+    lr_scheduler_type: str = _opt("cosine", "learning-rate schedule: cosine, constant, linear, wsd", LR_SCHEDULERS)
     warmup_steps: int = _opt(0, "linear warmup steps; > 0 overrides warmup_ratio (more than max_steps is warned about)")
     warmup_ratio: float = _opt(0.0, "fraction of total steps used for warmup")
     decay_ratio: float = _opt(0.1, "fraction of total steps used for the final decay (wsd)")
@@ -119,12 +105,11 @@ class TrainConfig:
     logging_steps: int = _opt(10, "log metrics every N optimizer steps")
     save_steps: int = _opt(500, "save a checkpoint every N optimizer steps")
     routing_plot_steps: int = _opt(
-        500, "MoE models: write routing heatmaps (output_dir/routing/*.png, VisualDL) every N steps; 0 = at the end only"
+        500,
+        "MoE models: write routing heatmaps (output_dir/routing/*.png, VisualDL) every N steps; 0 = at the end only",
     )
     eval_steps: int = _opt(500, "evaluate every N optimizer steps")
-    save_total_limit: int = _opt(
-        2, "checkpoints kept in output_dir (oldest deleted first); 0 keeps all"
-    )
+    save_total_limit: int = _opt(2, "checkpoints kept in output_dir (oldest deleted first); 0 keeps all")
     resume_from_checkpoint: str | None = _opt(
         None, "checkpoint directory to resume from, or auto for the latest in output_dir"
     )
@@ -151,7 +136,8 @@ class TrainConfig:
     # ### DPO (stage: DPO); names as PaddleFormers' DPO arguments
     beta: float = _opt(0.1, "DPO temperature; GRPO/PPO: KL coefficient to the reference (0 drops the reference model)")
     loss_type: str = _opt(
-        "sigmoid", "preference loss: sigmoid, hinge, ipo, simpo, orpo, kto_pair, sppo_hard, nca_pair, dpop",
+        "sigmoid",
+        "preference loss: sigmoid, hinge, ipo, simpo, orpo, kto_pair, sppo_hard, nca_pair, dpop",
         DPO_LOSS_TYPES,
     )
     label_smoothing: float = _opt(0.0, "conservative DPO: assumed fraction of flipped preference labels")
@@ -161,22 +147,30 @@ class TrainConfig:
     dpop_lambda: float = _opt(50.0, "DPO-Positive penalty weight")
 
     # ### RL (stage: GRPO or PPO; docs/rl.md); names as TRL's GRPO/PPO arguments
-    num_generations: int = _opt(8, "completions sampled per prompt (GRPO group size, >= 2); prompts per micro-batch = "
-                                   "per_device_train_batch_size")
+    num_generations: int = _opt(
+        8,
+        "completions sampled per prompt (GRPO group size, >= 2); prompts per micro-batch = per_device_train_batch_size",
+    )
     max_new_tokens: int = _opt(128, "longest completion sampled in a rollout")
     temperature: float = _opt(1.0, "rollout sampling temperature (> 0); log-probs are taken at the same temperature")
     top_p: float = _opt(1.0, "rollout nucleus sampling: keep the smallest token set with this much probability")
     stop_token_ids: list[int] = _opt([], "extra token ids that end a completion, besides the tokenizer's sep and eos")
     reward_funcs: list[str] = _opt(
-        ["accuracy"], "rewards: built-in accuracy (exact answer), format (one integer), or module.path:function / file.py:function")
+        ["accuracy"],
+        "rewards: built-in accuracy (exact answer), format (one integer), or module.path:function / file.py:function",
+    )
     reward_weights: list[float] = _opt([], "weight of each reward function in the total reward; [] = all 1")
-    num_iterations: int = _opt(1, "optimizer steps per rollout batch (GRPO's mu); > 1 reuses rollouts with importance ratios")
+    num_iterations: int = _opt(
+        1, "optimizer steps per rollout batch (GRPO's mu); > 1 reuses rollouts with importance ratios"
+    )
     epsilon: float = _opt(0.2, "lower clip bound of the importance ratio: 1 - epsilon")
     epsilon_high: float | None = _opt(None, "upper clip bound 1 + epsilon_high (DAPO clip-higher); null = epsilon")
     scale_rewards: bool = _opt(True, "GRPO: divide group-centred rewards by the group std (false: Dr. GRPO)")
     loss_aggregation: str = _opt(
-        "token", "token: average over all completion tokens of the step; sequence: per-sequence mean, then over sequences",
-        LOSS_AGGREGATIONS)
+        "token",
+        "token: average over all completion tokens of the step; sequence: per-sequence mean, then over sequences",
+        LOSS_AGGREGATIONS,
+    )
     filter_zero_std_groups: bool = _opt(False, "GRPO: drop groups whose samples all got the same reward from the loss")
     routing_replay: bool = _opt(False, "MoE: train on the experts chosen during the rollout (routing replay)")
     gamma: float = _opt(1.0, "PPO: discount factor")
@@ -195,17 +189,23 @@ class TrainConfig:
 
     # ### elastic sub-models (ERNIE 5): each step trains a sampled sub-model (docs/elastic.md)
     elastic_depth: list[int] = _opt(
-        [], "candidate depths (layers kept: first, last, the rest evenly spread); [] = always full depth")
+        [], "candidate depths (layers kept: first, last, the rest evenly spread); [] = always full depth"
+    )
     elastic_experts: list[int] = _opt(
-        [], "candidate routed-expert counts (the first n experts of every MoE layer); [] = all")
+        [], "candidate routed-expert counts (the first n experts of every MoE layer); [] = all"
+    )
     elastic_top_k: list[int] = _opt(
-        [], "candidate routing top-k values (each <= min(elastic_experts)); [] = the model's moe_k")
+        [], "candidate routing top-k values (each <= min(elastic_experts)); [] = the model's moe_k"
+    )
     elastic_full_prob: float = _opt(
-        0.25, "with elastic_* set: probability that a step trains the full model (elastic_sandwich: unused)")
+        0.25, "with elastic_* set: probability that a step trains the full model (elastic_sandwich: unused)"
+    )
     elastic_sandwich: bool = _opt(
-        False, "pretrain/SFT: every step trains the full model and one sampled smaller sub-model on the same batch")
+        False, "pretrain/SFT: every step trains the full model and one sampled smaller sub-model on the same batch"
+    )
     elastic_distill_weight: float = _opt(
-        0.0, "with elastic_sandwich: the sub-model's loss is (1-w) * CE + w * KL(full model || sub-model)")
+        0.0, "with elastic_sandwich: the sub-model's loss is (1-w) * CE + w * KL(full model || sub-model)"
+    )
 
     # ### precision and runtime
     bf16: bool = _opt(False, "train in bfloat16 (needs a GPU)")
@@ -213,67 +213,108 @@ class TrainConfig:
     fp8: bool = _opt(False, "run the MoE expert GEMMs (forward and backward) in block-scaled FP8 e4m3")
     fp8_block_size: int = _opt(128, "FP8 scaling tile: activations 1 x N, weights N x N")
     fp8_grad_format: str = _opt(
-        "e4m3", "FP8 format of the gradient tiles in the backward GEMMs: e4m3 (DeepSeek-V3) or e5m2 (hybrid)",
+        "e4m3",
+        "FP8 format of the gradient tiles in the backward GEMMs: e4m3 (DeepSeek-V3) or e5m2 (hybrid)",
         FP8_GRAD_FORMATS,
     )
     compute_type: str = _opt(
-        "fp32", "ERNIEKit spelling: bf16, fp16 or fp8 turn on that flag; fp32 leaves the flags as set",
+        "fp32",
+        "ERNIEKit spelling: bf16, fp16 or fp8 turn on that flag; fp32 leaves the flags as set",
         COMPUTE_TYPES,
     )
-    recompute: bool = _opt(False, "recompute activations in the backward instead of keeping them (less memory, "
-                              "one more forward of the recomputed part)")
+    recompute: bool = _opt(
+        False,
+        "recompute activations in the backward instead of keeping them (less memory, "
+        "one more forward of the recomputed part)",
+    )
     recompute_granularity: str = _opt(
-        "full", "with recompute: full (whole decoder layer), full_attn (norm + attention), core_attn (softmax(qk)v "
-        "only) or mlp (norm + MLP / MoE experts)", RECOMPUTE_GRANULARITIES)
+        "full",
+        "with recompute: full (whole decoder layer), full_attn (norm + attention), core_attn (softmax(qk)v "
+        "only) or mlp (norm + MLP / MoE experts)",
+        RECOMPUTE_GRANULARITIES,
+    )
     disable_tqdm: bool = _opt(False, "hide the terminal progress bar")
 
     # ### parallelism and launch (docs/distributed.md); the degrees' product = nproc_per_node x nnodes
     data_parallel_degree: int = _opt(-1, "data-parallel replicas; -1 = what the other degrees leave of the processes")
     tensor_parallel_degree: int = _opt(1, "tensor parallel: attention heads, MLP width and vocab split over N ranks")
-    expert_parallel_degree: int = _opt(1, "MoE experts split over all the data ranks (1, or dp x sharding), tokens "
-                                          "moved by all-to-all")
+    expert_parallel_degree: int = _opt(
+        1, "MoE experts split over all the data ranks (1, or dp x sharding), tokens moved by all-to-all"
+    )
     pipeline_parallel_degree: int = _opt(1, "pipeline stages (groups of layers)")
-    pipeline_stage_layers: list[int] = _opt([], "decoder layers of each pipeline stage, e.g. [3, 1]; [] = an even "
-                                                "split (set by ps_placement: auto)")
-    sharding: str = _opt("", "ZeRO sharding of the data ranks: stage1 (optimizer state), stage2 (+ gradients), "
-                         "stage3 (+ parameters); empty = none", SHARDING)
-    sharding_parallel_degree: int = _opt(1, "data ranks that shard (with sharding set); 1 with "
-                                         "data_parallel_degree -1 = all of them")
-    parallel: str = _opt("", "auto: the planner (erniekit plan) picks degrees, sharding, recompute and micro-batch "
-                             "for the cluster file; empty = the degrees as set", PARALLEL)
-    cluster: str | None = _opt(None, "cluster description YAML (examples/clusters/) for parallel: auto and erniekit plan")
+    pipeline_stage_layers: list[int] = _opt(
+        [], "decoder layers of each pipeline stage, e.g. [3, 1]; [] = an even split (set by ps_placement: auto)"
+    )
+    sharding: str = _opt(
+        "",
+        "ZeRO sharding of the data ranks: stage1 (optimizer state), stage2 (+ gradients), "
+        "stage3 (+ parameters); empty = none",
+        SHARDING,
+    )
+    sharding_parallel_degree: int = _opt(
+        1, "data ranks that shard (with sharding set); 1 with data_parallel_degree -1 = all of them"
+    )
+    parallel: str = _opt(
+        "",
+        "auto: the planner (erniekit plan) picks degrees, sharding, recompute and micro-batch "
+        "for the cluster file; empty = the degrees as set",
+        PARALLEL,
+    )
+    cluster: str | None = _opt(
+        None, "cluster description YAML (examples/clusters/) for parallel: auto and erniekit plan"
+    )
     nproc_per_node: int = _opt(1, "processes on this machine; > 1 relaunches through paddle.distributed.launch")
     nnodes: int = _opt(1, "machines in the job")
     master: str | None = _opt(None, "host:port of the first machine's rendezvous (nnodes > 1)")
-    max_restart: int = _opt(0, "times paddle.distributed.launch restarts failed workers (they resume from the "
-                               "latest checkpoint)")
-    dataloader_num_workers: int = _opt(
-        0, "data loading worker processes; 0 loads in the main process"
+    max_restart: int = _opt(
+        0, "times paddle.distributed.launch restarts failed workers (they resume from the latest checkpoint)"
     )
+    dataloader_num_workers: int = _opt(0, "data loading worker processes; 0 loads in the main process")
 
     # ### heterogeneous parameter-server mode (docs/ps.md)
-    distributed_mode: str = _opt("collective", "collective: one mesh over all processes (docs/distributed.md); "
-                                 "ps: parameter servers hold the embedding / LM-head rows, workers the blocks",
-                                 DISTRIBUTED_MODES)
+    distributed_mode: str = _opt(
+        "collective",
+        "collective: one mesh over all processes (docs/distributed.md); "
+        "ps: parameter servers hold the embedding / LM-head rows, workers the blocks",
+        DISTRIBUTED_MODES,
+    )
     ps_servers: int = _opt(1, "with distributed_mode ps: processes that are parameter servers (the rest are workers)")
-    ps_sync_mode: str = _opt("sync", "with distributed_mode ps: sync (every step waits for all workers; equals a "
-                             "single-process step) or async (servers apply each worker's gradients as they come; "
-                             "workers average their blocks every ps_k_steps)", PS_SYNC_MODES)
-    ps_k_steps: int = _opt(4, "with ps_sync_mode async: steps between the workers' block averaging (how far they "
-                              "may drift)")
-    ps_compress: str = _opt("none", "with distributed_mode ps: compress the pushed row gradients (int8: per-row "
-                            "scale; topk: the ps_topk_ratio largest entries per row), with error feedback",
-                            PS_COMPRESSION)
+    ps_sync_mode: str = _opt(
+        "sync",
+        "with distributed_mode ps: sync (every step waits for all workers; equals a "
+        "single-process step) or async (servers apply each worker's gradients as they come; "
+        "workers average their blocks every ps_k_steps)",
+        PS_SYNC_MODES,
+    )
+    ps_k_steps: int = _opt(
+        4, "with ps_sync_mode async: steps between the workers' block averaging (how far they may drift)"
+    )
+    ps_compress: str = _opt(
+        "none",
+        "with distributed_mode ps: compress the pushed row gradients (int8: per-row "
+        "scale; topk: the ps_topk_ratio largest entries per row), with error feedback",
+        PS_COMPRESSION,
+    )
     ps_topk_ratio: float = _opt(0.1, "with ps_compress topk: fraction of each row's entries sent")
-    ps_stage_devices: list[str] = _opt([], "with distributed_mode ps and pipeline stages: the device of each stage's "
-                                           "workers (cpu or gpu); [] = this machine's default")
-    ps_placement: str = _opt("manual", "with distributed_mode ps: auto = the cost model and RL scheduler (erniekit "
-                                       "plan --mode ps) choose the workers' pipeline stages, their layers and devices "
-                                       "on the `cluster` file, and the process count follows", PS_PLACEMENTS)
-    ps_target: float = _opt(0.0, "with ps_placement auto: throughput target in tokens/s; 0 = half of the fastest "
-                                 "single-device-type placement")
-    ps_stage_workers: int = _opt(1, "with ps_placement auto: workers per pipeline stage (data-parallel copies of "
-                                    "the pipeline)")
+    ps_stage_devices: list[str] = _opt(
+        [],
+        "with distributed_mode ps and pipeline stages: the device of each stage's "
+        "workers (cpu or gpu); [] = this machine's default",
+    )
+    ps_placement: str = _opt(
+        "manual",
+        "with distributed_mode ps: auto = the cost model and RL scheduler (erniekit "
+        "plan --mode ps) choose the workers' pipeline stages, their layers and devices "
+        "on the `cluster` file, and the process count follows",
+        PS_PLACEMENTS,
+    )
+    ps_target: float = _opt(
+        0.0,
+        "with ps_placement auto: throughput target in tokens/s; 0 = half of the fastest single-device-type placement",
+    )
+    ps_stage_workers: int = _opt(
+        1, "with ps_placement auto: workers per pipeline stage (data-parallel copies of the pipeline)"
+    )
 
 
 def field_types() -> dict[str, Any]:
@@ -309,39 +350,135 @@ def fields() -> tuple[dataclasses.Field, ...]:
 SECTION_KEYS: dict[str, tuple[str, ...]] = {
     "method": ("stage", "fine_tuning"),
     "model": ("model_name_or_path", "tokenizer_name_or_path", "model_overrides"),
-    "data": ("train_dataset_path", "train_dataset_type", "eval_dataset_path", "eval_dataset_type", "max_seq_len",
-             "packing", "truncation"),
-    "batch": ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps", "max_steps",
-              "num_train_epochs"),
-    "optim": ("learning_rate", "min_lr", "weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon", "max_grad_norm",
-              "lr_scheduler_type", "warmup_steps", "warmup_ratio", "decay_ratio"),
-    "output": ("seed", "output_dir", "logging_dir", "logging_steps", "save_steps", "routing_plot_steps", "eval_steps",
-               "save_total_limit", "resume_from_checkpoint", "disable_tqdm"),
+    "data": (
+        "train_dataset_path",
+        "train_dataset_type",
+        "eval_dataset_path",
+        "eval_dataset_type",
+        "max_seq_len",
+        "packing",
+        "truncation",
+    ),
+    "batch": (
+        "per_device_train_batch_size",
+        "per_device_eval_batch_size",
+        "gradient_accumulation_steps",
+        "max_steps",
+        "num_train_epochs",
+    ),
+    "optim": (
+        "learning_rate",
+        "min_lr",
+        "weight_decay",
+        "adam_beta1",
+        "adam_beta2",
+        "adam_epsilon",
+        "max_grad_norm",
+        "lr_scheduler_type",
+        "warmup_steps",
+        "warmup_ratio",
+        "decay_ratio",
+    ),
+    "output": (
+        "seed",
+        "output_dir",
+        "logging_dir",
+        "logging_steps",
+        "save_steps",
+        "routing_plot_steps",
+        "eval_steps",
+        "save_total_limit",
+        "resume_from_checkpoint",
+        "disable_tqdm",
+    ),
     "evaluation": ("do_train", "do_eval", "eval_generation", "eval_max_new_tokens", "eval_max_samples"),
-    "lora": ("lora_rank", "lora_alpha", "lora_dropout", "lora_target_modules", "rslora", "use_dora", "lora_plus_scale",
-             "lora_base_dtype"),
+    "lora": (
+        "lora_rank",
+        "lora_alpha",
+        "lora_dropout",
+        "lora_target_modules",
+        "rslora",
+        "use_dora",
+        "lora_plus_scale",
+        "lora_base_dtype",
+    ),
     "dpo": ("beta", "loss_type", "label_smoothing", "reference_free", "sft_loss_ratio", "simpo_gamma", "dpop_lambda"),
-    "rl": ("num_generations", "max_new_tokens", "temperature", "top_p", "stop_token_ids", "reward_funcs",
-           "reward_weights", "num_iterations", "epsilon", "epsilon_high", "scale_rewards", "loss_aggregation",
-           "filter_zero_std_groups", "routing_replay", "gamma", "lam", "vf_coef", "cliprange_value"),
+    "rl": (
+        "num_generations",
+        "max_new_tokens",
+        "temperature",
+        "top_p",
+        "stop_token_ids",
+        "reward_funcs",
+        "reward_weights",
+        "num_iterations",
+        "epsilon",
+        "epsilon_high",
+        "scale_rewards",
+        "loss_aggregation",
+        "filter_zero_std_groups",
+        "routing_replay",
+        "gamma",
+        "lam",
+        "vf_coef",
+        "cliprange_value",
+    ),
     "ema": ("ema_decay", "save_ema"),
     "loss": ("loss_token_balance",),
-    "elastic": ("elastic_depth", "elastic_experts", "elastic_top_k", "elastic_full_prob", "elastic_sandwich",
-                "elastic_distill_weight"),
-    "precision": ("bf16", "fp16", "fp8", "fp8_block_size", "fp8_grad_format", "compute_type", "recompute",
-                  "recompute_granularity"),
-    "parallelism": ("data_parallel_degree", "tensor_parallel_degree", "expert_parallel_degree",
-                    "pipeline_parallel_degree", "pipeline_stage_layers", "sharding", "sharding_parallel_degree",
-                    "parallel", "cluster", "nproc_per_node", "nnodes", "master", "max_restart",
-                    "dataloader_num_workers"),
-    "ps": ("distributed_mode", "ps_servers", "ps_sync_mode", "ps_k_steps", "ps_compress", "ps_topk_ratio",
-           "ps_stage_devices", "ps_placement", "ps_target", "ps_stage_workers"),
+    "elastic": (
+        "elastic_depth",
+        "elastic_experts",
+        "elastic_top_k",
+        "elastic_full_prob",
+        "elastic_sandwich",
+        "elastic_distill_weight",
+    ),
+    "precision": (
+        "bf16",
+        "fp16",
+        "fp8",
+        "fp8_block_size",
+        "fp8_grad_format",
+        "compute_type",
+        "recompute",
+        "recompute_granularity",
+    ),
+    "parallelism": (
+        "data_parallel_degree",
+        "tensor_parallel_degree",
+        "expert_parallel_degree",
+        "pipeline_parallel_degree",
+        "pipeline_stage_layers",
+        "sharding",
+        "sharding_parallel_degree",
+        "parallel",
+        "cluster",
+        "nproc_per_node",
+        "nnodes",
+        "master",
+        "max_restart",
+        "dataloader_num_workers",
+    ),
+    "ps": (
+        "distributed_mode",
+        "ps_servers",
+        "ps_sync_mode",
+        "ps_k_steps",
+        "ps_compress",
+        "ps_topk_ratio",
+        "ps_stage_devices",
+        "ps_placement",
+        "ps_target",
+        "ps_stage_workers",
+    ),
 }
 
 SECTIONS: dict[str, type] = {
     name: dataclasses.make_dataclass(
         "".join(part.title() for part in name.split("_")) + "Section",
-        [(key, TrainConfig.__annotations__[key]) for key in keys], frozen=True)
+        [(key, TrainConfig.__annotations__[key]) for key in keys],
+        frozen=True,
+    )
     for name, keys in SECTION_KEYS.items()
 }
 

@@ -18,11 +18,10 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass, field
 from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
 
 from erniekit.errors import DataError
-
 
 
 @dataclass
@@ -66,8 +65,10 @@ def read_text(path: str) -> str:
         return data.decode("utf-8")
     except UnicodeDecodeError as e:
         line = data.count(b"\n", 0, e.start) + 1
-        raise DataError(f"{path}:{line}: not UTF-8 (byte 0x{data[e.start]:02x} at byte offset {e.start}); "
-                        "re-save the file as UTF-8, e.g. iconv -f GBK -t UTF-8") from None
+        raise DataError(
+            f"{path}:{line}: not UTF-8 (byte 0x{data[e.start]:02x} at byte offset {e.start}); "
+            "re-save the file as UTF-8, e.g. iconv -f GBK -t UTF-8"
+        ) from None
 
 
 def _records(path: str) -> Iterator[tuple[int, object]]:
@@ -95,7 +96,9 @@ def _records(path: str) -> Iterator[tuple[int, object]]:
         try:
             yield lineno, json.loads(line)
         except json.JSONDecodeError as e:
-            raise DataError(f"{path}:{lineno}: invalid JSON ({e.msg} at column {e.colno}); fix or remove this line") from e
+            raise DataError(
+                f"{path}:{lineno}: invalid JSON ({e.msg} at column {e.colno}); fix or remove this line"
+            ) from e
 
 
 def _str(rec: dict, key: str, where: str, required: bool = True) -> str | None:
@@ -125,7 +128,11 @@ def _from_erniekit(rec: dict, where: str) -> Conversation:
     label = rec.get("label")
     if label is None:
         train_on = [True] * len(tgt)
-    elif isinstance(label, list) and len(label) == len(tgt) and all(v in (0, 1) and not isinstance(v, float) for v in label):
+    elif (
+        isinstance(label, list)
+        and len(label) == len(tgt)
+        and all(v in (0, 1) and not isinstance(v, float) for v in label)
+    ):
         train_on = [bool(v) for v in label]
     else:
         raise DataError(f"{where}: field 'label' must be a list of {len(tgt)} values 0/1 (one per tgt turn)")
@@ -150,8 +157,14 @@ def _from_messages(rec: dict, where: str) -> Conversation:
     if not isinstance(msgs, list) or not msgs:
         raise DataError(f"{where}: field 'messages' {'missing' if msgs is None else 'must be a non-empty list'}")
     for i, m in enumerate(msgs):
-        if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant") or not isinstance(m.get("content"), str):
-            raise DataError(f"{where}: field 'messages[{i}]' must be {{'role': 'system'|'user'|'assistant', 'content': str}}")
+        if (
+            not isinstance(m, dict)
+            or m.get("role") not in ("system", "user", "assistant")
+            or not isinstance(m.get("content"), str)
+        ):
+            raise DataError(
+                f"{where}: field 'messages[{i}]' must be {{'role': 'system'|'user'|'assistant', 'content': str}}"
+            )
     system = msgs[0]["content"] if msgs[0]["role"] == "system" else None
     body = msgs[1:] if system is not None else msgs
     roles = [m["role"] for m in body]

@@ -92,10 +92,18 @@ def _system(value: object, where: str) -> str | None:
 def _chat_context(msgs: object, key: str, where: str) -> tuple[str | None, list[tuple[str, str]], str]:
     """(system, history, final user turn) from messages that end with a user turn."""
     if not isinstance(msgs, list) or not msgs:
-        raise DataError(f"{where}: field '{key}' {'missing' if msgs is None else 'must be a non-empty list of messages'}")
+        raise DataError(
+            f"{where}: field '{key}' {'missing' if msgs is None else 'must be a non-empty list of messages'}"
+        )
     for i, m in enumerate(msgs):
-        if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant") or not isinstance(m.get("content"), str):
-            raise DataError(f"{where}: field '{key}[{i}]' must be {{'role': 'system'|'user'|'assistant', 'content': str}}")
+        if (
+            not isinstance(m, dict)
+            or m.get("role") not in ("system", "user", "assistant")
+            or not isinstance(m.get("content"), str)
+        ):
+            raise DataError(
+                f"{where}: field '{key}[{i}]' must be {{'role': 'system'|'user'|'assistant', 'content': str}}"
+            )
     system = msgs[0]["content"] if msgs[0]["role"] == "system" else None
     body = msgs[1:] if msgs[0]["role"] == "system" else msgs
     roles = [m["role"] for m in body]
@@ -130,8 +138,16 @@ def _from_erniekit(rec: dict, where: str) -> PreferencePair:
         )
     response = rec.get("response")
     if not isinstance(response, list) or len(response) != 2:
-        what = "missing" if response is None else f"has {len(response)} entries" if isinstance(response, list) else "must be a list"
-        raise DataError(f"{where}: field 'response' {what}; it must hold exactly two candidate replies [[reply], [reply]]")
+        what = (
+            "missing"
+            if response is None
+            else f"has {len(response)} entries"
+            if isinstance(response, list)
+            else "must be a list"
+        )
+        raise DataError(
+            f"{where}: field 'response' {what}; it must hold exactly two candidate replies [[reply], [reply]]"
+        )
     replies = []
     for i, r in enumerate(response):
         r = [r] if isinstance(r, str) else r
@@ -175,7 +191,9 @@ def _from_prompt(rec: dict, where: str) -> PreferencePair:
     elif isinstance(prompt, str):
         history = []
     else:
-        raise DataError(f"{where}: field 'prompt' {'missing' if prompt is None else 'must be a string or a list of messages'}")
+        raise DataError(
+            f"{where}: field 'prompt' {'missing' if prompt is None else 'must be a string or a list of messages'}"
+        )
     return _pair(system, history, prompt, _reply(rec, "chosen", where), _reply(rec, "rejected", where), where)
 
 
@@ -195,7 +213,9 @@ def _from_alpaca(rec: dict, where: str) -> PreferencePair:
     ):
         raise DataError(f"{where}: field 'history' must be a list of [query, reply] string pairs")
     system = _system(rec.get("system"), where)
-    return _pair(system, [(q, a) for q, a in history], query, _reply(rec, "chosen", where), _reply(rec, "rejected", where), where)
+    return _pair(
+        system, [(q, a) for q, a in history], query, _reply(rec, "chosen", where), _reply(rec, "rejected", where), where
+    )
 
 
 _READERS = {"erniekit": _from_erniekit, "prompt": _from_prompt, "messages": _from_messages, "alpaca": _from_alpaca}
@@ -229,7 +249,9 @@ def _prompt_len(labels: list[int]) -> int:
     return next(i for i, label in enumerate(labels) if label != IGNORE_INDEX)
 
 
-def _encode_full(pair: PreferencePair, tokenizer: ErnieTokenizer) -> tuple[list[int], list[int], list[int], list[int], int]:
+def _encode_full(
+    pair: PreferencePair, tokenizer: ErnieTokenizer
+) -> tuple[list[int], list[int], list[int], list[int], int]:
     c_ids, c_labels = encode_conversation(pair.conversation(pair.chosen), tokenizer, sys.maxsize)
     r_ids, r_labels = encode_conversation(pair.conversation(pair.rejected), tokenizer, sys.maxsize)
     n = _prompt_len(c_labels)
@@ -263,7 +285,9 @@ def encode_preference_pair(
     if truncation not in TRUNCATION_MODES:
         raise DataError(f"truncation='{truncation}'; use 'error' or 'truncate'")
     if max_seq_len < 2:
-        raise DataError(f"max_seq_len={max_seq_len}; a preference sequence needs at least a prompt token and a reply token")
+        raise DataError(
+            f"max_seq_len={max_seq_len}; a preference sequence needs at least a prompt token and a reply token"
+        )
     c_ids, c_labels, r_ids, r_labels, n = _encode_full(pair, tokenizer)
     longest = max(len(c_ids), len(r_ids))
     truncated = longest > max_seq_len
@@ -275,7 +299,7 @@ def encode_preference_pair(
                 f"{longest - n}) > max_seq_len={max_seq_len}; raise max_seq_len or set truncation='truncate'"
             )
         drop = n - max(1, n - (longest - max_seq_len))
-        c_ids, c_labels, r_ids, r_labels = (x[drop:max_seq_len + drop] for x in (c_ids, c_labels, r_ids, r_labels))
+        c_ids, c_labels, r_ids, r_labels = (x[drop : max_seq_len + drop] for x in (c_ids, c_labels, r_ids, r_labels))
         n -= drop
     return {
         "chosen_ids": c_ids,
@@ -294,5 +318,7 @@ def encode_preference_pairs(
     out = [encode_preference_pair(p, tokenizer, max_seq_len, truncation, index=i) for i, p in enumerate(pairs)]
     truncated = sum(e["truncated"] for e in out)
     if truncated:
-        warnings.warn(f"{truncated} of {len(pairs)} preference pairs truncated to max_seq_len={max_seq_len}", stacklevel=2)
+        warnings.warn(
+            f"{truncated} of {len(pairs)} preference pairs truncated to max_seq_len={max_seq_len}", stacklevel=2
+        )
     return out

@@ -25,9 +25,7 @@ def is_heldout(problem: str, fraction: float = DEFAULT_HELDOUT_FRACTION) -> bool
     return h % 1_000_000 < fraction * 1_000_000
 
 
-def split_heldout(
-    rows: Iterable[dict], fraction: float = DEFAULT_HELDOUT_FRACTION
-) -> tuple[list[dict], list[dict]]:
+def split_heldout(rows: Iterable[dict], fraction: float = DEFAULT_HELDOUT_FRACTION) -> tuple[list[dict], list[dict]]:
     """Partition rows ``{"src": [problem], ...}`` into (train, eval) by :func:`is_heldout`."""
     train, held = [], []
     for row in rows:
@@ -196,8 +194,15 @@ def write_arithmetic_dataset(
     return paths
 
 
-def rl_prompt_rows(sft_rows: Sequence[dict], n: int, seed: int, min_digits: int = 1, max_digits: int = 2,
-                   ops: Sequence[str] = ("+", "-"), heldout_fraction: float = DEFAULT_HELDOUT_FRACTION) -> list[dict]:
+def rl_prompt_rows(
+    sft_rows: Sequence[dict],
+    n: int,
+    seed: int,
+    min_digits: int = 1,
+    max_digits: int = 2,
+    ops: Sequence[str] = ("+", "-"),
+    heldout_fraction: float = DEFAULT_HELDOUT_FRACTION,
+) -> list[dict]:
     """Up to n distinct training-partition problems that no SFT row contains, as RL prompts
     ``{"prompt": "12+34=", "answer": "46"}``: problems the SFT model has not been taught, where a
     verifier's reward carries signal (on the SFT problems themselves the model is mostly right
@@ -205,7 +210,12 @@ def rl_prompt_rows(sft_rows: Sequence[dict], n: int, seed: int, min_digits: int 
     seen = {r["src"][0] for r in sft_rows}
     lo = 0 if min_digits == 1 else 10 ** (min_digits - 1)
     numbers = range(lo, 10**max_digits)
-    problems = [(a, op, b) for a in numbers for b in numbers for op in ops
-                if f"{a}{op}{b}=" not in seen and not is_heldout(f"{a}{op}{b}=", heldout_fraction)]
+    problems = [
+        (a, op, b)
+        for a in numbers
+        for b in numbers
+        for op in ops
+        if f"{a}{op}{b}=" not in seen and not is_heldout(f"{a}{op}{b}=", heldout_fraction)
+    ]
     random.Random(f"rl-prompts-{seed}").shuffle(problems)
     return [{"prompt": f"{a}{op}{b}=", "answer": str(OPS[op](a, b))} for a, op, b in problems[:n]]

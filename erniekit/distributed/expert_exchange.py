@@ -64,8 +64,10 @@ class ExpertExchange:
         self.rank, self.size = self.ranks.index(me), len(self.ranks)
         self.pair_groups = pair_groups or {}
         # this rank's partner in each round (None: a bye)
-        self.partners = [next((b if a == self.rank else a for a, b in r if self.rank in (a, b)), None)
-                         for r in pair_rounds(self.size)]
+        self.partners = [
+            next((b if a == self.rank else a for a, b in r if self.rank in (a, b)), None)
+            for r in pair_rounds(self.size)
+        ]
 
     def run(self, fn, x, topk_idx, topk_weight, keep, params: dict) -> paddle.Tensor:
         """fn(x, topk_idx, topk_weight, keep, params) on this process's shards of the (dist)
@@ -77,11 +79,15 @@ class ExpertExchange:
 
         def local(*args):
             k = args[3] if keep is not None else None
-            return fn(args[0], args[1], args[2], k, dict(zip(names, args[len(lead):])))
+            return fn(args[0], args[1], args[2], k, dict(zip(names, args[len(lead) :])))
 
         args = lead + [params[n] for n in names]
-        return dist.local_map(local, out_placements=[list(x.placements)], process_mesh=self.mesh,
-                              in_placements=[list(t.placements) for t in args])(*args)
+        return dist.local_map(
+            local,
+            out_placements=[list(x.placements)],
+            process_mesh=self.mesh,
+            in_placements=[list(t.placements) for t in args],
+        )(*args)
 
     def exchange_counts(self, counts: np.ndarray) -> np.ndarray:
         """counts [n, ...] (row r: what this rank sends to rank r) -> [n, ...] (row r: what rank r
@@ -100,12 +106,12 @@ class ExpertExchange:
         width, me = list(x.shape[1:]), self.rank
         out: list[paddle.Tensor | None] = [None] * self.size
         if send[me]:
-            out[me] = x[int(starts[me]):int(starts[me + 1])]
+            out[me] = x[int(starts[me]) : int(starts[me + 1])]
         for peer in self.partners:
             if peer is None:
                 continue
             buf = paddle.empty([recv[peer]] + width, dtype=x.dtype)
-            part = x[int(starts[peer]):int(starts[peer + 1])].contiguous()
+            part = x[int(starts[peer]) : int(starts[peer + 1])].contiguous()
             group = self.pair_groups.get((min(me, peer), max(me, peer)))
             for step in ("send", "recv") if me < peer else ("recv", "send"):
                 if step == "send" and send[peer]:

@@ -29,8 +29,17 @@ def in_launched_worker() -> bool:
 def launch_command(cfg, train_args: list[str]) -> list[str]:
     # restarts are ours (`relaunch`): paddle's own need elastic_level > 0 and did not restart on CPU;
     # ENTRY --launcher runs paddle.distributed.launch so that it dies with this process (PDEATHSIG)
-    cmd = [sys.executable, ENTRY, LAUNCHER_FLAG, "--nproc_per_node", str(cfg.nproc_per_node),
-           "--log_dir", os.path.join(cfg.output_dir, "launch_logs"), "--max_restart", "0"]
+    cmd = [
+        sys.executable,
+        ENTRY,
+        LAUNCHER_FLAG,
+        "--nproc_per_node",
+        str(cfg.nproc_per_node),
+        "--log_dir",
+        os.path.join(cfg.output_dir, "launch_logs"),
+        "--max_restart",
+        "0",
+    ]
     if cfg.nnodes > 1:
         cmd += ["--nnodes", str(cfg.nnodes), "--master", cfg.master]
     return cmd + [ENTRY, "train", *train_args]
@@ -115,8 +124,11 @@ class Supervisor:
             _signal(job_pids(self.job), signal.SIGKILL)
             return
         self.signum, self.signal_time = signum, time.monotonic()
-        os.write(2, f"erniekit: {name}: every rank stops after the same step and writes a checkpoint; a second "
-                    f"signal kills the job\n".encode())
+        os.write(
+            2,
+            f"erniekit: {name}: every rank stops after the same step and writes a checkpoint; a second "
+            f"signal kills the job\n".encode(),
+        )
         self._forward()
 
     def _forward(self) -> None:
@@ -138,8 +150,10 @@ class Supervisor:
                 if self.signum:
                     self._forward()
                     if time.monotonic() - self.signal_time > STOP_GRACE_S:
-                        print(f"erniekit: the job did not stop within {STOP_GRACE_S:.0f} s of the signal; killing it",
-                              flush=True)
+                        print(
+                            f"erniekit: the job did not stop within {STOP_GRACE_S:.0f} s of the signal; killing it",
+                            flush=True,
+                        )
                         _signal(job_pids(self.job), signal.SIGKILL)
         finally:
             if self.launcher.poll() is None:  # an error here: the launcher goes first, with its ranks
@@ -148,8 +162,11 @@ class Supervisor:
                     self.launcher.wait(timeout=REAP_GRACE_S)
             left = reap(self.job)
             if left:
-                print(f"erniekit: {len(left)} process(es) of the job were still running after the launcher "
-                      f"ended; stopped them (pids {', '.join(map(str, left))})", flush=True)
+                print(
+                    f"erniekit: {len(left)} process(es) of the job were still running after the launcher "
+                    f"ended; stopped them (pids {', '.join(map(str, left))})",
+                    flush=True,
+                )
             if self.launcher.poll() is None:
                 self.launcher.kill()
                 self.launcher.wait()
@@ -191,8 +208,11 @@ def relaunch(cfg, train_args: list[str], user_threads: str | None = None) -> int
     env[JOB_ENV] = job
     os.makedirs(cfg.output_dir, exist_ok=True)
     logs = os.path.join(cfg.output_dir, "launch_logs")
-    print(f"erniekit: launching {cfg.nproc_per_node} processes x {cfg.nnodes} node(s) through "
-          f"paddle.distributed.launch; logs of every rank in {logs}", flush=True)
+    print(
+        f"erniekit: launching {cfg.nproc_per_node} processes x {cfg.nnodes} node(s) through "
+        f"paddle.distributed.launch; logs of every rank in {logs}",
+        flush=True,
+    )
     args = list(train_args)
     sup = Supervisor(job)
     with sup.handling_signals():
@@ -201,25 +221,41 @@ def relaunch(cfg, train_args: list[str], user_threads: str | None = None) -> int
             rc = sup.run(launch_command(cfg, args), env)
             stopped, step = stop_signal_of_run(cfg.output_dir, started)
             if stopped:
-                print(f"erniekit: the job stopped on {signal.Signals(stopped).name} after step {step} with "
-                      f"checkpoint-{step} in {cfg.output_dir}; continue with resume_from_checkpoint=auto "
-                      f"(exit code {stopped_exit_code(stopped)})", flush=True)
+                print(
+                    f"erniekit: the job stopped on {signal.Signals(stopped).name} after step {step} with "
+                    f"checkpoint-{step} in {cfg.output_dir}; continue with resume_from_checkpoint=auto "
+                    f"(exit code {stopped_exit_code(stopped)})",
+                    flush=True,
+                )
                 return stopped_exit_code(stopped)
             if sup.signum:
                 if rc == 0:  # the signal came after the last step: the run is complete
-                    print(f"erniekit: {signal.Signals(sup.signum).name} came after the last step; the run finished",
-                          flush=True)
+                    print(
+                        f"erniekit: {signal.Signals(sup.signum).name} came after the last step; the run finished",
+                        flush=True,
+                    )
                     return 0
-                print(f"erniekit: the job ended on {signal.Signals(sup.signum).name} before a checkpoint of the stop "
-                      f"(launcher exit code {rc}); every rank's log is in {logs}; resume_from_checkpoint=auto "
-                      f"continues from the latest checkpoint in {cfg.output_dir}", flush=True)
+                print(
+                    f"erniekit: the job ended on {signal.Signals(sup.signum).name} before a checkpoint of the stop "
+                    f"(launcher exit code {rc}); every rank's log is in {logs}; resume_from_checkpoint=auto "
+                    f"continues from the latest checkpoint in {cfg.output_dir}",
+                    flush=True,
+                )
                 return stopped_exit_code(sup.signum)
             if rc == 0 or attempt == cfg.max_restart:
                 break
-            print(f"erniekit: the job failed (launcher exit code {rc}, see {logs}); restart {attempt + 1} of "
-                  f"{cfg.max_restart} from the latest checkpoint in {cfg.output_dir}", flush=True)
-            args = [a for a in train_args if not a.startswith("resume_from_checkpoint=")] + ["resume_from_checkpoint=auto"]
+            print(
+                f"erniekit: the job failed (launcher exit code {rc}, see {logs}); restart {attempt + 1} of "
+                f"{cfg.max_restart} from the latest checkpoint in {cfg.output_dir}",
+                flush=True,
+            )
+            args = [a for a in train_args if not a.startswith("resume_from_checkpoint=")] + [
+                "resume_from_checkpoint=auto"
+            ]
     if rc:
-        print(f"erniekit: the job failed (launcher exit code {rc}); every rank's log is in {logs}; run it again with "
-              f"resume_from_checkpoint=auto to continue from the latest checkpoint in {cfg.output_dir}", flush=True)
+        print(
+            f"erniekit: the job failed (launcher exit code {rc}); every rank's log is in {logs}; run it again with "
+            f"resume_from_checkpoint=auto to continue from the latest checkpoint in {cfg.output_dir}",
+            flush=True,
+        )
     return rc

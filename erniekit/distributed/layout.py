@@ -76,29 +76,41 @@ def layout_from_config(cfg, world: int | None = None) -> Layout:
             raise ConfigError(
                 f"tensor_parallel_degree {cfg.tensor_parallel_degree} x pipeline_parallel_degree "
                 f"{cfg.pipeline_parallel_degree} x sharding_parallel_degree {sd} = {fixed} does not divide the "
-                f"{world} processes (nproc_per_node {cfg.nproc_per_node} x nnodes {cfg.nnodes}); change the degrees")
+                f"{world} processes (nproc_per_node {cfg.nproc_per_node} x nnodes {cfg.nnodes}); change the degrees"
+            )
         dp = world // fixed
-    lay = Layout(pp=cfg.pipeline_parallel_degree, dp=dp, sharding=sd, tp=cfg.tensor_parallel_degree,
-                 ep=cfg.expert_parallel_degree, sharding_stage=stage)
+    lay = Layout(
+        pp=cfg.pipeline_parallel_degree,
+        dp=dp,
+        sharding=sd,
+        tp=cfg.tensor_parallel_degree,
+        ep=cfg.expert_parallel_degree,
+        sharding_stage=stage,
+    )
     if lay.world != world:
         raise ConfigError(
             f"data_parallel_degree {dp} x sharding_parallel_degree {sd} x tensor_parallel_degree {lay.tp} x "
             f"pipeline_parallel_degree {lay.pp} = {lay.world}, but the job has {world} processes (nproc_per_node "
-            f"{cfg.nproc_per_node} x nnodes {cfg.nnodes}); make the product equal the process count")
+            f"{cfg.nproc_per_node} x nnodes {cfg.nnodes}); make the product equal the process count"
+        )
     if sd > 1 and not stage:
         raise ConfigError(f"sharding_parallel_degree {sd} needs sharding: stage1, stage2 or stage3")
     if lay.ep > 1 and lay.dp * lay.sharding != lay.ep:
-        raise ConfigError(f"expert_parallel_degree {lay.ep} must equal data_parallel_degree x "
-                          f"sharding_parallel_degree = {lay.dp * lay.sharding} (the experts are split over all the data "
-                          "ranks), or be 1")
+        raise ConfigError(
+            f"expert_parallel_degree {lay.ep} must equal data_parallel_degree x "
+            f"sharding_parallel_degree = {lay.dp * lay.sharding} (the experts are split over all the data "
+            "ranks), or be 1"
+        )
     return lay
 
 
 def check_stage_layers(stage_layers: list[int] | None, num_layers: int) -> None:
     """`pipeline_stage_layers` must cover the model's layers exactly."""
     if stage_layers and sum(stage_layers) != num_layers:
-        raise ConfigError(f"pipeline_stage_layers={list(stage_layers)} adds up to {sum(stage_layers)} layers, the model "
-                          f"has {num_layers} (num_hidden_layers); make the counts add up to {num_layers}")
+        raise ConfigError(
+            f"pipeline_stage_layers={list(stage_layers)} adds up to {sum(stage_layers)} layers, the model "
+            f"has {num_layers} (num_hidden_layers); make the counts add up to {num_layers}"
+        )
 
 
 def check_model_fits(lay: Layout, config, supported_only: bool = True, stage_layers: list[int] | None = None) -> None:
@@ -106,27 +118,38 @@ def check_model_fits(lay: Layout, config, supported_only: bool = True, stage_lay
     supported_only=False skips the refusal of layouts this version cannot run yet (the planner
     still models them)."""
     if lay.tp > 1:
-        sizes = [("num_attention_heads", config.num_attention_heads),
-                 ("num_key_value_heads", config.num_key_value_heads), ("vocab_size", config.vocab_size),
-                 ("intermediate_size", config.intermediate_size)]
+        sizes = [
+            ("num_attention_heads", config.num_attention_heads),
+            ("num_key_value_heads", config.num_key_value_heads),
+            ("vocab_size", config.vocab_size),
+            ("intermediate_size", config.intermediate_size),
+        ]
         if config.is_moe and config.moe_num_shared_experts:  # shared experts split; routed ones stay whole
             sizes += [("moe_intermediate_size", s) for s in config.expert_sizes]
         for name, size in sizes:
             if size % lay.tp:
-                raise ConfigError(f"tensor_parallel_degree {lay.tp} does not divide the model's {name} {size}; "
-                                  f"use a tensor_parallel_degree that divides it")
+                raise ConfigError(
+                    f"tensor_parallel_degree {lay.tp} does not divide the model's {name} {size}; "
+                    f"use a tensor_parallel_degree that divides it"
+                )
     if lay.ep > 1:
         if not config.is_moe:
             raise ConfigError(f"expert_parallel_degree {lay.ep}: the model is dense (no experts); set it to 1")
         for m, n in enumerate(config.experts_per_modality):
             if n % lay.ep:
-                raise ConfigError(f"expert_parallel_degree {lay.ep} does not divide the {n} experts of modality {m} "
-                                  "(moe_num_experts); use a degree that divides it")
+                raise ConfigError(
+                    f"expert_parallel_degree {lay.ep} does not divide the {n} experts of modality {m} "
+                    "(moe_num_experts); use a degree that divides it"
+                )
     if lay.pp > 1 and config.num_nextn_predict_layers > 0:
-        raise ConfigError(f"pipeline_parallel_degree {lay.pp} with MTP heads (num_nextn_predict_layers "
-                          f"{config.num_nextn_predict_layers}) is not supported: the heads need the embedding and "
-                          "the last layer in one stage; set model_overrides num_nextn_predict_layers: 0 or pp 1")
+        raise ConfigError(
+            f"pipeline_parallel_degree {lay.pp} with MTP heads (num_nextn_predict_layers "
+            f"{config.num_nextn_predict_layers}) is not supported: the heads need the embedding and "
+            "the last layer in one stage; set model_overrides num_nextn_predict_layers: 0 or pp 1"
+        )
     check_stage_layers(stage_layers, config.num_hidden_layers)
     if lay.pp > config.num_hidden_layers:
-        raise ConfigError(f"pipeline_parallel_degree {lay.pp} is more than the model's {config.num_hidden_layers} "
-                          "layers (num_hidden_layers); lower it")
+        raise ConfigError(
+            f"pipeline_parallel_degree {lay.pp} is more than the model's {config.num_hidden_layers} "
+            "layers (num_hidden_layers); lower it"
+        )

@@ -38,8 +38,10 @@ class StageElsewhere(nn.Layer):
         self.segment = segment
 
     def forward(self, *args, **kwargs):
-        raise RuntimeError(f"this layer lives on pipeline stage {self.segment}; a full-model forward cannot run "
-                           "in a pipeline-parallel process")
+        raise RuntimeError(
+            f"this layer lives on pipeline stage {self.segment}; a full-model forward cannot run "
+            "in a pipeline-parallel process"
+        )
 
 
 def stage_bounds(num_layers: int, pp: int) -> list[tuple[int, int]]:
@@ -102,8 +104,9 @@ def new_group(ranks: list[int]):
         w = where.numpy().tolist()
         store = core.TCPStore(".".join(str(int(v)) for v in w[:4]), int(w[4]), me == leader, len(ranks), 900)
         pg = core.ProcessGroupGloo.create(store, ranks.index(me), len(ranks), gid)
-    group = collective.Group(ranks.index(me) if me in ranks else -1, gid, ranks, pg=pg,
-                             name=collective._default_group_name + str(gid))
+    group = collective.Group(
+        ranks.index(me) if me in ranks else -1, gid, ranks, pg=pg, name=collective._default_group_name + str(gid)
+    )
     group._erniekit_store = store  # the store's host lives as long as the group
     collective._group_map[gid] = group
     collective._group_map_by_name[group.name] = group
@@ -202,8 +205,9 @@ class PipelineTopology:
 
     # ---- point to point --------------------------------------------------------------------
     def send(self, t: paddle.Tensor, forward: bool) -> None:
-        dist.send(t.contiguous(), dst=self.next if forward else self.prev,
-                  group=self.next_link if forward else self.prev_link)
+        dist.send(
+            t.contiguous(), dst=self.next if forward else self.prev, group=self.next_link if forward else self.prev_link
+        )
 
     def recv(self, shape: list[int], dtype, forward: bool) -> paddle.Tensor:
         t = paddle.empty(shape, dtype=dtype)
@@ -243,8 +247,9 @@ class PipelineTopology:
                     out.setdefault(k, paddle.to_tensor(v))
             return out
         if leader:
-            dist.send_object_list([{k: np.asarray(v.numpy()) for k, v in tensors.items()}], dst=0,
-                                  group=self.gather_links[self.segment])
+            dist.send_object_list(
+                [{k: np.asarray(v.numpy()) for k, v in tensors.items()}], dst=0, group=self.gather_links[self.segment]
+            )
         return {}
 
 

@@ -67,8 +67,9 @@ def load_cluster(path: str) -> Cluster:
         with open(path, encoding="utf-8") as f:
             raw = yaml.safe_load(f) or {}
     except OSError as e:
-        raise ConfigError(f"cluster file {path}: {e.strerror}; give the path of a cluster YAML "
-                          "(examples/clusters/)") from None
+        raise ConfigError(
+            f"cluster file {path}: {e.strerror}; give the path of a cluster YAML (examples/clusters/)"
+        ) from None
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f"{path}:{mark.line + 1}" if mark else path
@@ -133,22 +134,47 @@ def layer_costs(c) -> list[LayerCost]:
     attn_params = H * (q + 2 * kv) + q * H
     out = []
     for i in range(c.num_hidden_layers):
-        common = dict(attn_flops=2.0 * attn_params, core_flops_per_s=4.0 * q, attn_params=attn_params,
-                      attn_saved=2 * H + 3 * q + 3 * kv + H, core_saved_per_s=float(c.num_attention_heads),
-                      other_saved=2.0 * H)
+        common = dict(
+            attn_flops=2.0 * attn_params,
+            core_flops_per_s=4.0 * q,
+            attn_params=attn_params,
+            attn_saved=2 * H + 3 * q + 3 * kv + H,
+            core_saved_per_s=float(c.num_attention_heads),
+            other_saved=2.0 * H,
+        )
         if c.is_moe and c.is_moe_layer(i):
-            k, E, inter = c.moe_k, c.moe_num_experts if isinstance(c.moe_num_experts, int) else sum(c.moe_num_experts), \
-                c.expert_sizes[0]
+            k, E, inter = (
+                c.moe_k,
+                c.moe_num_experts if isinstance(c.moe_num_experts, int) else sum(c.moe_num_experts),
+                c.expert_sizes[0],
+            )
             shared = c.moe_num_shared_experts * inter
             expert = 3 * H * inter
-            out.append(LayerCost(**common, mlp_flops=2.0 * (k * expert + 3 * H * shared + H * E),
-                                 mlp_params=E * expert + 3 * H * shared + H * E, expert_params=E * expert,
-                                 mlp_saved=2 * H + 3 * E + k * H + 4 * k * inter + k * H + H + 4 * shared + H,
-                                 ops=60, moe_k=k, is_moe=True, num_experts=E))
+            out.append(
+                LayerCost(
+                    **common,
+                    mlp_flops=2.0 * (k * expert + 3 * H * shared + H * E),
+                    mlp_params=E * expert + 3 * H * shared + H * E,
+                    expert_params=E * expert,
+                    mlp_saved=2 * H + 3 * E + k * H + 4 * k * inter + k * H + H + 4 * shared + H,
+                    ops=60,
+                    moe_k=k,
+                    is_moe=True,
+                    num_experts=E,
+                )
+            )
         else:
             I = c.intermediate_size
-            out.append(LayerCost(**common, mlp_flops=2.0 * 3 * H * I, mlp_params=3 * H * I, expert_params=0,
-                                 mlp_saved=2 * H + 4 * I, ops=30))
+            out.append(
+                LayerCost(
+                    **common,
+                    mlp_flops=2.0 * 3 * H * I,
+                    mlp_params=3 * H * I,
+                    expert_params=0,
+                    mlp_saved=2 * H + 4 * I,
+                    ops=30,
+                )
+            )
     return out
 
 
@@ -175,11 +201,15 @@ class Plan:
     def config_overrides(self) -> dict[str, object]:
         """The training-config keys that apply this plan."""
         out: dict[str, object] = {
-            "tensor_parallel_degree": self.tp, "pipeline_parallel_degree": self.pp,
-            "expert_parallel_degree": self.ep, "per_device_train_batch_size": self.micro_batch,
-            "gradient_accumulation_steps": self.accumulation, "recompute": self.recompute != "none",
+            "tensor_parallel_degree": self.tp,
+            "pipeline_parallel_degree": self.pp,
+            "expert_parallel_degree": self.ep,
+            "per_device_train_batch_size": self.micro_batch,
+            "gradient_accumulation_steps": self.accumulation,
+            "recompute": self.recompute != "none",
             "sharding": f"stage{self.sharding_stage}" if self.sharding_stage else "",
-            "data_parallel_degree": -1, "sharding_parallel_degree": 1,
+            "data_parallel_degree": -1,
+            "sharding_parallel_degree": 1,
         }
         if self.recompute != "none":
             out["recompute_granularity"] = self.recompute
@@ -243,8 +273,11 @@ def predict(c, cluster: Cluster, work: Workload, p: Plan) -> Prediction:
     per_node = cluster.devices_per_node
     tp_span = p.tp > per_node
     dp_span = p.tp * p.dp > per_node  # data ranks are strided by tp (tp innermost)
-    n_params_dense = sum(l.attn_params + l.mlp_params - l.expert_params for l in layers) + V * H * (
-        1 if c.tie_word_embeddings else 2) + (2 * L + 1) * H
+    n_params_dense = (
+        sum(l.attn_params + l.mlp_params - l.expert_params for l in layers)
+        + V * H * (1 if c.tie_word_embeddings else 2)
+        + (2 * L + 1) * H
+    )
     n_experts = sum(l.expert_params for l in layers)
     tensors = 9 * L + 2 + sum(3 for l in layers if l.is_moe)  # parameter tensors (one all-reduce each)
     bw, lat = _link(cluster, p.dp, dp_span)
@@ -277,15 +310,26 @@ def predict(c, cluster: Cluster, work: Workload, p: Plan) -> Prediction:
     per_token = _saved_per_token(layers, p.pp, p.tp, S, H, work, p.recompute)
     in_flight = min(p.pp, m)
     activations = BYTES * per_token * p.micro_batch * S * in_flight
-    biggest_layer = max((l.attn_saved + (0 if work.fused_attention else l.core_saved_per_s * S) + l.mlp_saved)
-                        / p.tp for l in layers)
+    biggest_layer = max(
+        (l.attn_saved + (0 if work.fused_attention else l.core_saved_per_s * S) + l.mlp_saved) / p.tp for l in layers
+    )
     transient = BYTES * biggest_layer * p.micro_batch * S  # the backward's working set of one layer
     logits = 3 * BYTES * p.micro_batch * S * V / p.tp
     memory = weights + grads + moments + activations + transient + logits + cluster.memory_overhead
-    parts = {"compute_s": compute, "comm_dp_s": comm_dp, "comm_tp_s": comm_tp, "comm_ep_s": comm_ep,
-             "comm_pp_s": comm_pp, "bubble": bubble, "tokens": float(tokens), "params_bytes": weights,
-             "grads_bytes": grads, "moments_bytes": moments, "activations_bytes": activations,
-             "comm_bytes": _comm_bytes(grad_bytes, act_bytes, p, L, layers, m, S, H)}
+    parts = {
+        "compute_s": compute,
+        "comm_dp_s": comm_dp,
+        "comm_tp_s": comm_tp,
+        "comm_ep_s": comm_ep,
+        "comm_pp_s": comm_pp,
+        "bubble": bubble,
+        "tokens": float(tokens),
+        "params_bytes": weights,
+        "grads_bytes": grads,
+        "moments_bytes": moments,
+        "activations_bytes": activations,
+        "comm_bytes": _comm_bytes(grad_bytes, act_bytes, p, L, layers, m, S, H),
+    }
     pred = Prediction(p, compute + comm, memory, parts)
     if memory > cluster.device_memory:
         pred.fits, pred.why = False, f"needs {memory / 1e9:.2f} GB per device, has {cluster.device_memory / 1e9:.2f}"
@@ -299,8 +343,13 @@ def _saved_per_token(layers, pp: int, tp: int, S: int, H: int, work: Workload, r
         core_s = 0.0 if work.fused_attention else l.core_saved_per_s * S
         attn_s = (l.attn_saved + core_s) / tp
         mlp_s = l.mlp_saved / tp
-        out += {"none": attn_s + mlp_s + l.other_saved, "core_attn": attn_s - core_s / tp + 3 * H + mlp_s + l.other_saved,
-                "full_attn": H + mlp_s + l.other_saved, "mlp": attn_s + H + l.other_saved, "full": H}[recompute]
+        out += {
+            "none": attn_s + mlp_s + l.other_saved,
+            "core_attn": attn_s - core_s / tp + 3 * H + mlp_s + l.other_saved,
+            "full_attn": H + mlp_s + l.other_saved,
+            "mlp": attn_s + H + l.other_saved,
+            "full": H,
+        }[recompute]
     return out
 
 
@@ -328,8 +377,14 @@ def why_not(c, p: Plan, work: Workload, runnable_only: bool = False, cpu: bool =
     (`layout.check_model_fits`)."""
     from erniekit.distributed.layout import Layout, check_model_fits
 
-    lay = Layout(pp=p.pp, dp=1 if p.sharding_stage else p.dp, sharding=p.dp if p.sharding_stage else 1, tp=p.tp,
-                 ep=p.ep, sharding_stage=p.sharding_stage)
+    lay = Layout(
+        pp=p.pp,
+        dp=1 if p.sharding_stage else p.dp,
+        sharding=p.dp if p.sharding_stage else 1,
+        tp=p.tp,
+        ep=p.ep,
+        sharding_stage=p.sharding_stage,
+    )
     if p.ep not in (1, p.dp):
         return f"ep={p.ep} is neither 1 nor the {p.dp} data ranks"
     try:
@@ -344,9 +399,17 @@ def why_not(c, p: Plan, work: Workload, runnable_only: bool = False, cpu: bool =
     return ""
 
 
-def enumerate_plans(c, world: int, work: Workload, micro_batches: list[int] | None = None,
-                    recompute_modes: tuple[str, ...] = RECOMPUTE_MODES, sharding_stages: tuple[int, ...] = (0, 1, 2, 3),
-                    runnable_only: bool = False, cpu: bool = True, pipeline: bool = True) -> list[Plan]:
+def enumerate_plans(
+    c,
+    world: int,
+    work: Workload,
+    micro_batches: list[int] | None = None,
+    recompute_modes: tuple[str, ...] = RECOMPUTE_MODES,
+    sharding_stages: tuple[int, ...] = (0, 1, 2, 3),
+    runnable_only: bool = False,
+    cpu: bool = True,
+    pipeline: bool = True,
+) -> list[Plan]:
     """Every (dp, tp, pp, ep, sharding, recompute, micro-batch) for `world` devices that splits the
     model and the global batch evenly. pipeline=False: pp = 1 only (a config the pipeline cannot run)."""
     plans = []
@@ -370,27 +433,33 @@ def enumerate_plans(c, world: int, work: Workload, micro_batches: list[int] | No
     return plans
 
 
-def plan(c, cluster: Cluster, work: Workload, runnable_only: bool = False, cpu: bool = True,
-         **kw) -> list[Prediction]:
+def plan(c, cluster: Cluster, work: Workload, runnable_only: bool = False, cpu: bool = True, **kw) -> list[Prediction]:
     """Predictions for every plan, fitting ones first, fastest first (ties: less memory)."""
-    preds = [predict(c, cluster, work, p) for p in enumerate_plans(c, cluster.world, work, runnable_only=runnable_only,
-                                                                   cpu=cpu, **kw)]
+    preds = [
+        predict(c, cluster, work, p)
+        for p in enumerate_plans(c, cluster.world, work, runnable_only=runnable_only, cpu=cpu, **kw)
+    ]
     preds.sort(key=lambda r: (not r.fits, r.step_s, r.memory))
     return preds
 
 
-def best_plan(c, cluster: Cluster, work: Workload, runnable_only: bool = True, cpu: bool = True,
-              pipeline: bool = True) -> Prediction:
+def best_plan(
+    c, cluster: Cluster, work: Workload, runnable_only: bool = True, cpu: bool = True, pipeline: bool = True
+) -> Prediction:
     """The fastest plan that fits; ConfigError naming the smallest need when none does."""
     preds = plan(c, cluster, work, runnable_only=runnable_only, cpu=cpu, pipeline=pipeline)
     if not preds:
-        raise ConfigError(f"no layout of {cluster.world} devices splits this model and a global batch of "
-                          f"{work.global_batch} evenly; change the batch size or the cluster")
+        raise ConfigError(
+            f"no layout of {cluster.world} devices splits this model and a global batch of "
+            f"{work.global_batch} evenly; change the batch size or the cluster"
+        )
     if not preds[0].fits:
         low = min(preds, key=lambda r: r.memory)
-        raise ConfigError(f"no layout fits in {cluster.device_memory / 1e9:.2f} GB per device (the least memory, "
-                          f"{low.plan.describe()}, needs {low.memory / 1e9:.2f} GB); add devices or memory, or "
-                          "shorten max_seq_len")
+        raise ConfigError(
+            f"no layout fits in {cluster.device_memory / 1e9:.2f} GB per device (the least memory, "
+            f"{low.plan.describe()}, needs {low.memory / 1e9:.2f} GB); add devices or memory, or "
+            "shorten max_seq_len"
+        )
     return preds[0]
 
 
@@ -400,8 +469,10 @@ def format_table(preds: list[Prediction], top: int = 15) -> str:
     rows = [head, "-" * len(head)]
     for i, r in enumerate(preds[:top], 1):
         comm = sum(v for k, v in r.parts.items() if k.startswith("comm_") and k.endswith("_s"))
-        rows.append(f"{i:>3}  {r.plan.describe():44s} {r.step_s:9.4f} {r.tokens_per_s:9.0f} {r.memory / 1e9:7.2f} "
-                    f"{r.parts['compute_s']:8.4f} {comm:8.4f}  {'' if r.fits else 'does not fit: ' + r.why}")
+        rows.append(
+            f"{i:>3}  {r.plan.describe():44s} {r.step_s:9.4f} {r.tokens_per_s:9.0f} {r.memory / 1e9:7.2f} "
+            f"{r.parts['compute_s']:8.4f} {comm:8.4f}  {'' if r.fits else 'does not fit: ' + r.why}"
+        )
     if len(preds) > top:
         rows.append(f"... {len(preds) - top} more (--top N)")
     return "\n".join(rows)
@@ -412,8 +483,9 @@ def workload_from_config(cfg, world: int | None = None) -> Workload:
     from erniekit.distributed.layout import layout_from_config
 
     lay = layout_from_config(cfg.parallelism, world)
-    return Workload(cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps * lay.dp * lay.sharding,
-                    cfg.max_seq_len)
+    return Workload(
+        cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps * lay.dp * lay.sharding, cfg.max_seq_len
+    )
 
 
 def with_plan(cfg, p: Plan):
@@ -439,17 +511,26 @@ def auto_plan(cfg) -> Prediction:
     from erniekit.distributed.layout import world_size
 
     if not cfg.cluster:
-        raise ConfigError("parallel: auto needs cluster: FILE, a cluster description (examples/clusters/"
-                          "cpu-2core.yaml describes this kind of 2-core machine)")
+        raise ConfigError(
+            "parallel: auto needs cluster: FILE, a cluster description (examples/clusters/"
+            "cpu-2core.yaml describes this kind of 2-core machine)"
+        )
     cluster = load_cluster(cfg.cluster)
     world = world_size(cfg.parallelism)
     if cluster.world != world:
-        raise ConfigError(f"cluster {cfg.cluster} has {cluster.world} devices (nodes x devices_per_node) but the "
-                          f"launch has {world} processes (nproc_per_node {cfg.nproc_per_node} x nnodes {cfg.nnodes}); "
-                          "make them equal")
+        raise ConfigError(
+            f"cluster {cfg.cluster} has {cluster.world} devices (nodes x devices_per_node) but the "
+            f"launch has {world} processes (nproc_per_node {cfg.nproc_per_node} x nnodes {cfg.nnodes}); "
+            "make them equal"
+        )
     import paddle
 
     from erniekit.config.checks import pipeline_refusal
 
-    return best_plan(model_config_of(cfg), cluster, workload_from_config(cfg),
-                     cpu=not paddle.device.is_compiled_with_cuda(), pipeline=pipeline_refusal(cfg) is None)
+    return best_plan(
+        model_config_of(cfg),
+        cluster,
+        workload_from_config(cfg),
+        cpu=not paddle.device.is_compiled_with_cuda(),
+        pipeline=pipeline_refusal(cfg) is None,
+    )

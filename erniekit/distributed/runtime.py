@@ -68,7 +68,7 @@ class ParallelContext:
             if "embed_tokens" in name or "lm_head" in name:
                 dims["tp"] = 0 if p.shape[0] % lay.tp == 0 and p.ndim == 2 else None
             elif is_expert:  # routed experts stay whole on each tp rank (split them with ep): split over
-                pass         # tp, the ranks routed differently after the first update (gloo size mismatch)
+                pass  # tp, the ranks routed differently after the first update (gloo size mismatch)
             elif any(k in name for k in _COLUMN):
                 dims["tp"] = p.ndim - 1
             elif any(k in name for k in _ROW) and p.ndim == 2:
@@ -120,9 +120,13 @@ class ParallelContext:
         if lay.ep == 1:
             return None
         if self._exchange is None:
+
             def ranks_at(pp: int, tp: int) -> list[int]:
-                return [((pp * lay.dp + d) * lay.sharding + s) * lay.tp + tp
-                        for d in range(lay.dp) for s in range(lay.sharding)]
+                return [
+                    ((pp * lay.dp + d) * lay.sharding + s) * lay.tp + tp
+                    for d in range(lay.dp)
+                    for s in range(lay.sharding)
+                ]
 
             me = dist.get_rank()
             c = lay.coords(me)
@@ -134,17 +138,29 @@ class ParallelContext:
     def plan(self, model: paddle.nn.Layer) -> dict:
         if self.pipeline is not None:  # rank 0 writes it: the first stage's parameters
             t = self.pipeline
-            return {"mesh": {d: getattr(self.layout, d) for d in DIMS}, "pipeline_schedule": "1F1B",
-                    "stage_layers": [list(range(a, b)) for a, b in t.bounds],
-                    "parameters": {n: {"stage": t.segment, "shape": list(p.shape)} for n, p in model.named_parameters()}}
+            return {
+                "mesh": {d: getattr(self.layout, d) for d in DIMS},
+                "pipeline_schedule": "1F1B",
+                "stage_layers": [list(range(a, b)) for a, b in t.bounds],
+                "parameters": {n: {"stage": t.segment, "shape": list(p.shape)} for n, p in model.named_parameters()},
+            }
         ex = self.expert_exchange()
-        return {"mesh": {d: getattr(self.layout, d) for d in DIMS}, "expert_parallel_degree": self.layout.ep,
-                "sharding_stage": self.layout.sharding_stage,
-                # groups of ranks that swap tokens by all-to-all (this rank's; rank 0 writes the file)
-                "expert_all_to_all": [ex.ranks] if ex is not None else [],
-                "parameters": {n: {"placements": [str(pl) for pl in p.placements], "shape": list(p.shape),
-                                   "local_shape": list(p._local_value().shape)}
-                               for n, p in model.named_parameters() if p.is_dist()}}
+        return {
+            "mesh": {d: getattr(self.layout, d) for d in DIMS},
+            "expert_parallel_degree": self.layout.ep,
+            "sharding_stage": self.layout.sharding_stage,
+            # groups of ranks that swap tokens by all-to-all (this rank's; rank 0 writes the file)
+            "expert_all_to_all": [ex.ranks] if ex is not None else [],
+            "parameters": {
+                n: {
+                    "placements": [str(pl) for pl in p.placements],
+                    "shape": list(p.shape),
+                    "local_shape": list(p._local_value().shape),
+                }
+                for n, p in model.named_parameters()
+                if p.is_dist()
+            },
+        }
 
     def place_batch(self, t: paddle.Tensor) -> paddle.Tensor:
         """A global-batch tensor -> rows split over the data ranks (replicated over tp and pp).

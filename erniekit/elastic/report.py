@@ -60,25 +60,35 @@ def decode_speed(model, prompts: list[list[int]], pad_id: int) -> float:
     return sum(len(o) for o in outs) / max(dt, 1e-9)
 
 
-def elastic_report(model_dir: str, data_path: str, depths: list[int] | None = None,
-                   experts: list[int] | None = None, top_ks: list[int] | None = None, max_samples: int = 500,
-                   batch_size: int = 64, max_new_tokens: int | None = None, out_dir: str | None = None) -> dict:
+def elastic_report(
+    model_dir: str,
+    data_path: str,
+    depths: list[int] | None = None,
+    experts: list[int] | None = None,
+    top_ks: list[int] | None = None,
+    max_samples: int = 500,
+    batch_size: int = 64,
+    max_new_tokens: int | None = None,
+    out_dir: str | None = None,
+) -> dict:
     """Score every requested sub-model of `model_dir` on `data_path`; choices default to the run's."""
     from erniekit.data.formats import load_sft_examples
+    from erniekit.elastic.submodels import check_spec, count_params, extract_submodel
     from erniekit.models.ernie4_5.checkpoint import load_model_or_adapter
     from erniekit.models.ernie4_5.tokenizer import ErnieTokenizer
-    from erniekit.elastic.submodels import check_spec, count_params, extract_submodel
     from erniekit.train.evaluation import exact_match_eval, prompt_ids
     from erniekit.utils.io import atomic_write_json
 
     if not os.path.isdir(model_dir):
-        raise ErniekitError(f"{model_dir}: checkpoint directory not found; pass a directory written by "
-                            "'erniekit train'")
+        raise ErniekitError(
+            f"{model_dir}: checkpoint directory not found; pass a directory written by 'erniekit train'"
+        )
     if max_samples < 1 or batch_size < 1:
         raise ErniekitError(f"--max-samples {max_samples} --batch-size {batch_size}: both must be positive")
     run = run_choices(model_dir)
-    depths, experts, top_ks = (a if a else run.get(k, []) for a, k in
-                               ((depths, "depth"), (experts, "experts"), (top_ks, "top_k")))
+    depths, experts, top_ks = (
+        a if a else run.get(k, []) for a, k in ((depths, "depth"), (experts, "experts"), (top_ks, "top_k"))
+    )
     tokenizer = ErnieTokenizer.from_pretrained(model_dir)
     model = load_model_or_adapter(model_dir)
     model.eval()
@@ -93,12 +103,25 @@ def elastic_report(model_dir: str, data_path: str, depths: list[int] | None = No
         sub = extract_submodel(model, s)
         total, active = count_params(sub)
         em = exact_match_eval(sub, tokenizer, convs, batch_size, new_tokens)
-        rows.append({"depth": s.depth, "experts": s.experts, "top_k": s.top_k, "active_params": active,
-                     "total_params": total, "exact_match": em,
-                     "decode_tokens_per_s": decode_speed(sub, prompts, tokenizer.pad_token_id or 0)})
-    table = {"model_dir": model_dir, "data": data_path, "samples": len(convs), "max_new_tokens": new_tokens,
-             "decode": {"batch": min(DECODE_BATCH, len(prompts)), "tokens_per_prompt": DECODE_TOKENS},
-             "rows": rows}
+        rows.append(
+            {
+                "depth": s.depth,
+                "experts": s.experts,
+                "top_k": s.top_k,
+                "active_params": active,
+                "total_params": total,
+                "exact_match": em,
+                "decode_tokens_per_s": decode_speed(sub, prompts, tokenizer.pad_token_id or 0),
+            }
+        )
+    table = {
+        "model_dir": model_dir,
+        "data": data_path,
+        "samples": len(convs),
+        "max_new_tokens": new_tokens,
+        "decode": {"batch": min(DECODE_BATCH, len(prompts)), "tokens_per_prompt": DECODE_TOKENS},
+        "rows": rows,
+    }
     table["path"] = os.path.join(out_dir or model_dir, "elastic_table.json")
     atomic_write_json(table["path"], table)
     return table
@@ -123,13 +146,17 @@ def _cell(v: Any) -> str:
 
 def format_elastic_table(table: dict) -> str:
     """The table `erniekit eval --elastic` prints."""
-    lines = [f"elastic sub-models of {table['model_dir']}: exact match on {table['samples']} examples of "
-             f"{os.path.basename(table['data'])}, decode speed greedy {table['decode']['batch']} x "
-             f"{table['decode']['tokens_per_prompt']} tokens",
-             f"{'depth':>5}  {'experts':>7}  {'top_k':>5}  {'active M':>8}  {'total M':>7}  {'exact match':>11}  "
-             f"{'decode tok/s':>12}"]
+    lines = [
+        f"elastic sub-models of {table['model_dir']}: exact match on {table['samples']} examples of "
+        f"{os.path.basename(table['data'])}, decode speed greedy {table['decode']['batch']} x "
+        f"{table['decode']['tokens_per_prompt']} tokens",
+        f"{'depth':>5}  {'experts':>7}  {'top_k':>5}  {'active M':>8}  {'total M':>7}  {'exact match':>11}  "
+        f"{'decode tok/s':>12}",
+    ]
     for r in table["rows"]:
-        lines.append(f"{_cell(r['depth']):>5}  {_cell(r['experts']):>7}  {_cell(r['top_k']):>5}  "
-                     f"{r['active_params'] / 1e6:8.3f}  {r['total_params'] / 1e6:7.3f}  {r['exact_match']:11.3f}  "
-                     f"{r['decode_tokens_per_s']:12.0f}")
+        lines.append(
+            f"{_cell(r['depth']):>5}  {_cell(r['experts']):>7}  {_cell(r['top_k']):>5}  "
+            f"{r['active_params'] / 1e6:8.3f}  {r['total_params'] / 1e6:7.3f}  {r['exact_match']:11.3f}  "
+            f"{r['decode_tokens_per_s']:12.0f}"
+        )
     return "\n".join(lines)

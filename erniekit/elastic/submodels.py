@@ -40,8 +40,11 @@ class ElasticSpec:
 
     def resolved(self, config) -> "ElasticSpec":
         """The same sub-model with every None replaced by the full model's value."""
-        return ElasticSpec(self.depth or config.num_hidden_layers, self.experts or num_experts(config) or None,
-                           self.top_k or (config.moe_k if config.is_moe else None))
+        return ElasticSpec(
+            self.depth or config.num_hidden_layers,
+            self.experts or num_experts(config) or None,
+            self.top_k or (config.moe_k if config.is_moe else None),
+        )
 
 
 @dataclass(frozen=True)
@@ -107,8 +110,9 @@ def parse_settings(tokens: list[str]) -> ElasticSpec:
         key, sep, raw = tok.partition("=")
         name = key.strip().lower().removeprefix("elastic.").replace("-", "_")
         if not sep or not key.strip().lower().startswith("elastic.") or name not in ("depth", "experts", "top_k"):
-            raise ErniekitError(f"'{tok}' is not an elastic setting; write elastic.depth=N, elastic.experts=N "
-                                "or elastic.top_k=N")
+            raise ErniekitError(
+                f"'{tok}' is not an elastic setting; write elastic.depth=N, elastic.experts=N or elastic.top_k=N"
+            )
         try:
             values[name] = int(raw)
         except ValueError:
@@ -163,6 +167,7 @@ def sample_spec(rng: random.Random, choices: ElasticChoices) -> ElasticSpec:
     """The full model with probability full_prob, else each dimension uniformly from its list."""
     if rng.random() < choices.full_prob:
         return ElasticSpec()
+
     def pick(xs):
         return rng.choice(xs) if xs else None
 
@@ -173,8 +178,12 @@ def smaller_specs(config, choices: ElasticChoices) -> list[ElasticSpec]:
     """Every depth x experts x top-k combination of the choices except those equal to the full
     model: what a sandwich step draws its sub-model from (uniformly)."""
     full = ElasticSpec().resolved(config)
-    combos = [ElasticSpec(d, e, k) for d in (choices.depth or [None]) for e in (choices.experts or [None])
-              for k in (choices.top_k or [None])]
+    combos = [
+        ElasticSpec(d, e, k)
+        for d in (choices.depth or [None])
+        for e in (choices.experts or [None])
+        for k in (choices.top_k or [None])
+    ]
     return [s for s in combos if s.resolved(config) != full]
 
 
@@ -199,8 +208,10 @@ def submodel_config(config, spec: ElasticSpec):
     if config.is_moe:
         moe = _moe_range([config.is_moe_layer(i) for i in keep], config.moe_layer_interval)
         if moe is None:
-            raise CheckpointError(f"elastic.depth={spec.depth} keeps layers {keep}, whose dense/MoE pattern no "
-                                  "moe_layer_start_index/end_index/interval can express; choose another depth")
+            raise CheckpointError(
+                f"elastic.depth={spec.depth} keeps layers {keep}, whose dense/MoE pattern no "
+                "moe_layer_start_index/end_index/interval can express; choose another depth"
+            )
         experts = config.moe_num_experts
         if spec.experts:  # modality-isolated (a list): the first n experts of every modality
             experts = [spec.experts] * len(experts) if isinstance(experts, list) else spec.experts
@@ -245,8 +256,9 @@ def extract_submodel(model, spec: ElasticSpec):
             elif n and re.search(r"\.mlp\.gate(_\d+)?\.(weight|e_score_correction_bias)$", name):
                 t = t[:, :n]
             if list(t.shape) != list(p.shape):
-                raise CheckpointError(f"elastic export: {sname} has shape {list(t.shape)}, the sub-model needs "
-                                      f"{list(p.shape)}")
+                raise CheckpointError(
+                    f"elastic export: {sname} has shape {list(t.shape)}, the sub-model needs {list(p.shape)}"
+                )
             p.set_value(t.astype(p.dtype))
     sub.eval()
     return sub
@@ -278,31 +290,41 @@ class ElasticTraining:
     def from_config(cls, cfg, model, seed: int) -> "ElasticTraining | None":
         """cfg: the run config's `elastic` section; seed: the run's. None when the run has no
         elastic_* choices; ConfigError when a choice does not fit the model."""
-        choices = ElasticChoices(*(list(getattr(cfg, f"elastic_{k}", [])) for k in ("depth", "experts", "top_k")),
-                                 getattr(cfg, "elastic_full_prob", 0.25), bool(getattr(cfg, "elastic_sandwich", False)))
+        choices = ElasticChoices(
+            *(list(getattr(cfg, f"elastic_{k}", [])) for k in ("depth", "experts", "top_k")),
+            getattr(cfg, "elastic_full_prob", 0.25),
+            bool(getattr(cfg, "elastic_sandwich", False)),
+        )
         if not choices.enabled:
             return None
         c = model.config
         for d in choices.depth:
             if not 1 <= d <= c.num_hidden_layers:
-                raise ConfigError(f"elastic_depth={choices.depth} is invalid: the model has {c.num_hidden_layers} "
-                                  f"layers; use values in 1..{c.num_hidden_layers}")
+                raise ConfigError(
+                    f"elastic_depth={choices.depth} is invalid: the model has {c.num_hidden_layers} "
+                    f"layers; use values in 1..{c.num_hidden_layers}"
+                )
         if (choices.experts or choices.top_k) and not c.is_moe:
             raise ConfigError("elastic_experts / elastic_top_k: the model is dense; set them to []")
         E = num_experts(c)
         for e in choices.experts:
             if not 1 <= e <= E:
-                raise ConfigError(f"elastic_experts={choices.experts} is invalid: the model has {E} "
-                                  f"experts; use values in 1..{E}")
+                raise ConfigError(
+                    f"elastic_experts={choices.experts} is invalid: the model has {E} experts; use values in 1..{E}"
+                )
         ks = choices.top_k or ([c.moe_k] if c.is_moe else [])
         ns = choices.experts or [E]
         if ks and max(ks) > min(ns):
-            raise ConfigError(f"elastic_top_k={ks} exceeds the smallest expert count {min(ns)}; "
-                              f"keep every elastic_top_k <= min(elastic_experts)")
+            raise ConfigError(
+                f"elastic_top_k={ks} exceeds the smallest expert count {min(ns)}; "
+                f"keep every elastic_top_k <= min(elastic_experts)"
+            )
         smaller = smaller_specs(c, choices)
         if choices.sandwich and not smaller:
-            raise ConfigError("elastic_sandwich: every elastic_depth / elastic_experts / elastic_top_k choice is the "
-                              "full model; add a smaller value")
+            raise ConfigError(
+                "elastic_sandwich: every elastic_depth / elastic_experts / elastic_top_k choice is the "
+                "full model; add a smaller value"
+            )
         return cls(choices, seed, smaller)
 
     def specs(self, step: int) -> list[ElasticSpec]:

@@ -37,18 +37,29 @@ def check_output(src: str, out: str, force: bool = False) -> None:
     if os.path.lexists(out) and not os.path.isdir(out):
         raise CheckpointError(f"export: --output {out} is a file, not a directory; choose a new directory")
     if os.path.isdir(out) and os.listdir(out) and not force:
-        raise CheckpointError(f"export: --output {out} is not empty; choose a new directory, or add --force to "
-                              "replace the model files in it")
+        raise CheckpointError(
+            f"export: --output {out} is not empty; choose a new directory, or add --force to "
+            "replace the model files in it"
+        )
     probe = os.path.abspath(out)
     while not os.path.exists(probe) and os.path.dirname(probe) != probe:
         probe = os.path.dirname(probe)
     if not os.path.isdir(probe) or not os.access(probe, os.W_OK | os.X_OK):
-        raise CheckpointError(f"export: cannot write {out}: {probe} is not a writable directory; choose another "
-                              "--output")
+        raise CheckpointError(
+            f"export: cannot write {out}: {probe} is not a writable directory; choose another --output"
+        )
 
 
-def export_hf(src: str, out: str, max_shard_size: str = "5GB", dtype: str | None = None, elastic=None,
-              fmt: str = "hf", group_size: int = 64, force: bool = False) -> str:
+def export_hf(
+    src: str,
+    out: str,
+    max_shard_size: str = "5GB",
+    dtype: str | None = None,
+    elastic=None,
+    fmt: str = "hf",
+    group_size: int = 64,
+    force: bool = False,
+) -> str:
     """`elastic` (an erniekit.elastic.submodels.ElasticSpec) writes that sub-model as an ordinary smaller checkpoint.
     `force` writes into a non-empty `out` (the weights are replaced atomically: old or new, never mixed)."""
     import paddle
@@ -63,7 +74,6 @@ def export_hf(src: str, out: str, max_shard_size: str = "5GB", dtype: str | None
         info["elastic"] = {"depth": elastic.depth, "experts": elastic.experts, "top_k": elastic.top_k}
     if fmt in ("paddle", "onnx"):
         from erniekit.export.static import save_onnx, save_static
-
         from erniekit.models.ernie4_5.checkpoint import STAGING_NAME, publish_model_files, start_staging
 
         needed = sum(int(p.numel()) * p.element_size() for p in model.parameters())
@@ -99,8 +109,8 @@ def verify(out: str, atol: float | None = None) -> dict:
     import numpy as np
     import paddle
 
-    from erniekit.models.ernie4_5.checkpoint import load_model_or_adapter
     from erniekit.elastic.submodels import ElasticSpec
+    from erniekit.models.ernie4_5.checkpoint import load_model_or_adapter
 
     info_file = os.path.join(out, INFO_NAME)
     if not os.path.isfile(info_file):
@@ -110,8 +120,10 @@ def verify(out: str, atol: float | None = None) -> dict:
     info = read_json_object(info_file, "re-run erniekit export to rewrite it")
     src = info.get("source")
     if not isinstance(src, str) or info.get("format") not in FORMATS:
-        raise CheckpointError(f"{info_file}: needs 'source' (a directory) and 'format' (one of {', '.join(FORMATS)}); "
-                              "re-run erniekit export to rewrite it")
+        raise CheckpointError(
+            f"{info_file}: needs 'source' (a directory) and 'format' (one of {', '.join(FORMATS)}); "
+            "re-run erniekit export to rewrite it"
+        )
     if not os.path.isdir(src):
         raise CheckpointError(f"{out}: its source {src} is gone; --verify needs the source to compare with")
     el = info.get("elastic")
@@ -130,11 +142,21 @@ def verify(out: str, atol: float | None = None) -> dict:
     real = mask.numpy().astype(bool)
     a, b = a[real], b[real]
     diff = float(np.abs(a - b).max())
-    tol = atol if atol is not None else {"hf": 1e-4, "wint8": 0.05, "wint4": 0.25}.get(info["format"], 1e-4) * \
-        max(1.0, float(np.abs(a).max()))
+    tol = (
+        atol
+        if atol is not None
+        else {"hf": 1e-4, "wint8": 0.05, "wint4": 0.25}.get(info["format"], 1e-4) * max(1.0, float(np.abs(a).max()))
+    )
     same = float((a.argmax(-1) == b.argmax(-1)).mean())
-    return {"format": info["format"], "source": src, "max_abs_diff": diff, "max_logit": float(np.abs(a).max()),
-            "same_greedy": same, "tolerance": tol, "ok": diff <= tol}
+    return {
+        "format": info["format"],
+        "source": src,
+        "max_abs_diff": diff,
+        "max_logit": float(np.abs(a).max()),
+        "same_greedy": same,
+        "tolerance": tol,
+        "ok": diff <= tol,
+    }
 
 
 def _verify_static(out: str, info: dict, ref_model, tokenizer, atol: float | None) -> dict:
@@ -156,5 +178,12 @@ def _verify_static(out: str, info: dict, ref_model, tokenizer, atol: float | Non
             top = max(top, float(np.abs(a).max()))
     tol = atol if atol is not None else 1e-4 * max(1.0, top)
     diff = max(diffs)
-    return {"format": info["format"], "source": info["source"], "max_abs_diff": diff, "max_logit": top,
-            "same_greedy": float(np.mean(agree)), "tolerance": tol, "ok": diff <= tol}
+    return {
+        "format": info["format"],
+        "source": info["source"],
+        "max_abs_diff": diff,
+        "max_logit": top,
+        "same_greedy": float(np.mean(agree)),
+        "tolerance": tol,
+        "ok": diff <= tol,
+    }

@@ -60,9 +60,13 @@ def save_static(model, out: str) -> None:
     model.eval()
     L, KVH, D = c.num_hidden_layers, c.num_key_value_heads, c.head_dim
     dtype = str(model.model.embed_tokens.weight.dtype).replace("paddle.", "")
-    spec = [InputSpec([None, None], "int64", "input_ids"), InputSpec([None, None], "int64", "position_ids"),
-            InputSpec([None, None], "int64", "attention_mask"),
-            InputSpec([L, None, None, KVH, D], dtype, "past_k"), InputSpec([L, None, None, KVH, D], dtype, "past_v")]
+    spec = [
+        InputSpec([None, None], "int64", "input_ids"),
+        InputSpec([None, None], "int64", "position_ids"),
+        InputSpec([None, None], "int64", "attention_mask"),
+        InputSpec([L, None, None, KVH, D], dtype, "past_k"),
+        InputSpec([L, None, None, KVH, D], dtype, "past_v"),
+    ]
     step = paddle.jit.to_static(DecodeStep(model), input_spec=spec, full_graph=True)
     paddle.jit.save(step, os.path.join(out, MODEL_PREFIX))
 
@@ -74,8 +78,14 @@ def save_onnx(out: str) -> None:
     except ImportError:
         raise CheckpointError("export --format onnx needs paddle2onnx (pip install paddle2onnx onnxruntime)") from None
     model_file, params = (os.path.join(out, MODEL_PREFIX + ext) for ext in (".json", ".pdiparams"))
-    paddle2onnx.export(model_file, params, os.path.join(out, MODEL_PREFIX + ".onnx"), opset_version=17,
-                       enable_onnx_checker=True, optimize_tool="None")
+    paddle2onnx.export(
+        model_file,
+        params,
+        os.path.join(out, MODEL_PREFIX + ".onnx"),
+        opset_version=17,
+        enable_onnx_checker=True,
+        optimize_tool="None",
+    )
     os.remove(model_file)
     os.remove(params)
 
@@ -89,7 +99,9 @@ class StepRunner:
         if fmt == "paddle":
             from paddle import inference
 
-            cfg = inference.Config(os.path.join(out, MODEL_PREFIX + ".json"), os.path.join(out, MODEL_PREFIX + ".pdiparams"))
+            cfg = inference.Config(
+                os.path.join(out, MODEL_PREFIX + ".json"), os.path.join(out, MODEL_PREFIX + ".pdiparams")
+            )
             cfg.disable_gpu()
             cfg.disable_glog_info()
             self.pred = inference.create_predictor(cfg)
@@ -98,7 +110,9 @@ class StepRunner:
                 import onnxruntime as ort
             except ImportError:
                 raise CheckpointError("running an onnx export needs onnxruntime (pip install onnxruntime)") from None
-            self.sess = ort.InferenceSession(os.path.join(out, MODEL_PREFIX + ".onnx"), providers=["CPUExecutionProvider"])
+            self.sess = ort.InferenceSession(
+                os.path.join(out, MODEL_PREFIX + ".onnx"), providers=["CPUExecutionProvider"]
+            )
             self.names = [i.name for i in self.sess.get_inputs()]
         else:
             raise ValueError(fmt)

@@ -26,19 +26,21 @@ def load_chat_model(model_dir: str) -> tuple[Ernie4_5ForCausalLM, ErnieTokenizer
     from erniekit.models.ernie4_5.tokenizer import ErnieTokenizer
 
     if not os.path.isdir(model_dir):
-        raise CheckpointError(f"{model_dir}: checkpoint directory not found; pass a directory written by "
-                              "'erniekit train' or a Hugging Face ERNIE-4.5 checkpoint")
+        raise CheckpointError(
+            f"{model_dir}: checkpoint directory not found; pass a directory written by "
+            "'erniekit train' or a Hugging Face ERNIE-4.5 checkpoint"
+        )
     if not os.path.isfile(os.path.join(model_dir, "tokenizer.model")):
-        raise CheckpointError(f"{model_dir}: no tokenizer files (tokenizer.model); chat needs the tokenizer "
-                              "saved next to the weights: copy it from the original checkpoint")
+        raise CheckpointError(
+            f"{model_dir}: no tokenizer files (tokenizer.model); chat needs the tokenizer "
+            "saved next to the weights: copy it from the original checkpoint"
+        )
     tokenizer = ErnieTokenizer.from_pretrained(model_dir)
     from erniekit.models.ernie4_5.checkpoint import load_model_or_adapter
 
     model = load_model_or_adapter(model_dir)
     model.eval()
     return model, tokenizer
-
-
 
 
 def stop_ids(model: Ernie4_5ForCausalLM, tokenizer: ErnieTokenizer) -> list[int]:
@@ -54,13 +56,13 @@ def chat_prompt_ids(tokenizer: ErnieTokenizer, messages: list[dict[str, str]]) -
 
     def extend(rendered: str) -> None:
         nonlocal text, ids
-        ids = ids + tokenizer.encode(rendered[len(text):]) if rendered.startswith(text) else tokenizer.encode(rendered)
+        ids = ids + tokenizer.encode(rendered[len(text) :]) if rendered.startswith(text) else tokenizer.encode(rendered)
         text = rendered
 
     for k, m in enumerate(messages):
         if m["role"] == "assistant":
             extend(tokenizer.apply_chat_template(messages[:k], add_generation_prompt=True))
-            extend(tokenizer.apply_chat_template(messages[:k + 1], add_generation_prompt=False))
+            extend(tokenizer.apply_chat_template(messages[: k + 1], add_generation_prompt=False))
     extend(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
     return ids
 
@@ -68,8 +70,15 @@ def chat_prompt_ids(tokenizer: ErnieTokenizer, messages: list[dict[str, str]]) -
 class ChatSession:
     """A conversation: the messages list plus the token ids its rendering has been encoded to."""
 
-    def __init__(self, model: Ernie4_5ForCausalLM | None, tokenizer: ErnieTokenizer, params: SamplingParams,
-                 system: str | None = None, out: TextIO | None = None, speculative: bool = False):
+    def __init__(
+        self,
+        model: Ernie4_5ForCausalLM | None,
+        tokenizer: ErnieTokenizer,
+        params: SamplingParams,
+        system: str | None = None,
+        out: TextIO | None = None,
+        speculative: bool = False,
+    ):
         self.model, self.tokenizer, self.params = model, tokenizer, params
         self.speculative = speculative  # greedy self-speculative decoding with the MTP heads (docs/mtp.md)
         self.system = system
@@ -84,7 +93,7 @@ class ChatSession:
     def _extend(self, rendered: str) -> list[int]:
         """Ids of `rendered`, encoding only what was added since the last call (as training does)."""
         if rendered.startswith(self._text):
-            self._ids = self._ids + self.tokenizer.encode(rendered[len(self._text):])
+            self._ids = self._ids + self.tokenizer.encode(rendered[len(self._text) :])
         else:  # a template whose output is not a growing prefix: encode it whole
             self._ids = self.tokenizer.encode(rendered)
         self._text = rendered
@@ -113,7 +122,7 @@ class ChatSession:
             new.append(tok)
             shown = self._emit(new, shown)
         text = self.tokenizer.decode(new)
-        self._write(text[len(shown):] if text.startswith(shown) else "")
+        self._write(text[len(shown) :] if text.startswith(shown) else "")
         self.messages.append({"role": "assistant", "content": text})
         # the reply chunk (text + sep) as training encodes it, so the next turn reuses these ids
         self._extend(self.tokenizer.apply_chat_template(self.messages, add_generation_prompt=False))
@@ -127,7 +136,7 @@ class ChatSession:
         """
         text = self.tokenizer.decode(new).rstrip("\ufffd")
         if len(text) > len(shown) and text.startswith(shown):
-            self._write(text[len(shown):])
+            self._write(text[len(shown) :])
             return text
         return shown
 
@@ -143,8 +152,11 @@ def run_chat(args: Any) -> int:
 
     model, tokenizer = load_chat_model(args.model_dir)
     params = SamplingParams(
-        max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
-        stop_token_ids=stop_ids(model, tokenizer), seed=args.seed,
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        stop_token_ids=stop_ids(model, tokenizer),
+        seed=args.seed,
     )
     speculative = bool(getattr(args, "speculative", False))
     if speculative:

@@ -88,15 +88,21 @@ class SlotCache:
         T = self.length
         for buf in self.k + self.v:
             if by > 0:
-                buf[:rows, by:T + by] = buf[:rows, :T].clone()
+                buf[:rows, by : T + by] = buf[:rows, :T].clone()
             else:
-                buf[:rows, :T + by] = buf[:rows, -by:T].clone()
+                buf[:rows, : T + by] = buf[:rows, -by:T].clone()
         self.length = T + by
 
 
 class Engine:
-    def __init__(self, model, tokenizer, max_batch: int = 8, max_model_len: int | None = None,
-                 stop_token_ids: list[int] | None = None):
+    def __init__(
+        self,
+        model,
+        tokenizer,
+        max_batch: int = 8,
+        max_model_len: int | None = None,
+        stop_token_ids: list[int] | None = None,
+    ):
         self.model, self.tokenizer = model, tokenizer
         model.eval()
         c = model.config
@@ -122,8 +128,10 @@ class Engine:
         if prompt_len < 1:
             raise ValueError("the prompt is empty")
         if prompt_len + max_new_tokens > self.max_model_len:
-            raise ValueError(f"the prompt ({prompt_len} tokens) plus max_tokens ({max_new_tokens}) exceeds the "
-                             f"context of {self.max_model_len} tokens; shorten the prompt or lower max_tokens")
+            raise ValueError(
+                f"the prompt ({prompt_len} tokens) plus max_tokens ({max_new_tokens}) exceeds the "
+                f"context of {self.max_model_len} tokens; shorten the prompt or lower max_tokens"
+            )
 
     def check_ids(self, prompt: list[int], params: SamplingParams) -> None:
         """ValueError when a prompt id or a logit_bias key is outside the model's vocabulary (an
@@ -197,8 +205,8 @@ class Engine:
         ids = np.zeros((len(reqs), L), dtype=np.int64)
         pad = np.zeros((len(reqs), L), dtype=np.int64)
         for i, r in enumerate(reqs):
-            ids[i, L - lens[i]:] = r.prompt
-            pad[i, L - lens[i]:] = 1
+            ids[i, L - lens[i] :] = r.prompt
+            pad[i, L - lens[i] :] = 1
         batch = KVCache(self.model.config, len(reqs), L, dtype=self.dtype)
         am = paddle.to_tensor(pad) if min(lens) < L else None
         logits = self.model(paddle.to_tensor(ids), attention_mask=am, cache=batch, logits_to_keep=1).logits
@@ -212,17 +220,18 @@ class Engine:
         for r in reqs:
             self.rngs[id(r)] = np.random.default_rng(r.params.seed)  # None: fresh entropy
             if r.params.logit_bias:
-                self.biases[id(r)] = (np.fromiter(r.params.logit_bias, dtype=np.int64, count=len(r.params.logit_bias)),
-                                      np.fromiter(r.params.logit_bias.values(), dtype=np.float64,
-                                                  count=len(r.params.logit_bias)))
+                self.biases[id(r)] = (
+                    np.fromiter(r.params.logit_bias, dtype=np.int64, count=len(r.params.logit_bias)),
+                    np.fromiter(r.params.logit_bias.values(), dtype=np.float64, count=len(r.params.logit_bias)),
+                )
         first, failed = self._sample(logits, reqs)
         cache = self.cache
         if L > cache.length:  # a prompt longer than the time axis: make room on the left
             n, T = len(self.rows), cache.length
             if T and n:
                 cache.shift(n, L - T)
-                self.mask[:n, L - T:L] = self.mask[:n, :T].copy()
-                self.mask[:n, :L - T] = 0
+                self.mask[:n, L - T : L] = self.mask[:n, :T].copy()
+                self.mask[:n, : L - T] = 0
             cache.length = L
         T = cache.length
         for i, r in enumerate(reqs):
@@ -232,7 +241,7 @@ class Engine:
             row, p = len(self.rows), lens[i]
             cache.put(row, batch, i, slice(L - p, L), slice(T - p, T))
             self.mask[row, :] = 0
-            self.mask[row, T - p:T] = 1
+            self.mask[row, T - p : T] = 1
             self.rows.append(r)
             cache.n = len(self.rows)
             if self._advance_guarded(r, int(first[i])):
@@ -243,15 +252,15 @@ class Engine:
     def _decode_step(self) -> None:
         cache, n = self.cache, len(self.rows)
         if cache.length + 1 > cache.max_len:  # drop the columns no running row uses
-            used = self.mask[:n, :cache.length].any(axis=0)
+            used = self.mask[:n, : cache.length].any(axis=0)
             s = int(np.argmax(used))
             cache.shift(n, -s)
-            self.mask[:n, :cache.length] = self.mask[:n, s:s + cache.length].copy()
-            self.mask[:n, cache.length:] = 0
+            self.mask[:n, : cache.length] = self.mask[:n, s : s + cache.length].copy()
+            self.mask[:n, cache.length :] = 0
         T = cache.length
         self.mask[:n, T] = 1
         x = paddle.to_tensor(self.next_ids[:n, None])
-        am = paddle.to_tensor(self.mask[:n, :T + 1])
+        am = paddle.to_tensor(self.mask[:n, : T + 1])
         with paddle.no_grad():
             logits = self.model(x, attention_mask=am, cache=cache, logits_to_keep=1).logits[:, -1]
         self.steps += 1
@@ -341,13 +350,13 @@ class Engine:
         hold = max((len(s) - 1 for s in req.stop), default=0)
         safe = len(text.rstrip("\ufffd")) - hold
         if safe > req.sent:
-            req.emit(text[req.sent:safe], None)
+            req.emit(text[req.sent : safe], None)
             req.sent = safe
         return False
 
     def _finish(self, req: Request, reason: str, error: str | None = None) -> bool:
         req.error = error
-        rest = req.text[req.sent:] if reason != "error" else ""
+        rest = req.text[req.sent :] if reason != "error" else ""
         req.sent = len(req.text)
         self.rngs.pop(id(req), None)
         self.biases.pop(id(req), None)
@@ -371,8 +380,9 @@ class Engine:
             self.cache.length = 0
 
 
-def complete(engine: Engine, prompt: list[int], params: SamplingParams, stop: list[str] | None = None,
-             timeout: float = 600.0) -> tuple[str, list[int], str]:
+def complete(
+    engine: Engine, prompt: list[int], params: SamplingParams, stop: list[str] | None = None, timeout: float = 600.0
+) -> tuple[str, list[int], str]:
     """One request through the engine, waited for: (text, completion ids, finish reason)."""
     done = threading.Event()
     reason: list[str] = []

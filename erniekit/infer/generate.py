@@ -35,7 +35,10 @@ def sample_next(logits: paddle.Tensor, temperature: float, top_p: float) -> padd
 
 @paddle.no_grad()
 def generate_stream(
-    model: Ernie4_5ForCausalLM, prompts: list[list[int]], params: SamplingParams, pad_id: int = 0,
+    model: Ernie4_5ForCausalLM,
+    prompts: list[list[int]],
+    params: SamplingParams,
+    pad_id: int = 0,
     on_forward: Callable[[], None] | None = None,
 ) -> Iterator[np.ndarray]:
     """Yield the new token of every sequence at each step ([B] array; -1 once a sequence stopped).
@@ -50,8 +53,8 @@ def generate_stream(
     ids = np.full((B, L), pad_id, dtype=np.int64)
     mask = np.zeros((B, L + params.max_new_tokens), dtype=np.int64)
     for i, p in enumerate(prompts):
-        ids[i, L - len(p):] = p
-        mask[i, L - len(p):L] = 1
+        ids[i, L - len(p) :] = p
+        mask[i, L - len(p) : L] = 1
     padded = bool((mask[:, :L] == 0).any())
     cache = KVCache(model.config, B, L + params.max_new_tokens, dtype=model.model.embed_tokens.weight.dtype)
     stops = np.array(sorted(set(params.stop_token_ids)), dtype=np.int64)
@@ -79,7 +82,10 @@ def generate_stream(
 
 
 def generate(
-    model: Ernie4_5ForCausalLM, prompts: list[list[int]], params: SamplingParams, pad_id: int = 0,
+    model: Ernie4_5ForCausalLM,
+    prompts: list[list[int]],
+    params: SamplingParams,
+    pad_id: int = 0,
     on_token: Callable[[np.ndarray], None] | None = None,
 ) -> list[list[int]]:
     """New tokens per prompt, stop token excluded."""

@@ -28,8 +28,11 @@ class SamplingParams:
     logit_bias: dict[int, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, numbers.Integral) \
-                or self.max_new_tokens < 1:
+        if (
+            isinstance(self.max_new_tokens, bool)
+            or not isinstance(self.max_new_tokens, numbers.Integral)
+            or self.max_new_tokens < 1
+        ):
             raise ValueError(f"max_new_tokens={self.max_new_tokens!r} must be an integer >= 1")
         for name in ("temperature", "top_p", "presence_penalty", "frequency_penalty"):
             _finite(name, getattr(self, name))
@@ -40,8 +43,9 @@ class SamplingParams:
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2 <= getattr(self, name) <= 2:
                 raise ValueError(f"{name}={getattr(self, name)} must be in [-2, 2]")
-        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, numbers.Integral)
-                                      or not 0 <= self.seed < 2 ** 63):
+        if self.seed is not None and (
+            isinstance(self.seed, bool) or not isinstance(self.seed, numbers.Integral) or not 0 <= self.seed < 2**63
+        ):
             raise ValueError(f"seed={self.seed!r} must be an integer in [0, 2**63)")
         for tok, bias in self.logit_bias.items():
             if isinstance(tok, bool) or not isinstance(tok, numbers.Integral) or tok < 0:

@@ -42,8 +42,14 @@ ROLES = ("system", "user", "assistant", "developer")
 class BadRequest(Exception):
     """A request refused with an OpenAI-shaped error (status 4xx, or 500 for a generation fault)."""
 
-    def __init__(self, message: str, param: str | None = None, code: str | None = None, status: int = 400,
-                 kind: str = "invalid_request_error"):
+    def __init__(
+        self,
+        message: str,
+        param: str | None = None,
+        code: str | None = None,
+        status: int = 400,
+        kind: str = "invalid_request_error",
+    ):
         super().__init__(message)
         self.message, self.param, self.code, self.status, self.kind = message, param, code, status, kind
 
@@ -57,15 +63,20 @@ def _short(v: Any) -> str:
     return r if len(r) <= 40 else r[:37] + "..."
 
 
-def _number(body: dict, key: str, default: float, lo: float, hi: float, lo_open: bool = False,
-            hint: str = "") -> float:
+def _number(body: dict, key: str, default: float, lo: float, hi: float, lo_open: bool = False, hint: str = "") -> float:
     """body[key] as a finite float in [lo, hi] (or (lo, hi]); NaN / Infinity, which Python's json
     accepts, and bools are refused."""
     v = body.get(key)
     if v is None:
         return default
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v > hi or v < lo \
-            or (lo_open and v == lo):
+    if (
+        isinstance(v, bool)
+        or not isinstance(v, (int, float))
+        or not math.isfinite(v)
+        or v > hi
+        or v < lo
+        or (lo_open and v == lo)
+    ):
         side = f"({lo}" if lo_open else f"[{lo}"
         raise BadRequest(f"{key}={_short(v)} must be a finite number in {side}, {hi}]{hint}", key)
     return float(v)
@@ -94,10 +105,14 @@ def _stops(body: dict) -> list[str]:
     if stop is None:
         return []
     stops = [stop] if isinstance(stop, str) else stop
-    if not isinstance(stops, list) or len(stops) > 4 or not all(
-            isinstance(s, str) and 0 < len(s) <= MAX_STOP_CHARS for s in stops):
-        raise BadRequest(f"stop must be a string or a list of up to 4 strings, each 1 to {MAX_STOP_CHARS} "
-                         "characters", "stop")
+    if (
+        not isinstance(stops, list)
+        or len(stops) > 4
+        or not all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_CHARS for s in stops)
+    ):
+        raise BadRequest(
+            f"stop must be a string or a list of up to 4 strings, each 1 to {MAX_STOP_CHARS} characters", "stop"
+        )
     return stops
 
 
@@ -113,8 +128,9 @@ def _logit_bias(body: dict, vocab: int) -> dict[int, float]:
         try:
             tok = int(k)
         except ValueError:
-            raise BadRequest(f"logit_bias key {_short(k)} is not a token id; keys are token ids in [0, {vocab})",
-                             "logit_bias") from None
+            raise BadRequest(
+                f"logit_bias key {_short(k)} is not a token id; keys are token ids in [0, {vocab})", "logit_bias"
+            ) from None
         if not 0 <= tok < vocab:
             raise BadRequest(f"logit_bias key {tok} is outside the vocabulary [0, {vocab})", "logit_bias")
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or not -100 <= v <= 100:
@@ -143,22 +159,25 @@ def parse_json(raw: bytes) -> Any:
     try:
         text = raw.decode("utf-8")  # JSON over HTTP is UTF-8 (RFC 8259); json.loads(bytes) would guess UTF-16/32
     except UnicodeDecodeError as e:
-        raise BadRequest(f"the request body is not UTF-8 text ({e.reason} at byte {e.start}); send UTF-8 JSON") \
-            from None
+        raise BadRequest(
+            f"the request body is not UTF-8 text ({e.reason} at byte {e.start}); send UTF-8 JSON"
+        ) from None
     try:
         body = json.loads(text)
     except json.JSONDecodeError as e:
-        raise BadRequest(f"the request body is not valid JSON ({e.msg} at line {e.lineno} column {e.colno})") \
-            from None
+        raise BadRequest(f"the request body is not valid JSON ({e.msg} at line {e.lineno} column {e.colno})") from None
     except RecursionError:
-        raise BadRequest(f"the request body nests deeper than {MAX_JSON_DEPTH} levels; flatten it",
-                         code="json_too_deep") from None
+        raise BadRequest(
+            f"the request body nests deeper than {MAX_JSON_DEPTH} levels; flatten it", code="json_too_deep"
+        ) from None
     except ValueError:  # an integer literal longer than Python converts (sys.get_int_max_str_digits)
-        raise BadRequest(f"the request body has a number of more than {sys.get_int_max_str_digits()} digits; "
-                         "send ordinary numbers") from None
+        raise BadRequest(
+            f"the request body has a number of more than {sys.get_int_max_str_digits()} digits; send ordinary numbers"
+        ) from None
     if _depth(body) > MAX_JSON_DEPTH:
-        raise BadRequest(f"the request body nests deeper than {MAX_JSON_DEPTH} levels; flatten it",
-                         code="json_too_deep")
+        raise BadRequest(
+            f"the request body nests deeper than {MAX_JSON_DEPTH} levels; flatten it", code="json_too_deep"
+        )
     return body
 
 
@@ -172,8 +191,14 @@ def _max_chars_per_token(tokenizer) -> int:
 class OpenAIServer:
     """The request handling, free of the web framework (the FastAPI routes call it)."""
 
-    def __init__(self, engine: Engine, tokenizer, model_name: str, api_key: str | None = None,
-                 max_body_bytes: int = DEFAULT_MAX_BODY_BYTES):
+    def __init__(
+        self,
+        engine: Engine,
+        tokenizer,
+        model_name: str,
+        api_key: str | None = None,
+        max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    ):
         self.engine, self.tokenizer, self.model_name = engine, tokenizer, model_name
         self._expected_auth = f"Bearer {api_key}".encode() if api_key else None  # the header bytes to expect
         self.max_body_bytes = max_body_bytes
@@ -193,16 +218,25 @@ class OpenAIServer:
         except UnicodeEncodeError:  # a str that did not come from a header
             raw = given.encode("utf-8")
         if not hmac.compare_digest(raw, self._expected_auth):
-            raise BadRequest("invalid or missing API key; send the header 'Authorization: Bearer KEY' with the "
-                             "server's key", None, "invalid_api_key", status=401, kind="authentication_error")
+            raise BadRequest(
+                "invalid or missing API key; send the header 'Authorization: Bearer KEY' with the server's key",
+                None,
+                "invalid_api_key",
+                status=401,
+                kind="authentication_error",
+            )
 
     def _fits(self, chars: int, param: str) -> None:
         """Refuse before tokenising a prompt whose characters alone need more tokens than the
         context holds (each token stands for at most `chars_per_token` characters)."""
         need = -(-chars // self.chars_per_token)
         if need + 1 > self.engine.max_model_len:
-            raise BadRequest(f"the prompt has {chars} characters, at least {need} tokens, more than the context of "
-                             f"{self.engine.max_model_len} tokens; shorten it", param, "context_length_exceeded")
+            raise BadRequest(
+                f"the prompt has {chars} characters, at least {need} tokens, more than the context of "
+                f"{self.engine.max_model_len} tokens; shorten it",
+                param,
+                "context_length_exceeded",
+            )
 
     def _options(self, body: dict) -> dict:
         """Every field but the prompt, checked before any tokenising."""
@@ -210,18 +244,25 @@ class OpenAIServer:
         if not isinstance(model, str):
             raise BadRequest(f"model={_short(model)} must be a string: this server serves {self.model_name!r}", "model")
         if model != self.model_name:
-            raise BadRequest(f"the model {_short(model)} does not exist; this server serves "
-                             f"{self.model_name!r} (GET /v1/models)", "model", "model_not_found", status=404)
+            raise BadRequest(
+                f"the model {_short(model)} does not exist; this server serves {self.model_name!r} (GET /v1/models)",
+                "model",
+                "model_not_found",
+                status=404,
+            )
         n = body.get("n")
         if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n != 1):
-            raise BadRequest(f"n={_short(n)}: this server returns one choice per request; send n=1 or leave it out",
-                             "n")
+            raise BadRequest(
+                f"n={_short(n)}: this server returns one choice per request; send n=1 or leave it out", "n"
+            )
         for key in ("logprobs", "top_logprobs", "tools", "functions", "response_format", "suffix"):
             if body.get(key) not in (None, False, 0, [], {"type": "text"}):  # the values that ask for nothing
                 raise BadRequest(f"{key} is not supported by this server; leave it out", key)
         if body.get("best_of") not in (None, 1) or isinstance(body.get("best_of"), bool):
-            raise BadRequest(f"best_of={_short(body.get('best_of'))}: this server returns one choice per request; "
-                             "leave it out", "best_of")
+            raise BadRequest(
+                f"best_of={_short(body.get('best_of'))}: this server returns one choice per request; leave it out",
+                "best_of",
+            )
         if _flag(body, "echo"):
             raise BadRequest("echo is not supported by this server; leave it out", "echo")
         stream = _flag(body, "stream")
@@ -235,12 +276,18 @@ class OpenAIServer:
         max_key = keys[0] if keys else "max_tokens"
         max_tokens = _integer(body, max_key, 1, self.engine.max_model_len - 1) if keys else None
         return dict(
-            stream=stream, include_usage=include_usage, stops=_stops(body), max_key=max_key, max_tokens=max_tokens,
+            stream=stream,
+            include_usage=include_usage,
+            stops=_stops(body),
+            max_key=max_key,
+            max_tokens=max_tokens,
             temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
             top_p=_number(body, "top_p", 1.0, 0.0, 1.0, lo_open=True, hint=" (for greedy, send temperature 0)"),
             presence_penalty=_number(body, "presence_penalty", 0.0, -2.0, 2.0),
             frequency_penalty=_number(body, "frequency_penalty", 0.0, -2.0, 2.0),
-            seed=_integer(body, "seed", 0, 2 ** 63 - 1), logit_bias=_logit_bias(body, self.vocab))
+            seed=_integer(body, "seed", 0, 2**63 - 1),
+            logit_bias=_logit_bias(body, self.vocab),
+        )
 
     def _messages(self, body: dict) -> list[int]:
         from erniekit.errors import DataError
@@ -255,17 +302,22 @@ class OpenAIServer:
                 raise BadRequest(f"messages[{i}] must be an object {{role, content}}", f"messages[{i}]")
             role, content = m.get("role"), m.get("content")
             if role not in ROLES:
-                raise BadRequest(f"messages[{i}].role={_short(role)} must be one of {', '.join(ROLES)}",
-                                 f"messages[{i}].role")
+                raise BadRequest(
+                    f"messages[{i}].role={_short(role)} must be one of {', '.join(ROLES)}", f"messages[{i}].role"
+                )
             if isinstance(content, list):  # [{"type": "text", "text": ...}] parts: text only
-                if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
-                           for p in content):
-                    raise BadRequest(f"messages[{i}].content: only text parts {{type: text, text: str}} are "
-                                     "supported", f"messages[{i}].content")
+                if not all(
+                    isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content
+                ):
+                    raise BadRequest(
+                        f"messages[{i}].content: only text parts {{type: text, text: str}} are supported",
+                        f"messages[{i}].content",
+                    )
                 content = "".join(p["text"] for p in content)
             if not isinstance(content, str):
-                raise BadRequest(f"messages[{i}].content must be a string or a list of text parts",
-                                 f"messages[{i}].content")
+                raise BadRequest(
+                    f"messages[{i}].content must be a string or a list of text parts", f"messages[{i}].content"
+                )
             chars += len(content)
             msgs.append({"role": "system" if role == "developer" else role, "content": content})
         self._fits(chars, "messages")
@@ -282,13 +334,16 @@ class OpenAIServer:
         if isinstance(prompt, str):
             self._fits(len(prompt), "prompt")
             ids = self.tokenizer.encode(prompt)
-        elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        elif (
+            isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
+        ):
             if not all(0 <= t < self.vocab for t in prompt):
                 raise BadRequest(f"prompt token ids must be in [0, {self.vocab})", "prompt")
             ids = list(prompt)
         else:
-            raise BadRequest("prompt must be a non-empty string, a list with one string, or a list of token ids",
-                             "prompt")
+            raise BadRequest(
+                "prompt must be a non-empty string, a list with one string, or a list of token ids", "prompt"
+            )
         if not ids:
             raise BadRequest("the prompt encodes to no tokens; send some text", "prompt")
         return ids
@@ -306,12 +361,19 @@ class OpenAIServer:
         try:
             self.engine.check(len(prompt), max_tokens)
         except ValueError as e:
-            raise BadRequest(f"{e} ({o['max_key']})", "messages" if chat else "prompt",
-                             "context_length_exceeded") from None
+            raise BadRequest(
+                f"{e} ({o['max_key']})", "messages" if chat else "prompt", "context_length_exceeded"
+            ) from None
         try:
-            params = SamplingParams(max_new_tokens=max_tokens, temperature=o["temperature"], top_p=o["top_p"],
-                                    seed=o["seed"], presence_penalty=o["presence_penalty"],
-                                    frequency_penalty=o["frequency_penalty"], logit_bias=o["logit_bias"])
+            params = SamplingParams(
+                max_new_tokens=max_tokens,
+                temperature=o["temperature"],
+                top_p=o["top_p"],
+                seed=o["seed"],
+                presence_penalty=o["presence_penalty"],
+                frequency_penalty=o["frequency_penalty"],
+                logit_bias=o["logit_bias"],
+            )
         except ValueError as e:  # the checks above cover these; kept so a gap is a 400, not a 500
             raise BadRequest(str(e)) from None
         return prompt, params, o["stops"], o["stream"], o["include_usage"]
@@ -348,12 +410,22 @@ class OpenAIServer:
             raise BadRequest(f"generation failed: {req.error}", status=500, kind="server_error")
         rid, now = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex, int(time.time())
         if chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": req.text}, "finish_reason": finish,
-                      "logprobs": None}
+            choice = {
+                "index": 0,
+                "message": {"role": "assistant", "content": req.text},
+                "finish_reason": finish,
+                "logprobs": None,
+            }
         else:
             choice = {"index": 0, "text": req.text, "finish_reason": finish, "logprobs": None}
-        return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": now,
-                "model": self.model_name, "choices": [choice], "usage": self.usage(req)}
+        return {
+            "id": rid,
+            "object": "chat.completion" if chat else "text_completion",
+            "created": now,
+            "model": self.model_name,
+            "choices": [choice],
+            "usage": self.usage(req),
+        }
 
     async def stream(self, chat: bool, prompt, params, stops, include_usage: bool):
         """Server-sent events: OpenAI's chunk objects, then `data: [DONE]`."""
@@ -385,8 +457,14 @@ class OpenAIServer:
                     yield chunk(None, finish)
                     break
             if include_usage:
-                obj = {"id": rid, "object": kind, "created": now, "model": self.model_name, "choices": [],
-                       "usage": self.usage(req)}
+                obj = {
+                    "id": rid,
+                    "object": kind,
+                    "created": now,
+                    "model": self.model_name,
+                    "choices": [],
+                    "usage": self.usage(req),
+                }
                 yield f"data: {json.dumps(obj)}\n\n"
             yield "data: [DONE]\n\n"
         finally:
@@ -413,8 +491,12 @@ def build_app(server: OpenAIServer):
         Content-Length before reading anything, else while counting the streamed (chunked) pieces,
         so a huge upload costs at most max_body_bytes of memory and never delays other clients."""
         limit = server.max_body_bytes
-        too_big = BadRequest(f"the request body exceeds {limit} bytes (the server's --max-body-bytes); send a "
-                             "shorter request", None, "request_too_large", status=413)
+        too_big = BadRequest(
+            f"the request body exceeds {limit} bytes (the server's --max-body-bytes); send a shorter request",
+            None,
+            "request_too_large",
+            status=413,
+        )
         declared = request.headers.get("content-length")
         if declared is not None:
             if not declared.isdigit():
@@ -434,8 +516,9 @@ def build_app(server: OpenAIServer):
         try:
             await asyncio.wait_for(collect(), BODY_TIMEOUT_S)
         except asyncio.TimeoutError:
-            raise BadRequest(f"the request body did not arrive within {BODY_TIMEOUT_S:.0f} s", None,
-                             "request_timeout", status=408) from None
+            raise BadRequest(
+                f"the request body did not arrive within {BODY_TIMEOUT_S:.0f} s", None, "request_timeout", status=408
+            ) from None
         return b"".join(chunks)
 
     async def until_disconnect(request: HTTPRequest, work):
@@ -457,8 +540,12 @@ def build_app(server: OpenAIServer):
 
     @app.get("/health")
     async def health():
-        return {"status": "ok", "model": server.model_name, "running": len(server.engine.rows),
-                "waiting": server.engine.pending.qsize()}
+        return {
+            "status": "ok",
+            "model": server.model_name,
+            "running": len(server.engine.rows),
+            "waiting": server.engine.pending.qsize(),
+        }
 
     @app.get("/v1/models")
     async def models(request: HTTPRequest):
@@ -466,8 +553,10 @@ def build_app(server: OpenAIServer):
             server.check_key(request.headers.get("authorization"))
         except BadRequest as e:
             return fail(e)
-        return {"object": "list", "data": [{"id": server.model_name, "object": "model", "created": server.created,
-                                            "owned_by": "erniekit"}]}
+        return {
+            "object": "list",
+            "data": [{"id": server.model_name, "object": "model", "created": server.created, "owned_by": "erniekit"}],
+        }
 
     async def handle(request: HTTPRequest, chat: bool):
         try:
@@ -475,8 +564,9 @@ def build_app(server: OpenAIServer):
             raw = await read_body(request)
             prompt, params, stops, stream, include_usage = await asyncio.to_thread(server.parse, raw, chat)
             if stream:
-                return StreamingResponse(server.stream(chat, prompt, params, stops, include_usage),
-                                         media_type="text/event-stream")
+                return StreamingResponse(
+                    server.stream(chat, prompt, params, stops, include_usage), media_type="text/event-stream"
+                )
             return await until_disconnect(request, server.whole(chat, prompt, params, stops))
         except BadRequest as e:
             return fail(e)
@@ -492,11 +582,16 @@ def build_app(server: OpenAIServer):
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: HTTPRequest, exc: StarletteHTTPException):
         if exc.status_code == 404:
-            e = BadRequest(f"no route {request.method} {request.url.path}; see /v1/models, /v1/chat/completions, "
-                           "/v1/completions, /health", status=404, code="not_found")
+            e = BadRequest(
+                f"no route {request.method} {request.url.path}; see /v1/models, /v1/chat/completions, "
+                "/v1/completions, /health",
+                status=404,
+                code="not_found",
+            )
         elif exc.status_code == 405:
-            e = BadRequest(f"{request.method} is not allowed on {request.url.path}", status=405,
-                           code="method_not_allowed")
+            e = BadRequest(
+                f"{request.method} is not allowed on {request.url.path}", status=405, code="method_not_allowed"
+            )
         else:
             e = BadRequest(str(exc.detail), status=exc.status_code)
         return fail(e)
@@ -509,8 +604,14 @@ def build_app(server: OpenAIServer):
 
     @app.exception_handler(Exception)
     async def internal(request: HTTPRequest, exc: Exception):
-        return fail(BadRequest(f"internal error ({type(exc).__name__}); the server keeps serving, please report it",
-                               status=500, kind="server_error", code="internal_error"))
+        return fail(
+            BadRequest(
+                f"internal error ({type(exc).__name__}); the server keeps serving, please report it",
+                status=500,
+                kind="server_error",
+                code="internal_error",
+            )
+        )
 
     return app
 
@@ -524,8 +625,15 @@ def api_key_from(flag: str | None) -> tuple[str | None, str]:
     return (env, API_KEY_ENV) if env else (None, "")
 
 
-def fastdeploy_command(model_dir: str, host: str, port: int, max_model_len: int, max_batch: int,
-                       quantization: str | None = None, api_key: str | None = None) -> tuple[list[str], dict[str, str]]:
+def fastdeploy_command(
+    model_dir: str,
+    host: str,
+    port: int,
+    max_model_len: int,
+    max_batch: int,
+    quantization: str | None = None,
+    api_key: str | None = None,
+) -> tuple[list[str], dict[str, str]]:
     """FastDeploy's own OpenAI server on an exported directory, as ERNIEKit starts it: (command,
     extra environment). The API key goes in FastDeploy's FD_API_KEY variable, not on the command
     line, where `ps` and FastDeploy's own argument log would show it; `quantization` (wint8 /
@@ -537,8 +645,10 @@ def fastdeploy_command(model_dir: str, host: str, port: int, max_model_len: int,
     from erniekit.errors import ErniekitError
 
     if importlib.util.find_spec("fastdeploy") is None:
-        raise ErniekitError("--backend fastdeploy needs FastDeploy (pip install fastdeploy-gpu from PaddlePaddle's "
-                            "index, on a CUDA machine); the built-in engine (--backend builtin) runs anywhere")
+        raise ErniekitError(
+            "--backend fastdeploy needs FastDeploy (pip install fastdeploy-gpu from PaddlePaddle's "
+            "index, on a CUDA machine); the built-in engine (--backend builtin) runs anywhere"
+        )
     import paddle
 
     if not paddle.device.is_compiled_with_cuda() or paddle.device.cuda.device_count() < 1:
@@ -552,20 +662,37 @@ def fastdeploy_command(model_dir: str, host: str, port: int, max_model_len: int,
         except (OSError, ValueError, AttributeError) as e:
             raise ErniekitError(f"{info_path}: unreadable ({e}); re-export the model") from None
     if fmt in ("wint8", "wint4"):
-        raise ErniekitError(f"{model_dir} is an erniekit {fmt} export, whose int8/int4 + scale layout FastDeploy "
-                            f"does not read; export --format hf and serve that with --backend fastdeploy "
-                            f"--quantization {fmt} (FastDeploy quantizes as it loads)")
+        raise ErniekitError(
+            f"{model_dir} is an erniekit {fmt} export, whose int8/int4 + scale layout FastDeploy "
+            f"does not read; export --format hf and serve that with --backend fastdeploy "
+            f"--quantization {fmt} (FastDeploy quantizes as it loads)"
+        )
     if quantization not in (None, "wint8", "wint4"):
         raise ErniekitError(f"--quantization {quantization}: FastDeploy's weight-only choices here are wint8, wint4")
-    cmd = [sys.executable, "-m", "fastdeploy.entrypoints.openai.api_server", "--model", model_dir, "--host", host,
-           "--port", str(port), "--max-model-len", str(max_model_len), "--max-num-seqs", str(max_batch)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "fastdeploy.entrypoints.openai.api_server",
+        "--model",
+        model_dir,
+        "--host",
+        host,
+        "--port",
+        str(port),
+        "--max-model-len",
+        str(max_model_len),
+        "--max-num-seqs",
+        str(max_batch),
+    ]
     if quantization:
         cmd += ["--quantization", quantization]
     env = {}
     if api_key:
         if "," in api_key:
-            raise ErniekitError("the API key contains ',', which FastDeploy's FD_API_KEY reads as a separator "
-                                "between keys; choose a key without commas")
+            raise ErniekitError(
+                "the API key contains ',', which FastDeploy's FD_API_KEY reads as a separator "
+                "between keys; choose a key without commas"
+            )
         env["FD_API_KEY"] = api_key
     return cmd, env
 
@@ -577,28 +704,45 @@ def run_server(ns) -> int:
     if ns.backend == "fastdeploy":
         import subprocess
 
-        cmd, env = fastdeploy_command(ns.model_dir, ns.host, ns.port, ns.max_model_len or 32768, ns.max_batch,
-                                      quantization=ns.quantization, api_key=api_key)
+        cmd, env = fastdeploy_command(
+            ns.model_dir,
+            ns.host,
+            ns.port,
+            ns.max_model_len or 32768,
+            ns.max_batch,
+            quantization=ns.quantization,
+            api_key=api_key,
+        )
         note = f" (API key from {key_source}, passed in FD_API_KEY)" if api_key else ""
         print("erniekit: starting FastDeploy: " + " ".join(cmd) + note, flush=True)
         return subprocess.call(cmd, env={**os.environ, **env})
     if ns.quantization:
         from erniekit.errors import ErniekitError
 
-        raise ErniekitError("--quantization is for --backend fastdeploy; the built-in engine serves a wint8/wint4 "
-                            "export directory (erniekit export --format wint8) as it is")
+        raise ErniekitError(
+            "--quantization is for --backend fastdeploy; the built-in engine serves a wint8/wint4 "
+            "export directory (erniekit export --format wint8) as it is"
+        )
     import uvicorn
 
     from erniekit.infer.chat import load_chat_model, stop_ids
 
     model, tokenizer = load_chat_model(ns.model_dir)
-    engine = Engine(model, tokenizer, max_batch=ns.max_batch, max_model_len=ns.max_model_len,
-                    stop_token_ids=stop_ids(model, tokenizer))
+    engine = Engine(
+        model,
+        tokenizer,
+        max_batch=ns.max_batch,
+        max_model_len=ns.max_model_len,
+        stop_token_ids=stop_ids(model, tokenizer),
+    )
     name = ns.served_model_name or os.path.basename(os.path.normpath(ns.model_dir))
     app = build_app(OpenAIServer(engine, tokenizer, name, api_key, max_body_bytes=ns.max_body_bytes))
-    print(f"erniekit: serving {name} ({ns.model_dir}) at http://{ns.host}:{ns.port}/v1 (up to {ns.max_batch} "
-          f"requests at once, context {engine.max_model_len} tokens, bodies up to {ns.max_body_bytes} bytes, "
-          + (f"API key required, from {key_source})" if api_key else "no API key)"), flush=True)
+    print(
+        f"erniekit: serving {name} ({ns.model_dir}) at http://{ns.host}:{ns.port}/v1 (up to {ns.max_batch} "
+        f"requests at once, context {engine.max_model_len} tokens, bodies up to {ns.max_body_bytes} bytes, "
+        + (f"API key required, from {key_source})" if api_key else "no API key)"),
+        flush=True,
+    )
     try:
         uvicorn.run(app, host=ns.host, port=ns.port, log_level=ns.log_level)
     finally:

@@ -44,11 +44,14 @@ class SpeculativeStats:
 def check_speculative(model: Ernie4_5ForCausalLM, params: SamplingParams) -> None:
     """One-line errors for what speculative decoding cannot do."""
     if getattr(model, "mtp", None) is None:
-        raise ErniekitError("--speculative needs a model with MTP heads (num_nextn_predict_layers >= 1 in its "
-                            "config.json); train one with model_overrides.num_nextn_predict_layers=1")
+        raise ErniekitError(
+            "--speculative needs a model with MTP heads (num_nextn_predict_layers >= 1 in its "
+            "config.json); train one with model_overrides.num_nextn_predict_layers=1"
+        )
     if params.temperature > 0:
-        raise ErniekitError(f"--speculative supports greedy decoding only: use --temperature 0 "
-                            f"(got {params.temperature})")
+        raise ErniekitError(
+            f"--speculative supports greedy decoding only: use --temperature 0 (got {params.temperature})"
+        )
 
 
 class _Speculator:
@@ -80,7 +83,7 @@ class _Speculator:
         (after the last only, for a prefill)."""
         start = self.cache.length
         h = self.model.model(paddle.to_tensor([ids], dtype="int64"), cache=self.cache)
-        self.hidden[0][:, start:start + len(ids)] = h
+        self.hidden[0][:, start : start + len(ids)] = h
         return paddle.argmax(self.model.head(h[0, -1:] if last_only else h[0]), axis=-1).numpy()
 
     def draft(self, tokens: list[int]) -> list[int]:
@@ -89,7 +92,7 @@ class _Speculator:
         ext, model = list(tokens), self.model
         for j in range(self.mtp.depth):
             lo = self.valid[j]
-            ids = paddle.to_tensor([ext[lo + j + 1: m + j + 1]], dtype="int64")  # t[i+j+1], 0-based j
+            ids = paddle.to_tensor([ext[lo + j + 1 : m + j + 1]], dtype="int64")  # t[i+j+1], 0-based j
             cos, sin, mask = self._rope_and_mask(lo, m)
             cache = self.mtp_caches[j]
             cache.length = lo
@@ -99,12 +102,17 @@ class _Speculator:
             ext.append(int(paddle.argmax(model.head(model.model.norm(h[0, -1])))))
             self.valid[j] = max(0, m - j)  # positions i with i + (j+1) <= m used certain tokens only
             cache.length = self.valid[j]
-        return ext[m + 1:]
+        return ext[m + 1 :]
 
 
 @paddle.no_grad()
-def speculative_stream(model: Ernie4_5ForCausalLM, prompts: list[list[int]], params: SamplingParams,
-                       pad_id: int = 0, stats: SpeculativeStats | None = None) -> Iterator[np.ndarray]:
+def speculative_stream(
+    model: Ernie4_5ForCausalLM,
+    prompts: list[list[int]],
+    params: SamplingParams,
+    pad_id: int = 0,
+    stats: SpeculativeStats | None = None,
+) -> Iterator[np.ndarray]:
     """Drop-in for `generate_stream` (batch of one, greedy): yields [1] arrays, the stop token last."""
     check_speculative(model, params)
     if len(prompts) != 1:
@@ -146,8 +154,9 @@ def _verify(spec: _Speculator, tokens: list[int], stats: SpeculativeStats) -> li
     return drafts[:k] + [int(greedy[k])]
 
 
-def speculative_generate(model: Ernie4_5ForCausalLM, prompt: list[int], params: SamplingParams,
-                         stats: SpeculativeStats | None = None) -> list[int]:
+def speculative_generate(
+    model: Ernie4_5ForCausalLM, prompt: list[int], params: SamplingParams, stats: SpeculativeStats | None = None
+) -> list[int]:
     """New tokens of one prompt, stop token excluded (as `generate`)."""
     stops, out = set(params.stop_token_ids), []
     for step in speculative_stream(model, [prompt], params, stats=stats):

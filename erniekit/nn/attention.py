@@ -49,7 +49,7 @@ def build_attention_mask(
     mask = (k_pos <= q_pos).unsqueeze(0).unsqueeze(0)  # [1, 1, q, k]
     if segment_ids is not None:
         seg_k = segment_ids
-        seg_q = segment_ids[:, kv_len - q_len:]
+        seg_q = segment_ids[:, kv_len - q_len :]
         same = seg_q.unsqueeze(2) == seg_k.unsqueeze(1)  # [B, q, k]
         mask = paddle.logical_and(mask, same.unsqueeze(1))
     if key_padding_mask is not None:
@@ -75,7 +75,9 @@ def additive_mask(mask: paddle.Tensor | None, q_len: int, kv_len: int, dtype) ->
     return paddle.where(mask, paddle.zeros([1], dtype), paddle.full([1], neg, dtype))
 
 
-def math_attention(q: paddle.Tensor, k: paddle.Tensor, v: paddle.Tensor, bias: paddle.Tensor, scale: float) -> paddle.Tensor:
+def math_attention(
+    q: paddle.Tensor, k: paddle.Tensor, v: paddle.Tensor, bias: paddle.Tensor, scale: float
+) -> paddle.Tensor:
     """Softmax attention with GQA by grouping query heads per kv head (no k/v repeat).
 
     q [B, Sq, H, D], k/v [B, Sk, KVH, D], bias [B|1, 1, Sq, Sk] additive -> [B, Sq, H, D].

@@ -61,7 +61,7 @@ def e4m3_relative_bound() -> float:
 
         |dequant(x) - x| <= max(|x| * 2^-4, scale * 2^-10)  (+ fp32 rounding, ~|x| * 2^-23)
 
-    which is the bound tests/test_fp8.py checks. The tile's amax maps to exactly +-448, so no
+    which is the bound tests/unit/nn/test_fp8.py checks. The tile's amax maps to exactly +-448, so no
     element saturates; elements with |x| <= scale * 2^-10 (~ amax * 2^-18.8) flush to 0.
     """
     return 2.0 ** -(E4M3_MANTISSA_BITS + 1)
@@ -308,8 +308,9 @@ def _check_gemm(x: paddle.Tensor, w: paddle.Tensor, block: int, backend: str) ->
         )
 
 
-def fp8_matmul(x: paddle.Tensor, w: paddle.Tensor, block: int = 128, backend: str | None = None,
-               grad_format: str = "e4m3") -> paddle.Tensor:
+def fp8_matmul(
+    x: paddle.Tensor, w: paddle.Tensor, block: int = 128, backend: str | None = None, grad_format: str = "e4m3"
+) -> paddle.Tensor:
     """Differentiable x @ w (x [..., K], w [K, N]; float32/bf16 masters) with every GEMM in block-scaled FP8.
 
     K and N must be multiples of `block` (else FP8ShapeError, a ValueError); the token count M is
@@ -324,8 +325,10 @@ def fp8_matmul(x: paddle.Tensor, w: paddle.Tensor, block: int = 128, backend: st
     if grad_format not in GRAD_FORMATS:
         raise ConfigError(f"fp8_grad_format={grad_format!r} is not supported; use one of {sorted(GRAD_FORMATS)}")
     if backend == "gpu" and grad_format != "e4m3":
-        raise ConfigError(f"fp8_grad_format={grad_format}: the GPU blockwise FP8 kernel path takes e4m3 only; "
-                          "set fp8_grad_format=e4m3 on GPU")
+        raise ConfigError(
+            f"fp8_grad_format={grad_format}: the GPU blockwise FP8 kernel path takes e4m3 only; "
+            "set fp8_grad_format=e4m3 on GPU"
+        )
     lead = list(x.shape[:-1])
     m = 1
     for d in lead:
@@ -374,7 +377,9 @@ class _FP8GroupedMatMul(PyLayer):
         if ctx.need[0]:
             dq = split_rows(_fake_quant(dy, 1, block, ctx.fmt), sizes)
             wl = paddle.unbind(wq)
-            dx = concat_rows([paddle.matmul(d, wl[e], transpose_y=True) for d, e in zip(dq, experts)]).astype(ctx.dtypes[0])
+            dx = concat_rows([paddle.matmul(d, wl[e], transpose_y=True) for d, e in zip(dq, experts)]).astype(
+                ctx.dtypes[0]
+            )
         if ctx.need[1]:
             pos, padded = _padded_rows(sizes, block)
             E, K, N = wq.shape
@@ -389,19 +394,29 @@ class _FP8GroupedMatMul(PyLayer):
         return dx, dw
 
 
-def fp8_grouped_matmul(x: paddle.Tensor, w: paddle.Tensor, sizes: list[int], experts: list[int],
-                       block: int = 128, grad_format: str = "e4m3") -> paddle.Tensor:
+def fp8_grouped_matmul(
+    x: paddle.Tensor,
+    w: paddle.Tensor,
+    sizes: list[int],
+    experts: list[int],
+    block: int = 128,
+    grad_format: str = "e4m3",
+) -> paddle.Tensor:
     """Rows of x [M, K] come in consecutive groups (sizes, summing to M); group g is multiplied by
     w[experts[g]] (w [E, K, N]). Equal to concatenating `fp8_matmul(x_g, w[e_g])`, differentiable
     for x and w. On a GPU with the FP8 kernel it runs exactly that per-group loop."""
     if len(w.shape) != 3 or len(x.shape) != 2 or len(sizes) != len(experts) or sum(sizes) != x.shape[0]:
-        raise ValueError(f"fp8_grouped_matmul: need x [M, K], w [E, K, N] and one expert per group summing to M, "
-                         f"got {list(x.shape)}, {list(w.shape)}, sizes {sizes}, experts {experts}")
+        raise ValueError(
+            f"fp8_grouped_matmul: need x [M, K], w [E, K, N] and one expert per group summing to M, "
+            f"got {list(x.shape)}, {list(w.shape)}, sizes {sizes}, experts {experts}"
+        )
     backend = fp8_backend() if x.place.is_gpu_place() else "emulated"
     _check_gemm(x, w[0], block, backend)
     if grad_format not in GRAD_FORMATS:
         raise ConfigError(f"fp8_grad_format={grad_format!r} is not supported; use one of {sorted(GRAD_FORMATS)}")
     if backend == "gpu":
         wl = paddle.unbind(w)
-        return concat_rows([fp8_matmul(xg, wl[e], block, backend, grad_format) for xg, e in zip(split_rows(x, sizes), experts)])
+        return concat_rows(
+            [fp8_matmul(xg, wl[e], block, backend, grad_format) for xg, e in zip(split_rows(x, sizes), experts)]
+        )
     return _FP8GroupedMatMul.apply(x, w, list(sizes), list(experts), block, grad_format)

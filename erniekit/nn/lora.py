@@ -62,8 +62,10 @@ class LoraConfig:
             (0.0 <= self.lora_dropout < 1.0, f"lora_dropout={self.lora_dropout!r} must be in [0, 1)"),
             (self.lora_plus_scale > 0, f"lora_plus_scale={self.lora_plus_scale!r} must be > 0"),
             (bool(self.target_modules), "target_modules is empty: give at least one module-name regex"),
-            (self.base_dtype in (None, "float32", "bfloat16", "float16"),
-             f"base_dtype={self.base_dtype!r}: use None, 'float32', 'bfloat16' or 'float16'"),
+            (
+                self.base_dtype in (None, "float32", "bfloat16", "float16"),
+                f"base_dtype={self.base_dtype!r}: use None, 'float32', 'bfloat16' or 'float16'",
+            ),
         ]
         for ok, msg in checks:
             if not ok:
@@ -80,6 +82,7 @@ class LoraConfig:
 
 
 # ---- shared numerics -------------------------------------------------------------------------
+
 
 def _dtype_name(t: paddle.Tensor) -> str:
     return str(t.dtype).split(".")[-1]
@@ -154,6 +157,7 @@ class _LoraMixin:
 
 # ---- Linear ----------------------------------------------------------------------------------
 
+
 class LoraLinear(_LoraMixin, nn.Layer):
     """y = x W + b + s * dropout(x) A B          (LoRA; s = alpha/r, or alpha/sqrt(r) for rsLoRA)
     y = m / ||W + s A B||_col * (x W + s * dropout(x) A B) + b            (DoRA, norm detached)"""
@@ -166,10 +170,12 @@ class LoraLinear(_LoraMixin, nn.Layer):
         if config.base_dtype:
             _cast_param_(self.weight, config.base_dtype)
         fan_in, fan_out = self.weight.shape
-        self.lora_A = self.create_parameter([fan_in, config.r], dtype=self.compute_dtype,
-                                            default_initializer=_kaiming_uniform(fan_in))
-        self.lora_B = self.create_parameter([config.r, fan_out], dtype=self.compute_dtype,
-                                            default_initializer=nn.initializer.Constant(0.0))
+        self.lora_A = self.create_parameter(
+            [fan_in, config.r], dtype=self.compute_dtype, default_initializer=_kaiming_uniform(fan_in)
+        )
+        self.lora_B = self.create_parameter(
+            [config.r, fan_out], dtype=self.compute_dtype, default_initializer=nn.initializer.Constant(0.0)
+        )
         if config.use_dora:  # m = ||W|| of the weight as held, so the adapted model starts at the base
             self.lora_magnitude_vector = self.create_parameter([fan_out], dtype=self.compute_dtype)
             self.lora_magnitude_vector.set_value(_col_norm(self.weight.detach().astype(self.compute_dtype)))
@@ -233,6 +239,7 @@ class LoraLinear(_LoraMixin, nn.Layer):
 
 # ---- routed experts --------------------------------------------------------------------------
 
+
 class LoraStackedExperts(_LoraMixin, StackedExperts):
     """StackedExperts with per-expert adapters: for projection p of expert e,
     h W_p[e] + s * dropout(h) A_p[e] B_p[e] (DoRA: scaled per expert column), inside the same
@@ -253,10 +260,20 @@ class LoraStackedExperts(_LoraMixin, StackedExperts):
             if config.base_dtype:
                 _cast_param_(w, config.base_dtype)
             E, fan_in, fan_out = w.shape
-            setattr(self, f"{p}_lora_A", self.create_parameter(
-                [E, fan_in, config.r], dtype=self.compute_dtype, default_initializer=_kaiming_uniform(fan_in)))
-            setattr(self, f"{p}_lora_B", self.create_parameter(
-                [E, config.r, fan_out], dtype=self.compute_dtype, default_initializer=nn.initializer.Constant(0.0)))
+            setattr(
+                self,
+                f"{p}_lora_A",
+                self.create_parameter(
+                    [E, fan_in, config.r], dtype=self.compute_dtype, default_initializer=_kaiming_uniform(fan_in)
+                ),
+            )
+            setattr(
+                self,
+                f"{p}_lora_B",
+                self.create_parameter(
+                    [E, config.r, fan_out], dtype=self.compute_dtype, default_initializer=nn.initializer.Constant(0.0)
+                ),
+            )
             if config.use_dora:
                 m = self.create_parameter([E, fan_out], dtype=self.compute_dtype)
                 m.set_value(_col_norm(w.detach().astype(self.compute_dtype)))
@@ -274,8 +291,12 @@ class LoraStackedExperts(_LoraMixin, StackedExperts):
         if not (self._active() and p in self.projs):
             return y
         A, B = paddle.unbind(self.param(f"{p}_lora_A")), paddle.unbind(self.param(f"{p}_lora_B"))
-        lora = concat_rows([self.scaling * paddle.matmul(paddle.matmul(self._drop(g), A[e]), B[e])
-                            for g, e in zip(split_rows(x, sizes), used)])
+        lora = concat_rows(
+            [
+                self.scaling * paddle.matmul(paddle.matmul(self._drop(g), A[e]), B[e])
+                for g, e in zip(split_rows(x, sizes), used)
+            ]
+        )
         if not self.use_dora:
             return y + lora.astype(y.dtype)
         with paddle.no_grad():  # all experts' column scales at once: m / ||W + s A B||
@@ -336,6 +357,7 @@ class LoraStackedExperts(_LoraMixin, StackedExperts):
 
 # ---- applying, matching ----------------------------------------------------------------------
 
+
 @dataclass
 class _State:
     config: LoraConfig
@@ -345,7 +367,9 @@ class _State:
 def _state(model: nn.Layer, what: str) -> _State:
     st = model.__dict__.get(_STATE_ATTR)
     if st is None:
-        raise ConfigError(f"{what}: the model has no LoRA adapters; call apply_lora(model, config) or load_adapter first")
+        raise ConfigError(
+            f"{what}: the model has no LoRA adapters; call apply_lora(model, config) or load_adapter first"
+        )
     return st
 
 
@@ -507,6 +531,7 @@ def lora_param_groups(model: nn.Layer, lora_plus_scale: float | None = None) -> 
 
 # ---- PEFT layout io --------------------------------------------------------------------------
 
+
 def _peft_targets(model: nn.Layer, config: LoraConfig) -> list[str] | str:
     """PEFT's `target_modules` for what is adapted: the usual suffix list when it selects exactly
     the adapted modules of the HF model (per-expert Linears), else an exact regex."""
@@ -537,8 +562,9 @@ def _peft_targets(model: nn.Layer, config: LoraConfig) -> list[str] | str:
     return "|".join(re.escape(n) for n in known if n in adapted)
 
 
-def save_adapter(model: nn.Layer, path: str, config: LoraConfig | None = None,
-                 base_model_name_or_path: str | None = None) -> None:
+def save_adapter(
+    model: nn.Layer, path: str, config: LoraConfig | None = None, base_model_name_or_path: str | None = None
+) -> None:
     """Write adapter_config.json + adapter_model.safetensors as PEFT's `save_pretrained` does."""
     from safetensors.paddle import save_file
 
@@ -561,12 +587,24 @@ def save_adapter(model: nn.Layer, path: str, config: LoraConfig | None = None,
                 t = t[spec[1]]
             tensors[key] = (t.T if spec[-1] else t).astype("float32").contiguous()
     cfg = {
-        "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model_name_or_path,
-        "r": config.r, "lora_alpha": config.lora_alpha, "lora_dropout": config.lora_dropout,
-        "target_modules": _peft_targets(model, config), "use_rslora": config.use_rslora, "use_dora": config.use_dora,
-        "bias": "none", "fan_in_fan_out": False, "inference_mode": True, "init_lora_weights": True,
-        "modules_to_save": None, "layers_to_transform": None, "layers_pattern": None,
-        "rank_pattern": {}, "alpha_pattern": {},
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": base_model_name_or_path,
+        "r": config.r,
+        "lora_alpha": config.lora_alpha,
+        "lora_dropout": config.lora_dropout,
+        "target_modules": _peft_targets(model, config),
+        "use_rslora": config.use_rslora,
+        "use_dora": config.use_dora,
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "inference_mode": True,
+        "init_lora_weights": True,
+        "modules_to_save": None,
+        "layers_to_transform": None,
+        "layers_pattern": None,
+        "rank_pattern": {},
+        "alpha_pattern": {},
     }
     os.makedirs(path, exist_ok=True)
     weights = os.path.join(path, ADAPTER_WEIGHTS_NAME)
@@ -577,15 +615,19 @@ def save_adapter(model: nn.Layer, path: str, config: LoraConfig | None = None,
 def _read_adapter_config(path: str) -> LoraConfig:
     file = os.path.join(path, ADAPTER_CONFIG_NAME)
     if not os.path.isfile(file):
-        raise CheckpointError(f"{file}: not found; point at a directory written by save_adapter or PEFT's save_pretrained")
+        raise CheckpointError(
+            f"{file}: not found; point at a directory written by save_adapter or PEFT's save_pretrained"
+        )
     d = read_json_object(file, "fix adapter_config.json")
     unsupported = [
         (d.get("peft_type", "LORA") != "LORA", f"peft_type={d.get('peft_type')!r} (only LORA is supported)"),
         (d.get("bias", "none") != "none", f"bias={d.get('bias')!r} (only 'none' is supported)"),
         (bool(d.get("fan_in_fan_out")), "fan_in_fan_out=true (only Linear layers are supported)"),
         (bool(d.get("modules_to_save")), "modules_to_save (fully trained extra modules are not supported)"),
-        (bool(d.get("rank_pattern")) or bool(d.get("alpha_pattern")),
-         "rank_pattern/alpha_pattern (one r and alpha for all modules)"),
+        (
+            bool(d.get("rank_pattern")) or bool(d.get("alpha_pattern")),
+            "rank_pattern/alpha_pattern (one r and alpha for all modules)",
+        ),
         (d.get("layers_to_transform") is not None, "layers_to_transform (use a target_modules regex)"),
     ]
     for bad, what in unsupported:
@@ -602,8 +644,12 @@ def _read_adapter_config(path: str) -> LoraConfig:
         raise CheckpointError(f"{file}: target_modules={tm!r}: expected a list of module names or a regex")
     try:
         return LoraConfig(
-            r=d.get("r", 8), lora_alpha=d.get("lora_alpha", 8), lora_dropout=d.get("lora_dropout", 0.0),
-            target_modules=patterns, use_rslora=bool(d.get("use_rslora")), use_dora=bool(d.get("use_dora")),
+            r=d.get("r", 8),
+            lora_alpha=d.get("lora_alpha", 8),
+            lora_dropout=d.get("lora_dropout", 0.0),
+            target_modules=patterns,
+            use_rslora=bool(d.get("use_rslora")),
+            use_dora=bool(d.get("use_dora")),
         )
     except ConfigError as e:
         raise CheckpointError(f"{file}: {e}") from None
@@ -615,8 +661,11 @@ def _expected_shapes(model: nn.Layer, plan, r: int, dora: bool) -> dict[str, lis
         if isinstance(layer, nn.Linear):
             shapes = [(PEFT_PREFIX + name, layer.weight.shape)]
         else:
-            shapes = [(f"{PEFT_PREFIX}{expert_module_name(name, layer, e)}.{p}", getattr(layer, p).shape[1:])
-                      for p in projs for e in range(layer.num_experts)]
+            shapes = [
+                (f"{PEFT_PREFIX}{expert_module_name(name, layer, e)}.{p}", getattr(layer, p).shape[1:])
+                for p in projs
+                for e in range(layer.num_experts)
+            ]
         for base, (fan_in, fan_out) in shapes:
             out[f"{base}.lora_A.weight"] = [r, fan_in]
             out[f"{base}.lora_B.weight"] = [fan_out, r]
@@ -634,8 +683,11 @@ def load_adapter(model: nn.Layer, path: str, base_dtype: str | None = None) -> L
     config.base_dtype = base_dtype
     file = os.path.join(path, ADAPTER_WEIGHTS_NAME)
     if not os.path.isfile(file):
-        hint = " (adapter_model.bin is pickle and is not loaded: convert it to safetensors)" if os.path.isfile(
-            os.path.join(path, "adapter_model.bin")) else ""
+        hint = (
+            " (adapter_model.bin is pickle and is not loaded: convert it to safetensors)"
+            if os.path.isfile(os.path.join(path, "adapter_model.bin"))
+            else ""
+        )
         raise CheckpointError(f"{file}: not found{hint}")
     try:
         plan = _plan(model, config)
@@ -648,10 +700,13 @@ def load_adapter(model: nn.Layer, path: str, base_dtype: str | None = None) -> L
         for n in names:
             if n not in expected:
                 module = re.sub(r"\.(lora_A\.weight|lora_B\.weight|lora_magnitude_vector)$", "", n)
-                module = module[len(PEFT_PREFIX):] if module.startswith(PEFT_PREFIX) else module
+                module = module[len(PEFT_PREFIX) :] if module.startswith(PEFT_PREFIX) else module
                 owned = module in known or re.sub(r"\.\d+\.\w+$", "", module) in known
-                why = ("which adapter_config.json target_modules does not select: the two files disagree" if owned
-                       else "which the model does not have: the adapter was made for another base model")
+                why = (
+                    "which adapter_config.json target_modules does not select: the two files disagree"
+                    if owned
+                    else "which the model does not have: the adapter was made for another base model"
+                )
                 raise CheckpointError(f"{file}: tensor {n} is for module {module}, {why}")
         for n, want in expected.items():
             if n not in names:
@@ -660,7 +715,8 @@ def load_adapter(model: nn.Layer, path: str, base_dtype: str | None = None) -> L
             if got != want:
                 raise CheckpointError(
                     f"{file}: tensor {n} has shape {got}, the model expects {want}: "
-                    "the adapter's base model has other shapes (check base_model_name_or_path)")
+                    "the adapter's base model has other shapes (check base_model_name_or_path)"
+                )
         apply_lora(model, config)
         _fill_adapters(model, f)
     return config
@@ -694,5 +750,7 @@ def load_adapter_weights(model: nn.Layer, path: str) -> None:
     with open_safetensors(file) as f:
         missing = [k for name, layer in lora_layers(model) for k in layer.peft_tensors(name) if k not in f.keys()]
         if missing:
-            raise CheckpointError(f"{file}: tensor {missing[0]} is missing; the adapter was saved with other lora settings")
+            raise CheckpointError(
+                f"{file}: tensor {missing[0]} is missing; the adapter was saved with other lora settings"
+            )
         _fill_adapters(model, f)

@@ -23,7 +23,6 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
-
 import paddle
 import paddle.nn as nn
 import paddle.nn.functional as F
@@ -98,8 +97,10 @@ class TopKRouter(nn.Layer):
         self.last_own_idx = idx
         if forced is not None and forced.force:
             if forced.topk_idx.shape != idx.shape:
-                raise DataError(f"routing replay: recorded experts have shape {forced.topk_idx.shape} but this forward "
-                                f"routes {idx.shape}; replay needs the same tokens and top-k as the rollout")
+                raise DataError(
+                    f"routing replay: recorded experts have shape {forced.topk_idx.shape} but this forward "
+                    f"routes {idx.shape}; replay needs the same tokens and top-k as the rollout"
+                )
             idx = paddle.where(forced.mask.unsqueeze(-1), forced.topk_idx, idx)
         w = paddle.take_along_axis(probs, idx, axis=-1)
         w = w / paddle.clip(w.sum(axis=-1, keepdim=True), min=self.norm_min)
@@ -130,8 +131,9 @@ class Dispatch:
     counts: list[int]  # assignments per expert (length E)
 
 
-def dispatch(topk_idx: paddle.Tensor, topk_weight: paddle.Tensor, num_experts: int,
-             keep: paddle.Tensor | None = None) -> Dispatch:
+def dispatch(
+    topk_idx: paddle.Tensor, topk_weight: paddle.Tensor, num_experts: int, keep: paddle.Tensor | None = None
+) -> Dispatch:
     """Sort (token, expert) assignments by expert, dropping those with keep == False."""
     T, k = topk_idx.shape
     flat_e = topk_idx.reshape([-1])
@@ -211,8 +213,9 @@ class StackedExperts(nn.Layer):
         W = paddle.unbind(w)
         return concat_rows([self.base_matmul(g, W[e]) for g, e in zip(split_rows(x, sizes), used)])
 
-    def forward(self, x: paddle.Tensor, topk_idx: paddle.Tensor, topk_weight: paddle.Tensor,
-                keep: paddle.Tensor | None = None) -> paddle.Tensor:
+    def forward(
+        self, x: paddle.Tensor, topk_idx: paddle.Tensor, topk_weight: paddle.Tensor, keep: paddle.Tensor | None = None
+    ) -> paddle.Tensor:
         """x [T, H]; returns sum_k weight_k * expert_{idx_k}(x) as [T, H] (dropped assignments add 0).
 
         Assignments are sorted by expert and split into one contiguous group per expert, so each
@@ -222,8 +225,9 @@ class StackedExperts(nn.Layer):
         projections runs once over all groups.
         """
         if self.expert_parallel is not None:
-            return self.expert_parallel.run(self._forward_expert_parallel, x, topk_idx, topk_weight, keep,
-                                            self.expert_params())
+            return self.expert_parallel.run(
+                self._forward_expert_parallel, x, topk_idx, topk_weight, keep, self.expert_params()
+            )
         if not paddle.in_dynamic_mode():
             return self._forward_every_expert(x, topk_idx, topk_weight, keep)
         d = dispatch(topk_idx, topk_weight, self.num_experts, keep)
@@ -233,8 +237,9 @@ class StackedExperts(nn.Layer):
         y = self._swiglu(paddle.gather(x, d.token), d.counts)
         return paddle.index_add(out, d.token, 0, y * d.weight.astype(x.dtype).unsqueeze(-1))
 
-    def _forward_every_expert(self, x: paddle.Tensor, topk_idx: paddle.Tensor, topk_weight: paddle.Tensor,
-                              keep: paddle.Tensor | None = None) -> paddle.Tensor:
+    def _forward_every_expert(
+        self, x: paddle.Tensor, topk_idx: paddle.Tensor, topk_weight: paddle.Tensor, keep: paddle.Tensor | None = None
+    ) -> paddle.Tensor:
         """Every expert on every token, summed with the gate weights (0 off the top-k): the same
         result without data-dependent shapes, which a static graph (the `paddle` / `onnx` export,
         erniekit/export/static.py) cannot hold; E / k times the expert FLOPs."""
@@ -254,11 +259,20 @@ class StackedExperts(nn.Layer):
 
     def expert_params(self) -> dict[str, paddle.Tensor]:
         """Parameters indexed by expert (leading dim E): split with the experts under expert parallelism."""
-        return {n: p for n, p in self.named_parameters(include_sublayers=False)
-                if p.ndim >= 2 and p.shape[0] == self.num_experts}
+        return {
+            n: p
+            for n, p in self.named_parameters(include_sublayers=False)
+            if p.ndim >= 2 and p.shape[0] == self.num_experts
+        }
 
-    def _forward_expert_parallel(self, x: paddle.Tensor, topk_idx: paddle.Tensor, topk_weight: paddle.Tensor,
-                                 keep: paddle.Tensor | None, local: dict[str, paddle.Tensor]) -> paddle.Tensor:
+    def _forward_expert_parallel(
+        self,
+        x: paddle.Tensor,
+        topk_idx: paddle.Tensor,
+        topk_weight: paddle.Tensor,
+        keep: paddle.Tensor | None,
+        local: dict[str, paddle.Tensor],
+    ) -> paddle.Tensor:
         """This process's tokens x [T, H] and its slice of the experts (`local`, experts
         [r*E/n, (r+1)*E/n) on exchange rank r of n): dispatch by all-to-all, the local experts' GEMMs,
         combine by the reverse all-to-all. Rows arrive grouped by source process, then by expert; they
@@ -306,8 +320,9 @@ def source_to_expert_order(blocks: np.ndarray) -> np.ndarray:
 
 
 # ---- router losses ---------------------------------------------------------------------------
-def load_balancing_loss(probs: paddle.Tensor, topk_idx: paddle.Tensor, num_experts: int,
-                        data_sum=None) -> paddle.Tensor:
+def load_balancing_loss(
+    probs: paddle.Tensor, topk_idx: paddle.Tensor, num_experts: int, data_sum=None
+) -> paddle.Tensor:
     """Switch-Transformer auxiliary loss: E * sum_e f_e * P_e, where f_e is the fraction of
     assignments routed to expert e and P_e the mean router probability of e (1.0 when uniform).
     data_sum: sums a tensor over the data ranks that split the batch; f_e and the token count are
@@ -342,7 +357,9 @@ def check_modality_ids(modality: paddle.Tensor, num_tokens: int, num_modalities:
     its tokens' routed experts."""
     mod = modality.reshape([-1]).astype("int64")
     if mod.shape[0] != num_tokens:
-        raise DataError(f"token_type_ids has {mod.shape[0]} entries for {num_tokens} tokens: give one modality id per input token")
+        raise DataError(
+            f"token_type_ids has {mod.shape[0]} entries for {num_tokens} tokens: give one modality id per input token"
+        )
     if not num_tokens:
         return mod
     lo, hi = int(mod.min()), int(mod.max())
@@ -374,8 +391,11 @@ class MoEBlock(nn.Layer):
         self.num_experts = c.total_experts
         self.offsets = [sum(self.experts_per_modality[:m]) for m in range(self.num_modalities)]
         self.capacity_factor = c.moe_capacity_factor
-        self.coefs = {"aux": c.router_aux_loss_coef, "z": c.router_z_loss_coef,
-                      "orthogonal": c.router_orthogonal_loss_coef}
+        self.coefs = {
+            "aux": c.router_aux_loss_coef,
+            "z": c.router_z_loss_coef,
+            "orthogonal": c.router_orthogonal_loss_coef,
+        }
         for m, (n, size) in enumerate(zip(self.experts_per_modality, c.expert_sizes)):
             suffix = f"_{m}" if m else ""
             setattr(self, "gate" + suffix, TopKRouter(c.hidden_size, n, c.moe_k, c.moe_norm_min))
@@ -400,7 +420,9 @@ class MoEBlock(nn.Layer):
         self.last_modality: paddle.Tensor | None = None  # [T] int64 modality id, None when text only
         self.last_dropped: float = 0.0  # fraction of assignments dropped by the capacity limit
         self.routing_reference: RoutingReference | None = None  # set around a forward by erniekit.routing.replay
-        self.last_changed: tuple[int, int] | None = None  # (tokens whose routing differs from the reference, tokens compared)
+        self.last_changed: tuple[int, int] | None = (
+            None  # (tokens whose routing differs from the reference, tokens compared)
+        )
 
     def router(self, m: int) -> TopKRouter:
         """Modality m's router (`gate` for text)."""
@@ -430,13 +452,17 @@ class MoEBlock(nn.Layer):
             parts = [(idx, m) for idx, m in parts if idx.shape[0]] or [(None, 0)]  # no token at all
         ref = self.routing_reference
         if ref is not None and len(parts) > 1:
-            raise DataError("routing replay covers text-only batches; this batch has several modalities "
-                            "(token_type_ids): set routing_replay=false")
+            raise DataError(
+                "routing replay covers text-only batches; this batch has several modalities "
+                "(token_type_ids): set routing_replay=false"
+            )
         routed = [self._route(m, x if idx is None else paddle.gather(x, idx), ref) for idx, m in parts]
         if ref is not None:
             own = self.router(parts[0][1]).last_own_idx + self.offsets[parts[0][1]]
-            self.last_changed = (int(routing_changed(own, ref.topk_idx, ref.mask).astype("int64").sum()),
-                                 int(ref.mask.astype("int64").sum()))
+            self.last_changed = (
+                int(routing_changed(own, ref.topk_idx, ref.mask).astype("int64").sum()),
+                int(ref.mask.astype("int64").sum()),
+            )
         order = None if parts[0][0] is None else paddle.argsort(paddle.concat([idx for idx, _ in parts]))
 
         def in_token_order(ts: list[paddle.Tensor]) -> paddle.Tensor:
@@ -453,12 +479,15 @@ class MoEBlock(nn.Layer):
         if self.training:
             self._router_losses(parts, routed, topk)
         self.last_topk_idx = topk.detach()
-        self.last_probs = in_token_order([self._global_probs(m, r.probs) for (_, m), (_, r, _) in zip(parts, routed)]).detach()
+        self.last_probs = in_token_order(
+            [self._global_probs(m, r.probs) for (_, m), (_, r, _) in zip(parts, routed)]
+        ).detach()
         self.last_modality = None if mod is None else mod.detach()
         return y.reshape(shape)
 
-    def _route(self, m: int, x: paddle.Tensor, ref: RoutingReference | None = None
-               ) -> tuple[paddle.Tensor, RouterOutput, paddle.Tensor | None]:
+    def _route(
+        self, m: int, x: paddle.Tensor, ref: RoutingReference | None = None
+    ) -> tuple[paddle.Tensor, RouterOutput, paddle.Tensor | None]:
         """Modality m's tokens x [T_m, H] through its router and experts (local expert ids)."""
         gate = self.router(m)
         if ref is not None and self.offsets[m]:
@@ -523,7 +552,7 @@ class MoEBlock(nn.Layer):
         for m in range(self.num_modalities):
             gate = self.router(m)
             n, off = gate.n_active, self.offsets[m]
-            counts = load[off:off + n]
+            counts = load[off : off + n]
             if float(counts.sum()) > 0:
                 delta = rate * paddle.sign(counts.mean() - counts)
                 if n < gate.num_experts:

@@ -57,8 +57,15 @@ class MultiTokenPredictor(nn.Layer):
         u = paddle.concat([self.mtp_emb_norm[j](emb), self.mtp_hidden_norm[j](h_prev)], axis=-1)
         return self.mtp_block[j](self.mtp_linear_proj[j](u), cos, sin, mask, cache)
 
-    def hidden_states(self, model, h0: paddle.Tensor, input_ids: paddle.Tensor, position_ids=None, segment_ids=None,
-                      attention_mask=None) -> list[paddle.Tensor]:
+    def hidden_states(
+        self,
+        model,
+        h0: paddle.Tensor,
+        input_ids: paddle.Tensor,
+        position_ids=None,
+        segment_ids=None,
+        attention_mask=None,
+    ) -> list[paddle.Tensor]:
         """[h_1, ..., h_D] over the whole sequence, with the trunk's RoPE positions and mask."""
         cos, sin, mask = model.model.rope_and_mask(input_ids, position_ids, segment_ids, attention_mask)
         pad = model.config.pad_token_id or 0
@@ -68,8 +75,15 @@ class MultiTokenPredictor(nn.Layer):
             out.append(h)
         return out
 
-    def logits(self, model, h0: paddle.Tensor, input_ids: paddle.Tensor, position_ids=None, segment_ids=None,
-               attention_mask=None) -> list[paddle.Tensor]:
+    def logits(
+        self,
+        model,
+        h0: paddle.Tensor,
+        input_ids: paddle.Tensor,
+        position_ids=None,
+        segment_ids=None,
+        attention_mask=None,
+    ) -> list[paddle.Tensor]:
         """logits_j [B, S, V] for j = 1..D; logits_j[:, i] predicts t[i+j+1]."""
         hs = self.hidden_states(model, h0, input_ids, position_ids, segment_ids, attention_mask)
         return [model.head(model.model.norm(h)) for h in hs]

@@ -15,8 +15,10 @@ import numpy as np
 
 SCALE_SUFFIX = "_scale"
 # what is quantized: the decoder's projections and experts (not embeddings, LM head, router, norms)
-QUANTIZED = re.compile(r"^model\.layers\.\d+\.(self_attn\.(q|k|v|o)_proj|mlp\.(gate|up|down)_proj|"
-                       r"mlp\.shared_experts\.(gate|up|down)_proj|mlp\.experts\.\d+\.(gate|up|down)_proj)\.weight$")
+QUANTIZED = re.compile(
+    r"^model\.layers\.\d+\.(self_attn\.(q|k|v|o)_proj|mlp\.(gate|up|down)_proj|"
+    r"mlp\.shared_experts\.(gate|up|down)_proj|mlp\.experts\.\d+\.(gate|up|down)_proj)\.weight$"
+)
 
 
 def quantize_int8(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -9,8 +9,9 @@ from __future__ import annotations
 import numpy as np
 
 
-def group_advantages(rewards: np.ndarray, num_generations: int, scale: bool = True,
-                     eps: float = 1e-4) -> tuple[np.ndarray, np.ndarray]:
+def group_advantages(
+    rewards: np.ndarray, num_generations: int, scale: bool = True, eps: float = 1e-4
+) -> tuple[np.ndarray, np.ndarray]:
     """GRPO: A_i = (r_i - mean(group)) / (std(group) + eps), or r_i - mean(group) with scale=False
     (Dr. GRPO). rewards [B] with the G samples of a prompt adjacent; std is the sample std
     (ddof=1, as TRL). Returns (advantages [B], group std broadcast to [B])."""
@@ -21,8 +22,9 @@ def group_advantages(rewards: np.ndarray, num_generations: int, scale: bool = Tr
     return adv.reshape(-1), np.broadcast_to(std, r.shape).reshape(-1)
 
 
-def gae(rewards: np.ndarray, values: np.ndarray, mask: np.ndarray, gamma: float, lam: float
-        ) -> tuple[np.ndarray, np.ndarray]:
+def gae(
+    rewards: np.ndarray, values: np.ndarray, mask: np.ndarray, gamma: float, lam: float
+) -> tuple[np.ndarray, np.ndarray]:
     """Generalised advantage estimation over completion tokens.
 
     rewards, values, mask: [B, N]; mask is a prefix of ones (the tokens of each completion).

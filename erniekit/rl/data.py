@@ -37,9 +37,16 @@ class PromptExample:
 
 def _prompt_messages(value: Any, where: str) -> tuple[str | None, list[tuple[str, str]], str]:
     """A messages list ending with a user turn -> (system, history pairs, last user text)."""
-    ok = isinstance(value, list) and value and all(
-        isinstance(m, dict) and m.get("role") in ("system", "user", "assistant") and isinstance(m.get("content"), str)
-        for m in value)
+    ok = (
+        isinstance(value, list)
+        and value
+        and all(
+            isinstance(m, dict)
+            and m.get("role") in ("system", "user", "assistant")
+            and isinstance(m.get("content"), str)
+            for m in value
+        )
+    )
     if not ok:
         raise DataError(f"{where}: field 'prompt' must be a string or a list of {{'role', 'content'}} messages")
     system = value[0]["content"] if value[0]["role"] == "system" else None

@@ -22,8 +22,9 @@ def k3_kl(logp: paddle.Tensor, ref_logp: paddle.Tensor) -> paddle.Tensor:
     return paddle.exp(d) - d - 1.0
 
 
-def clipped_surrogate(logp: paddle.Tensor, old_logp: paddle.Tensor, adv: paddle.Tensor, eps_low: float,
-                      eps_high: float) -> tuple[paddle.Tensor, paddle.Tensor, paddle.Tensor]:
+def clipped_surrogate(
+    logp: paddle.Tensor, old_logp: paddle.Tensor, adv: paddle.Tensor, eps_low: float, eps_high: float
+) -> tuple[paddle.Tensor, paddle.Tensor, paddle.Tensor]:
     """PPO/GRPO clipped objective per token, as a loss (to minimise):
 
         ratio = exp(logp - old_logp)
@@ -39,8 +40,9 @@ def clipped_surrogate(logp: paddle.Tensor, old_logp: paddle.Tensor, adv: paddle.
     return loss, ratio, was_clipped
 
 
-def clipped_value_loss(values: paddle.Tensor, old_values: paddle.Tensor, returns: paddle.Tensor,
-                       clip: float) -> paddle.Tensor:
+def clipped_value_loss(
+    values: paddle.Tensor, old_values: paddle.Tensor, returns: paddle.Tensor, clip: float
+) -> paddle.Tensor:
     """0.5 * max((V - R)^2, (old_V + clip(V - old_V, -c, c) - R)^2) per token (PPO value clipping)."""
     v_clipped = old_values + paddle.clip(values - old_values, -clip, clip)
     a, b = values - returns, v_clipped - returns

@@ -69,8 +69,10 @@ def _import(spec: str) -> Callable:
         else:
             module = importlib.import_module(target)
     except Exception as e:  # any failure while importing user code is reported as a config error
-        raise ConfigError(f"{where}: cannot import {target} ({type(e).__name__}: {e}); check the module path "
-                          "and that it is importable (PYTHONPATH)") from None
+        raise ConfigError(
+            f"{where}: cannot import {target} ({type(e).__name__}: {e}); check the module path "
+            "and that it is importable (PYTHONPATH)"
+        ) from None
     fn = getattr(module, attr, None)
     if not callable(fn):
         raise ConfigError(f"{where}: {target} has no function {attr!r}; check the name after ':'")
@@ -84,10 +86,15 @@ def _signature_fields(name: str, fn: Callable) -> tuple[list[str], bool]:
         return [], True
     positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
     if len(positional) < 2 and not any(p.kind == p.VAR_POSITIONAL for p in params):
-        raise ConfigError(f"reward function {name}: it must take (prompts, completions, **kwargs); "
-                          f"it takes ({', '.join(p.name for p in params)})")
-    required = [p.name for p in list(params)[2:]
-                if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.default is p.empty and p.name not in _SAMPLE_KEYS]
+        raise ConfigError(
+            f"reward function {name}: it must take (prompts, completions, **kwargs); "
+            f"it takes ({', '.join(p.name for p in params)})"
+        )
+    required = [
+        p.name
+        for p in list(params)[2:]
+        if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.default is p.empty and p.name not in _SAMPLE_KEYS
+    ]
     return required, any(p.kind == p.VAR_KEYWORD for p in params)
 
 
@@ -95,7 +102,9 @@ def load_reward_functions(specs: list[str], weights: list[float]) -> list[Reward
     if not specs:
         raise ConfigError("reward_funcs is empty; give at least one, e.g. reward_funcs=[accuracy]")
     if weights and len(weights) != len(specs):
-        raise ConfigError(f"reward_weights has {len(weights)} values for {len(specs)} reward_funcs; give one weight per function")
+        raise ConfigError(
+            f"reward_weights has {len(weights)} values for {len(specs)} reward_funcs; give one weight per function"
+        )
     out = []
     for i, spec in enumerate(specs):
         fn = BUILTIN_REWARDS.get(spec) or _import(spec)
@@ -111,8 +120,10 @@ def check_fields(funcs: list[RewardFunction], records: list[dict[str, Any]], sou
             for rec, src in zip(records, sources):
                 if name not in rec:
                     have = ", ".join(sorted(rec)) or "none"
-                    raise DataError(f"{src}: reward function {f.name} needs field '{name}', which this prompt record "
-                                    f"lacks (fields: {have}); add '{name}' to every record or change reward_funcs")
+                    raise DataError(
+                        f"{src}: reward function {f.name} needs field '{name}', which this prompt record "
+                        f"lacks (fields: {have}); add '{name}' to every record or change reward_funcs"
+                    )
 
 
 def _call(f: RewardFunction, prompts, completions, completion_ids, fields: dict[str, list]) -> list:
@@ -126,8 +137,13 @@ def _sample(prompts: list[str], completions: list[str], i: int) -> str:
     return f"sample {i} (prompt {prompts[i]!r}, completion {completions[i]!r})"
 
 
-def compute_rewards(funcs: list[RewardFunction], prompts: list[str], completions: list[str],
-                    completion_ids: list[list[int]], fields: dict[str, list]) -> np.ndarray:
+def compute_rewards(
+    funcs: list[RewardFunction],
+    prompts: list[str],
+    completions: list[str],
+    completion_ids: list[list[int]],
+    fields: dict[str, list],
+) -> np.ndarray:
     """[n_funcs, B] float rewards; a function that raises, returns the wrong count or a
     non-number stops the run with an error naming the function and the sample."""
     out = np.zeros((len(funcs), len(completions)), np.float64)
@@ -137,14 +153,24 @@ def compute_rewards(funcs: list[RewardFunction], prompts: list[str], completions
         except Exception as e:  # user code: locate the sample that makes it fail, then report
             bad = _failing_sample(f, prompts, completions, completion_ids, fields)
             where = _sample(prompts, completions, bad) if bad is not None else f"a batch of {len(completions)} samples"
-            raise DataError(f"reward function {f.name} raised {type(e).__name__}: {e} on {where}; fix the function") from None
+            raise DataError(
+                f"reward function {f.name} raised {type(e).__name__}: {e} on {where}; fix the function"
+            ) from None
         if not isinstance(values, (list, tuple, np.ndarray)) or len(values) != len(completions):
             got = f"{len(values)} values" if hasattr(values, "__len__") else type(values).__name__
-            raise DataError(f"reward function {f.name} returned {got} for {len(completions)} samples; return one number per sample")
+            raise DataError(
+                f"reward function {f.name} returned {got} for {len(completions)} samples; return one number per sample"
+            )
         for i, v in enumerate(values):
-            if isinstance(v, bool) or not isinstance(v, (int, float, np.integer, np.floating)) or not math.isfinite(float(v)):
-                raise DataError(f"reward function {f.name} returned {v!r} for {_sample(prompts, completions, i)}; "
-                                "rewards must be finite numbers")
+            if (
+                isinstance(v, bool)
+                or not isinstance(v, (int, float, np.integer, np.floating))
+                or not math.isfinite(float(v))
+            ):
+                raise DataError(
+                    f"reward function {f.name} returned {v!r} for {_sample(prompts, completions, i)}; "
+                    "rewards must be finite numbers"
+                )
             out[j, i] = float(v)
     return out
 
@@ -152,7 +178,13 @@ def compute_rewards(funcs: list[RewardFunction], prompts: list[str], completions
 def _failing_sample(f: RewardFunction, prompts, completions, completion_ids, fields) -> int | None:
     for i in range(len(completions)):
         try:
-            _call(f, prompts[i:i + 1], completions[i:i + 1], completion_ids[i:i + 1], {k: v[i:i + 1] for k, v in fields.items()})
+            _call(
+                f,
+                prompts[i : i + 1],
+                completions[i : i + 1],
+                completion_ids[i : i + 1],
+                {k: v[i : i + 1] for k, v in fields.items()},
+            )
         except Exception:  # the first sample on which the function fails on its own
             return i
     return None

@@ -66,8 +66,9 @@ class _RoutingRecorder:
         return out
 
 
-def rollout(model, prompts: list[list[int]], params: SamplingParams, pad_id: int,
-            record_routing: bool = False) -> Rollout:
+def rollout(
+    model, prompts: list[list[int]], params: SamplingParams, pad_id: int, record_routing: bool = False
+) -> Rollout:
     """Sample one completion per prompt (repeat prompts beforehand for several per prompt)."""
     B, L = len(prompts), max(len(p) for p in prompts)
     recorder = _RoutingRecorder(model, B) if record_routing else None
@@ -83,8 +84,8 @@ def rollout(model, prompts: list[list[int]], params: SamplingParams, pad_id: int
     input_ids = np.full((B, L + N), pad_id, np.int64)
     attention_mask = np.zeros((B, L + N), np.int64)
     for i, p in enumerate(prompts):  # one row copy per sequence (not per token)
-        input_ids[i, L - len(p):L] = p
-        attention_mask[i, L - len(p):L] = 1
+        input_ids[i, L - len(p) : L] = p
+        attention_mask[i, L - len(p) : L] = 1
     input_ids[:, L:] = completion_ids
     attention_mask[:, L:] = completion_mask
     routing = routing_mask = None
@@ -94,8 +95,8 @@ def rollout(model, prompts: list[list[int]], params: SamplingParams, pad_id: int
         # a token sampled after its sequence stopped is padding and was fed but is not real
         routing_mask = attention_mask.copy()
         routing_mask[:, L + N - 1] = 0
-        fed = (raw[:, :-1] >= 0)
-        routing_mask[:, L:L + N - 1] &= fed
+        fed = raw[:, :-1] >= 0
+        routing_mask[:, L : L + N - 1] &= fed
     return Rollout(input_ids, attention_mask, L, completion_ids, completion_mask, stopped, routing, routing_mask)
 
 
@@ -104,11 +105,12 @@ def repeat_prompts(prompts: list[list[int]], num_generations: int) -> list[list[
     return [p for p in prompts for _ in range(num_generations)]
 
 
-def greedy_completions(model, prompts: list[list[int]], max_new_tokens: int, stop_token_ids: list[int],
-                       pad_id: int, batch_size: int) -> list[list[int]]:
+def greedy_completions(
+    model, prompts: list[list[int]], max_new_tokens: int, stop_token_ids: list[int], pad_id: int, batch_size: int
+) -> list[list[int]]:
     """Greedy completions (stop token excluded), batched: what evaluation scores."""
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0, stop_token_ids=stop_token_ids)
     out: list[list[int]] = []
     for i in range(0, len(prompts), batch_size):
-        out += generate(model, prompts[i:i + batch_size], params, pad_id=pad_id)
+        out += generate(model, prompts[i : i + batch_size], params, pad_id=pad_id)
     return out

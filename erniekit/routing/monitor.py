@@ -27,7 +27,11 @@ class RoutingMonitor:
         self.dir = os.path.join(output_dir, "routing")
         self.every_steps = int(every_steps)
         # modality-isolated routing: per-modality imbalance over each modality's own experts
-        groups = self.blocks[0][1].modality_experts() if self.blocks and hasattr(self.blocks[0][1], "modality_experts") else None
+        groups = (
+            self.blocks[0][1].modality_experts()
+            if self.blocks and hasattr(self.blocks[0][1], "modality_experts")
+            else None
+        )
         self.window = RoutingAccumulator(groups)  # for scalars(), reset at each call
         self.picture = RoutingAccumulator(groups)  # for pictures, reset at each picture
         self.picture_start: int | None = None  # first step of the picture window (for the title)
@@ -78,8 +82,11 @@ class RoutingMonitor:
         paths = [save_load_heatmap(acc.load_matrix(), f"{base}-load.png", f"expert load, {span}", acc.layer_ids)]
         tags = ["routing/expert_load"]
         if acc.num_modalities > 1:
-            paths.append(save_modality_usage(acc.modality_matrix(), f"{base}-modality.png",
-                                             f"expert usage per modality (all MoE layers), {span}"))
+            paths.append(
+                save_modality_usage(
+                    acc.modality_matrix(), f"{base}-modality.png", f"expert usage per modality (all MoE layers), {span}"
+                )
+            )
             tags.append("routing/modality_usage")
         if writer is not None:
             for tag, path in zip(tags, paths):

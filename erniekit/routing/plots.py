@@ -26,8 +26,9 @@ def _figure(width: float, height: float):
     return fig
 
 
-def _heatmap(matrix: np.ndarray, path: str, title: str, row_labels: Sequence[str], row_axis: str,
-             colorbar_label: str) -> str:
+def _heatmap(
+    matrix: np.ndarray, path: str, title: str, row_labels: Sequence[str], row_axis: str, colorbar_label: str
+) -> str:
     """One heatmap (rows x experts, fractions shown in %; cells annotated on small grids) saved
     atomically as PNG; returns `path`."""
     m = np.asarray(matrix, dtype=np.float64)
@@ -49,8 +50,9 @@ def _heatmap(matrix: np.ndarray, path: str, title: str, row_labels: Sequence[str
         ax.set_yticklabels(list(row_labels))
         if rows * cols <= 400:  # numbers stay legible only on small grids
             for (r, c), v in np.ndenumerate(m):
-                ax.text(c, r, f"{v:.0f}", ha="center", va="center", fontsize=7,
-                        color="black" if v > 0.6 * vmax else "white")
+                ax.text(
+                    c, r, f"{v:.0f}", ha="center", va="center", fontsize=7, color="black" if v > 0.6 * vmax else "white"
+                )
         fig.colorbar(im, ax=ax, label=colorbar_label, fraction=min(0.15, 0.9 / width), pad=0.02)
         fig.tight_layout()
         atomic_write(path, lambda tmp: fig.savefig(tmp, format="png"))
@@ -66,12 +68,17 @@ def save_load_heatmap(matrix: np.ndarray, path: str, title: str, layer_ids: Sequ
     if len(layer_ids) != m.shape[0]:
         raise ValueError(f"{len(layer_ids)} layer ids for a matrix of {m.shape[0]} rows")
     uniform = 1.0 / m.shape[1] if m.ndim == 2 and m.shape[1] else 0.0
-    return _heatmap(m, path, f"{title}  (uniform = {100 * uniform:.1f}%)", [f"layer {i}" for i in layer_ids],
-                    "decoder layer", "% of the layer's assignments")
+    return _heatmap(
+        m,
+        path,
+        f"{title}  (uniform = {100 * uniform:.1f}%)",
+        [f"layer {i}" for i in layer_ids],
+        "decoder layer",
+        "% of the layer's assignments",
+    )
 
 
-def save_modality_usage(matrix: np.ndarray, path: str, title: str,
-                        modality_names: Sequence[str] | None = None) -> str:
+def save_modality_usage(matrix: np.ndarray, path: str, title: str, modality_names: Sequence[str] | None = None) -> str:
     """Heatmap of usage[m, e] (fraction of modality m's assignments on expert e; cells in %)."""
     m = np.asarray(matrix)
     names = list(modality_names) if modality_names else [f"modality {i}" for i in range(m.shape[0])]

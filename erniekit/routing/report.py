@@ -40,7 +40,7 @@ def load_sequences(data_path: str, tokenizer: Any, max_seq_len: int) -> list[lis
             docs = [encode_pretrain(t, tokenizer) for t in load_pretrain_texts(path)]
         else:
             docs = [encode_conversation(c, tokenizer, 10**9)[0] for c in load_sft_examples(path)]
-        seqs += [d[s:s + max_seq_len] for d in docs for s in range(0, len(d), max_seq_len)]
+        seqs += [d[s : s + max_seq_len] for d in docs for s in range(0, len(d), max_seq_len)]
     seqs = [s for s in seqs if s]
     if not seqs:
         raise DataError(f"{data_path}: no tokens after encoding; check the data")
@@ -61,8 +61,10 @@ def load_model_and_tokenizer(model_dir: str) -> tuple[Any, Any]:
     from erniekit.models.ernie4_5.tokenizer import ErnieTokenizer
 
     if not os.path.isdir(model_dir):
-        raise CheckpointError(f"{model_dir}: checkpoint directory not found; pass a directory written by "
-                              "'erniekit train' or a Hugging Face ERNIE-4.5 checkpoint")
+        raise CheckpointError(
+            f"{model_dir}: checkpoint directory not found; pass a directory written by "
+            "'erniekit train' or a Hugging Face ERNIE-4.5 checkpoint"
+        )
     _check_moe_config(model_dir)
     tokenizer = ErnieTokenizer.from_pretrained(model_dir)
     model = load_model_or_adapter(model_dir)
@@ -84,7 +86,7 @@ def accumulate_routing(model: Any, seqs: list[list[int]], batch_size: int, pad_i
     order = np.argsort([len(s) for s in seqs], kind="stable")  # similar lengths together: less padding
     with paddle.no_grad():
         for i in range(0, len(order), batch_size):
-            b = pad_batch([seqs[j] for j in order[i:i + batch_size]], pad_id=pad_id)
+            b = pad_batch([seqs[j] for j in order[i : i + batch_size]], pad_id=pad_id)
             model(paddle.to_tensor(b["input_ids"]))  # right padding + causal attention: real tokens unaffected
             acc.update(model, b["segment_ids"] > 0)
     return acc
@@ -101,12 +103,13 @@ def _finite(x: Any) -> Any:
     return x
 
 
-def routing_report(model_dir: str, data_path: str, out_dir: str | None = None, batch_size: int = 16,
-                   max_seq_len: int = 1024) -> dict:
+def routing_report(
+    model_dir: str, data_path: str, out_dir: str | None = None, batch_size: int = 16, max_seq_len: int = 1024
+) -> dict:
     """Route `data_path` through the MoE checkpoint at `model_dir`; write pictures and
     routing_stats.json into `out_dir` (default MODEL_DIR/routing) and return the stats."""
-    from erniekit.utils.io import atomic_write_json
     from erniekit.routing.plots import save_load_heatmap, save_modality_usage
+    from erniekit.utils.io import atomic_write_json
 
     if batch_size < 1 or max_seq_len < 1:
         raise ErniekitError(f"batch_size={batch_size}, max_seq_len={max_seq_len}: both must be positive")
@@ -115,11 +118,18 @@ def routing_report(model_dir: str, data_path: str, out_dir: str | None = None, b
     seqs = load_sequences(data_path, tokenizer, max_seq_len)
     acc = accumulate_routing(model, seqs, batch_size, tokenizer.pad_token_id or 0)
     name = os.path.basename(os.path.normpath(model_dir))
-    pictures = {"load": save_load_heatmap(acc.load_matrix(), os.path.join(out_dir, "routing-load.png"),
-                                          f"{name}: expert load on {os.path.basename(data_path)}", acc.layer_ids)}
+    pictures = {
+        "load": save_load_heatmap(
+            acc.load_matrix(),
+            os.path.join(out_dir, "routing-load.png"),
+            f"{name}: expert load on {os.path.basename(data_path)}",
+            acc.layer_ids,
+        )
+    }
     if acc.num_modalities > 1:
-        pictures["modality"] = save_modality_usage(acc.modality_matrix(), os.path.join(out_dir, "routing-modality.png"),
-                                                   f"{name}: expert usage per modality")
+        pictures["modality"] = save_modality_usage(
+            acc.modality_matrix(), os.path.join(out_dir, "routing-modality.png"), f"{name}: expert usage per modality"
+        )
     load = acc.load_matrix()
     layers = [{**row, "load": load[r].tolist()} for r, row in enumerate(acc.layer_table())]
     stats = {
@@ -150,14 +160,20 @@ def _num(x: float | None, fmt: str) -> str:
 def format_routing_table(stats: dict) -> str:
     """The per-layer table `erniekit eval --routing` prints."""
     k, e = stats["moe_k"], stats["num_experts"]
-    lines = [f"routing of {stats['tokens']} tokens ({stats['sequences']} sequences), top-{k} of {e} experts "
-             f"(uniform share {100 / e:.1f}%)",
-             f"{'layer':>5}  {'entropy':>7}  {'/log E':>6}  {'imbalance':>9}  {'cv':>5}  top expert (share)"]
+    lines = [
+        f"routing of {stats['tokens']} tokens ({stats['sequences']} sequences), top-{k} of {e} experts "
+        f"(uniform share {100 / e:.1f}%)",
+        f"{'layer':>5}  {'entropy':>7}  {'/log E':>6}  {'imbalance':>9}  {'cv':>5}  top expert (share)",
+    ]
     for row in stats["layers"]:
-        lines.append(f"{row['layer']:>5}  {_num(row['entropy'], '7.3f')}  {_num(row['entropy_norm'], '6.3f')}  "
-                     f"{_num(row['load_imbalance'], '9.2f')}  {_num(row['load_cv'], '5.2f')}  "
-                     f"{row['top_expert']:>3} ({100 * row['top_expert_share']:.1f}%)")
+        lines.append(
+            f"{row['layer']:>5}  {_num(row['entropy'], '7.3f')}  {_num(row['entropy_norm'], '6.3f')}  "
+            f"{_num(row['load_imbalance'], '9.2f')}  {_num(row['load_cv'], '5.2f')}  "
+            f"{row['top_expert']:>3} ({100 * row['top_expert_share']:.1f}%)"
+        )
     s = stats["summary"]
-    lines.append(f"{'mean':>5}  {_num(s.get('entropy'), '7.3f')}  {_num(s.get('entropy_norm'), '6.3f')}  "
-                 f"{_num(s.get('load_imbalance'), '9.2f')}  {_num(s.get('load_cv'), '5.2f')}")
+    lines.append(
+        f"{'mean':>5}  {_num(s.get('entropy'), '7.3f')}  {_num(s.get('entropy_norm'), '6.3f')}  "
+        f"{_num(s.get('load_imbalance'), '9.2f')}  {_num(s.get('load_cv'), '5.2f')}"
+    )
     return "\n".join(lines)

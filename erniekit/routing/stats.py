@@ -86,8 +86,9 @@ def routing_entropy(probs: np.ndarray, valid: Any = None, normalized: bool = Fal
     return mean / math.log(e) if e > 1 else 0.0
 
 
-def modality_counts(topk_idx: np.ndarray, modality: np.ndarray | None, num_experts: int, num_modalities: int,
-                    valid: Any = None) -> np.ndarray:
+def modality_counts(
+    topk_idx: np.ndarray, modality: np.ndarray | None, num_experts: int, num_modalities: int, valid: Any = None
+) -> np.ndarray:
     """count_me = assignments of modality-m tokens to expert e; int64 [M, E]. modality None = all 0."""
     idx = np.asarray(topk_idx).astype(np.int64)
     if idx.ndim == 1:
@@ -110,8 +111,9 @@ def _row_normalize(counts: np.ndarray) -> np.ndarray:
     return np.divide(c, total, out=np.zeros_like(c), where=total > 0)
 
 
-def modality_usage(topk_idx: np.ndarray, modality: np.ndarray | None, num_experts: int, num_modalities: int,
-                   valid: Any = None) -> np.ndarray:
+def modality_usage(
+    topk_idx: np.ndarray, modality: np.ndarray | None, num_experts: int, num_modalities: int, valid: Any = None
+) -> np.ndarray:
     """usage_me = count_me / sum_e' count_me': where each modality's assignments go. Rows sum to 1
     (all zeros for a modality with no valid token). float64 [M, E]."""
     return _row_normalize(modality_counts(topk_idx, modality, num_experts, num_modalities, valid))
@@ -148,8 +150,15 @@ def read_routing(blocks: Sequence[tuple[int, Any]]) -> list[LayerRouting]:
     for layer, b in blocks:
         if getattr(b, "last_topk_idx", None) is None:
             continue
-        out.append(LayerRouting(layer, int(b.num_experts), _np(b.last_topk_idx), _np(getattr(b, "last_probs", None)),
-                                _np(getattr(b, "last_modality", None))))
+        out.append(
+            LayerRouting(
+                layer,
+                int(b.num_experts),
+                _np(b.last_topk_idx),
+                _np(getattr(b, "last_probs", None)),
+                _np(getattr(b, "last_modality", None)),
+            )
+        )
     return out
 
 
@@ -213,8 +222,15 @@ class RoutingAccumulator:
             self.log_e = _grow(self.log_e, (L,))
         return self._row[layer]
 
-    def add(self, layer: int, topk_idx: np.ndarray, probs: np.ndarray | None = None,
-            modality: np.ndarray | None = None, valid: Any = None, num_experts: int = 0) -> None:
+    def add(
+        self,
+        layer: int,
+        topk_idx: np.ndarray,
+        probs: np.ndarray | None = None,
+        modality: np.ndarray | None = None,
+        valid: Any = None,
+        num_experts: int = 0,
+    ) -> None:
         """Add one layer's routing of one batch (arrays as in the module doc)."""
         topk_idx = np.asarray(topk_idx).astype(np.int64)
         if topk_idx.ndim == 1:
@@ -225,8 +241,12 @@ class RoutingAccumulator:
         if v is not None:
             topk_idx, mod = topk_idx[v], mod[v]
             probs = None if probs is None else np.asarray(probs)[v]
-        E = max(num_experts, int(topk_idx.max()) + 1 if topk_idx.size else 0,
-                0 if probs is None else np.asarray(probs).shape[-1], self.num_experts)
+        E = max(
+            num_experts,
+            int(topk_idx.max()) + 1 if topk_idx.size else 0,
+            0 if probs is None else np.asarray(probs).shape[-1],
+            self.num_experts,
+        )
         M = max(int(mod.max()) + 1 if mod.size else 1, self.num_modalities)
         r = self._layer_row(layer)
         self.counts = _grow(self.counts, (len(self.layer_ids), M, E))
@@ -276,10 +296,18 @@ class RoutingAccumulator:
         rows = []
         for r, layer in enumerate(self.layer_ids):
             top = int(np.argmax(load[r]))
-            rows.append({"layer": layer, "entropy": float(ent[r]), "entropy_norm": float(ent_n[r]),
-                         "load_imbalance": load_imbalance(load[r]), "load_cv": load_cv(load[r]),
-                         "top_expert": top, "top_expert_share": float(load[r, top]),
-                         "assignments": int(self.counts[r].sum())})
+            rows.append(
+                {
+                    "layer": layer,
+                    "entropy": float(ent[r]),
+                    "entropy_norm": float(ent_n[r]),
+                    "load_imbalance": load_imbalance(load[r]),
+                    "load_cv": load_cv(load[r]),
+                    "top_expert": top,
+                    "top_expert_share": float(load[r, top]),
+                    "assignments": int(self.counts[r].sum()),
+                }
+            )
         return rows
 
     def _modality_load(self, m: int, counts_me: np.ndarray) -> np.ndarray:

@@ -13,8 +13,15 @@ class MicroBatches:
     """Micro-batch number `i` is a pure function of (seed, i): epoch e = i // per_epoch uses
     permutation rng(seed + e), so resuming at `consumed` reproduces the rest of the run."""
 
-    def __init__(self, rows: Sequence[dict[str, np.ndarray]], batch_size: int, seed: int, pad_id: int, shuffle: bool = True,
-                 collate_fn=None):
+    def __init__(
+        self,
+        rows: Sequence[dict[str, np.ndarray]],
+        batch_size: int,
+        seed: int,
+        pad_id: int,
+        shuffle: bool = True,
+        collate_fn=None,
+    ):
         self.rows, self.batch_size, self.seed, self.pad_id, self.shuffle = rows, batch_size, seed, pad_id, shuffle
         self.collate_fn = collate_fn or collate
         self.per_epoch = max(1, -(-len(rows) // batch_size))
@@ -29,7 +36,7 @@ class MicroBatches:
 
     def get(self, i: int) -> dict[str, np.ndarray]:
         epoch, k = divmod(i, self.per_epoch)
-        idx = self._order(epoch)[k * self.batch_size:(k + 1) * self.batch_size]
+        idx = self._order(epoch)[k * self.batch_size : (k + 1) * self.batch_size]
         return self.collate_fn([self.rows[j] for j in idx], self.pad_id)
 
 
@@ -41,6 +48,6 @@ def collate(rows: Sequence[dict[str, np.ndarray]], pad_id: int) -> dict[str, np.
     if "token_type_ids" in rows[0]:  # modality ids (modality-isolated MoE routing): padding counts as text
         types = np.zeros(batch["input_ids"].shape, np.int64)
         for i, r in enumerate(rows):
-            types[i, :len(r["token_type_ids"])] = r["token_type_ids"]
+            types[i, : len(r["token_type_ids"])] = r["token_type_ids"]
         batch["token_type_ids"] = types
     return batch

@@ -27,8 +27,9 @@ STATE_NAME = "trainer_state.json"
 _CKPT_RE = re.compile(r"^checkpoint-(\d+)$")
 
 
-def save_model_or_adapter(model, path: str, tokenizer, base_model_name_or_path: str | None = None,
-                          runner: StepRunner | None = None) -> None:
+def save_model_or_adapter(
+    model, path: str, tokenizer, base_model_name_or_path: str | None = None, runner: StepRunner | None = None
+) -> None:
     """Full model in HF layout, or, for a LoRA run, only the adapter (PEFT layout) + tokenizer.
     runner: the run's step runner when this process holds part of the model (it gathers the rest)."""
     from erniekit.nn.lora import lora_layers, save_adapter
@@ -52,8 +53,16 @@ def save_model_or_adapter(model, path: str, tokenizer, base_model_name_or_path: 
         save_pretrained(model, path, tokenizer=tokenizer, state=state)
 
 
-def save_checkpoint(path: str, model, tokenizer, optimizer, state: dict, base_model_name_or_path: str | None = None,
-                    extra_tensors: dict[str, dict] | None = None, runner: StepRunner | None = None) -> None:
+def save_checkpoint(
+    path: str,
+    model,
+    tokenizer,
+    optimizer,
+    state: dict,
+    base_model_name_or_path: str | None = None,
+    extra_tensors: dict[str, dict] | None = None,
+    runner: StepRunner | None = None,
+) -> None:
     """In a multi-process run every rank calls this (the full values are gathered collectively);
     rank 0 alone writes, so the checkpoint is the unsharded layout any process count can load."""
     from safetensors.paddle import save_file
@@ -64,15 +73,24 @@ def save_checkpoint(path: str, model, tokenizer, optimizer, state: dict, base_mo
     if main and os.path.exists(tmp):
         shutil.rmtree(tmp)
     opt = runner.optimizer_state(optimizer.state_dict())
-    extra = {name: runner.full_tensors({k: to_dense(v) for k, v in tensors.items()})
-             for name, tensors in (extra_tensors or {}).items()}
+    extra = {
+        name: runner.full_tensors({k: to_dense(v) for k, v in tensors.items()})
+        for name, tensors in (extra_tensors or {}).items()
+    }
     needed = _model_bytes(model) + _tensor_bytes(opt) + sum(_tensor_bytes(t) for t in extra.values())
     last = list_checkpoints(os.path.dirname(path) or ".")
-    hint = (f"; {last[-1][1]} (the last complete checkpoint) is intact: resume_from_checkpoint=auto continues "
-            "from it" if last else "; no earlier checkpoint exists")
-    with write_errors(f"checkpoint {os.path.basename(path)}", os.path.dirname(os.path.abspath(path)),
-                      needed if main else 0,
-                      partial=tmp if main else None, hint=hint):
+    hint = (
+        f"; {last[-1][1]} (the last complete checkpoint) is intact: resume_from_checkpoint=auto continues from it"
+        if last
+        else "; no earlier checkpoint exists"
+    )
+    with write_errors(
+        f"checkpoint {os.path.basename(path)}",
+        os.path.dirname(os.path.abspath(path)),
+        needed if main else 0,
+        partial=tmp if main else None,
+        hint=hint,
+    ):
         save_model_or_adapter(model, tmp, tokenizer, base_model_name_or_path, runner)
         if main:
             save_file({k: v.contiguous() for k, v in opt.items()}, os.path.join(tmp, OPTIMIZER_NAME))
@@ -112,8 +130,11 @@ def load_checkpoint(path: str, model, optimizer, partial: bool = False) -> dict:
     if optimizer is not None and os.path.isfile(opt_file):
         known = {n for n, _ in optimizer.params} if partial else None  # this stage's / worker's only
         with open_safetensors(opt_file) as f:
-            sd = {key: f.get_tensor(key) for key in f.keys()
-                  if known is None or key == "__step__" or key.rsplit("::", 1)[0] in known}
+            sd = {
+                key: f.get_tensor(key)
+                for key in f.keys()
+                if known is None or key == "__step__" or key.rsplit("::", 1)[0] in known
+            }
         try:
             optimizer.set_state_dict(sd)
         except KeyError as e:

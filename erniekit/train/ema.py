@@ -57,8 +57,10 @@ class WeightEMA:
 
         missing = set(self.shadow) - set(sd)
         if missing:
-            raise CheckpointError(f"{where}: EMA state has no entry for {sorted(missing)[0]}; resume with the "
-                                  "same fine_tuning / model settings, or remove the file to restart the EMA")
+            raise CheckpointError(
+                f"{where}: EMA state has no entry for {sorted(missing)[0]}; resume with the "
+                "same fine_tuning / model settings, or remove the file to restart the EMA"
+            )
         for n in self.shadow:
             self.shadow[n] = sd[n].astype("float32")
         self.updates = int(sd["__updates__"].numpy()[0]) if "__updates__" in sd else 0

@@ -20,7 +20,7 @@ def exact_match_eval(model, tokenizer, convs: list[Conversation], batch_size: in
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0, stop_token_ids=stops)
     hits = 0
     for i in range(0, len(convs), batch_size):
-        chunk = convs[i:i + batch_size]
+        chunk = convs[i : i + batch_size]
         outs = generate(model, [prompt_ids(c, tokenizer) for c in chunk], params, pad_id=tokenizer.pad_token_id)
         hits += sum(tokenizer.decode(o).strip() == c.turns[-1][1].strip() for o, c in zip(outs, chunk))
     return hits / max(len(convs), 1)

@@ -17,12 +17,12 @@ import time
 
 import paddle
 
-from erniekit.errors import ErniekitError
 from erniekit.elastic.submodels import ElasticSpec, ElasticTraining, apply_elastic
+from erniekit.errors import ErniekitError
+from erniekit.routing.monitor import RoutingMonitor
 from erniekit.train.batching import MicroBatches
 from erniekit.train.checkpointing import EMA_NAME, load_checkpoint, resolve_resume, rotate_checkpoints, save_checkpoint
 from erniekit.train.optim import build_optimizer
-from erniekit.routing.monitor import RoutingMonitor
 from erniekit.train.runners import StepRunner, StepSums, default_runner
 from erniekit.train.scalar_log import ScalarLogger
 from erniekit.train.schedules import lr_at
@@ -31,17 +31,32 @@ from erniekit.utils.dtensor import is_main_process, scalar
 
 
 class Trainer:
-    def __init__(self, cfg, model, tokenizer, stage: Stage, train_rows, eval_data=None, log=print,
-                 runner: StepRunner | None = None):
+    def __init__(
+        self,
+        cfg,
+        model,
+        tokenizer,
+        stage: Stage,
+        train_rows,
+        eval_data=None,
+        log=print,
+        runner: StepRunner | None = None,
+    ):
         self.cfg, self.model, self.tokenizer, self.stage = cfg, model, tokenizer, stage
         self.eval_data = eval_data
         self.eval_batch_size = cfg.per_device_eval_batch_size
         self.log = log
-        self.runner = runner if runner is not None else default_runner(model, stage, cfg.precision,
-                                                                       cfg.elastic_distill_weight)
+        self.runner = (
+            runner if runner is not None else default_runner(model, stage, cfg.precision, cfg.elastic_distill_weight)
+        )
         # every data rank builds the same global batch and keeps its rows
-        self.batches = MicroBatches(train_rows, cfg.per_device_train_batch_size * self.runner.data_ranks, cfg.seed,
-                                    tokenizer.pad_token_id, collate_fn=stage.collate)
+        self.batches = MicroBatches(
+            train_rows,
+            cfg.per_device_train_batch_size * self.runner.data_ranks,
+            cfg.seed,
+            tokenizer.pad_token_id,
+            collate_fn=stage.collate,
+        )
         accum = cfg.gradient_accumulation_steps
         if cfg.max_steps > 0:
             self.total_steps = cfg.max_steps
@@ -50,8 +65,9 @@ class Trainer:
         warmup = cfg.warmup_steps or int(round(cfg.warmup_ratio * self.total_steps))
         self.warmup = min(warmup, self.total_steps)
         extra = stage.extra_named_parameters()  # e.g. a PPO value head
-        self.optimizer = build_optimizer(model, cfg.optim, extra,
-                                         cfg.lora_plus_scale if cfg.fine_tuning == "LoRA" else 1.0)
+        self.optimizer = build_optimizer(
+            model, cfg.optim, extra, cfg.lora_plus_scale if cfg.fine_tuning == "LoRA" else 1.0
+        )
         self.params = [p for p in model.parameters() if not p.stop_gradient] + [p for _, p in extra]
         self.ema = None
         if cfg.ema_decay > 0:
@@ -66,13 +82,20 @@ class Trainer:
         self.logger_dir = cfg.logging_dir or os.path.join(cfg.output_dir, "vdl_log")
         self.logger = ScalarLogger(self.logger_dir, enabled=is_main_process())
         self.routing = RoutingMonitor(model, cfg.output_dir, every_steps=cfg.routing_plot_steps)
-        self.elastic = ElasticTraining.from_config(cfg.elastic, model, cfg.seed)  # None unless elastic_* choices are set
+        self.elastic = ElasticTraining.from_config(
+            cfg.elastic, model, cfg.seed
+        )  # None unless elastic_* choices are set
         self.runner.bind(self)
 
     # ---- state -----------------------------------------------------------------------------
     def state(self) -> dict:
-        return {"global_step": self.step, "consumed_micro_batches": self.consumed, "total_steps": self.total_steps,
-                "seed": self.cfg.seed, "rng": "paddle.seed(seed + global_step) before every step"}
+        return {
+            "global_step": self.step,
+            "consumed_micro_batches": self.consumed,
+            "total_steps": self.total_steps,
+            "seed": self.cfg.seed,
+            "rng": "paddle.seed(seed + global_step) before every step",
+        }
 
     def maybe_resume(self) -> None:
         path = resolve_resume(self.cfg.resume_from_checkpoint, self.cfg.output_dir)
@@ -99,8 +122,16 @@ class Trainer:
         extra = dict(self.stage.checkpoint_tensors())
         if self.ema is not None:
             extra[EMA_NAME] = self.ema.state_dict()
-        save_checkpoint(path, self.model, self.tokenizer, self.optimizer, self.state(), self.cfg.model_name_or_path,
-                        extra_tensors=extra, runner=self.runner)
+        save_checkpoint(
+            path,
+            self.model,
+            self.tokenizer,
+            self.optimizer,
+            self.state(),
+            self.cfg.model_name_or_path,
+            extra_tensors=extra,
+            runner=self.runner,
+        )
         rotate_checkpoints(self.cfg.output_dir, self.cfg.save_total_limit)
         return path
 
@@ -115,8 +146,15 @@ class Trainer:
         micro = [self.batches.get(self.consumed + i) for i in range(cfg.gradient_accumulation_steps)]
         micro = self.stage.step_batches(self.model, micro, self.step)  # RL: rollouts from the current policy
         n_units = sum(self.stage.normalizer(b) for b in micro)  # trained tokens (LM) or pairs (DPO)
-        lr = lr_at(self.step, self.total_steps, cfg.learning_rate, cfg.lr_scheduler_type, self.warmup,
-                   cfg.min_lr, cfg.decay_ratio)
+        lr = lr_at(
+            self.step,
+            self.total_steps,
+            cfg.learning_rate,
+            cfg.lr_scheduler_type,
+            self.warmup,
+            cfg.min_lr,
+            cfg.decay_ratio,
+        )
         self.optimizer.set_lr(lr)
         sums = self.runner.forward_backward(self, micro, n_units, specs)
         if cfg.fp16:
@@ -151,15 +189,23 @@ class Trainer:
             self.loss_scale /= 2.0
             self.good_steps = 0
         else:
-            raise ErniekitError(f"step {self.step + 1}: gradient norm is {grad_norm}; lower learning_rate "
-                                "or check the data (the last checkpoint is intact)")
+            raise ErniekitError(
+                f"step {self.step + 1}: gradient norm is {grad_norm}; lower learning_rate "
+                "or check the data (the last checkpoint is intact)"
+            )
 
-    def _step_metrics(self, sums: StepSums, micro: list[dict], n_units: int, lr: float, grad_norm: float,
-                      specs: list) -> dict[str, float]:
+    def _step_metrics(
+        self, sums: StepSums, micro: list[dict], n_units: int, lr: float, grad_norm: float, specs: list
+    ) -> dict[str, float]:
         units = max(n_units, 1)
         tokens = int(sum((b["segment_ids"] > 0).sum() for b in micro))  # real (non-padding) tokens
-        metrics = {"train/loss": sums.loss_sum / units, "train/lr": lr, "train/grad_norm": grad_norm,
-                   "train/tokens": tokens, **{f"train/{k}": v for k, v in sums.metrics.items()}}
+        metrics = {
+            "train/loss": sums.loss_sum / units,
+            "train/lr": lr,
+            "train/grad_norm": grad_norm,
+            "train/tokens": tokens,
+            **{f"train/{k}": v for k, v in sums.metrics.items()},
+        }
         if sums.aux_sum:
             metrics["train/router_loss"] = sums.aux_sum
         if self.elastic is not None:
@@ -199,8 +245,14 @@ class Trainer:
         if not cfg.disable_tqdm and is_main_process():
             from tqdm import tqdm
 
-            bar = tqdm(total=self.total_steps, initial=self.step, desc="train", dynamic_ncols=True,
-                       file=sys.stdout, mininterval=0.5)
+            bar = tqdm(
+                total=self.total_steps,
+                initial=self.step,
+                desc="train",
+                dynamic_ncols=True,
+                file=sys.stdout,
+                mininterval=0.5,
+            )
         window = [0, 0, time.perf_counter()]  # tokens, steps, start of the logging window
         last: dict[str, float] = {}
         while self.step < self.total_steps:
@@ -215,8 +267,13 @@ class Trainer:
                 self.routing.maybe_write_pictures(self.step, self.logger.writer)
             if bar is not None:
                 bar.update(1)
-            if cfg.do_eval and self.eval_data is not None and cfg.eval_steps > 0 and self.step % cfg.eval_steps == 0 \
-                    and self.step < self.total_steps:
+            if (
+                cfg.do_eval
+                and self.eval_data is not None
+                and cfg.eval_steps > 0
+                and self.step % cfg.eval_steps == 0
+                and self.step < self.total_steps
+            ):
                 self.evaluate()
             if self.stopped_by:  # a stop request (SIGTERM/SIGINT) on any rank: all end here with a checkpoint
                 self._announce_stop()
@@ -238,20 +295,28 @@ class Trainer:
         m.update(self.moe_metrics())  # router-loss parts of the last micro-batch (only when logged)
         self.logger.log(self.step, m)
         if bar is not None:
-            bar.set_postfix(loss=f"{m['train/loss']:.4f}", lr=f"{m['train/lr']:.2e}",
-                            tok_s=f"{m['train/tokens_per_sec']:.0f}", **self._progress_extra(m))
+            bar.set_postfix(
+                loss=f"{m['train/loss']:.4f}",
+                lr=f"{m['train/lr']:.2e}",
+                tok_s=f"{m['train/tokens_per_sec']:.0f}",
+                **self._progress_extra(m),
+            )
         else:
             extra = "".join(f" {k} {v}" for k, v in self._progress_extra(m).items())
-            self.log(f"step {self.step}/{self.total_steps} loss {m['train/loss']:.4f} "
-                     f"lr {m['train/lr']:.2e} grad_norm {m['train/grad_norm']:.3f} "
-                     f"tokens/s {m['train/tokens_per_sec']:.0f}{extra}")
+            self.log(
+                f"step {self.step}/{self.total_steps} loss {m['train/loss']:.4f} "
+                f"lr {m['train/lr']:.2e} grad_norm {m['train/grad_norm']:.3f} "
+                f"tokens/s {m['train/tokens_per_sec']:.0f}{extra}"
+            )
         return m
 
     def _announce_stop(self) -> None:
         import signal
 
-        msg = (f"stopping at step {self.step}/{self.total_steps} on {signal.Signals(self.stopped_by).name}: "
-               f"writing checkpoint-{self.step}; continue with resume_from_checkpoint=auto")
+        msg = (
+            f"stopping at step {self.step}/{self.total_steps} on {signal.Signals(self.stopped_by).name}: "
+            f"writing checkpoint-{self.step}; continue with resume_from_checkpoint=auto"
+        )
         self.log(msg)
         if not is_main_process():  # each rank's own log (launch_logs/workerlog.N) shows where it stopped
             print(msg, flush=True)

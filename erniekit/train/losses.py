@@ -29,7 +29,9 @@ def count_target_tokens(batch: dict[str, np.ndarray]) -> int:
     return int(shifted_valid(batch["labels"], batch.get("segment_ids")).sum())
 
 
-def causal_lm_loss_sum(logits: paddle.Tensor, labels: np.ndarray, segment_ids: np.ndarray | None = None) -> paddle.Tensor:
+def causal_lm_loss_sum(
+    logits: paddle.Tensor, labels: np.ndarray, segment_ids: np.ndarray | None = None
+) -> paddle.Tensor:
     """Sum over trained positions of -log p(labels[t+1] | ..t); logits [B, S, V]."""
     valid = shifted_valid(labels, segment_ids)
     target = np.full(labels.shape, IGNORE_INDEX, dtype=np.int64)
@@ -37,8 +39,12 @@ def causal_lm_loss_sum(logits: paddle.Tensor, labels: np.ndarray, segment_ids: n
     V = logits.shape[-1]
     # fused softmax-cross-entropy over unsliced logits: Paddle's CPU log_softmax and slice
     # backward are each ~10-30x slower than this kernel (measured)
-    nll = F.cross_entropy(logits.astype("float32").reshape([-1, V]), batch_tensor(target.reshape(-1, 1)),
-                          ignore_index=IGNORE_INDEX, reduction="none")
+    nll = F.cross_entropy(
+        logits.astype("float32").reshape([-1, V]),
+        batch_tensor(target.reshape(-1, 1)),
+        ignore_index=IGNORE_INDEX,
+        reduction="none",
+    )
     return nll.sum()
 
 
@@ -50,8 +56,9 @@ def token_logps(logits: paddle.Tensor, targets: np.ndarray, temperature: float =
     x = logits.astype("float32")
     if temperature != 1.0:
         x = x / temperature
-    nll = F.cross_entropy(x.reshape([-1, V]), batch_tensor(targets.reshape(-1, 1)), ignore_index=IGNORE_INDEX,
-                          reduction="none")
+    nll = F.cross_entropy(
+        x.reshape([-1, V]), batch_tensor(targets.reshape(-1, 1)), ignore_index=IGNORE_INDEX, reduction="none"
+    )
     return -nll.reshape([B, S])
 
 
@@ -74,8 +81,9 @@ def count_examples(batch: dict[str, np.ndarray]) -> int:
     return int(_example_ids(batch["labels"], batch.get("segment_ids"))[1].size)
 
 
-def position_weights(labels: np.ndarray, segment_ids: np.ndarray | None = None,
-                     token_balance: bool = False) -> np.ndarray:
+def position_weights(
+    labels: np.ndarray, segment_ids: np.ndarray | None = None, token_balance: bool = False
+) -> np.ndarray:
     """Weight of position t's prediction of labels[t+1] ([B, S], float32): 1 where trained, or
     1/N_i with token_balance (N_i = example i's trained targets); 0 elsewhere. Summed weighted
     losses then divide by `count_target_tokens` or `count_examples` like the LM loss."""
@@ -88,7 +96,9 @@ def position_weights(labels: np.ndarray, segment_ids: np.ndarray | None = None,
     return weight
 
 
-def token_balanced_loss_sum(logits: paddle.Tensor, labels: np.ndarray, segment_ids: np.ndarray | None = None) -> paddle.Tensor:
+def token_balanced_loss_sum(
+    logits: paddle.Tensor, labels: np.ndarray, segment_ids: np.ndarray | None = None
+) -> paddle.Tensor:
     """Multimodal token-balanced loss (ERNIE 4.5), summed over examples: sum_i (1/N_i) sum_{t in i} nll_t,
     where N_i counts example i's trained targets. Divided by the number of examples (`count_examples`)
     it is the mean over examples of each example's own mean NLL, so an example with few text
@@ -97,13 +107,22 @@ def token_balanced_loss_sum(logits: paddle.Tensor, labels: np.ndarray, segment_i
     target = np.full(labels.shape, IGNORE_INDEX, dtype=np.int64)
     target[:, :-1] = np.where(weight[:, :-1] > 0, labels[:, 1:], IGNORE_INDEX)
     V = logits.shape[-1]
-    nll = F.cross_entropy(logits.astype("float32").reshape([-1, V]), batch_tensor(target.reshape(-1, 1)),
-                          ignore_index=IGNORE_INDEX, reduction="none")
+    nll = F.cross_entropy(
+        logits.astype("float32").reshape([-1, V]),
+        batch_tensor(target.reshape(-1, 1)),
+        ignore_index=IGNORE_INDEX,
+        reduction="none",
+    )
     return (nll.reshape([-1]) * batch_tensor(weight.reshape(-1))).sum()
 
 
-def distill_loss_sum(student_logits: paddle.Tensor, teacher_logits: paddle.Tensor, labels: np.ndarray,
-                     segment_ids: np.ndarray | None = None, token_balance: bool = False) -> paddle.Tensor:
+def distill_loss_sum(
+    student_logits: paddle.Tensor,
+    teacher_logits: paddle.Tensor,
+    labels: np.ndarray,
+    segment_ids: np.ndarray | None = None,
+    token_balance: bool = False,
+) -> paddle.Tensor:
     """sum_t w_t KL(p_teacher,t || p_student,t) over the trained positions (weights as the LM loss,
     `position_weights`), temperature 1; no gradient reaches the teacher. In-place distillation of
     elastic sub-models from the full model (docs/elastic.md).

@@ -27,13 +27,14 @@ def depth_labels(labels: np.ndarray, segment_ids: np.ndarray | None, depth: int)
     out = np.full((B, S), IGNORE_INDEX, dtype=np.int64)
     if depth + 1 >= S:
         return out
-    same_doc = seg[:, : S - 1 - depth] == seg[:, 1 + depth:]  # position t vs its target t+1+depth
-    out[:, 1: S - depth] = np.where(same_doc, labels[:, 1 + depth:], IGNORE_INDEX)
+    same_doc = seg[:, : S - 1 - depth] == seg[:, 1 + depth :]  # position t vs its target t+1+depth
+    out[:, 1 : S - depth] = np.where(same_doc, labels[:, 1 + depth :], IGNORE_INDEX)
     return out
 
 
-def mtp_loss_sums(mtp_logits: list[paddle.Tensor], batch: dict[str, np.ndarray],
-                  loss_fn: Callable[..., paddle.Tensor]) -> list[paddle.Tensor]:
+def mtp_loss_sums(
+    mtp_logits: list[paddle.Tensor], batch: dict[str, np.ndarray], loss_fn: Callable[..., paddle.Tensor]
+) -> list[paddle.Tensor]:
     """L_j (summed, not yet normalised) for j = 1..D, with the same loss function as the main loss."""
     seg = batch.get("segment_ids")
     return [loss_fn(lg, depth_labels(batch["labels"], seg, j + 1), seg) for j, lg in enumerate(mtp_logits)]
@@ -44,8 +45,13 @@ def wants_mtp(model) -> bool:
     return bool(model.training and getattr(model.config, "num_nextn_predict_layers", 0) > 0)
 
 
-def add_mtp_loss(out, mtp_logits: list[paddle.Tensor], batch: dict[str, np.ndarray],
-                 loss_fn: Callable[..., paddle.Tensor], weight: float):
+def add_mtp_loss(
+    out,
+    mtp_logits: list[paddle.Tensor],
+    batch: dict[str, np.ndarray],
+    loss_fn: Callable[..., paddle.Tensor],
+    weight: float,
+):
     """Add lambda * mean_j L_j to `out.loss_sum` (a LossOutput) and log the mean as metric `mtp_loss`."""
     sums = mtp_loss_sums(mtp_logits, batch, loss_fn)
     mean = paddle.add_n(sums) / len(sums)

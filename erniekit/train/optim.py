@@ -33,13 +33,21 @@ def reduce_to(g: paddle.Tensor, like: paddle.Tensor) -> paddle.Tensor:
 class AdamW:
     """Adam with decoupled weight decay (Loshchilov & Hutter):
 
-        m = b1 m + (1 - b1) g;  v = b2 v + (1 - b2) g^2
-        p = p (1 - lr wd) - lr (m / (1 - b1^t)) / (sqrt(v / (1 - b2^t)) + eps)
+    m = b1 m + (1 - b1) g;  v = b2 v + (1 - b2) g^2
+    p = p (1 - lr wd) - lr (m / (1 - b1^t)) / (sqrt(v / (1 - b2^t)) + eps)
     """
 
-    def __init__(self, named_params: list[tuple[str, paddle.Tensor]], lr: float, beta1: float = 0.9,
-                 beta2: float = 0.999, epsilon: float = 1e-8, weight_decay: float = 0.0,
-                 no_decay: set[str] = frozenset(), lr_mult: dict[str, float] | None = None):
+    def __init__(
+        self,
+        named_params: list[tuple[str, paddle.Tensor]],
+        lr: float,
+        beta1: float = 0.9,
+        beta2: float = 0.999,
+        epsilon: float = 1e-8,
+        weight_decay: float = 0.0,
+        no_decay: set[str] = frozenset(),
+        lr_mult: dict[str, float] | None = None,
+    ):
         self.params = [(n, p) for n, p in named_params if not p.stop_gradient]
         self.lr, self.beta1, self.beta2, self.eps, self.wd = lr, beta1, beta2, epsilon, weight_decay
         self.no_decay = set(no_decay)
@@ -121,8 +129,9 @@ class AdamW:
             (self.m if kind == "exp_avg" else self.v)[name] = self._place(params[name], value.astype("float32"))
 
 
-def build_optimizer(model: paddle.nn.Layer, optim, extra: list[tuple[str, paddle.Tensor]] = (),
-                    lora_plus_scale: float = 1.0) -> AdamW:
+def build_optimizer(
+    model: paddle.nn.Layer, optim, extra: list[tuple[str, paddle.Tensor]] = (), lora_plus_scale: float = 1.0
+) -> AdamW:
     """AdamW over the model's trainable parameters plus `extra` named ones (a PPO value head).
     optim: the run config's `optim` section (learning_rate, adam_*, weight_decay); lora_plus_scale:
     LoRA+'s learning-rate ratio of the B matrices (1: none)."""
@@ -133,8 +142,16 @@ def build_optimizer(model: paddle.nn.Layer, optim, extra: list[tuple[str, paddle
         from erniekit.nn.lora import lora_param_groups
 
         lr_mult = lora_param_groups(model, lora_plus_scale)
-    opt = AdamW(named, optim.learning_rate, optim.adam_beta1, optim.adam_beta2, optim.adam_epsilon,
-                optim.weight_decay, no_decay, lr_mult)
+    opt = AdamW(
+        named,
+        optim.learning_rate,
+        optim.adam_beta1,
+        optim.adam_beta2,
+        optim.adam_epsilon,
+        optim.weight_decay,
+        no_decay,
+        lr_mult,
+    )
     from erniekit.distributed.runtime import active
 
     if active() is not None:
@@ -158,8 +175,9 @@ def reduced_grads(params: list[paddle.Tensor]) -> dict[int, paddle.Tensor]:
 
 
 @paddle.no_grad()
-def clip_grad_norm_(params: list[paddle.Tensor], max_norm: float,
-                    grads: dict[int, paddle.Tensor] | None = None) -> float:
+def clip_grad_norm_(
+    params: list[paddle.Tensor], max_norm: float, grads: dict[int, paddle.Tensor] | None = None
+) -> float:
     """Scale gradients in place so their global L2 norm is at most `max_norm`; return the norm
     before. grads: from `reduced_grads` (they are the ones scaled); default: reduced here."""
     grads = reduced_grads(params) if grads is None else grads

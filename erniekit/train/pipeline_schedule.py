@@ -111,8 +111,9 @@ class PipelineStep:
         return x
 
     # ---- training --------------------------------------------------------------------------
-    def run(self, micro: list[dict[str, np.ndarray]], n_units: int, loss_scale: float = 1.0,
-            amp=None, on_forward=None) -> tuple[float, float]:
+    def run(
+        self, micro: list[dict[str, np.ndarray]], n_units: int, loss_scale: float = 1.0, amp=None, on_forward=None
+    ) -> tuple[float, float]:
         """Forward and backward of every micro-batch on this stage (gradients accumulate in
         .grad); returns (loss sum, router-loss sum) of the whole step, summed over stages.
         on_forward(batch): called after each forward (routing statistics of this stage's layers)."""
@@ -178,8 +179,11 @@ class PipelineStep:
     def clip_grad_norm_(self, named_params: list[tuple[str, paddle.Tensor]], max_norm: float) -> float:
         """Global L2 norm over all stages (a tied embedding counted once), then scale in place."""
         grads = [(n, p.grad) for n, p in named_params if p.grad is not None]
-        local = float(paddle.add_n([paddle.sum(g.astype("float32") ** 2) for n, g in grads
-                                    if self.topo.counted_once(n)])) if grads else 0.0
+        local = (
+            float(paddle.add_n([paddle.sum(g.astype("float32") ** 2) for n, g in grads if self.topo.counted_once(n)]))
+            if grads
+            else 0.0
+        )
         norm = float(np.sqrt(self.topo.sum_over_pipeline([local])[0]))
         if max_norm > 0 and norm > max_norm:
             coef = max_norm / (norm + 1e-6)
@@ -197,7 +201,7 @@ class PipelineStep:
         self.model.eval()
         total, n = 0.0, 0
         for i in range(0, len(rows), batch_size):
-            b = collate(rows[i:i + batch_size], pad_id)
+            b = collate(rows[i : i + batch_size], pad_id)
             out = self._stage_forward(b, self._recv_input(b))
             if self.topo.last:
                 total += float(causal_lm_loss_sum(out, b["labels"], b["segment_ids"]))

@@ -99,17 +99,34 @@ def preference_loss(
     (token mean), ``loss = nll + losses.mean()`` (beta plays ORPO's lambda, as in TRL).
     """
     _check(loss_type, beta, label_smoothing)
-    pi_w, pi_l, ref_w, ref_l = _log_probs(loss_type, policy_chosen_logps, policy_rejected_logps, ref_chosen_logps,
-                                          ref_rejected_logps, reference_free, chosen_lengths, rejected_lengths,
-                                          length_normalize)
+    pi_w, pi_l, ref_w, ref_l = _log_probs(
+        loss_type,
+        policy_chosen_logps,
+        policy_rejected_logps,
+        ref_chosen_logps,
+        ref_rejected_logps,
+        reference_free,
+        chosen_lengths,
+        rejected_lengths,
+        length_normalize,
+    )
     losses = _pair_losses(loss_type, pi_w, pi_l, ref_w, ref_l, beta, label_smoothing, simpo_gamma, dpop_lambda)
     if loss_type in REFERENCE_FREE_LOSSES:
         return losses, (beta * pi_w).detach(), (beta * pi_l).detach()
     return losses, (beta * (pi_w - ref_w)).detach(), (beta * (pi_l - ref_l)).detach()
 
 
-def _log_probs(loss_type, policy_chosen_logps, policy_rejected_logps, ref_chosen_logps, ref_rejected_logps,
-               reference_free, chosen_lengths, rejected_lengths, length_normalize):
+def _log_probs(
+    loss_type,
+    policy_chosen_logps,
+    policy_rejected_logps,
+    ref_chosen_logps,
+    ref_rejected_logps,
+    reference_free,
+    chosen_lengths,
+    rejected_lengths,
+    length_normalize,
+):
     """Policy and reference log-probs as tensors, zeros for an unused reference, length-averaged
     where the loss type (or length_normalize) asks for it."""
     pi_w, pi_l = _tensor(policy_chosen_logps), _tensor(policy_rejected_logps)

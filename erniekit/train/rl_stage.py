@@ -46,13 +46,18 @@ def _encode_prompts(examples: list[PromptExample], tokenizer, cfg, what: str) ->
         ids = prompt_ids(ex.conv, tokenizer)
         if len(ids) > limit:
             if cfg.truncation == "error":
-                raise DataError(f"{ex.source}: prompt has {len(ids)} tokens, more than max_seq_len - max_new_tokens = "
-                                f"{limit}; raise max_seq_len, lower max_new_tokens or set truncation=truncate to drop it")
+                raise DataError(
+                    f"{ex.source}: prompt has {len(ids)} tokens, more than max_seq_len - max_new_tokens = "
+                    f"{limit}; raise max_seq_len, lower max_new_tokens or set truncation=truncate to drop it"
+                )
             dropped += 1
             ids = None
         out.append(ids)
     if dropped:
-        warnings.warn(f"{dropped} of {len(examples)} {what} prompts dropped: longer than max_seq_len - max_new_tokens", stacklevel=2)
+        warnings.warn(
+            f"{dropped} of {len(examples)} {what} prompts dropped: longer than max_seq_len - max_new_tokens",
+            stacklevel=2,
+        )
     return out
 
 
@@ -75,7 +80,10 @@ class RLStage(Stage):
             return None
         examples = load_prompts(cfg.eval_dataset_path, cfg.eval_dataset_type)
         ids = _encode_prompts(examples, tokenizer, cfg, "eval")
-        return {"examples": [e for e, i in zip(examples, ids) if i is not None], "prompt_ids": [i for i in ids if i is not None]}
+        return {
+            "examples": [e for e, i in zip(examples, ids) if i is not None],
+            "prompt_ids": [i for i in ids if i is not None],
+        }
 
     def collate(self, rows, pad_id):
         return {"prompt_index": np.array([int(r["prompt_index"]) for r in rows], np.int64)}
@@ -87,7 +95,7 @@ class RLStage(Stage):
         self.pad_id = tokenizer.pad_token_id
         self.stop_ids = sorted({tokenizer.sep_token_id, tokenizer.eos_token_id, *cfg.stop_token_ids})
         self.reward_funcs = load_reward_functions(cfg.reward_funcs, cfg.reward_weights)
-        for examples in ([getattr(self, "examples", [])] + ([eval_data["examples"]] if eval_data else [])):
+        for examples in [getattr(self, "examples", [])] + ([eval_data["examples"]] if eval_data else []):
             check_fields(self.reward_funcs, [e.fields for e in examples], [e.source for e in examples])
         self.is_moe = bool(model.moe_layers()) if hasattr(model, "moe_layers") else False
         self.reference = self._build_reference(model, cfg) if self.uses_reference(cfg) else None
@@ -132,10 +140,15 @@ class RLStage(Stage):
         G = cfg.num_generations
         idx = prompt_batch["prompt_index"]
         examples = [self.examples[i] for i in idx]
-        params = SamplingParams(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p,
-                                stop_token_ids=self.stop_ids)
-        ro = rollout(model, repeat_prompts([self.prompt_ids[i] for i in idx], G), params, self.pad_id,
-                     record_routing=self.is_moe)
+        params = SamplingParams(
+            max_new_tokens=cfg.max_new_tokens,
+            temperature=cfg.temperature,
+            top_p=cfg.top_p,
+            stop_token_ids=self.stop_ids,
+        )
+        ro = rollout(
+            model, repeat_prompts([self.prompt_ids[i] for i in idx], G), params, self.pad_id, record_routing=self.is_moe
+        )
         rewards = self._rewards(examples, ro.completions(), G)  # [F, B]
         total = np.asarray([f.weight for f in self.reward_funcs]) @ rewards
         batch = self._layout(ro)
@@ -163,8 +176,14 @@ class RLStage(Stage):
         targets[:, :N] = np.where(ro.completion_mask > 0, ro.completion_ids, IGNORE_INDEX)
         mask = np.zeros((B, K), np.float32)
         mask[:, :N] = ro.completion_mask
-        batch = {"input_ids": ro.input_ids, "attention_mask": ro.attention_mask, "segment_ids": ro.attention_mask,
-                 "targets": targets, "completion_mask": mask, "loss_mask": mask.copy()}
+        batch = {
+            "input_ids": ro.input_ids,
+            "attention_mask": ro.attention_mask,
+            "segment_ids": ro.attention_mask,
+            "targets": targets,
+            "completion_mask": mask,
+            "loss_mask": mask.copy(),
+        }
         if ro.routing is not None:
             batch["routing"] = ro.routing
             batch["routing_mask"] = ro.routing_mask
@@ -177,8 +196,11 @@ class RLStage(Stage):
     def forward(self, model, batch: dict, force_routing: bool):
         K = batch["targets"].shape[1]
         with routing_reference(model, batch.get("routing"), batch.get("routing_mask"), force_routing):
-            return model(paddle.to_tensor(batch["input_ids"]), attention_mask=paddle.to_tensor(batch["attention_mask"]),
-                         logits_to_keep=K)
+            return model(
+                paddle.to_tensor(batch["input_ids"]),
+                attention_mask=paddle.to_tensor(batch["attention_mask"]),
+                logits_to_keep=K,
+            )
 
     @paddle.no_grad()
     def score(self, model, batch: dict, with_hidden: bool = False) -> Scores:
@@ -248,13 +270,17 @@ class RLStage(Stage):
         answer, exact match (the same figure the SFT stage reports)."""
         n = min(len(eval_data["examples"]), cfg.eval_max_samples)
         examples, prompts = eval_data["examples"][:n], eval_data["prompt_ids"][:n]
-        comp_ids = greedy_completions(model, prompts, cfg.eval_max_new_tokens, self.stop_ids, self.pad_id,
-                                      cfg.per_device_eval_batch_size)
+        comp_ids = greedy_completions(
+            model, prompts, cfg.eval_max_new_tokens, self.stop_ids, self.pad_id, cfg.per_device_eval_batch_size
+        )
         rewards = self._rewards(examples, comp_ids)
         res = {"reward": float((np.asarray([f.weight for f in self.reward_funcs]) @ rewards).mean())}
         for f, r in zip(self.reward_funcs, rewards):
             res[f"reward/{f.name}"] = float(r.mean())
         if examples and all("answer" in e.fields for e in examples):
-            res["exact_match"] = float(np.mean([accuracy([], [tokenizer.decode(c)], [e.fields["answer"]])[0]
-                                                for c, e in zip(comp_ids, examples)]))
+            res["exact_match"] = float(
+                np.mean(
+                    [accuracy([], [tokenizer.decode(c)], [e.fields["answer"]])[0] for c, e in zip(comp_ids, examples)]
+                )
+            )
         return res

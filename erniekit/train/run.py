@@ -9,8 +9,8 @@ import paddle
 
 from erniekit.config import dump_config
 from erniekit.errors import ConfigError
-from erniekit.train.stages import get_stage
 from erniekit.train.loop import Trainer
+from erniekit.train.stages import get_stage
 from erniekit.utils.dtensor import is_main_process, launched_world
 from erniekit.utils.io import atomic_write_json
 
@@ -60,9 +60,19 @@ def load_model(cfg):
         from erniekit.nn.lora import LoraConfig, apply_lora
 
         kw = {"target_modules": cfg.lora_target_modules} if cfg.lora_target_modules else {}
-        apply_lora(model, LoraConfig(r=cfg.lora_rank, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
-                                     use_rslora=cfg.rslora, use_dora=cfg.use_dora,
-                                     lora_plus_scale=cfg.lora_plus_scale, base_dtype=cfg.lora_base_dtype, **kw))
+        apply_lora(
+            model,
+            LoraConfig(
+                r=cfg.lora_rank,
+                lora_alpha=cfg.lora_alpha,
+                lora_dropout=cfg.lora_dropout,
+                use_rslora=cfg.rslora,
+                use_dora=cfg.use_dora,
+                lora_plus_scale=cfg.lora_plus_scale,
+                base_dtype=cfg.lora_base_dtype,
+                **kw,
+            ),
+        )
     return model
 
 
@@ -139,9 +149,11 @@ def _run_train(cfg, log=print) -> dict:
     stage.prepare(model, train_rows, eval_data, cfg, tokenizer)  # before any resume: model = reference
     n_params = sum(int(p.numel()) for p in model.parameters())
     n_train = sum(int(p.numel()) for p in model.parameters() if not p.stop_gradient)
-    log(f"erniekit: stage={cfg.stage} model={cfg.model_name_or_path} ({n_params / 1e6:.2f}M params, {n_train / 1e6:.2f}M trainable, "
+    log(
+        f"erniekit: stage={cfg.stage} model={cfg.model_name_or_path} ({n_params / 1e6:.2f}M params, {n_train / 1e6:.2f}M trainable, "
         f"{model.config.model_type}) device={device}{_parallel_note(ctx)} threads={os.environ.get('OMP_NUM_THREADS', '1')} "
-        f"train_rows={len(train_rows)} data_prep={time.perf_counter() - t0:.1f}s")
+        f"train_rows={len(train_rows)} data_prep={time.perf_counter() - t0:.1f}s"
+    )
     if runner is None:
         from erniekit.train.runners import collective_runner
 
@@ -161,8 +173,10 @@ def _run_train(cfg, log=print) -> dict:
 def _ps_role(cfg, model, ps):
     """This process's PS role with its pipeline segment (distributed_mode: ps)."""
     if model.config.num_nextn_predict_layers > 0:
-        raise ConfigError("distributed_mode=ps does not train MTP heads (they need the embedding and head on the "
-                          "worker); set model_overrides.num_nextn_predict_layers=0")
+        raise ConfigError(
+            "distributed_mode=ps does not train MTP heads (they need the embedding and head on the "
+            "worker); set model_overrides.num_nextn_predict_layers=0"
+        )
     from erniekit.distributed.ps.topology import with_pipeline
 
     return with_pipeline(ps, cfg.pipeline_parallel_degree, model.config.num_hidden_layers, cfg.pipeline_stage_layers)
@@ -176,12 +190,23 @@ def _ps_runner(cfg, model, ps, stage, log):
     if cfg.ps_stage_devices:
         segment = ps.pipe.segment if ps.pipe is not None else 0
         log(f"workers of pipeline stage {segment + 1} on {stage_device(cfg.ps_stage_devices[segment], model)}")
-    worker = PSWorker(ps, model, compress=cfg.ps_compress, topk_ratio=cfg.ps_topk_ratio,
-                      k_steps=cfg.ps_k_steps if cfg.ps_sync_mode == "async" else 0)
-    log(f"parameter-server mode: {ps.workers} workers, {ps.servers} server(s) holding the embedding"
+    worker = PSWorker(
+        ps,
+        model,
+        compress=cfg.ps_compress,
+        topk_ratio=cfg.ps_topk_ratio,
+        k_steps=cfg.ps_k_steps if cfg.ps_sync_mode == "async" else 0,
+    )
+    log(
+        f"parameter-server mode: {ps.workers} workers, {ps.servers} server(s) holding the embedding"
         f"{'' if model.config.tie_word_embeddings else ' and LM head'} rows"
-        + (f"; workers in {ps.pipe.pp} pipeline stages of layers "
-           + ", ".join(f"{a}-{b - 1}" for a, b in ps.pipe.bounds) if ps.pipe is not None else ""))
+        + (
+            f"; workers in {ps.pipe.pp} pipeline stages of layers "
+            + ", ".join(f"{a}-{b - 1}" for a, b in ps.pipe.bounds)
+            if ps.pipe is not None
+            else ""
+        )
+    )
     return PSRunner(worker, stage.token_balance)
 
 
@@ -233,7 +258,8 @@ def _save_final(cfg, trainer) -> None:
     if trainer.ema is not None and cfg.save_ema:
         with trainer.ema.applied():
             save_model_or_adapter(model, cfg.output_dir, trainer.tokenizer, cfg.model_name_or_path, runner)
-        trainer.log(f"output_dir holds the EMA weights (ema_decay {cfg.ema_decay}); the raw weights are in the last "
-                    "checkpoint")
+        trainer.log(
+            f"output_dir holds the EMA weights (ema_decay {cfg.ema_decay}); the raw weights are in the last checkpoint"
+        )
     else:
         save_model_or_adapter(model, cfg.output_dir, trainer.tokenizer, cfg.model_name_or_path, runner)

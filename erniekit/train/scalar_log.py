@@ -68,7 +68,6 @@ class ScalarLogger:
             self.jsonl.close()
 
 
-
 def drop_jsonl_after(path: str, step: int) -> int:
     """Keep the lines of a scalars.jsonl at or before `step` (a torn last line goes too)."""
     if not os.path.isfile(path):
@@ -100,8 +99,8 @@ def drop_vdl_after(path: str, step: int) -> int:
     data = open(path, "rb").read()
     out, pos, dropped = bytearray(), 0, 0
     while pos + 8 <= len(data):
-        (n,) = struct.unpack("<Q", data[pos:pos + 8])
-        body = data[pos + 8:pos + 8 + n]
+        (n,) = struct.unpack("<Q", data[pos : pos + 8])
+        body = data[pos + 8 : pos + 8 + n]
         pos += 8 + n
         if len(body) < n:
             dropped += 1
@@ -111,7 +110,7 @@ def drop_vdl_after(path: str, step: int) -> int:
         keep = [v for v in rec.values if v.id <= step]
         dropped += len(rec.values) - len(keep)
         if len(keep) == len(rec.values):
-            out += data[pos - 8 - n:pos]
+            out += data[pos - 8 - n : pos]
         elif keep:
             new = record_pb2.Record()
             new.values.extend(keep)

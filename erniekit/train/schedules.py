@@ -5,7 +5,9 @@ from __future__ import annotations
 import math
 
 
-def lr_at(step: int, total: int, peak: float, kind: str, warmup: int, min_lr: float = 0.0, decay_ratio: float = 0.1) -> float:
+def lr_at(
+    step: int, total: int, peak: float, kind: str, warmup: int, min_lr: float = 0.0, decay_ratio: float = 0.1
+) -> float:
     """LR for optimizer step `step` (0-based) of `total`.
 
     - cosine: linear warmup, then half-cosine from peak to min_lr.

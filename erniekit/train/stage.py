@@ -8,8 +8,13 @@ from typing import Any
 import numpy as np
 import paddle
 
-from erniekit.train.losses import (batch_tensor, causal_lm_loss_sum, count_examples, count_target_tokens,
-                                   token_balanced_loss_sum)
+from erniekit.train.losses import (
+    batch_tensor,
+    causal_lm_loss_sum,
+    count_examples,
+    count_target_tokens,
+    token_balanced_loss_sum,
+)
 from erniekit.train.mtp_loss import add_mtp_loss, wants_mtp
 from erniekit.utils.dtensor import scalar
 
@@ -29,8 +34,9 @@ class Supports:
     min_generations: int = 1  # num_generations below this is refused
 
 
-LM = Supports(pipeline=True, parameter_server=True, packing=True, elastic=True, elastic_sandwich=True,
-              token_balance=True)  # the causal-LM stages (pretrain, SFT)
+LM = Supports(
+    pipeline=True, parameter_server=True, packing=True, elastic=True, elastic_sandwich=True, token_balance=True
+)  # the causal-LM stages (pretrain, SFT)
 
 
 @dataclass
@@ -133,7 +139,7 @@ def eval_loss(model, rows: list[dict[str, np.ndarray]], batch_size: int, pad_id:
     model.eval()
     total, n = 0.0, 0
     for i in range(0, len(rows), batch_size):
-        b = collate(rows[i:i + batch_size], pad_id)
+        b = collate(rows[i : i + batch_size], pad_id)
         total += scalar(lm_loss(model, b).loss_sum)
         n += count_target_tokens(b)
     loss = total / max(n, 1)

@@ -18,8 +18,11 @@ def start_training(cfg, path: str | None, overrides: list[str], user_threads: st
         from erniekit.distributed.planner import auto_plan
 
         best = auto_plan(cfg)
-        print(f"erniekit: parallel: auto chose {best.plan.describe()} (predicted {best.step_s:.3f} s/step, "
-              f"{best.memory / 1e9:.2f} GB per device; erniekit plan shows the ranking)", flush=True)
+        print(
+            f"erniekit: parallel: auto chose {best.plan.describe()} (predicted {best.step_s:.3f} s/step, "
+            f"{best.memory / 1e9:.2f} GB per device; erniekit plan shows the ranking)",
+            flush=True,
+        )
     if cfg.distributed_mode == "ps" and cfg.ps_placement == "auto" and not in_launched_worker():
         cfg, args = apply_ps_placement(cfg, path, overrides)
     from erniekit.distributed.layout import world_size
@@ -31,7 +34,7 @@ def start_training(cfg, path: str | None, overrides: list[str], user_threads: st
     result = run_train(cfg)
     if isinstance(result, dict) and result.get("stop_signal"):
         if in_launched_worker():  # paddle.distributed.launch reads any other code as a failure and kills
-            return 0              # the other ranks; `erniekit train` (the parent) reports the stop
+            return 0  # the other ranks; `erniekit train` (the parent) reports the stop
         from erniekit.utils.run_control import stopped_exit_code
 
         return stopped_exit_code(result["stop_signal"])  # stopped, not finished: 143 (SIGTERM) / 130 (SIGINT)
@@ -51,9 +54,20 @@ def apply_ps_placement(cfg, path: str | None, overrides: list[str]):
     os.makedirs(cfg.output_dir, exist_ok=True)
     rows = [r.as_dict() for r in auto.rows]
     with open(os.path.join(cfg.output_dir, "ps_placement.json"), "w", encoding="utf-8") as f:
-        json.dump({"cluster": cfg.cluster, "target_tokens_per_s": auto.target, "stage_layers": auto.stage_layers,
-                   "stage_types": auto.stage_types, "stage_devices": auto.stage_devices,
-                   "workers_per_stage": auto.replicas, "processes": auto.processes,
-                   "predicted_tokens_per_s": auto.evaluation.throughput,
-                   "cost_per_batch": auto.evaluation.cost_per_batch, "candidates": rows}, f, indent=1)
+        json.dump(
+            {
+                "cluster": cfg.cluster,
+                "target_tokens_per_s": auto.target,
+                "stage_layers": auto.stage_layers,
+                "stage_types": auto.stage_types,
+                "stage_devices": auto.stage_devices,
+                "workers_per_stage": auto.replicas,
+                "processes": auto.processes,
+                "predicted_tokens_per_s": auto.evaluation.throughput,
+                "cost_per_batch": auto.evaluation.cost_per_batch,
+                "candidates": rows,
+            },
+            f,
+            indent=1,
+        )
     return cfg, args

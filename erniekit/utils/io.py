@@ -135,8 +135,10 @@ def open_safetensors(file: str, framework: str = "paddle"):
         return safe_open(file, framework=framework)
     except (SafetensorError, OSError) as e:
         size = os.path.getsize(file) if os.path.isfile(file) else 0
-        raise CheckpointError(f"{file}: not a readable safetensors file ({e}; {size} bytes); it is truncated or "
-                              "corrupt: copy or re-save it (training checkpoints: resume from an earlier one)") from None
+        raise CheckpointError(
+            f"{file}: not a readable safetensors file ({e}; {size} bytes); it is truncated or "
+            "corrupt: copy or re-save it (training checkpoints: resume from an earlier one)"
+        ) from None
 
 
 def replace_dir(tmp_dir: str, final_dir: str) -> None:
@@ -177,15 +179,15 @@ class WriteFailed(CheckpointError):
 
 
 @contextlib.contextmanager
-def write_errors(what: str, where: str, needed: int, partial: str | None = None,
-                 hint: str = "") -> Iterator[None]:
+def write_errors(what: str, where: str, needed: int, partial: str | None = None, hint: str = "") -> Iterator[None]:
     """Turn an OSError while writing `what` into one CheckpointError saying how much was about to be
     written (`needed` bytes), where, and how much is free; `partial` (a temp file or directory) is
     removed on any failure, so nothing half-written is left for a later load or resume to find. A
     shortfall already visible (needed > free) is refused before anything is written."""
     if needed > free_bytes(where):
-        raise WriteFailed(_space_message(what, where, needed, "not enough space", hint), errno.ENOSPC,
-                          "not enough space", where)
+        raise WriteFailed(
+            _space_message(what, where, needed, "not enough space", hint), errno.ENOSPC, "not enough space", where
+        )
     try:
         yield
     except BaseException as e:
@@ -198,8 +200,13 @@ def write_errors(what: str, where: str, needed: int, partial: str | None = None,
             raise
         if code in NO_SPACE:
             raise WriteFailed(_space_message(what, where, needed, strerror, hint), code, strerror, filename) from None
-        raise WriteFailed(f"cannot write {what} in {where} ({strerror}: {filename or where}); make {where} writable "
-                          f"or choose another directory{hint}", code, strerror, filename) from None
+        raise WriteFailed(
+            f"cannot write {what} in {where} ({strerror}: {filename or where}); make {where} writable "
+            f"or choose another directory{hint}",
+            code,
+            strerror,
+            filename,
+        ) from None
 
 
 def _os_error(e: BaseException) -> tuple[int | None, str, str | None]:
@@ -215,5 +222,7 @@ def _os_error(e: BaseException) -> tuple[int | None, str, str | None]:
 
 
 def _space_message(what: str, where: str, needed: int, why: str, hint: str) -> str:
-    return (f"{why} for {what} in {where}: about {needed / 2**20:.1f} MiB ({needed} bytes) to write, "
-            f"{free_bytes(where) / 2**20:.1f} MiB free; free space or write to a larger disk{hint}")
+    return (
+        f"{why} for {what} in {where}: about {needed / 2**20:.1f} MiB ({needed} bytes) to write, "
+        f"{free_bytes(where) / 2**20:.1f} MiB free; free space or write to a larger disk{hint}"
+    )

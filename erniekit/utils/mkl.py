@@ -58,7 +58,9 @@ def mkl_cpu_type(environ: Mapping[str, str], vendor: str, flags: set[str]) -> st
     return None
 
 
-def use_mkl_vector_kernels(environ: MutableMapping[str, str] | None = None, cpuinfo: str = "/proc/cpuinfo") -> str | None:
+def use_mkl_vector_kernels(
+    environ: MutableMapping[str, str] | None = None, cpuinfo: str = "/proc/cpuinfo"
+) -> str | None:
     """Set MKL_DEBUG_CPU_TYPE in `environ` (default os.environ) where it helps; the value set, or None."""
     environ = os.environ if environ is None else environ
     value = mkl_cpu_type(environ, *read_cpuinfo(cpuinfo))

@@ -38,8 +38,10 @@ def output_dir_lock(output_dir: str):
             except (OSError, ValueError):
                 pid = 0
             if pid and pid != os.getpid() and _alive(pid):
-                raise ConfigError(f"output_dir={output_dir} is in use by a running training job (pid {pid}); choose "
-                                  "another output_dir or stop that job first") from None
+                raise ConfigError(
+                    f"output_dir={output_dir} is in use by a running training job (pid {pid}); choose "
+                    "another output_dir or stop that job first"
+                ) from None
             with contextlib.suppress(FileNotFoundError):
                 os.remove(path)  # its holder is gone
             continue

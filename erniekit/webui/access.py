@@ -54,11 +54,15 @@ def exposure_warning(host: str, share: bool, has_auth: bool) -> str | None:
         return None
     head = "WARNING: the erniekit WebUI is reachable beyond this machine: " + "; ".join(where) + "."
     if has_auth:
-        return (head + " A login is required (--auth), but traffic is plain HTTP: use it only on a network "
-                "you trust, or put it behind HTTPS.")
-    return (head + " NO LOGIN IS SET: anyone who can connect can train, load and export models and write "
-            "files under the allowed directories. Set a login (--auth-file FILE or the environment variable "
-            f"{AUTH_ENV}=USER:PASSWORD), or bind 127.0.0.1 and use an SSH tunnel.")
+        return (
+            head + " A login is required (--auth), but traffic is plain HTTP: use it only on a network "
+            "you trust, or put it behind HTTPS."
+        )
+    return (
+        head + " NO LOGIN IS SET: anyone who can connect can train, load and export models and write "
+        "files under the allowed directories. Set a login (--auth-file FILE or the environment variable "
+        f"{AUTH_ENV}=USER:PASSWORD), or bind 127.0.0.1 and use an SSH tunnel."
+    )
 
 
 def banner(text: str) -> str:
@@ -72,8 +76,10 @@ def parse_auth(spec: str, source: str) -> tuple[str, str]:
     repeats it (it holds a password)."""
     user, sep, password = (spec or "").strip("\r\n").partition(":")
     if not sep or not user or not password:
-        raise ErniekitError(f"webui: {source} must be USER:PASSWORD with both parts non-empty (the value is not "
-                            "shown: it holds a password)")
+        raise ErniekitError(
+            f"webui: {source} must be USER:PASSWORD with both parts non-empty (the value is not "
+            "shown: it holds a password)"
+        )
     if user != user.strip():
         raise ErniekitError(f"webui: {source}: the user name has leading or trailing spaces; remove them")
     return user, password
@@ -85,18 +91,24 @@ def read_auth_file(path: str) -> list[tuple[str, str]]:
         with open(path, encoding="utf-8") as f:
             lines = f.read().splitlines()
     except (OSError, UnicodeDecodeError) as e:
-        raise ErniekitError(f"webui: --auth-file {path}: cannot read it ({type(e).__name__}: "
-                            f"{getattr(e, 'strerror', None) or 'not UTF-8'}); give a readable text file with "
-                            "USER:PASSWORD lines") from None
-    users = [parse_auth(line, f"--auth-file {path} line {i}")
-             for i, line in enumerate(lines, 1) if line.strip() and not line.lstrip().startswith("#")]
+        raise ErniekitError(
+            f"webui: --auth-file {path}: cannot read it ({type(e).__name__}: "
+            f"{getattr(e, 'strerror', None) or 'not UTF-8'}); give a readable text file with "
+            "USER:PASSWORD lines"
+        ) from None
+    users = [
+        parse_auth(line, f"--auth-file {path} line {i}")
+        for i, line in enumerate(lines, 1)
+        if line.strip() and not line.lstrip().startswith("#")
+    ]
     if not users:
         raise ErniekitError(f"webui: --auth-file {path} has no USER:PASSWORD line; add one")
     return users
 
 
-def resolve_auth(arg: str | None = None, file: str | None = None,
-                 environ: dict | None = None) -> list[tuple[str, str]] | None:
+def resolve_auth(
+    arg: str | None = None, file: str | None = None, environ: dict | None = None
+) -> list[tuple[str, str]] | None:
     """The login accounts for gradio's `launch(auth=...)`, from --auth, else --auth-file, else the
     environment variable ERNIEKIT_WEBUI_AUTH; None when none is set (no login)."""
     if arg is not None and file is not None:
@@ -143,6 +155,8 @@ class PathPolicy:
             via = "" if real == os.path.abspath(path) else f" (it resolves to {real})"
             where = self.workdir if len(self.roots) == 1 else ", ".join(self.roots)
             widen = real if os.path.isdir(real) else os.path.dirname(real)
-            raise ErniekitError(f"{what} {path}{via} is outside the directories this WebUI may use ({where}); "
-                                f"choose a path inside them, or restart erniekit webui with --allow-path {widen}")
+            raise ErniekitError(
+                f"{what} {path}{via} is outside the directories this WebUI may use ({where}); "
+                f"choose a path inside them, or restart erniekit webui with --allow-path {widen}"
+            )
         return path

@@ -22,8 +22,10 @@ from erniekit.export.hf import FORMATS
 from erniekit.webui.access import PathPolicy, banner, exposure_warning
 from erniekit.webui.runs import EMBEDDED, RECIPES, Form, Runs, cli_command, config_yaml, yaml_preview
 
-CSS = (".erniekit-error {color: #b00020; font-weight: 600}\n"
-       "#exposure_warning {background: #fff3bf; border: 2px solid #e67700; padding: 8px 12px; font-weight: 600}")
+CSS = (
+    ".erniekit-error {color: #b00020; font-weight: 600}\n"
+    "#exposure_warning {background: #fff3bf; border: 2px solid #e67700; padding: 8px 12px; font-weight: 600}"
+)
 
 
 def _message(e: Exception) -> str:
@@ -68,9 +70,11 @@ def export_model(paths: PathPolicy, s: str, d: str, f: str) -> str:
         raise ErniekitError(f"{d} already exists and is not empty; choose a new directory")
     export_hf(s, d, fmt=f)
     if f in ("paddle", "onnx"):
-        serve = (f"erniekit export --verify {d}\n# the decoding step runs under "
-                 f"{'paddle.inference' if f == 'paddle' else 'onnxruntime'}: "
-                 f"erniekit.export.static.StepRunner('{d}', '{f}', config)")
+        serve = (
+            f"erniekit export --verify {d}\n# the decoding step runs under "
+            f"{'paddle.inference' if f == 'paddle' else 'onnxruntime'}: "
+            f"erniekit.export.static.StepRunner('{d}', '{f}', config)"
+        )
     else:
         serve = f"erniekit export --verify {d}\nerniekit server {d} --port 8000"
     return f"Exported {s} to {d} ({f}). Check and serve it:\n\n```bash\n{serve}\n```"
@@ -87,8 +91,9 @@ def build_app(runs: Runs | None = None, paths: PathPolicy | None = None, warning
         gr.Markdown("# erniekit\nFine-tune, chat with and export ERNIE 4.5 models.")
         if warning:
             gr.HTML(f"<div id='exposure_warning'>{html.escape(warning)}</div>")
-        gr.Markdown(f"Files: inside `{'`, `'.join(paths.roots)}` (widen with `--allow-path DIR`).",
-                    elem_id="allowed_paths")
+        gr.Markdown(
+            f"Files: inside `{'`, `'.join(paths.roots)}` (widen with `--allow-path DIR`).", elem_id="allowed_paths"
+        )
         with gr.Tab("Train"):
             with gr.Row():
                 stage = gr.Dropdown(list(RECIPES), value="SFT", label="Stage", elem_id="stage")
@@ -108,12 +113,21 @@ def build_app(runs: Runs | None = None, paths: PathPolicy | None = None, warning
                 resume_btn = gr.Button("Resume", elem_id="resume")
             message = gr.HTML("", elem_id="train_message")
             with gr.Row():
-                yaml_box = gr.Code("", language="yaml", label="Config (YAML) the run uses", elem_id="yaml", max_lines=16)
+                yaml_box = gr.Code(
+                    "", language="yaml", label="Config (YAML) the run uses", elem_id="yaml", max_lines=16
+                )
                 cli_box = gr.Textbox("", label="Equivalent command", elem_id="cli", lines=3)
             progress = gr.Markdown("", elem_id="progress")
-            plot = gr.LinePlot(None, x="step", y="value", color="series", label="Loss (and reward)",
-                               elem_id="loss_plot", height=300,
-                               color_map={"loss": "#e8590c", "reward": "#2b8a3e", "eval loss": "#5f3dc4"})
+            plot = gr.LinePlot(
+                None,
+                x="step",
+                y="value",
+                color="series",
+                label="Loss (and reward)",
+                elem_id="loss_plot",
+                height=300,
+                color_map={"loss": "#e8590c", "reward": "#2b8a3e", "eval loss": "#5f3dc4"},
+            )
             points = gr.Markdown("", elem_id="points")
             log = gr.Textbox("", label="Log (last lines)", lines=12, max_lines=12, elem_id="log", autoscroll=True)
             timer = gr.Timer(1.0, active=False)
@@ -122,13 +136,26 @@ def build_app(runs: Runs | None = None, paths: PathPolicy | None = None, warning
 
             def form_of(*vals) -> Form:
                 st, mo, ds, out, steps, rate, bs, sl, rk = vals
-                for name, v in (("max steps", steps), ("learning rate", rate), ("batch size", bs),
-                                ("max sequence length", sl), ("LoRA rank", rk)):
+                for name, v in (
+                    ("max steps", steps),
+                    ("learning rate", rate),
+                    ("batch size", bs),
+                    ("max sequence length", sl),
+                    ("LoRA rank", rk),
+                ):
                     if v is None:
                         raise ErniekitError(f"{name} is empty")
-                return Form(stage=st, model=(mo or EMBEDDED).strip(), dataset=(ds or "").strip(),
-                            output_dir=(out or "").strip(), max_steps=int(steps), learning_rate=float(rate),
-                            batch_size=int(bs), max_seq_len=int(sl), lora_rank=int(rk))
+                return Form(
+                    stage=st,
+                    model=(mo or EMBEDDED).strip(),
+                    dataset=(ds or "").strip(),
+                    output_dir=(out or "").strip(),
+                    max_steps=int(steps),
+                    learning_rate=float(rate),
+                    batch_size=int(bs),
+                    max_seq_len=int(sl),
+                    lora_rank=int(rk),
+                )
 
             def preview(*vals):
                 try:
@@ -156,8 +183,13 @@ def build_app(runs: Runs | None = None, paths: PathPolicy | None = None, warning
                 try:
                     st = runs.status(out or "")
                 except ErniekitError as e:  # the output directory box now names a refused path
-                    return (gr.skip(), "", f"<span class='erniekit-error'>Error: {e}</span>", "",
-                            gr.Timer(active=False))
+                    return (
+                        gr.skip(),
+                        "",
+                        f"<span class='erniekit-error'>Error: {e}</span>",
+                        "",
+                        gr.Timer(active=False),
+                    )
                 pts = st["points"]
                 # no frame until there are points: a first, empty frame left the lines without a color
                 df = _points_frame(pts) if pts else gr.skip()
@@ -184,7 +216,9 @@ def build_app(runs: Runs | None = None, paths: PathPolicy | None = None, warning
                 load_btn = gr.Button("Load", elem_id="chat_load")
             chat_message = gr.HTML("", elem_id="chat_message")
             with gr.Row():
-                temperature = gr.Slider(0.0, 2.0, 0.0, step=0.05, label="Temperature (0 = greedy)", elem_id="temperature")
+                temperature = gr.Slider(
+                    0.0, 2.0, 0.0, step=0.05, label="Temperature (0 = greedy)", elem_id="temperature"
+                )
                 top_p = gr.Slider(0.05, 1.0, 1.0, step=0.05, label="Top-p", elem_id="top_p")
                 max_new = gr.Slider(1, 1024, 64, step=1, label="Max new tokens", elem_id="max_new_tokens")
             chatbot = gr.Chatbot(label="Conversation", elem_id="chatbot", height=320)
@@ -217,8 +251,12 @@ def build_app(runs: Runs | None = None, paths: PathPolicy | None = None, warning
                     from erniekit.infer.generate import generate_stream
                     from erniekit.infer.sampling import SamplingParams
 
-                    params = SamplingParams(max_new_tokens=int(mx), temperature=float(temp), top_p=float(tp),
-                                            stop_token_ids=chat_state["stops"])
+                    params = SamplingParams(
+                        max_new_tokens=int(mx),
+                        temperature=float(temp),
+                        top_p=float(tp),
+                        stop_token_ids=chat_state["stops"],
+                    )
                     tok = chat_state["tokenizer"]
                     msgs = [{"role": m["role"], "content": _text(m["content"])} for m in history]
                     msgs.append({"role": "user", "content": text})
@@ -247,8 +285,7 @@ def build_app(runs: Runs | None = None, paths: PathPolicy | None = None, warning
             with gr.Row():
                 src = gr.Textbox("output/webui-run", label="Checkpoint or LoRA adapter directory", elem_id="export_src")
                 dst = gr.Textbox("output/webui-export", label="Export to", elem_id="export_dst")
-                fmt = gr.Dropdown(list(FORMATS), value="hf", label="Format",
-                                  elem_id="export_format")
+                fmt = gr.Dropdown(list(FORMATS), value="hf", label="Format", elem_id="export_format")
             export_btn = gr.Button("Export", variant="primary", elem_id="export")
             export_out = gr.Markdown("", elem_id="export_result")
 
@@ -267,9 +304,13 @@ def _points_frame(points):
     treat the values as categories)."""
     import pandas as pd
 
-    return pd.DataFrame({"step": pd.Series([p[0] for p in points], dtype="int64"),
-                         "value": pd.Series([p[1] for p in points], dtype="float64"),
-                         "series": pd.Series([p[2] for p in points], dtype=object)})
+    return pd.DataFrame(
+        {
+            "step": pd.Series([p[0] for p in points], dtype="int64"),
+            "value": pd.Series([p[1] for p in points], dtype="float64"),
+            "series": pd.Series([p[2] for p in points], dtype=object),
+        }
+    )
 
 
 def _text(content) -> str:
@@ -283,28 +324,49 @@ def _text(content) -> str:
     return str(content)
 
 
-def prepare_launch(host: str = "127.0.0.1", port: int = 7860, share: bool = False,
-                   auth: list[tuple[str, str]] | None = None, stderr=None) -> tuple[dict, str | None]:
+def prepare_launch(
+    host: str = "127.0.0.1",
+    port: int = 7860,
+    share: bool = False,
+    auth: list[tuple[str, str]] | None = None,
+    stderr=None,
+) -> tuple[dict, str | None]:
     """gradio's launch() arguments, and the exposure warning (printed to stderr, framed, before
     anything binds) when the WebUI will be reachable beyond this machine. The accounts go to
     gradio's own login (it compares passwords in constant time); nothing here prints them."""
     warning = exposure_warning(host, share, bool(auth))
     if warning:
         print(banner(warning), file=stderr or sys.stderr, flush=True)
-    kwargs = dict(server_name=host, server_port=port, share=share, show_error=False, quiet=True, css=CSS,
-                  footer_links=[], auth=list(auth) if auth else None,
-                  auth_message="erniekit WebUI: log in with the account given by --auth, --auth-file or "
-                               "ERNIEKIT_WEBUI_AUTH" if auth else None)
+    kwargs = dict(
+        server_name=host,
+        server_port=port,
+        share=share,
+        show_error=False,
+        quiet=True,
+        css=CSS,
+        footer_links=[],
+        auth=list(auth) if auth else None,
+        auth_message="erniekit WebUI: log in with the account given by --auth, --auth-file or ERNIEKIT_WEBUI_AUTH"
+        if auth
+        else None,
+    )
     return kwargs, warning
 
 
-def run_webui(host: str = "127.0.0.1", port: int = 7860, share: bool = False,
-              auth: list[tuple[str, str]] | None = None, paths: PathPolicy | None = None) -> int:
+def run_webui(
+    host: str = "127.0.0.1",
+    port: int = 7860,
+    share: bool = False,
+    auth: list[tuple[str, str]] | None = None,
+    paths: PathPolicy | None = None,
+) -> int:
     kwargs, warning = prepare_launch(host, port, share, auth)
     paths = paths or PathPolicy()
     app = build_app(Runs(paths), paths, warning)
     login = f", login required ({len(auth)} account{'s' if len(auth) > 1 else ''})" if auth else ""
-    print(f"erniekit: WebUI at http://{host}:{port}{login}; files inside {', '.join(paths.roots)} "
-          "(Ctrl-C to quit)", flush=True)
+    print(
+        f"erniekit: WebUI at http://{host}:{port}{login}; files inside {', '.join(paths.roots)} (Ctrl-C to quit)",
+        flush=True,
+    )
     app.queue().launch(**kwargs)
     return 0

@@ -23,8 +23,14 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 # the page's recipe menu: each entry starts from a shipped tiny config (bundled data, tested
 # settings); "LoRA" is the SFT stage with fine_tuning: LoRA. Stage names themselves come from the
 # stage registry (erniekit/train/stages).
-RECIPES = {"pretrain": "pretrain.yaml", "SFT": "sft.yaml", "LoRA": "sft_lora.yaml", "DPO": "dpo.yaml",
-           "GRPO": "grpo.yaml", "PPO": "ppo.yaml"}
+RECIPES = {
+    "pretrain": "pretrain.yaml",
+    "SFT": "sft.yaml",
+    "LoRA": "sft_lora.yaml",
+    "DPO": "dpo.yaml",
+    "GRPO": "grpo.yaml",
+    "PPO": "ppo.yaml",
+}
 EMBEDDED = "tiny-moe (embedded, random init)"
 LOG_NAME = "webui_train.log"
 SERIES = {"train/loss": "loss", "train/reward": "reward", "eval/loss": "eval loss"}
@@ -52,9 +58,15 @@ class Form:
     extra: list[str] = field(default_factory=list)  # more key=value overrides
 
     def overrides(self) -> list[str]:
-        out = [f"output_dir={self.output_dir}", f"max_steps={int(self.max_steps)}",
-               f"learning_rate={float(self.learning_rate)}", f"per_device_train_batch_size={int(self.batch_size)}",
-               f"max_seq_len={int(self.max_seq_len)}", "logging_steps=1", "disable_tqdm=true"]
+        out = [
+            f"output_dir={self.output_dir}",
+            f"max_steps={int(self.max_steps)}",
+            f"learning_rate={float(self.learning_rate)}",
+            f"per_device_train_batch_size={int(self.batch_size)}",
+            f"max_seq_len={int(self.max_seq_len)}",
+            "logging_steps=1",
+            "disable_tqdm=true",
+        ]
         out.append(f"model_name_or_path={self.model if self.model and self.model != EMBEDDED else 'tiny-moe'}")
         if self.dataset:
             out.append(f"train_dataset_path={self.dataset}")
@@ -71,8 +83,11 @@ def bundled_data(stage: str) -> dict[str, str]:
 
     with open(base_config(stage), encoding="utf-8") as f:
         raw = yaml.safe_load(f) or {}
-    return {k: os.path.join(ROOT, raw[k]) for k in ("train_dataset_path", "eval_dataset_path")
-            if isinstance(raw.get(k), str) and not os.path.isabs(raw[k])}
+    return {
+        k: os.path.join(ROOT, raw[k])
+        for k in ("train_dataset_path", "eval_dataset_path")
+        if isinstance(raw.get(k), str) and not os.path.isabs(raw[k])
+    }
 
 
 def check_form(form: Form, paths: PathPolicy | None = None):
@@ -88,8 +103,9 @@ def check_form(form: Form, paths: PathPolicy | None = None):
             paths.check(form.dataset, "dataset")
         paths.check(str(form.output_dir), "output directory")
     if form.model and form.model != EMBEDDED and not os.path.isdir(form.model):
-        raise ErniekitError(f"model directory {form.model} not found; pick a checkpoint directory or the embedded "
-                            "tiny model")
+        raise ErniekitError(
+            f"model directory {form.model} not found; pick a checkpoint directory or the embedded tiny model"
+        )
     if form.dataset and not os.path.isfile(form.dataset):
         raise ErniekitError(f"dataset {form.dataset} not found; leave it empty for the bundled data")
     if int(form.max_steps) < 1:
@@ -146,16 +162,22 @@ class Runs:
         cfg = check_form(form, self.paths)
         out = os.path.abspath(cfg.output_dir)
         if self.active(out) is not None:
-            raise ErniekitError(f"a run is already writing to {cfg.output_dir}; stop it first or choose another "
-                                "output directory")
+            raise ErniekitError(
+                f"a run is already writing to {cfg.output_dir}; stop it first or choose another output directory"
+            )
         args = [base_config(form.stage), *form.overrides()] + (["resume_from_checkpoint=auto"] if resume else [])
         os.makedirs(out, exist_ok=True)
         log_path = os.path.join(out, LOG_NAME)
         log = open(log_path, "a" if resume else "w", encoding="utf-8")
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         env.pop(AUTH_ENV, None)  # the WebUI's password has no business in the trainer's environment
-        proc = subprocess.Popen([sys.executable, "-m", "erniekit", "train", *args], stdout=log,
-                                stderr=subprocess.STDOUT, cwd=os.getcwd(), env=env)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "erniekit", "train", *args],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            cwd=os.getcwd(),
+            env=env,
+        )
         log.close()
         run = Run(out, proc, time.time(), cfg, log_path)
         self.runs[out] = run
@@ -196,8 +218,15 @@ class Runs:
             first = min(p[0] for p in points) - 1 if points else 0  # a resumed run starts past 0
             per = (time.time() - r.started) / max(step - first, 1)
             eta = max(total - step, 0) * per
-        return {"state": state, "step": step, "total": total, "eta_s": eta, "points": points, "log": log,
-                "error": last_error(log) if state.startswith("failed") else None}
+        return {
+            "state": state,
+            "step": step,
+            "total": total,
+            "eta_s": eta,
+            "points": points,
+            "log": log,
+            "error": last_error(log) if state.startswith("failed") else None,
+        }
 
 
 def read_points(out: str) -> tuple[list[tuple[int, float, str]], int]:
@@ -228,4 +257,4 @@ def tail(path: str, lines: int = 40) -> str:
 def last_error(log: str) -> str | None:
     """The one-line error a failed run printed (erniekit's `error: ...`), if any."""
     errs = [line for line in log.splitlines() if line.startswith("error: ")]
-    return errs[-1][len("error: "):] if errs else None
+    return errs[-1][len("error: ") :] if errs else None

@@ -90,12 +90,20 @@ def model_parts(config, seq_len: int) -> list[Part]:
     from erniekit.distributed.planner import layer_costs
 
     H, V = config.hidden_size, config.vocab_size
-    parts = [Part("embedding", flops=0.0, params=V * H, activation=H, saved=0.0, memory_traffic=2 * BYTES * H,
-                  sharded=True)]
+    parts = [
+        Part("embedding", flops=0.0, params=V * H, activation=H, saved=0.0, memory_traffic=2 * BYTES * H, sharded=True)
+    ]
     for i, lc in enumerate(layer_costs(config)):
         fwd = lc.attn_flops + lc.mlp_flops + lc.core_flops_per_s * seq_len
-        parts.append(Part(f"layer{i}", flops=3 * fwd, params=lc.attn_params + lc.mlp_params, activation=H,
-                          saved=lc.attn_saved + lc.mlp_saved + lc.other_saved + lc.core_saved_per_s * seq_len))
+        parts.append(
+            Part(
+                f"layer{i}",
+                flops=3 * fwd,
+                params=lc.attn_params + lc.mlp_params,
+                activation=H,
+                saved=lc.attn_saved + lc.mlp_saved + lc.other_saved + lc.core_saved_per_s * seq_len,
+            )
+        )
     parts.append(Part("head", flops=3 * 2.0 * H * V, params=V * H, activation=0.0, saved=float(V)))
     return parts
 
@@ -190,8 +198,11 @@ class PlacementProblem:
             names = [p.name for p in self.parts[i:j]]
             if n is None:
                 shortfall += max(short, 1e-9)
-                why = why or (f"stage {names[0]}..{names[-1]} on {tname} cannot meet the target" if short < 10.0
-                              else f"stage {names[0]}..{names[-1]} does not fit one {tname} device's memory")
+                why = why or (
+                    f"stage {names[0]}..{names[-1]} on {tname} cannot meet the target"
+                    if short < 10.0
+                    else f"stage {names[0]}..{names[-1]} does not fit one {tname} device's memory"
+                )
                 n = self.cluster.type(tname).count
             used[tname] = used.get(tname, 0) + n
             worst = max(worst, time)
@@ -225,8 +236,10 @@ def load_hetero_cluster(path: str) -> HeteroCluster:
     except OSError as e:
         raise ConfigError(f"cluster file {path}: {e.strerror}") from None
     if not isinstance(raw, dict) or not isinstance(raw.get("device_types"), list) or not raw["device_types"]:
-        raise ConfigError(f"{path}: a heterogeneous cluster file needs a non-empty device_types list "
-                          "(see examples/clusters/hetero-cpu-gpu.yaml)")
+        raise ConfigError(
+            f"{path}: a heterogeneous cluster file needs a non-empty device_types list "
+            "(see examples/clusters/hetero-cpu-gpu.yaml)"
+        )
     types = []
     need = ("name", "count", "flops", "memory", "bandwidth", "price_per_hour")
     for i, d in enumerate(raw["device_types"]):
@@ -250,9 +263,18 @@ def load_hetero_cluster(path: str) -> HeteroCluster:
         device = str(d.get("device", "cpu")).lower()
         if device not in ("cpu", "gpu"):
             raise ConfigError(f"{path}: device_types[{i}].device={d['device']!r} must be cpu or gpu")
-        types.append(DeviceType(str(d["name"]), int(d["count"]), float(d["flops"]), float(d["memory"]),
-                                float(d["bandwidth"]), float(d["price_per_hour"]),
-                                float(d.get("memory_bandwidth", 1e11)), device))
+        types.append(
+            DeviceType(
+                str(d["name"]),
+                int(d["count"]),
+                float(d["flops"]),
+                float(d["memory"]),
+                float(d["bandwidth"]),
+                float(d["price_per_hour"]),
+                float(d.get("memory_bandwidth", 1e11)),
+                device,
+            )
+        )
     if len({t.name for t in types}) != len(types):
         raise ConfigError(f"{path}: device type names must be unique")
     return HeteroCluster(types, str(raw.get("name", path)))

@@ -28,8 +28,19 @@ import paddle
 import paddle.distributed as dist
 
 from erniekit.distributed.ps.compression import decode, payload_spec
-from erniekit.distributed.ps.topology import (HEAD, HEAD_BACK, OP_NAMES, PULL, PUSH, SAVE, STEP, STOP, SYNC,
-                                              PSTopology, row_ranges)
+from erniekit.distributed.ps.topology import (
+    HEAD,
+    HEAD_BACK,
+    OP_NAMES,
+    PULL,
+    PUSH,
+    SAVE,
+    STEP,
+    STOP,
+    SYNC,
+    PSTopology,
+    row_ranges,
+)
 from erniekit.errors import ErniekitError
 
 EMBED, HEAD_NAME = "model.embed_tokens.weight", "lm_head.weight"
@@ -47,7 +58,7 @@ class ParameterServer:
         self.w: dict[str, paddle.Tensor] = {}
         for name, full in tables.items():
             p = paddle.create_parameter([self.hi - self.lo, self.hidden], "float32")
-            p.set_value(paddle.to_tensor(np.ascontiguousarray(full[self.lo:self.hi], dtype="float32")))
+            p.set_value(paddle.to_tensor(np.ascontiguousarray(full[self.lo : self.hi], dtype="float32")))
             self.w[name] = p
         self.head_name = HEAD_NAME if HEAD_NAME in self.w else EMBED
         self.opt = make_optimizer(list(self.w.items()))
@@ -64,8 +75,14 @@ class ParameterServer:
         self.head_ctx: dict[int, tuple] = {}  # worker -> (h, z, local target, owned) of its last head request
         self.bytes_in = self.bytes_out = 0
         self.links = [topo.link(w) for w in range(topo.workers)]
-        self._handlers = {PULL: self._pull, HEAD: self._head, HEAD_BACK: self._head_back, PUSH: self._push,
-                          STEP: self._step, SAVE: self._save}
+        self._handlers = {
+            PULL: self._pull,
+            HEAD: self._head,
+            HEAD_BACK: self._head_back,
+            PUSH: self._push,
+            STEP: self._step,
+            SAVE: self._save,
+        }
 
     def _zeros(self) -> dict[str, paddle.Tensor]:
         return {n: paddle.zeros_like(p) for n, p in self.w.items()}
@@ -86,9 +103,11 @@ class ParameterServer:
                 op, n = self.links[w].recv_header()
                 ops.append(op)
                 if op != ops[0]:
-                    raise ErniekitError(f"parameter server {self.topo.server_index}: worker {w} sent "
-                                        f"{OP_NAMES[op]} while worker 0 sent {OP_NAMES[ops[0]]}; the workers are "
-                                        "out of step (a bug: report it with the launch_logs)")
+                    raise ErniekitError(
+                        f"parameter server {self.topo.server_index}: worker {w} sent "
+                        f"{OP_NAMES[op]} while worker 0 sent {OP_NAMES[ops[0]]}; the workers are "
+                        "out of step (a bug: report it with the launch_logs)"
+                    )
                 self._handle(op, n, w)
             op = ops[0]
             if op == STEP:
@@ -267,7 +286,7 @@ class ParameterServer:
     @staticmethod
     def grad_sq(acc: dict[str, paddle.Tensor]) -> float:
         """Sum of squares of gradients, one float32 sum per table as the trainer's clip does."""
-        return float(sum(float(paddle.sum(g ** 2)) for g in acc.values()))
+        return float(sum(float(paddle.sum(g**2)) for g in acc.values()))
 
     @paddle.no_grad()
     def _update(self, norm: float, lr: float, acc: dict[str, paddle.Tensor]) -> None:
@@ -288,18 +307,21 @@ class ParameterServer:
     def shard_state(self, with_optimizer: bool) -> dict:
         """This server's rows (HF layout), or, with_optimizer, their AdamW moments and step."""
         if with_optimizer:
-            return {"rows": [self.lo, self.hi], "step": self.opt.t,
-                    "moments": {n: (self.opt.m[n].numpy(), self.opt.v[n].numpy()) for n in self.opt.m}}
+            return {
+                "rows": [self.lo, self.hi],
+                "step": self.opt.t,
+                "moments": {n: (self.opt.m[n].numpy(), self.opt.v[n].numpy()) for n in self.opt.m},
+            }
         return {"rows": [self.lo, self.hi], "tables": {n: p.numpy() for n, p in self.w.items()}}
 
     def load(self, tables: dict[str, np.ndarray], moments: dict[str, tuple[np.ndarray, np.ndarray]], step: int) -> None:
         """Resume: full tables (HF layout) and full moments (same layout) -> this server's rows."""
         for n, p in self.w.items():
-            p.set_value(paddle.to_tensor(np.ascontiguousarray(tables[n][self.lo:self.hi], dtype="float32")))
+            p.set_value(paddle.to_tensor(np.ascontiguousarray(tables[n][self.lo : self.hi], dtype="float32")))
         self.opt.t = step
         for n, (m, v) in moments.items():
-            self.opt.m[n] = paddle.to_tensor(np.ascontiguousarray(m[self.lo:self.hi], dtype="float32"))
-            self.opt.v[n] = paddle.to_tensor(np.ascontiguousarray(v[self.lo:self.hi], dtype="float32"))
+            self.opt.m[n] = paddle.to_tensor(np.ascontiguousarray(m[self.lo : self.hi], dtype="float32"))
+            self.opt.v[n] = paddle.to_tensor(np.ascontiguousarray(v[self.lo : self.hi], dtype="float32"))
 
 
 def model_tables(model) -> dict[str, np.ndarray]:

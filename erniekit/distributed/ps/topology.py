@@ -90,8 +90,9 @@ def with_pipeline(topo: PSTopology, pp: int, num_layers: int, stage_layers: list
 
     check_stage_layers(stage_layers, num_layers)
     if pp > num_layers:
-        raise ConfigError(f"pipeline_parallel_degree {pp} is more than the model's {num_layers} layers "
-                            "(num_hidden_layers); lower it")
+        raise ConfigError(
+            f"pipeline_parallel_degree {pp} is more than the model's {num_layers} layers (num_hidden_layers); lower it"
+        )
     pipe = PipelineTopology(Layout(pp=pp, dp=topo.workers // pp), topo.rank, num_layers, stage_layers)
     return dataclasses.replace(topo, pipe=pipe)
 
@@ -117,10 +118,12 @@ class Link:
         self.group, self.peer, self.peer_name = group, peer, peer_name
 
     def _lost(self, e: RuntimeError) -> PeerLost:
-        return PeerLost(f"lost {self.peer_name} (rank {self.peer}): no answer within gloo's timeout, its process "
-                        f"died or hangs (see launch_logs/workerlog.{self.peer} in the output_dir); the job stops: run "
-                        f"it again with resume_from_checkpoint=auto, or set max_restart, to continue from the latest "
-                        f"checkpoint [{str(e).splitlines()[0][:120]}]")
+        return PeerLost(
+            f"lost {self.peer_name} (rank {self.peer}): no answer within gloo's timeout, its process "
+            f"died or hangs (see launch_logs/workerlog.{self.peer} in the output_dir); the job stops: run "
+            f"it again with resume_from_checkpoint=auto, or set max_restart, to continue from the latest "
+            f"checkpoint [{str(e).splitlines()[0][:120]}]"
+        )
 
     def send_array(self, a: np.ndarray) -> None:
         self.send_tensor(paddle.to_tensor(np.ascontiguousarray(a)))

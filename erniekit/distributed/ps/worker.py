@@ -24,17 +24,31 @@ import paddle
 import paddle.distributed as dist
 from paddle import nn
 
-from erniekit.distributed.ps.topology import (HEAD, HEAD_BACK, PULL, PUSH, SAVE, STEP, STOP, SYNC, PeerLost,
-                                              PSTopology, row_ranges)
-from erniekit.distributed.ps.compression import RowCompressor
 from erniekit.distributed.pipeline import data_rank_rows
+from erniekit.distributed.ps.compression import RowCompressor
+from erniekit.distributed.ps.topology import (
+    HEAD,
+    HEAD_BACK,
+    PULL,
+    PUSH,
+    SAVE,
+    STEP,
+    STOP,
+    SYNC,
+    PeerLost,
+    PSTopology,
+    row_ranges,
+)
+
 
 class HeldByServers(nn.Layer):
     """Stands in for the embedding / LM head on a worker: the parameter servers hold its rows."""
 
     def forward(self, *args, **kwargs):
-        raise RuntimeError("this table lives on the parameter servers (distributed_mode: ps); a full-model "
-                           "forward cannot run on a worker")
+        raise RuntimeError(
+            "this table lives on the parameter servers (distributed_mode: ps); a full-model "
+            "forward cannot run on a worker"
+        )
 
 
 class PSWorker:
@@ -73,10 +87,11 @@ class PSWorker:
         try:
             dist.all_reduce(t, op=op, group=self.group if group is None else group)
         except RuntimeError as e:
-            raise PeerLost(f"lost another worker: the workers' all-reduce got no answer within gloo's timeout (a "
-                           "worker process died or hangs; see launch_logs/ in the output_dir); the job stops: run it "
-                           f"again with resume_from_checkpoint=auto, or set max_restart [{str(e).splitlines()[0][:120]}]"
-                           ) from None
+            raise PeerLost(
+                f"lost another worker: the workers' all-reduce got no answer within gloo's timeout (a "
+                "worker process died or hangs; see launch_logs/ in the output_dir); the job stops: run it "
+                f"again with resume_from_checkpoint=auto, or set max_restart [{str(e).splitlines()[0][:120]}]"
+            ) from None
 
     def data_sum(self, t: paddle.Tensor) -> paddle.Tensor:
         out = t.detach().clone()
@@ -145,10 +160,10 @@ class PSWorker:
             srv.send_header(PUSH, n)
             if n:
                 if g is None:
-                    srv.send_tensor(grad[start:start + n])
+                    srv.send_tensor(grad[start : start + n])
                     sent = 4 * n * self.hidden
                 else:
-                    payload = self.compressor.encode(ids[start:start + n], g[start:start + n])
+                    payload = self.compressor.encode(ids[start : start + n], g[start : start + n])
                     for a in payload:
                         srv.send_array(a)
                     sent = sum(a.nbytes for a in payload)
@@ -229,7 +244,9 @@ class PSWorker:
         for name in shards[0]["moments"]:
             for i, kind in enumerate(("exp_avg", "exp_avg_sq")):
                 full = np.concatenate([sh["moments"][name][i] for sh in shards])
-                out[f"{name}::{kind}"] = paddle.to_tensor(np.ascontiguousarray(full.T if name == "lm_head.weight" else full))
+                out[f"{name}::{kind}"] = paddle.to_tensor(
+                    np.ascontiguousarray(full.T if name == "lm_head.weight" else full)
+                )
         return out
 
     @paddle.no_grad()

@@ -57,14 +57,16 @@ def _specs(model: Ernie4_5ForCausalLM) -> dict[str, _Spec]:
         elif g:
             specs[name] = _Spec("copy", [f"{g[1]}.moe_statics.e_score_correction_bias_{g[2]}"])
         elif name.endswith(".gate.e_score_correction_bias"):
-            specs[name] = _Spec("copy", [name.replace(".gate.e_score_correction_bias", ".moe_statics.e_score_correction_bias")])
+            specs[name] = _Spec(
+                "copy", [name.replace(".gate.e_score_correction_bias", ".moe_statics.e_score_correction_bias")]
+            )
         elif name.endswith(".weight") and p.ndim == 2 and not name.endswith("embed_tokens.weight"):
             specs[name] = _Spec("transpose", [name])
         else:
             specs[name] = _Spec("copy", [name])
     for name, spec in specs.items():  # MTP heads (erniekit/nn/mtp.py): ERNIE's names, model.mtp_block.N...
         if name.startswith("mtp."):
-            spec.hf_names = ["model." + n[len("mtp."):] for n in spec.hf_names]
+            spec.hf_names = ["model." + n[len("mtp.") :] for n in spec.hf_names]
     return specs
 
 
@@ -77,7 +79,9 @@ class _ShardReader:
         if os.path.isfile(index):
             weight_map = read_json_object(index, f"fix {INDEX_NAME}").get("weight_map")
             if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
-                raise CheckpointError(f"{index}: no 'weight_map' object of tensor name -> file name; rewrite the index or re-save the checkpoint")
+                raise CheckpointError(
+                    f"{index}: no 'weight_map' object of tensor name -> file name; rewrite the index or re-save the checkpoint"
+                )
         elif os.path.isfile(single):
             weight_map = None
         else:
@@ -104,8 +108,10 @@ class _ShardReader:
         try:
             return self._open(file).get_slice(name)
         except SafetensorError as e:
-            raise CheckpointError(f"{file}: cannot read tensor {name} ({e}); the index and the shard disagree or "
-                                  "the file is damaged: re-save the checkpoint") from None
+            raise CheckpointError(
+                f"{file}: cannot read tensor {name} ({e}); the index and the shard disagree or "
+                "the file is damaged: re-save the checkpoint"
+            ) from None
 
     def shape(self, name: str) -> list[int]:
         """Logical shape; also refuses a dtype no weight is stored in (an int tensor under a weight's name)."""
@@ -114,8 +120,10 @@ class _ShardReader:
         scale = name + SCALE_SUFFIX
         allowed = _FLOAT_DTYPES | (_QUANT_DTYPES if scale in self.where else set())
         if dtype not in allowed:
-            raise CheckpointError(f"{self.where[name]}: tensor {name} is stored as {dtype}, not a floating-point "
-                                  "type; the file was not written from a model: re-save or re-download it")
+            raise CheckpointError(
+                f"{self.where[name]}: tensor {name} is stored as {dtype}, not a floating-point "
+                "type; the file was not written from a model: re-save or re-download it"
+            )
         if scale in self.where:  # a weight-only quantized matrix (erniekit/nn/weight_only.py)
             return logical_shape(stored, list(self._slice(scale).get_shape()))
         return stored
@@ -127,8 +135,9 @@ class _ShardReader:
             if scale in self.where:  # dequantized on load: the engine computes with what the export kept
                 t = paddle.to_tensor(dequantize(t.numpy(), self._open(self.where[scale]).get_tensor(scale).numpy()))
         except SafetensorError as e:
-            raise CheckpointError(f"{self.where[name]}: cannot read tensor {name} ({e}); the file is damaged: "
-                                  "re-save the checkpoint") from None
+            raise CheckpointError(
+                f"{self.where[name]}: cannot read tensor {name} ({e}); the file is damaged: re-save the checkpoint"
+            ) from None
         return t
 
 
@@ -140,9 +149,14 @@ def load_state_into(model: Ernie4_5ForCausalLM, path: str) -> None:
         spec = _specs_cache(model)[name]
         missing = [n for n in spec.hf_names if n not in reader.where]
         if missing:
-            hint = "; set num_nextn_predict_layers to 0 in config.json to load without MTP heads" \
-                if name.startswith("mtp.") else ""
-            raise CheckpointError(f"{path}: tensor {missing[0]} is missing from the checkpoint (needed for {name}){hint or '; the weights are incomplete or belong to another model: re-save them'}")
+            hint = (
+                "; set num_nextn_predict_layers to 0 in config.json to load without MTP heads"
+                if name.startswith("mtp.")
+                else ""
+            )
+            raise CheckpointError(
+                f"{path}: tensor {missing[0]} is missing from the checkpoint (needed for {name}){hint or '; the weights are incomplete or belong to another model: re-save them'}"
+            )
         expected = list(p.shape)
         if spec.kind == "experts":
             want = [expected[2], expected[1]]
@@ -249,8 +263,14 @@ def save_pretrained(
         c = model.config
         atomic_write_json(
             os.path.join(staging, "generation_config.json"),
-            {"bos_token_id": c.bos_token_id, "eos_token_id": c.eos_token_id, "pad_token_id": c.pad_token_id,
-             "do_sample": True, "top_p": 0.8, "temperature": 0.8},
+            {
+                "bos_token_id": c.bos_token_id,
+                "eos_token_id": c.eos_token_id,
+                "pad_token_id": c.pad_token_id,
+                "do_sample": True,
+                "top_p": 0.8,
+                "temperature": 0.8,
+            },
         )
         meta = {"format": "pt"}
         if len(shards) == 1:
@@ -261,8 +281,9 @@ def save_pretrained(
                 fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
                 save_file(shard, os.path.join(staging, fname), metadata=meta)
                 weight_map.update(dict.fromkeys(shard, fname))
-            atomic_write_json(os.path.join(staging, INDEX_NAME),
-                              {"metadata": {"total_size": total}, "weight_map": weight_map})
+            atomic_write_json(
+                os.path.join(staging, INDEX_NAME), {"metadata": {"total_size": total}, "weight_map": weight_map}
+            )
         if tokenizer is not None:
             tokenizer.save_pretrained(staging)
         publish_model_files(staging, path)
@@ -391,8 +412,10 @@ def load_model_or_adapter(path: str) -> Ernie4_5ForCausalLM:
         return from_pretrained(path)
     base = read_json_object(cfg_file, "fix adapter_config.json").get("base_model_name_or_path")
     if not base or not os.path.isdir(base):
-        raise CheckpointError(f"{cfg_file}: base_model_name_or_path={base!r} is not a checkpoint directory; "
-                              "edit it to point at the base model the adapter was trained on")
+        raise CheckpointError(
+            f"{cfg_file}: base_model_name_or_path={base!r} is not a checkpoint directory; "
+            "edit it to point at the base model the adapter was trained on"
+        )
     model = from_pretrained(base)
     load_adapter(model, path)
     return merge_and_unload(model)

@@ -17,8 +17,17 @@ from erniekit.errors import CheckpointError
 
 # Keys of config.json that we understand but do not need for the computation.
 _PASSTHROUGH_KEYS = {
-    "architectures", "torch_dtype", "dtype", "transformers_version", "use_cache", "model_type",
-    "rope_scaling", "rope_parameters", "_name_or_path", "output_router_logits", "initializer_range",
+    "architectures",
+    "torch_dtype",
+    "dtype",
+    "transformers_version",
+    "use_cache",
+    "model_type",
+    "rope_scaling",
+    "rope_parameters",
+    "_name_or_path",
+    "output_router_logits",
+    "initializer_range",
 }
 
 
@@ -77,8 +86,10 @@ class Ernie4_5Config:
             )
         self._check_modalities()
         if self.is_moe and not 0 < self.moe_k <= min(self.experts_per_modality):
-            raise CheckpointError(f"moe_k={self.moe_k} must be in [1, moe_num_experts={self.moe_num_experts}] "
-                                  "(at most the experts of every modality)")
+            raise CheckpointError(
+                f"moe_k={self.moe_k} must be in [1, moe_num_experts={self.moe_num_experts}] "
+                "(at most the experts of every modality)"
+            )
         if self.moe_capacity_factor < 0:
             raise CheckpointError(f"moe_capacity_factor={self.moe_capacity_factor} must be >= 0 (0 = no limit)")
         self._check_mtp()
@@ -86,16 +97,27 @@ class Ernie4_5Config:
     def _check_types(self) -> None:
         """A config.json (or model_overrides) value of the wrong type or range is one CheckpointError here,
         not a ZeroDivisionError or a Paddle shape error while the layers are built."""
+
         def bad(key: str, rule: str) -> CheckpointError:
             return CheckpointError(f"{key}={getattr(self, key)!r} is invalid: it must be {rule}")
 
-        for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                    "num_key_value_heads", "max_position_embeddings", "moe_k", "moe_layer_interval"):
+        for key in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "max_position_embeddings",
+            "moe_k",
+            "moe_layer_interval",
+        ):
             v = getattr(self, key)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise bad(key, "a positive integer")
-        if self.head_dim is not None and (isinstance(self.head_dim, bool) or not isinstance(self.head_dim, int)
-                                          or self.head_dim < 1):
+        if self.head_dim is not None and (
+            isinstance(self.head_dim, bool) or not isinstance(self.head_dim, int) or self.head_dim < 1
+        ):
             raise bad("head_dim", "a positive integer or null")
         for key in ("rms_norm_eps", "rope_theta"):
             v = getattr(self, key)
@@ -112,8 +134,9 @@ class Ernie4_5Config:
         if isinstance(n, bool) or not isinstance(n, int) or n < 0:
             raise CheckpointError(f"num_nextn_predict_layers={n!r} must be an integer >= 0 (0 = no MTP heads)")
         if not self.multi_token_pred_lambda >= 0:
-            raise CheckpointError(f"multi_token_pred_lambda={self.multi_token_pred_lambda} must be >= 0 "
-                                  "(the weight of the MTP loss)")
+            raise CheckpointError(
+                f"multi_token_pred_lambda={self.multi_token_pred_lambda} must be >= 0 (the weight of the MTP loss)"
+            )
 
     def _check_modalities(self) -> None:
         """Per-modality lists must be positive ints of one length (an int applies to every modality)."""
@@ -125,11 +148,15 @@ class Ernie4_5Config:
                 setattr(self, key, v)
             if isinstance(v, list):
                 if not v or not all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in v):
-                    raise CheckpointError(f"{key}={v}: a per-modality list needs positive integers (index = modality id)")
+                    raise CheckpointError(
+                        f"{key}={v}: a per-modality list needs positive integers (index = modality id)"
+                    )
                 lens.add(len(v))
         if len(lens) > 1:
-            raise CheckpointError(f"moe_num_experts={self.moe_num_experts} and moe_intermediate_size="
-                                  f"{self.moe_intermediate_size} list different modality counts: give both one entry per modality")
+            raise CheckpointError(
+                f"moe_num_experts={self.moe_num_experts} and moe_intermediate_size="
+                f"{self.moe_intermediate_size} list different modality counts: give both one entry per modality"
+            )
 
     @property
     def num_modalities(self) -> int:
@@ -248,33 +275,70 @@ class Ernie4_5Config:
 # Presets: public shapes, plus the tiny models of the embedded default and the tests.
 PRESETS: dict[str, Ernie4_5Config] = {
     "ERNIE-4.5-0.3B": Ernie4_5Config(
-        vocab_size=103424, hidden_size=1024, intermediate_size=3072, num_hidden_layers=18,
-        num_attention_heads=16, num_key_value_heads=2, head_dim=128, max_position_embeddings=131072,
+        vocab_size=103424,
+        hidden_size=1024,
+        intermediate_size=3072,
+        num_hidden_layers=18,
+        num_attention_heads=16,
+        num_key_value_heads=2,
+        head_dim=128,
+        max_position_embeddings=131072,
         tie_word_embeddings=True,
     ),
     "ERNIE-4.5-21B-A3B": Ernie4_5Config(
-        vocab_size=103424, hidden_size=2560, intermediate_size=12288, num_hidden_layers=28,
-        num_attention_heads=20, num_key_value_heads=4, head_dim=128, tie_word_embeddings=True,
-        moe_num_experts=64, moe_k=6, moe_intermediate_size=1536, moe_num_shared_experts=2,
-        moe_layer_start_index=1, moe_layer_interval=1,
+        vocab_size=103424,
+        hidden_size=2560,
+        intermediate_size=12288,
+        num_hidden_layers=28,
+        num_attention_heads=20,
+        num_key_value_heads=4,
+        head_dim=128,
+        tie_word_embeddings=True,
+        moe_num_experts=64,
+        moe_k=6,
+        moe_intermediate_size=1536,
+        moe_num_shared_experts=2,
+        moe_layer_start_index=1,
+        moe_layer_interval=1,
     ),
     # Embedded default: ERNIE 4.5 MoE architecture at laptop size; vocab matches the shipped tokenizer.
     "tiny-moe": Ernie4_5Config(
-        vocab_size=1024, hidden_size=128, intermediate_size=384, num_hidden_layers=4,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=2048,
-        tie_word_embeddings=True, rope_theta=10000.0,
-        moe_num_experts=8, moe_k=2, moe_intermediate_size=128, moe_num_shared_experts=1,
-        moe_layer_start_index=1, moe_layer_interval=1, router_aux_loss_coef=0.01,
+        vocab_size=1024,
+        hidden_size=128,
+        intermediate_size=384,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        max_position_embeddings=2048,
+        tie_word_embeddings=True,
+        rope_theta=10000.0,
+        moe_num_experts=8,
+        moe_k=2,
+        moe_intermediate_size=128,
+        moe_num_shared_experts=1,
+        moe_layer_start_index=1,
+        moe_layer_interval=1,
+        router_aux_loss_coef=0.01,
     ),
     "tiny-dense": Ernie4_5Config(
-        vocab_size=1024, hidden_size=128, intermediate_size=384, num_hidden_layers=4,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=2048,
-        tie_word_embeddings=True, rope_theta=10000.0,
+        vocab_size=1024,
+        hidden_size=128,
+        intermediate_size=384,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        max_position_embeddings=2048,
+        tie_word_embeddings=True,
+        rope_theta=10000.0,
     ),
 }
 
 
 def get_preset(name: str) -> Ernie4_5Config:
     if name not in PRESETS:
-        raise CheckpointError(f"unknown model preset {name!r}; choose one of {sorted(PRESETS)} or a checkpoint directory")
+        raise CheckpointError(
+            f"unknown model preset {name!r}; choose one of {sorted(PRESETS)} or a checkpoint directory"
+        )
     return dataclasses.replace(PRESETS[name], extra={})

@@ -16,7 +16,13 @@ import paddle.nn.functional as F
 from erniekit.errors import CheckpointError
 from erniekit.models.ernie4_5.configuration import Ernie4_5Config
 from erniekit.nn.attention import (
-    additive_mask, apply_rope, attention, build_attention_mask, math_attention, rope_cos_sin, use_fused_attention,
+    additive_mask,
+    apply_rope,
+    attention,
+    build_attention_mask,
+    math_attention,
+    rope_cos_sin,
+    use_fused_attention,
 )
 from erniekit.nn.gpas import GPAS
 from erniekit.nn.moe import MoEBlock
@@ -158,8 +164,9 @@ class Ernie4_5Model(nn.Layer):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.active_layers: list[int] | None = None  # elastic depth (erniekit/elastic/submodels.py); None = all
 
-    def forward(self, input_ids, position_ids=None, segment_ids=None, attention_mask=None, cache=None,
-                token_type_ids=None):
+    def forward(
+        self, input_ids, position_ids=None, segment_ids=None, attention_mask=None, cache=None, token_type_ids=None
+    ):
         """token_type_ids [B, S]: modality id per token (0 = text) for modality-isolated MoE routing."""
         past = cache.length if cache is not None else 0
         cos, sin, mask = self.rope_and_mask(input_ids, position_ids, segment_ids, attention_mask, past)
@@ -171,8 +178,9 @@ class Ernie4_5Model(nn.Layer):
             cache.length = past + input_ids.shape[1]
         return self.norm(h)
 
-    def rope_and_mask(self, input_ids, position_ids=None, segment_ids=None, attention_mask=None, past: int = 0,
-                      dtype=None):
+    def rope_and_mask(
+        self, input_ids, position_ids=None, segment_ids=None, attention_mask=None, past: int = 0, dtype=None
+    ):
         """RoPE cos/sin and attention mask of one forward over `input_ids` after `past` cached tokens;
         the MTP blocks (erniekit/nn/mtp.py) reuse them so they attend exactly as the trunk does.
         dtype: of the additive mask; a pipeline stage without the embedding passes its own."""
@@ -180,7 +188,7 @@ class Ernie4_5Model(nn.Layer):
         if position_ids is None:
             if attention_mask is not None:  # left padding: positions count real tokens only
                 pos = paddle.cumsum(attention_mask.astype("int64"), axis=-1) - 1
-                position_ids = paddle.clip(pos, min=0)[:, past:past + S]
+                position_ids = paddle.clip(pos, min=0)[:, past : past + S]
             else:
                 position_ids = paddle.arange(past, past + S, dtype="int64").unsqueeze(0).expand([B, S])
         cos, sin = rope_cos_sin(position_ids, self.config.head_dim, self.config.rope_theta)
@@ -238,8 +246,10 @@ class Ernie4_5ForCausalLM(nn.Layer):
         sizes = [("hidden_size", c.hidden_size)] + [("moe_intermediate_size", s) for s in c.expert_sizes]
         for name, size in sizes:
             if block_size and (block_size < 0 or size % block_size):
-                raise CheckpointError(f"fp8_block_size={block_size} does not divide {name}={size}: set "
-                                      "fp8_block_size to a divisor of both hidden_size and moe_intermediate_size")
+                raise CheckpointError(
+                    f"fp8_block_size={block_size} does not divide {name}={size}: set "
+                    "fp8_block_size to a divisor of both hidden_size and moe_intermediate_size"
+                )
         for m in self.moe_layers():
             for i in range(m.num_modalities):
                 m.expert_set(i).fp8_block = block_size
@@ -255,15 +265,24 @@ class Ernie4_5ForCausalLM(nn.Layer):
             layer.self_attn.recompute_core = granularity == "core_attn"
 
     def forward(
-        self, input_ids, position_ids=None, segment_ids=None, attention_mask=None, cache=None, logits_to_keep: int = 0,
-        token_type_ids=None, return_mtp: bool = False,
+        self,
+        input_ids,
+        position_ids=None,
+        segment_ids=None,
+        attention_mask=None,
+        cache=None,
+        logits_to_keep: int = 0,
+        token_type_ids=None,
+        return_mtp: bool = False,
     ) -> CausalLMOutput:
         """return_mtp: also the logits of the MTP heads (training); plain inference never pays for them."""
         h = self.model(input_ids, position_ids, segment_ids, attention_mask, cache, token_type_ids=token_type_ids)
         mtp_logits = None
         if return_mtp:
             if self.mtp is None:
-                raise CheckpointError("return_mtp=True needs MTP heads: set num_nextn_predict_layers >= 1 in the config")
+                raise CheckpointError(
+                    "return_mtp=True needs MTP heads: set num_nextn_predict_layers >= 1 in the config"
+                )
             mtp_logits = self.mtp.logits(self, h, input_ids, position_ids, segment_ids, attention_mask)
         if logits_to_keep:
             h = h[:, -logits_to_keep:]

@@ -159,10 +159,14 @@ class ErnieTokenizer:
         smap = _read_json(map_path) if os.path.isfile(map_path) else {}
         special = {k: _content(config.get(k, smap.get(k))) for k in SPECIAL_KEYS}
         special = {k: v for k, v in special.items() if v}
-        additional = [_content(t) for t in smap.get("additional_special_tokens", config.get("additional_special_tokens", []))]
+        additional = [
+            _content(t) for t in smap.get("additional_special_tokens", config.get("additional_special_tokens", []))
+        ]
         # hub role tokens without a standard attribute (sys_start_token = "<mask:4>", ...)
         additional += [
-            v for k, v in {**config, **smap}.items() if k.endswith("_token") and k not in SPECIAL_KEYS and isinstance(v, str)
+            v
+            for k, v in {**config, **smap}.items()
+            if k.endswith("_token") and k not in SPECIAL_KEYS and isinstance(v, str)
         ]
         added: dict[str, int] = {}
         for tid, entry in (config.get("added_tokens_decoder") or {}).items():
@@ -179,7 +183,14 @@ class ErnieTokenizer:
         if isinstance(template, list):  # transformers' named-template list form
             named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
             template = named.get("default") or next(iter(named.values()), None)
-        known = {*SPECIAL_KEYS, "additional_special_tokens", "added_tokens_decoder", "chat_template", "add_bos_token", "add_eos_token"}
+        known = {
+            *SPECIAL_KEYS,
+            "additional_special_tokens",
+            "added_tokens_decoder",
+            "chat_template",
+            "add_bos_token",
+            "add_eos_token",
+        }
         return cls(
             proto,
             special_tokens=special,
@@ -196,7 +207,14 @@ class ErnieTokenizer:
         os.makedirs(save_dir, exist_ok=True)
         base = self.sp.get_piece_size()
         decoder = {
-            str(tid): {"content": tok, "lstrip": False, "normalized": False, "rstrip": False, "single_word": False, "special": True}
+            str(tid): {
+                "content": tok,
+                "lstrip": False,
+                "normalized": False,
+                "rstrip": False,
+                "single_word": False,
+                "special": True,
+            }
             for tok, tid in sorted(self._special_ids.items(), key=lambda kv: kv[1])
         }
         config = {
@@ -306,7 +324,9 @@ class ErnieTokenizer:
         size = self.vocab_size
         for i in (int(x) for x in ids):
             if not 0 <= i < size:
-                raise DataError(f"decode: token id {i} outside the vocabulary [0, {size}); check the model's vocab_size")
+                raise DataError(
+                    f"decode: token id {i} outside the vocabulary [0, {size}); check the model's vocab_size"
+                )
             if i in self.all_special_ids or i in self._id_to_added:
                 out.append(self.sp.decode(run))
                 run = []
@@ -327,7 +347,11 @@ class ErnieTokenizer:
     ) -> str | list[int]:
         """Render messages [{"role", "content"}] with the ERNIE template (same as transformers)."""
         for n, m in enumerate(messages):
-            if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant") or not isinstance(m.get("content"), str):
+            if (
+                not isinstance(m, dict)
+                or m.get("role") not in ("system", "user", "assistant")
+                or not isinstance(m.get("content"), str)
+            ):
                 raise DataError(
                     f"messages[{n}]: need {{'role': 'system'|'user'|'assistant', 'content': str}}, got {str(m)[:80]}"
                 )

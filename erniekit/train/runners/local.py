@@ -48,8 +48,7 @@ class LocalRunner(StepRunner):
                 apply_elastic(trainer.model, ElasticSpec())
         return sums
 
-    def _pass(self, trainer, b: dict, micro: list[dict], n_units: int, j: int, teacher, sums: StepSums,
-              distil: bool):
+    def _pass(self, trainer, b: dict, micro: list[dict], n_units: int, j: int, teacher, sums: StepSums, distil: bool):
         """One forward and backward; returns the teacher logits for the next sub-model of a sandwich."""
         stage, units = trainer.stage, max(n_units, 1)
         with amp_context(self.precision):

@@ -4,8 +4,8 @@
 from __future__ import annotations
 
 from erniekit.train.pipeline_schedule import PipelineStep
-from erniekit.train.runners.local import LocalRunner, amp_context
 from erniekit.train.runners.base import StepSums
+from erniekit.train.runners.local import LocalRunner, amp_context
 
 
 class PipelineRunner(LocalRunner):
@@ -21,9 +21,13 @@ class PipelineRunner(LocalRunner):
         self.named_params = [(n, p) for n, p in trainer.model.named_parameters() if not p.stop_gradient]
 
     def forward_backward(self, trainer, micro: list[dict], n_units: int, specs: list) -> StepSums:
-        loss_sum, aux_sum = self.pipe.run(micro, n_units, trainer.loss_scale if self.fp16 else 1.0,
-                                          amp=lambda: amp_context(self.precision),
-                                          on_forward=lambda b: trainer.routing.after_forward(b["segment_ids"] > 0))
+        loss_sum, aux_sum = self.pipe.run(
+            micro,
+            n_units,
+            trainer.loss_scale if self.fp16 else 1.0,
+            amp=lambda: amp_context(self.precision),
+            on_forward=lambda b: trainer.routing.after_forward(b["segment_ids"] > 0),
+        )
         self.pipe.topo.reduce_grads(self.named_params)
         return StepSums(loss_sum=loss_sum, aux_sum=aux_sum)
 

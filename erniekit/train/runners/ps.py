@@ -28,14 +28,18 @@ class PSRunner(StepRunner):
         self.named_params = [(n, p) for n, p in trainer.model.named_parameters() if not p.stop_gradient]
 
     def forward_backward(self, trainer, micro: list[dict], n_units: int, specs: list) -> StepSums:
-        loss_sum, aux_sum = self.run(micro, n_units,
-                                     on_forward=lambda b: trainer.routing.after_forward(b["segment_ids"] > 0),
-                                     normalizer=trainer.stage.normalizer)
+        loss_sum, aux_sum = self.run(
+            micro,
+            n_units,
+            on_forward=lambda b: trainer.routing.after_forward(b["segment_ids"] > 0),
+            normalizer=trainer.stage.normalizer,
+        )
         self.worker.reduce_grads(self.named_params)
         return StepSums(loss_sum=loss_sum, aux_sum=aux_sum)
 
-    def run(self, micro: list[dict[str, np.ndarray]], n_units: int, on_forward=None,
-            normalizer=None) -> tuple[float, float]:
+    def run(
+        self, micro: list[dict[str, np.ndarray]], n_units: int, on_forward=None, normalizer=None
+    ) -> tuple[float, float]:
         """Forward and backward of every micro-batch (block gradients accumulate in .grad, row and
         head gradients on the servers); returns (loss sum, router-loss sum) over all workers.
         Async: this worker's own mean (normalizer: trained units of a batch), scaled so that
@@ -61,7 +65,9 @@ class PSRunner(StepRunner):
             loss_sum += loss
             aux = router_loss(wk.model)
             if aux is not None:
-                aw = 1.0 if wk.group is not None and not wk.k_steps else w  # beside other workers already this one's share
+                aw = (
+                    1.0 if wk.group is not None and not wk.k_steps else w
+                )  # beside other workers already this one's share
                 aux_sum += float(aux) * aw / m
                 tensors.append(aux * (aw / m))
                 grads.append(None)
@@ -75,8 +81,9 @@ class PSRunner(StepRunner):
             vals = wk.data_sum(paddle.to_tensor(vals, dtype="float64")).numpy().tolist()
         return vals[0], vals[1]
 
-    def _loss_and_grad(self, h: paddle.Tensor, batch: dict[str, np.ndarray], w: float,
-                       n_units: int) -> tuple[float, list, list]:
+    def _loss_and_grad(
+        self, h: paddle.Tensor, batch: dict[str, np.ndarray], w: float, n_units: int
+    ) -> tuple[float, list, list]:
         """The final hidden states [B, S, H] -> (this batch's weighted loss sum, [trained
         positions' states], [their gradient]): the servers' vocabulary blocks give the softmax
         statistics, then d loss / d h."""
@@ -173,8 +180,13 @@ class PSRunner(StepRunner):
 
     def finish(self) -> dict:
         w = self.worker
-        out = {"ps_bytes_per_worker": {"sent": w.bytes_sent, "received": w.bytes_received,
-                                       "pushed_row_gradients": w.push_bytes}}
+        out = {
+            "ps_bytes_per_worker": {
+                "sent": w.bytes_sent,
+                "received": w.bytes_received,
+                "pushed_row_gradients": w.push_bytes,
+            }
+        }
         w.stop()
         import paddle.distributed as dist
 
@@ -207,8 +219,15 @@ def serve_tables(cfg, model, topo, log) -> dict:
     from erniekit.utils.run_control import stop_signal
 
     def make_optimizer(rows):  # the trainer's rule (optim.build_optimizer): no weight decay on the embedding
-        return AdamW(rows, cfg.learning_rate, cfg.adam_beta1, cfg.adam_beta2, cfg.adam_epsilon, cfg.weight_decay,
-                     no_decay={EMBED})
+        return AdamW(
+            rows,
+            cfg.learning_rate,
+            cfg.adam_beta1,
+            cfg.adam_beta2,
+            cfg.adam_epsilon,
+            cfg.weight_decay,
+            no_decay={EMBED},
+        )
 
     tables = model_tables(model)
     server = ParameterServer(topo, tables, cfg, make_optimizer, stop_signal)

@@ -12,8 +12,8 @@ import numpy as np
 import paddle
 
 from erniekit.data.encode import pad_batch
-from erniekit.data.preference import encode_preference_pairs, load_preference_pairs
 from erniekit.data.formats import Conversation
+from erniekit.data.preference import encode_preference_pairs, load_preference_pairs
 from erniekit.train.evaluation import exact_match_eval
 from erniekit.train.preference_losses import needs_reference, preference_loss, sequence_logps
 from erniekit.train.stage import LossOutput, Stage, Supports, model_inputs
@@ -27,7 +27,9 @@ def _rows(pairs, cfg, tokenizer):
 
 def collate_pairs(rows, pad_id: int) -> dict[str, np.ndarray]:
     """Chosen sequences first, then rejected: one forward pass scores both halves."""
-    seqs = [(r["chosen_ids"], r["chosen_labels"]) for r in rows] + [(r["rejected_ids"], r["rejected_labels"]) for r in rows]
+    seqs = [(r["chosen_ids"], r["chosen_labels"]) for r in rows] + [
+        (r["rejected_ids"], r["rejected_labels"]) for r in rows
+    ]
     batch = pad_batch(seqs, pad_id=pad_id)
     for key in ("ref_chosen", "ref_rejected"):
         if key in rows[0]:
@@ -43,7 +45,7 @@ def _score(model, rows, batch_size: int, pad_id: int) -> tuple[np.ndarray, np.nd
     model.eval()
     ch, rj = [], []
     for i in range(0, len(rows), batch_size):
-        b = collate_pairs(rows[i:i + batch_size], pad_id)
+        b = collate_pairs(rows[i : i + batch_size], pad_id)
         logps, _ = sequence_logps(model(**model_inputs(b)).logits, b["labels"])
         n = int(b["n_pairs"])
         ch.append(logps[:n].numpy())
@@ -96,9 +98,18 @@ class DPOStage(Stage):
         rc = paddle.to_tensor(batch["ref_chosen"]) if use_ref else None
         rr = paddle.to_tensor(batch["ref_rejected"]) if use_ref else None
         losses, rw_c, rw_r = preference_loss(
-            cfg.loss_type, pc, pr, rc, rr, beta=cfg.beta, label_smoothing=cfg.label_smoothing,
-            reference_free=cfg.reference_free, chosen_lengths=lc, rejected_lengths=lr,
-            simpo_gamma=cfg.simpo_gamma, dpop_lambda=cfg.dpop_lambda,
+            cfg.loss_type,
+            pc,
+            pr,
+            rc,
+            rr,
+            beta=cfg.beta,
+            label_smoothing=cfg.label_smoothing,
+            reference_free=cfg.reference_free,
+            chosen_lengths=lc,
+            rejected_lengths=lr,
+            simpo_gamma=cfg.simpo_gamma,
+            dpop_lambda=cfg.dpop_lambda,
         )
         return out, losses, rw_c, rw_r, pc, pr, lc
 
@@ -110,8 +121,12 @@ class DPOStage(Stage):
         if sft_ratio > 0:
             total = total + sft_ratio * (-(pc / paddle.clip(lc.astype(pc.dtype), min=1))).sum()
         margin = (rw_c - rw_r).numpy()
-        metrics = {"rewards/chosen": float(rw_c.sum()), "rewards/rejected": float(rw_r.sum()),
-                   "rewards/margins": float(margin.sum()), "rewards/accuracies": float((margin > 0).sum())}
+        metrics = {
+            "rewards/chosen": float(rw_c.sum()),
+            "rewards/rejected": float(rw_r.sum()),
+            "rewards/margins": float(margin.sum()),
+            "rewards/accuracies": float((margin > 0).sum()),
+        }
         return LossOutput(total, out.aux_loss, metrics)
 
     @paddle.no_grad()
@@ -120,7 +135,7 @@ class DPOStage(Stage):
         rows = eval_data["rows"]
         acc = pref = marg = loss = 0.0
         for i in range(0, len(rows), cfg.per_device_eval_batch_size):
-            b = collate_pairs(rows[i:i + cfg.per_device_eval_batch_size], tokenizer.pad_token_id)
+            b = collate_pairs(rows[i : i + cfg.per_device_eval_batch_size], tokenizer.pad_token_id)
             if "ref_chosen" not in b:
                 b["ref_chosen"] = b["ref_rejected"] = np.zeros(int(b["n_pairs"]), np.float32)
             _, losses, rw_c, rw_r, pc, pr, _ = self._pair_terms(model, b)
@@ -135,9 +150,11 @@ class DPOStage(Stage):
         # rewards/accuracies (implicit reward margin > 0, always 0 for the reference itself)
         res = {"loss": loss / n, "preference_accuracy": pref / n, "reward_accuracy": acc / n, "reward_margin": marg / n}
         if cfg.eval_generation:
-            convs = [Conversation(p.system, p.history + [(p.prompt, p.chosen)], [False] * len(p.history) + [True],
-                                  p.source) for p in eval_data["pairs"][: cfg.eval_max_samples]]
-            res["exact_match"] = exact_match_eval(model, tokenizer, convs, cfg.per_device_eval_batch_size,
-                                                  cfg.eval_max_new_tokens)
+            convs = [
+                Conversation(p.system, p.history + [(p.prompt, p.chosen)], [False] * len(p.history) + [True], p.source)
+                for p in eval_data["pairs"][: cfg.eval_max_samples]
+            ]
+            res["exact_match"] = exact_match_eval(
+                model, tokenizer, convs, cfg.per_device_eval_batch_size, cfg.eval_max_new_tokens
+            )
         return res
-

@@ -43,7 +43,9 @@ class GRPOStage(RLStage):
         mask = paddle.to_tensor(batch["loss_mask"])
         old = paddle.to_tensor(batch["old_logp"]) if "old_logp" in batch else logp.detach()
         eps_high = cfg.epsilon if cfg.epsilon_high is None else cfg.epsilon_high
-        per_token, ratio, clipped = clipped_surrogate(logp, old, paddle.to_tensor(batch["advantages"]), cfg.epsilon, eps_high)
+        per_token, ratio, clipped = clipped_surrogate(
+            logp, old, paddle.to_tensor(batch["advantages"]), cfg.epsilon, eps_high
+        )
         n = float(batch["loss_mask"].sum())
         if "ref_logp" in batch:
             kl = k3_kl(logp, paddle.to_tensor(batch["ref_logp"]))
@@ -52,4 +54,3 @@ class GRPOStage(RLStage):
         self._stat("clip_fraction", float((clipped * mask).sum()), n)
         self._stat("ratio", float((ratio.detach() * mask).sum()), n)
         return LossOutput(aggregate(per_token, mask, cfg.loss_aggregation), out.aux_loss)
-

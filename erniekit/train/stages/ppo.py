@@ -31,7 +31,9 @@ class ValueHead(nn.Layer):
 
     def __init__(self, hidden_size: int):
         super().__init__()
-        self.weight = self.create_parameter([hidden_size, 1], dtype="float32", default_initializer=nn.initializer.Constant(0.0))
+        self.weight = self.create_parameter(
+            [hidden_size, 1], dtype="float32", default_initializer=nn.initializer.Constant(0.0)
+        )
         self.bias = self.create_parameter([1], dtype="float32", default_initializer=nn.initializer.Constant(0.0))
 
     def forward(self, h: paddle.Tensor) -> paddle.Tensor:
@@ -78,8 +80,12 @@ class PPOStage(RLStage):
         if valid.sum() > 1:  # whiten over the batch's tokens
             a = adv[valid]
             adv = np.where(valid, (adv - a.mean()) / (a.std() + 1e-8), 0.0)
-        batch.update(advantages=adv.astype(np.float32), returns=returns.astype(np.float32),
-                     old_values=(values * mask).astype(np.float32), old_logp=sc.logp)
+        batch.update(
+            advantages=adv.astype(np.float32),
+            returns=returns.astype(np.float32),
+            old_values=(values * mask).astype(np.float32),
+            old_logp=sc.logp,
+        )
         self._rollout_metrics.setdefault("value", []).append(float((values * mask).sum() / max(mask.sum(), 1)))
 
     def loss(self, model, batch) -> LossOutput:
@@ -87,13 +93,14 @@ class PPOStage(RLStage):
         out, logp = self.policy_forward(model, batch)
         mask = paddle.to_tensor(batch["loss_mask"])
         eps_high = cfg.epsilon if cfg.epsilon_high is None else cfg.epsilon_high
-        pg, ratio, clipped = clipped_surrogate(logp, paddle.to_tensor(batch["old_logp"]),
-                                               paddle.to_tensor(batch["advantages"]), cfg.epsilon, eps_high)
+        pg, ratio, clipped = clipped_surrogate(
+            logp, paddle.to_tensor(batch["old_logp"]), paddle.to_tensor(batch["advantages"]), cfg.epsilon, eps_high
+        )
         values = self.value_head(out.hidden_states)
-        vloss = clipped_value_loss(values, paddle.to_tensor(batch["old_values"]), paddle.to_tensor(batch["returns"]),
-                                   cfg.cliprange_value)
+        vloss = clipped_value_loss(
+            values, paddle.to_tensor(batch["old_values"]), paddle.to_tensor(batch["returns"]), cfg.cliprange_value
+        )
         n = float(batch["loss_mask"].sum())
         self._stat("clip_fraction", float((clipped * mask).sum()), n)
         self._stat("value_loss", float((vloss.detach() * mask).sum()), n)
         return LossOutput(aggregate(pg + cfg.vf_coef * vloss, mask, cfg.loss_aggregation), out.aux_loss)
-

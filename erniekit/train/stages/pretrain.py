@@ -31,4 +31,3 @@ class PretrainStage(Stage):
 
     def evaluate(self, model, tokenizer, eval_data, cfg):
         return eval_loss(model, eval_data, cfg.per_device_eval_batch_size, tokenizer.pad_token_id)
-

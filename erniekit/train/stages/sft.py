@@ -45,10 +45,12 @@ class SFTStage(Stage):
         res = eval_loss(model, eval_data["rows"], cfg.per_device_eval_batch_size, tokenizer.pad_token_id)
         if cfg.eval_generation:
             convs = eval_data["convs"][: cfg.eval_max_samples]
-            res["exact_match"] = exact_match_eval(model, tokenizer, convs, cfg.per_device_eval_batch_size,
-                                                  cfg.eval_max_new_tokens)
+            res["exact_match"] = exact_match_eval(
+                model, tokenizer, convs, cfg.per_device_eval_batch_size, cfg.eval_max_new_tokens
+            )
             majority = getattr(self, "majority_reply", None)
             if majority is not None:
-                res["baseline_exact_match"] = sum(c.turns[-1][1].strip() == majority for c in convs) / max(len(convs), 1)
+                res["baseline_exact_match"] = sum(c.turns[-1][1].strip() == majority for c in convs) / max(
+                    len(convs), 1
+                )
         return res
-

@@ -1,0 +1,231 @@
+"""Config: YAML + overrides, type checks, validation and dump/load round trip."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from erniekit.config import TrainConfig, dump_config, load_config, validate
+from erniekit.errors import ConfigError
+
+
+def _yaml(tmp_path, text: str, name: str = "cfg.yaml") -> str:
+    path = tmp_path / name
+    path.write_text(text)
+    return str(path)
+
+
+@pytest.fixture
+def valid(tmp_path):
+    """Overrides that make a config pass validation on a laptop: real data file and model dir."""
+    data = tmp_path / "train.jsonl"
+    data.write_text(json.dumps({"src": ["1+1="], "tgt": ["2"]}) + "\n")
+    model = tmp_path / "ckpt"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    return [f"train_dataset_path={data}", f"model_name_or_path={model}", f"output_dir={tmp_path / 'out'}"]
+
+
+def test_defaults_without_file():
+    cfg = load_config(None, [])
+    assert cfg == TrainConfig()
+    assert cfg.stage == "SFT" and cfg.max_steps == -1 and cfg.model_overrides == {}
+
+
+def test_yaml_then_overrides_precedence(tmp_path):
+    path = _yaml(tmp_path, "### run\nmax_steps: 5\nseed: 7\nlearning_rate: 1.0e-3\n")
+    cfg = load_config(path, ["max_steps=9", "max_steps=11"])
+    assert cfg.max_steps == 11  # last override wins over the file
+    assert cfg.seed == 7  # file wins over the default
+    assert cfg.learning_rate == pytest.approx(1e-3)
+    assert cfg.per_device_train_batch_size == 8  # untouched default
+
+
+def test_scientific_notation_is_a_number(tmp_path):
+    # PyYAML reads "3e-4" as a string, both from the command line and from a file.
+    cfg = load_config(None, ["learning_rate=3e-4", "max_steps=1e3"])
+    assert isinstance(cfg.learning_rate, float) and cfg.learning_rate == pytest.approx(3e-4)
+    assert cfg.max_steps == 1000 and isinstance(cfg.max_steps, int)
+    cfg = load_config(_yaml(tmp_path, "min_lr: 5e-6\nmodel_overrides: {rope_theta: 5e5}\n"), [])
+    assert cfg.min_lr == pytest.approx(5e-6)
+    assert cfg.model_overrides == {"rope_theta": 500000.0}
+
+
+def test_nested_sections_are_flattened(tmp_path):
+    path = _yaml(
+        tmp_path,
+        "data:\n  max_seq_len: 64\n  packing: true\ntrain:\n  max_steps: 3\nmodel_overrides:\n  num_hidden_layers: 2\n",
+    )
+    cfg = load_config(path, [])
+    assert cfg.max_seq_len == 64 and cfg.packing is True and cfg.max_steps == 3
+    assert cfg.model_overrides == {"num_hidden_layers": 2}  # a dict field is not a section
+
+
+def test_key_set_twice_across_sections(tmp_path):
+    path = _yaml(tmp_path, "max_steps: 5\ntrain:\n  max_steps: 3\n")
+    with pytest.raises(ConfigError, match=r"cfg.yaml:3: key 'max_steps' is set twice.*cfg.yaml:1"):
+        load_config(path, [])
+
+
+def test_unknown_key_in_file_suggests_and_names_file_line(tmp_path):
+    path = _yaml(tmp_path, "max_steps: 5\nlearnig_rate: 0.1\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(path, [])
+    msg = str(e.value)
+    assert "did you mean 'learning_rate'?" in msg and f"{path}:2" in msg and "\n" not in msg
+
+
+def test_unknown_key_on_command_line_suggests(tmp_path):
+    with pytest.raises(ConfigError) as e:
+        load_config(None, ["per_device_train_batchsize=4"])
+    assert "did you mean 'per_device_train_batch_size'?" in str(e.value)
+    assert "command line" in str(e.value)
+
+
+def test_override_without_equals_is_rejected():
+    with pytest.raises(ConfigError, match="'max_steps' .* is not key=value"):
+        load_config(None, ["max_steps"])
+
+
+@pytest.mark.parametrize(
+    "override, expected",
+    [
+        ("max_steps=ten", "max_steps must be an integer"),
+        ("max_steps=1.5", "max_steps must be an integer"),
+        ("learning_rate=fast", "learning_rate must be a number"),
+        ("packing=yes", "packing must be true or false"),
+        ("output_dir=null", "output_dir must be a string"),
+        ("model_overrides=3", "model_overrides must be a mapping"),
+        ("max_seq_len.x=1", "max_seq_len is not a mapping"),
+    ],
+)
+def test_wrong_type_names_key(override, expected):
+    with pytest.raises(ConfigError, match=expected):
+        load_config(None, [override])
+
+
+def test_wrong_type_in_file_names_file_line(tmp_path):
+    path = _yaml(tmp_path, "seed: 1\nbf16: maybe\n")
+    with pytest.raises(ConfigError, match=rf"bf16 must be true or false \({path}:2\)"):
+        load_config(path, [])
+
+
+def test_lenient_spellings():
+    cfg = load_config(None, ["packing=TRUE", "bf16=0", "resume_from_checkpoint=null", "output_dir=123"])
+    assert cfg.packing is True and cfg.bf16 is False
+    assert cfg.resume_from_checkpoint is None
+    assert cfg.output_dir == "123"  # str fields keep the command-line text verbatim
+
+
+def test_malformed_yaml_names_file_line_column(tmp_path):
+    path = _yaml(tmp_path, "max_steps: 5\nlearning_rate: [1, 2\nseed: 3\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(path, [])
+    assert str(e.value).startswith(f"{path}:3:5: invalid YAML")
+
+
+def test_top_level_must_be_mapping(tmp_path):
+    with pytest.raises(ConfigError, match="top level must be a mapping"):
+        load_config(_yaml(tmp_path, "- max_steps\n- 5\n"), [])
+
+
+def test_empty_file_gives_defaults(tmp_path):
+    assert load_config(_yaml(tmp_path, "# nothing yet\n"), []) == TrainConfig()
+
+
+def test_missing_yaml_file(tmp_path):
+    with pytest.raises(ConfigError, match="config file not found: .*nope.yaml"):
+        load_config(str(tmp_path / "nope.yaml"), [])
+
+
+def test_dotted_dict_override_merges_with_file(tmp_path):
+    path = _yaml(tmp_path, "model_overrides:\n  hidden_size: 64\n  rope: {theta: 1}\n")
+    cfg = load_config(path, ["model_overrides.num_hidden_layers=2", "model_overrides.rope.theta=1e4"])
+    assert cfg.model_overrides == {"hidden_size": 64, "num_hidden_layers": 2, "rope": {"theta": 10000.0}}
+
+
+def test_dump_load_round_trip(tmp_path):
+    cfg = load_config(
+        None,
+        [
+            "learning_rate=3e-4",
+            "adam_epsilon=1e-12",
+            "stage=pretrain",
+            "model_overrides.num_hidden_layers=2",
+            "eval_dataset_path=a.jsonl,b.jsonl",
+        ],
+    )
+    out = tmp_path / "run" / "config.yaml"
+    dump_config(cfg, str(out))
+    assert load_config(str(out), []) == cfg
+    assert [p.name for p in out.parent.iterdir()] == ["config.yaml"]  # no temp file left
+
+
+def test_validate_accepts_and_normalises(valid):
+    cfg = validate(load_config(None, valid + ["stage=sft", "lr_scheduler_type=WSD", "fine_tuning=full"]))
+    assert (cfg.stage, cfg.lr_scheduler_type, cfg.fine_tuning) == ("SFT", "wsd", "Full")
+    assert cfg.logging_dir.endswith("vdl_log")
+    assert validate(load_config(None, valid + ["stage=PT"])).stage == "pretrain"
+
+
+@pytest.mark.parametrize(
+    "override, key",
+    [
+        ("stage=KTO", "stage"),
+        ("fine_tuning=QLoRA", "fine_tuning"),
+        ("train_dataset_type=csv", "train_dataset_type"),
+        ("truncation=drop", "truncation"),
+        ("max_seq_len=4", "max_seq_len"),
+        ("per_device_train_batch_size=0", "per_device_train_batch_size"),
+        ("learning_rate=0", "learning_rate"),
+        ("warmup_ratio=1.5", "warmup_ratio"),
+        ("adam_beta2=1", "adam_beta2"),
+        ("resume_from_checkpoint=/no/such/ckpt", "resume_from_checkpoint"),
+        ("model_name_or_path=/no/such/model", "model_name_or_path"),
+        ("eval_dataset_path=/no/such/eval.jsonl", "eval_dataset_path"),
+    ],
+)
+def test_validate_rejects_naming_key(valid, override, key):
+    with pytest.raises(ConfigError, match=key):
+        validate(load_config(None, valid + [override]))
+
+
+def test_missing_dataset_names_key_and_path(valid, tmp_path):
+    extra = tmp_path / "missing.jsonl"
+    cfg = load_config(None, valid + [f"train_dataset_path={valid[0].split('=')[1]},{extra}"])
+    with pytest.raises(ConfigError, match=r"train_dataset_path: file not found: .*missing.jsonl"):
+        validate(cfg)
+
+
+def test_model_dir_needs_config_json(valid, tmp_path):
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ConfigError, match="model_name_or_path: .* has no config.json"):
+        validate(load_config(None, valid + [f"model_name_or_path={tmp_path / 'empty'}"]))
+
+
+def test_no_training_length(valid):
+    with pytest.raises(ConfigError, match="max_steps=-1 and num_train_epochs=0.0"):
+        validate(load_config(None, valid + ["num_train_epochs=0"]))
+    assert validate(load_config(None, valid + ["num_train_epochs=0", "max_steps=5"])).max_steps == 5
+
+
+def test_bf16_and_fp16_together(valid):
+    with pytest.raises(ConfigError, match="bf16=true and fp16=true"):
+        validate(load_config(None, valid + ["bf16=true", "fp16=true"]))
+
+
+def test_bf16_rejected_on_cpu_build(valid):
+    paddle = pytest.importorskip("paddle")
+    if paddle.device.is_compiled_with_cuda() and paddle.device.cuda.device_count() > 0:
+        pytest.skip("a GPU is present, bf16 is allowed")
+    with pytest.raises(ConfigError, match="bf16=true needs a CUDA GPU.*float32.*set bf16=false"):
+        validate(load_config(None, valid + ["bf16=true"]))
+
+
+def test_builtin_preset_is_a_valid_model(valid):
+    configuration = pytest.importorskip("erniekit.models.ernie4_5.configuration")
+    name = next(iter(configuration.PRESETS))
+    assert validate(load_config(None, valid + [f"model_name_or_path={name}"])).model_name_or_path == name
+    with pytest.raises(ConfigError, match="neither a directory nor a preset"):
+        validate(load_config(None, valid + ["model_name_or_path=no-such-preset"]))

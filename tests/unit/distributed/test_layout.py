@@ -1,0 +1,133 @@
+"""Parallel layout from config degrees: resolution, mesh coordinates and the one-line errors that
+must come before any process starts (erniekit/distributed/layout.py)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from erniekit.config import TrainConfig, validate
+from erniekit.distributed.layout import Layout, check_model_fits, layout_from_config
+from erniekit.errors import ConfigError
+from erniekit.models.ernie4_5.configuration import get_preset
+
+
+def cfg(**kw) -> TrainConfig:
+    return dataclasses.replace(TrainConfig(), **kw)
+
+
+@pytest.mark.parametrize(
+    "kw, world, want",
+    [
+        ({}, 1, Layout()),
+        ({}, 4, Layout(dp=4)),
+        ({"tensor_parallel_degree": 2}, 4, Layout(dp=2, tp=2)),
+        ({"pipeline_parallel_degree": 2, "tensor_parallel_degree": 2}, 8, Layout(pp=2, dp=2, tp=2)),
+        ({"sharding": "stage1"}, 4, Layout(sharding=4, sharding_stage=1)),  # dp -1: every data rank shards
+        ({"sharding": "stage2", "sharding_parallel_degree": 2}, 4, Layout(dp=2, sharding=2, sharding_stage=2)),
+        ({"expert_parallel_degree": 2}, 2, Layout(dp=2, ep=2)),
+    ],
+)
+def test_degrees_resolve_to_a_layout(kw, world, want):
+    lay = layout_from_config(cfg(**kw), world)
+    assert lay == want and lay.world == world
+
+
+def test_rank_coordinates_are_row_major_with_tp_innermost():
+    lay = Layout(pp=2, dp=2, tp=2)
+    assert [lay.coords(r)["tp"] for r in range(8)] == [0, 1] * 4
+    assert [lay.coords(r)["dp"] for r in range(8)] == [0, 0, 1, 1] * 2
+    assert [lay.coords(r)["pp"] for r in range(8)] == [0] * 4 + [1] * 4
+
+
+@pytest.mark.parametrize(
+    "kw, world, match",
+    [
+        ({"data_parallel_degree": 2, "tensor_parallel_degree": 2}, 2, r"= 4, but the job has 2 processes"),
+        ({"tensor_parallel_degree": 3}, 4, r"= 3 does not divide the 4 processes"),
+        ({"sharding_parallel_degree": 2, "data_parallel_degree": 1}, 2, "needs sharding: stage1"),
+        ({"expert_parallel_degree": 4, "tensor_parallel_degree": 2}, 4, r"must equal .* = 2"),
+        ({"expert_parallel_degree": 2}, 4, r"must equal .* = 4 \(the experts are split over all the data ranks\)"),
+    ],
+)
+def test_degrees_that_do_not_fit_the_processes_are_one_line_errors(kw, world, match):
+    with pytest.raises(ConfigError, match=match) as e:
+        layout_from_config(cfg(**kw), world)
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize(
+    "lay, model, match",
+    [
+        (Layout(tp=3), "tiny-moe", "tensor_parallel_degree 3 does not divide the model's num_attention_heads 4"),
+        (Layout(tp=4), "tiny-moe", "num_key_value_heads 2"),
+        (Layout(dp=3, ep=3), "tiny-moe", "expert_parallel_degree 3 does not divide the 8 experts"),
+        (Layout(dp=2, ep=2), "tiny-dense", "the model is dense"),
+        (Layout(pp=8), "tiny-moe", "more than the model's 4 layers"),
+    ],
+)
+def test_degrees_that_do_not_split_the_model_are_one_line_errors(lay, model, match):
+    with pytest.raises(ConfigError, match=match):
+        check_model_fits(lay, get_preset(model))
+
+
+def test_model_that_splits_evenly_passes():
+    check_model_fits(Layout(dp=2, ep=2), get_preset("tiny-moe"))
+    check_model_fits(Layout(dp=2, tp=2), get_preset("tiny-dense"))
+
+
+def test_tensor_parallel_moe_is_accepted():
+    check_model_fits(Layout(tp=2), get_preset("tiny-moe"))  # routed experts stay whole on each tp rank
+
+
+def test_config_validation_of_launch_keys():
+    assert validate(cfg(nproc_per_node=2)).nproc_per_node == 2  # multi-process runs are accepted
+    assert validate(cfg(nproc_per_node=2, pipeline_parallel_degree=2)).pipeline_parallel_degree == 2
+    with pytest.raises(ConfigError, match="fp8: true with several processes needs the experts' GEMMs local"):
+        validate(cfg(nproc_per_node=2, fp8=True))
+    assert validate(cfg(nproc_per_node=2, pipeline_parallel_degree=2, fp8=True)).fp8  # stages hold plain tensors
+    assert validate(cfg(nproc_per_node=2, expert_parallel_degree=2, fp8=True)).fp8  # expert slices are local
+    with pytest.raises(ConfigError, match="sharding=stage3 needs reduce-scatter"):
+        validate(cfg(nproc_per_node=2, sharding="stage3"))
+    with pytest.raises(ConfigError, match="max_restart=-1 is invalid"):
+        validate(cfg(max_restart=-1))
+    with pytest.raises(ConfigError, match="nnodes=2 needs master=HOST:PORT"):
+        validate(cfg(nnodes=2))
+    with pytest.raises(ConfigError, match="tensor_parallel_degree=0 is invalid"):
+        validate(cfg(tensor_parallel_degree=0))
+    assert validate(cfg(sharding="STAGE1")).sharding == "stage1"  # a mesh of one: sharding is a no-op
+
+
+@pytest.mark.parametrize(
+    "kw, match",
+    [
+        ({"tensor_parallel_degree": 2}, "combines with data parallelism only"),
+        ({"sharding": "stage1"}, "combines with data parallelism only"),
+        ({"stage": "DPO"}, "runs the pretrain and SFT stages, not stage=DPO"),
+        ({"fine_tuning": "LoRA"}, "runs full fine-tuning, not fine_tuning=LoRA"),
+        ({"elastic_depth": [2, 4]}, "does not train elastic sub-models"),
+        (
+            {"do_eval": True, "eval_dataset_path": "examples/data/arithmetic/eval.jsonl"},
+            "evaluates the held-out loss only",
+        ),
+    ],
+)
+def test_what_the_pipeline_does_not_run_is_a_one_line_error(kw, match):
+    world = 4 if kw.get("tensor_parallel_degree") or kw.get("sharding") else 2
+    with pytest.raises(ConfigError, match=f"pipeline_parallel_degree=2 {match}"):
+        validate(cfg(nproc_per_node=world, pipeline_parallel_degree=2, **kw))
+
+
+def test_pipeline_model_checks():
+    check_model_fits(Layout(pp=2), get_preset("tiny-moe"))  # MoE alone in a pipeline: exact (tested)
+    check_model_fits(Layout(pp=2, dp=2), get_preset("tiny-dense"))
+    check_model_fits(Layout(pp=2, dp=2), get_preset("tiny-moe"))  # router statistics summed over dp
+    with pytest.raises(ConfigError, match="with MTP heads"):
+        check_model_fits(Layout(pp=2), get_preset("tiny-dense").replace(num_nextn_predict_layers=1))
+
+
+def test_mesh_has_the_layout_shape_and_named_dims():
+    mesh = Layout(dp=2, tp=2).mesh()
+    assert mesh.shape == [1, 2, 1, 2] and mesh.dim_names == ["pp", "dp", "sharding", "tp"]
+    assert mesh.process_ids == [0, 1, 2, 3]

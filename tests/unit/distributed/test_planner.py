@@ -1,0 +1,180 @@
+"""Cost model and planner: cluster files, the formulas on hand-computed cases, enumeration,
+ranking and errors, `erniekit plan` and `parallel: auto`."""
+
+import dataclasses
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from erniekit.cli import main
+from erniekit.config import load_config, validate
+from erniekit.distributed import planner as P
+from erniekit.errors import ConfigError
+from erniekit.models.ernie4_5 import get_preset
+
+ROOT = str(Path(__file__).resolve().parents[3])
+CLUSTER = P.Cluster(
+    nodes=1,
+    devices_per_node=4,
+    device_flops=1e12,
+    device_memory=8e9,
+    op_overhead_s=1e-5,
+    memory_overhead=1e8,
+    intra_node_bandwidth=1e10,
+    intra_node_latency_s=1e-4,
+    memory_bandwidth=1e30,
+)
+WORK = P.Workload(global_batch=16, seq_len=128)
+
+
+def _write(tmp_path, text):
+    f = tmp_path / "cluster.yaml"
+    f.write_text(text)
+    return str(f)
+
+
+def test_cluster_file_loads_and_errors_name_the_key(tmp_path):
+    c = P.load_cluster(_write(tmp_path, "nodes: 2\ndevices_per_node: 8\ndevice_flops: 3.0e14\nname: gpus\n"))
+    assert c.world == 16 and c.device_flops == 3e14 and c.name == "gpus"
+    for text, words in (
+        ("nodes: 2\ndevice_flop: 1\n", "unknown key 'device_flop'"),
+        ("nodes: 1.5\n", "nodes"),
+        ("device_memory: -1\n", "must be > 0"),
+        ("nodes: [1\n", "cluster.yaml:"),
+    ):
+        with pytest.raises(ConfigError, match=words) as e:
+            P.load_cluster(_write(tmp_path, text))
+        assert "\n" not in str(e.value)
+    with pytest.raises(ConfigError, match="cluster file"):
+        P.load_cluster(str(tmp_path / "missing.yaml"))
+
+
+def test_data_parallel_comm_and_zero_memory_follow_the_formulas():
+    c = get_preset("tiny-dense")
+    base = P.predict(c, CLUSTER, WORK, P.Plan(4, 1, 1, 1, 0, "none", 4, 1))
+    zero1 = P.predict(c, CLUSTER, WORK, P.Plan(4, 1, 1, 1, 1, "none", 4, 1))
+    # all-reduce of the float32 gradients: one call per parameter tensor + 2(n-1)/n bytes / bandwidth
+    n_params = sum(1 for _ in range(9 * c.num_hidden_layers + 2))
+    params = base.parts["params_bytes"] / 4
+    want = n_params * 1e-4 + 2 * 3 / 4 * 4 * params / 1e10
+    assert base.parts["comm_dp_s"] == pytest.approx(want, rel=1e-9)
+    # the real tiny-dense parameter count (embedding tied): every weight is counted once
+    from erniekit.models.ernie4_5 import Ernie4_5ForCausalLM
+
+    assert params == sum(int(p.numel()) for p in Ernie4_5ForCausalLM(c).parameters())
+    assert zero1.parts["moments_bytes"] == pytest.approx(base.parts["moments_bytes"] / 4)
+    assert zero1.parts["grads_bytes"] == base.parts["grads_bytes"]
+    zero2 = P.predict(c, CLUSTER, WORK, P.Plan(4, 1, 1, 1, 2, "none", 4, 1))
+    assert zero2.parts["grads_bytes"] == pytest.approx(base.parts["grads_bytes"] / 4)
+    # compute: 3 x forward FLOPs over 4 devices
+    L, H, V, S = c.num_hidden_layers, c.hidden_size, c.vocab_size, 128
+    q, kv, I = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim, c.intermediate_size
+    fwd_per_token = L * (2 * (H * (q + 2 * kv) + q * H) + 4 * q * S + 6 * H * I) + 2 * H * V
+    flops = 3 * fwd_per_token * 16 * S
+    assert base.parts["compute_s"] == pytest.approx(flops / (4 * 1e12) + (3 * (30 * L + 10)) * 1e-5, rel=1e-9)
+    # memory-bound traffic: the saved activations written once and read back by the two backward passes
+    saved = L * ((2 * H + 3 * q + 3 * kv + H) + c.num_attention_heads * S + (2 * H + 4 * I) + 2 * H)
+    slow = P.predict(c, dataclasses.replace(CLUSTER, memory_bandwidth=1e10), WORK, P.Plan(4, 1, 1, 1, 0, "none", 4, 1))
+    assert slow.parts["compute_s"] - base.parts["compute_s"] == pytest.approx(3 * 4 * saved * 4 * S / 1e10, rel=1e-6)
+    # sharding: reduce-scatter + all-gather, the same bytes in twice the calls
+    assert zero1.parts["comm_dp_s"] == pytest.approx(base.parts["comm_dp_s"] + n_params * 1e-4, rel=1e-9)
+
+
+def test_recompute_trades_memory_for_time_and_pipeline_pays_a_bubble():
+    c = get_preset("tiny-moe")
+    preds = {rc: P.predict(c, CLUSTER, WORK, P.Plan(1, 1, 4, 1, 0, rc, 1, 4)) for rc in P.RECOMPUTE_MODES}
+    act = {rc: r.parts["activations_bytes"] for rc, r in preds.items()}
+    assert act["full"] < act["full_attn"] < act["none"] and act["full"] < act["mlp"] < act["none"]
+    assert act["core_attn"] < act["none"]
+    assert preds["full"].parts["compute_s"] > preds["none"].parts["compute_s"]
+    assert preds["none"].parts["bubble"] == pytest.approx((4 + 4 - 1) / 4)
+    more = P.predict(c, CLUSTER, WORK, P.Plan(1, 1, 4, 1, 0, "none", 1, 16))  # 16 micro-batches, smaller bubble
+    assert more.parts["bubble"] == pytest.approx(19 / 16)
+
+
+def test_enumeration_splits_model_and_batch_evenly():
+    c = get_preset("tiny-moe")  # 4 heads, 2 KV heads, 8 experts, 4 layers
+    plans = P.enumerate_plans(c, 4, WORK)
+    assert plans and all(p.dp * p.tp * p.pp == 4 for p in plans)
+    assert {p.tp for p in plans} == {1, 2}  # tp=4 does not divide the 2 KV heads
+    assert all(16 % (p.dp * p.micro_batch) == 0 and p.micro_batch * p.accumulation * p.dp == 16 for p in plans)
+    assert all(p.dp % p.ep == 0 for p in plans) and {p.ep for p in plans} == {1, 2, 4}
+    assert all(p.accumulation >= p.pp for p in plans)
+    runnable = P.enumerate_plans(c, 4, WORK, runnable_only=True)
+    assert runnable and all(p.sharding_stage != 3 for p in runnable) and {p.tp for p in runnable} == {1, 2}
+    # the pipeline runs alone or beside dp, never beside tp, ep or sharding
+    piped = [p for p in runnable if p.pp > 1]
+    assert {(p.pp, p.dp) for p in piped} == {(2, 2), (4, 1)}
+    assert all(p.tp == 1 and p.ep == 1 and not p.sharding_stage for p in piped)
+    dense = P.enumerate_plans(get_preset("tiny-dense"), 4, WORK, runnable_only=True)
+    assert any(p.pp == 2 and p.dp == 2 for p in dense)  # pp x dp on a dense model
+    assert len(runnable) < len(plans)
+
+
+def test_best_plan_prefers_fast_plans_that_fit_and_explains_when_none_fits():
+    c = get_preset("ERNIE-4.5-0.3B")
+    work = P.Workload(global_batch=32, seq_len=4096)
+    best = P.best_plan(c, CLUSTER, work, runnable_only=False, cpu=False)
+    preds = P.plan(c, CLUSTER, work, cpu=False)
+    assert best.fits and best.step_s == min(r.step_s for r in preds if r.fits)
+    assert any(not r.fits for r in preds)  # the full batch without recompute does not fit in 8 GB
+    tiny = dataclasses.replace(CLUSTER, device_memory=1e8)
+    with pytest.raises(ConfigError, match="no layout fits in 0.10 GB per device") as e:
+        P.best_plan(c, tiny, work)
+    assert "needs" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_plan_cli_prints_a_ranked_table(tmp_path, capsys):
+    cluster = _write(tmp_path, "devices_per_node: 2\ndevice_flops: 2.5e10\ndevice_memory: 1.2e10\n")
+    out = tmp_path / "plans.json"
+    rc = main(
+        [
+            "plan",
+            os.path.join(ROOT, "examples/configs/tiny/sft.yaml"),
+            f"cluster={cluster}",
+            "--top",
+            "5",
+            "--json",
+            str(out),
+        ]
+    )
+    text = capsys.readouterr().out
+    assert rc == 0 and "global batch 128 x 32 tokens" in text and text.count("dp=") == 5
+    rows = json.loads(out.read_text())
+    assert [r["step_s"] for r in rows] == sorted(r["step_s"] for r in rows)
+    assert all(r["plan"]["sharding_stage"] != 3 for r in rows)  # runnable on CPU only, unless --all
+
+
+def test_parallel_auto_applies_the_best_plan_keeping_the_global_batch(tmp_path):
+    cluster = _write(tmp_path, "devices_per_node: 2\ndevice_flops: 2.5e10\ndevice_memory: 1.2e10\n")
+    base = [
+        "model_name_or_path=tiny-dense",
+        "per_device_train_batch_size=32",
+        "gradient_accumulation_steps=2",
+        "max_seq_len=32",
+        f"output_dir={tmp_path / 'o'}",
+    ]
+    cfg = validate(load_config(None, base + ["parallel=auto", f"cluster={cluster}", "nproc_per_node=2"]))
+    want = P.best_plan(get_preset("tiny-dense"), P.load_cluster(cluster), P.Workload(128, 32))
+    for k, v in want.plan.config_overrides().items():
+        assert getattr(cfg, k) == v, k
+    from erniekit.distributed.layout import layout_from_config
+
+    lay = layout_from_config(cfg)
+    assert cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps * lay.dp * lay.sharding == 128
+    # a config the pipeline cannot run (generation during eval) gets the best plan without pp
+    ev = [f"eval_dataset_path={os.path.join(ROOT, 'examples/data/arithmetic/eval.jsonl')}", "do_eval=true"]
+    no_pp = validate(load_config(None, base + ev + ["parallel=auto", f"cluster={cluster}", "nproc_per_node=2"]))
+    want = P.best_plan(get_preset("tiny-dense"), P.load_cluster(cluster), P.Workload(128, 32), pipeline=False)
+    assert no_pp.pipeline_parallel_degree == 1
+    for k, v in want.plan.config_overrides().items():
+        assert getattr(no_pp, k) == v, k
+    assert not any(
+        p.pp > 1 for p in P.enumerate_plans(get_preset("tiny-dense"), 2, P.Workload(128, 32), pipeline=False)
+    )
+    with pytest.raises(ConfigError, match="needs cluster"):
+        validate(load_config(None, base + ["parallel=auto"]))
+    with pytest.raises(ConfigError, match="has 2 devices .* but the launch has 1 processes"):
+        validate(load_config(None, base + ["parallel=auto", f"cluster={cluster}"]))

@@ -1,0 +1,268 @@
+"""The continuous-batching engine (erniekit/infer/engine.py): requests that join and leave between
+decode steps get exactly the tokens a single-request `generate` gives; stop strings, sampling
+seeds, the context limit, a full time axis and cancellation."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import paddle
+import pytest
+
+from erniekit.infer.engine import Engine, Request, complete
+from erniekit.infer.generate import generate
+from erniekit.infer.sampling import SamplingParams
+from erniekit.models.ernie4_5 import Ernie4_5ForCausalLM, get_preset
+from erniekit.models.ernie4_5.tokenizer import default_tokenizer
+
+
+@pytest.fixture(scope="module")
+def model():
+    # initializer_range 0.5: peaked logits, so greedy choices are not decided by rounding
+    paddle.seed(0)
+    m = Ernie4_5ForCausalLM(get_preset("tiny-moe").replace(initializer_range=0.5))
+    m.eval()
+    return m
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return default_tokenizer()
+
+
+def _prompts(n: int, vocab: int, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    return (
+        [list(map(int, rng.integers(5, vocab, size=int(rng.integers(2, 24))))) for _ in range(n)],
+        [int(rng.integers(1, 24)) for _ in range(n)],
+    )
+
+
+def _concurrently(engine, prompts, lengths, **kw):
+    out = [None] * len(prompts)
+
+    def run(i):
+        out[i] = complete(engine, prompts[i], SamplingParams(max_new_tokens=lengths[i], **kw))
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return out
+
+
+@pytest.mark.parametrize("max_batch, max_len", [(4, 64), (16, 48)])
+def test_joining_and_leaving_requests_get_the_single_request_tokens(model, tokenizer, max_batch, max_len):
+    """12 requests of different prompt and output lengths, 4 (or all) decoded at once; with a
+    48-token time axis the engine must also drop unused columns while others run."""
+    prompts, lengths = _prompts(12, model.config.vocab_size)
+    ref = [generate(model, [p], SamplingParams(max_new_tokens=n))[0] for p, n in zip(prompts, lengths)]
+    engine = Engine(model, tokenizer, max_batch=max_batch, max_model_len=max_len)
+    try:
+        got = _concurrently(engine, prompts, lengths)
+    finally:
+        engine.close()
+    assert [g[1] for g in got] == ref
+    assert all(g[2] == "length" for g in got)
+    assert engine.steps < sum(lengths)  # rows were decoded together, not one request after another
+
+
+def test_stop_tokens_and_stop_strings_end_a_request_early(model, tokenizer):
+    prompt = _prompts(1, model.config.vocab_size, seed=3)[0][0]
+    full = generate(model, [prompt], SamplingParams(max_new_tokens=12))[0]
+    engine = Engine(model, tokenizer, max_batch=2, max_model_len=64)
+    try:
+        ids_stop = complete(engine, prompt, SamplingParams(max_new_tokens=12, stop_token_ids=[full[4]]))
+        text = tokenizer.decode(full)
+        cut = text[len(tokenizer.decode(full[:3])) :][:2]  # a string that first shows after token 3
+        assert cut
+        str_stop = complete(engine, prompt, SamplingParams(max_new_tokens=12), stop=[cut])
+    finally:
+        engine.close()
+    first = full.index(full[4])
+    assert ids_stop[1] == full[:first] and ids_stop[2] == "stop"
+    assert str_stop[2] == "stop" and cut not in str_stop[0] and text.startswith(str_stop[0])
+    assert str_stop[0] == text[: text.index(cut)]
+
+
+def test_seeded_sampling_repeats_and_differs_across_seeds(model, tokenizer):
+    prompts, _ = _prompts(3, model.config.vocab_size, seed=5)
+    engine = Engine(model, tokenizer, max_batch=3, max_model_len=64)
+    try:
+        a = _concurrently(engine, prompts, [16] * 3, temperature=1.0, top_p=0.9, seed=7)
+        b = [
+            complete(engine, p, SamplingParams(max_new_tokens=16, temperature=1.0, top_p=0.9, seed=7)) for p in prompts
+        ]  # alone, in another order: the same streams
+        c = complete(engine, prompts[0], SamplingParams(max_new_tokens=16, temperature=1.0, top_p=0.9, seed=8))
+    finally:
+        engine.close()
+    assert [x[1] for x in a] == [x[1] for x in b]
+    assert c[1] != a[0][1]
+
+
+def test_a_request_beyond_the_context_is_refused_before_it_runs(model, tokenizer):
+    engine = Engine(model, tokenizer, max_batch=2, max_model_len=32)
+    try:
+        with pytest.raises(ValueError, match=r"prompt \(30 tokens\) plus max_tokens \(8\) exceeds the context of 32"):
+            engine.submit(Request([5] * 30, SamplingParams(max_new_tokens=8), lambda d, f: None))
+        assert complete(engine, [5, 6, 7], SamplingParams(max_new_tokens=4))[2] == "length"  # still serving
+    finally:
+        engine.close()
+
+
+def test_a_cancelled_request_leaves_and_frees_its_row(model, tokenizer):
+    engine = Engine(model, tokenizer, max_batch=1, max_model_len=256)
+    seen, done = [], threading.Event()
+
+    def emit(delta, finish):
+        seen.append((delta, finish))
+        if finish is not None:
+            done.set()
+
+    req = Request([5, 6, 7], SamplingParams(max_new_tokens=200), emit)
+    try:
+        engine.submit(req)
+        while len(req.completion) < 3:
+            pass
+        req.cancelled = True
+        assert done.wait(30) and seen[-1][1] == "cancelled" and len(req.completion) < 200
+        assert complete(engine, [8, 9], SamplingParams(max_new_tokens=3))[2] == "length"  # the row is free again
+    finally:
+        engine.close()
+
+
+# ---- faults stay with the request that caused them (issue #23) --------------------------------
+
+
+def _run_all(engine, jobs):
+    """jobs: [(prompt, SamplingParams)] submitted together; [(text, ids, reason) or the error string]."""
+    out = [None] * len(jobs)
+
+    def run(i):
+        try:
+            out[i] = complete(engine, jobs[i][0], jobs[i][1], timeout=120)
+        except RuntimeError as e:
+            out[i] = str(e)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(jobs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return out
+
+
+def test_a_fault_in_one_sequence_fails_only_that_request(model, tokenizer, monkeypatch):
+    """Three poison requests share the batch with six greedy ones: one gets NaN logits at its 3rd
+    step, one raises while its token is processed, one raises inside its sampling. They fail
+    (with the cause in the error); every other request keeps exactly its single-request tokens."""
+    prompts, lengths = _prompts(9, model.config.vocab_size, seed=11)
+    lengths = [max(n, 8) for n in lengths]
+    ref = [generate(model, [p], SamplingParams(max_new_tokens=n))[0] for p, n in zip(prompts, lengths)]
+    nan_p = SamplingParams(max_new_tokens=lengths[6])
+    raise_p = SamplingParams(max_new_tokens=lengths[7])
+    sample_p = SamplingParams(max_new_tokens=lengths[8], temperature=0.7, seed=1)
+    engine = Engine(model, tokenizer, max_batch=16, max_model_len=64)
+    real_sample, real_advance, real_choose = engine._sample, engine._advance, engine._choose
+
+    def sample(logits, reqs):
+        logits = logits.copy()
+        for i, r in enumerate(reqs):
+            if r.params is nan_p and len(r.completion) >= 2:
+                logits[i, 3] = np.nan
+        return real_sample(logits, reqs)
+
+    def advance(req, tok):
+        if req.params is raise_p and len(req.completion) >= 2:
+            raise KeyError("injected fault")
+        return real_advance(req, tok)
+
+    def choose(req, row):
+        if req.params is sample_p and len(req.completion) >= 1:
+            raise ValueError("injected sampling fault")
+        return real_choose(req, row)
+
+    monkeypatch.setattr(engine, "_sample", sample)
+    monkeypatch.setattr(engine, "_advance", advance)
+    monkeypatch.setattr(engine, "_choose", choose)
+    try:
+        jobs = [(p, SamplingParams(max_new_tokens=n)) for p, n in zip(prompts[:6], lengths[:6])]
+        jobs += [(prompts[6], nan_p), (prompts[7], raise_p), (prompts[8], sample_p)]
+        got = _run_all(engine, jobs)
+        assert [g[1] for g in got[:6]] == ref[:6]
+        assert "non-finite logits" in got[6] and "KeyError: 'injected fault'" in got[7]
+        assert "sampling failed: ValueError: injected sampling fault" in got[8]
+        assert not engine.rows and complete(engine, prompts[0], SamplingParams(max_new_tokens=lengths[0]))[1] == ref[0]
+    finally:
+        engine.close()
+
+
+def test_a_prefill_that_raises_fails_only_the_request_that_broke_it(model, tokenizer, monkeypatch):
+    prompts, lengths = _prompts(5, model.config.vocab_size, seed=12)
+    ref = [generate(model, [p], SamplingParams(max_new_tokens=n))[0] for p, n in zip(prompts, lengths)]
+    poison = [7, 7, 7, 7]
+    engine = Engine(model, tokenizer, max_batch=8, max_model_len=64)
+    real = engine._prefill_forward
+
+    def forward(reqs):
+        if any(r.prompt == poison for r in reqs):
+            raise RuntimeError("injected prefill fault")
+        return real(reqs)
+
+    monkeypatch.setattr(engine, "_prefill_forward", forward)
+    try:
+        got = _run_all(
+            engine,
+            [(p, SamplingParams(max_new_tokens=n)) for p, n in zip(prompts, lengths)]
+            + [(poison, SamplingParams(max_new_tokens=4))],
+        )
+    finally:
+        engine.close()
+    assert [g[1] for g in got[:5]] == ref and "injected prefill fault" in got[5]
+
+
+def test_bad_sampling_values_are_refused_before_they_reach_the_batch(model, tokenizer):
+    for kw, match in [
+        ({"temperature": float("nan")}, "temperature"),
+        ({"top_p": float("inf")}, "top_p"),
+        ({"temperature": -1}, "temperature"),
+        ({"presence_penalty": 3}, "presence_penalty"),
+        ({"seed": -1}, "seed"),
+        ({"logit_bias": {5: float("nan")}}, r"logit_bias\[5\]"),
+        ({"logit_bias": {5: 101}}, r"logit_bias\[5\]"),
+        ({"max_new_tokens": 0}, "max_new_tokens"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            SamplingParams(**kw)
+    engine = Engine(model, tokenizer, max_batch=2, max_model_len=32)
+    try:
+        with pytest.raises(ValueError, match="logit_bias key 99999 is outside the vocabulary"):
+            engine.submit(Request([5, 6], SamplingParams(max_new_tokens=4, logit_bias={99999: 1.0}), lambda d, f: None))
+        with pytest.raises(ValueError, match="prompt token id -3 is outside the vocabulary"):
+            engine.submit(Request([5, -3], SamplingParams(max_new_tokens=4), lambda d, f: None))
+    finally:
+        engine.close()
+
+
+def test_logit_bias_and_penalties_steer_only_their_own_row(model, tokenizer):
+    prompts, _ = _prompts(2, model.config.vocab_size, seed=13)
+    plain = generate(model, [prompts[0]], SamplingParams(max_new_tokens=6))[0]
+    engine = Engine(model, tokenizer, max_batch=4, max_model_len=64)
+    try:
+        got = _run_all(
+            engine,
+            [
+                (prompts[0], SamplingParams(max_new_tokens=6, logit_bias={42: 100.0})),
+                (prompts[0], SamplingParams(max_new_tokens=6, logit_bias={plain[0]: -100.0})),
+                (prompts[0], SamplingParams(max_new_tokens=6, frequency_penalty=2.0, presence_penalty=2.0)),
+                (prompts[0], SamplingParams(max_new_tokens=6)),
+            ],
+        )
+    finally:
+        engine.close()
+    assert got[0][1] == [42] * 6  # +100 wins every step
+    assert got[1][1][0] != plain[0]  # -100 removes the greedy choice
+    assert len(set(got[2][1])) >= len(set(plain))  # penalties never repeat more than plain greedy
+    assert got[3][1] == plain  # the neighbours' biases did not leak into this row
