@@ -225,10 +225,12 @@ def webui(args: list[str]) -> int:
 
 def export(args: list[str]) -> int:
     """Merge LoRA (if any) and write a deployable directory (docs/deploy.md)."""
+    from erniekit.export.formats import export_format, format_names
+
     p = _Parser(
         prog="erniekit export",
         description=export.__doc__,
-        usage="erniekit export SRC -o OUT [--format hf|wint8|wint4|paddle|onnx] [--force] | "
+        usage=f"erniekit export SRC -o OUT [--format {'|'.join(format_names())}] [--force] | "
         "erniekit export --verify OUT",
     )
     p.add_argument("src", nargs="?", help="checkpoint or LoRA adapter directory (output of erniekit train)")
@@ -238,16 +240,13 @@ def export(args: list[str]) -> int:
         action="store_true",
         help="write into a non-empty --output: its model files are replaced (atomically), others kept",
     )
-    from erniekit.export.hf import FORMATS, check_output
+    from erniekit.export.hf import check_output
 
     p.add_argument(
         "--format",
-        choices=FORMATS,
+        choices=format_names(),
         default="hf",
-        help="hf: Hugging Face layout (FastDeploy, transformers); wint8/wint4: the same with the decoder's "
-        "matrices weight-only quantized (int8 per channel / int4 per group), for erniekit's engine; "
-        "paddle: the decoding step as a static graph for paddle.inference; onnx: the same for "
-        "onnxruntime (needs paddle2onnx)",
+        help="; ".join(export_format(n).help for n in format_names()),
     )
     p.add_argument("--group-size", type=int, default=64, help="wint4: inputs per scale")
     p.add_argument("--max-shard-size", default="5GB", help="split weights into files of at most this size")

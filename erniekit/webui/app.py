@@ -18,7 +18,7 @@ import traceback
 import gradio as gr
 
 from erniekit.errors import ErniekitError
-from erniekit.export.hf import FORMATS
+from erniekit.export.formats import format_names
 from erniekit.webui.access import PathPolicy, banner, exposure_warning
 from erniekit.webui.runs import EMBEDDED, RECIPES, Form, Runs, cli_command, config_yaml, yaml_preview
 
@@ -285,7 +285,7 @@ def build_app(runs: Runs | None = None, paths: PathPolicy | None = None, warning
             with gr.Row():
                 src = gr.Textbox("output/webui-run", label="Checkpoint or LoRA adapter directory", elem_id="export_src")
                 dst = gr.Textbox("output/webui-export", label="Export to", elem_id="export_dst")
-                fmt = gr.Dropdown(list(FORMATS), value="hf", label="Format", elem_id="export_format")
+                fmt = gr.Dropdown(format_names(), value="hf", label="Format", elem_id="export_format")
             export_btn = gr.Button("Export", variant="primary", elem_id="export")
             export_out = gr.Markdown("", elem_id="export_result")
 
