@@ -579,8 +579,21 @@ def _train_help() -> str:
     for f in fields():
         default = f.default_factory() if callable(f.default_factory) else f.default
         tp = getattr(types[f.name], "__name__", str(types[f.name]))
-        lines.append(f"  {f.name}={format_value(default)}  [{tp}]\n      {f.metadata['help']}")
+        values = _choice_list(f.metadata.get("choices"))
+        lines.append(f"  {f.name}={format_value(default)}  [{tp}]\n      {f.metadata['help']}{values}")
     return "\n".join(lines)
+
+
+def _choice_list(choices) -> str:
+    """ "; one of: ..." for a key with fixed values; the stage registry is read live, and its
+    modules import paddle: without paddle the stages are not listed (the help line names them)."""
+    if choices is None:
+        return ""
+    try:
+        values = [v for v in dict.fromkeys(choices.values()) if v]
+    except ModuleNotFoundError:
+        return ""
+    return f"; one of: {', '.join(values)}"
 
 
 def _unknown_verb(verb: str) -> str:

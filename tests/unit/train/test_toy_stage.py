@@ -90,3 +90,11 @@ def test_an_unregistered_stage_is_gone(tmp_path):
     with pytest.raises(ConfigError, match="stage"):
         _cfg(tmp_path)
     assert "Toy" not in stage_names()
+
+
+def test_help_lists_a_registered_stage(toy):
+    from erniekit.cli import _train_help
+
+    stage_line = next(line for line in _train_help().splitlines() if line.startswith("      training stage:"))
+    listed = stage_line.split("one of: ")[1].split(", ")
+    assert "Toy" in listed and "SFT" in listed
