@@ -424,7 +424,7 @@ def _check_precision(cfg: TrainConfig) -> None:
 
 def _check_parallel(cfg: TrainConfig) -> None:
     """Degrees against the process count (before any process starts); the model-size checks run
-    once the model config is known (erniekit.distributed.layout.check_model_fits)."""
+    once the model config is known (erniekit.distributed.collective.layout.check_model_fits)."""
     for key in (
         "tensor_parallel_degree",
         "expert_parallel_degree",
@@ -442,7 +442,7 @@ def _check_parallel(cfg: TrainConfig) -> None:
     )
     if cfg.nnodes > 1 and not cfg.master:
         raise ConfigError(f"nnodes={cfg.nnodes} needs master=HOST:PORT (the first machine's rendezvous address)")
-    from erniekit.distributed.layout import layout_from_config
+    from erniekit.distributed.collective.layout import layout_from_config
 
     _require(cfg.max_restart >= 0, "max_restart", cfg.max_restart, ">= 0")
     if cfg.pipeline_stage_layers:
@@ -476,7 +476,7 @@ def _check_parallel(cfg: TrainConfig) -> None:
 
 def _check_ps(cfg: TrainConfig) -> None:
     """What the parameter-server mode (erniekit/train/runners/ps.py) runs in this version."""
-    from erniekit.distributed.layout import world_size
+    from erniekit.distributed.collective.layout import world_size
 
     world = world_size(cfg.parallelism)
     _require(cfg.ps_servers >= 1, "ps_servers", cfg.ps_servers, ">= 1")

@@ -15,7 +15,9 @@ from erniekit.utils.dtensor import launched_world
 @dataclass
 class Topology:
     world: int = 1  # processes in the job
-    collective: Any = None  # erniekit/distributed/runtime.py ParallelContext: mesh, placements, pipeline segments
+    collective: Any = (
+        None  # erniekit/distributed/collective/runtime.py ParallelContext: mesh, placements, pipeline segments
+    )
     ps: Any = None  # erniekit/distributed/ps/topology.py PSTopology: this process's PS role
 
     @property
@@ -31,8 +33,8 @@ def join(cfg) -> Topology:
         return Topology()
     if cfg.distributed_mode == "ps":
         return Topology(world, ps=_join_ps(cfg, world))
-    from erniekit.distributed import runtime
-    from erniekit.distributed.layout import layout_from_config
+    from erniekit.distributed.collective import runtime
+    from erniekit.distributed.collective.layout import layout_from_config
 
     return Topology(world, collective=runtime.init(layout_from_config(cfg.parallelism, world)))
 
@@ -40,7 +42,7 @@ def join(cfg) -> Topology:
 def _join_ps(cfg, world: int):
     import paddle.distributed as dist
 
-    from erniekit.distributed.pipeline import new_group
+    from erniekit.distributed.collective.pipeline import new_group
     from erniekit.distributed.ps.topology import PSTopology, make_links
 
     dist.init_parallel_env()

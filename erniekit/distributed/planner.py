@@ -257,7 +257,7 @@ def predict(c, cluster: Cluster, work: Workload, p: Plan) -> Prediction:
     again = {"none": 0.0, "core_attn": core, "full_attn": attn, "mlp": mlp, "full": attn + mlp}[p.recompute] * tokens
     flops = 3 * fwd + again
     workers = p.dp * p.tp * p.pp
-    # routed experts are replicated over tp (erniekit/distributed/runtime.py): every tp rank runs them
+    # routed experts are replicated over tp (erniekit/distributed/collective/runtime.py): every tp rank runs them
     routed = sum(2.0 * l.moe_k * l.expert_params / l.num_experts for l in layers if l.is_moe) * tokens
     flops += (p.tp - 1) * (3 * routed + (routed if p.recompute in ("mlp", "full") else 0.0))
     m = p.accumulation
@@ -375,7 +375,7 @@ def why_not(c, p: Plan, work: Workload, runnable_only: bool = False, cpu: bool =
     """'' when plan p splits the model and batch evenly (and, runnable_only, when this erniekit
     version can run it on this device kind), else the reason: the same checks as a launch
     (`layout.check_model_fits`)."""
-    from erniekit.distributed.layout import Layout, check_model_fits
+    from erniekit.distributed.collective.layout import Layout, check_model_fits
 
     lay = Layout(
         pp=p.pp,
@@ -480,7 +480,7 @@ def format_table(preds: list[Prediction], top: int = 15) -> str:
 
 def workload_from_config(cfg, world: int | None = None) -> Workload:
     """The global batch a training config asks for: per-device batch x accumulation x its data ranks."""
-    from erniekit.distributed.layout import layout_from_config
+    from erniekit.distributed.collective.layout import layout_from_config
 
     lay = layout_from_config(cfg.parallelism, world)
     return Workload(
@@ -508,7 +508,7 @@ def model_config_of(cfg):
 def auto_plan(cfg) -> Prediction:
     """`parallel: auto`: the best runnable plan for the config's model, global batch and cluster file
     (its device count must equal the launch's process count)."""
-    from erniekit.distributed.layout import world_size
+    from erniekit.distributed.collective.layout import world_size
 
     if not cfg.cluster:
         raise ConfigError(

@@ -34,7 +34,7 @@ from erniekit.nn.rows import concat_rows, split_rows
 
 
 class ExpertExchange(Protocol):
-    """What an expert-parallel StackedExperts needs from the runtime (erniekit/distributed/expert_exchange.py)."""
+    """What an expert-parallel StackedExperts needs from the runtime (erniekit/distributed/collective/expert_exchange.py)."""
 
     rank: int  # this process's index among those splitting the experts: it holds slice `rank`
     size: int
@@ -409,7 +409,7 @@ class MoEBlock(nn.Layer):
         # assignments per (global) expert since the last correction-bias update (aux-loss-free balancing)
         self.register_buffer("load_counts", paddle.zeros([self.num_experts], dtype="float32"), persistable=False)
         # a pipeline stage beside data parallelism: sums over the data ranks that split each batch,
-        # so router losses and load counts are the whole batch's (erniekit/distributed/pipeline.py)
+        # so router losses and load counts are the whole batch's (erniekit/distributed/collective/pipeline.py)
         self.data_sum = None
         self.data_ranks = 1
         # routing of the last forward, for statistics and pictures (detached; overwritten each call)

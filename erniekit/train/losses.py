@@ -11,7 +11,7 @@ IGNORE_INDEX = -100
 
 def batch_tensor(x: np.ndarray) -> paddle.Tensor:
     """A global-batch array as a tensor, rows split over the data ranks in a multi-process run."""
-    from erniekit.distributed.runtime import place_batch
+    from erniekit.distributed.collective.runtime import place_batch
 
     return place_batch(paddle.to_tensor(x))
 

@@ -152,7 +152,7 @@ def build_optimizer(
         no_decay,
         lr_mult,
     )
-    from erniekit.distributed.runtime import active
+    from erniekit.distributed.collective.runtime import active
 
     if active() is not None:
         opt.state_placements = active().optimizer_state_placements

@@ -19,7 +19,7 @@ from __future__ import annotations
 import numpy as np
 import paddle
 
-from erniekit.distributed.pipeline import PipelineTopology, data_rank_rows  # noqa: F401  (data_rank_rows: used here)
+from erniekit.distributed.collective.pipeline import PipelineTopology, data_rank_rows  # noqa: F401  (data_rank_rows: used here)
 from erniekit.train.losses import batch_tensor, causal_lm_loss_sum, count_target_tokens, token_balanced_loss_sum
 
 

@@ -212,8 +212,8 @@ def _ps_runner(cfg, model, ps, stage, log):
 
 def _place_model(cfg, ctx, model, log) -> None:
     """A collective job: this rank's share of the model over the mesh (and its pipeline segment)."""
-    from erniekit.distributed import runtime
-    from erniekit.distributed.layout import check_model_fits
+    from erniekit.distributed.collective import runtime
+    from erniekit.distributed.collective.layout import check_model_fits
 
     check_model_fits(ctx.layout, model.config, stage_layers=cfg.pipeline_stage_layers)
     runtime.init_pipeline(model.config.num_hidden_layers, cfg.pipeline_stage_layers)

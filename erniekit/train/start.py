@@ -25,7 +25,7 @@ def start_training(cfg, path: str | None, overrides: list[str], user_threads: st
         )
     if cfg.distributed_mode == "ps" and cfg.ps_placement == "auto" and not in_launched_worker():
         cfg, args = apply_ps_placement(cfg, path, overrides)
-    from erniekit.distributed.layout import world_size
+    from erniekit.distributed.collective.layout import world_size
 
     if world_size(cfg.parallelism) > 1 and not in_launched_worker():
         return relaunch(cfg, args, user_threads)

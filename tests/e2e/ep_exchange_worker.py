@@ -10,8 +10,8 @@ import numpy as np
 import paddle
 import paddle.distributed as dist
 
-from erniekit.distributed.layout import Layout
-from erniekit.distributed.runtime import ParallelContext
+from erniekit.distributed.collective.layout import Layout
+from erniekit.distributed.collective.runtime import ParallelContext
 from erniekit.nn.lora import LoraConfig, LoraStackedExperts
 from erniekit.nn.moe import StackedExperts, capacity_keep
 

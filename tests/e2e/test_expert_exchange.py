@@ -1,4 +1,4 @@
-"""Expert parallelism's all-to-all token exchange (erniekit/distributed/expert_exchange.py,
+"""Expert parallelism's all-to-all token exchange (erniekit/distributed/collective/expert_exchange.py,
 StackedExperts' expert-parallel forward): the pairing schedule, the reordering of received rows,
 and 2 processes against the same layer run whole."""
 
@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from erniekit.distributed.expert_exchange import pair_rounds
+from erniekit.distributed.collective.expert_exchange import pair_rounds
 from erniekit.nn.moe import source_to_expert_order
 
 ROOT = str(Path(__file__).resolve().parents[2])

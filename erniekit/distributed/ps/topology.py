@@ -85,8 +85,8 @@ def with_pipeline(topo: PSTopology, pp: int, num_layers: int, stage_layers: list
         return topo
     import dataclasses
 
-    from erniekit.distributed.layout import Layout, check_stage_layers
-    from erniekit.distributed.pipeline import PipelineTopology
+    from erniekit.distributed.collective.layout import Layout, check_stage_layers
+    from erniekit.distributed.collective.pipeline import PipelineTopology
 
     check_stage_layers(stage_layers, num_layers)
     if pp > num_layers:
@@ -100,8 +100,8 @@ def with_pipeline(topo: PSTopology, pp: int, num_layers: int, stage_layers: list
 def make_links(workers: int, servers: int) -> dict[tuple[int, int], Any]:
     """A process group per (worker, server) pair. Collective: every rank calls it, in one order;
     a barrier after each group (gloo groups created back to back failed to connect with 4
-    processes, erniekit/distributed/pipeline.py)."""
-    from erniekit.distributed.pipeline import new_group
+    processes, erniekit/distributed/collective/pipeline.py)."""
+    from erniekit.distributed.collective.pipeline import new_group
 
     return {(w, s): new_group([w, workers + s]) for w in range(workers) for s in range(servers)}
 

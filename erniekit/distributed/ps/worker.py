@@ -24,7 +24,7 @@ import paddle
 import paddle.distributed as dist
 from paddle import nn
 
-from erniekit.distributed.pipeline import data_rank_rows
+from erniekit.distributed.collective.pipeline import data_rank_rows
 from erniekit.distributed.ps.compression import RowCompressor
 from erniekit.distributed.ps.topology import (
     HEAD,

@@ -19,7 +19,7 @@ def collective_runner(ctx, model, stage, precision=None, distill_weight: float =
 
 def default_runner(model, stage, precision=None, distill_weight: float = 0.0) -> StepRunner:
     """The collective runner of the job this process joined (erniekit/distributed/join.py), if any."""
-    from erniekit.distributed.runtime import active
+    from erniekit.distributed.collective.runtime import active
 
     return collective_runner(active(), model, stage, precision, distill_weight)
 

@@ -26,7 +26,7 @@ class LocalRunner(StepRunner):
     name = "local"
 
     def __init__(self, ctx=None, precision=None, distill_weight: float = 0.0):
-        """ctx: erniekit/distributed/runtime.py's context in a launched job, else None; precision:
+        """ctx: erniekit/distributed/collective/runtime.py's context in a launched job, else None; precision:
         the run config's `precision` section (None: float32); distill_weight: elastic_distill_weight."""
         self.ctx = ctx
         self.data_ranks = ctx.data_ranks if ctx is not None else 1

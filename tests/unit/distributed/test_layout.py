@@ -1,5 +1,5 @@
 """Parallel layout from config degrees: resolution, mesh coordinates and the one-line errors that
-must come before any process starts (erniekit/distributed/layout.py)."""
+must come before any process starts (erniekit/distributed/collective/layout.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 
 from erniekit.config import TrainConfig, validate
-from erniekit.distributed.layout import Layout, check_model_fits, layout_from_config
+from erniekit.distributed.collective.layout import Layout, check_model_fits, layout_from_config
 from erniekit.errors import ConfigError
 from erniekit.models.ernie4_5.configuration import get_preset
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from erniekit.distributed.pipeline import stage_bounds
+from erniekit.distributed.collective.pipeline import stage_bounds
 from erniekit.train.pipeline_schedule import one_f_one_b
 
 

@@ -160,7 +160,7 @@ def test_parallel_auto_applies_the_best_plan_keeping_the_global_batch(tmp_path):
     want = P.best_plan(get_preset("tiny-dense"), P.load_cluster(cluster), P.Workload(128, 32))
     for k, v in want.plan.config_overrides().items():
         assert getattr(cfg, k) == v, k
-    from erniekit.distributed.layout import layout_from_config
+    from erniekit.distributed.collective.layout import layout_from_config
 
     lay = layout_from_config(cfg)
     assert cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps * lay.dp * lay.sharding == 128

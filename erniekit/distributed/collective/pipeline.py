@@ -27,7 +27,7 @@ import paddle
 import paddle.distributed as dist
 from paddle import nn
 
-from erniekit.distributed.layout import Layout
+from erniekit.distributed.collective.layout import Layout
 
 
 class StageElsewhere(nn.Layer):

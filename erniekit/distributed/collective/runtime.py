@@ -10,7 +10,7 @@ Placements over the mesh dims (pp, dp, sharding, tp):
   tp  column-parallel q/k/v/gate/up (and shared experts'), row-parallel o/down (their input
       width), vocab-parallel embedding (tied to the LM head); routed experts replicated;
   dp, sharding  experts split by expert over all the data ranks when expert_parallel_degree > 1,
-      tokens moved to them and back by all-to-all (erniekit/distributed/expert_exchange.py);
+      tokens moved to them and back by all-to-all (erniekit/distributed/collective/expert_exchange.py);
   sharding  optimizer moments split by rows (ZeRO stage 1; `optimizer_state_placements`);
             at stage 3 the parameters too.
 """
@@ -20,9 +20,9 @@ from __future__ import annotations
 import paddle
 import paddle.distributed as dist
 
-from erniekit.distributed.expert_exchange import ExpertExchange, make_pair_groups
-from erniekit.distributed.layout import DIMS, Layout
-from erniekit.distributed.pipeline import PipelineTopology
+from erniekit.distributed.collective.expert_exchange import ExpertExchange, make_pair_groups
+from erniekit.distributed.collective.layout import DIMS, Layout
+from erniekit.distributed.collective.pipeline import PipelineTopology
 from erniekit.nn.moe import StackedExperts
 
 _COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "qkv_proj", "up_gate_proj")
@@ -42,7 +42,7 @@ class ParallelContext:
         self.mesh = layout.mesh()
         self.axis = {d: i for i, d in enumerate(DIMS)}
         # pp > 1: each stage keeps its layers as plain tensors and the schedule moves activations
-        # (erniekit/distributed/pipeline.py); built in `init`, once the process group exists
+        # (erniekit/distributed/collective/pipeline.py); built in `init`, once the process group exists
         self.pipeline: PipelineTopology | None = None
         self._exchange: ExpertExchange | None = None
 

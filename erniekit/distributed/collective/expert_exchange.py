@@ -128,9 +128,9 @@ class ExpertExchange:
 def make_pair_groups(exchanges: list[list[int]], me: int) -> dict[tuple[int, int], object]:
     """A process group for every pair of every exchange (lists of global ranks), created by every
     rank of the job in one order (group creation is collective), a barrier after each (gloo groups
-    created back to back failed to connect with 4 processes, erniekit/distributed/pipeline.py).
+    created back to back failed to connect with 4 processes, erniekit/distributed/collective/pipeline.py).
     Returns this rank's: (lower, higher) index in its exchange -> group."""
-    from erniekit.distributed.pipeline import new_group
+    from erniekit.distributed.collective.pipeline import new_group
 
     mine = {}
     for ranks in exchanges:
