@@ -11,8 +11,8 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any
 
-from erniekit.data.formats import DatasetTypeSpellings
-from erniekit.train.stages import StageSpellings
+from erniekit.data.formats import DATASET_TYPE_SPELLINGS
+from erniekit.train.stages import STAGE_SPELLINGS
 
 
 def _spellings(*names: str, **aliases: str) -> dict[str, str]:
@@ -24,11 +24,11 @@ def _spellings(*names: str, **aliases: str) -> dict[str, str]:
 
 # Allowed values, the single place to extend when a method lands (stages: their registry).
 # Keys are lower-case spellings the user may write; values are the canonical names.
-STAGES = StageSpellings()  # the stage registry's names (erniekit/train/stages), live: a registered stage counts
+STAGES = STAGE_SPELLINGS  # the stage registry's names (erniekit/train/stages), live: a registered stage counts
 LOSS_AGGREGATIONS = _spellings("token", "sequence")
 DPO_LOSS_TYPES = _spellings("sigmoid", "hinge", "ipo", "simpo", "orpo", "kto_pair", "sppo_hard", "nca_pair", "dpop")
 FINE_TUNING = _spellings("Full", "LoRA")
-DATASET_TYPES = DatasetTypeSpellings()  # auto, text, prompt and the SFT format registry (erniekit/data/formats.py)
+DATASET_TYPES = DATASET_TYPE_SPELLINGS  # auto, text, prompt and the SFT format registry (erniekit/data/formats.py)
 TRUNCATION = _spellings("error", "truncate")
 LR_SCHEDULERS = _spellings("cosine", "constant", "linear", "wsd")
 COMPUTE_TYPES = _spellings("fp32", "bf16", "fp16", "fp8")

@@ -18,10 +18,11 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from erniekit.errors import DataError
+from erniekit.utils.registry import LiveChoices
 
 
 @dataclass
@@ -266,21 +267,10 @@ def load_pretrain_texts(path: str) -> list[str]:
     return texts
 
 
-class DatasetTypeSpellings(Mapping):
-    """lower-case spelling -> dataset type, read live: the `choices` of train_dataset_type and
-    eval_dataset_type (auto, text for pretraining, prompt for preference / RL data, and every
-    registered SFT format)."""
+def dataset_type_spellings() -> dict[str, str]:
+    """lower-case spelling -> dataset type: auto, text (pretraining), prompt (preference / RL data)
+    and every registered SFT format."""
+    return {n.lower(): n for n in ("auto", "text", "prompt", *_READERS)}
 
-    _FIXED = ("auto", "text", "prompt")
 
-    def _table(self) -> dict[str, str]:
-        return {n.lower(): n for n in (*self._FIXED, *_READERS)}
-
-    def __getitem__(self, key: str) -> str:
-        return self._table()[key]
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._table())
-
-    def __len__(self) -> int:
-        return len(self._table())
+DATASET_TYPE_SPELLINGS = LiveChoices(dataset_type_spellings)  # train_dataset_type / eval_dataset_type choices

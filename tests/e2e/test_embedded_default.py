@@ -29,28 +29,25 @@ def test_readme_states_the_floor_this_test_asserts():
     assert {r["seed"] for r in matrix["runs"]} >= {1, 2, 3, 42}
 
 
-def test_embedded_default_reaches_accuracy(tmp_path):
-    out = tmp_path / "tiny-sft"
-    # One thread: beside the other pytest worker a second thread only oversubscribes the cores (this
-    # run took 701 s at 2 threads in the suite, against ~350 s alone at 1 or 2). The floor holds at
-    # either thread count (bench_results/embedded_default_matrix.json).
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    r = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "erniekit",
-            "train",
-            "examples/configs/tiny/sft.yaml",
-            f"output_dir={out}",
-            "disable_tqdm=true",
-        ],
+def _train(env: dict, *args: str) -> subprocess.CompletedProcess:
+    """`erniekit train ARGS` as README runs it, from the repository root."""
+    return subprocess.run(
+        [sys.executable, "-m", "erniekit", "train", *args],
         cwd=ROOT,
         env=env,
         capture_output=True,
         text=True,
         timeout=1800,
     )
+
+
+def test_embedded_default_reaches_accuracy(tmp_path):
+    out = tmp_path / "tiny-sft"
+    # One thread: beside the other pytest worker a second thread only oversubscribes the cores (this
+    # run took 701 s at 2 threads in the suite, against ~350 s alone at 1 or 2). The floor holds at
+    # either thread count (bench_results/embedded_default_matrix.json).
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    r = _train(env, "examples/configs/tiny/sft.yaml", f"output_dir={out}", "disable_tqdm=true")
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     m = re.search(r"held-out exact match: ([\d.]+) \(majority-answer baseline ([\d.]+)\)", r.stdout)
     assert m, r.stdout[-2000:]
@@ -69,24 +66,14 @@ def test_embedded_default_reaches_accuracy(tmp_path):
     # the test asserts what README's command promises: it loads the SFT result and starts where SFT
     # ended, it does not unlearn, and it logs its rewards and KL. That GRPO learns is tested on a
     # task with a known optimum (tests/unit/rl/test_rl.py).
-    r = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "erniekit",
-            "train",
-            "examples/configs/tiny/grpo.yaml",
-            f"model_name_or_path={out}",
-            f"output_dir={tmp_path / 'tiny-grpo'}",
-            "max_steps=50",
-            "logging_steps=5",
-            "disable_tqdm=true",
-        ],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=1800,
+    r = _train(
+        env,
+        "examples/configs/tiny/grpo.yaml",
+        f"model_name_or_path={out}",
+        f"output_dir={tmp_path / 'tiny-grpo'}",
+        "max_steps=50",
+        "logging_steps=5",
+        "disable_tqdm=true",
     )
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     m = re.search(r"held-out exact match: ([\d.]+) \(start ([\d.]+), gain ([-+][\d.]+)\)", r.stdout)

@@ -9,10 +9,10 @@ Format modules import paddle inside their functions: the CLI lists the names bef
 
 from __future__ import annotations
 
-import importlib
-import pkgutil
 from collections.abc import Callable
 from dataclasses import dataclass, field
+
+from erniekit.utils.registry import import_modules
 
 
 @dataclass(frozen=True)
@@ -39,6 +39,24 @@ class ExportFormat:
 INFO_NAME = "export_info.json"  # every export records its source and format here; --verify reads it
 VERIFY_PROMPTS = ("1+2=", "What is 7 plus 5?", "Hello, ERNIE.")  # what --verify compares the logits on
 
+
+def verify_report(
+    info: dict, max_abs_diff: float, max_logit: float, same_greedy: float, atol: float | None, relative: float
+) -> dict:
+    """What every format's `verify` returns: the tolerance is `atol`, else `relative` times the
+    largest reference logit (at least 1)."""
+    tol = atol if atol is not None else relative * max(1.0, max_logit)
+    return {
+        "format": info["format"],
+        "source": info["source"],
+        "max_abs_diff": max_abs_diff,
+        "max_logit": max_logit,
+        "same_greedy": same_greedy,
+        "tolerance": tol,
+        "ok": max_abs_diff <= tol,
+    }
+
+
 _formats: dict[str, ExportFormat] = {}
 _builtins_loaded = False
 
@@ -57,8 +75,7 @@ def _load_builtins() -> None:
     if _builtins_loaded:
         return
     _builtins_loaded = True
-    for name in (*_FIRST, *sorted(m.name for m in pkgutil.iter_modules(__path__) if m.name not in _FIRST)):
-        importlib.import_module(f"{__name__}.{name}")
+    import_modules(__name__, __path__, first=_FIRST)
 
 
 _FIRST = ("hf", "weight_only", "static_graph")  # built-in modules, in the order `--format` and the WebUI list them

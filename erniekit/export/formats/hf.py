@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import os
 
-from erniekit.export.formats import INFO_NAME, VERIFY_PROMPTS, ExportFormat, ExportOptions, register_export_format
+from erniekit.export.formats import (
+    INFO_NAME,
+    VERIFY_PROMPTS,
+    ExportFormat,
+    ExportOptions,
+    register_export_format,
+    verify_report,
+)
 
 
 def write_layout(model, tokenizer, out: str, info: dict, options: ExportOptions, state=None) -> None:
@@ -38,17 +45,8 @@ def verify_layout(out: str, info: dict, ref_model, tokenizer, atol: float | None
         b = got_model(batch, attention_mask=mask).logits.astype("float32").numpy()
     real = mask.numpy().astype(bool)
     a, b = a[real], b[real]
-    diff = float(np.abs(a - b).max())
-    tol = atol if atol is not None else relative_tolerance * max(1.0, float(np.abs(a).max()))
-    return {
-        "format": info["format"],
-        "source": info["source"],
-        "max_abs_diff": diff,
-        "max_logit": float(np.abs(a).max()),
-        "same_greedy": float((a.argmax(-1) == b.argmax(-1)).mean()),
-        "tolerance": tol,
-        "ok": diff <= tol,
-    }
+    same = float((a.argmax(-1) == b.argmax(-1)).mean())
+    return verify_report(info, float(np.abs(a - b).max()), float(np.abs(a).max()), same, atol, relative_tolerance)
 
 
 register_export_format(

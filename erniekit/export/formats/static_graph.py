@@ -5,7 +5,14 @@ from __future__ import annotations
 
 import os
 
-from erniekit.export.formats import INFO_NAME, VERIFY_PROMPTS, ExportFormat, ExportOptions, register_export_format
+from erniekit.export.formats import (
+    INFO_NAME,
+    VERIFY_PROMPTS,
+    ExportFormat,
+    ExportOptions,
+    register_export_format,
+    verify_report,
+)
 
 
 def _write(model, tokenizer, out: str, info: dict, options: ExportOptions) -> None:
@@ -43,17 +50,7 @@ def _verify(out: str, info: dict, ref_model, tokenizer, atol: float | None) -> d
             diffs.append(float(np.abs(a - b).max()))
             agree.append(int(a.argmax()) == int(b.argmax()))
             top = max(top, float(np.abs(a).max()))
-    tol = atol if atol is not None else 1e-4 * max(1.0, top)
-    diff = max(diffs)
-    return {
-        "format": info["format"],
-        "source": info["source"],
-        "max_abs_diff": diff,
-        "max_logit": top,
-        "same_greedy": float(np.mean(agree)),
-        "tolerance": tol,
-        "ok": diff <= tol,
-    }
+    return verify_report(info, max(diffs), top, float(np.mean(agree)), atol, 1e-4)
 
 
 register_export_format(

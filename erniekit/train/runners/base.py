@@ -32,7 +32,9 @@ class StepRunner:
     partial = False  # this process holds only part of the model (a pipeline stage, a PS worker)
 
     def bind(self, trainer) -> None:
-        """Called once by the loop, after it built its optimizer: the runner may keep what it needs."""
+        """Called once by the loop, after it built its optimizer: the model's trainable parameters
+        by name (what pipeline segments and PS workers reduce and clip)."""
+        self.named_params = [(n, p) for n, p in trainer.model.named_parameters() if not p.stop_gradient]
 
     def forward_backward(self, trainer, micro: list[dict], n_units: int, specs: list) -> StepSums:
         raise NotImplementedError

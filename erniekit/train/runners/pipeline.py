@@ -15,10 +15,6 @@ class PipelineRunner(LocalRunner):
     def __init__(self, ctx, model, token_balance: bool, precision=None):
         super().__init__(ctx, precision)
         self.pipe = PipelineStep(ctx.pipeline, model, token_balance)
-        self.named_params: list = []
-
-    def bind(self, trainer) -> None:
-        self.named_params = [(n, p) for n, p in trainer.model.named_parameters() if not p.stop_gradient]
 
     def forward_backward(self, trainer, micro: list[dict], n_units: int, specs: list) -> StepSums:
         loss_sum, aux_sum = self.pipe.run(

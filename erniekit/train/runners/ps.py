@@ -22,10 +22,6 @@ class PSRunner(StepRunner):
         self.worker = worker
         self.token_balance = token_balance
         self.data_ranks = worker.data_ranks
-        self.named_params: list = []
-
-    def bind(self, trainer) -> None:
-        self.named_params = [(n, p) for n, p in trainer.model.named_parameters() if not p.stop_gradient]
 
     def forward_backward(self, trainer, micro: list[dict], n_units: int, specs: list) -> StepSums:
         loss_sum, aux_sum = self.run(

@@ -9,10 +9,10 @@ no paddle itself; asking for names imports the stage modules.
 
 from __future__ import annotations
 
-import importlib
-import pkgutil
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
+
+from erniekit.utils.registry import LiveChoices, import_modules
 
 if TYPE_CHECKING:
     from erniekit.train.stage import Stage
@@ -41,8 +41,7 @@ def _load_builtins() -> None:
     global _builtins_loaded
     if not _builtins_loaded:
         _builtins_loaded = True
-        for info in sorted(pkgutil.iter_modules(__path__), key=lambda m: m.name):
-            importlib.import_module(f"{__name__}.{info.name}")
+        import_modules(__name__, __path__)
 
 
 def stage_names() -> list[str]:
@@ -70,18 +69,10 @@ def get_stage(name: str) -> Stage:
     return stage_class(name)()
 
 
-class StageSpellings(Mapping):
-    """lower-case spelling -> canonical stage name, read live from the registry: the `choices` of
-    config key `stage` (a stage registered later counts too)."""
+def stage_spellings() -> dict[str, str]:
+    """lower-case spelling (name or alias) -> canonical stage name, every registered stage."""
+    _load_builtins()
+    return dict(_spellings)
 
-    def __getitem__(self, key: str) -> str:
-        _load_builtins()
-        return _spellings[key]
 
-    def __iter__(self) -> Iterator[str]:
-        _load_builtins()
-        return iter(dict(_spellings))
-
-    def __len__(self) -> int:
-        _load_builtins()
-        return len(_spellings)
+STAGE_SPELLINGS = LiveChoices(stage_spellings)  # the `choices` of config key `stage`
