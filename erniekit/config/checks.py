@@ -47,16 +47,9 @@ def _stages_that(capability: str, sep: str = " and ") -> str:
     from erniekit.train.stages import stage_classes
 
     names = [c.name for c in stage_classes() if getattr(c.supports, capability)]
-    return sep.join(names) if sep != " and " or len(names) < 3 else ", ".join(names[:-1]) + " and " + names[-1]
-
-
-def validate(cfg: TrainConfig) -> TrainConfig:
-    """Return a normalised copy of cfg, or raise ConfigError naming the first bad key. A
-    `parallel: auto` config is checked with the degrees it names; `erniekit.config.validate`
-    applies the planner's choice between the two halves (normalise, check)."""
-    cfg = normalise(cfg)
-    check(cfg)
-    return cfg
+    if sep == " and " and len(names) > 2:  # "DPO, pretrain and SFT"
+        return ", ".join(names[:-1]) + " and " + names[-1]
+    return sep.join(names)
 
 
 def normalise(cfg: TrainConfig) -> TrainConfig:

@@ -40,13 +40,12 @@ class MultiTokenPredictor(nn.Layer):
 
     def __init__(self, config, decoder_layer, norm):
         super().__init__()
-        DecoderLayer, RMSNorm = decoder_layer, norm
         d, hs, eps = config.num_nextn_predict_layers, config.hidden_size, config.rms_norm_eps
         block = mtp_block_config(config)
-        self.mtp_emb_norm = nn.LayerList([RMSNorm(hs, eps) for _ in range(d)])
-        self.mtp_hidden_norm = nn.LayerList([RMSNorm(hs, eps) for _ in range(d)])
+        self.mtp_emb_norm = nn.LayerList([norm(hs, eps) for _ in range(d)])
+        self.mtp_hidden_norm = nn.LayerList([norm(hs, eps) for _ in range(d)])
         self.mtp_linear_proj = nn.LayerList([nn.Linear(2 * hs, hs, bias_attr=False) for _ in range(d)])
-        self.mtp_block = nn.LayerList([DecoderLayer(block, 0) for _ in range(d)])
+        self.mtp_block = nn.LayerList([decoder_layer(block, 0) for _ in range(d)])
 
     @property
     def depth(self) -> int:

@@ -14,8 +14,7 @@ import numpy as np
 import pytest
 from launched_jobs import worker_pids
 
-from erniekit.config import load_config
-from erniekit.config.checks import validate
+from erniekit.config import load_config, validate
 from erniekit.distributed.ps.topology import PSTopology, row_ranges
 from erniekit.errors import ConfigError
 
