@@ -33,8 +33,8 @@ def weight_bytes(d: str) -> int:
 def quant_report(model_dir: str, data: str, samples: int) -> list[dict]:
     from erniekit.data.formats import load_sft_examples
     from erniekit.export.hf import export_hf, verify
-    from erniekit.models.ernie4_5.checkpoint import load_model_or_adapter
     from erniekit.models.ernie4_5.tokenizer import ErnieTokenizer
+    from erniekit.models.registry import load_model_or_adapter
     from erniekit.train.evaluation import exact_match_eval
 
     convs = load_sft_examples(data)[:samples]

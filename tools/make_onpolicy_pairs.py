@@ -32,8 +32,8 @@ def main(argv: list[str] | None = None) -> None:
 
     from erniekit.data.formats import load_sft_examples
     from erniekit.infer.generate import SamplingParams, generate
-    from erniekit.models.ernie4_5.checkpoint import load_model_or_adapter
     from erniekit.models.ernie4_5.tokenizer import ErnieTokenizer
+    from erniekit.models.registry import load_model_or_adapter
     from erniekit.train.evaluation import prompt_ids
 
     tok = ErnieTokenizer.from_pretrained(args.model_dir)

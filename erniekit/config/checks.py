@@ -386,17 +386,12 @@ def _check_model(name: str) -> None:
                 f"model_name_or_path: {name} has no config.json; point it at a Hugging Face-layout checkpoint directory"
             )
         return
-    try:
-        from erniekit.models.ernie4_5.configuration import PRESETS
-    except ImportError as e:
-        raise ConfigError(
-            f"model_name_or_path: {name!r} is not a directory and built-in presets are unavailable "
-            f"({e}); point it at a checkpoint directory"
-        ) from None
-    if name not in PRESETS:
+    from erniekit.models.registry import preset_names
+
+    if name not in preset_names():
         raise ConfigError(
             f"model_name_or_path: {name!r} is neither a directory nor a preset; "
-            f"use a checkpoint directory or one of: {', '.join(PRESETS)}"
+            f"use a checkpoint directory or one of: {', '.join(preset_names())}"
         )
 
 

@@ -494,15 +494,11 @@ def with_plan(cfg, p: Plan):
 
 
 def model_config_of(cfg):
-    """The Ernie4_5Config a training config trains (preset or checkpoint config.json, plus
+    """The model config a training config trains (preset or checkpoint config.json, plus
     model_overrides), without loading weights or paddle."""
-    import os
+    from erniekit.models.registry import model_config
 
-    from erniekit.models.ernie4_5.configuration import Ernie4_5Config, get_preset
-
-    name = cfg.model_name_or_path
-    c = Ernie4_5Config.from_pretrained(name) if os.path.isdir(name) else get_preset(name)
-    return c.replace(**cfg.model_overrides) if cfg.model_overrides else c
+    return model_config(cfg.model_name_or_path, cfg.model_overrides or None)
 
 
 def auto_plan(cfg) -> Prediction:

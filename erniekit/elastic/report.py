@@ -74,8 +74,7 @@ def elastic_report(
     """Score every requested sub-model of `model_dir` on `data_path`; choices default to the run's."""
     from erniekit.data.formats import load_sft_examples
     from erniekit.elastic.submodels import check_spec, count_params, extract_submodel
-    from erniekit.models.ernie4_5.checkpoint import load_model_or_adapter
-    from erniekit.models.ernie4_5.tokenizer import ErnieTokenizer
+    from erniekit.models.registry import load_model_or_adapter, load_tokenizer
     from erniekit.train.evaluation import exact_match_eval, prompt_ids
     from erniekit.utils.io import atomic_write_json
 
@@ -89,7 +88,7 @@ def elastic_report(
     depths, experts, top_ks = (
         a if a else run.get(k, []) for a, k in ((depths, "depth"), (experts, "experts"), (top_ks, "top_k"))
     )
-    tokenizer = ErnieTokenizer.from_pretrained(model_dir)
+    tokenizer = load_tokenizer(model_dir)
     model = load_model_or_adapter(model_dir)
     model.eval()
     specs = specs_for(model.config, depths, experts, top_ks)

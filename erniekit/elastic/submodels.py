@@ -233,7 +233,7 @@ def extract_submodel(model, spec: ElasticSpec):
     n experts. Its logits equal those of `model` under `elastic(model, spec)`."""
     import paddle
 
-    from erniekit.models.ernie4_5.modeling import Ernie4_5ForCausalLM
+    from erniekit.models.registry import family_of_model
 
     sub_cfg = submodel_config(model.config, spec)
     keep = layer_subset(model.config.num_hidden_layers, spec.depth)
@@ -242,7 +242,7 @@ def extract_submodel(model, spec: ElasticSpec):
     prev = paddle.get_default_dtype()
     paddle.set_default_dtype(str(model.model.embed_tokens.weight.dtype).replace("paddle.", ""))
     try:
-        sub = Ernie4_5ForCausalLM(sub_cfg)
+        sub = family_of_model(model).build(sub_cfg)
     finally:
         paddle.set_default_dtype(prev)
     with paddle.no_grad():

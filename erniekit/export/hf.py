@@ -13,10 +13,9 @@ from erniekit.export.formats import INFO_NAME, ExportOptions, export_format, for
 
 
 def _load_source(src: str, elastic=None):
-    from erniekit.models.ernie4_5.checkpoint import load_model_or_adapter
-    from erniekit.models.ernie4_5.tokenizer import ErnieTokenizer
+    from erniekit.models.registry import load_model_or_adapter, load_tokenizer
 
-    tokenizer = ErnieTokenizer.from_pretrained(src)
+    tokenizer = load_tokenizer(src)
     model = load_model_or_adapter(src)
     if elastic is not None and not elastic.is_full:
         from erniekit.elastic.submodels import extract_submodel

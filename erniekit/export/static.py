@@ -148,7 +148,7 @@ class StepRunner:
 
 def reference_logits(model, ids: list[int], steps: int) -> tuple[list[np.ndarray], list[int]]:
     """Eager logits of the prefill's last position and of `steps` greedy decode steps, and the tokens."""
-    from erniekit.models.ernie4_5.modeling import KVCache
+    from erniekit.nn.attention import KVCache
 
     cache = KVCache(model.config, 1, len(ids) + steps + 1, dtype=model.model.embed_tokens.weight.dtype)
     x, out, toks = paddle.to_tensor([ids], dtype="int64"), [], []

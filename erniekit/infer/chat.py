@@ -23,7 +23,7 @@ CLEAR, EXIT = "/clear", ("/exit", "/quit")
 
 def load_chat_model(model_dir: str) -> tuple[Ernie4_5ForCausalLM, ErnieTokenizer]:
     """Model + tokenizer from one checkpoint directory; a missing piece is a one-line error."""
-    from erniekit.models.ernie4_5.tokenizer import ErnieTokenizer
+    from erniekit.models.registry import load_model_or_adapter, load_tokenizer
 
     if not os.path.isdir(model_dir):
         raise CheckpointError(
@@ -35,9 +35,7 @@ def load_chat_model(model_dir: str) -> tuple[Ernie4_5ForCausalLM, ErnieTokenizer
             f"{model_dir}: no tokenizer files (tokenizer.model); chat needs the tokenizer "
             "saved next to the weights: copy it from the original checkpoint"
         )
-    tokenizer = ErnieTokenizer.from_pretrained(model_dir)
-    from erniekit.models.ernie4_5.checkpoint import load_model_or_adapter
-
+    tokenizer = load_tokenizer(model_dir)
     model = load_model_or_adapter(model_dir)
     model.eval()
     return model, tokenizer

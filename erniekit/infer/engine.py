@@ -30,7 +30,7 @@ import numpy as np
 import paddle
 
 from erniekit.infer.sampling import SamplingParams
-from erniekit.models.ernie4_5.modeling import KVCache
+from erniekit.nn.attention import KVCache
 
 log = logging.getLogger("erniekit.engine")
 

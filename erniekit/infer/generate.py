@@ -13,7 +13,8 @@ import paddle
 import paddle.nn.functional as F
 
 from erniekit.infer.sampling import SamplingParams
-from erniekit.models.ernie4_5.modeling import Ernie4_5ForCausalLM, KVCache
+from erniekit.models.ernie4_5.modeling import Ernie4_5ForCausalLM
+from erniekit.nn.attention import KVCache
 
 __all__ = ["SamplingParams", "generate", "generate_stream", "sample_next"]
 

@@ -22,8 +22,8 @@ import paddle
 
 from erniekit.errors import ErniekitError
 from erniekit.infer.sampling import SamplingParams
-from erniekit.models.ernie4_5.modeling import Ernie4_5ForCausalLM, KVCache
-from erniekit.nn.attention import additive_mask, build_attention_mask, rope_cos_sin, use_fused_attention
+from erniekit.models.ernie4_5.modeling import Ernie4_5ForCausalLM
+from erniekit.nn.attention import KVCache, additive_mask, build_attention_mask, rope_cos_sin, use_fused_attention
 from erniekit.nn.mtp import mtp_block_config
 
 

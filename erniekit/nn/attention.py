@@ -110,3 +110,23 @@ def attention(
     return F.scaled_dot_product_attention(
         q, k, v, attn_mask=mask, is_causal=causal and mask is None, training=False, scale=scale
     )
+
+
+class KVCache:
+    """Preallocated per-layer key/value buffers [B, max_len, KVH, D]; `length` tokens are valid.
+    `config`: any model config with num_hidden_layers, num_key_value_heads and head_dim."""
+
+    def __init__(self, config, batch_size: int, max_len: int, dtype: str = "float32"):
+        shape = [batch_size, max_len, config.num_key_value_heads, config.head_dim]
+        self.k = [paddle.zeros(shape, dtype=dtype) for _ in range(config.num_hidden_layers)]
+        self.v = [paddle.zeros(shape, dtype=dtype) for _ in range(config.num_hidden_layers)]
+        self.length = 0
+        self.max_len = max_len
+
+    def update(self, layer: int, k: paddle.Tensor, v: paddle.Tensor) -> tuple[paddle.Tensor, paddle.Tensor]:
+        start, end = self.length, self.length + k.shape[1]
+        if end > self.max_len:
+            raise ValueError(f"KV cache full: {end} tokens > max_len={self.max_len}")
+        self.k[layer][:, start:end] = k
+        self.v[layer][:, start:end] = v
+        return self.k[layer][:, :end], self.v[layer][:, :end]

@@ -49,16 +49,15 @@ def load_sequences(data_path: str, tokenizer: Any, max_seq_len: int) -> list[lis
 
 def _check_moe_config(model_dir: str) -> None:
     """Fail before loading weights when config.json says the model is dense."""
-    from erniekit.models.ernie4_5.configuration import Ernie4_5Config
+    from erniekit.models.registry import model_config
 
-    if os.path.isfile(os.path.join(model_dir, "config.json")) and not Ernie4_5Config.from_pretrained(model_dir).is_moe:
+    if os.path.isfile(os.path.join(model_dir, "config.json")) and not model_config(model_dir).is_moe:
         raise ErniekitError(f"{model_dir} has no MoE layers: routing report needs an MoE model")
 
 
 def load_model_and_tokenizer(model_dir: str) -> tuple[Any, Any]:
     """Checkpoint (full or LoRA adapter, merged) in eval mode, and its tokenizer."""
-    from erniekit.models.ernie4_5.checkpoint import load_model_or_adapter
-    from erniekit.models.ernie4_5.tokenizer import ErnieTokenizer
+    from erniekit.models.registry import load_model_or_adapter, load_tokenizer
 
     if not os.path.isdir(model_dir):
         raise CheckpointError(
@@ -66,7 +65,7 @@ def load_model_and_tokenizer(model_dir: str) -> tuple[Any, Any]:
             "'erniekit train' or a Hugging Face ERNIE-4.5 checkpoint"
         )
     _check_moe_config(model_dir)
-    tokenizer = ErnieTokenizer.from_pretrained(model_dir)
+    tokenizer = load_tokenizer(model_dir)
     model = load_model_or_adapter(model_dir)
     if not model.moe_layers():
         raise ErniekitError(f"{model_dir} has no MoE layers: routing report needs an MoE model")

@@ -16,7 +16,8 @@ import re
 import shutil
 
 from erniekit.errors import CheckpointError
-from erniekit.models.ernie4_5.checkpoint import load_state_into, save_pretrained
+from erniekit.models.hf_files import STAGING_NAME, publish_model_files, start_staging
+from erniekit.models.registry import load_weights, save_model
 from erniekit.train.runners.base import StepRunner
 from erniekit.utils.dtensor import is_main_process, to_dense
 from erniekit.utils.io import atomic_write_json, open_safetensors, read_json_object, replace_dir, write_errors
@@ -36,8 +37,6 @@ def save_model_or_adapter(
 
     if lora_layers(model):
         if is_main_process():  # staged and published like a full model: old adapter or new, never none
-            from erniekit.models.ernie4_5.checkpoint import STAGING_NAME, publish_model_files, start_staging
-
             needed = sum(int(p.numel()) * p.element_size() for p in model.parameters() if not p.stop_gradient)
             with write_errors("the LoRA adapter", path, needed, partial=os.path.join(path, STAGING_NAME)):
                 staging = start_staging(path)
@@ -48,9 +47,9 @@ def save_model_or_adapter(
         return
     state = runner.model_state(model) if runner is not None else None  # a pipeline's stages, a PS job's tables
     if state is None:
-        save_pretrained(model, path, tokenizer=tokenizer)
+        save_model(model, path, tokenizer=tokenizer)
     else:
-        save_pretrained(model, path, tokenizer=tokenizer, state=state)
+        save_model(model, path, tokenizer=tokenizer, state=state)
 
 
 def save_checkpoint(
@@ -125,7 +124,7 @@ def load_checkpoint(path: str, model, optimizer, partial: bool = False) -> dict:
     if os.path.isfile(os.path.join(path, ADAPTER_CONFIG_NAME)):
         load_adapter_weights(model, path)
     else:
-        load_state_into(model, path)
+        load_weights(model, path)
     opt_file = os.path.join(path, OPTIMIZER_NAME)
     if optimizer is not None and os.path.isfile(opt_file):
         known = {n for n, _ in optimizer.params} if partial else None  # this stage's / worker's only

@@ -33,25 +33,17 @@ def peak_memory_bytes() -> int:
 
 
 def load_tokenizer(cfg):
-    from erniekit.models.ernie4_5.tokenizer import ErnieTokenizer, default_tokenizer
+    from erniekit.models import registry
 
-    if cfg.tokenizer_name_or_path:
-        return ErnieTokenizer.from_pretrained(cfg.tokenizer_name_or_path)
-    if os.path.isdir(cfg.model_name_or_path):
-        return ErnieTokenizer.from_pretrained(cfg.model_name_or_path)
-    return default_tokenizer()
+    return registry.load_tokenizer(cfg.model_name_or_path, cfg.tokenizer_name_or_path)
 
 
 def load_model(cfg):
-    from erniekit.models.ernie4_5 import Ernie4_5ForCausalLM, from_pretrained, get_preset
+    """The model family is picked by the checkpoint's config.json model_type (or the preset)."""
+    from erniekit.models import registry
 
-    if os.path.isdir(cfg.model_name_or_path):
-        model = from_pretrained(cfg.model_name_or_path, config_overrides=cfg.model_overrides or None)
-    else:
-        config = get_preset(cfg.model_name_or_path)
-        if cfg.model_overrides:
-            config = config.replace(**cfg.model_overrides)
-        model = Ernie4_5ForCausalLM(config)  # from scratch, seeded by paddle.seed(cfg.seed)
+    # a preset starts from scratch, seeded by paddle.seed(cfg.seed)
+    model = registry.load_model(cfg.model_name_or_path, cfg.model_overrides or None)
     if cfg.fp8:
         model.set_fp8(cfg.fp8_block_size, cfg.fp8_grad_format)
     if cfg.recompute:

@@ -17,12 +17,10 @@ from erniekit.export.formats import (
 def write_layout(model, tokenizer, out: str, info: dict, options: ExportOptions, state=None) -> None:
     """config, generation config, tokenizer with its chat template, safetensors (`state` replaces
     the model's own tensors), export_info.json."""
-    from erniekit.models.ernie4_5.checkpoint import save_pretrained
+    from erniekit.models.registry import save_model
     from erniekit.utils.io import atomic_write_json
 
-    save_pretrained(
-        model, out, tokenizer=tokenizer, max_shard_size=options.max_shard_size, dtype=options.dtype, state=state
-    )
+    save_model(model, out, tokenizer=tokenizer, max_shard_size=options.max_shard_size, dtype=options.dtype, state=state)
     atomic_write_json(os.path.join(out, INFO_NAME), info)
 
 
@@ -32,7 +30,7 @@ def verify_layout(out: str, info: dict, ref_model, tokenizer, atol: float | None
     import numpy as np
     import paddle
 
-    from erniekit.models.ernie4_5.checkpoint import load_model_or_adapter
+    from erniekit.models.registry import load_model_or_adapter
 
     got_model = load_model_or_adapter(out)
     got_model.eval()

@@ -17,7 +17,7 @@ from erniekit.export.formats import (
 
 def _write(model, tokenizer, out: str, info: dict, options: ExportOptions) -> None:
     from erniekit.export.static import save_onnx, save_static
-    from erniekit.models.ernie4_5.checkpoint import STAGING_NAME, publish_model_files, start_staging
+    from erniekit.models.hf_files import STAGING_NAME, publish_model_files, start_staging
     from erniekit.utils.io import atomic_write_json, write_errors
 
     fmt = info["format"]

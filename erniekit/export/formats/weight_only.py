@@ -12,10 +12,10 @@ def _writer(bits: int):
     def write(model, tokenizer, out: str, info: dict, options: ExportOptions) -> None:
         import paddle
 
-        from erniekit.models.ernie4_5.checkpoint import hf_state_dict
+        from erniekit.models.registry import model_state
         from erniekit.nn.weight_only import quantize_state
 
-        full = {k: v.numpy() for k, v in hf_state_dict(model, "float32").items()}
+        full = {k: v.numpy() for k, v in model_state(model, "float32").items()}
         try:
             quant, n = quantize_state(full, bits, options.group_size)
         except ValueError as e:

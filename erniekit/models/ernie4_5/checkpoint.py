@@ -6,10 +6,8 @@ Tensor names are those of the public ERNIE-4.5 PT checkpoints (per-expert MoE te
 
 from __future__ import annotations
 
-import json
 import os
 import re
-import shutil
 import warnings
 from dataclasses import dataclass
 
@@ -19,12 +17,11 @@ from safetensors import SafetensorError
 from erniekit.errors import CheckpointError
 from erniekit.models.ernie4_5.configuration import Ernie4_5Config
 from erniekit.models.ernie4_5.modeling import Ernie4_5ForCausalLM
+from erniekit.models.hf_files import INDEX_NAME, STAGING_NAME, WEIGHTS_NAME, publish_model_files, start_staging
 from erniekit.nn.weight_only import SCALE_SUFFIX, dequantize, logical_shape
 from erniekit.utils.dtensor import assign_full, is_main_process, to_dense
-from erniekit.utils.io import atomic_write_json, fsync_dir, fsync_tree, open_safetensors, read_json_object, write_errors
+from erniekit.utils.io import atomic_write_json, open_safetensors, read_json_object, write_errors
 
-WEIGHTS_NAME = "model.safetensors"
-INDEX_NAME = "model.safetensors.index.json"
 _IGNORED_UNEXPECTED = re.compile(r"^(mtp|model\.mtp)|rotary_emb\.inv_freq$|_scale$")
 # safetensors dtype names a weight may be stored in; int8 / uint8 only beside a weight-only scale
 _FLOAT_DTYPES = {"F16", "BF16", "F32", "F64"}
@@ -289,102 +286,6 @@ def save_pretrained(
         publish_model_files(staging, path)
 
 
-STAGING_NAME = ".erniekit-save.tmp"
-_PREV_PREFIX = ".prev-"  # hard links that keep an old shard readable while a new one takes its name
-_SHARD_RE = re.compile(r"model(-\d+-of-\d+)?\.safetensors")
-ADAPTER_FILES = ("adapter_model.safetensors", "adapter_config.json")
-
-
-def start_staging(path: str) -> str:
-    """A fresh staging directory inside `path` (what a crashed save left there is dropped first).
-    A chat_template.jinja already in `path` is carried in, as the tokenizer rewrites only an existing one."""
-    os.makedirs(path, exist_ok=True)
-    staging = os.path.join(path, STAGING_NAME)
-    if os.path.exists(staging):
-        shutil.rmtree(staging)
-    for leftover in os.listdir(path):
-        if leftover.startswith(_PREV_PREFIX) and not _index_names(os.path.join(path, INDEX_NAME)) & {leftover}:
-            os.remove(os.path.join(path, leftover))
-    os.makedirs(staging)
-    template = os.path.join(path, "chat_template.jinja")
-    if os.path.isfile(template):
-        shutil.copyfile(template, os.path.join(staging, "chat_template.jinja"))
-    return staging
-
-
-def _read_index(index: str) -> dict | None:
-    """An index file as {"weight_map": {tensor: file}, ...}; None when missing or unreadable."""
-    try:
-        with open(index, encoding="utf-8") as f:
-            data = json.load(f)
-    except (OSError, ValueError):
-        return None
-    ok = isinstance(data, dict) and isinstance(data.get("weight_map"), dict)
-    return data if ok and all(isinstance(v, str) for v in data["weight_map"].values()) else None
-
-
-def _index_names(index: str) -> set[str]:
-    """File names an index's weight_map points at (empty without a readable index)."""
-    data = _read_index(index)
-    return set(data["weight_map"].values()) if data else set()
-
-
-def publish_model_files(staging: str, path: str) -> None:
-    """Move a complete model (or adapter) from `staging` into `path` so that at every moment `path`
-    loads as the old model or the new one (here and in transformers):
-
-    1. fsync the staged files; move the files that are the same within a run (config, tokenizer).
-    2. Single file: one os.replace of model.safetensors switches the weights; an old index (which our
-       loader prefers) is removed after it, then its shards.
-    3. Sharded: old shards whose names the new ones take are first hard-linked to `.prev-NAME` and
-       the old index pointed at the links; then the new shards take their names and the new index
-       switches the weights in one os.replace; the links and an old model.safetensors go last.
-    4. An adapter's adapter_config.json (what makes a directory an adapter) moves after its weights;
-       a full model's save removes a stale adapter only once the new weights are in place.
-    Nothing old is deleted before the new weights are in place; the staging directory goes last."""
-    fsync_tree(staging)
-    names = sorted(os.listdir(staging))
-    shards = [n for n in names if _SHARD_RE.fullmatch(n)]
-    weights = set(shards) | {INDEX_NAME, *ADAPTER_FILES}
-    for n in names:
-        if n not in weights:
-            os.replace(os.path.join(staging, n), os.path.join(path, n))
-    old_index = os.path.join(path, INDEX_NAME)
-    if INDEX_NAME in names:
-        old = _read_index(old_index)
-        taken = set(old["weight_map"].values()) & set(shards) if old else set()
-        if taken:
-            for n in taken:
-                prev = os.path.join(path, _PREV_PREFIX + n)
-                if os.path.exists(prev):
-                    os.remove(prev)
-                os.link(os.path.join(path, n), prev)
-            old["weight_map"] = {k: (_PREV_PREFIX + v if v in taken else v) for k, v in old["weight_map"].items()}
-            atomic_write_json(old_index, old)
-        for n in shards:
-            os.replace(os.path.join(staging, n), os.path.join(path, n))
-        fsync_dir(path)
-        os.replace(os.path.join(staging, INDEX_NAME), old_index)  # the switch
-    elif shards:
-        os.replace(os.path.join(staging, WEIGHTS_NAME), os.path.join(path, WEIGHTS_NAME))  # the switch
-        if os.path.exists(old_index):
-            os.remove(old_index)
-    for n in ADAPTER_FILES:  # weights first, then the config that makes the directory an adapter
-        if n in names:
-            os.replace(os.path.join(staging, n), os.path.join(path, n))
-    fsync_dir(path)
-    if shards:  # a full model: old weight files and a stale adapter (which loaders prefer) go now
-        for n in reversed(ADAPTER_FILES):  # the config first: without it the directory is no adapter
-            if os.path.exists(os.path.join(path, n)):
-                os.remove(os.path.join(path, n))
-        keep = set(names) | _index_names(old_index)
-        for n in os.listdir(path):
-            if (_SHARD_RE.fullmatch(n) or n.startswith(_PREV_PREFIX)) and n not in keep:
-                os.remove(os.path.join(path, n))
-    shutil.rmtree(staging)
-    fsync_dir(path)
-
-
 def from_pretrained(path: str, dtype: str = "float32", config_overrides: dict | None = None) -> Ernie4_5ForCausalLM:
     """Build the model from `path`/config.json and load its weights."""
     if not os.path.isdir(path):
@@ -400,22 +301,3 @@ def from_pretrained(path: str, dtype: str = "float32", config_overrides: dict | 
         paddle.set_default_dtype(prev)
     load_state_into(model, path)
     return model
-
-
-def load_model_or_adapter(path: str) -> Ernie4_5ForCausalLM:
-    """A full checkpoint, or a LoRA adapter directory (PEFT layout) on top of its base checkpoint,
-    merged for inference speed."""
-    from erniekit.nn.lora import ADAPTER_CONFIG_NAME, load_adapter, merge_and_unload
-
-    cfg_file = os.path.join(path, ADAPTER_CONFIG_NAME)
-    if not os.path.isfile(cfg_file):
-        return from_pretrained(path)
-    base = read_json_object(cfg_file, "fix adapter_config.json").get("base_model_name_or_path")
-    if not base or not os.path.isdir(base):
-        raise CheckpointError(
-            f"{cfg_file}: base_model_name_or_path={base!r} is not a checkpoint directory; "
-            "edit it to point at the base model the adapter was trained on"
-        )
-    model = from_pretrained(base)
-    load_adapter(model, path)
-    return merge_and_unload(model)

@@ -267,7 +267,7 @@ class Ernie4_5Config:
             d["moe_layer_end_index"] = -1
         d.update(changes)
         try:
-            return Ernie4_5Config(**d)
+            return type(self)(**d)
         except (CheckpointError, TypeError) as e:
             raise CheckpointError(f"model_overrides: {e}; fix the override") from None
 

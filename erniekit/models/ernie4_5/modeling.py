@@ -16,6 +16,7 @@ import paddle.nn.functional as F
 from erniekit.errors import CheckpointError
 from erniekit.models.ernie4_5.configuration import Ernie4_5Config
 from erniekit.nn.attention import (
+    KVCache,
     additive_mask,
     apply_rope,
     attention,
@@ -56,25 +57,6 @@ class MLP(nn.Layer):
 
     def forward(self, x: paddle.Tensor) -> paddle.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
-class KVCache:
-    """Preallocated per-layer key/value buffers [B, max_len, KVH, D]; `length` tokens are valid."""
-
-    def __init__(self, config: Ernie4_5Config, batch_size: int, max_len: int, dtype: str = "float32"):
-        shape = [batch_size, max_len, config.num_key_value_heads, config.head_dim]
-        self.k = [paddle.zeros(shape, dtype=dtype) for _ in range(config.num_hidden_layers)]
-        self.v = [paddle.zeros(shape, dtype=dtype) for _ in range(config.num_hidden_layers)]
-        self.length = 0
-        self.max_len = max_len
-
-    def update(self, layer: int, k: paddle.Tensor, v: paddle.Tensor) -> tuple[paddle.Tensor, paddle.Tensor]:
-        start, end = self.length, self.length + k.shape[1]
-        if end > self.max_len:
-            raise ValueError(f"KV cache full: {end} tokens > max_len={self.max_len}")
-        self.k[layer][:, start:end] = k
-        self.v[layer][:, start:end] = v
-        return self.k[layer][:, :end], self.v[layer][:, :end]
 
 
 class Attention(nn.Layer):

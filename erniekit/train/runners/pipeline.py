@@ -37,9 +37,9 @@ class PipelineRunner(LocalRunner):
         return self.pipe.eval_loss(rows, trainer.eval_batch_size, trainer.tokenizer.pad_token_id)
 
     def model_state(self, model):
-        from erniekit.models.ernie4_5.checkpoint import hf_state_dict
+        from erniekit.models.registry import model_state
 
-        return self.full_tensors(hf_state_dict(model))
+        return self.full_tensors(model_state(model))
 
     def full_tensors(self, tensors):
         return self.pipe.topo.gather_to_main(tensors)

@@ -191,9 +191,9 @@ class PSRunner(StepRunner):
 
     # ---- checkpoints: worker 0 writes the servers' rows too ---------------------------------------
     def model_state(self, model):
-        from erniekit.models.ernie4_5.checkpoint import hf_state_dict
+        from erniekit.models.registry import model_state
 
-        return self.worker.full_state(self.full_tensors(hf_state_dict(model)))
+        return self.worker.full_state(self.full_tensors(model_state(model)))
 
     def full_tensors(self, tensors):
         pipe = self.worker.pipe
@@ -245,10 +245,10 @@ def checkpoint_tables(path: str, model, names: list[str]) -> tuple[dict, dict, i
     from safetensors import safe_open
 
     from erniekit.distributed.ps.server import HEAD_NAME, model_tables
-    from erniekit.models.ernie4_5.checkpoint import load_state_into
+    from erniekit.models.registry import load_weights
     from erniekit.train.checkpointing import OPTIMIZER_NAME
 
-    load_state_into(model, path)
+    load_weights(model, path)
     tables = model_tables(model)
     moments, step = {}, 0
     opt_file = os.path.join(path, OPTIMIZER_NAME)

@@ -117,6 +117,18 @@ def test_distributed_never_imports_train():
     ] == []
 
 
+def test_models_are_built_loaded_and_saved_through_the_family_registry():
+    """Outside erniekit/models/ no module imports a family's checkpoint io or its registration:
+    a checkpoint's model_type picks the code (erniekit/models/registry.py)."""
+    family_io = {"checkpoint", "family"}
+    assert [
+        (m, d)
+        for m, deps in GRAPH.items()
+        for d in deps
+        if _layer(m) != "models" and d.startswith("erniekit.models.") and d.rsplit(".", 1)[-1] in family_io
+    ] == []
+
+
 _CONFIG_PATH_PROBE = r"""
 import json, os, sys
 from erniekit import cli

@@ -146,7 +146,7 @@ def test_kill_at_every_step_of_a_final_save_leaves_old_or_new(tmp_path, old_shar
 
 def test_kill_at_every_step_of_a_lora_final_save_leaves_old_or_new_adapter(tmp_path):
     """A LoRA run's final save over the previous run's adapter in the same output_dir."""
-    from erniekit.models.ernie4_5.checkpoint import load_model_or_adapter
+    from erniekit.models.registry import load_model_or_adapter
     from erniekit.nn.lora import LoraConfig, apply_lora
 
     tok = default_tokenizer()

@@ -278,7 +278,7 @@ def test_lora_training_trains_only_adapters_and_resumes(tmp_path):
     import paddle
 
     from erniekit.models.ernie4_5 import from_pretrained
-    from erniekit.models.ernie4_5.checkpoint import load_model_or_adapter
+    from erniekit.models.registry import load_model_or_adapter
 
     ids = paddle.to_tensor([[3, 281, 971, 949, 958]])
     merged = load_model_or_adapter(str(out))

@@ -1,0 +1,211 @@
+"""The model-family registry: which code builds, loads, saves and tokenizes a checkpoint.
+
+A checkpoint directory names its family by config.json's `model_type`; a name that is not a
+directory is a preset of one family (`tiny-moe`, ...). Training, export, chat, the server and the
+reports ask this module and never a family's package directly, so a new family (ERNIE 4.5 VL, a
+student architecture) is its own package under `erniekit/models/<family>/` whose `family.py` calls
+`register_model_family`; nothing else changes. The built-in families are found the first time a
+name is looked up. A family's `family.py` imports paddle only inside its functions, so validation
+and `erniekit help` can ask for preset names before paddle loads.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import pkgutil
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from importlib import import_module
+from typing import Any
+
+from erniekit.errors import CheckpointError
+from erniekit.utils.io import read_json_object
+
+# config.json without model_type: what our own early checkpoints wrote; read as this family
+UNTYPED_FAMILY = "ernie4_5"
+
+
+@dataclass(frozen=True)
+class ModelFamily:
+    """What one family provides. The model it builds is a paddle Layer with `.config` (carrying
+    `model_type`, `vocab_size`, `eos_token_ids` and `save_pretrained(dir)`) whose forward takes
+    `input_ids`, `labels`, ... as ERNIE 4.5's does: the loop, generation and the engine call it."""
+
+    name: str
+    model_types: tuple[str, ...]  # config.json model_type values this family reads
+    presets: Callable[[], Mapping[str, Any]]  # preset name -> model config (built from scratch)
+    read_config: Callable[[str], Any]  # checkpoint directory -> model config (one-line CheckpointError)
+    build: Callable[[Any], Any]  # model config -> model with fresh weights (seeded by paddle.seed)
+    load_weights: Callable[[Any, str], None]  # (model, checkpoint directory)
+    state_dict: Callable[..., dict]  # (model, dtype=None) -> checkpoint-named full tensors
+    save: Callable[..., None]  # (model, path, tokenizer=None, max_shard_size=, dtype=, state=)
+    load_tokenizer: Callable[[str], Any]  # checkpoint or tokenizer directory -> tokenizer
+    default_tokenizer: Callable[[], Any]  # the bundled tokenizer presets train with
+    aliases: tuple[str, ...] = field(default=())
+
+
+_families: dict[str, ModelFamily] = {}
+_builtins_loaded = False
+
+
+def register_model_family(family: ModelFamily) -> ModelFamily:
+    _families[family.name] = family
+    return family
+
+
+def unregister_model_family(name: str) -> None:
+    _families.pop(name, None)
+
+
+def _load_builtins() -> None:
+    """Import `family.py` of every package under erniekit/models/."""
+    global _builtins_loaded
+    if _builtins_loaded:
+        return
+    _builtins_loaded = True
+    here = os.path.dirname(__file__)
+    for m in sorted(pkgutil.iter_modules([here]), key=lambda m: m.name):
+        if m.ispkg and os.path.isfile(os.path.join(here, m.name, "family.py")):
+            import_module(f"{__package__}.{m.name}.family")
+
+
+def families() -> list[ModelFamily]:
+    _load_builtins()
+    return list(_families.values())
+
+
+def get_family(name: str) -> ModelFamily:
+    _load_builtins()
+    if name not in _families:
+        raise CheckpointError(f"unknown model family {name!r}; known: {', '.join(_families)}")
+    return _families[name]
+
+
+def preset_names() -> list[str]:
+    return [p for f in families() for p in f.presets()]
+
+
+def _config_file_type(path: str) -> str | None:
+    file = os.path.join(path, "config.json")
+    if not os.path.isfile(file):
+        raise CheckpointError(f"{file}: config.json not found; point model_name_or_path at a checkpoint directory")
+    model_type = read_json_object(file, "fix config.json").get("model_type")
+    if model_type is not None and not isinstance(model_type, str):
+        raise CheckpointError(f"{file}: model_type={model_type!r} is not a string; fix config.json")
+    return model_type
+
+
+def family_of(name_or_path: str) -> ModelFamily:
+    """The family of a checkpoint directory (its config.json model_type) or of a preset name."""
+    if os.path.isdir(name_or_path):
+        if not os.path.isfile(os.path.join(name_or_path, "config.json")) and adapter_base(name_or_path):
+            return family_of(adapter_base(name_or_path))  # an adapter saved without its base's config
+        model_type = _config_file_type(name_or_path)
+        if model_type is None:
+            return get_family(UNTYPED_FAMILY)
+        for f in families():
+            if model_type in f.model_types:
+                return f
+        known = ", ".join(t for f in families() for t in f.model_types)
+        raise CheckpointError(
+            f"{os.path.join(name_or_path, 'config.json')}: model_type={model_type!r} is not a model family "
+            f"erniekit knows ({known}); convert the checkpoint or register a family (CONTRIBUTING.md)"
+        )
+    for f in families():
+        if name_or_path in f.presets():
+            return f
+    raise CheckpointError(
+        f"{name_or_path!r} is neither a checkpoint directory nor a model preset; "
+        f"use a checkpoint directory or one of: {', '.join(preset_names())}"
+    )
+
+
+def family_of_model(model: Any) -> ModelFamily:
+    """The family that built `model` (by its config's model_type)."""
+    model_type = model.config.model_type
+    for f in families():
+        if model_type in f.model_types:
+            return f
+    raise CheckpointError(f"model_type={model_type!r}: no registered model family builds this model")
+
+
+def model_config(name_or_path: str, overrides: Mapping[str, Any] | None = None) -> Any:
+    """The model config a checkpoint directory or preset describes, with `overrides` applied."""
+    f = family_of(name_or_path)
+    if os.path.isdir(name_or_path):
+        config = f.read_config(name_or_path)
+    else:
+        config = copy.deepcopy(f.presets()[name_or_path])  # never the shared preset object
+    return config.replace(**overrides) if overrides else config
+
+
+def load_model(name_or_path: str, overrides: Mapping[str, Any] | None = None, dtype: str = "float32") -> Any:
+    """A checkpoint's model with its weights, or a preset's with fresh ones (seeded by paddle.seed)."""
+    import paddle
+
+    f = family_of(name_or_path)
+    config = model_config(name_or_path, overrides)
+    prev = paddle.get_default_dtype()
+    paddle.set_default_dtype(dtype)
+    try:
+        model = f.build(config)
+    finally:
+        paddle.set_default_dtype(prev)
+    if os.path.isdir(name_or_path):
+        f.load_weights(model, name_or_path)
+    return model
+
+
+def adapter_base(path: str) -> str | None:
+    """The base checkpoint of a LoRA adapter directory (PEFT layout); None for a full checkpoint."""
+    from erniekit.nn.lora import ADAPTER_CONFIG_NAME
+
+    cfg_file = os.path.join(path, ADAPTER_CONFIG_NAME)
+    if not os.path.isfile(cfg_file):
+        return None
+    base = read_json_object(cfg_file, "fix adapter_config.json").get("base_model_name_or_path")
+    if not isinstance(base, str) or not os.path.isdir(base):
+        raise CheckpointError(
+            f"{cfg_file}: base_model_name_or_path={base!r} is not a checkpoint directory; "
+            "edit it to point at the base model the adapter was trained on"
+        )
+    return base
+
+
+def load_model_or_adapter(path: str) -> Any:
+    """A full checkpoint, or a LoRA adapter directory on top of its base checkpoint, merged for
+    inference speed."""
+    from erniekit.nn.lora import load_adapter, merge_and_unload
+
+    if not os.path.isdir(path):
+        raise CheckpointError(f"{path}: checkpoint directory not found")
+    base = adapter_base(path)
+    if base is None:
+        return load_model(path)
+    model = load_model(base)
+    load_adapter(model, path)
+    return merge_and_unload(model)
+
+
+def load_tokenizer(model_name_or_path: str, tokenizer_path: str | None = None) -> Any:
+    """The tokenizer at `tokenizer_path`, else the one saved beside the checkpoint, else the bundled
+    tokenizer of a preset's family."""
+    f = family_of(model_name_or_path)
+    if tokenizer_path:
+        return f.load_tokenizer(tokenizer_path)
+    return f.load_tokenizer(model_name_or_path) if os.path.isdir(model_name_or_path) else f.default_tokenizer()
+
+
+def save_model(model: Any, path: str, tokenizer: Any = None, **options: Any) -> None:
+    """Write `model` in its family's checkpoint layout (options: max_shard_size, dtype, state)."""
+    family_of_model(model).save(model, path, tokenizer=tokenizer, **options)
+
+
+def model_state(model: Any, dtype: str | None = None) -> dict:
+    """`model`'s full tensors under its checkpoint names (a collective in multi-process runs)."""
+    return family_of_model(model).state_dict(model, dtype)
+
+
+def load_weights(model: Any, path: str) -> None:
+    family_of_model(model).load_weights(model, path)
