@@ -23,7 +23,8 @@ from erniekit.routing.monitor import RoutingMonitor
 from erniekit.train.batching import MicroBatches
 from erniekit.train.checkpointing import EMA_NAME, load_checkpoint, resolve_resume, rotate_checkpoints, save_checkpoint
 from erniekit.train.optim import build_optimizer
-from erniekit.train.runners import StepRunner, StepSums, default_runner
+from erniekit.train.runners import StepRunner, StepSums
+from erniekit.train.runners.local import LocalRunner
 from erniekit.train.scalar_log import ScalarLogger
 from erniekit.train.schedules import lr_at
 from erniekit.train.stage import Stage
@@ -46,9 +47,8 @@ class Trainer:
         self.eval_data = eval_data
         self.eval_batch_size = cfg.per_device_eval_batch_size
         self.log = log
-        self.runner = (
-            runner if runner is not None else default_runner(model, stage, cfg.precision, cfg.elastic_distill_weight)
-        )
+        # a single process unless the run passes the runner of the topology it joined
+        self.runner = runner if runner is not None else LocalRunner(None, cfg.precision, cfg.elastic_distill_weight)
         # every data rank builds the same global batch and keeps its rows
         self.batches = MicroBatches(
             train_rows,
@@ -66,7 +66,11 @@ class Trainer:
         self.warmup = min(warmup, self.total_steps)
         extra = stage.extra_named_parameters()  # e.g. a PPO value head
         self.optimizer = build_optimizer(
-            model, cfg.optim, extra, cfg.lora_plus_scale if cfg.fine_tuning == "LoRA" else 1.0
+            model,
+            cfg.optim,
+            extra,
+            cfg.lora_plus_scale if cfg.fine_tuning == "LoRA" else 1.0,
+            self.runner.optimizer_state_placements,
         )
         self.params = [p for p in model.parameters() if not p.stop_gradient] + [p for _, p in extra]
         self.ema = None

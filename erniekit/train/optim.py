@@ -130,11 +130,16 @@ class AdamW:
 
 
 def build_optimizer(
-    model: paddle.nn.Layer, optim, extra: list[tuple[str, paddle.Tensor]] = (), lora_plus_scale: float = 1.0
+    model: paddle.nn.Layer,
+    optim,
+    extra: list[tuple[str, paddle.Tensor]] = (),
+    lora_plus_scale: float = 1.0,
+    state_placements=None,
 ) -> AdamW:
     """AdamW over the model's trainable parameters plus `extra` named ones (a PPO value head).
     optim: the run config's `optim` section (learning_rate, adam_*, weight_decay); lora_plus_scale:
-    LoRA+'s learning-rate ratio of the B matrices (1: none)."""
+    LoRA+'s learning-rate ratio of the B matrices (1: none); state_placements: (param) -> where its
+    moments live over a collective job's mesh (the step runner's; None: beside the parameter)."""
     named = list(model.named_parameters()) + list(extra)
     no_decay = {n for n, p in named if p.ndim < 2 or "norm" in n or "embed_tokens" in n}
     lr_mult = None
@@ -152,10 +157,8 @@ def build_optimizer(
         no_decay,
         lr_mult,
     )
-    from erniekit.distributed.collective.runtime import active
-
-    if active() is not None:
-        opt.state_placements = active().optimizer_state_placements
+    if state_placements is not None:
+        opt.state_placements = state_placements
     return opt
 
 

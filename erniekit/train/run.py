@@ -110,9 +110,15 @@ def run_train(cfg, log=print) -> dict:
 
 def _run_train(cfg, log=print) -> dict:
     device = select_device()
+    from erniekit.distributed.collective.runtime import placing_batches
     from erniekit.distributed.join import join
 
     topology = join(cfg)
+    with placing_batches(topology.collective):  # a collective job's batches split over its data ranks
+        return _run_joined(cfg, topology, device, log)
+
+
+def _run_joined(cfg, topology, device: str, log) -> dict:
     ctx, ps = topology.collective, topology.ps
     main = is_main_process()
     if not main:
@@ -204,11 +210,10 @@ def _ps_runner(cfg, model, ps, stage, log):
 
 def _place_model(cfg, ctx, model, log) -> None:
     """A collective job: this rank's share of the model over the mesh (and its pipeline segment)."""
-    from erniekit.distributed.collective import runtime
     from erniekit.distributed.collective.layout import check_model_fits
 
     check_model_fits(ctx.layout, model.config, stage_layers=cfg.pipeline_stage_layers)
-    runtime.init_pipeline(model.config.num_hidden_layers, cfg.pipeline_stage_layers)
+    ctx.init_pipeline(model.config.num_hidden_layers, cfg.pipeline_stage_layers)
     ctx.shard_model(model)
     if ctx.pipeline is not None:
         log(ctx.pipeline.describe())

@@ -17,6 +17,10 @@ Placements over the mesh dims (pp, dp, sharding, tp):
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+
 import paddle
 import paddle.distributed as dist
 
@@ -28,12 +32,9 @@ from erniekit.nn.moe import StackedExperts
 _COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "qkv_proj", "up_gate_proj")
 _ROW = ("o_proj", "down_proj")
 
-_ACTIVE: "ParallelContext | None" = None
-
-
-def active() -> "ParallelContext | None":
-    """The running job's context; None in a single-process run."""
-    return _ACTIVE
+# the context whose data ranks split the batches built while a run is in progress: set for the
+# duration of one run by `placing_batches` (never left behind for the next run in this process)
+_PLACING: ContextVar["ParallelContext | None"] = ContextVar("erniekit_placing_batches", default=None)
 
 
 class ParallelContext:
@@ -50,6 +51,11 @@ class ParallelContext:
     def data_ranks(self) -> int:
         """Ranks that see different data: the global batch is per-device batch x this."""
         return self.layout.dp * self.layout.sharding
+
+    def init_pipeline(self, num_layers: int, stage_layers: list[int] | None = None) -> None:
+        """This job's pipeline groups (collective: every rank calls it), when pp > 1."""
+        if self.layout.pp > 1:
+            self.pipeline = PipelineTopology(self.layout, dist.get_rank(), num_layers, stage_layers)
 
     def _placements(self, **shard_dims: int) -> list:
         out = [dist.Replicate() for _ in DIMS]
@@ -175,19 +181,23 @@ class ParallelContext:
 
 
 def init(layout: Layout) -> ParallelContext:
-    """Join the job (gloo on CPU, NCCL on GPU: Paddle picks) and make the context active."""
-    global _ACTIVE
+    """Join the job (gloo on CPU, NCCL on GPU: Paddle picks); the context of this rank."""
     dist.init_parallel_env()
-    _ACTIVE = ParallelContext(layout)
-    return _ACTIVE
+    return ParallelContext(layout)
 
 
-def init_pipeline(num_layers: int, stage_layers: list[int] | None = None) -> None:
-    """The active job's pipeline groups (collective: every rank calls it), when pp > 1."""
-    if _ACTIVE is not None and _ACTIVE.layout.pp > 1:
-        _ACTIVE.pipeline = PipelineTopology(_ACTIVE.layout, dist.get_rank(), num_layers, stage_layers)
+@contextmanager
+def placing_batches(ctx: ParallelContext | None) -> Iterator[None]:
+    """Within the block, `place_batch` splits global-batch tensors over ctx's data ranks (ctx None:
+    a single process, tensors stay whole). A run holds this around its loop and evaluation."""
+    token = _PLACING.set(ctx)
+    try:
+        yield
+    finally:
+        _PLACING.reset(token)
 
 
 def place_batch(t: paddle.Tensor) -> paddle.Tensor:
-    """Identity in a single-process run."""
-    return t if _ACTIVE is None else _ACTIVE.place_batch(t)
+    """Identity outside `placing_batches` and in a single-process run."""
+    ctx = _PLACING.get()
+    return t if ctx is None else ctx.place_batch(t)

@@ -17,11 +17,4 @@ def collective_runner(ctx, model, stage, precision=None, distill_weight: float =
     return LocalRunner(ctx, precision, distill_weight)
 
 
-def default_runner(model, stage, precision=None, distill_weight: float = 0.0) -> StepRunner:
-    """The collective runner of the job this process joined (erniekit/distributed/join.py), if any."""
-    from erniekit.distributed.collective.runtime import active
-
-    return collective_runner(active(), model, stage, precision, distill_weight)
-
-
-__all__ = ["StepRunner", "StepSums", "collective_runner", "default_runner"]
+__all__ = ["StepRunner", "StepSums", "collective_runner"]

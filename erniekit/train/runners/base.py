@@ -30,6 +30,7 @@ class StepRunner:
     name = "local"
     data_ranks = 1  # the global batch is split over this many ranks
     partial = False  # this process holds only part of the model (a pipeline stage, a PS worker)
+    optimizer_state_placements = None  # (param) -> placements of its moments over the mesh (ZeRO-1)
 
     def bind(self, trainer) -> None:
         """Called once by the loop, after it built its optimizer: the model's trainable parameters

@@ -30,6 +30,8 @@ class LocalRunner(StepRunner):
         the run config's `precision` section (None: float32); distill_weight: elastic_distill_weight."""
         self.ctx = ctx
         self.data_ranks = ctx.data_ranks if ctx is not None else 1
+        if ctx is not None:
+            self.optimizer_state_placements = ctx.optimizer_state_placements
         self.precision = precision
         self.fp16 = bool(precision is not None and precision.fp16)
         self.distill_weight = distill_weight
