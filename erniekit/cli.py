@@ -6,10 +6,7 @@ Lazy imports keep `erniekit help` and `erniekit version` working on a broken ins
 from __future__ import annotations
 
 import argparse
-import contextlib
-import dataclasses
 import difflib
-import io
 import os
 import sys
 import warnings
@@ -17,6 +14,7 @@ from typing import Callable
 
 import erniekit
 from erniekit.errors import ErniekitError
+from erniekit.utils.paddle_import import import_paddle as _import_paddle
 
 # Import name -> pip package name, for the missing-dependency message.
 PIP_NAMES = {"paddle": "paddlepaddle", "yaml": "pyyaml"}
@@ -29,32 +27,6 @@ class _Parser(argparse.ArgumentParser):
 
     def error(self, message: str):
         raise ErniekitError(f"{self.prog}: {message}; see '{self.prog} --help'")
-
-
-def _import_paddle() -> None:
-    """Import paddle using every CPU core, its vector units and reusing freed memory, without its
-    start-up noise.
-
-    Paddle's CPU kernels default to one OpenMP thread (about 2x slower GEMMs on 2 cores), so
-    OMP_NUM_THREADS defaults to the core count; on AMD CPUs its MKL needs MKL_DEBUG_CPU_TYPE to use
-    AVX2 / AVX-512 (utils/mkl.py). Paddle then warns about the thread setting and about ccache on
-    every import, which we drop. Any other output passes through.
-    """
-    os.environ.setdefault("OMP_NUM_THREADS", str(os.cpu_count() or 1))
-    from erniekit.utils.malloc import keep_freed_memory
-    from erniekit.utils.mkl import use_mkl_vector_kernels
-
-    use_mkl_vector_kernels()
-    keep_freed_memory()
-    captured = io.StringIO()
-    try:
-        with warnings.catch_warnings(), contextlib.redirect_stderr(captured):
-            warnings.filterwarnings("ignore", message="No ccache found")
-            import paddle  # noqa: F401
-    finally:
-        noise = ("WARNING: OMP_NUM_THREADS set to", "PLEASE USE OMP_NUM_THREADS WISELY")
-        kept = [line for line in captured.getvalue().splitlines(True) if not line.startswith(noise)]
-        sys.stderr.write("".join(kept))
 
 
 def train(args: list[str]) -> int:
@@ -240,8 +212,6 @@ def export(args: list[str]) -> int:
         action="store_true",
         help="write into a non-empty --output: its model files are replaced (atomically), others kept",
     )
-    from erniekit.export.hf import check_output
-
     p.add_argument(
         "--format",
         choices=format_names(),
@@ -264,47 +234,13 @@ def export(args: list[str]) -> int:
         help="write an elastic sub-model: elastic.depth=N elastic.experts=N elastic.top_k=N (docs/elastic.md)",
     )
     ns = p.parse_intermixed_args(args)
+    from erniekit.export import command
+
     if ns.verify:
-        _import_paddle()
-        from erniekit.export.hf import verify
-
-        r = verify(ns.verify)
-        print(
-            f"verify {ns.verify} ({r['format']}) against {r['source']}: max |logit difference| "
-            f"{r['max_abs_diff']:.3g} (tolerance {r['tolerance']:.3g}, logits up to {r['max_logit']:.3g}), "
-            f"greedy token agrees at {100 * r['same_greedy']:.1f}% of positions: {'OK' if r['ok'] else 'FAILED'}"
-        )
-        return 0 if r["ok"] else 1
-    if not ns.src or not ns.output:
-        raise ErniekitError("export needs SRC and --output OUT (or --verify DIR)")
-    if ns.format == "wint4" and (ns.group_size < 2 or ns.group_size % 2):
-        raise ErniekitError(f"export: --group-size {ns.group_size} must be an even number >= 2")
-    if not os.path.isdir(ns.src):
-        raise ErniekitError(
-            f"export: source {ns.src} is not a directory; give a checkpoint or LoRA adapter directory "
-            "(output of erniekit train)"
-        )
-    check_output(ns.src, ns.output, ns.force)  # before paddle: a mistake is reported at once
-    from erniekit.elastic.submodels import parse_settings
-
-    spec = parse_settings(ns.elastic)  # before paddle: a typo is reported at once
-    _import_paddle()
-    from erniekit.export.hf import export_hf
-
-    out = export_hf(
-        ns.src,
-        ns.output,
-        ns.max_shard_size,
-        ns.dtype,
-        elastic=spec,
-        fmt=ns.format,
-        group_size=ns.group_size,
-        force=ns.force,
+        return command.verify_export(ns.verify)
+    return command.export(
+        ns.src, ns.output, ns.format, ns.force, ns.max_shard_size, ns.dtype, ns.group_size, ns.elastic
     )
-    what = "" if spec.is_full else f" (elastic sub-model depth={spec.depth} experts={spec.experts} top_k={spec.top_k})"
-    fmt = "" if ns.format == "hf" else f" as {ns.format}"
-    print(f"exported {ns.src} -> {out}{fmt}{what}; check it with: erniekit export --verify {out}")
-    return 0
 
 
 def plan(args: list[str]) -> int:
@@ -334,96 +270,13 @@ def plan(args: list[str]) -> int:
         help="--mode ps: throughput target, tokens/s (default: half the fastest single-type placement)",
     )
     ns = p.parse_intermixed_args(args)
-    items = ns.items
+    from erniekit.distributed import plan_report
+
     if ns.mode == "ps":
-        return _plan_ps(items, ns)
+        return plan_report.ps_plan(ns.items, ns.top, ns.target, ns.json)
+    items = ns.items
     path, overrides = (None, items) if not items or "=" in items[0] else (items[0], items[1:])
-    from erniekit.config import load_config
-    from erniekit.distributed import planner
-
-    cfg = load_config(path, overrides)
-    if not cfg.cluster:
-        raise ErniekitError("plan needs cluster=FILE, a cluster description (see examples/clusters/)")
-    cluster = planner.load_cluster(cfg.cluster)
-    c = planner.model_config_of(cfg)
-    work = planner.workload_from_config(cfg, cluster.world)  # the config's global batch on the cluster's devices
-    preds = planner.plan(c, cluster, work, runnable_only=not ns.all)
-    print(
-        f"model {cfg.model_name_or_path}: {c.num_hidden_layers} layers, hidden {c.hidden_size}"
-        f"{f', {c.moe_num_experts} experts top-{c.moe_k}' if c.is_moe else ''}; global batch {work.global_batch} x "
-        f"{work.seq_len} tokens; cluster {cluster.name}: {cluster.nodes} x {cluster.devices_per_node} devices, "
-        f"{cluster.device_memory / 1e9:.1f} GB each"
-    )
-    print(planner.format_table(preds, ns.top))
-    if ns.json:
-        import json
-
-        rows = [
-            {
-                "layout": r.plan.describe(),
-                "plan": dataclasses.asdict(r.plan),
-                "step_s": r.step_s,
-                "memory_bytes": r.memory,
-                "fits": r.fits,
-                "why": r.why,
-                "parts": r.parts,
-            }
-            for r in preds
-        ]
-        with open(ns.json, "w", encoding="utf-8") as f:
-            json.dump(rows, f, indent=1)
-    return 0 if preds and preds[0].fits else 1
-
-
-def _plan_ps(items: list[str], ns) -> int:
-    """`erniekit plan --mode ps CLUSTER.yaml [CONFIG.yaml] [key=value ...]`: a YAML file with
-    device_types is the cluster, another YAML the training config (default: the embedded one's keys)."""
-    import yaml
-
-    from erniekit.config import load_config
-    from erniekit.distributed import planner
-    from erniekit.distributed.ps.cost_model import load_hetero_cluster
-    from erniekit.distributed.ps.plan import format_rows, plan_placement
-
-    files = [i for i in items if "=" not in i]
-    overrides = [i for i in items if "=" in i]
-    cluster_path, config_path = None, None
-    for f in files:
-        try:
-            with open(f) as fh:
-                raw = yaml.safe_load(fh)
-        except OSError as e:
-            raise ErniekitError(f"{f}: {e.strerror}") from None
-        if isinstance(raw, dict) and "device_types" in raw:
-            cluster_path = f
-        else:
-            config_path = f
-    cfg = load_config(config_path, [o for o in overrides if not o.startswith("cluster=")])
-    cluster_path = cluster_path or next((o.split("=", 1)[1] for o in overrides if o.startswith("cluster=")), None)
-    if not cluster_path:
-        raise ErniekitError(
-            "plan --mode ps needs a cluster file with device_types (see examples/clusters/hetero-cpu-gpu.yaml)"
-        )
-    cluster = load_hetero_cluster(cluster_path)
-    c = planner.model_config_of(cfg)
-    workers = max(1, cfg.nproc_per_node * cfg.nnodes - (cfg.ps_servers if cfg.distributed_mode == "ps" else 0))
-    batch = cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps * workers
-    rows, target = plan_placement(c, cluster, cfg.max_seq_len, batch, ns.target, seed=cfg.seed)
-    tokens = batch * cfg.max_seq_len
-    print(
-        f"model {cfg.model_name_or_path}: embedding, {c.num_hidden_layers} layers, head; global batch {batch} x "
-        f"{cfg.max_seq_len} tokens; cluster {cluster.name}: "
-        + ", ".join(f"{t.count} {t.name} (${t.price_per_hour}/h)" for t in cluster.types)
-        + f"; target {target:.0f} tokens/s"
-    )
-    print(format_rows(rows[: ns.top], tokens))
-    if ns.json:
-        import json
-
-        out = [r.as_dict() for r in rows]
-        with open(ns.json, "w", encoding="utf-8") as f:
-            json.dump({"target_tokens_per_s": target, "tokens_per_batch": tokens, "rows": out}, f, indent=1)
-    return 0
+    return plan_report.collective_plan(path, overrides, ns.top, ns.all, ns.json)
 
 
 def _eval_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,104 @@
+"""`erniekit plan`: what the planners predict for a training config on a described cluster,
+printed as a table and optionally written as JSON (docs/planner.md, docs/ps.md)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import yaml
+
+from erniekit.errors import ErniekitError
+
+
+def collective_plan(path: str | None, overrides: list[str], top: int, include_all: bool, json_path: str | None) -> int:
+    """Rank the data / tensor / expert / pipeline / sharding layouts; exit status 1 when none fits."""
+    from erniekit.config import load_config
+    from erniekit.distributed import planner
+
+    cfg = load_config(path, overrides)
+    if not cfg.cluster:
+        raise ErniekitError("plan needs cluster=FILE, a cluster description (see examples/clusters/)")
+    cluster = planner.load_cluster(cfg.cluster)
+    c = planner.model_config_of(cfg)
+    work = planner.workload_from_config(cfg, cluster.world)  # the config's global batch on the cluster's devices
+    preds = planner.plan(c, cluster, work, runnable_only=not include_all)
+    print(
+        f"model {cfg.model_name_or_path}: {c.num_hidden_layers} layers, hidden {c.hidden_size}"
+        f"{f', {c.moe_num_experts} experts top-{c.moe_k}' if c.is_moe else ''}; global batch {work.global_batch} x "
+        f"{work.seq_len} tokens; cluster {cluster.name}: {cluster.nodes} x {cluster.devices_per_node} devices, "
+        f"{cluster.device_memory / 1e9:.1f} GB each"
+    )
+    print(planner.format_table(preds, top))
+    if json_path:
+        rows = [
+            {
+                "layout": r.plan.describe(),
+                "plan": dataclasses.asdict(r.plan),
+                "step_s": r.step_s,
+                "memory_bytes": r.memory,
+                "fits": r.fits,
+                "why": r.why,
+                "parts": r.parts,
+            }
+            for r in preds
+        ]
+        with open(json_path, "w", encoding="utf-8") as f:
+            json.dump(rows, f, indent=1)
+    return 0 if preds and preds[0].fits else 1
+
+
+def _split_files(files: list[str]) -> tuple[str | None, str | None]:
+    """(cluster file, training config): a YAML file with device_types is the cluster."""
+    cluster_path, config_path = None, None
+    for f in files:
+        try:
+            with open(f) as fh:
+                raw = yaml.safe_load(fh)
+        except OSError as e:
+            raise ErniekitError(f"{f}: {e.strerror}") from None
+        if isinstance(raw, dict) and "device_types" in raw:
+            cluster_path = f
+        else:
+            config_path = f
+    return cluster_path, config_path
+
+
+def ps_plan(items: list[str], top: int, target: float | None, json_path: str | None) -> int:
+    """`erniekit plan --mode ps CLUSTER.yaml [CONFIG.yaml] [key=value ...]`: place the model's parts
+    on a heterogeneous cluster to meet a throughput target at least cost (default config: the
+    embedded one's keys)."""
+    from erniekit.config import load_config
+    from erniekit.distributed import planner
+    from erniekit.distributed.ps.cost_model import load_hetero_cluster
+    from erniekit.distributed.ps.plan import format_rows, plan_placement
+
+    overrides = [i for i in items if "=" in i]
+    cluster_path, config_path = _split_files([i for i in items if "=" not in i])
+    cfg = load_config(config_path, [o for o in overrides if not o.startswith("cluster=")])
+    cluster_path = cluster_path or next((o.split("=", 1)[1] for o in overrides if o.startswith("cluster=")), None)
+    if not cluster_path:
+        raise ErniekitError(
+            "plan --mode ps needs a cluster file with device_types (see examples/clusters/hetero-cpu-gpu.yaml)"
+        )
+    cluster = load_hetero_cluster(cluster_path)
+    c = planner.model_config_of(cfg)
+    workers = max(1, cfg.nproc_per_node * cfg.nnodes - (cfg.ps_servers if cfg.distributed_mode == "ps" else 0))
+    batch = cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps * workers
+    rows, target = plan_placement(c, cluster, cfg.max_seq_len, batch, target, seed=cfg.seed)
+    tokens = batch * cfg.max_seq_len
+    print(
+        f"model {cfg.model_name_or_path}: embedding, {c.num_hidden_layers} layers, head; global batch {batch} x "
+        f"{cfg.max_seq_len} tokens; cluster {cluster.name}: "
+        + ", ".join(f"{t.count} {t.name} (${t.price_per_hour}/h)" for t in cluster.types)
+        + f"; target {target:.0f} tokens/s"
+    )
+    print(format_rows(rows[:top], tokens))
+    if json_path:
+        with open(json_path, "w", encoding="utf-8") as f:
+            json.dump(
+                {"target_tokens_per_s": target, "tokens_per_batch": tokens, "rows": [r.as_dict() for r in rows]},
+                f,
+                indent=1,
+            )
+    return 0
