@@ -190,3 +190,15 @@ def test_the_config_reaches_the_first_step_through_at_most_12_files(tmp_path):
     )  # the probe saw the path
     assert not [f for f in files if f.startswith(("nn/", "models/"))], files
     assert len(files) <= 12, sorted(files)
+
+
+def test_no_function_in_train_is_over_60_lines():
+    """The training side stays readable: a long function there is a sign of a mode growing a branch."""
+    long = []
+    for mod, path in _modules().items():
+        if _layer(mod) != "train":
+            continue
+        for node in ast.walk(ast.parse(open(path, encoding="utf-8").read())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno >= 60:
+                long.append((mod, node.name, node.end_lineno - node.lineno + 1))
+    assert long == []
