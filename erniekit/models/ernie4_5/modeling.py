@@ -7,6 +7,7 @@ transposed by `checkpoint.py` on the way in and out.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import paddle
@@ -192,6 +193,9 @@ class CausalLMOutput:
     hidden_states: paddle.Tensor | None = None  # final normed hidden states at the logits' positions (value heads)
 
 
+_FEW_ROWS = 64  # up to this many positions the tied head multiplies W by h^T (decode steps)
+
+
 class Ernie4_5ForCausalLM(nn.Layer):
     """`Ernie4_5ForCausalLM` / `Ernie4_5_MoeForCausalLM` of the HF layout, one class for both."""
 
@@ -277,6 +281,13 @@ class Ernie4_5ForCausalLM(nn.Layer):
 
     def head(self, h: paddle.Tensor) -> paddle.Tensor:
         """Final hidden states (after the final norm) -> vocabulary logits, tied or not."""
-        if self.config.tie_word_embeddings:
-            return paddle.matmul(h, self.model.embed_tokens.weight, transpose_y=True)
-        return self.lm_head(h)
+        if not self.config.tie_word_embeddings:
+            return self.lm_head(h)
+        w = self.model.embed_tokens.weight  # [V, H]
+        rows = math.prod(h.shape[:-1])
+        if rows <= _FEW_ROWS:
+            # decoding: (W h^T)^T runs the GEMM on W as stored; h W^T makes the CPU GEMM read W
+            # transposed, 1.5-1.9x slower at 8-64 rows (tools/bench_vs_torch.py's decode cases)
+            flat = h.reshape([rows, h.shape[-1]])
+            return paddle.matmul(w, flat, transpose_y=True).T.reshape([*h.shape[:-1], w.shape[0]])
+        return paddle.matmul(h, w, transpose_y=True)

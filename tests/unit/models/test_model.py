@@ -184,3 +184,19 @@ def test_moe_dispatch_matches_per_token_loop():
 def test_config_rejects_bad_head_counts():
     with pytest.raises(CheckpointError, match="num_key_value_heads"):
         Ernie4_5Config(**{**TINY, "num_key_value_heads": 3})
+
+
+def test_the_tied_heads_decode_layout_gives_the_same_logits():
+    """Few positions (decode) multiply W by h^T, many h by W^T: the same logits either way."""
+    from erniekit.models.ernie4_5 import get_preset
+    from erniekit.models.ernie4_5.modeling import _FEW_ROWS
+
+    paddle.seed(3)
+    m = Ernie4_5ForCausalLM(get_preset("tiny-dense").replace(num_hidden_layers=1))
+    w = m.model.embed_tokens.weight
+    for shape in ([1, 1, 128], [8, 1, 128], [2, _FEW_ROWS // 2, 128], [4, _FEW_ROWS, 128]):
+        h = paddle.randn(shape)
+        want = np.einsum("bsh,vh->bsv", h.numpy().astype(np.float64), w.numpy().astype(np.float64))
+        got = m.head(h)
+        assert got.shape == [*shape[:-1], w.shape[0]]
+        np.testing.assert_allclose(got.numpy(), want, rtol=1e-5, atol=1e-5)

@@ -1,0 +1,449 @@
+#!/usr/bin/env python
+"""erniekit against transformers + torch on the same checkpoint, same threads (issue #25).
+
+    python tools/bench_vs_torch.py [--cases all] [--repeats 3] [--threads N] [--out bench_results/vs_torch.json]
+
+Each checkpoint is written once, by transformers (random weights, seed 0), into --workdir. Every
+measurement runs in a fresh process of its own (erniekit or torch, OMP_NUM_THREADS and
+torch.set_num_threads = --threads), the two frameworks alternating and their order flipped on
+each repeat; a measurement reports its figure and the process's peak resident memory. Before
+timing, each erniekit process checks that its logits equal transformers' on the checkpoint
+(written by the torch process of the same case) so both time the same model.
+
+Cases
+  train:<model>   forward + mean token cross-entropy (+ the MoE router loss each framework adds
+                  in training) + backward + AdamW step; tokens/s over the timed steps
+  prefill         dense-1024, one no-grad forward of batch 4 x 256; tokens/s
+  decode-b{1,8,32} dense-1024, greedy, 32-token prompts, 128 new tokens; new tokens/s
+  server-c{16,64} dense-1024: the built-in engine (continuous batching) with 16 / 64 concurrent
+                  requests of 32-token prompts and 64 new tokens, against transformers batched
+                  `generate` of the same prompts; generated tokens/s over the wall time
+Models
+  dense-1024   hidden 1024, 4 layers, 16 q / 2 kv heads of 64, MLP 3072, vocab 32000, tied
+  0.3b-2l      ERNIE-4.5-0.3B's shapes (hidden 1024, 16 q / 2 kv heads of 128, MLP 3072, vocab
+               103424, tied) cut to 2 layers; batch 2 x 256
+  tiny-moe     the embedded default's model (preset tiny-moe + its overrides); batch 64 x 32
+  moe16-top4   hidden 512, 4 layers (MoE from layer 1), 16 experts of 512 top-4 + 1 shared,
+               vocab 8192; batch 4 x 256
+
+The JSON has every run, min / median / max per case and framework, and erniekit / torch of the
+medians (> 1: erniekit faster; for memory < 1: erniekit smaller).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+MODELS = {
+    "dense-1024": dict(
+        vocab_size=32000,
+        hidden_size=1024,
+        intermediate_size=3072,
+        num_hidden_layers=4,
+        num_attention_heads=16,
+        num_key_value_heads=2,
+        head_dim=64,
+        tie_word_embeddings=True,
+    ),
+    "0.3b-2l": dict(
+        vocab_size=103424,
+        hidden_size=1024,
+        intermediate_size=3072,
+        num_hidden_layers=2,
+        num_attention_heads=16,
+        num_key_value_heads=2,
+        head_dim=128,
+        tie_word_embeddings=True,
+    ),
+    "tiny-moe": dict(
+        vocab_size=1024,
+        hidden_size=128,
+        intermediate_size=384,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        head_dim=16,
+        tie_word_embeddings=False,
+        rope_theta=100.0,
+        moe_num_experts=8,
+        moe_k=2,
+        moe_intermediate_size=128,
+        moe_num_shared_experts=1,
+        moe_layer_start_index=1,
+        router_aux_loss_coef=0.01,
+    ),
+    "moe16-top4": dict(
+        vocab_size=8192,
+        hidden_size=512,
+        intermediate_size=1536,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=64,
+        tie_word_embeddings=True,
+        moe_num_experts=16,
+        moe_k=4,
+        moe_intermediate_size=512,
+        moe_num_shared_experts=1,
+        moe_layer_start_index=1,
+        router_aux_loss_coef=0.01,
+    ),
+}
+TRAIN_SHAPES = {"dense-1024": (4, 256), "0.3b-2l": (2, 256), "tiny-moe": (64, 32), "moe16-top4": (4, 256)}
+CASES = [f"train:{m}" for m in MODELS] + ["prefill", "decode-b1", "decode-b8", "decode-b32", "server-c16", "server-c64"]
+PROMPT_LEN, DECODE_NEW, SERVER_NEW = 32, 128, 64
+
+
+def _model_of(case: str) -> str:
+    return case.split(":", 1)[1] if case.startswith("train:") else "dense-1024"
+
+
+# ---- the checkpoint ---------------------------------------------------------------------------
+def write_checkpoint(model: str, path: str) -> None:
+    import torch
+    import transformers
+
+    if os.path.isfile(os.path.join(path, "config.json")):
+        return
+    kw = dict(MODELS[model], max_position_embeddings=4096, use_bias=False)
+    torch.manual_seed(0)
+    if "moe_num_experts" in kw:
+        m = transformers.Ernie4_5_MoeForCausalLM(transformers.Ernie4_5_MoeConfig(**kw))
+    else:
+        m = transformers.Ernie4_5ForCausalLM(transformers.Ernie4_5Config(**kw))
+    m.save_pretrained(path)
+
+
+# ---- measurements (one per process) -------------------------------------------------------------
+def _peak_rss() -> int:
+    """This process's peak resident memory (VmHWM: unlike ru_maxrss it does not start from the
+    parent's size at fork)."""
+    with open("/proc/self/status") as f:
+        return next(int(ln.split()[1]) * 1024 for ln in f if ln.startswith("VmHWM:"))
+
+
+def _ids(vocab: int, b: int, s: int, seed: int = 0):
+    import numpy as np
+
+    return np.random.default_rng(seed).integers(3, vocab, size=(b, s), dtype=np.int64)
+
+
+def _timed(step, warmup: int, steps: int) -> float:
+    for _ in range(warmup):
+        step()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        step()
+    return (time.perf_counter() - t0) / steps
+
+
+def erniekit_case(case: str, ckpt: str, steps: int) -> dict:
+    import numpy as np
+    import paddle
+
+    from erniekit.models.registry import load_model
+
+    model = load_model(ckpt)
+    ref = os.path.join(ckpt, "torch_logits.npy")
+    if os.path.isfile(ref):  # the same model as the torch process timed
+        ids = _ids(model.config.vocab_size, 1, 16)
+        model.eval()
+        with paddle.no_grad():
+            got = model(paddle.to_tensor(ids)).logits.numpy()
+        want = np.load(ref)
+        if not np.allclose(got, want, rtol=1e-3, atol=1e-3 * max(1.0, float(np.abs(want).max()))):
+            raise SystemExit(f"{ckpt}: erniekit and transformers logits differ by {np.abs(got - want).max():.3g}")
+    if case.startswith("train:"):
+        return _erniekit_train(model, case, steps)
+    if case == "prefill":
+        ids = paddle.to_tensor(_ids(model.config.vocab_size, 4, 256))
+        model.eval()
+
+        def fwd():
+            with paddle.no_grad():
+                model(ids).logits.numpy()
+
+        return {"tokens_per_s": 4 * 256 / _timed(fwd, 1, steps)}
+    if case.startswith("decode-b"):
+        from erniekit.infer.generate import generate
+        from erniekit.infer.sampling import SamplingParams
+
+        b = int(case.split("-b")[1])
+        prompts = _ids(model.config.vocab_size, b, PROMPT_LEN).tolist()
+        params = SamplingParams(max_new_tokens=DECODE_NEW)  # greedy, no stop ids: fixed lengths
+        generate(model, prompts, SamplingParams(max_new_tokens=4))
+        t0 = time.perf_counter()
+        out = generate(model, prompts, params)
+        dt = time.perf_counter() - t0
+        assert all(len(o) == DECODE_NEW for o in out)
+        return {"tokens_per_s": b * DECODE_NEW / dt}
+    return _erniekit_server(model, int(case.split("-c")[1]))
+
+
+def _erniekit_train(model, case: str, steps: int) -> dict:
+    from types import SimpleNamespace
+
+    import paddle
+
+    from erniekit.train.losses import causal_lm_loss_sum, count_target_tokens
+    from erniekit.train.optim import build_optimizer
+
+    b, s = TRAIN_SHAPES[_model_of(case)]
+    model.train()
+    optim = SimpleNamespace(learning_rate=1e-4, adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=1e-8, weight_decay=0.01)
+    opt = build_optimizer(model, optim)
+    ids = _ids(model.config.vocab_size, b, s)
+    x = paddle.to_tensor(ids)
+    n = count_target_tokens({"labels": ids})
+    losses = []
+
+    def step():
+        out = model(x)
+        loss = causal_lm_loss_sum(out.logits, ids) / n
+        if out.aux_loss is not None:
+            loss = loss + out.aux_loss
+        loss.backward()
+        opt.step()
+        opt.clear_grad()
+        losses.append(float(loss))
+
+    dt = _timed(step, 2, steps)
+    return {"tokens_per_s": b * s / dt, "step_s": dt, "first_loss": losses[0]}
+
+
+class _WrappedTokenizer:
+    """The bundled tokenizer (1024 pieces) streaming the text of a 32000-id model: each id decodes as
+    the piece id % 1024, so the engine pays a real sentencepiece decode per token."""
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        return self.inner.decode([i % self.inner.vocab_size for i in ids], skip_special_tokens)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+def _erniekit_server(model, concurrent: int) -> dict:
+    import threading
+
+    from erniekit.infer.engine import Engine, Request
+    from erniekit.infer.sampling import SamplingParams
+    from erniekit.models.ernie4_5.tokenizer import default_tokenizer
+
+    engine = Engine(
+        model, _WrappedTokenizer(default_tokenizer()), max_batch=concurrent, max_model_len=PROMPT_LEN + SERVER_NEW + 8
+    )
+    prompts = _ids(model.config.vocab_size, concurrent, PROMPT_LEN).tolist()
+
+    def run(ps):
+        left, done, lock, reqs = [len(ps)], threading.Event(), threading.Lock(), []
+
+        def emit(_delta, finish):
+            if finish is not None:
+                with lock:
+                    left[0] -= 1
+                    if not left[0]:
+                        done.set()
+
+        t0 = time.perf_counter()
+        for p in ps:
+            r = Request(p, SamplingParams(max_new_tokens=SERVER_NEW), emit)
+            reqs.append(r)
+            engine.submit(r)
+        done.wait(1200)
+        wall = time.perf_counter() - t0
+        bad = [r.error for r in reqs if r.error or len(r.completion) != SERVER_NEW]
+        if bad:
+            raise SystemExit(f"server case: {len(bad)} requests did not generate {SERVER_NEW} tokens: {bad[0]}")
+        return sum(len(r.completion) for r in reqs), wall
+
+    try:
+        run(prompts[:2])
+        tokens, wall = run(prompts)
+    finally:
+        engine.close()
+    return {"tokens_per_s": tokens / wall}
+
+
+def torch_case(case: str, ckpt: str, steps: int, threads: int) -> dict:
+    import numpy as np
+    import torch
+    import transformers
+
+    torch.set_num_threads(threads)
+    model = transformers.AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32)
+    vocab = model.config.vocab_size
+    ref = os.path.join(ckpt, "torch_logits.npy")
+    if not os.path.isfile(ref):
+        model.eval()
+        with torch.no_grad():
+            np.save(ref, model(torch.from_numpy(_ids(vocab, 1, 16))).logits.numpy())
+    if case.startswith("train:"):
+        b, s = TRAIN_SHAPES[_model_of(case)]
+        model.train()
+        if hasattr(model.config, "output_router_logits"):
+            model.config.output_router_logits = True  # the router loss, as erniekit adds it
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01)
+        x = torch.from_numpy(_ids(vocab, b, s))
+        losses = []
+
+        def step():
+            loss = model(input_ids=x, labels=x).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            losses.append(float(loss))
+
+        dt = _timed(step, 2, steps)
+        return {"tokens_per_s": b * s / dt, "step_s": dt, "first_loss": losses[0]}
+    model.eval()
+    if case == "prefill":
+        x = torch.from_numpy(_ids(vocab, 4, 256))
+
+        def fwd():
+            with torch.no_grad():
+                model(x, logits_to_keep=0).logits.numpy()
+
+        return {"tokens_per_s": 4 * 256 / _timed(fwd, 1, steps)}
+    n_new = DECODE_NEW if case.startswith("decode-b") else SERVER_NEW
+    b = int(case.split("-b")[1]) if case.startswith("decode-b") else int(case.split("-c")[1])
+    x = torch.from_numpy(_ids(vocab, b, PROMPT_LEN))
+
+    def gen(n):
+        with torch.no_grad():
+            return model.generate(
+                input_ids=x,
+                attention_mask=torch.ones_like(x),
+                do_sample=False,
+                max_new_tokens=n,
+                min_new_tokens=n,
+                pad_token_id=0,
+                eos_token_id=None,
+            )
+
+    gen(4)
+    t0 = time.perf_counter()
+    out = gen(n_new)
+    dt = time.perf_counter() - t0
+    assert out.shape[1] == PROMPT_LEN + n_new
+    return {"tokens_per_s": b * n_new / dt}
+
+
+def worker(args: argparse.Namespace) -> None:
+    ckpt = os.path.join(args.workdir, _model_of(args.case))
+    if args.framework == "torch":
+        res = torch_case(args.case, ckpt, args.steps, args.threads)
+    else:
+        sys.path.insert(0, ROOT)
+        from erniekit.utils.paddle_import import import_paddle
+
+        import_paddle()
+        res = erniekit_case(args.case, ckpt, args.steps)
+    res["peak_rss_bytes"] = _peak_rss()
+    print("RESULT " + json.dumps(res), flush=True)
+
+
+# ---- orchestration ------------------------------------------------------------------------------
+def _run_one(framework: str, case: str, args: argparse.Namespace) -> dict:
+    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), MKL_NUM_THREADS=str(args.threads))
+    cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--framework", framework, "--case", case]
+    cmd += ["--workdir", args.workdir, "--threads", str(args.threads), "--steps", str(args.steps)]
+    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=3600)
+    line = next((ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")), None)
+    if p.returncode or line is None:
+        raise SystemExit(f"{framework} {case} failed (exit {p.returncode}):\n{p.stderr[-3000:]}")
+    return json.loads(line[len("RESULT ") :])
+
+
+def _summary(vals: list[float]) -> dict:
+    return {"min": min(vals), "median": statistics.median(vals), "max": max(vals)}
+
+
+def _cpu() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next(ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.processor() or platform.machine()
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--cases", default="all", help=f"comma-separated subset of {', '.join(CASES)} (default: all)")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--steps", type=int, default=5, help="timed steps of a training or prefill case")
+    p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    p.add_argument("--workdir", default=os.path.join(ROOT, "output", "bench_vs_torch"))
+    p.add_argument("--out", default=os.path.join(ROOT, "bench_results", "vs_torch.json"))
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--framework", choices=("erniekit", "torch"), help=argparse.SUPPRESS)
+    p.add_argument("--case", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.worker:
+        return worker(args)
+    cases = CASES if args.cases == "all" else args.cases.split(",")
+    unknown = [c for c in cases if c not in CASES]
+    if unknown:
+        raise SystemExit(f"--cases: unknown {unknown}; choose from {', '.join(CASES)}")
+    for m in sorted({_model_of(c) for c in cases}):
+        write_checkpoint(m, os.path.join(args.workdir, m))
+    runs: dict[str, dict[str, list[dict]]] = {c: {"erniekit": [], "torch": []} for c in cases}
+    for r in range(args.repeats):
+        for c in cases:
+            order = ("torch", "erniekit") if r % 2 == 0 else ("erniekit", "torch")  # torch writes the reference first
+            for fw in order:
+                res = _run_one(fw, c, args)
+                runs[c][fw].append(res)
+                print(f"repeat {r + 1} {c:14s} {fw:8s} {res['tokens_per_s']:9.1f} tokens/s", flush=True)
+    out = {
+        "cpu": _cpu(),
+        "threads": args.threads,
+        "repeats": args.repeats,
+        "steps": args.steps,
+        "versions": _versions(),
+        "cases": {},
+    }
+    for c in cases:
+        e = _summary([x["tokens_per_s"] for x in runs[c]["erniekit"]])
+        t = _summary([x["tokens_per_s"] for x in runs[c]["torch"]])
+        me = _summary([x["peak_rss_bytes"] for x in runs[c]["erniekit"]])
+        mt = _summary([x["peak_rss_bytes"] for x in runs[c]["torch"]])
+        out["cases"][c] = {
+            "erniekit_tokens_per_s": e,
+            "torch_tokens_per_s": t,
+            "ratio_erniekit_over_torch": e["median"] / t["median"],
+            "erniekit_peak_rss_bytes": me,
+            "torch_peak_rss_bytes": mt,
+            "memory_ratio": me["median"] / mt["median"],
+            "runs": runs[c],
+        }
+        print(f"{c:14s} erniekit/torch {e['median'] / t['median']:.2f}x  memory {me['median'] / mt['median']:.2f}x")
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w", encoding="utf-8") as f:
+        json.dump(out, f, indent=1)
+    print(f"wrote {args.out}")
+
+
+def _versions() -> dict:
+    out = {}
+    for mod in ("paddle", "torch", "transformers"):
+        r = subprocess.run(
+            [sys.executable, "-c", f"import {mod}; print({mod}.__version__)"], capture_output=True, text=True
+        )
+        out[mod] = r.stdout.strip() or None
+    return out
+
+
+if __name__ == "__main__":
+    main()
