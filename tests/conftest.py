@@ -13,9 +13,11 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # launched_jobs.
 
 from erniekit.utils.malloc import keep_freed_memory  # noqa: E402  (as `erniekit` does: freed tensors are reused)
 from erniekit.utils.mkl import use_mkl_vector_kernels  # noqa: E402  (as `erniekit` does: MKL's AVX kernels on AMD)
+from erniekit.utils.paddle_import import contiguous_cpu_kernels  # noqa: E402  (as `erniekit` does)
 
 use_mkl_vector_kernels()
 keep_freed_memory()
+contiguous_cpu_kernels()
 
 E2E_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "e2e")
 

@@ -110,9 +110,9 @@ class Trainer:
         self.stage.load_checkpoint_tensors(path)
         ema_file = os.path.join(path, EMA_NAME)
         if self.ema is not None and os.path.isfile(ema_file):
-            from safetensors.paddle import load_file
+            from erniekit.utils.io import load_safetensors
 
-            self.ema.load_state_dict(load_file(ema_file), ema_file)
+            self.ema.load_state_dict(load_safetensors(ema_file), ema_file)
         elif self.ema is not None:
             self.log(f"{path} has no {EMA_NAME}: the weight EMA restarts from the resumed weights")
             self.ema = type(self.ema)(list(self.ema.params.items()), self.ema.decay)

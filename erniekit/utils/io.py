@@ -126,13 +126,60 @@ def _exchange(a: str, b: str) -> bool:
     raise OSError(err, os.strerror(err), b)
 
 
+@contextlib.contextmanager
+def strided_views() -> Iterator[None]:
+    """Paddle's stride kernels on for the block: safetensors' paddle backend reinterprets buffers
+    with `Tensor.view(dtype)`, which only has a strided kernel, and erniekit turns them off for
+    speed (erniekit/utils/paddle_import.py: contiguous_cpu_kernels)."""
+    import paddle
+
+    if paddle.get_flags("FLAGS_use_stride_kernel")["FLAGS_use_stride_kernel"]:
+        yield
+        return
+    paddle.set_flags({"FLAGS_use_stride_kernel": True})
+    try:
+        yield
+    finally:
+        paddle.set_flags({"FLAGS_use_stride_kernel": False})
+
+
+class _PaddleSafetensors:
+    """A safe_open handle whose tensors are read with stride kernels on and returned contiguous."""
+
+    def __init__(self, handle):
+        self._h = handle
+
+    def get_tensor(self, name: str):
+        with strided_views():
+            return self._h.get_tensor(name).contiguous()
+
+    def __getattr__(self, name: str):
+        return getattr(self._h, name)
+
+    def __enter__(self):
+        self._h.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self._h.__exit__(*exc)
+
+
+def load_safetensors(file: str) -> dict:
+    """safetensors.paddle.load_file (dtype views need the stride kernels)."""
+    from safetensors.paddle import load_file
+
+    with strided_views():
+        return {k: v.contiguous() for k, v in load_file(file).items()}
+
+
 def open_safetensors(file: str, framework: str = "paddle"):
     """safe_open, with a missing, truncated, empty or non-safetensors file as one CheckpointError
     (not the Rust library's exception and a traceback). Usable as a context manager, as safe_open."""
     from safetensors import SafetensorError, safe_open
 
     try:
-        return safe_open(file, framework=framework)
+        handle = safe_open(file, framework=framework)
+        return _PaddleSafetensors(handle) if framework == "paddle" else handle
     except (SafetensorError, OSError) as e:
         size = os.path.getsize(file) if os.path.isfile(file) else 0
         raise CheckpointError(

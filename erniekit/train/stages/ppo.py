@@ -58,9 +58,9 @@ class PPOStage(RLStage):
     def load_checkpoint_tensors(self, path: str) -> None:
         file = os.path.join(path, VALUE_HEAD_NAME)
         if os.path.isfile(file):
-            from safetensors.paddle import load_file
+            from erniekit.utils.io import load_safetensors
 
-            self.value_head.set_state_dict(load_file(file))
+            self.value_head.set_state_dict(load_safetensors(file))
 
     def build_advantages(self, model, batch, ro, rewards) -> None:
         cfg = self.cfg
