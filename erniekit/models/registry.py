@@ -13,14 +13,13 @@ from __future__ import annotations
 
 import copy
 import os
-import pkgutil
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
-from importlib import import_module
+from dataclasses import dataclass
 from typing import Any
 
 from erniekit.errors import CheckpointError
 from erniekit.utils.io import read_json_object
+from erniekit.utils.registry import import_modules
 
 # config.json without model_type: what our own early checkpoints wrote; read as this family
 UNTYPED_FAMILY = "ernie4_5"
@@ -42,11 +41,9 @@ class ModelFamily:
     save: Callable[..., None]  # (model, path, tokenizer=None, max_shard_size=, dtype=, state=)
     load_tokenizer: Callable[[str], Any]  # checkpoint or tokenizer directory -> tokenizer
     default_tokenizer: Callable[[], Any]  # the bundled tokenizer presets train with
-    aliases: tuple[str, ...] = field(default=())
 
 
 _families: dict[str, ModelFamily] = {}
-_builtins_loaded = False
 
 
 def register_model_family(family: ModelFamily) -> ModelFamily:
@@ -60,14 +57,7 @@ def unregister_model_family(name: str) -> None:
 
 def _load_builtins() -> None:
     """Import `family.py` of every package under erniekit/models/."""
-    global _builtins_loaded
-    if _builtins_loaded:
-        return
-    _builtins_loaded = True
-    here = os.path.dirname(__file__)
-    for m in sorted(pkgutil.iter_modules([here]), key=lambda m: m.name):
-        if m.ispkg and os.path.isfile(os.path.join(here, m.name, "family.py")):
-            import_module(f"{__package__}.{m.name}.family")
+    import_modules(__package__, [os.path.dirname(__file__)], submodule="family")
 
 
 def families() -> list[ModelFamily]:
@@ -99,8 +89,9 @@ def _config_file_type(path: str) -> str | None:
 def family_of(name_or_path: str) -> ModelFamily:
     """The family of a checkpoint directory (its config.json model_type) or of a preset name."""
     if os.path.isdir(name_or_path):
-        if not os.path.isfile(os.path.join(name_or_path, "config.json")) and adapter_base(name_or_path):
-            return family_of(adapter_base(name_or_path))  # an adapter saved without its base's config
+        base = None if os.path.isfile(os.path.join(name_or_path, "config.json")) else adapter_base(name_or_path)
+        if base:
+            return family_of(base)  # an adapter saved without its base's config
         model_type = _config_file_type(name_or_path)
         if model_type is None:
             return get_family(UNTYPED_FAMILY)
@@ -130,9 +121,12 @@ def family_of_model(model: Any) -> ModelFamily:
     raise CheckpointError(f"model_type={model_type!r}: no registered model family builds this model")
 
 
-def model_config(name_or_path: str, overrides: Mapping[str, Any] | None = None) -> Any:
-    """The model config a checkpoint directory or preset describes, with `overrides` applied."""
-    f = family_of(name_or_path)
+def model_config(
+    name_or_path: str, overrides: Mapping[str, Any] | None = None, family: ModelFamily | None = None
+) -> Any:
+    """The model config a checkpoint directory or preset describes, with `overrides` applied
+    (`family`: already known to the caller, so config.json is not looked up again)."""
+    f = family or family_of(name_or_path)
     if os.path.isdir(name_or_path):
         config = f.read_config(name_or_path)
     else:
@@ -145,7 +139,7 @@ def load_model(name_or_path: str, overrides: Mapping[str, Any] | None = None, dt
     import paddle
 
     f = family_of(name_or_path)
-    config = model_config(name_or_path, overrides)
+    config = model_config(name_or_path, overrides, f)
     prev = paddle.get_default_dtype()
     paddle.set_default_dtype(dtype)
     try:

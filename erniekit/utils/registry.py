@@ -1,17 +1,33 @@
-"""Pieces the registries share (stages, SFT data formats, export formats): finding a package's
-built-in modules, and a config `choices` table that is read from a registry each time."""
+"""Pieces the registries share (stages, SFT data formats, export formats, model families): finding
+a package's built-in modules once, and a config `choices` table read from a registry each time."""
 
 from __future__ import annotations
 
 import importlib
+import os
 import pkgutil
 from collections.abc import Callable, Iterable, Iterator, Mapping
 
+_imported: set[str] = set()  # packages whose built-in modules import_modules has imported
 
-def import_modules(package: str, path: Iterable[str], first: tuple[str, ...] = ()) -> None:
-    """Import every module of `package` (its `__path__`): `first` in that order, then the rest by name."""
-    rest = sorted(m.name for m in pkgutil.iter_modules(path) if m.name not in first)
-    for name in (*first, *rest):
+
+def import_modules(package: str, path: Iterable[str], first: tuple[str, ...] = (), submodule: str = "") -> None:
+    """Import every module of `package` (its `__path__`) the first time this is asked: `first` in
+    that order, then the rest by name. `submodule`: import `<package>.<subpackage>.<submodule>` of
+    each subpackage that has one instead (a model family's `family.py`)."""
+    if package in _imported:
+        return
+    _imported.add(package)  # before importing: a module that asks the registry does not recurse
+    found = list(pkgutil.iter_modules(path))
+    if submodule:
+        names = sorted(
+            f"{m.name}.{submodule}"
+            for m in found
+            if m.ispkg and any(os.path.isfile(os.path.join(p, m.name, f"{submodule}.py")) for p in path)
+        )
+    else:
+        names = sorted(m.name for m in found if m.name not in first)
+    for name in (*first, *names):
         importlib.import_module(f"{package}.{name}")
 
 

@@ -58,7 +58,6 @@ def verify_report(
 
 
 _formats: dict[str, ExportFormat] = {}
-_builtins_loaded = False
 
 
 def register_export_format(fmt: ExportFormat) -> ExportFormat:
@@ -71,10 +70,6 @@ def unregister_export_format(name: str) -> None:
 
 
 def _load_builtins() -> None:
-    global _builtins_loaded
-    if _builtins_loaded:
-        return
-    _builtins_loaded = True
     import_modules(__name__, __path__, first=_FIRST)
 
 

@@ -19,7 +19,6 @@ if TYPE_CHECKING:
 
 _classes: dict[str, type] = {}  # canonical name -> class, in registration order
 _spellings: dict[str, str] = {}  # lower-case name or alias -> canonical name
-_builtins_loaded = False
 
 
 def register_stage(cls: type) -> type:
@@ -38,10 +37,7 @@ def unregister_stage(name: str) -> None:
 
 
 def _load_builtins() -> None:
-    global _builtins_loaded
-    if not _builtins_loaded:
-        _builtins_loaded = True
-        import_modules(__name__, __path__)
+    import_modules(__name__, __path__)
 
 
 def stage_names() -> list[str]:
