@@ -22,7 +22,8 @@ Models
   dense-1024   hidden 1024, 4 layers, 16 q / 2 kv heads of 64, MLP 3072, vocab 32000, tied
   0.3b-2l      ERNIE-4.5-0.3B's shapes (hidden 1024, 16 q / 2 kv heads of 128, MLP 3072, vocab
                103424, tied) cut to 2 layers; batch 2 x 256
-  tiny-moe     the embedded default's model (preset tiny-moe + its overrides); batch 64 x 32
+  tiny-moe     the embedded default's model (its preset and model_overrides, read from
+               examples/configs/tiny/sft.yaml); batch 64 x 32
   moe16-top4   hidden 512, 4 layers (MoE from layer 1), 16 experts of 512 top-4 + 1 shared,
                vocab 8192; batch 4 x 256
 
@@ -64,23 +65,7 @@ MODELS = {
         head_dim=128,
         tie_word_embeddings=True,
     ),
-    "tiny-moe": dict(
-        vocab_size=1024,
-        hidden_size=128,
-        intermediate_size=384,
-        num_hidden_layers=4,
-        num_attention_heads=8,
-        num_key_value_heads=4,
-        head_dim=16,
-        tie_word_embeddings=False,
-        rope_theta=100.0,
-        moe_num_experts=8,
-        moe_k=2,
-        moe_intermediate_size=128,
-        moe_num_shared_experts=1,
-        moe_layer_start_index=1,
-        router_aux_loss_coef=0.01,
-    ),
+    "tiny-moe": None,  # the embedded default's model: read from its config (embedded_default_model)
     "moe16-top4": dict(
         vocab_size=8192,
         hidden_size=512,
@@ -108,18 +93,33 @@ def _model_of(case: str) -> str:
 
 
 # ---- the checkpoint ---------------------------------------------------------------------------
+EMBEDDED_CONFIG = os.path.join(ROOT, "examples", "configs", "tiny", "sft.yaml")
+
+
+def model_config(model: str):
+    """erniekit's config of a benchmark model (its fields are transformers' config.json keys)."""
+    sys.path.insert(0, ROOT)
+    from erniekit.models.ernie4_5.configuration import Ernie4_5Config, get_preset
+
+    if MODELS[model] is None:  # the embedded default's preset and overrides, so the two cannot drift
+        import yaml
+
+        with open(EMBEDDED_CONFIG) as f:
+            cfg = yaml.safe_load(f)
+        return get_preset(cfg["model_name_or_path"]).replace(**(cfg.get("model_overrides") or {}))
+    return Ernie4_5Config(**MODELS[model], max_position_embeddings=4096)
+
+
 def write_checkpoint(model: str, path: str) -> None:
+    """Random weights (seed 0) saved by transformers, from the config.json erniekit writes."""
     import torch
     import transformers
 
-    if os.path.isfile(os.path.join(path, "config.json")):
+    if os.path.isfile(os.path.join(path, "model.safetensors")):
         return
-    kw = dict(MODELS[model], max_position_embeddings=4096, use_bias=False)
+    model_config(model).save_pretrained(path)
     torch.manual_seed(0)
-    if "moe_num_experts" in kw:
-        m = transformers.Ernie4_5_MoeForCausalLM(transformers.Ernie4_5_MoeConfig(**kw))
-    else:
-        m = transformers.Ernie4_5ForCausalLM(transformers.Ernie4_5Config(**kw))
+    m = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(path))
     m.save_pretrained(path)
 
 

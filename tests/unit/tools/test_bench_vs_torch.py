@@ -1,0 +1,45 @@
+"""tools/bench_vs_torch.py: both frameworks time the same transformers-written checkpoint, the
+embedded default's model is read from its config, and a model that differs is refused."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import yaml
+
+ROOT = Path(__file__).resolve().parents[3]
+TOOL = str(ROOT / "tools" / "bench_vs_torch.py")
+
+
+def _run(tmp_path, *args: str) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, TOOL, "--cases", "train:tiny-moe", "--repeats", "1", "--steps", "1", "--threads", "1"]
+    cmd += ["--workdir", str(tmp_path / "work"), "--out", str(tmp_path / "vs.json"), *args]
+    return subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=600)
+
+
+def test_both_frameworks_train_the_embedded_defaults_model_from_one_checkpoint(tmp_path):
+    r = _run(tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    case = json.loads((tmp_path / "vs.json").read_text())["cases"]["train:tiny-moe"]
+    e, t = case["runs"]["erniekit"][0], case["runs"]["torch"][0]
+    assert e["tokens_per_s"] > 0 and t["tokens_per_s"] > 0 and e["peak_rss_bytes"] > 0 and t["peak_rss_bytes"] > 0
+    assert case["ratio_erniekit_over_torch"] == e["tokens_per_s"] / t["tokens_per_s"]
+    # the same model: the first losses agree up to the frameworks' router-loss formulas (coef 0.01)
+    assert abs(e["first_loss"] - t["first_loss"]) < 0.05, (e["first_loss"], t["first_loss"])
+    from erniekit.models.ernie4_5.configuration import Ernie4_5Config
+
+    written = Ernie4_5Config.from_pretrained(str(tmp_path / "work" / "tiny-moe"))  # as transformers saved it
+    overrides = yaml.safe_load(open(ROOT / "examples" / "configs" / "tiny" / "sft.yaml"))["model_overrides"]
+    assert {k: getattr(written, k) for k in overrides} == overrides and written.is_moe
+
+
+def test_a_model_whose_logits_differ_from_transformers_is_refused(tmp_path):
+    assert _run(tmp_path).returncode == 0
+    ref = tmp_path / "work" / "tiny-moe" / "torch_logits.npy"
+    np.save(ref, np.load(ref) + 1.0)
+    r = _run(tmp_path, "--repeats", "2")  # repeat 2 runs erniekit first: it reads the damaged reference
+    assert r.returncode != 0 and "logits differ" in r.stderr + r.stdout
