@@ -21,11 +21,15 @@ No bf16/fp8 matmul exists in the CPU wheel, hence the emulation. Formulas and nu
 
 from __future__ import annotations
 
+import os
+from concurrent.futures import ThreadPoolExecutor
+
 import numpy as np
 import paddle
 from paddle.autograd import PyLayer
 
 from erniekit.errors import ConfigError
+from erniekit.nn import native
 from erniekit.nn.rows import concat_rows, split_rows
 
 E4M3_MAX = 448.0  # largest finite float8_e4m3fn
@@ -119,6 +123,13 @@ def _fake_quant_cast(x: paddle.Tensor, rows: int, cols: int, fmt: str = "e4m3") 
 _FORMAT_BITS = {"e4m3": (3, -6), "e5m2": (2, -14)}
 
 
+def _magic(binade: np.ndarray, fmt: str) -> np.ndarray:
+    """In place: 2^e (the binade of each value) -> the rounding constant M of round_to_format_np."""
+    m, emin = _FORMAT_BITS[fmt]
+    binade *= np.float32(1.5 * 2.0 ** (23 - m))
+    return np.maximum(binade, np.float32(1.5 * 2.0 ** (emin - m + 23)), out=binade)
+
+
 def round_to_format_np(v: np.ndarray, fmt: str = "e4m3") -> np.ndarray:
     """v (float32, |v| <= the format's max) rounded to the nearest `fmt` value, ties to even, in float32.
 
@@ -127,26 +138,209 @@ def round_to_format_np(v: np.ndarray, fmt: str = "e4m3") -> np.ndarray:
     spacing's magic number gives the fixed subnormal step. Same values as a cast to the float8
     dtype and back (checked bit for bit in tests), at a fraction of the cost on CPU.
     """
-    m, emin = _FORMAT_BITS[fmt]
-    binade = (v.view(np.uint32) & np.uint32(0x7F800000)).view(np.float32)  # 2^e (inf for inf/NaN)
-    magic = np.maximum(binade * np.float32(1.5 * 2.0 ** (23 - m)), np.float32(1.5 * 2.0 ** (emin - m + 23)))
+    magic = _magic((v.view(np.uint32) & np.uint32(0x7F800000)).view(np.float32), fmt)  # 2^e (inf for inf/NaN)
     return (v + magic) - magic
+
+
+def _tile_axes(rows: int, cols: int) -> int | tuple[int, int]:
+    return 2 if rows == 1 else 1 if cols == 1 else (1, 3)
+
+
+def _tiles_np(a: np.ndarray, rows: int, cols: int) -> np.ndarray:
+    """[R, C] viewed as tiles, the tile's own axes as `_tile_axes` names them (1-sized ones dropped)."""
+    R, C = a.shape
+    if rows == 1:
+        return a.reshape(R, C // cols, cols)
+    if cols == 1:
+        return a.reshape(R // rows, rows, C)
+    return a.reshape(R // rows, rows, C // cols, cols)
+
+
+_ABS_BITS = np.uint32(0x7FFFFFFF)
+_EXPONENT_BITS = np.uint32(0x7F800000)
+
+
+def _scale_of(amax_bits: np.ndarray, fmt: str) -> np.ndarray:
+    """Tile scales from the tiles' max |v| as float32 bits (NaN amax stays NaN)."""
+    return np.maximum(amax_bits.view(np.float32) / np.float32(GRAD_FORMATS[fmt][1]), np.float32(_SCALE_FLOOR))
+
+
+def _round_scaled(v: np.ndarray, scale: np.ndarray, out: np.ndarray, bits: np.ndarray, fmt: str) -> None:
+    """out = round_fmt(v / scale) * scale (scale broadcasts over v; bits: a uint32 scratch of v's shape).
+
+    round_to_format_np's arithmetic on the float32 bit patterns where that is faster (numpy's
+    integer max is vectorised where its float one is not), the same values bit for bit: the
+    rounding constant M = 1.5 * 2^(e + 23 - m) of a binade 2^e, clamped below at the subnormal
+    one, is the bit pattern (max(e_bits, emin_bits) + ((23 - m) << 23)) | 0x400000; a NaN element
+    gets a meaningless M and stays NaN.
+    """
+    m, emin = _FORMAT_BITS[fmt]
+    t = np.divide(v, scale, out=out)
+    np.bitwise_and(t.view(np.uint32), _EXPONENT_BITS, out=bits)
+    floor = np.full(bits.shape[-1], (emin + 127) << 23, np.uint32)  # a row, not a scalar: vectorised max
+    np.maximum(bits, floor, out=bits)
+    bits += np.uint32(((23 - m) << 23) | 0x400000)
+    magic = bits.view(np.float32)
+    t += magic
+    t -= magic
+    t *= scale
+
+
+def _fake_quant_tiles(v: np.ndarray, out: np.ndarray, axes, fmt: str) -> None:
+    """out = v's tiles (the tile axes of `_tiles_np`) rounded through `fmt` with their own scales.
+    |v| as bits orders like |v| (NaN above inf), so the integer amax is the float one."""
+    bits = np.bitwise_and(v.view(np.uint32), _ABS_BITS)
+    _round_scaled(v, _scale_of(bits.max(axis=axes, keepdims=True), fmt), out, bits, fmt)
+
+
+def _token_run_amax(bits: np.ndarray, sizes: list[int], block: int) -> tuple[np.ndarray, list[int]]:
+    """Per-column max of |a| bits over runs of up to block rows starting at each group's first row
+    ([runs, C]), and the runs' lengths. One reshape-max per group: numpy's reduceat is 9x slower."""
+    parts, lengths, r = [], [], 0
+    for n in sizes:
+        full = n // block * block
+        if full:
+            parts.append(bits[r : r + full].reshape(full // block, block, bits.shape[1]).max(axis=1))
+            lengths += [block] * (full // block)
+        if n > full:
+            parts.append(bits[r + full : r + n].max(axis=0, keepdims=True))
+            lengths.append(n - full)
+        r += n
+    return np.concatenate(parts), lengths
+
+
+# numpy's kernels run on one core: an operand of at least this many bytes is cut into one chunk of
+# whole tiles per thread (measured at tiny-moe sizes: 1 MB rowwise 0.55 -> 0.38 ms on 2 threads;
+# smaller chunks lose more to hand-offs than they gain in cache)
+_PARALLEL_BYTES = 1 << 18
+_pool: ThreadPoolExecutor | None = None
+
+
+def _threads() -> int:
+    """As many threads as Paddle's kernels use (OMP_NUM_THREADS), so the two never oversubscribe."""
+    try:
+        return max(1, int(os.environ.get("OMP_NUM_THREADS", "1")))
+    except ValueError:
+        return 1
+
+
+def _in_parallel(jobs: list) -> None:
+    """Run (fn, *args) jobs on the pool (the first in this thread); each writes its own slice."""
+    global _pool
+    if len(jobs) == 1:
+        jobs[0][0](*jobs[0][1:])
+        return
+    if _pool is None or _pool._max_workers < len(jobs) - 1:
+        _pool = ThreadPoolExecutor(len(jobs) - 1, thread_name_prefix="erniekit-fp8")
+    futures = [_pool.submit(*job) for job in jobs[1:]]
+    jobs[0][0](*jobs[0][1:])
+    for f in futures:
+        f.result()
+
+
+def _cuts(n: int, nbytes: int) -> list[int]:
+    """Boundaries cutting n tiles into one chunk per thread (one chunk for a small operand)."""
+    k = min(_threads(), n) if nbytes >= _PARALLEL_BYTES else 1
+    return [n * i // k for i in range(k + 1)] if k > 1 else [0, n]
+
+
+def _native_runs(a: np.ndarray, starts: np.ndarray, cols: int, fmt: str) -> np.ndarray | None:
+    """a quantised by kernels/fake_quant.c (tiles: `cols` columns of each row run), or None
+    without a compiled kernel. The runs are cut over the threads; ctypes drops the GIL."""
+    fn = native.fake_quant_runs()
+    if fn is None:
+        return None
+    out = np.empty_like(a)
+    C = a.shape[1]
+    m, emin = _FORMAT_BITS[fmt]
+    fixed = (float(GRAD_FORMATS[fmt][1]), (emin + 127) << 23, ((23 - m) << 23) | 0x400000)
+    starts = np.ascontiguousarray(starts, dtype=np.int64)
+
+    def run(k0: int, k1: int) -> None:
+        amax, scale = np.empty(C, np.uint32), np.empty(C, np.float32)
+        sub = starts[k0 : k1 + 1]
+        fn(
+            a.ctypes.data,
+            out.ctypes.data,
+            C,
+            sub.ctypes.data,
+            k1 - k0,
+            cols,
+            *fixed,
+            amax.ctypes.data,
+            scale.ctypes.data,
+        )
+
+    c = _cuts(len(starts) - 1, a.nbytes)
+    _in_parallel([(run, i, j) for i, j in zip(c[:-1], c[1:])])
+    return out
+
+
+def fake_quant_np(a: np.ndarray, rows: int, cols: int, fmt: str = "e4m3") -> np.ndarray:
+    """a [R, C] float32 rounded through `fmt` with per rows x cols tile scales, back in float32.
+
+    Chunks of whole tiles run on a thread pool of OMP_NUM_THREADS (numpy releases the GIL in its
+    kernels; each chunk is independent, so the result does not depend on the thread count).
+    """
+    a = np.ascontiguousarray(a, dtype=np.float32)
+    if a.size:
+        got = _native_runs(a, np.arange(0, a.shape[0] + 1, rows), cols, fmt)
+        if got is not None:
+            return got
+    v = _tiles_np(a, rows, cols)
+    out = np.empty_like(v)
+    axes = _tile_axes(rows, cols)
+    c = _cuts(v.shape[0], v.nbytes)
+    _in_parallel([(_fake_quant_tiles, v[i:j], out[i:j], axes, fmt) for i, j in zip(c[:-1], c[1:])])
+    return out.reshape(a.shape)
+
+
+def fake_quant_token_runs_np(a: np.ndarray, sizes: list[int], block: int, fmt: str = "e4m3") -> np.ndarray:
+    """a [M, C] float32, its rows in consecutive groups of `sizes`, rounded through `fmt` in
+    block x 1 tiles that start at each group's first row (a group's last tile may be shorter).
+
+    The same values as zero-padding every group to a multiple of block and quantising block x 1
+    tiles (zeros change no tile's max), without the padded copy.
+    """
+    a = np.ascontiguousarray(a, dtype=np.float32)
+    out = np.empty_like(a)
+    if not a.shape[0]:
+        return out
+    firsts = np.cumsum([0] + list(sizes[:-1]))
+    starts = np.concatenate([f + np.arange(0, n, block) for f, n in zip(firsts, sizes) if n] + [[a.shape[0]]])
+    got = _native_runs(a, starts, 1, fmt)
+    if got is not None:
+        return got
+    bits = np.bitwise_and(a.view(np.uint32), _ABS_BITS)
+    amax, lengths = _token_run_amax(bits, [n for n in sizes if n], block)
+    scale = np.repeat(_scale_of(amax, fmt), lengths, axis=0)  # [M, C]: each row its run's scales
+    c = _cuts(a.shape[0], a.nbytes)
+    _in_parallel([(_round_scaled, a[i:j], scale[i:j], out[i:j], bits[i:j], fmt) for i, j in zip(c[:-1], c[1:])])
+    return out
+
+
+def _host(t: paddle.Tensor) -> np.ndarray:
+    """t's values as a float32 numpy array to read: a view of a dense float32 CPU tensor's memory
+    (no copy; ~20x cheaper than .numpy() at expert sizes), else a converted copy."""
+    if t.dtype == paddle.float32 and t.place.is_cpu_place() and not t.is_dist() and t.is_contiguous():
+        return np.from_dlpack(t.detach())
+    return t.astype("float32").numpy()
+
+
+def _tensor(a: np.ndarray) -> paddle.Tensor:
+    """A fresh numpy result as a CPU tensor sharing its memory (the tensor keeps the array alive);
+    an empty one is copied (its DLPack strides are not the contiguous ones Paddle checks for)."""
+    return paddle.from_dlpack(np.ascontiguousarray(a)) if a.size else paddle.to_tensor(a)
 
 
 def _fake_quant(x: paddle.Tensor, rows: int, cols: int, fmt: str = "e4m3") -> paddle.Tensor:
     """x rounded through e4m3 (or `fmt`) with per-tile scales, back in float32 (the emulated operand).
 
-    Computed in numpy: Paddle's CPU elementwise kernels (and the float8 -> float32 cast above all)
-    are 5-30x slower than numpy's at expert sizes, and this runs six times per expert projection
-    and step. Bit-identical to `_fake_quant_cast` (same division, rounding and multiplication).
+    Computed in numpy (fake_quant_np): Paddle's CPU elementwise kernels (and the float8 -> float32
+    cast above all) are 5-30x slower than numpy's at expert sizes. Bit-identical to
+    `_fake_quant_cast` (same division, rounding and multiplication).
     """
-    _, fmax = GRAD_FORMATS[fmt]
-    a = x.numpy()
-    R, C = a.shape
-    v = a.reshape([R // rows, rows, C // cols, cols])
-    amax = np.abs(v).max(axis=(1, 3), keepdims=True)
-    scale = np.maximum(amax / np.float32(fmax), np.float32(_SCALE_FLOOR))  # NaN amax stays NaN
-    return paddle.to_tensor((round_to_format_np(v / scale, fmt) * scale).reshape([R, C]))
+    return _tensor(fake_quant_np(_host(x), rows, cols, fmt))
 
 
 def _scale_2d(scale: paddle.Tensor, shape: list[int], rows: int, cols: int) -> paddle.Tensor:
@@ -337,61 +531,117 @@ def fp8_matmul(
     return y.reshape(lead + [w.shape[1]])
 
 
-# ---- grouped GEMM: every expert of one projection in one call ------------------------------------
-def _padded_rows(sizes: list[int], block: int) -> tuple[paddle.Tensor, list[int]]:
-    """Row index of each sorted row in a layout where every group starts at a multiple of block
-    (so dW's b x 1 tiles never straddle two experts), and the padded group sizes."""
-    padded = [-(-s // block) * block for s in sizes]
-    starts = np.cumsum([0] + padded[:-1])
-    pos = np.concatenate([st + np.arange(s) for st, s in zip(starts, sizes)]) if sizes else np.zeros([0])
-    return paddle.to_tensor(pos.astype("int64")), padded
+# ---- grouped GEMM: every expert of one or more projections in one call ----------------------------
+def _per_group(a: paddle.Tensor, sizes: list[int], w: list[paddle.Tensor], experts: list[int], **kw) -> paddle.Tensor:
+    return concat_rows([paddle.matmul(g, w[e], **kw) for g, e in zip(split_rows(a, sizes), experts)])
 
 
-class _FP8GroupedMatMul(PyLayer):
-    """Y_g = X_g @ W[e_g] for consecutive row groups g, every GEMM in block-scaled FP8 (emulated).
+class _FP8GroupedMatMuls(PyLayer):
+    """Y_i,g = X_g @ W_i[e_g] for consecutive row groups g and weights W_i that share the input
+    (an expert MLP's gate and up projections), every GEMM in block-scaled FP8 (emulated).
 
-    Same tiles, so the same numbers, as one `fp8_matmul` per expert, but each operand is quantised
-    once for all experts: X and dY tiles are per token row, W tiles per expert block, and dW's
-    token-run tiles are formed on a layout padded per group. This is what makes CPU FP8 training
-    affordable: at tiny-moe size the per-expert version spends most of its time on op dispatch.
+    Same tiles, so the same numbers, as one `fp8_matmul` per expert and weight, but each operand is
+    quantised once for all experts, and X (rowwise for Y, in token runs for dW) once for all
+    weights: X and dY tiles are per token row, W tiles per expert block, and dW's token-run tiles
+    start at each group's first row (as if every group were zero-padded to a multiple of the
+    block, without the copy). This is what makes CPU FP8 training affordable: at
+    tiny-moe size the per-expert version spends most of its time on op dispatch.
     """
 
     @staticmethod
-    def forward(ctx, x, w, sizes: list[int], experts: list[int], block: int, grad_format: str):
+    def forward(ctx, sizes: list[int], experts: list[int], block: int, grad_format: str, x, *ws):
         ctx.sizes, ctx.experts, ctx.block, ctx.fmt = sizes, experts, block, grad_format
-        ctx.dtypes = (x.dtype, w.dtype)
-        ctx.need = (not x.stop_gradient, not w.stop_gradient)
-        E, K, N = w.shape
-        wq = _fake_quant(w.astype("float32").reshape([E * K, N]), block, block).reshape([E, K, N])
-        ctx.save_for_backward(x, wq)
-        xq = split_rows(_fake_quant(x.astype("float32"), 1, block), sizes)
-        wl = paddle.unbind(wq)
-        return concat_rows([paddle.matmul(xg, wl[e]) for xg, e in zip(xq, experts)]).astype(x.dtype)
+        ctx.dtypes = (x.dtype, ws[0].dtype)
+        ctx.need = (not x.stop_gradient, [not w.stop_gradient for w in ws])
+        xq = _tensor(fake_quant_np(_host(x), 1, block))
+        wqs = []
+        for w in ws:
+            E, K, N = w.shape
+            wqs.append(_tensor(fake_quant_np(_host(w).reshape(E * K, N), block, block)))
+            wqs[-1] = wqs[-1].reshape([E, K, N])
+        ctx.save_for_backward(x, *wqs)
+        ys = tuple(_per_group(xq, sizes, paddle.unbind(wq), experts).astype(x.dtype) for wq in wqs)
+        return ys if len(ys) > 1 else ys[0]
 
     @staticmethod
-    def backward(ctx, dy):
-        x, wq = ctx.saved_tensor()
-        dy = dy.astype("float32")
-        sizes, experts, block = ctx.sizes, ctx.experts, ctx.block
-        dx = dw = None
+    def backward(ctx, *dys):
+        x, *wqs = ctx.saved_tensor()
+        sizes, experts, block, fmt = ctx.sizes, ctx.experts, ctx.block, ctx.fmt
+        dys_np = [None if dy is None else _host(dy) for dy in dys]
+        dx = None
         if ctx.need[0]:
-            dq = split_rows(_fake_quant(dy, 1, block, ctx.fmt), sizes)
-            wl = paddle.unbind(wq)
-            dx = concat_rows([paddle.matmul(d, wl[e], transpose_y=True) for d, e in zip(dq, experts)]).astype(
-                ctx.dtypes[0]
-            )
-        if ctx.need[1]:
-            pos, padded = _padded_rows(sizes, block)
+            for dy, wq in zip(dys_np, wqs):
+                if dy is None:
+                    continue
+                part = _per_group(
+                    _tensor(fake_quant_np(dy, 1, block, fmt)),
+                    sizes,
+                    paddle.unbind(wq),
+                    experts,
+                    transpose_y=True,
+                )
+                dx = part if dx is None else dx + part
+            dx = (paddle.zeros(x.shape, "float32") if dx is None else dx).astype(ctx.dtypes[0])
+        dws = []
+        if any(ctx.need[1]):
+            xs = _tensor(fake_quant_token_runs_np(_host(x), sizes, block))
+        for need, dy, wq in zip(ctx.need[1], dys_np, wqs):
+            if not need:
+                dws.append(None)
+                continue
             E, K, N = wq.shape
-            rows = sum(padded)
-            xp = paddle.scatter(paddle.zeros([rows, K], "float32"), pos, x.astype("float32"))
-            dp = paddle.scatter(paddle.zeros([rows, N], "float32"), pos, dy)
-            xs = split_rows(_fake_quant(xp, block, 1), padded)
-            ds = split_rows(_fake_quant(dp, block, 1, ctx.fmt), padded)
-            per = dict(zip(experts, (paddle.matmul(a, b, transpose_x=True) for a, b in zip(xs, ds))))
+            per = {}
+            if dy is not None:
+                ds = _tensor(fake_quant_token_runs_np(dy, sizes, block, fmt))
+                per = dict(
+                    zip(
+                        experts,
+                        (
+                            paddle.matmul(a, b, transpose_x=True)
+                            for a, b in zip(split_rows(xs, sizes), split_rows(ds, sizes))
+                        ),
+                    )
+                )
             zero = paddle.zeros([K, N], "float32")
-            dw = paddle.stack([per.get(e, zero) for e in range(E)]).astype(ctx.dtypes[1])
-        return dx, dw
+            dws.append(paddle.stack([per.get(e, zero) for e in range(E)]).astype(ctx.dtypes[1]))
+        return (dx, *dws)
+
+
+def _check_grouped(x: paddle.Tensor, ws: list[paddle.Tensor], sizes: list[int], experts: list[int]) -> None:
+    for w in ws:
+        if len(w.shape) != 3 or len(x.shape) != 2 or len(sizes) != len(experts) or sum(sizes) != x.shape[0]:
+            raise ValueError(
+                f"fp8_grouped_matmul: need x [M, K], w [E, K, N] and one expert per group summing to M, "
+                f"got {list(x.shape)}, {list(w.shape)}, sizes {sizes}, experts {experts}"
+            )
+
+
+def fp8_grouped_matmuls(
+    x: paddle.Tensor,
+    ws: list[paddle.Tensor],
+    sizes: list[int],
+    experts: list[int],
+    block: int = 128,
+    grad_format: str = "e4m3",
+) -> list[paddle.Tensor]:
+    """`fp8_grouped_matmul(x, w, ...)` for every w in ws (weights sharing the input x), as a list.
+
+    Emulated, x is quantised once for all of them (the same numbers as separate calls)."""
+    _check_grouped(x, ws, sizes, experts)
+    backend = fp8_backend() if x.place.is_gpu_place() else "emulated"
+    for w in ws:
+        _check_gemm(x, w[0], block, backend)
+    if grad_format not in GRAD_FORMATS:
+        raise ConfigError(f"fp8_grad_format={grad_format!r} is not supported; use one of {sorted(GRAD_FORMATS)}")
+    if backend == "gpu":
+        xs = split_rows(x, sizes)
+        out = []
+        for w in ws:
+            wl = paddle.unbind(w)
+            out.append(concat_rows([fp8_matmul(xg, wl[e], block, backend, grad_format) for xg, e in zip(xs, experts)]))
+        return out
+    ys = _FP8GroupedMatMuls.apply(list(sizes), list(experts), block, grad_format, x, *ws)
+    return list(ys) if isinstance(ys, (tuple, list)) else [ys]
 
 
 def fp8_grouped_matmul(
@@ -405,18 +655,4 @@ def fp8_grouped_matmul(
     """Rows of x [M, K] come in consecutive groups (sizes, summing to M); group g is multiplied by
     w[experts[g]] (w [E, K, N]). Equal to concatenating `fp8_matmul(x_g, w[e_g])`, differentiable
     for x and w. On a GPU with the FP8 kernel it runs exactly that per-group loop."""
-    if len(w.shape) != 3 or len(x.shape) != 2 or len(sizes) != len(experts) or sum(sizes) != x.shape[0]:
-        raise ValueError(
-            f"fp8_grouped_matmul: need x [M, K], w [E, K, N] and one expert per group summing to M, "
-            f"got {list(x.shape)}, {list(w.shape)}, sizes {sizes}, experts {experts}"
-        )
-    backend = fp8_backend() if x.place.is_gpu_place() else "emulated"
-    _check_gemm(x, w[0], block, backend)
-    if grad_format not in GRAD_FORMATS:
-        raise ConfigError(f"fp8_grad_format={grad_format!r} is not supported; use one of {sorted(GRAD_FORMATS)}")
-    if backend == "gpu":
-        wl = paddle.unbind(w)
-        return concat_rows(
-            [fp8_matmul(xg, wl[e], block, backend, grad_format) for xg, e in zip(split_rows(x, sizes), experts)]
-        )
-    return _FP8GroupedMatMul.apply(x, w, list(sizes), list(experts), block, grad_format)
+    return fp8_grouped_matmuls(x, [w], sizes, experts, block, grad_format)[0]

@@ -285,9 +285,13 @@ class LoraStackedExperts(_LoraMixin, StackedExperts):
     def base_matmul(self, x: paddle.Tensor, w: paddle.Tensor) -> paddle.Tensor:
         return _mm(x, w)  # the frozen base may be held in bf16
 
-    def grouped(self, p: str, x: paddle.Tensor, sizes: list[int], used: list[int]) -> paddle.Tensor:
-        """StackedExperts' grouped projection, plus each group's expert adapter (and DoRA scale)."""
-        y = super().grouped(p, x, sizes, used)
+    def grouped_many(
+        self, ps: tuple[str, ...], x: paddle.Tensor, sizes: list[int], used: list[int]
+    ) -> list[paddle.Tensor]:
+        """StackedExperts' grouped projections, plus each group's expert adapter (and DoRA scale)."""
+        return [self._adapted(p, x, y, sizes, used) for p, y in zip(ps, super().grouped_many(ps, x, sizes, used))]
+
+    def _adapted(self, p: str, x: paddle.Tensor, y: paddle.Tensor, sizes: list[int], used: list[int]) -> paddle.Tensor:
         if not (self._active() and p in self.projs):
             return y
         A, B = paddle.unbind(self.param(f"{p}_lora_A")), paddle.unbind(self.param(f"{p}_lora_B"))

@@ -28,7 +28,7 @@ import paddle.nn as nn
 import paddle.nn.functional as F
 
 from erniekit.errors import DataError
-from erniekit.nn.fp8 import fp8_grouped_matmul
+from erniekit.nn.fp8 import fp8_grouped_matmuls
 from erniekit.nn.recompute import recomputing
 from erniekit.nn.rows import concat_rows, split_rows
 
@@ -207,11 +207,21 @@ class StackedExperts(nn.Layer):
 
         In FP8 all groups are quantised in one call (fp8_grouped_matmul); otherwise one GEMM per group.
         """
-        w = self.param(p)
+        return self.grouped_many((p,), x, sizes, used)[0]
+
+    def grouped_many(
+        self, ps: tuple[str, ...], x: paddle.Tensor, sizes: list[int], used: list[int]
+    ) -> list[paddle.Tensor]:
+        """`grouped` for projections sharing the input x (gate and up): in FP8, x is quantised once for all."""
         if self.fp8_block:
-            return fp8_grouped_matmul(x, w, sizes, used, block=self.fp8_block, grad_format=self.fp8_grad_format)
-        W = paddle.unbind(w)
-        return concat_rows([self.base_matmul(g, W[e]) for g, e in zip(split_rows(x, sizes), used)])
+            ws = [self.param(p) for p in ps]
+            return fp8_grouped_matmuls(x, ws, sizes, used, block=self.fp8_block, grad_format=self.fp8_grad_format)
+        xs = split_rows(x, sizes)
+        out = []
+        for p in ps:
+            W = paddle.unbind(self.param(p))
+            out.append(concat_rows([self.base_matmul(g, W[e]) for g, e in zip(xs, used)]))
+        return out
 
     def forward(
         self, x: paddle.Tensor, topk_idx: paddle.Tensor, topk_weight: paddle.Tensor, keep: paddle.Tensor | None = None
@@ -254,7 +264,8 @@ class StackedExperts(nn.Layer):
         """Rows sorted into consecutive groups of counts[e] rows for expert e -> the experts' outputs."""
         sizes = [c for c in counts if c > 0]
         used = [e for e, c in enumerate(counts) if c > 0]
-        h = F.silu(self.grouped("gate_proj", xs, sizes, used)) * self.grouped("up_proj", xs, sizes, used)
+        gate, up = self.grouped_many(("gate_proj", "up_proj"), xs, sizes, used)
+        h = F.silu(gate) * up
         return self.grouped("down_proj", h, sizes, used)
 
     def expert_params(self) -> dict[str, paddle.Tensor]:

@@ -14,6 +14,7 @@ live split over the sharding ranks (`state_placements`) and the update is gather
 
 from __future__ import annotations
 
+import numpy as np
 import paddle
 import paddle.distributed as dist
 
@@ -28,6 +29,42 @@ def reduce_to(g: paddle.Tensor, like: paddle.Tensor) -> paddle.Tensor:
     if any(pl.is_partial() for pl in g.placements) and any(pl.is_shard() for pl in like.placements):
         g = dist.reshard(g, like.process_mesh, [dist.Replicate() if pl.is_partial() else pl for pl in g.placements])
     return dist.reshard(g, like.process_mesh, like.placements)
+
+
+def _host_view(t: paddle.Tensor) -> np.ndarray | None:
+    """A writable numpy view of a dense float32 CPU tensor's memory (no copy), else None."""
+    if is_dist(t) or t.dtype != paddle.float32 or not t.place.is_cpu_place() or not t.is_contiguous():
+        return None
+    return np.from_dlpack(t.detach())
+
+
+def _numpy_step(p, g, m, v, b1, b2, lr_bc1, bc2, eps, decay) -> bool:
+    """The AdamW update of one parameter in numpy, in place, when p, g and the moments are dense
+    float32 CPU tensors; False (nothing done) otherwise.
+
+    Why: the Paddle-op update issues ~16 eager ops per parameter (~900 a step for the embedded
+    default's 57 tensors, 6 ms of its ~88 ms step); numpy's in-place kernels do the same arithmetic
+    in ~2 ms. Same formula and order as the Paddle path; the values differ in the last bit where
+    Paddle's CPU sqrt and divide are not correctly rounded (numpy's are).
+    """
+    views = [_host_view(t) for t in (p, g, m, v)]
+    if any(a is None for a in views):
+        return False
+    P, G, M, V = views
+    f = np.float32
+    M *= f(b1)
+    M += G * f(1 - b1)
+    V *= f(b2)
+    V += (G * G) * f(1 - b2)
+    if decay is not None:
+        P *= f(decay)
+    den = V / f(bc2)
+    np.sqrt(den, out=den)
+    den += f(eps)
+    upd = M * f(-lr_bc1)
+    upd /= den
+    P += upd
+    return True
 
 
 class AdamW:
@@ -89,7 +126,7 @@ class AdamW:
             g = p.grad if grads is None else grads.get(id(p))
             if g is None:
                 continue
-            g = g.astype("float32")
+            g = g if g.dtype == paddle.float32 else g.astype("float32")
             if name not in self.m:
                 self.m[name] = self._zeros_for(p)
                 self.v[name] = self._zeros_for(p)
@@ -97,10 +134,13 @@ class AdamW:
             if is_dist(g):  # reduce partial sums, keep this rank's shard of the moments' layout
                 g = reduce_to(g, m)
             plr = lr * self.lr_mult.get(name, 1.0)
+            decay = 1 - plr * self.wd if self.wd and name not in self.no_decay else None
+            if _numpy_step(p, g, m, v, b1, b2, plr / bc1, bc2, self.eps, decay):
+                continue
             m.scale_(b1).add_(g * (1 - b1))
             v.scale_(b2).add_(g * g * (1 - b2))
-            if self.wd and name not in self.no_decay:
-                p.scale_(1 - plr * self.wd)
+            if decay is not None:
+                p.scale_(decay)
             update = (-(plr / bc1) * m / (paddle.sqrt(v / bc2) + self.eps)).astype(p.dtype)
             if is_dist(update) and update.placements != p.placements:  # ZeRO-1: gather the update
                 update = dist.reshard(update, p.process_mesh, p.placements)

@@ -29,6 +29,7 @@ from erniekit.nn.attention import (
 from erniekit.nn.gpas import GPAS
 from erniekit.nn.moe import MoEBlock
 from erniekit.nn.mtp import MultiTokenPredictor
+from erniekit.nn.norm import rms_norm
 from erniekit.nn.recompute import GRANULARITIES, checkpoint
 
 
@@ -39,10 +40,7 @@ class RMSNorm(nn.Layer):
         self.weight = self.create_parameter([hidden_size], default_initializer=nn.initializer.Constant(1.0))
 
     def forward(self, x: paddle.Tensor) -> paddle.Tensor:
-        # computed in float32 whatever the activation dtype, as the reference does
-        h = x.astype("float32")
-        h = h * paddle.rsqrt((h * h).mean(-1, keepdim=True) + self.eps)  # h*h: Paddle's CPU pow is ~30x slower
-        return self.weight * h.astype(x.dtype)
+        return rms_norm(x, self.weight, self.eps)
 
 
 class MLP(nn.Layer):

@@ -372,9 +372,21 @@ def test_float32_rounding_equals_the_float8_cast(fmt, dtype):
     np.testing.assert_array_equal(fp8_mod.round_to_format_np(v, fmt), want)
 
 
+@pytest.fixture(params=["c-kernel", "numpy"])
+def quant_path(request, monkeypatch):
+    """Both CPU quantisation paths: the C kernel (erniekit/nn/native.py) and numpy without it."""
+    from erniekit.nn import native
+
+    if request.param == "numpy":
+        monkeypatch.setattr(native, "fake_quant_runs", lambda: None)
+    else:
+        assert native.fake_quant_runs() is not None, native.why_not
+    return request.param
+
+
 @pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
 @pytest.mark.parametrize("rows, cols", [(1, 64), (64, 64), (64, 1)])
-def test_numpy_fake_quant_equals_the_cast_path(fmt, rows, cols):
+def test_numpy_fake_quant_equals_the_cast_path(quant_path, fmt, rows, cols):
     rng = np.random.default_rng(4)
     x = (rng.standard_normal((192, 128)) * 10.0 ** rng.uniform(-6, 6, (192, 1))).astype(F32)
     x[3] = 0.0
@@ -383,6 +395,63 @@ def test_numpy_fake_quant_equals_the_cast_path(fmt, rows, cols):
     b = fp8_mod._fake_quant_cast(paddle.to_tensor(x), rows, cols, fmt).numpy()
     np.testing.assert_array_equal(a, b)  # NaN in the same places, every other value equal
     assert np.isnan(a).any() and (a != x)[np.isfinite(x)].any()
+
+
+@pytest.mark.parametrize("threads", ["1", "2", "3"])
+@pytest.mark.parametrize("rows, cols", [(1, 64), (64, 64), (64, 1)])
+def test_numpy_fake_quant_does_not_depend_on_the_thread_count(quant_path, monkeypatch, threads, rows, cols):
+    """fake_quant_np cuts big operands into one chunk of whole tiles per thread: the values must be
+    the cast path's whatever the cut."""
+    monkeypatch.setenv("OMP_NUM_THREADS", threads)
+    monkeypatch.setattr(fp8_mod, "_PARALLEL_BYTES", 1)  # cut even this small operand
+    rng = np.random.default_rng(6)
+    x = (rng.standard_normal((320, 192)) * 10.0 ** rng.uniform(-5, 5, (320, 1))).astype(F32)
+    want = fp8_mod._fake_quant_cast(paddle.to_tensor(x), rows, cols, "e5m2").numpy()
+    np.testing.assert_array_equal(fp8_mod.fake_quant_np(x, rows, cols, "e5m2"), want)
+
+
+@pytest.mark.parametrize("threads", ["1", "2"])
+def test_token_runs_equal_quantising_a_zero_padded_layout(quant_path, monkeypatch, threads):
+    """dW's block x 1 tiles start at each expert group's first row: the reference pads every group
+    with zero rows to a multiple of the block, quantises, and drops the padding again."""
+    monkeypatch.setenv("OMP_NUM_THREADS", threads)
+    monkeypatch.setattr(fp8_mod, "_PARALLEL_BYTES", 1)
+    rng = np.random.default_rng(7)
+    sizes, block = [1, 63, 64, 65, 130, 0, 7], 64
+    a = (rng.standard_normal((sum(sizes), 128)) * 10.0 ** rng.uniform(-4, 4, (sum(sizes), 1))).astype(F32)
+    padded_sizes = [-(-n // block) * block for n in sizes]
+    padded = np.zeros((sum(padded_sizes), 128), F32)
+    src = dst = 0
+    keep = []
+    for n, p in zip(sizes, padded_sizes):
+        padded[dst : dst + n] = a[src : src + n]
+        keep.extend(range(dst, dst + n))
+        src, dst = src + n, dst + p
+    want = fp8_mod._fake_quant_cast(paddle.to_tensor(padded), block, 1, "e4m3").numpy()[keep]
+    np.testing.assert_array_equal(fp8_mod.fake_quant_token_runs_np(a, sizes, block), want)
+
+
+def test_grouped_matmuls_sharing_an_input_equal_separate_calls():
+    """gate and up projections in one call (x quantised once) give the outputs and gradients of
+    two fp8_grouped_matmul calls."""
+    rng = np.random.default_rng(8)
+    sizes, experts, E, K, N = [70, 1, 129], [2, 0, 3], 4, 128, 64
+    x_np = rng.standard_normal((sum(sizes), K)).astype(F32)
+    w_np = [rng.standard_normal((E, K, N)).astype(F32) for _ in range(2)]
+    g_np = [rng.standard_normal((sum(sizes), N)).astype(F32) for _ in range(2)]
+
+    def run(together: bool):
+        x = paddle.to_tensor(x_np, stop_gradient=False)
+        ws = [paddle.to_tensor(w, stop_gradient=False) for w in w_np]
+        if together:
+            ys = fp8_mod.fp8_grouped_matmuls(x, ws, sizes, experts, block=64, grad_format="e5m2")
+        else:
+            ys = [fp8_mod.fp8_grouped_matmul(x, w, sizes, experts, block=64, grad_format="e5m2") for w in ws]
+        (ys[0] * paddle.to_tensor(g_np[0]) + ys[1] * paddle.to_tensor(g_np[1])).sum().backward()
+        return [y.numpy() for y in ys] + [x.grad.numpy()] + [w.grad.numpy() for w in ws]
+
+    for a, b in zip(run(True), run(False)):
+        np.testing.assert_array_equal(a, b)
 
 
 def _grouped_vs_loop(sizes, experts, E, block, fmt, w_frozen=False):
@@ -409,7 +478,7 @@ def _grouped_vs_loop(sizes, experts, E, block, fmt, w_frozen=False):
 
 
 @pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
-def test_grouped_fp8_matmul_equals_one_fp8_matmul_per_expert(fmt):
+def test_grouped_fp8_matmul_equals_one_fp8_matmul_per_expert(quant_path, fmt):
     """Same tiles, so the same numbers: groups of 1, 63, 64, 65 and 130 rows (dW's token tiles are
     padded per group), experts out of order, two experts without tokens."""
     dw = _grouped_vs_loop([1, 63, 64, 65, 130], [4, 0, 2, 6, 1], E=7, block=64, fmt=fmt)

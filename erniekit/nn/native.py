@@ -1,0 +1,99 @@
+"""C kernels for the CPU hot paths numpy cannot fuse, compiled on first use with the system's C
+compiler and loaded with ctypes.
+
+Why C: the emulated FP8 quantisation (nn/fp8.py) is ~9 elementwise passes in numpy (0.35 ms for
+the embedded default's 0.5M-element operands, ~40 operands a step); one C pass does it in a
+fraction of that. The kernels compute the numpy path's arithmetic operation for operation (tests
+check the bits), so a machine without a compiler gets the same numbers from numpy, only slower.
+`ERNIEKIT_NATIVE_KERNELS=0` turns them off.
+
+Builds are cached under $ERNIEKIT_CACHE (default ~/.cache/erniekit)/kernels, keyed by the source,
+the flags and the CPU's feature flags (the build targets the CPU it runs on, so a home directory
+shared by different CPUs gets one build each); written to a temporary name and renamed, so
+concurrent ranks never load half a file.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+_KERNELS = Path(__file__).resolve().parent / "kernels"
+_FLAGS = ["-O3", "-march=native", "-fno-fast-math", "-ffp-contract=off", "-fPIC", "-shared"]
+_loaded: dict[str, ctypes.CDLL | None] = {}
+why_not: dict[str, str] = {}  # kernel -> why it is not in use (for `erniekit env` and tests)
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _cache_dir() -> Path:
+    base = os.environ.get("ERNIEKIT_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "erniekit"
+    )
+    return Path(base) / "kernels"
+
+
+def _build(name: str, src: Path) -> Path:
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if not cc:
+        raise OSError("no C compiler (cc / gcc) on PATH")
+    code = src.read_bytes()
+    key = hashlib.sha256(code + " ".join(_FLAGS).encode() + _cpu_flags().encode() + platform.machine().encode())
+    out = _cache_dir() / f"{name}-{key.hexdigest()[:16]}.so"
+    if out.exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+    os.close(fd)
+    try:
+        r = subprocess.run([cc, *_FLAGS, str(src), "-o", tmp], capture_output=True, text=True, timeout=120)
+        if r.returncode != 0:
+            raise OSError(f"{cc} failed: {r.stderr.strip()[-300:]}")
+        os.replace(tmp, out)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return out
+
+
+def load(name: str) -> ctypes.CDLL | None:
+    """The compiled library of kernels/<name>.c, or None (reason in `why_not[name]`)."""
+    if name in _loaded:
+        return _loaded[name]
+    lib = None
+    if os.environ.get("ERNIEKIT_NATIVE_KERNELS", "1") == "0":
+        why_not[name] = "ERNIEKIT_NATIVE_KERNELS=0"
+    else:
+        try:
+            lib = ctypes.CDLL(str(_build(name, _KERNELS / f"{name}.c")))
+        except (OSError, subprocess.SubprocessError) as e:
+            why_not[name] = str(e)
+    _loaded[name] = lib
+    return lib
+
+
+def fake_quant_runs():
+    """erniekit_fake_quant_runs from kernels/fake_quant.c with its argument types, or None."""
+    lib = load("fake_quant")
+    if lib is None:
+        return None
+    fn = lib.erniekit_fake_quant_runs
+    if fn.argtypes is None:
+        p, i64, u32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_uint32
+        fn.argtypes = [p, p, i64, p, i64, i64, ctypes.c_float, u32, u32, p, p]
+        fn.restype = None
+    return fn
