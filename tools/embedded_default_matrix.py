@@ -250,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     print(
         f"held-out exact match over {summary['finished']} runs: min {summary['min']:.3f}  median "
-        f"{summary['median']:.3f}  max {summary['max']:.3f}  ({cpu_model()}; {out_path.relative_to(ROOT)})"
+        f"{summary['median']:.3f}  max {summary['max']:.3f}  ({cpu_model()}; {os.path.relpath(out_path, ROOT)})"
     )
     return 0 if summary["finished"] == summary["runs"] else 1
 

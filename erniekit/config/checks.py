@@ -446,13 +446,6 @@ def _check_parallel(cfg: TrainConfig) -> None:
         _check_ps(cfg)
         return
     lay = layout_from_config(cfg.parallelism)
-    # the FP8 expert GEMM runs on local tensors: a pipeline stage's, or an expert-parallel slice's
-    if lay.world > 1 and cfg.fp8 and lay.pp == 1 and lay.ep == 1:
-        raise ConfigError(
-            "fp8: true with several processes needs the experts' GEMMs local: set "
-            "expert_parallel_degree to the data ranks or pipeline_parallel_degree=nproc_per_node "
-            "(or fp8=false, nproc_per_node=1)"
-        )
     if lay.world > 1 and lay.sharding_stage == 3 and not _has_cuda():
         raise ConfigError(
             "sharding=stage3 needs reduce-scatter, which Paddle's CPU build does not have "

@@ -251,7 +251,7 @@ class LoraStackedExperts(_LoraMixin, StackedExperts):
         self.num_experts = base.num_experts
         self.fp8_block, self.fp8_grad_format = base.fp8_block, base.fp8_grad_format
         self.expert_offset = base.expert_offset
-        self.expert_parallel, self._local = base.expert_parallel, {}
+        self.expert_parallel, self.replicated, self._local = base.expert_parallel, base.replicated, {}
         self.projs = tuple(projs)
         for p in _EXPERT_PROJS:
             setattr(self, p, getattr(base, p))

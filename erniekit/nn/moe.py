@@ -46,6 +46,14 @@ class ExpertExchange(Protocol):
     def all_to_all(self, x: paddle.Tensor, send: list[int], recv: list[int]) -> paddle.Tensor: ...
 
 
+class ReplicatedExperts(Protocol):
+    """What a StackedExperts replicated over several processes needs from the runtime
+    (erniekit/distributed/collective/replicated_experts.py): run fn on local tensors, with the
+    expert weights' gradients summed over the data ranks."""
+
+    def run(self, fn, x, topk_idx, topk_weight, keep, params: dict) -> paddle.Tensor: ...
+
+
 _MASKED = -1e9  # logit of an expert outside the active (elastic) subset: softmax gives ~1e-28
 
 
@@ -188,6 +196,9 @@ class StackedExperts(nn.Layer):
         self.fp8_grad_format = "e4m3"
         self.expert_offset = 0  # global id of expert 0 (modality-isolated routing: experts of earlier modalities)
         self.expert_parallel: "ExpertExchange | None" = None
+        # multi-process without expert parallelism: the experts run on local tensors, their weight
+        # gradients summed over the data ranks (erniekit/distributed/collective/replicated_experts.py)
+        self.replicated: "ReplicatedExperts | None" = None
         self._local: dict[str, paddle.Tensor] = {}  # during an expert-parallel forward: this process's slices
         self.gate_proj = self.create_parameter([num_experts, hidden_size, intermediate_size])
         self.up_proj = self.create_parameter([num_experts, hidden_size, intermediate_size])
@@ -238,14 +249,41 @@ class StackedExperts(nn.Layer):
             return self.expert_parallel.run(
                 self._forward_expert_parallel, x, topk_idx, topk_weight, keep, self.expert_params()
             )
+        if self.replicated is not None:
+            return self.replicated.run(self._forward_replicated, x, topk_idx, topk_weight, keep, self.expert_params())
         if not paddle.in_dynamic_mode():
             return self._forward_every_expert(x, topk_idx, topk_weight, keep)
+        return self._forward_grouped(x, topk_idx, topk_weight, keep)
+
+    def _forward_grouped(
+        self, x: paddle.Tensor, topk_idx: paddle.Tensor, topk_weight: paddle.Tensor, keep: paddle.Tensor | None
+    ) -> paddle.Tensor:
         d = dispatch(topk_idx, topk_weight, self.num_experts, keep)
         out = paddle.zeros_like(x)
         if not d.token.shape[0]:
             return out
         y = self._swiglu(paddle.gather(x, d.token), d.counts)
         return paddle.index_add(out, d.token, 0, y * d.weight.astype(x.dtype).unsqueeze(-1))
+
+    def _forward_replicated(
+        self,
+        x: paddle.Tensor,
+        topk_idx: paddle.Tensor,
+        topk_weight: paddle.Tensor,
+        keep: paddle.Tensor | None,
+        local: dict[str, paddle.Tensor],
+    ) -> paddle.Tensor:
+        """This process's tokens x [T, H] through the whole (replicated) experts as local tensors:
+        a data-parallel rank's experts see only its own tokens; `replicated` sums the weight
+        gradients over the data ranks. Every trainable expert tensor joins the graph (weight 0 if
+        no token came), so every rank makes the same gradient all-reduces."""
+        self._local = local
+        try:
+            out = self._forward_grouped(x, topk_idx, topk_weight, keep)
+        finally:
+            self._local = {}
+        idle = [p.sum() for p in local.values() if not p.stop_gradient]
+        return out + 0 * paddle.add_n(idle).astype(x.dtype) if idle else out
 
     def _forward_every_expert(
         self, x: paddle.Tensor, topk_idx: paddle.Tensor, topk_weight: paddle.Tensor, keep: paddle.Tensor | None = None

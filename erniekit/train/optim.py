@@ -14,6 +14,8 @@ live split over the sharding ranks (`state_placements`) and the update is gather
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import paddle
 import paddle.distributed as dist
@@ -32,8 +34,14 @@ def reduce_to(g: paddle.Tensor, like: paddle.Tensor) -> paddle.Tensor:
 
 
 def _host_view(t: paddle.Tensor) -> np.ndarray | None:
-    """A writable numpy view of a dense float32 CPU tensor's memory (no copy), else None."""
-    if is_dist(t) or t.dtype != paddle.float32 or not t.place.is_cpu_place() or not t.is_contiguous():
+    """A writable numpy view of a dense float32 CPU tensor's memory (no copy), else None. A
+    DistTensor replicated on every rank qualifies through its local value (every rank then makes
+    the same update from the same all-reduced gradient, as Paddle's ops on it would)."""
+    if is_dist(t):
+        if not all(pl.is_replicated() for pl in t.placements):
+            return None
+        t = t._local_value()
+    if t.dtype != paddle.float32 or not t.place.is_cpu_place() or not t.is_contiguous():
         return None
     return np.from_dlpack(t.detach())
 
@@ -208,13 +216,59 @@ def _reduced(p: paddle.Tensor, g: paddle.Tensor) -> paddle.Tensor:
     return dist.reshard(g, p.process_mesh, p.placements)
 
 
+def _all_ranks_partial(p: paddle.Tensor, g: paddle.Tensor) -> bool:
+    """g holds sums over every rank of the job for a parameter replicated everywhere (plain data
+    parallelism, ZeRO-1): one job-wide all-reduce of its local value makes it the full gradient.
+    Either Paddle marked g Partial, or the parameter's gradient was computed on local tensors and
+    says so (`grad_sums_over_ranks`, set by erniekit/distributed/collective/replicated_experts.py)."""
+    if not (is_dist(g) and is_dist(p)) or not all(pl.is_replicated() for pl in p.placements):
+        return False
+    if getattr(p, "grad_sums_over_ranks", False):
+        return all(pl.is_replicated() for pl in g.placements)
+    sizes = p.process_mesh.shape
+    partial = [n for n, pl in zip(sizes, g.placements) if pl.is_partial()]
+    if not partial or any(not (pl.is_replicated() or pl == dist.Partial()) for pl in g.placements):
+        return False
+    return math.prod(partial) == math.prod(sizes) > 1
+
+
+def _bucketed_all_reduce(pairs: list[tuple[paddle.Tensor, paddle.Tensor]]) -> dict[int, paddle.Tensor]:
+    """The gradients of `_all_ranks_partial` pairs reduced by one all-reduce per dtype over a
+    flat buffer instead of one reshard each: 57 collectives a step -> 1 for the embedded model."""
+    out: dict[int, paddle.Tensor] = {}
+    by_dtype: dict = {}
+    for p, g in pairs:
+        by_dtype.setdefault(g.dtype, []).append((p, g))
+    for group in by_dtype.values():
+        local = [g._local_value().reshape([-1]) for _, g in group]
+        flat = paddle.concat(local) if len(local) > 1 else local[0].clone()
+        dist.all_reduce(flat)
+        for (p, g), part in zip(group, paddle.split(flat, [int(t.shape[0]) for t in local])):
+            full = part.reshape(g._local_value().shape)
+            out[id(p)] = dist.auto_parallel.api.dtensor_from_local(full, p.process_mesh, list(p.placements))
+    return out
+
+
 @paddle.no_grad()
 def reduced_grads(params: list[paddle.Tensor]) -> dict[int, paddle.Tensor]:
     """id(param) -> its gradient with partial sums reduced to the parameter's placements (the
     data-parallel all-reduce); p.grad itself in a single-process run. Clipping and the update
     share these: reducing in each moved every gradient twice (measured with
-    tools/bench_scaling.py: 7.5 MB per device per step for tiny-dense dp=2, 2x its gradients)."""
-    return {id(p): _reduced(p, p.grad) for p in params if p.grad is not None}
+    tools/bench_scaling.py: 7.5 MB per device per step for tiny-dense dp=2, 2x its gradients).
+    Gradients partial over every rank go in one bucketed all-reduce; the rest reshard one by one."""
+    live = [(p, p.grad) for p in params if p.grad is not None]
+    bucket = [(p, g) for p, g in live if _all_ranks_partial(p, g)]
+    out = _bucketed_all_reduce(bucket) if bucket else {}
+    for p, g in live:
+        if id(p) not in out:
+            out[id(p)] = _reduced(p, g)
+    return out
+
+
+def _replicated_local(t: paddle.Tensor) -> paddle.Tensor:
+    """A DistTensor replicated on every rank as its local value (the same numbers, without the
+    SPMD bookkeeping of an op on a DistTensor); anything else as it is."""
+    return t._local_value() if is_dist(t) and all(pl.is_replicated() for pl in t.placements) else t
 
 
 @paddle.no_grad()
@@ -231,7 +285,7 @@ def clip_grad_norm_(
     # paddle.square: 40x faster on CPU than `** 2`, and a last-bit difference from it; the embedded
     # default is measured over seeds, threads and ISAs so it does not hang on such bits
     # (docs/reproducibility.md).
-    sq = [to_dense(paddle.sum(paddle.square(g.astype("float32")))) for g in owned]
+    sq = [to_dense(paddle.sum(paddle.square(_replicated_local(g).astype("float32")))) for g in owned]
     norm = float(paddle.sqrt(paddle.add_n(sq)))
     if max_norm > 0 and norm > max_norm:
         coef = max_norm / (norm + 1e-6)

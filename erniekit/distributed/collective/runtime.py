@@ -26,7 +26,8 @@ import paddle.distributed as dist
 
 from erniekit.distributed.collective.expert_exchange import ExpertExchange, make_pair_groups
 from erniekit.distributed.collective.layout import DIMS, Layout
-from erniekit.distributed.collective.pipeline import PipelineTopology
+from erniekit.distributed.collective.pipeline import PipelineTopology, new_group
+from erniekit.distributed.collective.replicated_experts import ReplicatedExperts
 from erniekit.nn.moe import StackedExperts
 
 _COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "qkv_proj", "up_gate_proj")
@@ -46,6 +47,7 @@ class ParallelContext:
         # (erniekit/distributed/collective/pipeline.py); built in `init`, once the process group exists
         self.pipeline: PipelineTopology | None = None
         self._exchange: ExpertExchange | None = None
+        self._replicated: ReplicatedExperts | None = None
 
     @property
     def data_ranks(self) -> int:
@@ -105,6 +107,7 @@ class ParallelContext:
             return
         names = {id(p): n for n, p in model.named_parameters()}
         exchange = self.expert_exchange()
+        replicated = self.replicated_experts()
 
         def shard_fn(layer_name, layer, mesh):
             experts = layer.expert_params() if isinstance(layer, StackedExperts) else {}
@@ -114,6 +117,7 @@ class ParallelContext:
                 setattr(layer, pname, dist.shard_tensor(p, mesh, self.param_placements(full, p, is_expert)))
             if isinstance(layer, StackedExperts):
                 layer.expert_parallel = exchange
+                layer.replicated = replicated
 
         dist.shard_layer(model, self.mesh, shard_fn)
 
@@ -126,20 +130,38 @@ class ParallelContext:
         if lay.ep == 1:
             return None
         if self._exchange is None:
-
-            def ranks_at(pp: int, tp: int) -> list[int]:
-                return [
-                    ((pp * lay.dp + d) * lay.sharding + s) * lay.tp + tp
-                    for d in range(lay.dp)
-                    for s in range(lay.sharding)
-                ]
-
             me = dist.get_rank()
             c = lay.coords(me)
-            every = [ranks_at(pp, tp) for pp in range(lay.pp) for tp in range(lay.tp)]
+            every = [self._data_ranks_at(pp, tp) for pp in range(lay.pp) for tp in range(lay.tp)]
             groups = make_pair_groups(every, me) if lay.ep > 2 else {}  # 2 ranks: each group's ops pair up
-            self._exchange = ExpertExchange(ranks_at(c["pp"], c["tp"]), me, self.mesh, groups)
+            self._exchange = ExpertExchange(self._data_ranks_at(c["pp"], c["tp"]), me, self.mesh, groups)
         return self._exchange
+
+    def _data_ranks_at(self, pp: int, tp: int) -> list[int]:
+        """The global ranks with these pipeline and tensor coordinates: dp outer, sharding inner."""
+        lay = self.layout
+        return [
+            ((pp * lay.dp + d) * lay.sharding + s) * lay.tp + tp for d in range(lay.dp) for s in range(lay.sharding)
+        ]
+
+    def replicated_experts(self) -> ReplicatedExperts | None:
+        """Local expert GEMMs with weight gradients summed over the data ranks, for a multi-process
+        run whose experts are whole on every rank (no expert or pipeline parallelism). The first
+        call creates the data-rank groups when tp > 1 (collective: every rank makes them all)."""
+        lay = self.layout
+        if lay.ep > 1 or lay.pp > 1 or lay.world == 1:
+            return None
+        if self._replicated is None:
+            group = None  # the data ranks are the whole job
+            if self.data_ranks > 1 and lay.tp > 1:
+                me = dist.get_rank()
+                for tp in range(lay.tp):
+                    ranks = self._data_ranks_at(0, tp)
+                    g = new_group(ranks)
+                    if me in ranks:
+                        group = g
+            self._replicated = ReplicatedExperts(self.mesh, group, self.data_ranks)
+        return self._replicated
 
     def plan(self, model: paddle.nn.Layer) -> dict:
         if self.pipeline is not None:  # rank 0 writes it: the first stage's parameters

@@ -84,8 +84,8 @@ def test_tensor_parallel_moe_is_accepted():
 def test_config_validation_of_launch_keys():
     assert validate(cfg(nproc_per_node=2)).nproc_per_node == 2  # multi-process runs are accepted
     assert validate(cfg(nproc_per_node=2, pipeline_parallel_degree=2)).pipeline_parallel_degree == 2
-    with pytest.raises(ConfigError, match="fp8: true with several processes needs the experts' GEMMs local"):
-        validate(cfg(nproc_per_node=2, fp8=True))
+    assert validate(cfg(nproc_per_node=2, fp8=True)).fp8  # replicated experts run on local tensors
+    assert validate(cfg(nproc_per_node=2, tensor_parallel_degree=2, fp8=True)).fp8
     assert validate(cfg(nproc_per_node=2, pipeline_parallel_degree=2, fp8=True)).fp8  # stages hold plain tensors
     assert validate(cfg(nproc_per_node=2, expert_parallel_degree=2, fp8=True)).fp8  # expert slices are local
     with pytest.raises(ConfigError, match="sharding=stage3 needs reduce-scatter"):
