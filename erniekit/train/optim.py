@@ -20,7 +20,7 @@ import numpy as np
 import paddle
 import paddle.distributed as dist
 
-from erniekit.utils.dtensor import is_dist, to_dense
+from erniekit.utils.dtensor import host_view, is_dist, replicated_local, to_dense
 
 
 def reduce_to(g: paddle.Tensor, like: paddle.Tensor) -> paddle.Tensor:
@@ -33,19 +33,6 @@ def reduce_to(g: paddle.Tensor, like: paddle.Tensor) -> paddle.Tensor:
     return dist.reshard(g, like.process_mesh, like.placements)
 
 
-def _host_view(t: paddle.Tensor) -> np.ndarray | None:
-    """A writable numpy view of a dense float32 CPU tensor's memory (no copy), else None. A
-    DistTensor replicated on every rank qualifies through its local value (every rank then makes
-    the same update from the same all-reduced gradient, as Paddle's ops on it would)."""
-    if is_dist(t):
-        if not all(pl.is_replicated() for pl in t.placements):
-            return None
-        t = t._local_value()
-    if t.dtype != paddle.float32 or not t.place.is_cpu_place() or not t.is_contiguous():
-        return None
-    return np.from_dlpack(t.detach())
-
-
 def _numpy_step(p, g, m, v, b1, b2, lr_bc1, bc2, eps, decay) -> bool:
     """The AdamW update of one parameter in numpy, in place, when p, g and the moments are dense
     float32 CPU tensors; False (nothing done) otherwise.
@@ -55,7 +42,7 @@ def _numpy_step(p, g, m, v, b1, b2, lr_bc1, bc2, eps, decay) -> bool:
     in ~2 ms. Same formula and order as the Paddle path; the values differ in the last bit where
     Paddle's CPU sqrt and divide are not correctly rounded (numpy's are).
     """
-    views = [_host_view(t) for t in (p, g, m, v)]
+    views = [host_view(t) for t in (p, g, m, v)]  # a replicated DistTensor: its local value
     if any(a is None for a in views):
         return False
     P, G, M, V = views
@@ -265,12 +252,6 @@ def reduced_grads(params: list[paddle.Tensor]) -> dict[int, paddle.Tensor]:
     return out
 
 
-def _replicated_local(t: paddle.Tensor) -> paddle.Tensor:
-    """A DistTensor replicated on every rank as its local value (the same numbers, without the
-    SPMD bookkeeping of an op on a DistTensor); anything else as it is."""
-    return t._local_value() if is_dist(t) and all(pl.is_replicated() for pl in t.placements) else t
-
-
 @paddle.no_grad()
 def clip_grad_norm_(
     params: list[paddle.Tensor], max_norm: float, grads: dict[int, paddle.Tensor] | None = None
@@ -285,7 +266,7 @@ def clip_grad_norm_(
     # paddle.square: 40x faster on CPU than `** 2`, and a last-bit difference from it; the embedded
     # default is measured over seeds, threads and ISAs so it does not hang on such bits
     # (docs/reproducibility.md).
-    sq = [to_dense(paddle.sum(paddle.square(_replicated_local(g).astype("float32")))) for g in owned]
+    sq = [to_dense(paddle.sum(paddle.square(replicated_local(g).astype("float32")))) for g in owned]
     norm = float(paddle.sqrt(paddle.add_n(sq)))
     if max_norm > 0 and norm > max_norm:
         coef = max_norm / (norm + 1e-6)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
 import paddle
 
 
@@ -29,6 +30,21 @@ def process_rank() -> int:
 def is_main_process() -> bool:
     """The process that writes files and prints progress."""
     return process_rank() == 0
+
+
+def replicated_local(t: paddle.Tensor) -> paddle.Tensor:
+    """A DistTensor replicated on every rank as its local value (the same numbers, without the
+    SPMD bookkeeping of an op on a DistTensor); anything else as it is."""
+    return t._local_value() if is_dist(t) and all(pl.is_replicated() for pl in t.placements) else t
+
+
+def host_view(t: paddle.Tensor) -> np.ndarray | None:
+    """A writable numpy view of the memory of a dense (or replicated) float32 contiguous CPU
+    tensor, through DLPack (no copy); None for anything else."""
+    t = replicated_local(t)
+    if is_dist(t) or t.dtype != paddle.float32 or not t.place.is_cpu_place() or not t.is_contiguous():
+        return None
+    return np.from_dlpack(t.detach())
 
 
 def to_dense(t: paddle.Tensor) -> paddle.Tensor:
