@@ -330,6 +330,14 @@ def test_pipeline_runs_fp8_experts(tmp_path):
     assert np.abs(one - f32).max() > 1e-4  # FP8 really ran
 
 
+def test_tensor_and_data_parallel_moe_on_four_processes(reference, tmp_path):
+    """tp=2 x dp=2 without expert parallelism: the replicated experts' gradients are summed over
+    the data ranks of each tp coordinate ({0, 2} and {1, 3}) by a hook on their own group."""
+    out = tmp_path / "tp-dp"
+    _ok(_train(_args(out, "tiny-moe", batch=4) + ["nproc_per_node=4", "tensor_parallel_degree=2"]))
+    np.testing.assert_allclose(_losses(out), _losses(reference / "moe"), rtol=1e-5)
+
+
 def test_tensor_and_expert_parallel_on_four_processes(reference, tmp_path):
     """tp=2 x (dp=2, ep=2): each tp rank swaps tokens with the data rank of its own tp coordinate."""
     out = tmp_path / "tp-ep"

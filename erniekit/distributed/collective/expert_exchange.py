@@ -24,6 +24,8 @@ import paddle
 import paddle.distributed as dist
 from paddle.autograd import PyLayer
 
+from erniekit.distributed.collective.local_experts import run_local
+
 
 def pair_rounds(n: int) -> list[list[tuple[int, int]]]:
     """Round-robin tournament (circle method): n-1 rounds (n odd: n) in which every pair of the n
@@ -72,22 +74,7 @@ class ExpertExchange:
     def run(self, fn, x, topk_idx, topk_weight, keep, params: dict) -> paddle.Tensor:
         """fn(x, topk_idx, topk_weight, keep, params) on this process's shards of the (dist)
         tensors; the result is placed as x (its rows are this process's tokens)."""
-        if any(p.is_partial() for p in x.placements):  # the experts need the summed activations
-            x = dist.reshard(x, x.process_mesh, [dist.Replicate() if p.is_partial() else p for p in x.placements])
-        names = list(params)
-        lead = [x, topk_idx, topk_weight] + ([keep] if keep is not None else [])
-
-        def local(*args):
-            k = args[3] if keep is not None else None
-            return fn(args[0], args[1], args[2], k, dict(zip(names, args[len(lead) :])))
-
-        args = lead + [params[n] for n in names]
-        return dist.local_map(
-            local,
-            out_placements=[list(x.placements)],
-            process_mesh=self.mesh,
-            in_placements=[list(t.placements) for t in args],
-        )(*args)
+        return run_local(fn, self.mesh, x, topk_idx, topk_weight, keep, params)
 
     def exchange_counts(self, counts: np.ndarray) -> np.ndarray:
         """counts [n, ...] (row r: what this rank sends to rank r) -> [n, ...] (row r: what rank r

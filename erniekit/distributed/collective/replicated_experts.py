@@ -20,6 +20,8 @@ from __future__ import annotations
 import paddle
 import paddle.distributed as dist
 
+from erniekit.distributed.collective.local_experts import run_local
+
 
 class ReplicatedExperts:
     def __init__(self, mesh, group, size: int):
@@ -32,30 +34,15 @@ class ReplicatedExperts:
         dist.all_reduce(grad, group=self.group)
         return grad
 
+    def _hook_weights(self, weights: list[paddle.Tensor]) -> None:
+        for w in weights:
+            if not w.stop_gradient:
+                w.register_hook(self._sum_over_data_ranks)
+
     def run(self, fn, x, topk_idx, topk_weight, keep, params: dict) -> paddle.Tensor:
         """fn(x, topk_idx, topk_weight, keep, params) on local tensors; the result is placed as x."""
-        if any(p.is_partial() for p in x.placements):  # the experts need the summed activations
-            x = dist.reshard(x, x.process_mesh, [dist.Replicate() if p.is_partial() else p for p in x.placements])
-        names = list(params)
-        lead = [x, topk_idx, topk_weight] + ([keep] if keep is not None else [])
-
         if self.size > 1 and self.group is None:  # summed in the optimizer's bucketed all-reduce
             for w in params.values():
                 w.grad_sums_over_ranks = True
-
-        def local(*args):
-            k = args[3] if keep is not None else None
-            weights = list(args[len(lead) :])
-            if self.size > 1 and self.group is not None:  # a subgroup: summed on the way out
-                for w in weights:
-                    if not w.stop_gradient:
-                        w.register_hook(self._sum_over_data_ranks)
-            return fn(args[0], args[1], args[2], k, dict(zip(names, weights)))
-
-        args = lead + [params[n] for n in names]
-        return dist.local_map(
-            local,
-            out_placements=[list(x.placements)],
-            process_mesh=self.mesh,
-            in_placements=[list(t.placements) for t in args],
-        )(*args)
+        hook = self._hook_weights if self.size > 1 and self.group is not None else None  # a subgroup
+        return run_local(fn, self.mesh, x, topk_idx, topk_weight, keep, params, on_weights=hook)
