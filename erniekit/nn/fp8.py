@@ -124,13 +124,6 @@ def _fake_quant_cast(x: paddle.Tensor, rows: int, cols: int, fmt: str = "e4m3") 
 _FORMAT_BITS = {"e4m3": (3, -6), "e5m2": (2, -14)}
 
 
-def _magic(binade: np.ndarray, fmt: str) -> np.ndarray:
-    """In place: 2^e (the binade of each value) -> the rounding constant M of round_to_format_np."""
-    m, emin = _FORMAT_BITS[fmt]
-    binade *= np.float32(1.5 * 2.0 ** (23 - m))
-    return np.maximum(binade, np.float32(1.5 * 2.0 ** (emin - m + 23)), out=binade)
-
-
 def round_to_format_np(v: np.ndarray, fmt: str = "e4m3") -> np.ndarray:
     """v (float32, |v| <= the format's max) rounded to the nearest `fmt` value, ties to even, in float32.
 
@@ -139,7 +132,9 @@ def round_to_format_np(v: np.ndarray, fmt: str = "e4m3") -> np.ndarray:
     spacing's magic number gives the fixed subnormal step. Same values as a cast to the float8
     dtype and back (checked bit for bit in tests), at a fraction of the cost on CPU.
     """
-    magic = _magic((v.view(np.uint32) & np.uint32(0x7F800000)).view(np.float32), fmt)  # 2^e (inf for inf/NaN)
+    m, emin = _FORMAT_BITS[fmt]
+    binade = (v.view(np.uint32) & np.uint32(0x7F800000)).view(np.float32)  # 2^e (inf for inf/NaN)
+    magic = np.maximum(binade * np.float32(1.5 * 2.0 ** (23 - m)), np.float32(1.5 * 2.0 ** (emin - m + 23)))
     return (v + magic) - magic
 
 
@@ -194,20 +189,19 @@ def _fake_quant_tiles(v: np.ndarray, out: np.ndarray, axes, fmt: str) -> None:
     _round_scaled(v, _scale_of(bits.max(axis=axes, keepdims=True), fmt), out, bits, fmt)
 
 
-def _token_run_amax(bits: np.ndarray, sizes: list[int], block: int) -> tuple[np.ndarray, list[int]]:
-    """Per-column max of |a| bits over runs of up to block rows starting at each group's first row
-    ([runs, C]), and the runs' lengths. One reshape-max per group: numpy's reduceat is 9x slower."""
-    parts, lengths, r = [], [], 0
-    for n in sizes:
-        full = n // block * block
-        if full:
-            parts.append(bits[r : r + full].reshape(full // block, block, bits.shape[1]).max(axis=1))
-            lengths += [block] * (full // block)
-        if n > full:
-            parts.append(bits[r + full : r + n].max(axis=0, keepdims=True))
-            lengths.append(n - full)
-        r += n
-    return np.concatenate(parts), lengths
+def _run_amax(bits: np.ndarray, starts: np.ndarray) -> np.ndarray:
+    """Per-column max of |a| bits over each row run [starts[i], starts[i+1]) ([runs, C]). Runs of
+    equal length that follow each other go in one reshape-max: numpy's reduceat is 9x slower."""
+    lengths = np.diff(starts)
+    parts, i = [], 0
+    while i < len(lengths):
+        j = i
+        while j < len(lengths) and lengths[j] == lengths[i]:
+            j += 1
+        r0, n = int(starts[i]), int(lengths[i])
+        parts.append(bits[r0 : r0 + (j - i) * n].reshape(j - i, n, bits.shape[1]).max(axis=1))
+        i = j
+    return np.concatenate(parts)
 
 
 # numpy's kernels run on one core: an operand of at least this many bytes is cut into one chunk of
@@ -313,8 +307,7 @@ def fake_quant_token_runs_np(a: np.ndarray, sizes: list[int], block: int, fmt: s
     if got is not None:
         return got
     bits = np.bitwise_and(a.view(np.uint32), _ABS_BITS)
-    amax, lengths = _token_run_amax(bits, [n for n in sizes if n], block)
-    scale = np.repeat(_scale_of(amax, fmt), lengths, axis=0)  # [M, C]: each row its run's scales
+    scale = np.repeat(_scale_of(_run_amax(bits, starts), fmt), np.diff(starts), axis=0)  # each row its run's
     c = _cuts(a.shape[0], a.nbytes)
     _in_parallel([(_round_scaled, a[i:j], scale[i:j], out[i:j], bits[i:j], fmt) for i, j in zip(c[:-1], c[1:])])
     return out
@@ -557,8 +550,7 @@ class _FP8GroupedMatMuls(PyLayer):
         wqs = []
         for w in ws:
             E, K, N = w.shape
-            wqs.append(_tensor(fake_quant_np(_host(w).reshape(E * K, N), block, block)))
-            wqs[-1] = wqs[-1].reshape([E, K, N])
+            wqs.append(_tensor(fake_quant_np(_host(w).reshape(E * K, N), block, block)).reshape([E, K, N]))
         ctx.save_for_backward(x, *wqs)
         ys = tuple(_per_group(xq, sizes, paddle.unbind(wq), experts).astype(x.dtype) for wq in wqs)
         return ys if len(ys) > 1 else ys[0]

@@ -256,12 +256,19 @@ class StackedExperts(nn.Layer):
         return self._forward_grouped(x, topk_idx, topk_weight, keep)
 
     def _forward_grouped(
-        self, x: paddle.Tensor, topk_idx: paddle.Tensor, topk_weight: paddle.Tensor, keep: paddle.Tensor | None
+        self,
+        x: paddle.Tensor,
+        topk_idx: paddle.Tensor,
+        topk_weight: paddle.Tensor,
+        keep: paddle.Tensor | None,
+        idle: dict[str, paddle.Tensor] | None = None,
     ) -> paddle.Tensor:
+        """idle: weights that must join the graph even when no assignment is kept (weight 0)."""
         d = dispatch(topk_idx, topk_weight, self.num_experts, keep)
         out = paddle.zeros_like(x)
         if not d.token.shape[0]:
-            return out
+            sums = [p.sum() for p in (idle or {}).values() if not p.stop_gradient]
+            return out + 0 * paddle.add_n(sums).astype(x.dtype) if sums else out
         y = self._swiglu(paddle.gather(x, d.token), d.counts)
         return paddle.index_add(out, d.token, 0, y * d.weight.astype(x.dtype).unsqueeze(-1))
 
@@ -276,14 +283,13 @@ class StackedExperts(nn.Layer):
         """This process's tokens x [T, H] through the whole (replicated) experts as local tensors:
         a data-parallel rank's experts see only its own tokens; `replicated` sums the weight
         gradients over the data ranks. Every trainable expert tensor joins the graph (weight 0 if
-        no token came), so every rank makes the same gradient all-reduces."""
+        no token came; with any token the grouped GEMMs use every expert tensor whole), so every
+        rank makes the same gradient all-reduces."""
         self._local = local
         try:
-            out = self._forward_grouped(x, topk_idx, topk_weight, keep)
+            return self._forward_grouped(x, topk_idx, topk_weight, keep, idle=local)
         finally:
             self._local = {}
-        idle = [p.sum() for p in local.values() if not p.stop_gradient]
-        return out + 0 * paddle.add_n(idle).astype(x.dtype) if idle else out
 
     def _forward_every_expert(
         self, x: paddle.Tensor, topk_idx: paddle.Tensor, topk_weight: paddle.Tensor, keep: paddle.Tensor | None = None
