@@ -140,7 +140,7 @@ def _run_joined(cfg, topology, device: str, log) -> dict:
             return serve_tables(cfg, model, ps, log)
         runner = _ps_runner(cfg, model, ps, stage, log)
     if ctx is not None:
-        _place_model(cfg, ctx, model, log)
+        _place_model(cfg, ctx, model, stage, log)
     t0 = time.perf_counter()
     train_rows = stage.build_train_rows(cfg, tokenizer) if cfg.do_train else []
     eval_data = stage.build_eval_data(cfg, tokenizer) if cfg.do_eval else None
@@ -208,11 +208,14 @@ def _ps_runner(cfg, model, ps, stage, log):
     return PSRunner(worker, stage.token_balance)
 
 
-def _place_model(cfg, ctx, model, log) -> None:
-    """A collective job: this rank's share of the model over the mesh (and its pipeline segment)."""
+def _place_model(cfg, ctx, model, stage, log) -> None:
+    """A collective job: this rank's share of the model over the mesh (and its pipeline segment);
+    a causal-LM stage that only splits the batch runs on whole-model replicas."""
     from erniekit.distributed.collective.layout import check_model_fits
 
     check_model_fits(ctx.layout, model.config, stage_layers=cfg.pipeline_stage_layers)
+    if stage.supports.pipeline and ctx.use_replicas():  # its losses split by rows, as a pipeline's do
+        log(f"data parallelism: {ctx.layout.world} whole-model replicas, gradients summed by one all-reduce")
     ctx.init_pipeline(model.config.num_hidden_layers, cfg.pipeline_stage_layers)
     ctx.shard_model(model)
     if ctx.pipeline is not None:

@@ -93,8 +93,10 @@ def reference(tmp_path_factory):
             ["tensor_parallel_degree=2"],
             {"model.layers.0.self_attn.q_proj.weight": [128, 64], "model.layers.1.mlp.experts.up_proj": [8, 128, 128]},
         ),
-        # data parallel on MoE: experts whole on each rank, run on local tensors, their gradients
-        # all-reduced over the data ranks (erniekit/distributed/collective/replicated_experts.py)
+        # data parallel: whole-model replicas on plain tensors, each rank on its rows, gradients
+        # summed by one all-reduce (erniekit/distributed/collective/replicas.py); on MoE the router
+        # losses and load counts are the whole batch's (MoEBlock.data_sum)
+        ("dp", "tiny-dense", 4, [], {}),
         ("dp-moe", "tiny-moe", 4, [], {}),
         # data parallel with experts split over the 2 data ranks, tokens moved by all-to-all
         ("ep", "tiny-moe", 4, ["expert_parallel_degree=2"], {"model.layers.1.mlp.experts.up_proj": [4, 128, 128]}),
@@ -116,9 +118,13 @@ def test_two_processes_follow_the_one_process_loss_curve(reference, tmp_path, na
     assert len(got) == 20
     np.testing.assert_allclose(got, ref, rtol=1e-5)
     plan = json.load(open(out / "parallel_plan.json"))
+    if name in ("dp", "dp-moe"):
+        assert "replicas" in plan["data_parallel"]
+        assert "data parallelism: 2 whole-model replicas" in r.stdout
+    else:
+        assert plan["expert_all_to_all"] == ([[0, 1]] if "expert_parallel_degree=2" in extra else [])
     for param, local_shape in sharded.items():
         assert plan["parameters"][param]["local_shape"] == local_shape, plan["parameters"][param]
-    assert plan["expert_all_to_all"] == ([[0, 1]] if "expert_parallel_degree=2" in extra else [])
     # rank 0 reports, every rank logs under launch_logs/
     assert r.stdout.count("step 20/20") == 1
     assert {"workerlog.0", "workerlog.1"} <= set(os.listdir(out / "launch_logs"))

@@ -35,6 +35,11 @@ class Layout:
     def shape(self) -> list[int]:
         return [getattr(self, d) for d in DIMS]
 
+    @property
+    def data_only(self) -> bool:
+        """Several processes that only split the batch: each holds the whole model."""
+        return self.world > 1 and self.world == self.dp and self.ep == 1 and not self.sharding_stage
+
     def describe(self) -> str:
         parts = [f"{d}={getattr(self, d)}" for d in DIMS + ("ep",) if getattr(self, d) > 1]
         if self.sharding_stage:

@@ -13,6 +13,10 @@ Placements over the mesh dims (pp, dp, sharding, tp):
       tokens moved to them and back by all-to-all (erniekit/distributed/collective/expert_exchange.py);
   sharding  optimizer moments split by rows (ZeRO stage 1; `optimizer_state_placements`);
             at stage 3 the parameters too.
+
+A job that only splits the batch, training a causal-LM stage, runs as whole-model replicas on
+plain tensors instead (`use_replicas`, erniekit/distributed/collective/replicas.py): no op pays
+the SPMD bookkeeping, and the gradients are summed in one bucketed all-reduce.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import paddle.distributed as dist
 from erniekit.distributed.collective.expert_exchange import ExpertExchange, make_pair_groups
 from erniekit.distributed.collective.layout import DIMS, Layout
 from erniekit.distributed.collective.pipeline import PipelineTopology, new_group
+from erniekit.distributed.collective.replicas import DataReplicas
 from erniekit.distributed.collective.replicated_experts import ReplicatedExperts
 from erniekit.nn.moe import StackedExperts
 
@@ -48,11 +53,20 @@ class ParallelContext:
         self.pipeline: PipelineTopology | None = None
         self._exchange: ExpertExchange | None = None
         self._replicated: ReplicatedExperts | None = None
+        # plain data parallelism on whole-model replicas (set by `use_replicas` before shard_model)
+        self.replicas: DataReplicas | None = None
 
     @property
     def data_ranks(self) -> int:
         """Ranks that see different data: the global batch is per-device batch x this."""
         return self.layout.dp * self.layout.sharding
+
+    def use_replicas(self) -> bool:
+        """Run this job as whole-model replicas on plain tensors when it only splits the batch;
+        True if it does. The caller decides whether its stage's losses split by rows (the LM stages)."""
+        if self.layout.data_only:
+            self.replicas = DataReplicas(self.layout.world, dist.get_rank())
+        return self.replicas is not None
 
     def init_pipeline(self, num_layers: int, stage_layers: list[int] | None = None) -> None:
         """This job's pipeline groups (collective: every rank calls it), when pp > 1."""
@@ -105,6 +119,9 @@ class ParallelContext:
         if self.pipeline is not None:
             self.pipeline.keep_segment(model)
             return
+        if self.replicas is not None:  # every parameter stays a plain tensor, whole on each rank
+            self.replicas.attach(model)
+            return
         names = {id(p): n for n, p in model.named_parameters()}
         exchange = self.expert_exchange()
         replicated = self.replicated_experts()
@@ -149,7 +166,7 @@ class ParallelContext:
         run whose experts are whole on every rank (no expert or pipeline parallelism). The first
         call creates the data-rank groups when tp > 1 (collective: every rank makes them all)."""
         lay = self.layout
-        if lay.ep > 1 or lay.pp > 1 or lay.world == 1:
+        if lay.ep > 1 or lay.pp > 1 or lay.world == 1 or self.replicas is not None:
             return None
         if self._replicated is None:
             group = None  # the data ranks are the whole job
@@ -172,6 +189,14 @@ class ParallelContext:
                 "stage_layers": [list(range(a, b)) for a, b in t.bounds],
                 "parameters": {n: {"stage": t.segment, "shape": list(p.shape)} for n, p in model.named_parameters()},
             }
+        if self.replicas is not None:
+            return {
+                "mesh": {d: getattr(self.layout, d) for d in DIMS},
+                "data_parallel": "whole-model replicas on plain tensors, gradients all-reduced",
+                "parameters": {
+                    n: {"placements": ["replicated"], "shape": list(p.shape)} for n, p in model.named_parameters()
+                },
+            }
         ex = self.expert_exchange()
         return {
             "mesh": {d: getattr(self.layout, d) for d in DIMS},
@@ -193,9 +218,9 @@ class ParallelContext:
     def place_batch(self, t: paddle.Tensor) -> paddle.Tensor:
         """A global-batch tensor -> rows split over the data ranks (replicated over tp and pp).
         A batch that does not split evenly (an epoch's last, an eval remainder) stays replicated:
-        every rank computes all of it, the result is the same. A pipeline run slices its rows
-        itself (erniekit/train/pipeline_schedule.py) and keeps plain tensors."""
-        if self.pipeline is not None:
+        every rank computes all of it, the result is the same. A pipeline run and data replicas
+        slice their rows themselves (their runners) and keep plain tensors."""
+        if self.pipeline is not None or self.replicas is not None:
             return t
         if t.ndim == 0 or t.shape[0] % self.data_ranks:
             return dist.shard_tensor(t, self.mesh, self._placements())

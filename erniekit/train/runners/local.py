@@ -41,18 +41,36 @@ class LocalRunner(StepRunner):
         the smaller one also learns from the full one's logits (in-place distillation)."""
         sums = StepSums(elastic={"train/elastic_loss": 0.0, "train/elastic_kl": 0.0})
         for b in micro:
+            b, weight = self.rows(b)
             teacher = None
             for j, spec in enumerate(specs):
                 if len(specs) > 1:
                     apply_elastic(trainer.model, spec)
-                teacher = self._pass(trainer, b, micro, n_units, j, teacher, sums, distil=len(specs) > 1)
+                teacher = self._pass(trainer, b, micro, n_units, j, teacher, sums, len(specs) > 1, weight)
             if len(specs) > 1:  # the full model again: the bias update and evaluation see it
                 apply_elastic(trainer.model, ElasticSpec())
         return sums
 
-    def _pass(self, trainer, b: dict, micro: list[dict], n_units: int, j: int, teacher, sums: StepSums, distil: bool):
-        """One forward and backward; returns the teacher logits for the next sub-model of a sandwich."""
-        stage, units = trainer.stage, max(n_units, 1)
+    def rows(self, batch: dict) -> tuple[dict, float]:
+        """The rows of a global micro-batch this process computes and the weight of their loss
+        (every row, weight 1: placements split DistTensor batches by themselves)."""
+        return batch, 1.0
+
+    def _pass(
+        self,
+        trainer,
+        b: dict,
+        micro: list[dict],
+        n_units: int,
+        j: int,
+        teacher,
+        sums: StepSums,
+        distil: bool,
+        weight: float = 1.0,
+    ):
+        """One forward and backward; returns the teacher logits for the next sub-model of a sandwich.
+        weight: of this process's loss sums (router losses are already its share of the batch's)."""
+        stage, units = trainer.stage, max(n_units, 1) / weight
         with amp_context(self.precision):
             out = stage.loss(trainer.model, b)
         trainer.routing.after_forward(b["segment_ids"] > 0)
@@ -70,7 +88,7 @@ class LocalRunner(StepRunner):
         if j > 0:
             sums.elastic["train/elastic_loss"] += scalar(out.loss_sum) / units
             return teacher
-        sums.loss_sum += scalar(out.loss_sum)
+        sums.loss_sum += scalar(out.loss_sum) * weight
         for k, v in out.metrics.items():
             sums.metrics[k] = sums.metrics.get(k, 0.0) + v / units
         return out.logits.detach() if distil else None

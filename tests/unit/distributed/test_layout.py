@@ -131,3 +131,19 @@ def test_mesh_has_the_layout_shape_and_named_dims():
     mesh = Layout(dp=2, tp=2).mesh()
     assert mesh.shape == [1, 2, 1, 2] and mesh.dim_names == ["pp", "dp", "sharding", "tp"]
     assert mesh.process_ids == [0, 1, 2, 3]
+
+
+@pytest.mark.parametrize(
+    "lay, whole",
+    [
+        (Layout(dp=2), True),
+        (Layout(dp=4), True),
+        (Layout(), False),  # one process: nothing to replicate
+        (Layout(dp=2, tp=2), False),
+        (Layout(pp=2, dp=2), False),
+        (Layout(dp=2, ep=2), False),
+        (Layout(sharding=2, sharding_stage=1), False),
+    ],
+)
+def test_only_a_job_that_only_splits_the_batch_runs_whole_model_replicas(lay, whole):
+    assert lay.data_only is whole
