@@ -54,7 +54,9 @@ def rms_norm(x: paddle.Tensor, weight: paddle.Tensor, eps: float) -> paddle.Tens
     """weight * x / sqrt(mean(x^2) + eps) over the last axis, computed in float32 whatever x's
     dtype (as the reference does), returned in x's dtype."""
     plain = not paddle.in_dynamic_mode() or is_dist(x) or is_dist(weight)
-    if plain or (x.stop_gradient and weight.stop_gradient):
+    # nothing to differentiate (inference under no_grad, frozen inputs): the PyLayer's bookkeeping
+    # would be pure overhead (decode steps)
+    if plain or not paddle.is_grad_enabled() or (x.stop_gradient and weight.stop_gradient):
         h = x.astype("float32")
         h = h * paddle.rsqrt((h * h).mean(-1, keepdim=True) + eps)  # h*h: Paddle's CPU pow is ~30x slower
         return weight * h.astype(x.dtype)
