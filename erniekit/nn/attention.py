@@ -18,17 +18,16 @@ def rope_cos_sin(position_ids: paddle.Tensor, head_dim: int, theta: float) -> tu
 
 
 _PAIR_ROTATION = [[0.0, 1.0], [-1.0, 0.0]]  # [a, b] @ R = [-b, a]
-_ROTATIONS: dict[str, paddle.Tensor] = {}  # the rotation as a tensor, per place: made once, not per call
+_ROTATIONS: dict[str, paddle.Tensor] = {}  # the rotation as a tensor, per device: made once, not per call
 
 
+@paddle.jit.not_to_static
 def _pair_rotation() -> paddle.Tensor:
-    place = str(paddle.get_device())
-    if place not in _ROTATIONS or not paddle.in_dynamic_mode():
-        r = paddle.to_tensor(_PAIR_ROTATION)
-        if not paddle.in_dynamic_mode():  # a static program holds its own constant
-            return r
-        _ROTATIONS[place] = r
-    return _ROTATIONS[place]
+    """Dynamic mode only (a static program holds its own constant)."""
+    device = str(paddle.get_device())
+    if device not in _ROTATIONS:
+        _ROTATIONS[device] = paddle.to_tensor(_PAIR_ROTATION)
+    return _ROTATIONS[device]
 
 
 def apply_rope(x: paddle.Tensor, cos: paddle.Tensor, sin: paddle.Tensor) -> paddle.Tensor:
@@ -43,7 +42,8 @@ def apply_rope(x: paddle.Tensor, cos: paddle.Tensor, sin: paddle.Tensor) -> padd
     xf = x if dtype == paddle.float32 else x.astype("float32")
     if paddle.in_dynamic_mode() and cos.shape != xf.shape:  # (a static export keeps the broadcast)
         cos, sin = cos.expand(xf.shape).contiguous(), sin.expand(xf.shape).contiguous()
-    rot = paddle.matmul(xf.reshape(x.shape[:-1] + [x.shape[-1] // 2, 2]), _pair_rotation())
+    pair = _pair_rotation() if paddle.in_dynamic_mode() else paddle.to_tensor(_PAIR_ROTATION)
+    rot = paddle.matmul(xf.reshape(x.shape[:-1] + [x.shape[-1] // 2, 2]), pair)
     out = xf * cos + rot.reshape(x.shape) * sin
     return out if dtype == paddle.float32 else out.astype(dtype)
 
