@@ -17,6 +17,31 @@ def rope_cos_sin(position_ids: paddle.Tensor, head_dim: int, theta: float) -> tu
     return paddle.cos(freqs).unsqueeze(2), paddle.sin(freqs).unsqueeze(2)
 
 
+def rope_cos_sin_3d(
+    position_ids: paddle.Tensor, head_dim: int, theta: float, sections: list[int]
+) -> tuple[paddle.Tensor, paddle.Tensor]:
+    """ERNIE-4.5-VL's 3-D rotary positions: position_ids [3, B, S] (temporal, height, width) ->
+    cos/sin [B, S, 1, head_dim] as `rope_cos_sin` lays them out.
+
+    Pair p keeps the text model's frequency inv_freq[p]; its angle takes the height position for
+    even p and the width position for odd p among the first sections[0] + sections[1] pairs, and
+    the temporal position for the last sections[2] (the reference pre-permutes its frequencies
+    and interleaves h/w sections to the same effect). With the three rows equal (text) this is
+    `rope_cos_sin` exactly."""
+    half = head_dim // 2
+    hw = sections[0] + sections[1]
+    if sections[0] != sections[1] or hw + sections[2] != half:
+        raise ValueError(f"mrope_section={sections}: needs two equal h/w sections and a sum of head_dim/2={half}")
+    inv_freq = 1.0 / (theta ** (paddle.arange(0, head_dim, 2, dtype="float32") / head_dim))
+    axis = [1 + p % 2 if p < hw else 0 for p in range(half)]  # pair -> row of position_ids
+    pos = position_ids.astype("float32")  # [3, B, S]
+    angles = paddle.stack([pos[a] for a in (0, 1, 2)], axis=-1)  # [B, S, 3]
+    onehot = paddle.to_tensor([[1.0 if axis[p] == a else 0.0 for p in range(half)] for a in range(3)])  # [3, D/2]
+    freqs = paddle.matmul(angles, onehot) * inv_freq  # [B, S, D/2]: the chosen row's position times inv_freq
+    freqs = paddle.tile(freqs.unsqueeze(-1), [1, 1, 1, 2]).flatten(start_axis=-2)
+    return paddle.cos(freqs).unsqueeze(2), paddle.sin(freqs).unsqueeze(2)
+
+
 _PAIR_ROTATION = [[0.0, 1.0], [-1.0, 0.0]]  # [a, b] @ R = [-b, a]
 _ROTATIONS: dict[str, paddle.Tensor] = {}  # the rotation as a tensor, per device: made once, not per call
 

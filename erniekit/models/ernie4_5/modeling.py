@@ -24,6 +24,7 @@ from erniekit.nn.attention import (
     build_attention_mask,
     math_attention,
     rope_cos_sin,
+    rope_cos_sin_3d,
     use_fused_attention,
 )
 from erniekit.nn.gpas import GPAS
@@ -143,15 +144,25 @@ class Ernie4_5Model(nn.Layer):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.LayerList([DecoderLayer(config, i) for i in range(config.num_hidden_layers)])
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mrope_section = getattr(config, "mrope_section", None)  # 3-D rope sections (ERNIE-4.5-VL)
         self.active_layers: list[int] | None = None  # elastic depth (erniekit/elastic/submodels.py); None = all
 
     def forward(
-        self, input_ids, position_ids=None, segment_ids=None, attention_mask=None, cache=None, token_type_ids=None
+        self,
+        input_ids,
+        position_ids=None,
+        segment_ids=None,
+        attention_mask=None,
+        cache=None,
+        token_type_ids=None,
+        inputs_embeds=None,
     ):
-        """token_type_ids [B, S]: modality id per token (0 = text) for modality-isolated MoE routing."""
+        """token_type_ids [B, S]: modality id per token (0 = text) for modality-isolated MoE routing;
+        inputs_embeds [B, S, H]: instead of embedding input_ids (a VL model's text with image
+        features in place); position_ids may then be [3, B, S] (3-D rope, `mrope_section`)."""
         past = cache.length if cache is not None else 0
         cos, sin, mask = self.rope_and_mask(input_ids, position_ids, segment_ids, attention_mask, past)
-        h = self.embed_tokens(input_ids)
+        h = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         layers = self.layers if self.active_layers is None else [self.layers[i] for i in self.active_layers]
         for layer in layers:
             h = layer(h, cos, sin, mask, cache, token_type_ids)
@@ -165,14 +176,17 @@ class Ernie4_5Model(nn.Layer):
         """RoPE cos/sin and attention mask of one forward over `input_ids` after `past` cached tokens;
         the MTP blocks (erniekit/nn/mtp.py) reuse them so they attend exactly as the trunk does.
         dtype: of the additive mask; a pipeline stage without the embedding passes its own."""
-        B, S = input_ids.shape
-        if position_ids is None:
+        B, S = input_ids.shape[:2]  # ids [B, S] or, from a VL model, its embeddings [B, S, H]
+        if position_ids is not None and position_ids.ndim == 3:  # [3, B, S]: temporal, height, width
+            cos, sin = rope_cos_sin_3d(position_ids, self.config.head_dim, self.config.rope_theta, self.mrope_section)
+        elif position_ids is None:
             if attention_mask is not None:  # left padding: positions count real tokens only
                 pos = paddle.cumsum(attention_mask.astype("int64"), axis=-1) - 1
                 position_ids = paddle.clip(pos, min=0)[:, past : past + S]
             else:
                 position_ids = paddle.arange(past, past + S, dtype="int64").unsqueeze(0).expand([B, S])
-        cos, sin = rope_cos_sin(position_ids, self.config.head_dim, self.config.rope_theta)
+        if position_ids.ndim == 2:
+            cos, sin = rope_cos_sin(position_ids, self.config.head_dim, self.config.rope_theta)
         mask = None
         if segment_ids is not None or attention_mask is not None or (past > 0 and S > 1):
             mask = build_attention_mask(S, past + S, segment_ids, attention_mask)
