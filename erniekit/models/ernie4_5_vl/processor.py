@@ -1,0 +1,122 @@
+"""Images into what ERNIE-4.5-VL reads: decoded with Pillow from a local path or a `data:` URI
+(never the network), resized to patch-merge multiples within a pixel budget, normalised and cut
+into flattened patches in merge-block order, as transformers' `Ernie4_5_VLMoeImageProcessorPil`
+does (same numbers, tested); and the placeholder tokens each image takes in the text.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import io
+import math
+import os
+from dataclasses import dataclass
+
+import numpy as np
+
+CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
+CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
+MAX_SOURCE_PIXELS = 8192 * 8192  # a decoded image larger than this is refused (decompression bombs)
+
+
+class ImageError(ValueError):
+    """An image that cannot be used; the message names it and says what to do."""
+
+
+@dataclass(frozen=True)
+class ImageSettings:
+    patch_size: int = 14
+    merge_size: int = 2
+    min_pixels: int = 56 * 56  # the hub processor's size["shortest_edge"]
+    max_pixels: int = 28 * 28 * 6177  # its size["longest_edge"]
+
+
+def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
+    """(height, width) divisible by `factor`, within [min_pixels, max_pixels], the aspect ratio kept
+    as closely as that allows."""
+    if min(height, width) < 1:
+        raise ImageError(f"image of size {width}x{height} has no pixels")
+    if max(height, width) / min(height, width) > 200:
+        raise ImageError(f"image of size {width}x{height}: aspect ratio above 200 is not supported")
+    h = round(height / factor) * factor
+    w = round(width / factor) * factor
+    if h * w > max_pixels:
+        beta = math.sqrt(height * width / max_pixels)
+        h = max(factor, math.floor(height / beta / factor) * factor)
+        w = max(factor, math.floor(width / beta / factor) * factor)
+    elif h * w < min_pixels:
+        beta = math.sqrt(min_pixels / (height * width))
+        h = math.ceil(height * beta / factor) * factor
+        w = math.ceil(width * beta / factor) * factor
+    return h, w
+
+
+def load_image(source: str, where: str = "image"):
+    """A PIL image (RGB) from a local file path or a `data:image/...;base64,` URI; `where` names
+    the source in errors (a data file and line, a request field)."""
+    from PIL import Image, UnidentifiedImageError
+
+    if source.startswith("data:"):
+        head, _, payload = source.partition(",")
+        if ";base64" not in head:
+            raise ImageError(f"{where}: a data: URI image must be base64 (data:image/png;base64,...)")
+        try:
+            raw = base64.b64decode(payload, validate=True)
+        except (binascii.Error, ValueError):
+            raise ImageError(f"{where}: the data: URI's base64 payload does not decode") from None
+        fp, name = io.BytesIO(raw), "the data: URI"
+    elif "://" in source:
+        raise ImageError(f"{where}: {source[:60]!r} is a URL; images are read from local paths or data: URIs only")
+    else:
+        if not os.path.isfile(source):
+            raise ImageError(f"{where}: image file {source} not found")
+        if os.path.getsize(source) == 0:
+            raise ImageError(f"{where}: image file {source} is empty (0 bytes)")
+        fp, name = source, source
+    try:
+        with Image.open(fp) as im:
+            w, h = im.size
+            if w * h > MAX_SOURCE_PIXELS:
+                raise ImageError(
+                    f"{where}: {name} is {w}x{h} pixels, more than {MAX_SOURCE_PIXELS}; downscale it first"
+                )
+            im.load()
+            return to_rgb(im)
+    except ImageError:
+        raise
+    except (UnidentifiedImageError, OSError, SyntaxError, Image.DecompressionBombError) as e:
+        raise ImageError(f"{where}: {name} is not a readable image ({type(e).__name__}: {str(e)[:80]})") from None
+
+
+def to_rgb(image):
+    """RGB, transparency composited onto white (as the hub processor converts)."""
+    from PIL import Image
+
+    if "A" in image.getbands() or image.info.get("transparency") is not None:
+        rgba = image.convert("RGBA")
+        return Image.alpha_composite(Image.new("RGBA", rgba.size, (255, 255, 255, 255)), rgba).convert("RGB")
+    return image.convert("RGB")
+
+
+def preprocess_image(image, settings: ImageSettings = ImageSettings()) -> tuple[np.ndarray, np.ndarray]:
+    """A PIL image -> (patches [gh * gw, 3 * p * p] float32, grid_thw [1, gh, gw])."""
+    from PIL import Image
+
+    p, m = settings.patch_size, settings.merge_size
+    image = to_rgb(image)
+    h, w = smart_resize(image.height, image.width, p * m, settings.min_pixels, settings.max_pixels)
+    x = np.asarray(image.resize((w, h), resample=Image.BICUBIC))  # [h, w, 3] uint8
+    x = (x.astype(np.float64) * (1 / 255)).astype(np.float32)
+    x = (x - np.array(CLIP_MEAN, dtype=np.float32)) / np.array(CLIP_STD, dtype=np.float32)
+    x = x.transpose(2, 0, 1)  # [3, h, w]
+    gh, gw = h // p, w // p
+    patches = x.reshape(3, gh // m, m, p, gw // m, m, p).transpose(1, 4, 2, 5, 0, 3, 6)
+    return np.ascontiguousarray(patches.reshape(gh * gw, 3 * p * p)), np.array([[1, gh, gw]], dtype=np.int64)
+
+
+def image_tokens(grid_thw: np.ndarray, config) -> list[int]:
+    """The ids one image takes in the text: start, one placeholder per merged patch block, end."""
+    t, h, w = (int(v) for v in np.asarray(grid_thw).reshape(3))
+    n = t * h * w // config.vision.spatial_merge_size**2
+    return [config.image_start_token_id] + [config.image_token_id] * n + [config.image_end_token_id]

@@ -1,0 +1,78 @@
+"""Image preprocessing equal to transformers' Ernie4_5_VLMoeImageProcessorPil, bit for bit, on random
+images of random sizes and modes; bad images are one-line errors naming the source."""
+
+from __future__ import annotations
+
+import base64
+import io
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from erniekit.models.ernie4_5_vl.processor import ImageError, ImageSettings, load_image, preprocess_image, smart_resize
+
+transformers = pytest.importorskip("transformers")
+
+
+def _random_image(r, mode):
+    h, w = (int(v) for v in r.integers(8, 400, 2))
+    arr = r.integers(0, 256, (h, w, 4 if mode == "RGBA" else 3), dtype=np.uint8)
+    im = Image.fromarray(arr, "RGBA" if mode == "RGBA" else "RGB")
+    return im.convert(mode) if mode in ("L", "P") else im
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("mode", ["RGB", "RGBA", "L", "P"])
+def test_patches_equal_the_hub_processor(seed, mode):
+    r = np.random.default_rng(seed)
+    im = _random_image(r, mode)
+    kw = {}
+    settings = ImageSettings()
+    if seed % 2:  # a small pixel budget: downscaling path
+        settings = ImageSettings(min_pixels=28 * 28, max_pixels=28 * 28 * 16)
+        kw = {"size": {"shortest_edge": settings.min_pixels, "longest_edge": settings.max_pixels}}
+    want = transformers.Ernie4_5_VLMoeImageProcessorPil(**kw)(images=im, return_tensors="np")
+    got, grid = preprocess_image(im, settings)
+    np.testing.assert_array_equal(got, want["pixel_values"])
+    np.testing.assert_array_equal(grid, want["image_grid_thw"])
+
+
+def test_smart_resize_keeps_the_budget_and_multiples():
+    for h, w in [(10, 10), (3000, 4000), (57, 1000)]:
+        rh, rw = smart_resize(h, w, 28, 56 * 56, 28 * 28 * 64)
+        assert rh % 28 == 0 and rw % 28 == 0 and 56 * 56 <= rh * rw <= 28 * 28 * 64
+
+
+def test_images_load_from_paths_and_data_uris_only(tmp_path):
+    im = Image.fromarray(np.zeros((5, 7, 3), np.uint8))
+    path = tmp_path / "a.png"
+    im.save(path)
+    assert load_image(str(path)).size == (7, 5)
+    buf = io.BytesIO()
+    im.save(buf, format="PNG")
+    uri = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+    assert load_image(uri).size == (7, 5)
+    (tmp_path / "empty.png").write_bytes(b"")
+    (tmp_path / "text.png").write_text("not an image")
+    cases = {
+        str(tmp_path / "missing.png"): "not found",
+        str(tmp_path / "empty.png"): "empty",
+        str(tmp_path / "text.png"): "not a readable image",
+        "https://example.com/cat.png": "local paths or data: URIs only",
+        "data:image/png;base64,@@@": "does not decode",
+    }
+    for source, why in cases.items():
+        with pytest.raises(ImageError, match=why) as e:
+            load_image(source, where="data.jsonl:3")
+        assert str(e.value).startswith("data.jsonl:3:") and "\n" not in str(e.value)
+
+
+def test_a_huge_image_is_refused_before_decoding(tmp_path, monkeypatch):
+    from erniekit.models.ernie4_5_vl import processor
+
+    monkeypatch.setattr(processor, "MAX_SOURCE_PIXELS", 100)
+    path = tmp_path / "big.png"
+    Image.fromarray(np.zeros((20, 20, 3), np.uint8)).save(path)
+    with pytest.raises(ImageError, match="more than 100"):
+        load_image(str(path))
