@@ -67,6 +67,13 @@ def _chat_parser() -> argparse.ArgumentParser:
         help="greedy self-speculative decoding with the model's MTP heads: same reply, fewer "
         "forward passes (needs num_nextn_predict_layers >= 1; docs/mtp.md)",
     )
+    p.add_argument(
+        "--image",
+        action="append",
+        default=[],
+        metavar="PATH",
+        help="an image for the first message (repeatable; a vision-language checkpoint, greedy replies)",
+    )
     return p
 
 
@@ -79,6 +86,8 @@ def chat(args: list[str]) -> int:
         SamplingParams(max_new_tokens=ns.max_new_tokens, temperature=ns.temperature, top_p=ns.top_p)
     except ValueError as e:
         raise ErniekitError(f"chat: {e}") from None
+    if ns.image and (ns.temperature > 0 or ns.speculative):
+        raise ErniekitError("chat: --image replies are greedy in this version: drop --temperature / --speculative")
     if ns.speculative and ns.temperature > 0:
         raise ErniekitError(
             f"chat: --speculative supports greedy decoding only: use --temperature 0 (got {ns.temperature})"

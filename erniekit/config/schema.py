@@ -187,6 +187,16 @@ class TrainConfig:
         False, "ERNIE 4.5 token-balanced loss: average each example's loss over its own tokens, then over examples"
     )
 
+    # ### vision-language (stage VL-SFT, ERNIE-4.5-VL models; docs/multimodal.md)
+    image_min_pixels: int = _opt(
+        56 * 56, "VL: smallest resized image area (pixels); images are resized to 28-pixel multiples"
+    )
+    image_max_pixels: int = _opt(
+        28 * 28 * 1280, "VL: largest resized image area (pixels): each 28x28 block is one token in the text"
+    )
+    freeze_vision_encoder: bool = _opt(False, "VL: keep the vision transformer's weights fixed")
+    freeze_resampler: bool = _opt(False, "VL: keep the resampler (vision -> text projection) fixed")
+
     # ### elastic sub-models (ERNIE 5): each step trains a sampled sub-model (docs/elastic.md)
     elastic_depth: list[int] = _opt(
         [], "candidate depths (layers kept: first, last, the rest evenly spread); [] = always full depth"
@@ -402,6 +412,7 @@ SECTION_KEYS: dict[str, tuple[str, ...]] = {
         "lora_plus_scale",
         "lora_base_dtype",
     ),
+    "vision": ("image_min_pixels", "image_max_pixels", "freeze_vision_encoder", "freeze_resampler"),
     "dpo": ("beta", "loss_type", "label_smoothing", "reference_free", "sft_loss_ratio", "simpo_gamma", "dpop_lambda"),
     "rl": (
         "num_generations",

@@ -7,7 +7,14 @@ SFT formats (one record per line in .jsonl, or a JSON list in .json):
 - alpaca:   {"instruction": str, "input"?: str, "output": str, "system"?: str,
              "history"?: [[query, reply], ...]}; the user turn is instruction + "\\n" + input.
 - messages: {"messages": [{"role": "system"|"user"|"assistant", "content": str}, ...]}
-  (optional leading system, then user/assistant alternating, ending with assistant).
+  (optional leading system, then user/assistant alternating, ending with assistant). A user
+  content may be a list of OpenAI parts: {"type": "text", "text": ...} and
+  {"type": "image_url", "image_url": {"url": path or data: URI}} (vision-language data).
+- erniekit_vl: ERNIEKit's VL SFT records {"image_info": [{"image_url": str,
+  "matched_text_index": i}], "text_info": [{"text": str, "tag": "mask"|"no_mask"}, ...]}:
+  "mask" segments are prompts, "no_mask" the replies trained on; image j goes before text_info[i].
+Image paths are relative to the data file's directory; images are decoded later, by the stage
+that trains on them (VL-SFT).
 Pretrain: .jsonl/.json records {"text": str}, or a plain-text file with one document per
 non-empty line (use jsonl for documents that contain newlines).
 
@@ -33,6 +40,8 @@ class Conversation:
     turns: list[tuple[str, str]]
     train_on: list[bool]
     source: str = field(default="", compare=False)  # "file:line", for error messages
+    # image sources (paths or data: URIs) in the order of IMAGE_MARKERs in the user turns
+    images: list[str] = field(default_factory=list)
 
     def messages(self) -> list[dict]:
         """The conversation as OpenAI-style messages (what the chat template renders)."""
@@ -40,6 +49,42 @@ class Conversation:
         for user, reply in self.turns:
             out += [{"role": "user", "content": user}, {"role": "assistant", "content": reply}]
         return out
+
+
+IMAGE_MARKER = "<|IMAGE_PLACEHOLDER|>"  # where an image goes in a user turn (replaced by its tokens)
+
+
+def _image_source(url: object, where: str, field_name: str) -> str:
+    """A path (made absolute against the data file's directory) or a data: URI."""
+    if not isinstance(url, str) or not url:
+        raise DataError(f"{where}: {field_name} must be a non-empty string (a path or a data: URI)")
+    if url.startswith("data:") or "://" in url or os.path.isabs(url):
+        return url
+    return os.path.join(os.path.dirname(os.path.abspath(where.rsplit(":", 1)[0])), url)
+
+
+def _user_content(content: object, where: str, i: int, images: list[str]) -> str:
+    """A user message's text with IMAGE_MARKER where its image parts were (their sources appended)."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list) or not content:
+        raise DataError(f"{where}: field 'messages[{i}].content' must be a string or a non-empty list of parts")
+    out = []
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "text" and isinstance(part.get("text"), str):
+            out.append(part["text"])
+        elif kind == "image_url" and isinstance(part.get("image_url"), dict):
+            images.append(
+                _image_source(part["image_url"].get("url"), where, f"messages[{i}].content[{j}].image_url.url")
+            )
+            out.append(IMAGE_MARKER)
+        else:
+            raise DataError(
+                f"{where}: messages[{i}].content[{j}] must be {{'type': 'text', 'text': str}} or "
+                "{'type': 'image_url', 'image_url': {'url': str}}"
+            )
+    return "".join(out)
 
 
 def split_paths(path: str) -> list[str]:
@@ -157,15 +202,19 @@ def _from_messages(rec: dict, where: str) -> Conversation:
     msgs = rec.get("messages")
     if not isinstance(msgs, list) or not msgs:
         raise DataError(f"{where}: field 'messages' {'missing' if msgs is None else 'must be a non-empty list'}")
+    images: list[str] = []
     for i, m in enumerate(msgs):
+        user_parts = isinstance(m, dict) and m.get("role") == "user" and isinstance(m.get("content"), list)
         if (
             not isinstance(m, dict)
             or m.get("role") not in ("system", "user", "assistant")
-            or not isinstance(m.get("content"), str)
+            or not (isinstance(m.get("content"), str) or user_parts)
         ):
             raise DataError(
                 f"{where}: field 'messages[{i}]' must be {{'role': 'system'|'user'|'assistant', 'content': str}}"
+                " (a user content may also be a list of text / image_url parts)"
             )
+    msgs = [dict(m, content=_user_content(m["content"], where, i, images)) for i, m in enumerate(msgs)]
     system = msgs[0]["content"] if msgs[0]["role"] == "system" else None
     body = msgs[1:] if system is not None else msgs
     roles = [m["role"] for m in body]
@@ -175,7 +224,56 @@ def _from_messages(rec: dict, where: str) -> Conversation:
             f"{where}: field 'messages' roles {roles} must alternate user/assistant after an optional system and end with assistant"
         )
     turns = [(body[i]["content"], body[i + 1]["content"]) for i in range(0, len(body), 2)]
-    return Conversation(system, turns, [True] * len(turns), where)
+    return Conversation(system, turns, [True] * len(turns), where, images)
+
+
+def _from_erniekit_vl(rec: dict, where: str) -> Conversation:
+    """ERNIEKit's VL SFT record: text segments tagged mask (prompt) / no_mask (reply), images placed
+    before the text segment they name."""
+    texts, infos = rec.get("text_info"), rec.get("image_info") or []
+    if not isinstance(texts, list) or not texts:
+        raise DataError(
+            f"{where}: field 'text_info' must be a non-empty list of {{'text': str, 'tag': 'mask'|'no_mask'}}"
+        )
+    if not isinstance(infos, list):
+        raise DataError(
+            f"{where}: field 'image_info' must be a list of {{'image_url': str, 'matched_text_index': int}}"
+        )
+    before: dict[int, list[str]] = {}
+    for j, info in enumerate(infos):
+        idx = info.get("matched_text_index", 0) if isinstance(info, dict) else None
+        if not isinstance(idx, int) or isinstance(idx, bool) or not 0 <= idx < len(texts):
+            raise DataError(
+                f"{where}: image_info[{j}].matched_text_index must be an index into text_info (0..{len(texts) - 1})"
+            )
+        before.setdefault(idx, []).append(_image_source(info.get("image_url"), where, f"image_info[{j}].image_url"))
+    turns: list[list[str]] = []  # [prompt, reply] pairs built from runs of tags
+    images: list[str] = []
+    for i, seg in enumerate(texts):
+        if (
+            not isinstance(seg, dict)
+            or not isinstance(seg.get("text"), str)
+            or seg.get("tag") not in ("mask", "no_mask")
+        ):
+            raise DataError(f"{where}: text_info[{i}] must be {{'text': str, 'tag': 'mask'|'no_mask'}}")
+        reply = seg["tag"] == "no_mask"
+        if reply and i in before:
+            raise DataError(
+                f"{where}: image_info places an image in reply text_info[{i}]; images go in prompts (tag mask)"
+            )
+        text = IMAGE_MARKER * len(before.get(i, [])) + seg["text"]
+        images += before.get(i, [])
+        if not reply and (not turns or turns[-1][1]):
+            turns.append([text, ""])
+        elif not reply:
+            turns[-1][0] += text
+        elif not turns:
+            raise DataError(f"{where}: text_info starts with a reply (no_mask); it must start with a prompt (mask)")
+        else:
+            turns[-1][1] += text
+    if not turns[-1][1]:
+        raise DataError(f"{where}: text_info ends with a prompt (mask); the last segment must be a reply (no_mask)")
+    return Conversation(None, [(a, b) for a, b in turns], [True] * len(turns), where, images)
 
 
 _READERS: dict[str, Callable[[dict, str], Conversation]] = {}
@@ -207,6 +305,7 @@ def sft_format_names() -> list[str]:
 register_sft_format("messages", lambda rec: "messages" in rec)(_from_messages)
 register_sft_format("alpaca", lambda rec: "instruction" in rec)(_from_alpaca)
 register_sft_format("erniekit", lambda rec: "src" in rec or "tgt" in rec)(_from_erniekit)
+register_sft_format("erniekit_vl", lambda rec: "text_info" in rec or "image_info" in rec)(_from_erniekit_vl)
 
 
 def detect_format(rec: object, where: str) -> str:

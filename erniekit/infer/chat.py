@@ -81,6 +81,7 @@ class ChatSession:
         self.speculative = speculative  # greedy self-speculative decoding with the MTP heads (docs/mtp.md)
         self.system = system
         self.out = out
+        self.images: list[str] = []  # images of the first user message (a vision-language model)
         self.clear()
 
     def clear(self) -> None:
@@ -101,8 +102,28 @@ class ChatSession:
         """Ids of the whole history with the generation prompt ("Assistant: ") appended."""
         return list(self._extend(self.tokenizer.apply_chat_template(self.messages, add_generation_prompt=True)))
 
+    def _reply_with_images(self, user: str) -> str:
+        """The greedy answer of a vision-language model: the whole history re-rendered with the
+        images before the first user message (erniekit/infer/vl_generate.py)."""
+        from erniekit.data.formats import IMAGE_MARKER, Conversation
+        from erniekit.infer.vl_generate import answer
+        from erniekit.models.ernie4_5_vl.processor import ImageSettings
+
+        body = [m for m in self.messages if m["role"] != "system"] + [{"role": "user", "content": user}]
+        pairs = [(body[i]["content"], body[i + 1]["content"]) for i in range(0, len(body) - 1, 2)]
+        first = pairs[0][0] if pairs else user
+        turns = pairs + [(user, "")]
+        turns[0] = (IMAGE_MARKER * len(self.images) + first, turns[0][1])
+        conv = Conversation(self.system, turns, [True] * len(turns), "chat", list(self.images))
+        text = answer(self.model, self.tokenizer, conv, ImageSettings(), self.params.max_new_tokens)
+        self._write(text)
+        self.messages += [{"role": "user", "content": user}, {"role": "assistant", "content": text}]
+        return text
+
     def reply(self, user: str) -> str:
         """Add a user turn, stream the assistant's answer to `out`, keep it in the history."""
+        if self.images:
+            return self._reply_with_images(user)
         from erniekit.infer.generate import generate_stream
 
         stream = generate_stream
@@ -162,6 +183,14 @@ def run_chat(args: Any) -> int:
 
         check_speculative(model, params)
     session = ChatSession(model, tokenizer, params, system=args.system, out=sys.stdout, speculative=speculative)
+    if getattr(args, "image", None):
+        from erniekit.models.ernie4_5_vl.processor import load_image
+
+        if not hasattr(model, "visual_features"):
+            raise CheckpointError(f"{args.model_dir}: --image needs a vision-language (ERNIE-4.5-VL) checkpoint")
+        for i, path in enumerate(args.image):
+            load_image(path, where=f"--image {i + 1}")  # a bad file is one line now, not mid-reply
+        session.images = list(args.image)
     if args.prompt is not None:
         session.reply(args.prompt)
         print(flush=True)

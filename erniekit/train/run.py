@@ -214,7 +214,7 @@ def _place_model(cfg, ctx, model, stage, log) -> None:
     from erniekit.distributed.collective.layout import check_model_fits
 
     check_model_fits(ctx.layout, model.config, stage_layers=cfg.pipeline_stage_layers)
-    if stage.supports.pipeline and ctx.use_replicas():  # its losses split by rows, as a pipeline's do
+    if stage.supports.row_losses and ctx.use_replicas():  # its losses split by rows
         log(f"data parallelism: {ctx.layout.world} whole-model replicas, gradients summed by one all-reduce")
     ctx.init_pipeline(model.config.num_hidden_layers, cfg.pipeline_stage_layers)
     ctx.shard_model(model)

@@ -31,11 +31,18 @@ class Supports:
     elastic_sandwich: bool = False  # the sandwich rule with in-place distillation of an LM loss
     token_balance: bool = False  # loss_token_balance
     rollouts: bool = False  # RL: sampled generations scored by rewards (the RL keys apply)
+    row_losses: bool = False  # its loss is a sum over batch rows: data-parallel ranks run whole-model replicas
     min_generations: int = 1  # num_generations below this is refused
 
 
 LM = Supports(
-    pipeline=True, parameter_server=True, packing=True, elastic=True, elastic_sandwich=True, token_balance=True
+    pipeline=True,
+    parameter_server=True,
+    packing=True,
+    elastic=True,
+    elastic_sandwich=True,
+    token_balance=True,
+    row_losses=True,
 )  # the causal-LM stages (pretrain, SFT)
 
 

@@ -22,7 +22,7 @@ def test_every_stage_has_an_example_config():
     from erniekit.train.stages import stage_names
 
     stages = {yaml.safe_load(open(p))["stage"] for p in CONFIGS}
-    assert stages == set(stage_names()) == {"pretrain", "SFT", "DPO", "GRPO", "PPO"}
+    assert stages == set(stage_names()) == {"pretrain", "SFT", "DPO", "GRPO", "PPO", "VL-SFT"}
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=[os.path.basename(p) for p in CONFIGS])

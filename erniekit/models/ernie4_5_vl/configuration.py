@@ -243,8 +243,10 @@ PRESETS: dict[str, Ernie4_5_VLConfig] = {
         moe_layer_start_index=1,
         vision=VisionConfig(),
     ),
+    # the bundled 1024-piece tokenizer's vocabulary plus the six vision tokens (ids 1024-1029), so
+    # no text ever tokenizes to a placeholder
     "tiny-vl": Ernie4_5_VLConfig(
-        vocab_size=1024,
+        vocab_size=1032,
         hidden_size=128,
         intermediate_size=384,
         num_hidden_layers=4,
@@ -261,11 +263,11 @@ PRESETS: dict[str, Ernie4_5_VLConfig] = {
         router_aux_loss_coef=0.01,
         mrope_section=[4, 4, 8],
         vision=VisionConfig(depth=2, hidden_size=64, num_heads=4, intermediate_size=128),
-        image_start_token_id=1000,
-        image_end_token_id=1001,
-        image_token_id=1002,
-        video_start_token_id=1003,
-        video_end_token_id=1004,
-        video_token_id=1005,
+        image_start_token_id=1024,
+        image_end_token_id=1025,
+        image_token_id=1026,
+        video_start_token_id=1027,
+        video_end_token_id=1028,
+        video_token_id=1029,
     ),
 }

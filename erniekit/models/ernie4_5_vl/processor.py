@@ -15,12 +15,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from erniekit.errors import DataError
+
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 MAX_SOURCE_PIXELS = 8192 * 8192  # a decoded image larger than this is refused (decompression bombs)
 
 
-class ImageError(ValueError):
+class ImageError(DataError):
     """An image that cannot be used; the message names it and says what to do."""
 
 

@@ -216,3 +216,31 @@ def test_config_json_round_trips_and_odd_layer_patterns_are_refused(theirs):
     }
     with pytest.raises(CheckpointError, match="mlp_layer_types"):
         _moe_layers(["sparse", "dense", "sparse", "sparse"])
+
+
+def test_greedy_generation_with_an_image_equals_transformers(theirs):
+    from erniekit.infer.vl_generate import generate_vl
+
+    model, path = theirs
+    ids, vis = _inputs([("text", 4), ("image", (1, 4, 4)), ("text", 3)], seed=5)
+    ours = load_model(path)
+    got = generate_vl(ours, ids[0].tolist(), (np.concatenate(vis["image"][0]), np.array(vis["image"][1])), 8, [])
+    mm = np.zeros_like(ids)
+    mm[ids == IDS["image_token_id"]] = 1
+    moe = mm.copy()
+    moe[np.isin(ids, [IDS["image_start_token_id"], IDS["image_end_token_id"]])] = 1
+    with torch.no_grad():
+        out = model.generate(
+            input_ids=torch.from_numpy(ids),
+            attention_mask=torch.ones_like(torch.from_numpy(ids)),
+            mm_token_type_ids=torch.from_numpy(mm),
+            moe_mm_token_type_ids=torch.from_numpy(moe),
+            pixel_values=torch.from_numpy(np.concatenate(vis["image"][0])),
+            image_grid_thw=torch.tensor(vis["image"][1]),
+            do_sample=False,
+            max_new_tokens=8,
+            min_new_tokens=8,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
+    assert got == out[0, ids.shape[1] :].tolist()

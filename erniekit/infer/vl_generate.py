@@ -1,0 +1,66 @@
+"""Greedy generation of an ERNIE-4.5-VL model from a prompt with images, with a KV cache.
+
+The prefill runs the images through the vision encoder into their placeholders with 3-D positions
+(`rope_index`); every decoded token then takes position (tokens so far + the prompt's delta) on
+all three axes, as the reference's generation does.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import paddle
+
+from erniekit.data.encode import IGNORE_INDEX
+from erniekit.data.formats import Conversation
+from erniekit.data.vl import encode_vl_conversation
+from erniekit.models.ernie4_5_vl.modeling import rope_index
+from erniekit.nn.attention import KVCache
+
+
+def prompt_of(conv: Conversation, tokenizer, config, settings) -> tuple[list[int], tuple | None]:
+    """The ids (images in place) before the last reply of `conv`, and the images' (patches, grids)."""
+    row = encode_vl_conversation(conv, tokenizer, config, settings, max_seq_len=1 << 30)
+    labels = row["labels"]
+    trained = np.nonzero(labels != IGNORE_INDEX)[0]
+    start = len(labels)
+    if len(trained):  # the start of the last run of trained tokens: the last reply
+        start = int(trained[-1])
+        while start > 0 and labels[start - 1] != IGNORE_INDEX:
+            start -= 1
+    return row["input_ids"][:start].tolist(), row["images"]
+
+
+@paddle.no_grad()
+def generate_vl(model, ids: list[int], images, max_new_tokens: int, stop_ids: list[int]) -> list[int]:
+    """New token ids (stop token excluded) after prompt `ids` whose images are (patches, grids)."""
+    model.eval()
+    c = model.config
+    x = np.asarray([ids], dtype=np.int64)
+    cache = KVCache(c, 1, len(ids) + max_new_tokens, dtype=model.model.embed_tokens.weight.dtype)
+    kw = {}
+    delta = 0
+    if images is not None:
+        patches, grids = images
+        kw = {"pixel_values": paddle.to_tensor(patches), "image_grid_thw": grids}
+        pos, deltas = rope_index(x, c, grids)
+        kw["position_ids"] = paddle.to_tensor(pos)
+        delta = int(deltas[0])
+    out: list[int] = []
+    logits = model(paddle.to_tensor(x), cache=cache, logits_to_keep=1, **kw).logits
+    for _ in range(max_new_tokens):
+        tok = int(logits[0, -1].argmax())
+        if tok in stop_ids:
+            break
+        out.append(tok)
+        p = cache.length + delta
+        pos = paddle.to_tensor(np.full((3, 1, 1), p, dtype=np.int64))
+        logits = model(paddle.to_tensor([[tok]]), position_ids=pos, cache=cache, logits_to_keep=1).logits
+    return out
+
+
+def answer(model, tokenizer, conv: Conversation, settings, max_new_tokens: int) -> str:
+    """The model's greedy reply to `conv`'s last user turn (its images included)."""
+    ids, images = prompt_of(conv, tokenizer, model.config, settings)
+    stops = [tokenizer.sep_token_id, tokenizer.eos_token_id, *model.config.eos_token_ids]
+    stops += range(tokenizer.vocab_size, model.config.vocab_size)  # ids the tokenizer cannot write (vision tokens)
+    return tokenizer.decode(generate_vl(model, ids, images, max_new_tokens, stops))

@@ -1,0 +1,130 @@
+"""stage: VL-SFT (ERNIEKit's name) — supervised fine-tuning of an ERNIE-4.5-VL model on conversations
+with images: the loss on the assistant replies, the images' patches through the vision encoder and
+resampler into their placeholders, MoE routing by modality (vision tokens to the vision experts).
+
+Data: OpenAI messages with image_url parts, or ERNIEKit's image_info / text_info records
+(erniekit/data/formats.py). `freeze_vision_encoder` / `freeze_resampler` keep those parts fixed.
+Evaluation: held-out loss, and exact match of greedy answers generated from each prompt with its
+images (erniekit/infer/vl_generate.py), against the most common training answer as a baseline.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import numpy as np
+import paddle
+
+from erniekit.data.formats import load_sft_examples
+from erniekit.data.vl import collate_images, encode_vl_conversation
+from erniekit.errors import ConfigError
+from erniekit.train.losses import batch_tensor, causal_lm_loss_sum, count_target_tokens, token_balanced_loss_sum
+from erniekit.train.stage import LossOutput, Stage, Supports
+from erniekit.train.stages import register_stage
+from erniekit.utils.dtensor import scalar
+
+
+def _settings(cfg):
+    from erniekit.models.ernie4_5_vl.processor import ImageSettings
+
+    return ImageSettings(min_pixels=cfg.image_min_pixels, max_pixels=cfg.image_max_pixels)
+
+
+def vl_loss(model, batch: dict[str, np.ndarray], token_balance: bool = False) -> LossOutput:
+    pixels, grids = collate_images(batch["images"])
+    out = model(
+        batch_tensor(batch["input_ids"]),
+        pixel_values=None if pixels is None else paddle.to_tensor(pixels),
+        image_grid_thw=grids,
+    )
+    loss_fn = token_balanced_loss_sum if token_balance else causal_lm_loss_sum
+    return LossOutput(loss_fn(out.logits, batch["labels"], batch["segment_ids"]), out.aux_loss, logits=out.logits)
+
+
+@register_stage
+class VLSFTStage(Stage):
+    name = "VL-SFT"
+    aliases = ("vl_sft", "VLSFT")
+    supports = Supports(token_balance=True, row_losses=True)
+
+    def _rows(self, path: str, fmt: str, cfg, tokenizer) -> tuple[list, list]:
+        model_cfg = self._model_config(cfg)
+        if path.startswith("synthetic:"):
+            from erniekit.data.synthetic_vl import synthetic_conversations
+
+            convs = synthetic_conversations(path)
+        else:
+            convs = load_sft_examples(path, fmt)
+        settings = _settings(cfg)
+        return convs, [encode_vl_conversation(c, tokenizer, model_cfg, settings, cfg.max_seq_len) for c in convs]
+
+    @staticmethod
+    def _model_config(cfg):
+        from erniekit.models.ernie4_5_vl.configuration import Ernie4_5_VLConfig
+        from erniekit.models.registry import model_config
+
+        c = model_config(cfg.model_name_or_path, cfg.model_overrides)
+        if not isinstance(c, Ernie4_5_VLConfig):
+            raise ConfigError(
+                f"stage VL-SFT needs a vision-language model (ERNIE-4.5-VL); model_name_or_path="
+                f"{cfg.model_name_or_path} is {c.model_type}: use a VL checkpoint or the tiny-vl preset"
+            )
+        return c
+
+    def build_train_rows(self, cfg, tokenizer):
+        convs, rows = self._rows(cfg.train_dataset_path, cfg.train_dataset_type, cfg, tokenizer)
+        self.majority_reply = Counter(c.turns[-1][1].strip() for c in convs).most_common(1)[0][0]
+        return rows
+
+    def build_eval_data(self, cfg, tokenizer):
+        if not cfg.eval_dataset_path:
+            return None
+        convs, rows = self._rows(cfg.eval_dataset_path, cfg.eval_dataset_type, cfg, tokenizer)
+        return {"convs": convs, "rows": rows}
+
+    def prepare(self, model, train_rows, eval_data, cfg, tokenizer) -> None:
+        super().prepare(model, train_rows, eval_data, cfg, tokenizer)
+        for part, freeze in (("vision_model", cfg.freeze_vision_encoder), ("resampler_model", cfg.freeze_resampler)):
+            if freeze:
+                for p in getattr(model, part).parameters():
+                    p.stop_gradient = True
+        self.settings = _settings(cfg)
+
+    def collate(self, rows, pad_id):
+        from erniekit.train.batching import collate
+
+        batch = collate([{k: r[k] for k in ("input_ids", "labels")} for r in rows], pad_id)
+        images = np.empty(len(rows), dtype=object)  # per row, so data-parallel row slices keep theirs
+        images[:] = [r["images"] for r in rows]
+        batch["images"] = images
+        return batch
+
+    def loss(self, model, batch):
+        return vl_loss(model, batch, self.token_balance)
+
+    @paddle.no_grad()
+    def evaluate(self, model, tokenizer, eval_data, cfg):
+        from erniekit.infer.vl_generate import answer
+
+        model.eval()
+        total, n = 0.0, 0
+        rows = eval_data["rows"]
+        for i in range(0, len(rows), cfg.per_device_eval_batch_size):
+            b = self.collate(rows[i : i + cfg.per_device_eval_batch_size], tokenizer.pad_token_id)
+            total += scalar(vl_loss(model, b).loss_sum)
+            n += count_target_tokens(b)
+        loss = total / max(n, 1)
+        res = {"loss": loss, "perplexity": float(np.exp(min(loss, 50.0)))}
+        if cfg.eval_generation:
+            convs = eval_data["convs"][: cfg.eval_max_samples]
+            hits = 0
+            for conv in convs:
+                got = answer(model, tokenizer, conv, self.settings, cfg.eval_max_new_tokens)
+                hits += got.strip() == conv.turns[-1][1].strip()
+            res["exact_match"] = hits / max(len(convs), 1)
+            majority = getattr(self, "majority_reply", None)
+            if majority is not None:
+                res["baseline_exact_match"] = sum(c.turns[-1][1].strip() == majority for c in convs) / max(
+                    len(convs), 1
+                )
+        return res
