@@ -111,6 +111,17 @@ class Ernie4_5_VLConfig(Ernie4_5Config):
     def model_type(self) -> str:
         return MODEL_TYPE
 
+    def replace(self, **changes: Any) -> Ernie4_5_VLConfig:
+        """As the text config's; `vision` may be a dict of vision fields to change
+        (model_overrides.vision.hidden_size=128)."""
+        v = changes.get("vision")
+        if isinstance(v, dict):
+            unknown = set(v) - {f.name for f in dataclasses.fields(VisionConfig)}
+            if unknown:
+                raise CheckpointError(f"model_overrides.vision: unknown field(s) {sorted(unknown)}")
+            changes["vision"] = dataclasses.replace(self.vision, **v)
+        return super().replace(**changes)
+
     def mlp_layer_types(self) -> list[str]:
         return ["sparse" if self.is_moe_layer(i) else "dense" for i in range(self.num_hidden_layers)]
 

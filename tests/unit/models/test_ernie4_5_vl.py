@@ -244,3 +244,16 @@ def test_greedy_generation_with_an_image_equals_transformers(theirs):
             pad_token_id=0,
         )
     assert got == out[0, ids.shape[1] :].tolist()
+
+
+def test_model_overrides_reach_the_vision_config():
+    from erniekit.errors import CheckpointError
+    from erniekit.models.ernie4_5_vl.configuration import PRESETS
+
+    c = PRESETS["tiny-vl"].replace(vision={"hidden_size": 128}, num_hidden_layers=2)
+    assert (
+        c.vision.hidden_size == 128 and c.vision.depth == PRESETS["tiny-vl"].vision.depth and c.num_hidden_layers == 2
+    )
+    assert PRESETS["tiny-vl"].vision.hidden_size == 64  # the preset itself is untouched
+    with pytest.raises(CheckpointError, match="unknown field"):
+        PRESETS["tiny-vl"].replace(vision={"widht": 3})
