@@ -87,3 +87,12 @@ def test_frozen_vision_parts_keep_their_initial_weights(tmp_path):
     assert vision and all(np.array_equal(saved[k], init[k]) for k in vision)
     text = [k for k in saved if k.startswith("model.layers.")]
     assert any(not np.array_equal(saved[k], init[k]) for k in text)  # the rest trained
+
+
+def test_lora_trains_adapters_of_the_text_model(tmp_path):
+    from safetensors.numpy import load_file
+
+    _train(_args(tmp_path, steps=2) + ["fine_tuning=LoRA", "do_eval=false"])
+    adapter = load_file(str(tmp_path / "adapter_model.safetensors"))
+    assert adapter and all("lora_" in k for k in adapter)
+    assert any(".self_attn." in k for k in adapter) and not any("vision_model" in k for k in adapter)
