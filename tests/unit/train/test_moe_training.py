@@ -180,7 +180,7 @@ def test_compute_type_fp8_sets_flag_and_bad_ema_decay_is_rejected():
 
 
 def test_token_balanced_loss_is_rejected_outside_lm_stages():
-    with pytest.raises(ConfigError, match="loss_token_balance applies to the pretrain and SFT stages, not DPO"):
+    with pytest.raises(ConfigError, match="loss_token_balance applies to the pretrain, SFT and VL-SFT stages, not DPO"):
         validate(load_config(None, ["stage=DPO", "loss_token_balance=true"]))
 
 

@@ -78,7 +78,9 @@ def test_a_registered_stage_trains_through_the_shared_loop(toy, tmp_path):
 
 def test_validation_reads_what_the_stage_declares(toy, tmp_path):
     _cfg(tmp_path, "packing=true")  # declared: accepted
-    with pytest.raises(ConfigError, match=r"loss_token_balance applies to the pretrain and SFT stages, not Toy"):
+    with pytest.raises(
+        ConfigError, match=r"loss_token_balance applies to the pretrain, SFT and VL-SFT stages, not Toy"
+    ):
         _cfg(tmp_path, "loss_token_balance=true")
     with pytest.raises(
         ConfigError, match=r"elastic_\* sub-model training applies to the DPO, pretrain and SFT stages, not Toy"
