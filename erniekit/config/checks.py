@@ -347,8 +347,10 @@ def _check_paths(cfg: TrainConfig) -> None:
         _require(bool(paths), key, value, "one or more comma-separated file paths")
         for p in paths:
             if p.startswith("synthetic:"):  # generated at run time (erniekit/data/synthetic_vl.py)
-                if cfg.stage.lower().replace("_", "-") != "vl-sft":
-                    raise ConfigError(f"{key}: {p} is a synthetic picture dataset; it trains with stage: VL-SFT")
+                if not _supports(cfg).images:
+                    raise ConfigError(
+                        f"{key}: {p} is a synthetic picture dataset; it trains with stage: {_stages_that('images', ' or ')}"
+                    )
                 continue
             if not os.path.exists(p):
                 raise ConfigError(f"{key}: file not found: {p}; fix the path (relative paths start at {os.getcwd()})")
@@ -450,9 +452,9 @@ def _check_parallel(cfg: TrainConfig) -> None:
         _check_ps(cfg)
         return
     lay = layout_from_config(cfg.parallelism)
-    if cfg.stage.lower().replace("_", "-") in ("vl-sft", "vlsft") and lay.world > 1 and not lay.data_only:
+    if _supports(cfg).images and lay.world > 1 and not lay.data_only:
         raise ConfigError(
-            f"stage VL-SFT runs on several processes with plain data parallelism only in this version ({lay.describe()} "
+            f"stage {cfg.stage} runs on several processes with plain data parallelism only in this version ({lay.describe()} "
             "asked); set tensor_parallel_degree, pipeline_parallel_degree and expert_parallel_degree to 1 and no sharding"
         )
     if lay.world > 1 and lay.sharding_stage == 3 and not _has_cuda():

@@ -57,7 +57,7 @@ class TrainConfig:
     """Everything one `erniekit train` run needs; the resolved copy is saved in output_dir."""
 
     # ### stage
-    stage: str = _opt("SFT", "training stage: pretrain (alias PT), SFT, DPO, GRPO or PPO", STAGES)
+    stage: str = _opt("SFT", "training stage: pretrain (alias PT), SFT, DPO, GRPO, PPO or VL-SFT", STAGES)
     fine_tuning: str = _opt("Full", "which weights train: Full or LoRA (adapters only, base frozen)", FINE_TUNING)
 
     # ### model

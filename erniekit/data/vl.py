@@ -14,7 +14,7 @@ import numpy as np
 from erniekit.data.encode import IGNORE_INDEX, _render_pieces
 from erniekit.data.formats import IMAGE_MARKER, Conversation
 from erniekit.errors import DataError
-from erniekit.models.ernie4_5_vl.processor import ImageError, ImageSettings, image_tokens, load_image, preprocess_image
+from erniekit.models.ernie4_5_vl.processor import ImageSettings, image_tokens, load_image, preprocess_image
 
 
 def encode_vl_conversation(
@@ -33,10 +33,7 @@ def encode_vl_conversation(
             if k:
                 if not pending:
                     raise DataError(f"{conv.source}: more image markers than images")
-                try:
-                    p, g = preprocess_image(load_image(pending.pop(0), where=conv.source), settings)
-                except ImageError as e:
-                    raise DataError(str(e)) from None
+                p, g = preprocess_image(load_image(pending.pop(0), where=conv.source), settings)
                 patches.append(p)
                 grids.append(g)
                 tok = image_tokens(g, config)

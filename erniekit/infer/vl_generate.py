@@ -18,15 +18,13 @@ from erniekit.nn.attention import KVCache
 
 
 def prompt_of(conv: Conversation, tokenizer, config, settings) -> tuple[list[int], tuple | None]:
-    """The ids (images in place) before the last reply of `conv`, and the images' (patches, grids)."""
-    row = encode_vl_conversation(conv, tokenizer, config, settings, max_seq_len=1 << 30)
-    labels = row["labels"]
-    trained = np.nonzero(labels != IGNORE_INDEX)[0]
-    start = len(labels)
-    if len(trained):  # the start of the last run of trained tokens: the last reply
-        start = int(trained[-1])
-        while start > 0 and labels[start - 1] != IGNORE_INDEX:
-            start -= 1
+    """The ids (images in place) before the last reply of `conv`, and the images' (patches, grids);
+    as erniekit/train/evaluation.prompt_ids derives them for text: only the last reply trained,
+    the prompt ends at its first token."""
+    last = Conversation(conv.system, conv.turns, [False] * (len(conv.turns) - 1) + [True], conv.source, conv.images)
+    row = encode_vl_conversation(last, tokenizer, config, settings, max_seq_len=1 << 30)
+    trained = row["labels"] != IGNORE_INDEX
+    start = int(np.argmax(trained)) if trained.any() else len(trained)
     return row["input_ids"][:start].tolist(), row["images"]
 
 

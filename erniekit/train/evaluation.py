@@ -2,9 +2,21 @@
 
 from __future__ import annotations
 
+from collections import Counter
+
 from erniekit.data.encode import IGNORE_INDEX, encode_conversation
 from erniekit.data.formats import Conversation
 from erniekit.infer.generate import SamplingParams, generate
+
+
+def majority_reply(convs: list[Conversation]) -> str:
+    """The trivial baseline for exact match: always answer the most common training reply."""
+    return Counter(c.turns[-1][1].strip() for c in convs).most_common(1)[0][0]
+
+
+def baseline_exact_match(convs: list[Conversation], majority: str) -> float:
+    """Exact match of always answering `majority`."""
+    return sum(c.turns[-1][1].strip() == majority for c in convs) / max(len(convs), 1)
 
 
 def prompt_ids(conv: Conversation, tokenizer) -> list[int]:

@@ -32,6 +32,7 @@ class Supports:
     token_balance: bool = False  # loss_token_balance
     rollouts: bool = False  # RL: sampled generations scored by rewards (the RL keys apply)
     row_losses: bool = False  # its loss is a sum over batch rows: data-parallel ranks run whole-model replicas
+    images: bool = False  # trains on pictures: synthetic picture datasets; plain data parallelism only (this version)
     min_generations: int = 1  # num_generations below this is refused
 
 
@@ -139,15 +140,20 @@ class Stage:
 
 
 @paddle.no_grad()
-def eval_loss(model, rows: list[dict[str, np.ndarray]], batch_size: int, pad_id: int) -> dict[str, float]:
-    """Token-averaged held-out loss and perplexity."""
-    from erniekit.train.batching import collate
+def eval_loss(
+    model, rows: list[dict[str, np.ndarray]], batch_size: int, pad_id: int, collate=None, loss=None
+) -> dict[str, float]:
+    """Token-averaged held-out loss and perplexity. collate / loss: a stage's own (default: the
+    LM's)."""
+    if collate is None:
+        from erniekit.train.batching import collate
+    loss = lm_loss if loss is None else loss
 
     model.eval()
     total, n = 0.0, 0
     for i in range(0, len(rows), batch_size):
         b = collate(rows[i : i + batch_size], pad_id)
-        total += scalar(lm_loss(model, b).loss_sum)
+        total += scalar(loss(model, b).loss_sum)
         n += count_target_tokens(b)
     loss = total / max(n, 1)
     return {"loss": loss, "perplexity": float(np.exp(min(loss, 50.0)))}

@@ -33,6 +33,7 @@ class DataReplicas:
     def __init__(self, size: int, rank: int, group=None):
         """size data ranks, this one is `rank`; group: their process group (None: the whole job)."""
         self.size, self.rank, self.group = size, rank, group
+        self._flat: np.ndarray | None = None  # the CPU sum's buffer, kept between steps
 
     def attach(self, model) -> None:
         """MoE router losses and load counts over the whole global batch."""
@@ -75,7 +76,7 @@ class DataReplicas:
     def _sum_views(self, views: list[np.ndarray], values: list[float]) -> list[float]:
         """CPU float32: through a numpy buffer (kept between steps)."""
         n = sum(v.size for v in views)
-        if getattr(self, "_flat", None) is None or self._flat.size != n + len(values):
+        if self._flat is None or self._flat.size != n + len(values):
             self._flat = np.empty(n + len(values), dtype=np.float32)
         flat, start = self._flat, 0
         for v in views:

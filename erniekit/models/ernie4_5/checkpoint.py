@@ -31,7 +31,8 @@ _QUANT_DTYPES = {"I8", "U8"}
 @dataclass
 class _Spec:
     """How one of our parameters maps to HF tensors: 'copy', 'transpose' (Linear [in,out] vs
-    [out,in]) or 'experts' (our [E, in, out] stack <-> E tensors of [out, in])."""
+    [out,in]), 'experts' (our [E, in, out] stack <-> E tensors of [out, in]) or 'rowN' (our
+    [1, n] <-> row N of one [rows, n] tensor several parameters share)."""
 
     kind: str
     hf_names: list[str]
@@ -138,12 +139,14 @@ class _ShardReader:
         return t
 
 
-def load_state_into(model: Ernie4_5ForCausalLM, path: str) -> None:
-    """Fill `model` from the checkpoint at `path`; errors name the tensor that is missing or misshaped."""
+def load_state_into(model: Ernie4_5ForCausalLM, path: str, specs: dict[str, _Spec] | None = None) -> None:
+    """Fill `model` from the checkpoint at `path`; errors name the tensor that is missing or misshaped.
+    specs: another family's name mapping (ERNIE-4.5-VL's); default this model's."""
     reader = _ShardReader(path)
+    specs = _specs_cache(model) if specs is None else specs
     used: set[str] = set()
     for name, p in model.named_parameters():
-        spec = _specs_cache(model)[name]
+        spec = specs[name]
         missing = [n for n in spec.hf_names if n not in reader.where]
         if missing:
             hint = (
@@ -160,6 +163,16 @@ def load_state_into(model: Ernie4_5ForCausalLM, path: str) -> None:
             for n in spec.hf_names:
                 _check_shape(path, n, reader.shape(n), want)
             value = paddle.stack([reader.get(n).astype(p.dtype).T for n in spec.hf_names])
+        elif spec.kind.startswith("row"):
+            n, row = spec.hf_names[0], int(spec.kind[3:])
+            shape = reader.shape(n)
+            if len(shape) != 2 or shape[1] != expected[1] or shape[0] <= row:
+                raise CheckpointError(
+                    f"{path}: tensor {n} has shape {shape}, the model config expects rows of {expected[1]} "
+                    f"with row {row} among them: "
+                    "config.json and weights disagree: use the config.json the weights were saved with"
+                )
+            value = reader.get(n).astype(p.dtype)[row : row + 1]
         else:
             n = spec.hf_names[0]
             want = expected[::-1] if spec.kind == "transpose" else expected
@@ -195,21 +208,29 @@ def _check_shape(path: str, name: str, got: list[int], want: list[int]) -> None:
         )
 
 
-def hf_state_dict(model: Ernie4_5ForCausalLM, dtype: str | None = None) -> dict[str, paddle.Tensor]:
+def hf_state_dict(
+    model: Ernie4_5ForCausalLM, dtype: str | None = None, specs: dict[str, _Spec] | None = None
+) -> dict[str, paddle.Tensor]:
     """Our parameters renamed and reshaped to the HF layout (contiguous, ready for safetensors)."""
+    specs = _specs_cache(model) if specs is None else specs
     out: dict[str, paddle.Tensor] = {}
+    rows: dict[str, dict[int, paddle.Tensor]] = {}
     for name, p in model.named_parameters():
-        spec = _specs_cache(model)[name]
+        spec = specs[name]
         t = to_dense(p.detach())  # the full value, also of a parameter sharded over processes
         if dtype and "e_score_correction_bias" not in name and not re.search(r"\.mlp\.gate(_\d+)?\.weight$", name):
             t = t.astype(dtype)
         if spec.kind == "experts":
             for e, n in enumerate(spec.hf_names):
                 out[n] = t[e].T.contiguous()
+        elif spec.kind.startswith("row"):
+            rows.setdefault(spec.hf_names[0], {})[int(spec.kind[3:])] = t.reshape([-1])
         elif spec.kind == "transpose":
             out[spec.hf_names[0]] = t.T.contiguous()
         else:
             out[spec.hf_names[0]] = t.contiguous()
+    for n, parts in rows.items():
+        out[n] = paddle.stack([parts[i] for i in sorted(parts)]).contiguous()
     return out
 
 

@@ -33,6 +33,11 @@ _PASSTHROUGH_KEYS = {
 
 @dataclass
 class Ernie4_5Config:
+    # config.json model_type values this class reads (None: our own early untyped files), and what
+    # a mismatch is told it is not
+    _READS = (None, "ernie4_5", "ernie4_5_moe")
+    _READS_WHAT = "an ERNIE 4.5 text model"
+
     vocab_size: int = 103424
     hidden_size: int = 1024
     intermediate_size: int = 3072
@@ -243,8 +248,8 @@ class Ernie4_5Config:
         from erniekit.utils.io import read_json_object
 
         d = read_json_object(file, "fix config.json")
-        if d.get("model_type") not in (None, "ernie4_5", "ernie4_5_moe"):
-            raise CheckpointError(f"{file}: model_type={d.get('model_type')!r} is not an ERNIE 4.5 text model")
+        if d.get("model_type") not in cls._READS:
+            raise CheckpointError(f"{file}: model_type={d.get('model_type')!r} is not {cls._READS_WHAT}")
         try:
             return cls.from_dict(d)
         except TypeError as e:

@@ -282,6 +282,11 @@ class Ernie4_5ForCausalLM(nn.Layer):
                     "return_mtp=True needs MTP heads: set num_nextn_predict_layers >= 1 in the config"
                 )
             mtp_logits = self.mtp.logits(self, h, input_ids, position_ids, segment_ids, attention_mask)
+        return self.output(h, logits_to_keep, mtp_logits)
+
+    def output(self, h: paddle.Tensor, logits_to_keep: int = 0, mtp_logits=None) -> CausalLMOutput:
+        """The final hidden states -> logits of the kept positions, with the router losses of the
+        forward just run (training)."""
         if logits_to_keep:
             h = h[:, -logits_to_keep:]
         logits = self.head(h)

@@ -10,8 +10,6 @@ experts are modality 0 and 1 of the modality-isolated MoE (`moe_num_experts` and
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -86,6 +84,8 @@ class VisionConfig:
 
 @dataclass
 class Ernie4_5_VLConfig(Ernie4_5Config):
+    _READS = (MODEL_TYPE,)
+    _READS_WHAT = repr(MODEL_TYPE)
     vision: VisionConfig = field(default_factory=VisionConfig)
     mrope_section: list[int] = field(default_factory=lambda: [22, 22, 20])  # h, w, t pairs of the text rope
     image_start_token_id: int = 101304
@@ -181,29 +181,6 @@ class Ernie4_5_VLConfig(Ernie4_5Config):
             "tie_word_embeddings": self.tie_word_embeddings,
             "dtype": "float32",
         }
-
-    @classmethod
-    def from_pretrained(cls, path: str) -> Ernie4_5_VLConfig:
-        file = os.path.join(path, "config.json") if os.path.isdir(path) else path
-        if not os.path.isfile(file):
-            raise CheckpointError(f"{file}: config.json not found; point model_name_or_path at a checkpoint directory")
-        from erniekit.utils.io import read_json_object
-
-        d = read_json_object(file, "fix config.json")
-        if d.get("model_type") != MODEL_TYPE:
-            raise CheckpointError(f"{file}: model_type={d.get('model_type')!r} is not {MODEL_TYPE!r}")
-        try:
-            return cls.from_dict(d)
-        except TypeError as e:
-            raise CheckpointError(f"{file}: bad config value ({e}); fix config.json") from None
-        except CheckpointError as e:
-            raise CheckpointError(f"{file}: {e}" + ("" if "config.json" in str(e) else "; fix config.json")) from None
-
-    def save_pretrained(self, path: str) -> None:
-        from erniekit.utils.io import atomic_write_text
-
-        os.makedirs(path, exist_ok=True)
-        atomic_write_text(os.path.join(path, "config.json"), json.dumps(self.to_dict(), indent=2) + "\n")
 
 
 _TOKEN_KEYS = (

@@ -153,11 +153,4 @@ class Ernie4_5_VLForConditionalGeneration(Ernie4_5ForCausalLM):
         h = self.model(
             input_ids, position_ids, segment_ids, attention_mask, cache, token_type_ids=token_type_ids, inputs_embeds=x
         )
-        if logits_to_keep:
-            h = h[:, -logits_to_keep:]
-        logits = self.head(h)
-        aux = None
-        if self.training:
-            losses = [m.router_loss for m in self.moe_layers() if m.router_loss is not None]
-            aux = paddle.add_n(losses) if losses else None
-        return CausalLMOutput(logits=logits, aux_loss=aux, hidden_states=h)
+        return self.output(h, logits_to_keep)

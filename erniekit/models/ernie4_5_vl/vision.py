@@ -127,11 +127,11 @@ class VisionTransformer(nn.Layer):
     def forward(self, pixel_values: paddle.Tensor, grid_thw: np.ndarray) -> paddle.Tensor:
         """[patches, C*p*p] -> [patches, hidden]."""
         grid_thw = np.asarray(grid_thw, dtype=np.int64).reshape(-1, 3)
-        n = int(sum(frame_lengths(grid_thw)))
-        if pixel_values.shape[0] != n:
-            raise ValueError(f"pixel_values has {pixel_values.shape[0]} patches, grid_thw describes {n}")
+        lengths = frame_lengths(grid_thw)
+        if pixel_values.shape[0] != sum(lengths):
+            raise ValueError(f"pixel_values has {pixel_values.shape[0]} patches, grid_thw describes {sum(lengths)}")
         cos, sin = self.rope(vision_positions(grid_thw, self.config.spatial_merge_size))
-        seg = np.repeat(np.arange(len(frame_lengths(grid_thw))), frame_lengths(grid_thw))
+        seg = np.repeat(np.arange(len(lengths)), lengths)
         bias = paddle.to_tensor(np.where(seg[:, None] == seg[None, :], 0.0, -1e30).astype(np.float32))
         x = self.patch_embed(pixel_values)
         for block in self.blocks:

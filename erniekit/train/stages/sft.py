@@ -6,11 +6,9 @@ Evaluation: held-out loss, and exact match of greedy generations against the ref
 
 from __future__ import annotations
 
-from collections import Counter
-
 from erniekit.data.encode import encode_conversations, pack
 from erniekit.data.formats import Conversation, load_sft_examples
-from erniekit.train.evaluation import exact_match_eval
+from erniekit.train.evaluation import baseline_exact_match, exact_match_eval, majority_reply
 from erniekit.train.stage import LM, Stage, eval_loss
 from erniekit.train.stages import register_stage
 
@@ -31,8 +29,7 @@ class SFTStage(Stage):
 
     def build_train_rows(self, cfg, tokenizer):
         convs = load_sft_examples(cfg.train_dataset_path, cfg.train_dataset_type)
-        # trivial baseline for exact match: always answer the most common training reply
-        self.majority_reply = Counter(c.turns[-1][1].strip() for c in convs).most_common(1)[0][0]
+        self.majority_reply = majority_reply(convs)
         return _rows(convs, cfg, tokenizer, cfg.packing)
 
     def build_eval_data(self, cfg, tokenizer):
@@ -50,7 +47,5 @@ class SFTStage(Stage):
             )
             majority = getattr(self, "majority_reply", None)
             if majority is not None:
-                res["baseline_exact_match"] = sum(c.turns[-1][1].strip() == majority for c in convs) / max(
-                    len(convs), 1
-                )
+                res["baseline_exact_match"] = baseline_exact_match(convs, majority)
         return res

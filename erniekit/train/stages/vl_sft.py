@@ -10,18 +10,16 @@ images (erniekit/infer/vl_generate.py), against the most common training answer 
 
 from __future__ import annotations
 
-from collections import Counter
-
 import numpy as np
 import paddle
 
 from erniekit.data.formats import load_sft_examples
 from erniekit.data.vl import collate_images, encode_vl_conversation
 from erniekit.errors import ConfigError
-from erniekit.train.losses import batch_tensor, causal_lm_loss_sum, count_target_tokens, token_balanced_loss_sum
-from erniekit.train.stage import LossOutput, Stage, Supports
+from erniekit.train.evaluation import baseline_exact_match, majority_reply
+from erniekit.train.losses import batch_tensor, causal_lm_loss_sum, token_balanced_loss_sum
+from erniekit.train.stage import LossOutput, Stage, Supports, eval_loss
 from erniekit.train.stages import register_stage
-from erniekit.utils.dtensor import scalar
 
 
 def _settings(cfg):
@@ -45,7 +43,7 @@ def vl_loss(model, batch: dict[str, np.ndarray], token_balance: bool = False) ->
 class VLSFTStage(Stage):
     name = "VL-SFT"
     aliases = ("vl_sft", "VLSFT")
-    supports = Supports(token_balance=True, row_losses=True)
+    supports = Supports(token_balance=True, row_losses=True, images=True)
 
     def _rows(self, path: str, fmt: str, cfg, tokenizer) -> tuple[list, list]:
         model_cfg = self._model_config(cfg)
@@ -73,7 +71,7 @@ class VLSFTStage(Stage):
 
     def build_train_rows(self, cfg, tokenizer):
         convs, rows = self._rows(cfg.train_dataset_path, cfg.train_dataset_type, cfg, tokenizer)
-        self.majority_reply = Counter(c.turns[-1][1].strip() for c in convs).most_common(1)[0][0]
+        self.majority_reply = majority_reply(convs)
         return rows
 
     def build_eval_data(self, cfg, tokenizer):
@@ -106,15 +104,9 @@ class VLSFTStage(Stage):
     def evaluate(self, model, tokenizer, eval_data, cfg):
         from erniekit.infer.vl_generate import answer
 
-        model.eval()
-        total, n = 0.0, 0
-        rows = eval_data["rows"]
-        for i in range(0, len(rows), cfg.per_device_eval_batch_size):
-            b = self.collate(rows[i : i + cfg.per_device_eval_batch_size], tokenizer.pad_token_id)
-            total += scalar(vl_loss(model, b).loss_sum)
-            n += count_target_tokens(b)
-        loss = total / max(n, 1)
-        res = {"loss": loss, "perplexity": float(np.exp(min(loss, 50.0)))}
+        res = eval_loss(
+            model, eval_data["rows"], cfg.per_device_eval_batch_size, tokenizer.pad_token_id, self.collate, vl_loss
+        )
         if cfg.eval_generation:
             convs = eval_data["convs"][: cfg.eval_max_samples]
             hits = 0
@@ -124,7 +116,5 @@ class VLSFTStage(Stage):
             res["exact_match"] = hits / max(len(convs), 1)
             majority = getattr(self, "majority_reply", None)
             if majority is not None:
-                res["baseline_exact_match"] = sum(c.turns[-1][1].strip() == majority for c in convs) / max(
-                    len(convs), 1
-                )
+                res["baseline_exact_match"] = baseline_exact_match(convs, majority)
         return res
