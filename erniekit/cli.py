@@ -138,6 +138,12 @@ def _server_parser() -> argparse.ArgumentParser:
         default=1 << 20,
         help="larger request bodies get 413 before they are read (default 1 MiB)",
     )
+    p.add_argument(
+        "--allowed-local-media-path",
+        default=None,
+        help="a vision-language model: image_url parts may also name files under this directory "
+        "(default: data: URIs only; nothing is ever fetched from the network)",
+    )
     p.add_argument("--log-level", default="warning", help="uvicorn's log level")
     return p
 

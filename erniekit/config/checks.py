@@ -183,6 +183,12 @@ def _check_ranges(cfg: TrainConfig) -> None:
     _require(0 <= cfg.lora_dropout < 1, "lora_dropout", cfg.lora_dropout, "in [0, 1)")
     _require(cfg.lora_plus_scale > 0, "lora_plus_scale", cfg.lora_plus_scale, "> 0")
     _require(
+        cfg.vit_lr_ratio > 0,
+        "vit_lr_ratio",
+        cfg.vit_lr_ratio,
+        "> 0 (freeze_vision_encoder / freeze_resampler keep parts fixed)",
+    )
+    _require(
         cfg.lora_base_dtype in (None, "bfloat16", "float16", "float32"),
         "lora_base_dtype",
         cfg.lora_base_dtype,

@@ -196,6 +196,9 @@ class TrainConfig:
     )
     freeze_vision_encoder: bool = _opt(False, "VL: keep the vision transformer's weights fixed")
     freeze_resampler: bool = _opt(False, "VL: keep the resampler (vision -> text projection) fixed")
+    vit_lr_ratio: float = _opt(
+        1.0, "VL: learning rate of the vision encoder and resampler, as a ratio of learning_rate (ERNIEKit's name)"
+    )
 
     # ### elastic sub-models (ERNIE 5): each step trains a sampled sub-model (docs/elastic.md)
     elastic_depth: list[int] = _opt(
@@ -412,7 +415,7 @@ SECTION_KEYS: dict[str, tuple[str, ...]] = {
         "lora_plus_scale",
         "lora_base_dtype",
     ),
-    "vision": ("image_min_pixels", "image_max_pixels", "freeze_vision_encoder", "freeze_resampler"),
+    "vision": ("image_min_pixels", "image_max_pixels", "freeze_vision_encoder", "freeze_resampler", "vit_lr_ratio"),
     "dpo": ("beta", "loss_type", "label_smoothing", "reference_free", "sft_loss_ratio", "simpo_gamma", "dpop_lambda"),
     "rl": (
         "num_generations",

@@ -33,7 +33,9 @@ def encode_vl_conversation(
             if k:
                 if not pending:
                     raise DataError(f"{conv.source}: more image markers than images")
-                p, g = preprocess_image(load_image(pending.pop(0), where=conv.source), settings)
+                src = pending.pop(0)  # a path or data: URI, or an image already decoded (the server's)
+                image = load_image(src, where=conv.source) if isinstance(src, str) else src
+                p, g = preprocess_image(image, settings)
                 patches.append(p)
                 grids.append(g)
                 tok = image_tokens(g, config)

@@ -42,8 +42,15 @@ def load_chat_model(model_dir: str) -> tuple[Ernie4_5ForCausalLM, ErnieTokenizer
 
 
 def stop_ids(model: Ernie4_5ForCausalLM, tokenizer: ErnieTokenizer) -> list[int]:
-    """End of a reply: the template's sep token, eos, and the config's eos ids."""
+    """End of a reply: the template's sep token, eos, and the config's eos ids; for a
+    vision-language model also its image / video tokens and the ids past the tokenizer's
+    vocabulary (a reply cannot contain them)."""
     ids = [tokenizer.sep_token_id, tokenizer.eos_token_id, *model.config.eos_token_ids]
+    if hasattr(model, "visual_features"):
+        c = model.config
+        ids += [c.image_start_token_id, c.image_end_token_id, c.image_token_id]
+        ids += [c.video_start_token_id, c.video_end_token_id, c.video_token_id]
+        ids += range(tokenizer.vocab_size, c.vocab_size)
     return sorted({int(i) for i in ids if i is not None})
 
 
@@ -107,7 +114,6 @@ class ChatSession:
         images before the first user message (erniekit/infer/vl_generate.py)."""
         from erniekit.data.formats import IMAGE_MARKER, Conversation
         from erniekit.infer.vl_generate import answer
-        from erniekit.models.ernie4_5_vl.processor import ImageSettings
 
         body = [m for m in self.messages if m["role"] != "system"] + [{"role": "user", "content": user}]
         pairs = [(body[i]["content"], body[i + 1]["content"]) for i in range(0, len(body) - 1, 2)]
@@ -115,7 +121,7 @@ class ChatSession:
         turns = pairs + [(user, "")]
         turns[0] = (IMAGE_MARKER * len(self.images) + first, turns[0][1])
         conv = Conversation(self.system, turns, [True] * len(turns), "chat", list(self.images))
-        text = answer(self.model, self.tokenizer, conv, ImageSettings(), self.params.max_new_tokens)
+        text = answer(self.model, self.tokenizer, conv, self.model.image_settings, self.params.max_new_tokens)
         self._write(text)
         self.messages += [{"role": "user", "content": user}, {"role": "assistant", "content": text}]
         return text

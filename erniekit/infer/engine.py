@@ -48,6 +48,7 @@ class Request:
     params: SamplingParams
     emit: Callable[[str, str | None], None]
     stop: list[str] = field(default_factory=list)
+    images: tuple | None = None  # (patches, grid_thw) of the images in `prompt` (a vision-language model)
     # filled by the engine
     completion: list[int] = field(default_factory=list)
     text: str = ""
@@ -113,6 +114,10 @@ class Engine:
         self.mask = np.zeros((max_batch, self.max_model_len), dtype=np.int64)
         self.rows: list[Request] = []  # running requests, row i = rows[i]
         self.next_ids = np.zeros(max_batch, dtype=np.int64)  # each row's token to feed next
+        # a vision-language model's rows: 3-D positions, each row's offset of decode positions past
+        # its token count (an image of h x w merged tokens advances positions by max(h, w))
+        self.vl = hasattr(model, "visual_features")
+        self.deltas = np.zeros(max_batch, dtype=np.int64)
         self.rngs: dict[int, np.random.Generator] = {}
         self.biases: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # logit_bias as (ids, values) per request
         self.default_stops = sorted(set(stop_token_ids or []))
@@ -145,6 +150,8 @@ class Engine:
             raise ValueError(f"logit_bias key {bad} is outside the vocabulary [0, {vocab})")
 
     def submit(self, req: Request) -> None:
+        if req.images is not None and not self.vl:
+            raise ValueError("this model reads no images (it is not a vision-language model)")
         self.check(len(req.prompt), req.params.max_new_tokens)
         self.check_ids(req.prompt, req.params)
         self.pending.put(req)
@@ -187,7 +194,7 @@ class Engine:
         """Prefill `reqs` together; when that forward raises, each request alone, so the one that
         breaks it fails by itself (the forward touches no engine state: it fills its own cache)."""
         try:
-            batch, logits = self._prefill_forward(reqs)
+            batch, logits, deltas = self._prefill_forward(reqs)
         except Exception as e:  # noqa: BLE001 - isolate the request that caused it
             if len(reqs) == 1:
                 self._finish(reqs[0], "error", _describe(e))
@@ -195,11 +202,12 @@ class Engine:
             for r in reqs:
                 self._prefill_isolated([r])
             return
-        self._place(reqs, batch, logits)
+        self._place(reqs, batch, logits, deltas)
 
-    def _prefill_forward(self, reqs: list[Request]) -> tuple[KVCache, np.ndarray]:
+    def _prefill_forward(self, reqs: list[Request]) -> tuple[KVCache, np.ndarray, np.ndarray]:
         """The prompts left-padded into one batch (positions count real tokens, so each row's
-        keys and values are those of its prompt alone): their cache and last logits [B, V]."""
+        keys and values are those of its prompt alone): their cache, last logits [B, V] and each
+        row's decode-position offset (0 but after images)."""
         lens = [len(r.prompt) for r in reqs]
         L = max(lens)
         ids = np.zeros((len(reqs), L), dtype=np.int64)
@@ -209,10 +217,22 @@ class Engine:
             pad[i, L - lens[i] :] = 1
         batch = KVCache(self.model.config, len(reqs), L, dtype=self.dtype)
         am = paddle.to_tensor(pad) if min(lens) < L else None
-        logits = self.model(paddle.to_tensor(ids), attention_mask=am, cache=batch, logits_to_keep=1).logits
-        return batch, logits[:, -1].astype("float32").numpy()
+        kw, deltas = {}, np.zeros(len(reqs), dtype=np.int64)
+        images = [r.images for r in reqs if r.images is not None]
+        if images:
+            from erniekit.models.ernie4_5_vl.modeling import rope_index
 
-    def _place(self, reqs: list[Request], batch: KVCache, logits: np.ndarray) -> None:
+            grids = np.concatenate([g for _, g in images])
+            pos, deltas = rope_index(ids, self.model.config, grids, attention_mask=pad)
+            kw = {
+                "pixel_values": paddle.to_tensor(np.concatenate([p for p, _ in images])),
+                "image_grid_thw": grids,
+                "position_ids": paddle.to_tensor(pos),
+            }
+        logits = self.model(paddle.to_tensor(ids), attention_mask=am, cache=batch, logits_to_keep=1, **kw).logits
+        return batch, logits[:, -1].astype("float32").numpy(), deltas
+
+    def _place(self, reqs: list[Request], batch: KVCache, logits: np.ndarray, deltas: np.ndarray) -> None:
         """Sample each prefilled request's first token and copy its keys and values into a free
         row; a request whose sampling or first step fails finishes with an error and takes no row."""
         lens = [len(r.prompt) for r in reqs]
@@ -242,6 +262,7 @@ class Engine:
             cache.put(row, batch, i, slice(L - p, L), slice(T - p, T))
             self.mask[row, :] = 0
             self.mask[row, T - p : T] = 1
+            self.deltas[row] = deltas[i]
             self.rows.append(r)
             cache.n = len(self.rows)
             if self._advance_guarded(r, int(first[i])):
@@ -261,8 +282,12 @@ class Engine:
         self.mask[:n, T] = 1
         x = paddle.to_tensor(self.next_ids[:n, None])
         am = paddle.to_tensor(self.mask[:n, : T + 1])
+        kw = {}
+        if self.vl:  # every axis of the 3-D rope at (tokens so far + the row's offset)
+            pos = self.mask[:n, : T + 1].sum(axis=1) - 1 + self.deltas[:n]
+            kw["position_ids"] = paddle.to_tensor(np.broadcast_to(pos[None, :, None], (3, n, 1)).copy())
         with paddle.no_grad():
-            logits = self.model(x, attention_mask=am, cache=cache, logits_to_keep=1).logits[:, -1]
+            logits = self.model(x, attention_mask=am, cache=cache, logits_to_keep=1, **kw).logits[:, -1]
         self.steps += 1
         nxt, failed = self._sample(logits.astype("float32").numpy(), self.rows)
         done = []
@@ -373,6 +398,7 @@ class Engine:
             self.cache.move_row(i, last, self.cache.length)
             self.mask[i] = self.mask[last]
             self.next_ids[i] = self.next_ids[last]
+            self.deltas[i] = self.deltas[last]
             self.rows[i] = self.rows[last]
         self.rows.pop()
         self.cache.n = len(self.rows)
@@ -381,9 +407,15 @@ class Engine:
 
 
 def complete(
-    engine: Engine, prompt: list[int], params: SamplingParams, stop: list[str] | None = None, timeout: float = 600.0
+    engine: Engine,
+    prompt: list[int],
+    params: SamplingParams,
+    stop: list[str] | None = None,
+    timeout: float = 600.0,
+    images: tuple | None = None,
 ) -> tuple[str, list[int], str]:
-    """One request through the engine, waited for: (text, completion ids, finish reason)."""
+    """One request through the engine, waited for: (text, completion ids, finish reason);
+    images: (patches, grid_thw) of the image placeholders in `prompt`."""
     done = threading.Event()
     reason: list[str] = []
 
@@ -392,7 +424,7 @@ def complete(
             reason.append(finish)
             done.set()
 
-    req = Request(list(prompt), params, emit, list(stop or []))
+    req = Request(list(prompt), params, emit, list(stop or []), images=images)
     engine.submit(req)
     if not done.wait(timeout):
         raise TimeoutError(f"no answer within {timeout} s")

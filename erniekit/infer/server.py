@@ -36,6 +36,8 @@ MAX_JSON_DEPTH = 32  # the deepest well-formed request (content parts) is 4 leve
 BODY_TIMEOUT_S = 60.0  # a body that trickles in slower than this is refused (408)
 MAX_STOP_CHARS = 256  # per stop string: longer ones would hold back that much of the stream
 API_KEY_ENV = "ERNIEKIT_API_KEY"
+Prompt = tuple  # (token ids, images as (patches, grid_thw) or None)
+DEFAULT_MAX_IMAGES = 8  # per request: each image is a vision-encoder pass on the engine thread
 ROLES = ("system", "user", "assistant", "developer")
 
 
@@ -198,8 +200,13 @@ class OpenAIServer:
         model_name: str,
         api_key: str | None = None,
         max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+        local_media_root: str | None = None,
+        max_images: int = DEFAULT_MAX_IMAGES,
     ):
         self.engine, self.tokenizer, self.model_name = engine, tokenizer, model_name
+        # image_url parts may name files under this directory (--allowed-local-media-path); None: data: URIs only
+        self.local_media_root = os.path.realpath(local_media_root) if local_media_root else None
+        self.max_images = max_images
         self._expected_auth = f"Bearer {api_key}".encode() if api_key else None  # the header bytes to expect
         self.max_body_bytes = max_body_bytes
         self.vocab = min(len(tokenizer), int(engine.model.config.vocab_size))
@@ -289,14 +296,14 @@ class OpenAIServer:
             logit_bias=_logit_bias(body, self.vocab),
         )
 
-    def _messages(self, body: dict) -> list[int]:
+    def _messages(self, body: dict) -> tuple[list[int], tuple | None]:
         from erniekit.errors import DataError
         from erniekit.infer.chat import chat_prompt_ids
 
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
             raise BadRequest("messages must be a non-empty list of {role, content}", "messages")
-        msgs, chars = [], 0
+        msgs, chars, images = [], 0, []
         for i, m in enumerate(messages):
             if not isinstance(m, dict):
                 raise BadRequest(f"messages[{i}] must be an object {{role, content}}", f"messages[{i}]")
@@ -305,15 +312,8 @@ class OpenAIServer:
                 raise BadRequest(
                     f"messages[{i}].role={_short(role)} must be one of {', '.join(ROLES)}", f"messages[{i}].role"
                 )
-            if isinstance(content, list):  # [{"type": "text", "text": ...}] parts: text only
-                if not all(
-                    isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content
-                ):
-                    raise BadRequest(
-                        f"messages[{i}].content: only text parts {{type: text, text: str}} are supported",
-                        f"messages[{i}].content",
-                    )
-                content = "".join(p["text"] for p in content)
+            if isinstance(content, list):  # text parts, and image_url parts for a vision-language model
+                content = self._parts(content, i, role, images)
             if not isinstance(content, str):
                 raise BadRequest(
                     f"messages[{i}].content must be a string or a list of text parts", f"messages[{i}].content"
@@ -321,9 +321,97 @@ class OpenAIServer:
             chars += len(content)
             msgs.append({"role": "system" if role == "developer" else role, "content": content})
         self._fits(chars, "messages")
+        if images:
+            return self._vl_prompt(msgs, images)
         try:
             self._fits(len(self.tokenizer.apply_chat_template(msgs, add_generation_prompt=True)), "messages")
-            return chat_prompt_ids(self.tokenizer, msgs)
+            return chat_prompt_ids(self.tokenizer, msgs), None
+        except DataError as e:
+            raise BadRequest(str(e), "messages") from None
+
+    def _parts(self, content: list, i: int, role: str, images: list) -> str:
+        """Content parts -> the message's text, IMAGE_MARKER where an image was (the decoded image
+        appended to `images`)."""
+        from erniekit.data.formats import IMAGE_MARKER
+
+        out = []
+        for j, p in enumerate(content):
+            where = f"messages[{i}].content[{j}]"
+            kind = p.get("type") if isinstance(p, dict) else None
+            if kind == "text" and isinstance(p.get("text"), str):
+                out.append(p["text"])
+                continue
+            if kind != "image_url":
+                raise BadRequest(
+                    f"{where} must be {{type: text, text: str}}"
+                    + (" or {type: image_url, image_url: {url: str}}" if self.engine.vl else ""),
+                    where,
+                )
+            if not self.engine.vl:
+                raise BadRequest(f"{where}: this model reads no images (it is not a vision-language model)", where)
+            if role != "user":
+                raise BadRequest(f"{where}: images go in user messages, not {role} ones", where)
+            if len(images) >= self.max_images:
+                raise BadRequest(f"{where}: more than {self.max_images} images in one request", where)
+            url = p.get("image_url")
+            url = url.get("url") if isinstance(url, dict) else url  # {"url": ...} or the bare string
+            images.append(self._image(url, where + ".image_url.url"))
+            out.append(IMAGE_MARKER)
+        return "".join(out)
+
+    def _image(self, url: Any, where: str):
+        """A decoded image from a data: URI, or a file under --allowed-local-media-path; nothing
+        is ever fetched from the network."""
+        from erniekit.models.ernie4_5_vl.processor import ImageError, load_image
+
+        if not isinstance(url, str) or not url:
+            raise BadRequest(f"{where} must be a non-empty string (a data: URI)", where)
+        if not url.startswith("data:"):
+            path = url[len("file://") :] if url.startswith("file://") else url
+            if "://" in path:
+                raise BadRequest(
+                    f"{where}: this server fetches nothing from the network; send the image as a "
+                    "data:image/...;base64 URI",
+                    where,
+                )
+            if self.local_media_root is None:
+                raise BadRequest(
+                    f"{where}: local files are read only when the server runs with --allowed-local-media-path "
+                    "DIR; send the image as a data:image/...;base64 URI",
+                    where,
+                )
+            real = os.path.realpath(path)
+            if os.path.commonpath([real, self.local_media_root]) != self.local_media_root:
+                raise BadRequest(f"{where}: {_short(url)} is outside --allowed-local-media-path", where)
+            url = real
+        try:
+            return load_image(url, where=where)
+        except ImageError as e:
+            raise BadRequest(str(e), where) from None
+
+    def _vl_prompt(self, msgs: list[dict], images: list) -> tuple[list[int], tuple]:
+        """The prompt of a conversation with images, rendered as VL-SFT trains (the images'
+        tokens in place), and its images' (patches, grid_thw)."""
+        from erniekit.data.formats import Conversation
+        from erniekit.errors import DataError
+        from erniekit.infer.vl_generate import prompt_of
+
+        system = msgs[0]["content"] if msgs[0]["role"] == "system" else None
+        body = msgs[1:] if system is not None else msgs
+        roles = [m["role"] for m in body]
+        if roles != ["user", "assistant"] * (len(body) // 2) + ["user"]:
+            raise BadRequest(
+                "messages with images must be an optional system message, then user and assistant "
+                "messages in turn, ending with a user message",
+                "messages",
+            )
+        turns = [
+            (body[k]["content"], body[k + 1]["content"] if k + 1 < len(body) else "") for k in range(0, len(body), 2)
+        ]
+        conv = Conversation(system, turns, [True] * len(turns), "messages", images)
+        model = self.engine.model
+        try:
+            return prompt_of(conv, self.tokenizer, model.config, model.image_settings)
         except DataError as e:
             raise BadRequest(str(e), "messages") from None
 
@@ -348,14 +436,14 @@ class OpenAIServer:
             raise BadRequest("the prompt encodes to no tokens; send some text", "prompt")
         return ids
 
-    def parse(self, raw: bytes, chat: bool) -> tuple[list[int], SamplingParams, list[str], bool, bool]:
-        """Raw body -> (prompt ids, sampling, stop strings, stream, include_usage), or BadRequest.
+    def parse(self, raw: bytes, chat: bool) -> tuple[Prompt, SamplingParams, list[str], bool, bool]:
+        """Raw body -> (prompt, sampling, stop strings, stream, include_usage), or BadRequest.
         Runs in a worker thread (JSON parsing and tokenising are CPU work)."""
         body = parse_json(raw)
         if not isinstance(body, dict):
             raise BadRequest("the request body must be a JSON object")
         o = self._options(body)
-        prompt = self._messages(body) if chat else self._prompt(body)
+        prompt, images = self._messages(body) if chat else (self._prompt(body), None)
         room = self.engine.max_model_len - len(prompt)
         max_tokens = o["max_tokens"] if o["max_tokens"] is not None else max(1, min(DEFAULT_MAX_TOKENS, room))
         try:
@@ -376,10 +464,10 @@ class OpenAIServer:
             )
         except ValueError as e:  # the checks above cover these; kept so a gap is a 400, not a 500
             raise BadRequest(str(e)) from None
-        return prompt, params, o["stops"], o["stream"], o["include_usage"]
+        return (prompt, images), params, o["stops"], o["stream"], o["include_usage"]
 
     # ---- running ---------------------------------------------------------------------------
-    def start(self, prompt: list[int], params: SamplingParams, stops: list[str]) -> tuple[Request, asyncio.Queue]:
+    def start(self, prompt: Prompt, params: SamplingParams, stops: list[str]) -> tuple[Request, asyncio.Queue]:
         """Queue the request; its text pieces arrive on the returned asyncio queue as (delta, finish)."""
         loop = asyncio.get_running_loop()
         out: asyncio.Queue = asyncio.Queue()
@@ -387,7 +475,8 @@ class OpenAIServer:
         def emit(delta: str, finish: str | None) -> None:
             loop.call_soon_threadsafe(out.put_nowait, (delta, finish))
 
-        req = Request(prompt, params, emit, stops)
+        ids, images = prompt
+        req = Request(ids, params, emit, stops, images=images)
         self.engine.submit(req)
         return req, out
 
@@ -736,7 +825,14 @@ def run_server(ns) -> int:
         stop_token_ids=stop_ids(model, tokenizer),
     )
     name = ns.served_model_name or os.path.basename(os.path.normpath(ns.model_dir))
-    app = build_app(OpenAIServer(engine, tokenizer, name, api_key, max_body_bytes=ns.max_body_bytes))
+    media = getattr(ns, "allowed_local_media_path", None)
+    if media and not os.path.isdir(media):
+        from erniekit.errors import ErniekitError
+
+        raise ErniekitError(f"server: --allowed-local-media-path {media} is not a directory")
+    app = build_app(
+        OpenAIServer(engine, tokenizer, name, api_key, max_body_bytes=ns.max_body_bytes, local_media_root=media)
+    )
     print(
         f"erniekit: serving {name} ({ns.model_dir}) at http://{ns.host}:{ns.port}/v1 (up to {ns.max_batch} "
         f"requests at once, context {engine.max_model_len} tokens, bodies up to {ns.max_body_bytes} bytes, "

@@ -58,7 +58,7 @@ def generate_vl(model, ids: list[int], images, max_new_tokens: int, stop_ids: li
 
 def answer(model, tokenizer, conv: Conversation, settings, max_new_tokens: int) -> str:
     """The model's greedy reply to `conv`'s last user turn (its images included)."""
+    from erniekit.infer.chat import stop_ids
+
     ids, images = prompt_of(conv, tokenizer, model.config, settings)
-    stops = [tokenizer.sep_token_id, tokenizer.eos_token_id, *model.config.eos_token_ids]
-    stops += range(tokenizer.vocab_size, model.config.vocab_size)  # ids the tokenizer cannot write (vision tokens)
-    return tokenizer.decode(generate_vl(model, ids, images, max_new_tokens, stops))
+    return tokenizer.decode(generate_vl(model, ids, images, max_new_tokens, stop_ids(model, tokenizer)))

@@ -71,6 +71,7 @@ class Trainer:
             extra,
             cfg.lora_plus_scale if cfg.fine_tuning == "LoRA" else 1.0,
             self.runner.optimizer_state_placements,
+            stage.lr_ratios(cfg),
         )
         self.params = [p for p in model.parameters() if not p.stop_gradient] + [p for _, p in extra]
         self.ema = None

@@ -170,11 +170,13 @@ def build_optimizer(
     extra: list[tuple[str, paddle.Tensor]] = (),
     lora_plus_scale: float = 1.0,
     state_placements=None,
+    lr_ratios: dict[str, float] | None = None,
 ) -> AdamW:
     """AdamW over the model's trainable parameters plus `extra` named ones (a PPO value head).
     optim: the run config's `optim` section (learning_rate, adam_*, weight_decay); lora_plus_scale:
     LoRA+'s learning-rate ratio of the B matrices (1: none); state_placements: (param) -> where its
-    moments live over a collective job's mesh (the step runner's; None: beside the parameter)."""
+    moments live over a collective job's mesh (the step runner's; None: beside the parameter);
+    lr_ratios: parameter-name prefix -> learning-rate ratio (a stage's, e.g. VL-SFT's vit_lr_ratio)."""
     named = list(model.named_parameters()) + list(extra)
     no_decay = {n for n, p in named if p.ndim < 2 or "norm" in n or "embed_tokens" in n}
     lr_mult = None
@@ -182,6 +184,12 @@ def build_optimizer(
         from erniekit.nn.lora import lora_param_groups
 
         lr_mult = lora_param_groups(model, lora_plus_scale)
+    for prefix, ratio in (lr_ratios or {}).items():
+        if ratio != 1.0:
+            lr_mult = dict(lr_mult or {})
+            for n, _ in named:
+                if n.startswith(prefix):
+                    lr_mult[n] = lr_mult.get(n, 1.0) * ratio
     opt = AdamW(
         named,
         optim.learning_rate,

@@ -127,6 +127,10 @@ class Stage:
         """Scalars of the step just taken, beyond loss and lr (logged with them)."""
         return {}
 
+    def lr_ratios(self, cfg) -> dict[str, float]:
+        """Parameter-name prefix -> learning-rate ratio (parts of the model that learn slower or faster)."""
+        return {}
+
     def extra_named_parameters(self) -> list[tuple[str, paddle.Tensor]]:
         """Trainable parameters that live outside the model (a PPO value head)."""
         return []

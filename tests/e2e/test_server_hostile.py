@@ -188,7 +188,7 @@ BAD = [
             "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x"}}]}],
         },
         400,
-        "messages[0].content",
+        "messages[0].content[0]",  # a text model: "reads no images"
         None,
     ),
     ("message not an object", C, {"model": MODEL, "messages": ["hi"]}, 400, "messages[0]", None),

@@ -63,6 +63,8 @@ def test_vl_sft_learns_and_reports_exact_match(one):
     assert "held-out exact match:" in r.stdout and "majority-answer baseline" in r.stdout
     cfg = json.load(open(out / "config.json"))
     assert cfg["model_type"] == "ernie4_5_vl_moe" and "vision_config" in cfg
+    size = json.load(open(out / "preprocessor_config.json"))["size"]  # served with the sizes it trained on
+    assert size == {"shortest_edge": 3136, "longest_edge": 7056}
 
 
 def test_two_data_parallel_processes_follow_one(one, tmp_path):

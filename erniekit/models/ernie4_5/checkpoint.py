@@ -278,6 +278,8 @@ def save_pretrained(
     with write_errors("the model weights", path, total, partial=os.path.join(path, STAGING_NAME)):
         staging = start_staging(path)
         model.config.save_pretrained(staging)
+        if hasattr(model, "save_extra_files"):  # a model's own files beside the config (VL: its image processor)
+            model.save_extra_files(staging)
         c = model.config
         atomic_write_json(
             os.path.join(staging, "generation_config.json"),

@@ -17,6 +17,7 @@ import paddle
 
 from erniekit.models.ernie4_5.modeling import CausalLMOutput, Ernie4_5ForCausalLM
 from erniekit.models.ernie4_5_vl.configuration import Ernie4_5_VLConfig
+from erniekit.models.ernie4_5_vl.processor import ImageSettings, save_image_settings
 from erniekit.models.ernie4_5_vl.vision import Resampler, VisionTransformer
 
 
@@ -91,12 +92,17 @@ class Ernie4_5_VLForConditionalGeneration(Ernie4_5ForCausalLM):
         self.vision_model = VisionTransformer(config.vision)
         self.resampler_model = Resampler(config)
         self._init_vision()
+        # the image sizes it reads (preprocessor_config.json; VL-SFT sets its image_*_pixels)
+        self.image_settings = ImageSettings()
 
     def _init_vision(self) -> None:
         std = self.config.vision.initializer_range
         for p in self.vision_model.parameters() + self.resampler_model.parameters():
             if p.ndim >= 2:
                 paddle.nn.initializer.TruncatedNormal(0.0, std)(p)
+
+    def save_extra_files(self, path: str) -> None:
+        save_image_settings(path, self.image_settings)
 
     def visual_features(self, pixel_values: paddle.Tensor, grid_thw: np.ndarray) -> paddle.Tensor:
         """Merged vision tokens [tokens, hidden] of images or videos, in placeholder order."""

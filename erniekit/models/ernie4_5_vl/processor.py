@@ -9,6 +9,7 @@ from __future__ import annotations
 import base64
 import binascii
 import io
+import json
 import math
 import os
 from dataclasses import dataclass
@@ -32,6 +33,53 @@ class ImageSettings:
     merge_size: int = 2
     min_pixels: int = 56 * 56  # the hub processor's size["shortest_edge"]
     max_pixels: int = 28 * 28 * 6177  # its size["longest_edge"]
+
+
+PREPROCESSOR_FILE = "preprocessor_config.json"
+
+
+def save_image_settings(path: str, settings: ImageSettings) -> None:
+    """preprocessor_config.json as the hub's ERNIE-4.5-VL image processor reads it, so a model is
+    served with the image sizes it was trained on (by us, transformers or FastDeploy)."""
+    cfg = {
+        "image_processor_type": "Ernie4_5_VLMoeImageProcessor",
+        "do_resize": True,
+        "size": {"shortest_edge": settings.min_pixels, "longest_edge": settings.max_pixels},
+        "patch_size": settings.patch_size,
+        "merge_size": settings.merge_size,
+        "temporal_patch_size": 1,
+        "do_rescale": True,
+        "rescale_factor": 1 / 255,
+        "do_normalize": True,
+        "image_mean": list(CLIP_MEAN),
+        "image_std": list(CLIP_STD),
+        "do_convert_rgb": True,
+    }
+    with open(os.path.join(path, PREPROCESSOR_FILE), "w") as f:
+        json.dump(cfg, f, indent=2)
+
+
+def load_image_settings(path: str) -> ImageSettings:
+    """The image sizes a checkpoint directory's preprocessor_config.json names (the hub processor's
+    defaults where it has none, as transformers would use)."""
+    file = os.path.join(path, PREPROCESSOR_FILE)
+    if not os.path.isfile(file):
+        return ImageSettings()
+    try:
+        with open(file) as f:
+            cfg = json.load(f)
+        size = cfg.get("size") or {}
+        settings = ImageSettings(
+            patch_size=int(cfg.get("patch_size", 14)),
+            merge_size=int(cfg.get("merge_size", 2)),
+            min_pixels=int(cfg.get("min_pixels", size.get("shortest_edge", ImageSettings.min_pixels))),
+            max_pixels=int(cfg.get("max_pixels", size.get("longest_edge", ImageSettings.max_pixels))),
+        )
+    except (OSError, ValueError, TypeError, AttributeError) as e:
+        raise DataError(f"{file}: not a readable image processor config ({e}); fix or delete it") from None
+    if not 0 < settings.min_pixels <= settings.max_pixels:
+        raise DataError(f"{file}: size.shortest_edge / longest_edge must satisfy 0 < min <= max")
+    return settings
 
 
 def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:

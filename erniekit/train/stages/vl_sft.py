@@ -87,6 +87,12 @@ class VLSFTStage(Stage):
                 for p in getattr(model, part).parameters():
                     p.stop_gradient = True
         self.settings = _settings(cfg)
+        model.image_settings = self.settings  # saved with the model (preprocessor_config.json)
+
+    def lr_ratios(self, cfg) -> dict[str, float]:
+        # A vision side learning as fast as the text model flattens its features toward a constant
+        # before the text model reads them (seeds stuck on the answer priors): docs/multimodal.md.
+        return {"vision_model.": cfg.vit_lr_ratio, "resampler_model.": cfg.vit_lr_ratio}
 
     def collate(self, rows, pad_id):
         from erniekit.train.batching import collate

@@ -10,7 +10,16 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from erniekit.models.ernie4_5_vl.processor import ImageError, ImageSettings, load_image, preprocess_image, smart_resize
+from erniekit.errors import DataError
+from erniekit.models.ernie4_5_vl.processor import (
+    ImageError,
+    ImageSettings,
+    load_image,
+    load_image_settings,
+    preprocess_image,
+    save_image_settings,
+    smart_resize,
+)
 
 transformers = pytest.importorskip("transformers")
 
@@ -36,6 +45,25 @@ def test_patches_equal_the_hub_processor(seed, mode):
     got, grid = preprocess_image(im, settings)
     np.testing.assert_array_equal(got, want["pixel_values"])
     np.testing.assert_array_equal(grid, want["image_grid_thw"])
+
+
+def test_saved_image_settings_are_what_the_hub_processor_reads(tmp_path):
+    """preprocessor_config.json round-trips through ours and configures transformers' processor to
+    the same patches; a directory without one gets the hub processor's defaults."""
+    settings = ImageSettings(min_pixels=28 * 28 * 2, max_pixels=28 * 28 * 9)
+    save_image_settings(str(tmp_path), settings)
+    assert load_image_settings(str(tmp_path)) == settings
+    theirs = transformers.Ernie4_5_VLMoeImageProcessorPil.from_pretrained(str(tmp_path))
+    im = Image.fromarray(np.random.default_rng(7).integers(0, 256, (200, 300, 3), dtype=np.uint8))
+    want = theirs(images=im, return_tensors="np")
+    assert want["image_grid_thw"].prod() <= 9 * 4  # the saved budget, not the default one, was used
+    got, grid = preprocess_image(im, load_image_settings(str(tmp_path)))
+    np.testing.assert_array_equal(got, want["pixel_values"])
+    np.testing.assert_array_equal(grid, want["image_grid_thw"])
+    assert load_image_settings(str(tmp_path / "nowhere")) == ImageSettings()
+    (tmp_path / "preprocessor_config.json").write_text("{not json")
+    with pytest.raises(DataError, match="preprocessor_config.json"):
+        load_image_settings(str(tmp_path))
 
 
 def test_smart_resize_keeps_the_budget_and_multiples():

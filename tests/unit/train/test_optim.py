@@ -55,3 +55,22 @@ def test_numpy_path_only_takes_dense_float32_cpu_tensors():
     view = host_view(p)
     view += 1.0  # writes through to the parameter: no copy
     np.testing.assert_array_equal(view, p.numpy())
+
+
+def test_vit_lr_ratio_scales_the_vision_side_of_a_vl_model_only():
+    """VL-SFT's vit_lr_ratio reaches AdamW as the vision encoder's and resampler's multiplier;
+    the text model keeps the base learning rate; 0 and negatives are refused before training."""
+    from erniekit.config import load_config, validate
+    from erniekit.errors import ConfigError
+    from erniekit.models.registry import load_model
+    from erniekit.train.stages import get_stage
+
+    cfg = load_config(None, ["stage=VL-SFT", "model_name_or_path=tiny-vl", "vit_lr_ratio=0.1"])
+    model = load_model("tiny-vl")
+    opt = optim.build_optimizer(model, cfg.optim, lr_ratios=get_stage(cfg.stage).lr_ratios(cfg))
+    names = [n for n, _ in model.named_parameters()]
+    vision = [n for n in names if n.startswith(("vision_model.", "resampler_model."))]
+    assert vision and {opt.lr_mult[n] for n in vision} == {0.1}
+    assert set(opt.lr_mult) == set(vision)
+    with pytest.raises(ConfigError, match="vit_lr_ratio"):
+        validate(load_config(None, ["stage=VL-SFT", "model_name_or_path=tiny-vl", "vit_lr_ratio=0"]))

@@ -1,0 +1,83 @@
+"""The serving engine with a vision-language model: requests with images of different sizes,
+several images, and text only, decoded together in one batch, each get the tokens greedy
+generation gives it alone (erniekit/infer/vl_generate.py); a text model refuses images."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import paddle
+import pytest
+from PIL import Image
+
+from erniekit.infer.engine import Engine, complete
+from erniekit.infer.sampling import SamplingParams
+from erniekit.infer.vl_generate import generate_vl
+from erniekit.models.ernie4_5 import Ernie4_5ForCausalLM, get_preset
+from erniekit.models.ernie4_5.tokenizer import default_tokenizer
+from erniekit.models.ernie4_5_vl.modeling import Ernie4_5_VLForConditionalGeneration
+from erniekit.models.ernie4_5_vl.processor import ImageSettings, image_tokens, preprocess_image
+from erniekit.models.registry import model_config
+
+SETTINGS = ImageSettings(min_pixels=56 * 56, max_pixels=112 * 112)
+
+
+@pytest.fixture(scope="module")
+def model():
+    paddle.seed(0)  # initializer_range 0.5: peaked logits, greedy choices not decided by rounding
+    m = Ernie4_5_VLForConditionalGeneration(model_config("tiny-vl").replace(initializer_range=0.5))
+    m.eval()
+    return m
+
+
+def _image(rng, w: int, h: int):
+    return Image.fromarray(rng.integers(0, 256, size=(h, w, 3), dtype=np.uint8))
+
+
+def _request(model, rng, sizes: list[tuple[int, int]]):
+    """A prompt of random text around images of the given sizes, and its (patches, grids)."""
+    ids, patches, grids = [int(t) for t in rng.integers(5, 1000, size=3)], [], []
+    for w, h in sizes:
+        p, g = preprocess_image(_image(rng, w, h), SETTINGS)
+        patches.append(p)
+        grids.append(g)
+        ids += image_tokens(g, model.config) + [int(t) for t in rng.integers(5, 1000, size=int(rng.integers(1, 6)))]
+    return ids, ((np.concatenate(patches), np.concatenate(grids)) if sizes else None)
+
+
+def test_image_and_text_requests_decoded_together_get_their_single_request_tokens(model):
+    rng = np.random.default_rng(1)
+    shapes = [[(84, 84)], [(112, 56), (56, 56)], [], [(60, 100)], []]
+    reqs = [_request(model, rng, s) for s in shapes]
+    lengths = [9, 6, 11, 7, 5]
+    ref = [generate_vl(model, ids, im, n, stop_ids=[]) for (ids, im), n in zip(reqs, lengths)]
+    engine = Engine(model, default_tokenizer(), max_batch=3, max_model_len=128)
+    out = [None] * len(reqs)
+
+    def run(i):
+        out[i] = complete(engine, reqs[i][0], SamplingParams(max_new_tokens=lengths[i]), images=reqs[i][1])
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(reqs))]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        engine.close()
+    assert [o[1] for o in out] == ref
+    assert len({tuple(r) for r in ref}) == len(ref)  # the images change what is generated
+    assert engine.steps < sum(lengths)  # decoded together
+
+
+def test_an_image_request_to_a_text_model_is_refused():
+    paddle.seed(0)
+    text = Ernie4_5ForCausalLM(get_preset("tiny-dense"))
+    engine = Engine(text, default_tokenizer(), max_batch=2, max_model_len=64)
+    try:
+        p, g = preprocess_image(_image(np.random.default_rng(0), 56, 56), SETTINGS)
+        with pytest.raises(ValueError, match="reads no images"):
+            complete(engine, [5, 6, 7], SamplingParams(max_new_tokens=2), images=(p, g))
+    finally:
+        engine.close()
