@@ -224,6 +224,15 @@ def build_app(runs: Runs | None = None, paths: PathPolicy | None = None, warning
             chatbot = gr.Chatbot(label="Conversation", elem_id="chatbot", height=320)
             with gr.Row():
                 user = gr.Textbox("", label="Message", elem_id="chat_input", scale=4)
+                image = gr.Image(
+                    None,
+                    type="filepath",
+                    sources=["upload"],
+                    label="Image (ERNIE-4.5-VL models)",
+                    elem_id="chat_image",
+                    height=120,
+                    scale=1,
+                )
                 send_btn = gr.Button("Send", variant="primary", elem_id="chat_send")
                 clear_btn = gr.Button("Clear", elem_id="chat_clear")
 
@@ -233,18 +242,36 @@ def build_app(runs: Runs | None = None, paths: PathPolicy | None = None, warning
 
                     path = paths.check(path, "checkpoint directory")
                     model_, tok = load_chat_model(path)
+                    if "images" in chat_state:
+                        chat_state.pop("images").close()
                     chat_state.update(model=model_, tokenizer=tok, stops=stop_ids(model_, tok), path=path)
+                    if hasattr(model_, "visual_features"):  # a vision-language model: images go with messages
+                        from erniekit.webui.image_chat import ImageConversation
+
+                        chat_state["images"] = ImageConversation(model_, tok, chat_state["stops"])
                     return f"Loaded {path} ({sum(int(p.numel()) for p in model_.parameters()) / 1e6:.2f}M parameters)"
                 except Exception as e:  # noqa: BLE001 - shown in the page
                     return _error(e)
 
-            def reply(text, history, temp, tp, mx):
+            def reply(text, history, picture, temp, tp, mx):
                 history = list(history or [])
                 if "model" not in chat_state:
-                    yield history, _error(ErniekitError("load a checkpoint first (Load)")), text
+                    yield history, _error(ErniekitError("load a checkpoint first (Load)")), text, picture
                     return
                 if not (text or "").strip():
-                    yield history, "", ""
+                    yield history, "", "", picture
+                    return
+                vl = chat_state.get("images")
+                if picture and vl is None:
+                    yield (
+                        history,
+                        _error(ErniekitError("this model reads no images; load an ERNIE-4.5-VL checkpoint")),
+                        text,
+                        picture,
+                    )
+                    return
+                if vl is not None and (picture or vl.has_images):
+                    yield from _image_reply(vl, text, history, picture, temp, tp, mx)
                     return
                 try:
                     from erniekit.infer.chat import chat_prompt_ids
@@ -270,16 +297,36 @@ def build_app(runs: Runs | None = None, paths: PathPolicy | None = None, warning
                             break
                         new.append(t)
                         history[-1]["content"] = tok.decode(new).rstrip("\ufffd")
-                        yield history, "", ""
+                        yield history, "", "", None
                     history[-1]["content"] = tok.decode(new)
-                    yield history, "", ""
+                    yield history, "", "", None
                 except Exception as e:  # noqa: BLE001 - shown in the page
-                    yield history, _error(e), text
+                    yield history, _error(e), text, picture
 
+            def _image_reply(vl, text, history, picture, temp, tp, mx):
+                shown = text + (f"\n[image: {os.path.basename(picture)}]" if picture else "")
+                history = history + [{"role": "user", "content": shown}, {"role": "assistant", "content": ""}]
+                try:
+                    from erniekit.infer.sampling import SamplingParams
+
+                    params = SamplingParams(max_new_tokens=int(mx), temperature=float(temp), top_p=float(tp))
+                    for so_far in vl.reply(text, picture, params):
+                        history[-1]["content"] = so_far
+                        yield history, "", "", None
+                except Exception as e:  # noqa: BLE001 - shown in the page
+                    yield history[:-2], _error(e), text, picture
+
+            def clear():
+                if "images" in chat_state:
+                    chat_state["images"].reset()
+                return [], "", None
+
+            ins = [user, chatbot, image, temperature, top_p, max_new]
+            outs = [chatbot, chat_message, user, image]
             load_btn.click(load, [chat_dir], [chat_message], api_name="chat_load")
-            send_btn.click(reply, [user, chatbot, temperature, top_p, max_new], [chatbot, chat_message, user])
-            user.submit(reply, [user, chatbot, temperature, top_p, max_new], [chatbot, chat_message, user])
-            clear_btn.click(lambda: ([], ""), None, [chatbot, chat_message])
+            send_btn.click(reply, ins, outs, api_name="chat_send")
+            user.submit(reply, ins, outs)
+            clear_btn.click(clear, None, [chatbot, chat_message, image], api_name="chat_clear")
 
         with gr.Tab("Export"):
             with gr.Row():
