@@ -126,6 +126,7 @@ class LayerCost:
     moe_k: int = 0
     is_moe: bool = False
     num_experts: int = 0
+    routed_per_token: int = 0  # weights one token's routed experts multiply (the larger modality's size)
 
 
 def layer_costs(c) -> list[LayerCost]:
@@ -143,24 +144,24 @@ def layer_costs(c) -> list[LayerCost]:
             other_saved=2.0 * H,
         )
         if c.is_moe and c.is_moe_layer(i):
-            k, E, inter = (
-                c.moe_k,
-                c.moe_num_experts if isinstance(c.moe_num_experts, int) else sum(c.moe_num_experts),
-                c.expert_sizes[0],
-            )
-            shared = c.moe_num_shared_experts * inter
-            expert = 3 * H * inter
+            # expert groups per modality (ERNIE-4.5-VL: text and vision experts of different sizes);
+            # a token runs k experts of its own group: the larger size bounds its cost
+            k, E, inter = c.moe_k, c.total_experts, max(c.expert_sizes)
+            shared = c.moe_num_shared_experts * c.expert_sizes[0]
+            routed = k * 3 * H * inter
+            experts = sum(n * 3 * H * size for n, size in zip(c.experts_per_modality, c.expert_sizes))
             out.append(
                 LayerCost(
                     **common,
-                    mlp_flops=2.0 * (k * expert + 3 * H * shared + H * E),
-                    mlp_params=E * expert + 3 * H * shared + H * E,
-                    expert_params=E * expert,
+                    mlp_flops=2.0 * (routed + 3 * H * shared + H * E),
+                    mlp_params=experts + 3 * H * shared + H * E,
+                    expert_params=experts,
                     mlp_saved=2 * H + 3 * E + k * H + 4 * k * inter + k * H + H + 4 * shared + H,
                     ops=60,
                     moe_k=k,
                     is_moe=True,
                     num_experts=E,
+                    routed_per_token=routed,
                 )
             )
         else:
@@ -176,6 +177,21 @@ def layer_costs(c) -> list[LayerCost]:
                 )
             )
     return out
+
+
+def vision_params(c) -> int:
+    """Parameters of a VL model's vision transformer and resampler (0 for a text model); their
+    compute is not modelled (a workload says nothing of its images)."""
+    v = getattr(c, "vision", None)
+    if v is None:
+        return 0
+    d, inner, H = v.hidden_size, v.intermediate_size, c.hidden_size
+    block = 4 * d + (3 * d * d + 3 * d) + (d * d + d) + (d * inner + inner) + (inner * d + d)
+    vit = v.in_channels * v.patch_size**2 * d + v.depth * block + 2 * d
+    sp = d * v.spatial_merge_size**2
+    spatial = 2 * (sp * sp + sp) + 2 * sp
+    temporal = (sp * v.temporal_merge_size * sp + sp) + (sp * sp + sp) + 2 * sp
+    return vit + spatial + temporal + sp * H + H + H
 
 
 # ---- a layout and its prediction ------------------------------------------------------------
@@ -258,7 +274,7 @@ def predict(c, cluster: Cluster, work: Workload, p: Plan) -> Prediction:
     flops = 3 * fwd + again
     workers = p.dp * p.tp * p.pp
     # routed experts are replicated over tp (erniekit/distributed/collective/runtime.py): every tp rank runs them
-    routed = sum(2.0 * l.moe_k * l.expert_params / l.num_experts for l in layers if l.is_moe) * tokens
+    routed = sum(2.0 * l.routed_per_token for l in layers if l.is_moe) * tokens
     flops += (p.tp - 1) * (3 * routed + (routed if p.recompute in ("mlp", "full") else 0.0))
     m = p.accumulation
     bubble = (m + p.pp - 1) / m
@@ -277,6 +293,7 @@ def predict(c, cluster: Cluster, work: Workload, p: Plan) -> Prediction:
         sum(l.attn_params + l.mlp_params - l.expert_params for l in layers)
         + V * H * (1 if c.tie_word_embeddings else 2)
         + (2 * L + 1) * H
+        + vision_params(c)
     )
     n_experts = sum(l.expert_params for l in layers)
     tensors = 9 * L + 2 + sum(3 for l in layers if l.is_moe)  # parameter tensors (one all-reduce each)

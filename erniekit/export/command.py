@@ -17,9 +17,19 @@ def verify_export(out: str) -> int:
     print(
         f"verify {out} ({r['format']}) against {r['source']}: max |logit difference| "
         f"{r['max_abs_diff']:.3g} (tolerance {r['tolerance']:.3g}, logits up to {r['max_logit']:.3g}), "
-        f"greedy token agrees at {100 * r['same_greedy']:.1f}% of positions: {'OK' if r['ok'] else 'FAILED'}"
+        f"greedy token agrees at {100 * r['same_greedy']:.1f}% of positions"
+        + _transformers_line(r)
+        + f": {'OK' if r['ok'] else 'FAILED'}"
     )
     return 0 if r["ok"] else 1
+
+
+def _transformers_line(r: dict) -> str:
+    if "transformers_max_abs_diff" not in r:
+        return ""
+    if r["transformers_max_abs_diff"] is None:
+        return "; transformers not checked (install transformers>=5 to check that it loads the export)"
+    return f"; transformers loads it: max |logit difference| {r['transformers_max_abs_diff']:.3g} with a picture"
 
 
 def export(

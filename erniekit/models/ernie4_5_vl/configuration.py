@@ -231,6 +231,25 @@ PRESETS: dict[str, Ernie4_5_VLConfig] = {
         moe_layer_start_index=1,
         vision=VisionConfig(),
     ),
+    # the text model of ERNIE-4.5-300B-A47B (64 text experts of 3584) plus 64 vision experts of 1536:
+    # 424B parameters, 47B active per token
+    "ERNIE-4.5-VL-424B-A47B": Ernie4_5_VLConfig(
+        vocab_size=103424,
+        hidden_size=8192,
+        intermediate_size=28672,
+        num_hidden_layers=54,
+        num_attention_heads=64,
+        num_key_value_heads=8,
+        head_dim=128,
+        max_position_embeddings=131072,
+        tie_word_embeddings=False,
+        moe_num_experts=[64, 64],
+        moe_k=8,
+        moe_intermediate_size=[3584, 1536],
+        moe_num_shared_experts=0,
+        moe_layer_start_index=3,
+        vision=VisionConfig(),
+    ),
     # the bundled 1024-piece tokenizer's vocabulary plus the six vision tokens (ids 1024-1029), so
     # no text ever tokenizes to a placeholder
     "tiny-vl": Ernie4_5_VLConfig(

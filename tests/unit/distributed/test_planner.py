@@ -178,3 +178,23 @@ def test_parallel_auto_applies_the_best_plan_keeping_the_global_batch(tmp_path):
         validate(load_config(None, base + ["parallel=auto"]))
     with pytest.raises(ConfigError, match="has 2 devices .* but the launch has 1 processes"):
         validate(load_config(None, base + ["parallel=auto", f"cluster={cluster}"]))
+
+
+@pytest.mark.parametrize("name", ["tiny-moe", "tiny-vl"])
+def test_parameter_count_is_the_built_models(name):
+    """Text and vision expert groups of their own sizes, the vision transformer and resampler:
+    the planner's count is the model's, less the routers' correction biases (E per MoE layer)."""
+    from erniekit.models.registry import load_model, model_config
+
+    c = model_config(name)
+    real = sum(int(p.numel()) for p in load_model(name).parameters())
+    biases = c.total_experts * sum(1 for i in range(c.num_hidden_layers) if c.is_moe_layer(i))
+    pred = P.predict(c, CLUSTER, WORK, P.Plan(1, 1, 1, 1, 0, "none", 16, 1))
+    assert pred.parts["params_bytes"] / 4 == real - biases
+
+
+def test_vl_424b_preset_has_its_published_size():
+    from erniekit.models.registry import model_config
+
+    pred = P.predict(model_config("ERNIE-4.5-VL-424B-A47B"), CLUSTER, WORK, P.Plan(1, 1, 1, 1, 0, "none", 16, 1))
+    assert pred.parts["params_bytes"] / 4 == pytest.approx(424e9, rel=0.01)
