@@ -34,6 +34,8 @@ class RoutingMonitor:
         )
         self.window = RoutingAccumulator(groups)  # for scalars(), reset at each call
         self.picture = RoutingAccumulator(groups)  # for pictures, reset at each picture
+        # names of the MoE modalities (ERNIE-4.5-VL: text, vision), for the pictures
+        self.modality_names = list(getattr(model, "moe_modality_names", ()))
         self.picture_start: int | None = None  # first step of the picture window (for the title)
         self.last_picture_step = -1
 
@@ -55,7 +57,8 @@ class RoutingMonitor:
         return out
 
     def maybe_write_pictures(self, step: int, writer: Any = None, final: bool = False) -> list[str]:
-        """Write `routing/step-{step:06d}-load.png` (+ `-modality.png` with more than one modality)
+        """Write `routing/step-{step:06d}-load.png` (+ with more than one modality: `-modality.png`
+        and each modality's `-load-NAME.png` over its own experts)
         when `step` is a multiple of every_steps, or when final (end of training) and something
         was routed since the last picture; log them to VisualDL when a LogWriter is given.
         Returns the paths written (empty when nothing was due)."""
@@ -82,12 +85,30 @@ class RoutingMonitor:
         paths = [save_load_heatmap(acc.load_matrix(), f"{base}-load.png", f"expert load, {span}", acc.layer_ids)]
         tags = ["routing/expert_load"]
         if acc.num_modalities > 1:
+            names = [
+                self.modality_names[m] if m < len(self.modality_names) else f"modality {m}"
+                for m in range(acc.num_modalities)
+            ]
             paths.append(
                 save_modality_usage(
-                    acc.modality_matrix(), f"{base}-modality.png", f"expert usage per modality (all MoE layers), {span}"
+                    acc.modality_matrix(),
+                    f"{base}-modality.png",
+                    f"expert usage per modality (all MoE layers), {span}",
+                    names,
                 )
             )
             tags.append("routing/modality_usage")
+            for m, name in enumerate(names):  # each modality's load over its own experts, layer by layer
+                if not acc.counts[:, m].any():
+                    continue
+                load, experts = acc.modality_load_matrix(m)
+                slug = name.replace(" ", "")
+                paths.append(
+                    save_load_heatmap(
+                        load, f"{base}-load-{slug}.png", f"{name} tokens: expert load, {span}", acc.layer_ids, experts
+                    )
+                )
+                tags.append(f"routing/expert_load_{slug}")
         if writer is not None:
             for tag, path in zip(tags, paths):
                 log_images_to_visualdl(writer, tag, path, step)

@@ -27,7 +27,13 @@ def _figure(width: float, height: float):
 
 
 def _heatmap(
-    matrix: np.ndarray, path: str, title: str, row_labels: Sequence[str], row_axis: str, colorbar_label: str
+    matrix: np.ndarray,
+    path: str,
+    title: str,
+    row_labels: Sequence[str],
+    row_axis: str,
+    colorbar_label: str,
+    expert_ids: Sequence[int] | None = None,
 ) -> str:
     """One heatmap (rows x experts, fractions shown in %; cells annotated on small grids) saved
     atomically as PNG; returns `path`."""
@@ -45,7 +51,10 @@ def _heatmap(
         ax.set_xlabel("expert")
         ax.set_ylabel(row_axis)
         ax.set_title(title, fontsize=10)
-        ax.set_xticks(range(cols) if cols <= 32 else range(0, cols, max(1, cols // 16)))
+        ticks = range(cols) if cols <= 32 else range(0, cols, max(1, cols // 16))
+        ax.set_xticks(ticks)
+        if expert_ids is not None:  # a modality's group: label its experts by their global ids
+            ax.set_xticklabels([str(expert_ids[t]) for t in ticks])
         ax.set_yticks(range(rows))
         ax.set_yticklabels(list(row_labels))
         if rows * cols <= 400:  # numbers stay legible only on small grids
@@ -61,9 +70,12 @@ def _heatmap(
     return path
 
 
-def save_load_heatmap(matrix: np.ndarray, path: str, title: str, layer_ids: Sequence[int]) -> str:
+def save_load_heatmap(
+    matrix: np.ndarray, path: str, title: str, layer_ids: Sequence[int], expert_ids: Sequence[int] | None = None
+) -> str:
     """Heatmap of load[l, e] (fraction of layer l's assignments on expert e; cells in %).
-    A balanced layer is one flat colour at 1/E; hot cells are overloaded experts."""
+    A balanced layer is one flat colour at 1/E; hot cells are overloaded experts. expert_ids:
+    the columns' global expert ids (one modality's group), default 0..E-1."""
     m = np.asarray(matrix)
     if len(layer_ids) != m.shape[0]:
         raise ValueError(f"{len(layer_ids)} layer ids for a matrix of {m.shape[0]} rows")
@@ -75,6 +87,7 @@ def save_load_heatmap(matrix: np.ndarray, path: str, title: str, layer_ids: Sequ
         [f"layer {i}" for i in layer_ids],
         "decoder layer",
         "% of the layer's assignments",
+        expert_ids,
     )
 
 

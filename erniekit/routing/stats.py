@@ -281,6 +281,16 @@ class RoutingAccumulator:
         c = self.counts.sum(axis=0) if layer is None else self.counts[self._row[layer]]
         return _row_normalize(c)
 
+    def modality_load_matrix(self, m: int) -> tuple[np.ndarray, list[int]]:
+        """load[l, e] of modality m's assignments over the experts it may use (its own group under
+        modality-isolated routing, else all), rows sum to 1; and those experts' global ids."""
+        experts = (
+            self.modality_experts[m]
+            if self.modality_experts and m < len(self.modality_experts)
+            else list(range(self.num_experts))
+        )
+        return _row_normalize(self.counts[:, m][:, experts]), list(experts)
+
     def entropy(self) -> np.ndarray:
         """Mean router entropy (nats) per layer; NaN where no probabilities were seen. [L]"""
         tok = self.entropy_tokens.sum(axis=1)

@@ -65,6 +65,8 @@ def test_vl_sft_learns_and_reports_exact_match(one):
     assert cfg["model_type"] == "ernie4_5_vl_moe" and "vision_config" in cfg
     size = json.load(open(out / "preprocessor_config.json"))["size"]  # served with the sizes it trained on
     assert size == {"shortest_edge": 3136, "longest_edge": 7056}
+    pictures = os.listdir(out / "routing")  # text and vision tokens' load, each over its own experts
+    assert {"step-000012-modality.png", "step-000012-load-text.png", "step-000012-load-vision.png"} <= set(pictures)
 
 
 def test_two_data_parallel_processes_follow_one(one, tmp_path):

@@ -86,6 +86,7 @@ def rope_index(
 
 class Ernie4_5_VLForConditionalGeneration(Ernie4_5ForCausalLM):
     config: Ernie4_5_VLConfig
+    moe_modality_names = ("text", "vision")  # the MoE's modality ids 0 and 1 (`moe_modality`), for routing pictures
 
     def __init__(self, config: Ernie4_5_VLConfig):
         super().__init__(config)

@@ -268,7 +268,12 @@ def test_monitor_scalars_pictures_and_visualdl(tiny_moe, tmp_path):
     s = mon.scalars()
     assert "routing/modality1/entropy" in s and "routing/modality0/load_imbalance" in s
     paths = mon.maybe_write_pictures(3, writer, final=True)
-    assert [os.path.basename(p) for p in paths] == ["step-000003-load.png", "step-000003-modality.png"]
+    assert [os.path.basename(p) for p in paths] == [
+        "step-000003-load.png",
+        "step-000003-modality.png",
+        "step-000003-load-modality0.png",  # each modality's own load, layer by layer
+        "step-000003-load-modality1.png",
+    ]
     writer.close()
     for _, block in mon.blocks:
         block.last_modality = None
@@ -276,7 +281,19 @@ def test_monitor_scalars_pictures_and_visualdl(tiny_moe, tmp_path):
     from visualdl import LogReader
 
     reader = LogReader(file_path=str(logdir / next(f for f in os.listdir(logdir) if f.startswith("vdlrecords"))))
-    assert {"routing/expert_load", "routing/modality_usage"} <= set(reader.get_tags()["image"])
+    assert {"routing/expert_load", "routing/modality_usage", "routing/expert_load_modality1"} <= set(
+        reader.get_tags()["image"]
+    )
+
+
+def test_modality_load_is_each_modalitys_share_over_its_own_experts():
+    acc = RoutingAccumulator([[0, 1, 2], [3, 4]])
+    acc.add(1, np.array([[0, 1], [2, 0], [3, 4], [4, 4]]), modality=np.array([0, 0, 1, 1]))
+    acc.add(2, np.array([[1, 1], [2, 2], [3, 3], [4, 3]]), modality=np.array([0, 0, 1, 1]))
+    text, ids = acc.modality_load_matrix(0)
+    assert ids == [0, 1, 2] and np.allclose(text, [[0.5, 0.25, 0.25], [0, 0.5, 0.5]])
+    vision, ids = acc.modality_load_matrix(1)
+    assert ids == [3, 4] and np.allclose(vision, [[0.25, 0.75], [0.75, 0.25]])
 
 
 def test_monitor_is_a_noop_for_dense_models(tmp_path):
