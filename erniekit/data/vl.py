@@ -1,7 +1,8 @@
 """Vision-language conversations into token ids, loss labels and the patches of their images.
 
-Each IMAGE_MARKER in a user turn becomes the image's own tokens (start, one placeholder per
-merged 2x2 patch block, end; erniekit/models/ernie4_5_vl/processor.py), never trained; the text
+Each IMAGE_MARKER in a user turn becomes "Picture N:" and the image's own tokens (start, one
+placeholder per merged 2x2 patch block, end; erniekit/models/ernie4_5_vl/processor.py), as the
+hub's chat template and processor render an image part, never trained; the text
 around it is tokenized as the chat template renders it, as for text SFT (erniekit/data/encode.py).
 A row carries its images as (patches [n, 3*p*p], grid_thw [k, 3]) under "images", so rows split
 over data-parallel ranks keep their images.
@@ -29,6 +30,10 @@ def encode_vl_conversation(
         chunks = text.split(IMAGE_MARKER)
         if train and len(chunks) > 1:
             raise DataError(f"{conv.source}: a reply contains an image marker; images go in user turns")
+        # the hub processor's rendering: each image is "Picture N:" (N counting the conversation's
+        # images) before its tokens
+        n0 = len(conv.images) - len(pending)
+        chunks = [c + f"Picture {n0 + k + 1}:" if k < len(chunks) - 1 else c for k, c in enumerate(chunks)]
         for k, chunk in enumerate(chunks):
             if k:
                 if not pending:

@@ -118,6 +118,30 @@ def test_encoding_puts_image_tokens_in_place_and_trains_only_the_reply(tmp_path,
     assert pixels.shape[0] == 2 * patches.shape[0] and g.shape == (2, 3)
 
 
+def test_images_are_numbered_pictures_across_the_conversation(tmp_path, picture):
+    """As the hub chat template renders image parts: "Picture N:" before each image's tokens, N
+    counting the images of the whole conversation."""
+    two = [{"type": "image_url", "image_url": {"url": picture}}] * 2
+    rec = {
+        "messages": [
+            {"role": "user", "content": [{"type": "text", "text": "a"}, *two]},
+            {"role": "assistant", "content": "b"},
+            {
+                "role": "user",
+                "content": [{"type": "image_url", "image_url": {"url": picture}}, {"type": "text", "text": "c"}],
+            },
+            {"role": "assistant", "content": "d"},
+        ]
+    }
+    (conv,) = load_sft_examples(_write(tmp_path, [rec]))
+    ids = encode_vl_conversation(conv, default_tokenizer(), CFG, SMALL, 256)["input_ids"].tolist()
+    text = default_tokenizer().decode([t for t in ids if t < 1024])
+    starts = [i for i, t in enumerate(ids) if t == CFG.image_start_token_id]
+    assert len(starts) == 3
+    for n, i in enumerate(starts, 1):  # the text just before each image is "Picture N:"
+        assert default_tokenizer().decode(ids[max(0, i - 6) : i]).endswith(f"Picture {n}:"), text
+
+
 def test_a_bad_image_names_the_file_and_line(tmp_path):
     (tmp_path / "broken.png").write_text("nope")
     rec = {
