@@ -20,6 +20,7 @@ setup(
     extras_require={
         "onnx": ["paddle2onnx>=2.0", "onnxruntime>=1.17"],
         "webui": ["gradio>=6.0,<7"],
+        "video": ["av>=12"],  # ERNIE-4.5-VL video files (erniekit/models/ernie4_5_vl/video.py)
         "test": [
             "pytest>=8",
             "pytest-xdist>=3.2",
@@ -30,6 +31,7 @@ setup(
             "onnxruntime>=1.17",
             "gradio>=6.0,<7",
             "playwright>=1.45",
+            "av>=12",
         ],
     },
     entry_points={"console_scripts": ["erniekit=erniekit.cli:main"]},

@@ -74,6 +74,13 @@ def _chat_parser() -> argparse.ArgumentParser:
         metavar="PATH",
         help="an image for the first message (repeatable; a vision-language checkpoint, greedy replies)",
     )
+    p.add_argument(
+        "--video",
+        action="append",
+        default=[],
+        metavar="PATH",
+        help="a video file for the first message, after the images (repeatable; needs PyAV: pip install av)",
+    )
     return p
 
 
@@ -86,8 +93,10 @@ def chat(args: list[str]) -> int:
         SamplingParams(max_new_tokens=ns.max_new_tokens, temperature=ns.temperature, top_p=ns.top_p)
     except ValueError as e:
         raise ErniekitError(f"chat: {e}") from None
-    if ns.image and (ns.temperature > 0 or ns.speculative):
-        raise ErniekitError("chat: --image replies are greedy in this version: drop --temperature / --speculative")
+    if (ns.image or ns.video) and (ns.temperature > 0 or ns.speculative):
+        raise ErniekitError(
+            "chat: --image / --video replies are greedy in this version: drop --temperature / --speculative"
+        )
     if ns.speculative and ns.temperature > 0:
         raise ErniekitError(
             f"chat: --speculative supports greedy decoding only: use --temperature 0 (got {ns.temperature})"

@@ -9,7 +9,8 @@ SFT formats (one record per line in .jsonl, or a JSON list in .json):
 - messages: {"messages": [{"role": "system"|"user"|"assistant", "content": str}, ...]}
   (optional leading system, then user/assistant alternating, ending with assistant). A user
   content may be a list of OpenAI parts: {"type": "text", "text": ...} and
-  {"type": "image_url", "image_url": {"url": path or data: URI}} (vision-language data).
+  {"type": "image_url", "image_url": {"url": path or data: URI}} and
+  {"type": "video_url", "video_url": {"url": path}} (vision-language data).
 - erniekit_vl: ERNIEKit's VL SFT records {"image_info": [{"image_url": str,
   "matched_text_index": i}], "text_info": [{"text": str, "tag": "mask"|"no_mask"}, ...]}:
   "mask" segments are prompts, "no_mask" the replies trained on; image j goes before text_info[i].
@@ -42,6 +43,8 @@ class Conversation:
     source: str = field(default="", compare=False)  # "file:line", for error messages
     # image sources (paths or data: URIs) in the order of IMAGE_MARKERs in the user turns
     images: list[str] = field(default_factory=list)
+    # video files in the order of VIDEO_MARKERs
+    videos: list[str] = field(default_factory=list)
 
     def messages(self) -> list[dict]:
         """The conversation as OpenAI-style messages (what the chat template renders)."""
@@ -52,6 +55,7 @@ class Conversation:
 
 
 IMAGE_MARKER = "<|IMAGE_PLACEHOLDER|>"  # where an image goes in a user turn (replaced by its tokens)
+VIDEO_MARKER = "<|VIDEO_PLACEHOLDER|>"  # where a video goes
 
 
 def _image_source(url: object, where: str, field_name: str) -> str:
@@ -63,8 +67,9 @@ def _image_source(url: object, where: str, field_name: str) -> str:
     return os.path.join(os.path.dirname(os.path.abspath(where.rsplit(":", 1)[0])), url)
 
 
-def _user_content(content: object, where: str, i: int, images: list[str]) -> str:
-    """A user message's text with IMAGE_MARKER where its image parts were (their sources appended)."""
+def _user_content(content: object, where: str, i: int, images: list[str], videos: list[str]) -> str:
+    """A user message's text with IMAGE_MARKER / VIDEO_MARKER where its image / video parts were
+    (their sources appended)."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list) or not content:
@@ -79,10 +84,14 @@ def _user_content(content: object, where: str, i: int, images: list[str]) -> str
                 _image_source(part["image_url"].get("url"), where, f"messages[{i}].content[{j}].image_url.url")
             )
             out.append(IMAGE_MARKER)
+        elif kind == "video_url" and isinstance(part.get("video_url"), dict):
+            url = _image_source(part["video_url"].get("url"), where, f"messages[{i}].content[{j}].video_url.url")
+            videos.append(url)
+            out.append(VIDEO_MARKER)
         else:
             raise DataError(
-                f"{where}: messages[{i}].content[{j}] must be {{'type': 'text', 'text': str}} or "
-                "{'type': 'image_url', 'image_url': {'url': str}}"
+                f"{where}: messages[{i}].content[{j}] must be {{'type': 'text', 'text': str}}, "
+                "{'type': 'image_url', 'image_url': {'url': str}} or {'type': 'video_url', 'video_url': {'url': str}}"
             )
     return "".join(out)
 
@@ -203,6 +212,7 @@ def _from_messages(rec: dict, where: str) -> Conversation:
     if not isinstance(msgs, list) or not msgs:
         raise DataError(f"{where}: field 'messages' {'missing' if msgs is None else 'must be a non-empty list'}")
     images: list[str] = []
+    videos: list[str] = []
     for i, m in enumerate(msgs):
         user_parts = isinstance(m, dict) and m.get("role") == "user" and isinstance(m.get("content"), list)
         if (
@@ -214,7 +224,7 @@ def _from_messages(rec: dict, where: str) -> Conversation:
                 f"{where}: field 'messages[{i}]' must be {{'role': 'system'|'user'|'assistant', 'content': str}}"
                 " (a user content may also be a list of text / image_url parts)"
             )
-    msgs = [dict(m, content=_user_content(m["content"], where, i, images)) for i, m in enumerate(msgs)]
+    msgs = [dict(m, content=_user_content(m["content"], where, i, images, videos)) for i, m in enumerate(msgs)]
     system = msgs[0]["content"] if msgs[0]["role"] == "system" else None
     body = msgs[1:] if system is not None else msgs
     roles = [m["role"] for m in body]
@@ -224,7 +234,7 @@ def _from_messages(rec: dict, where: str) -> Conversation:
             f"{where}: field 'messages' roles {roles} must alternate user/assistant after an optional system and end with assistant"
         )
     turns = [(body[i]["content"], body[i + 1]["content"]) for i in range(0, len(body), 2)]
-    return Conversation(system, turns, [True] * len(turns), where, images)
+    return Conversation(system, turns, [True] * len(turns), where, images, videos)
 
 
 def _from_erniekit_vl(rec: dict, where: str) -> Conversation:

@@ -89,6 +89,7 @@ class ChatSession:
         self.system = system
         self.out = out
         self.images: list[str] = []  # images of the first user message (a vision-language model)
+        self.videos: list = []  # its videos, after the images: decoded (frames, times)
         self.clear()
 
     def clear(self) -> None:
@@ -112,15 +113,15 @@ class ChatSession:
     def _reply_with_images(self, user: str) -> str:
         """The greedy answer of a vision-language model: the whole history re-rendered with the
         images before the first user message (erniekit/infer/vl_generate.py)."""
-        from erniekit.data.formats import IMAGE_MARKER, Conversation
+        from erniekit.data.formats import IMAGE_MARKER, VIDEO_MARKER, Conversation
         from erniekit.infer.vl_generate import answer
 
         body = [m for m in self.messages if m["role"] != "system"] + [{"role": "user", "content": user}]
         pairs = [(body[i]["content"], body[i + 1]["content"]) for i in range(0, len(body) - 1, 2)]
         first = pairs[0][0] if pairs else user
         turns = pairs + [(user, "")]
-        turns[0] = (IMAGE_MARKER * len(self.images) + first, turns[0][1])
-        conv = Conversation(self.system, turns, [True] * len(turns), "chat", list(self.images))
+        turns[0] = (IMAGE_MARKER * len(self.images) + VIDEO_MARKER * len(self.videos) + first, turns[0][1])
+        conv = Conversation(self.system, turns, [True] * len(turns), "chat", list(self.images), list(self.videos))
         text = answer(self.model, self.tokenizer, conv, self.model.image_settings, self.params.max_new_tokens)
         self._write(text)
         self.messages += [{"role": "user", "content": user}, {"role": "assistant", "content": text}]
@@ -128,7 +129,7 @@ class ChatSession:
 
     def reply(self, user: str) -> str:
         """Add a user turn, stream the assistant's answer to `out`, keep it in the history."""
-        if self.images:
+        if self.images or self.videos:
             return self._reply_with_images(user)
         from erniekit.infer.generate import generate_stream
 
@@ -189,14 +190,19 @@ def run_chat(args: Any) -> int:
 
         check_speculative(model, params)
     session = ChatSession(model, tokenizer, params, system=args.system, out=sys.stdout, speculative=speculative)
-    if getattr(args, "image", None):
+    if getattr(args, "image", None) or getattr(args, "video", None):
         from erniekit.models.ernie4_5_vl.processor import load_image
+        from erniekit.models.ernie4_5_vl.video import load_video
 
         if not hasattr(model, "visual_features"):
-            raise CheckpointError(f"{args.model_dir}: --image needs a vision-language (ERNIE-4.5-VL) checkpoint")
+            raise CheckpointError(
+                f"{args.model_dir}: --image / --video need a vision-language (ERNIE-4.5-VL) checkpoint"
+            )
         for i, path in enumerate(args.image):
             load_image(path, where=f"--image {i + 1}")  # a bad file is one line now, not mid-reply
         session.images = list(args.image)
+        # decoded once here (a bad file is one line now), kept as (frames, times)
+        session.videos = [load_video(p, f"--video {i + 1}", model.video_settings) for i, p in enumerate(args.video)]
     if args.prompt is not None:
         session.reply(args.prompt)
         print(flush=True)

@@ -1,4 +1,4 @@
-"""Greedy generation of an ERNIE-4.5-VL model from a prompt with images, with a KV cache.
+"""Greedy generation of an ERNIE-4.5-VL model from a prompt with images or videos, with a KV cache.
 
 The prefill runs the images through the vision encoder into their placeholders with 3-D positions
 (`rope_index`); every decoded token then takes position (tokens so far + the prompt's delta) on
@@ -17,20 +17,33 @@ from erniekit.models.ernie4_5_vl.modeling import rope_index
 from erniekit.nn.attention import KVCache
 
 
-def prompt_of(conv: Conversation, tokenizer, config, settings) -> tuple[list[int], tuple | None]:
+def prompt_of(conv: Conversation, tokenizer, config, settings, video_settings=None) -> tuple[list[int], tuple | None]:
     """The ids (images in place) before the last reply of `conv`, and the images' (patches, grids);
     as erniekit/train/evaluation.prompt_ids derives them for text: only the last reply trained,
-    the prompt ends at its first token."""
-    last = Conversation(conv.system, conv.turns, [False] * (len(conv.turns) - 1) + [True], conv.source, conv.images)
-    row = encode_vl_conversation(last, tokenizer, config, settings, max_seq_len=1 << 30)
+    the prompt ends at its first token. A conversation with videos: use `prompt_with_videos`."""
+    ids, images, videos = prompt_with_videos(conv, tokenizer, config, settings, video_settings)
+    if videos is not None:
+        raise ValueError(f"{conv.source}: this path takes images only, not videos")
+    return ids, images
+
+
+def prompt_with_videos(conv: Conversation, tokenizer, config, settings, video_settings=None):
+    """prompt_of's (ids, images) and the videos' (patches, grids) (None without videos)."""
+    from erniekit.models.ernie4_5_vl.video import VideoSettings
+
+    last = Conversation(
+        conv.system, conv.turns, [False] * (len(conv.turns) - 1) + [True], conv.source, conv.images, conv.videos
+    )
+    row = encode_vl_conversation(last, tokenizer, config, settings, 1 << 30, video_settings or VideoSettings())
     trained = row["labels"] != IGNORE_INDEX
     start = int(np.argmax(trained)) if trained.any() else len(trained)
-    return row["input_ids"][:start].tolist(), row["images"]
+    return row["input_ids"][:start].tolist(), row["images"], row["videos"]
 
 
 @paddle.no_grad()
-def generate_vl(model, ids: list[int], images, max_new_tokens: int, stop_ids: list[int]) -> list[int]:
-    """New token ids (stop token excluded) after prompt `ids` whose images are (patches, grids)."""
+def generate_vl(model, ids: list[int], images, max_new_tokens: int, stop_ids: list[int], videos=None) -> list[int]:
+    """New token ids (stop token excluded) after prompt `ids` whose images (and videos) are
+    (patches, grids)."""
     model.eval()
     c = model.config
     x = np.asarray([ids], dtype=np.int64)
@@ -38,9 +51,11 @@ def generate_vl(model, ids: list[int], images, max_new_tokens: int, stop_ids: li
     kw = {}
     delta = 0
     if images is not None:
-        patches, grids = images
-        kw = {"pixel_values": paddle.to_tensor(patches), "image_grid_thw": grids}
-        pos, deltas = rope_index(x, c, grids)
+        kw.update(pixel_values=paddle.to_tensor(images[0]), image_grid_thw=images[1])
+    if videos is not None:
+        kw.update(pixel_values_videos=paddle.to_tensor(videos[0]), video_grid_thw=videos[1])
+    if kw:
+        pos, deltas = rope_index(x, c, kw.get("image_grid_thw"), kw.get("video_grid_thw"))
         kw["position_ids"] = paddle.to_tensor(pos)
         delta = int(deltas[0])
     out: list[int] = []
@@ -60,5 +75,5 @@ def answer(model, tokenizer, conv: Conversation, settings, max_new_tokens: int) 
     """The model's greedy reply to `conv`'s last user turn (its images included)."""
     from erniekit.infer.chat import stop_ids
 
-    ids, images = prompt_of(conv, tokenizer, model.config, settings)
-    return tokenizer.decode(generate_vl(model, ids, images, max_new_tokens, stop_ids(model, tokenizer)))
+    ids, images, videos = prompt_with_videos(conv, tokenizer, model.config, settings, model.video_settings)
+    return tokenizer.decode(generate_vl(model, ids, images, max_new_tokens, stop_ids(model, tokenizer), videos))

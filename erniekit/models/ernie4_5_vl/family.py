@@ -19,9 +19,11 @@ def _build(config: Ernie4_5_VLConfig) -> Any:
 def _load_weights(model: Any, path: str) -> None:
     from erniekit.models.ernie4_5_vl.checkpoint import load_state_into
     from erniekit.models.ernie4_5_vl.processor import load_image_settings
+    from erniekit.models.ernie4_5_vl.video import load_video_settings
 
     load_state_into(model, path)
     model.image_settings = load_image_settings(path)
+    model.video_settings = load_video_settings(path)
 
 
 def _state_dict(model: Any, dtype: str | None = None) -> dict:

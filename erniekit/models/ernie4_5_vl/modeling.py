@@ -18,6 +18,7 @@ import paddle
 from erniekit.models.ernie4_5.modeling import CausalLMOutput, Ernie4_5ForCausalLM
 from erniekit.models.ernie4_5_vl.configuration import Ernie4_5_VLConfig
 from erniekit.models.ernie4_5_vl.processor import ImageSettings, save_image_settings
+from erniekit.models.ernie4_5_vl.video import VideoSettings, save_video_settings
 from erniekit.models.ernie4_5_vl.vision import Resampler, VisionTransformer
 
 
@@ -95,6 +96,7 @@ class Ernie4_5_VLForConditionalGeneration(Ernie4_5ForCausalLM):
         self._init_vision()
         # the image sizes it reads (preprocessor_config.json; VL-SFT sets its image_*_pixels)
         self.image_settings = ImageSettings()
+        self.video_settings = VideoSettings()
 
     def _init_vision(self) -> None:
         std = self.config.vision.initializer_range
@@ -104,6 +106,7 @@ class Ernie4_5_VLForConditionalGeneration(Ernie4_5ForCausalLM):
 
     def save_extra_files(self, path: str) -> None:
         save_image_settings(path, self.image_settings)
+        save_video_settings(path, self.video_settings)
 
     def visual_features(self, pixel_values: paddle.Tensor, grid_thw: np.ndarray) -> paddle.Tensor:
         """Merged vision tokens [tokens, hidden] of images or videos, in placeholder order."""

@@ -30,10 +30,13 @@ def _settings(cfg):
 
 def vl_loss(model, batch: dict[str, np.ndarray], token_balance: bool = False) -> LossOutput:
     pixels, grids = collate_images(batch["images"])
+    vpixels, vgrids = collate_images(batch["videos"]) if "videos" in batch else (None, None)
     out = model(
         batch_tensor(batch["input_ids"]),
         pixel_values=None if pixels is None else paddle.to_tensor(pixels),
         image_grid_thw=grids,
+        pixel_values_videos=None if vpixels is None else paddle.to_tensor(vpixels),
+        video_grid_thw=vgrids,
     )
     loss_fn = token_balanced_loss_sum if token_balance else causal_lm_loss_sum
     return LossOutput(loss_fn(out.logits, batch["labels"], batch["segment_ids"]), out.aux_loss, logits=out.logits)
@@ -98,9 +101,10 @@ class VLSFTStage(Stage):
         from erniekit.train.batching import collate
 
         batch = collate([{k: r[k] for k in ("input_ids", "labels")} for r in rows], pad_id)
-        images = np.empty(len(rows), dtype=object)  # per row, so data-parallel row slices keep theirs
-        images[:] = [r["images"] for r in rows]
-        batch["images"] = images
+        for key in ("images", "videos"):  # per row, so data-parallel row slices keep theirs
+            column = np.empty(len(rows), dtype=object)
+            column[:] = [r.get(key) for r in rows]
+            batch[key] = column
         return batch
 
     def loss(self, model, batch):

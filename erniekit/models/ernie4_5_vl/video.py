@@ -1,0 +1,212 @@
+"""Videos into what ERNIE-4.5-VL reads, following transformers' `Ernie4_5_VLMoeVideoProcessor`:
+frames sampled evenly (every frame, or `fps` per second, within min / max frames), optionally
+stamped with their time in the top-left corner (the hub checkpoints' font), an odd count padded
+with the last frame, every frame resized to patch-merge multiples within the video pixel budget,
+normalised and cut into patches in (frame, merge block) order. Two frames make one temporal
+patch: a video of t frames takes t / 2 x (h / 2) x (w / 2) placeholder tokens.
+
+Files are decoded with PyAV (`pip install av`; only the sampled frames are kept), never fetched
+from the network; frames already decoded (an array [T, H, W, 3] of uint8) go straight in.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+
+import numpy as np
+
+from erniekit.models.ernie4_5_vl.processor import CLIP_MEAN, CLIP_STD, MAX_SOURCE_PIXELS, ImageError, smart_resize
+
+
+@dataclass(frozen=True)
+class VideoSettings:
+    patch_size: int = 14
+    merge_size: int = 2
+    temporal_patch_size: int = 2
+    min_pixels: int = 299 * 28 * 28  # per frame: the hub video processor's size["shortest_edge"]
+    max_pixels: int = 1196 * 28 * 28  # its size["longest_edge"]
+    min_frames: int = 16
+    max_frames: int = 180
+    fps: float | None = None  # frames sampled per second of video; None: every frame (within min / max)
+    font: str | None = None  # a TrueType file: stamp each frame with its time (the hub checkpoints do)
+
+
+def sample_frame_indices(total: int, video_fps: float | None, settings: VideoSettings = VideoSettings()) -> np.ndarray:
+    """Indices of the frames kept from a video of `total` frames: n evenly spaced ones, n =
+    total (or duration x settings.fps) clamped to [min_frames, max_frames] and to total; the
+    spacing truncated as the reference computes it (float32 steps of total / n)."""
+    if total < 1:
+        raise ImageError("the video has no frames")
+    if settings.fps is not None:
+        if not video_fps:
+            raise ImageError("sampling by fps needs the video's frame rate; this video does not give one")
+        n = total / video_fps * settings.fps
+    else:
+        n = total
+    n = min(max(n, settings.min_frames), settings.max_frames, total)
+    step = total / n
+    count = math.ceil(total / step)
+    return np.trunc((np.arange(count, dtype=np.float64) * step).astype(np.float32)).astype(np.int64)
+
+
+def timestamp_text(seconds: float) -> str:
+    """`time: HH:MM:SS.ss`, what the hub checkpoints saw stamped on their video frames."""
+    hours, rest = divmod(seconds, 3600)
+    minutes, rest = divmod(rest, 60)
+    return f"time: {int(hours):02d}:{int(minutes):02d}:{rest:05.02f}"
+
+
+def stamp(frame: np.ndarray, text: str, font: str) -> np.ndarray:
+    """Black text with a white outline at the frame's top-left, a tenth of its shorter side tall."""
+    from PIL import Image, ImageDraw, ImageFont
+
+    image = Image.fromarray(frame)
+    size = int(min(image.size) * 0.1)
+    ImageDraw.Draw(image).text(
+        (0, 0),
+        text,
+        font=ImageFont.truetype(font, size),
+        fill=(0, 0, 0),
+        stroke_width=int(size * 0.1),
+        stroke_fill=(255, 255, 255),
+    )
+    return np.asarray(image)
+
+
+def load_video(source: str, where: str = "video", settings: VideoSettings = VideoSettings()):
+    """(sampled frames [n, H, W, 3] uint8, their times in seconds) of a local video file."""
+    if "://" in source or source.startswith("data:"):
+        raise ImageError(f"{where}: {source[:60]!r}: videos are read from local files only")
+    if not os.path.isfile(source):
+        raise ImageError(f"{where}: video file {source} not found")
+    try:
+        import av
+    except ImportError:
+        raise ImageError(f"{where}: reading video files needs PyAV: pip install av") from None
+    try:
+        with av.open(source) as container:
+            stream = container.streams.video[0]
+            fps = float(stream.average_rate) if stream.average_rate else None
+            total = stream.frames or sum(1 for _ in container.decode(stream))
+            keep = sample_frame_indices(total, fps, settings)
+            container.seek(0)
+            wanted, frames = set(keep.tolist()), {}
+            for i, frame in enumerate(container.decode(stream)):
+                if frame.width * frame.height > MAX_SOURCE_PIXELS:
+                    raise ImageError(f"{where}: {source} has {frame.width}x{frame.height} frames; downscale it first")
+                if i in wanted:
+                    frames[i] = frame.to_ndarray(format="rgb24")
+    except ImageError:
+        raise
+    except (av.FFmpegError, IndexError, ValueError) as e:
+        raise ImageError(f"{where}: {source} is not a readable video ({type(e).__name__}: {str(e)[:80]})") from None
+    if len(frames) != len(wanted):
+        raise ImageError(f"{where}: {source} decoded to fewer frames than its header says; re-encode it")
+    times = keep / fps if fps else keep.astype(np.float64)
+    return np.stack([frames[i] for i in keep.tolist()]), times
+
+
+def preprocess_video(
+    frames: np.ndarray, times: np.ndarray | None = None, settings: VideoSettings = VideoSettings()
+) -> tuple[np.ndarray, np.ndarray]:
+    """Frames [n, H, W, 3] uint8 (already sampled) -> (patches [t * gh * gw, 3 * p * p] float32,
+    grid_thw [1, t, gh, gw]) with t = n rounded up to even."""
+    from PIL import Image
+
+    frames = np.asarray(frames)
+    if frames.ndim != 4 or frames.shape[-1] != 3 or frames.dtype != np.uint8 or not len(frames):
+        raise ImageError(f"video frames must be a non-empty uint8 array [frames, height, width, 3], got {frames.shape}")
+    if settings.font is not None:
+        if times is None:
+            raise ImageError("stamping frames with their time needs the frames' times")
+        frames = np.stack([stamp(f, timestamp_text(float(s)), settings.font) for f, s in zip(frames, times)])
+    if len(frames) % settings.temporal_patch_size:
+        frames = np.concatenate([frames, frames[-1:]])
+    p, m = settings.patch_size, settings.merge_size
+    h, w = smart_resize(frames.shape[1], frames.shape[2], p * m, settings.min_pixels, settings.max_pixels)
+    x = np.stack([np.asarray(Image.fromarray(f).resize((w, h), resample=Image.BICUBIC)) for f in frames])
+    # rescale and normalise fused, in float32: (x - 255 mean) / (255 std)
+    mean = np.asarray(CLIP_MEAN, np.float32) * np.float32(255.0)
+    std = np.asarray(CLIP_STD, np.float32) * np.float32(255.0)
+    x = ((x.astype(np.float32) - mean) / std).transpose(0, 3, 1, 2)  # [t, 3, h, w]
+    t, gh, gw = x.shape[0], h // p, w // p
+    patches = x.reshape(t, 3, gh // m, m, p, gw // m, m, p).transpose(0, 2, 5, 3, 6, 1, 4, 7)
+    return np.ascontiguousarray(patches.reshape(t * gh * gw, 3 * p * p)), np.array([[t, gh, gw]], dtype=np.int64)
+
+
+def video_tokens(grid_thw: np.ndarray, config) -> list[int]:
+    """The ids one video takes in the text: start, one placeholder per 2 frames x 2 x 2 patches, end."""
+    t, h, w = (int(v) for v in np.asarray(grid_thw).reshape(3))
+    v = config.vision
+    n = t * h * w // (v.spatial_merge_size**2 * v.temporal_merge_size)
+    return [config.video_start_token_id] + [config.video_token_id] * n + [config.video_end_token_id]
+
+
+VIDEO_PREPROCESSOR_FILE = "video_preprocessor_config.json"
+
+
+def save_video_settings(path: str, settings: VideoSettings) -> None:
+    """video_preprocessor_config.json as the hub's video processor reads it (the font file, when
+    frames are stamped, is copied beside it)."""
+    import json
+    import shutil
+
+    font = None
+    if settings.font is not None:
+        font = os.path.basename(settings.font)
+        if os.path.abspath(os.path.join(path, font)) != os.path.abspath(settings.font):
+            shutil.copyfile(settings.font, os.path.join(path, font))
+    cfg = {
+        "video_processor_type": "Ernie4_5_VLMoeVideoProcessor",
+        "size": {"shortest_edge": settings.min_pixels, "longest_edge": settings.max_pixels},
+        "patch_size": settings.patch_size,
+        "merge_size": settings.merge_size,
+        "temporal_patch_size": settings.temporal_patch_size,
+        "min_frames": settings.min_frames,
+        "max_frames": settings.max_frames,
+        "fps": settings.fps,
+        "do_sample_frames": True,
+        "draw_on_frames": font is not None,
+        "font": font,
+        "image_mean": list(CLIP_MEAN),
+        "image_std": list(CLIP_STD),
+        "rescale_factor": 1 / 255,
+    }
+    with open(os.path.join(path, VIDEO_PREPROCESSOR_FILE), "w") as f:
+        json.dump(cfg, f, indent=2)
+
+
+def load_video_settings(path: str) -> VideoSettings:
+    """The video settings a checkpoint directory names (the hub processor's defaults without a
+    file; frames are stamped only when it says so and ships its font)."""
+    import json
+
+    from erniekit.errors import DataError
+
+    file = os.path.join(path, VIDEO_PREPROCESSOR_FILE)
+    if not os.path.isfile(file):
+        return VideoSettings()
+    try:
+        with open(file) as f:
+            cfg = json.load(f)
+        size = cfg.get("size") or {}
+        font = cfg.get("font") if cfg.get("draw_on_frames") else None
+        d = VideoSettings()
+        settings = VideoSettings(
+            patch_size=int(cfg.get("patch_size", d.patch_size)),
+            merge_size=int(cfg.get("merge_size", d.merge_size)),
+            temporal_patch_size=int(cfg.get("temporal_patch_size", d.temporal_patch_size)),
+            min_pixels=int(size.get("shortest_edge", d.min_pixels)),
+            max_pixels=int(size.get("longest_edge", d.max_pixels)),
+            min_frames=int(cfg.get("min_frames", d.min_frames)),
+            max_frames=int(cfg.get("max_frames", d.max_frames)),
+            fps=None if cfg.get("fps") is None else float(cfg["fps"]),
+            font=None if font is None else os.path.join(path, font),
+        )
+    except (OSError, ValueError, TypeError, AttributeError) as e:
+        raise DataError(f"{file}: not a readable video processor config ({e}); fix or delete it") from None
+    if settings.font is not None and not os.path.isfile(settings.font):
+        raise DataError(f"{file}: draw_on_frames needs its font {settings.font}, which is missing; copy it beside")
+    return settings

@@ -1,0 +1,189 @@
+"""ERNIE-4.5-VL videos (erniekit/models/ernie4_5_vl/video.py): frame sampling as transformers'
+video processor computes it (torch.arange of float32 steps), timestamps, the patch layout against a
+naive loop and against the image processor on still frames, decoding a real file with PyAV (only
+the sampled frames kept), video parts in data, and `erniekit chat --video` using the video."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from erniekit.errors import DataError
+from erniekit.models.ernie4_5_vl.processor import ImageSettings, preprocess_image
+from erniekit.models.ernie4_5_vl.video import (
+    VideoSettings,
+    load_video,
+    preprocess_video,
+    sample_frame_indices,
+    timestamp_text,
+)
+
+torch = pytest.importorskip("torch")
+
+
+def _reference_indices(total, video_fps, fps, lo, hi):
+    """transformers' Ernie4_5_VLMoeVideoProcessor.sample_frames, written out."""
+    n = total / video_fps * fps if fps is not None else total
+    n = min(max(n, lo), hi, total)
+    return torch.arange(0, total, total / n).int().numpy()
+
+
+@pytest.mark.parametrize("total", [1, 5, 16, 17, 31, 179, 180, 181, 997, 4001])
+@pytest.mark.parametrize("fps", [None, 0.5, 2.0, 3.7])
+def test_frame_sampling_matches_the_reference(total, fps):
+    s = VideoSettings(fps=fps, min_frames=16, max_frames=180)
+    got = sample_frame_indices(total, 29.97, s)
+    np.testing.assert_array_equal(got, _reference_indices(total, 29.97, fps, 16, 180))
+    assert len(got) == len(set(got.tolist())) and got.max() < total
+
+
+def test_timestamps_read_hours_minutes_seconds():
+    assert timestamp_text(0.0) == "time: 00:00:00.00"
+    assert timestamp_text(3723.456) == "time: 01:02:03.46"
+    assert timestamp_text(59.999) == "time: 00:00:60.00"  # the reference's rounding, kept
+
+
+def test_patches_follow_frame_then_merge_block_order():
+    rng = np.random.default_rng(0)
+    frames = rng.integers(0, 256, (3, 56, 84, 3), dtype=np.uint8)  # odd: the last frame is repeated
+    s = VideoSettings(min_pixels=56 * 84, max_pixels=56 * 84)
+    patches, grid = preprocess_video(frames, None, s)
+    assert grid.tolist() == [[4, 4, 6]] and patches.shape == (4 * 4 * 6, 3 * 14 * 14)
+    x = np.concatenate([frames, frames[-1:]]).astype(np.float32)
+    x = (x - np.float32(255) * np.array([0.48145466, 0.4578275, 0.40821073], np.float32)) / (
+        np.float32(255) * np.array([0.26862954, 0.26130258, 0.27577711], np.float32)
+    )
+    rows = []
+    for t in range(4):  # frame, merge-block row, merge-block column, row in block, column in block
+        for bi in range(2):
+            for bj in range(3):
+                for i in range(2):
+                    for j in range(2):
+                        r, c = (2 * bi + i) * 14, (2 * bj + j) * 14
+                        rows.append(x[t, r : r + 14, c : c + 14].transpose(2, 0, 1).reshape(-1))
+    np.testing.assert_allclose(patches, np.stack(rows), rtol=0, atol=1e-6)
+
+
+def test_still_frames_give_the_image_processors_patches():
+    """Two copies of a picture, resized the same way: each frame's patches are the image's
+    (normalisation fused as the video processor does: equal within float32 rounding)."""
+    from PIL import Image
+
+    im = Image.fromarray(np.random.default_rng(1).integers(0, 256, (90, 130, 3), dtype=np.uint8))
+    img, g = preprocess_image(im, ImageSettings(min_pixels=3136, max_pixels=28 * 28 * 12))
+    vid, vg = preprocess_video(
+        np.stack([np.asarray(im)] * 2), None, VideoSettings(min_pixels=3136, max_pixels=28 * 28 * 12)
+    )
+    assert vg.tolist() == [[2, *g[0, 1:].tolist()]]
+    n = img.shape[0]
+    np.testing.assert_allclose(vid[:n], img, atol=1e-5)
+    np.testing.assert_allclose(vid[n:], img, atol=1e-5)
+
+
+def _mp4(path, frames, fps):
+    av = pytest.importorskip("av")
+    with av.open(str(path), "w") as out:
+        stream = out.add_stream("mpeg4", rate=fps)
+        stream.width, stream.height, stream.pix_fmt = frames.shape[2], frames.shape[1], "yuv420p"
+        for f in frames:
+            for packet in stream.encode(av.VideoFrame.from_ndarray(f, format="rgb24")):
+                out.mux(packet)
+        for packet in stream.encode():
+            out.mux(packet)
+
+
+def _moving_square(n, h=64, w=96):
+    frames = np.full((n, h, w, 3), 230, np.uint8)
+    for i in range(n):
+        x = 4 + i * (w - 24) // max(n - 1, 1)
+        frames[i, 20:40, x : x + 16] = (200, 30, 30)
+    return frames
+
+
+def test_a_video_file_decodes_to_its_sampled_frames(tmp_path):
+    frames = _moving_square(40)
+    _mp4(tmp_path / "v.mp4", frames, 10)
+    got, times = load_video(str(tmp_path / "v.mp4"), settings=VideoSettings(fps=2.0, min_frames=4, max_frames=180))
+    want = sample_frame_indices(40, 10.0, VideoSettings(fps=2.0, min_frames=4))
+    assert len(got) == len(want) == 8 and np.allclose(times, want / 10.0)
+    for g, i in zip(got, want):  # lossy codec: the frame is the one sampled, within compression error
+        assert np.abs(g.astype(int) - frames[i]).mean() < 8
+    with pytest.raises(DataError, match="not found"):
+        load_video(str(tmp_path / "missing.mp4"))
+    (tmp_path / "bad.mp4").write_bytes(b"not a video")
+    with pytest.raises(DataError, match="not a readable video"):
+        load_video(str(tmp_path / "bad.mp4"))
+
+
+def test_video_parts_in_data_become_numbered_videos(tmp_path):
+    from erniekit.data.formats import load_sft_examples
+    from erniekit.data.vl import encode_vl_conversation
+    from erniekit.models.ernie4_5.tokenizer import default_tokenizer
+    from erniekit.models.ernie4_5_vl.configuration import PRESETS
+
+    _mp4(tmp_path / "v.mp4", _moving_square(6), 3)
+    rec = {
+        "messages": [
+            {
+                "role": "user",
+                "content": [{"type": "video_url", "video_url": {"url": "v.mp4"}}, {"type": "text", "text": "where?"}],
+            },
+            {"role": "assistant", "content": "right"},
+        ]
+    }
+    (tmp_path / "d.jsonl").write_text(json.dumps(rec) + "\n")
+    (conv,) = load_sft_examples(str(tmp_path / "d.jsonl"))
+    assert conv.videos == [str(tmp_path / "v.mp4")] and conv.images == []
+    cfg = PRESETS["tiny-vl"]
+    vs = VideoSettings(min_pixels=56 * 56, max_pixels=56 * 84, min_frames=1)
+    row = encode_vl_conversation(conv, default_tokenizer(), cfg, ImageSettings(), 512, vs)
+    patches, grid = row["videos"]
+    assert row["images"] is None and grid.tolist() == [[6, 4, 6]]
+    ids = row["input_ids"].tolist()
+    assert ids.count(cfg.video_token_id) == 6 // 2 * 2 * 3  # two frames x 2x2 patches per token
+    start = ids.index(cfg.video_start_token_id)
+    assert default_tokenizer().decode(ids[:start]).endswith("Video 1:")
+
+
+def test_chat_answers_about_a_video(tmp_path, capsys):
+    import paddle
+
+    from erniekit.cli import main
+    from erniekit.data.formats import VIDEO_MARKER, Conversation
+    from erniekit.infer.vl_generate import answer
+    from erniekit.models.ernie4_5.tokenizer import default_tokenizer
+    from erniekit.models.ernie4_5_vl.modeling import Ernie4_5_VLForConditionalGeneration
+    from erniekit.models.registry import load_model, model_config, save_model
+
+    paddle.seed(0)
+    model = Ernie4_5_VLForConditionalGeneration(model_config("tiny-vl").replace(initializer_range=0.5))
+    model.video_settings = VideoSettings(min_pixels=56 * 56, max_pixels=56 * 56, min_frames=4, max_frames=8)
+    save_model(model, str(tmp_path / "m"), tokenizer=default_tokenizer())
+    _mp4(tmp_path / "a.mp4", _moving_square(16, 56, 56), 8)
+    _mp4(tmp_path / "b.mp4", _moving_square(16, 56, 56)[::-1].copy(), 8)
+    replies = []
+    for name in ("a.mp4", "b.mp4"):
+        assert (
+            main(
+                [
+                    "chat",
+                    str(tmp_path / "m"),
+                    "--video",
+                    str(tmp_path / name),
+                    "--prompt",
+                    "what moves?",
+                    "--max-new-tokens",
+                    "6",
+                ]
+            )
+            == 0
+        )
+        replies.append(capsys.readouterr().out.strip())
+    loaded = load_model(str(tmp_path / "m"))
+    assert loaded.video_settings == model.video_settings  # video_preprocessor_config.json read back
+    video = load_video(str(tmp_path / "a.mp4"), settings=loaded.video_settings)
+    conv = Conversation(None, [(VIDEO_MARKER + "what moves?", "")], [True], "ref", [], [video])
+    assert replies[0] == answer(loaded, default_tokenizer(), conv, loaded.image_settings, 6).strip()
+    assert replies[0] != replies[1]  # the frames' order is read
