@@ -458,10 +458,10 @@ def _check_parallel(cfg: TrainConfig) -> None:
         _check_ps(cfg)
         return
     lay = layout_from_config(cfg.parallelism)
-    if _supports(cfg).images and lay.world > 1 and not lay.data_only:
+    if _supports(cfg).images and (lay.tp > 1 or lay.pp > 1 or lay.sharding_stage):
         raise ConfigError(
-            f"stage {cfg.stage} runs on several processes with plain data parallelism only in this version ({lay.describe()} "
-            "asked); set tensor_parallel_degree, pipeline_parallel_degree and expert_parallel_degree to 1 and no sharding"
+            f"stage {cfg.stage} runs on several processes with data and expert parallelism only in this version "
+            f"({lay.describe()} asked); set tensor_parallel_degree and pipeline_parallel_degree to 1 and no sharding"
         )
     if lay.world > 1 and lay.sharding_stage == 3 and not _has_cuda():
         raise ConfigError(

@@ -500,6 +500,8 @@ class MoEBlock(nn.Layer):
         shape = hidden_states.shape
         x = hidden_states.reshape([-1, shape[-1]])
         mod = None if modality is None else check_modality_ids(modality, x.shape[0], self.num_modalities)
+        if mod is not None and self.num_modalities > 1 and x.is_dist():
+            return self._forward_in_place(x, mod).reshape(shape)
         if mod is None or self.num_modalities == 1:
             parts: list[tuple[paddle.Tensor | None, int]] = [(None, 0)]  # every token, text experts
         else:
@@ -539,6 +541,48 @@ class MoEBlock(nn.Layer):
         ).detach()
         self.last_modality = None if mod is None else mod.detach()
         return y.reshape(shape)
+
+    def _forward_in_place(self, x: paddle.Tensor, mod: paddle.Tensor) -> paddle.Tensor:
+        """Modality-isolated routing over a distributed batch (a collective job's tokens, split
+        over ranks): picking each modality's tokens out would gather the whole batch onto every
+        rank, and expert parallelism would then run every token once per rank. Instead every
+        modality's router sees all tokens and its experts take only their own (the others'
+        assignments dropped, as the capacity limit drops them); router losses and statistics read
+        each modality's own tokens."""
+        if self.capacity_factor > 0:
+            raise DataError(
+                "moe_capacity_factor with modality-isolated routing runs in one process or plain data "
+                "parallelism in this version; set it to 0 for expert or tensor parallelism"
+            )
+        if self.routing_reference is not None:
+            raise DataError("routing replay covers text-only batches; set routing_replay=false")
+        if not mod.is_dist():  # the ids as the tokens are laid out over the ranks
+            import paddle.distributed as dist
+
+            rows = [p if p.is_shard() and p.get_dim() == 0 else dist.Replicate() for p in x.placements]
+            mod = dist.shard_tensor(mod, x.process_mesh, rows)
+        y, parts, routed = None, [], []
+        topk = paddle.zeros([x.shape[0], self.router(0).active_k or self.router(0).k], dtype="int64")
+        probs = paddle.zeros([x.shape[0], self.num_experts], dtype="float32")
+        for m in range(self.num_modalities):
+            own = mod == m
+            r = self.router(m)(x)
+            keep = own.unsqueeze(-1).expand(r.topk_idx.shape)
+            out = self.expert_set(m)(x, r.topk_idx, r.topk_weight, keep)
+            y = out if y is None else y + out
+            topk = paddle.where(keep, r.topk_idx + self.offsets[m], topk)
+            probs = probs + own.unsqueeze(-1).astype("float32") * self._global_probs(m, r.probs)
+            idx = paddle.nonzero(own).reshape([-1])
+            if idx.shape[0]:  # this modality's own tokens, for its router losses
+                parts.append((idx, m))
+                r_own = RouterOutput(*(paddle.gather(t, idx) for t in (r.logits, r.probs, r.topk_idx, r.topk_weight)))
+                routed.append((None, r_own, None))
+        if self.shared_experts is not None:
+            y = y + self.shared_experts(x)
+        if self.training:
+            self._router_losses(parts, routed, topk)
+        self.last_topk_idx, self.last_probs, self.last_modality = topk.detach(), probs.detach(), mod.detach()
+        return y
 
     def _route(
         self, m: int, x: paddle.Tensor, ref: RoutingReference | None = None

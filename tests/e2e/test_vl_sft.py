@@ -1,6 +1,7 @@
 """stage VL-SFT through `erniekit train`: a tiny ERNIE-4.5-VL model on synthetic pictures learns
-(loss falls, held-out exact match above the majority answer), 2 data-parallel processes follow
-the 1-process curve, and freezing keeps the vision encoder and resampler as initialised."""
+(loss falls, held-out exact match above the majority answer), 2 data-parallel or 2
+expert-parallel processes follow the 1-process curve, and freezing keeps the vision encoder and
+resampler as initialised."""
 
 import json
 import os
@@ -44,9 +45,13 @@ def _train(args):
     return r
 
 
-def _losses(out):
+def _scalars(out, key):
     rows = [json.loads(line) for line in open(os.path.join(out, "vdl_log", "scalars.jsonl"))]
-    return np.array([r["train/loss"] for r in rows if "train/loss" in r])
+    return np.array([r[key] for r in rows if key in r])
+
+
+def _losses(out):
+    return _scalars(out, "train/loss")
 
 
 @pytest.fixture(scope="module")
@@ -74,6 +79,19 @@ def test_two_data_parallel_processes_follow_one(one, tmp_path):
     r = _train(_args(tmp_path / "two", batch=4) + ["nproc_per_node=2"])
     assert "data parallelism: 2 whole-model replicas" in r.stdout
     np.testing.assert_allclose(_losses(tmp_path / "two"), _losses(out), rtol=1e-5)
+
+
+def test_two_expert_parallel_processes_follow_one(one, tmp_path):
+    """Text and vision experts split over 2 processes (each holds half of every group's experts,
+    tokens exchanged all-to-all): the same losses and gradient norms as one process, which a
+    token reaching its expert once per rank would double."""
+    out, _ = one
+    r = _train(_args(tmp_path / "ep", batch=4) + ["nproc_per_node=2", "expert_parallel_degree=2"])
+    assert "ep=2" in r.stdout
+    np.testing.assert_allclose(_losses(tmp_path / "ep"), _losses(out), rtol=1e-5)
+    norms = _scalars(tmp_path / "ep", "train/grad_norm")
+    assert len(norms) == 12
+    np.testing.assert_allclose(norms, _scalars(out, "train/grad_norm"), rtol=1e-4)
 
 
 def test_frozen_vision_parts_keep_their_initial_weights(tmp_path):

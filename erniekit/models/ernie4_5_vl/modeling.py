@@ -134,6 +134,7 @@ class Ernie4_5_VLForConditionalGeneration(Ernie4_5ForCausalLM):
         c = self.config
         ids = input_ids.numpy() if isinstance(input_ids, paddle.Tensor) else np.asarray(input_ids)
         x = self.model.embed_tokens(input_ids)
+        embedded = x  # kept: its layout over the ranks is the one the tokens keep
         for pixels, grid, token in (
             (pixel_values, image_grid_thw, c.image_token_id),
             (pixel_values_videos, video_grid_thw, c.video_token_id),
@@ -147,6 +148,14 @@ class Ernie4_5_VLForConditionalGeneration(Ernie4_5ForCausalLM):
             flat = x.reshape([-1, x.shape[-1]])
             flat = paddle.scatter(flat, paddle.to_tensor(where), feats.astype(flat.dtype))
             x = flat.reshape(x.shape)
+        if embedded.is_dist() and list(x.placements) != list(embedded.placements):
+            # a collective job: the features came in whole; keep the tokens split over the ranks as
+            # the embedding laid them out (replicated tokens would reach each expert once per rank)
+            import paddle.distributed as dist
+
+            core = embedded.process_mesh  # Paddle's core mesh object: rebuilt as the Python one
+            mesh = dist.ProcessMesh(np.array(core.process_ids).reshape(core.shape).tolist(), core.dim_names)
+            x = dist.reshard(x, mesh, list(embedded.placements))
         vision = image_grid_thw is not None or video_grid_thw is not None
         if position_ids is None and vision:
             am = (

@@ -149,11 +149,12 @@ def test_only_a_job_that_only_splits_the_batch_runs_whole_model_replicas(lay, wh
     assert lay.data_only is whole
 
 
-def test_picture_stages_take_synthetic_datasets_and_plain_data_parallelism_only(tmp_path):
+def test_picture_stages_take_synthetic_datasets_and_data_or_expert_parallelism_only(tmp_path):
     vl = dict(stage="vl_sft", model_name_or_path="tiny-vl", output_dir=str(tmp_path))
     vl |= dict(train_dataset_path="synthetic:shapes/train?n=8", eval_dataset_path=None)
     assert validate(cfg(**vl, nproc_per_node=2)).stage == "VL-SFT"  # plain data parallelism
-    with pytest.raises(ConfigError, match="VL-SFT runs on several processes with plain data parallelism only"):
+    assert validate(cfg(**vl, nproc_per_node=2, expert_parallel_degree=2)).stage == "VL-SFT"
+    with pytest.raises(ConfigError, match="VL-SFT runs on several processes with data and expert parallelism only"):
         validate(cfg(**vl, nproc_per_node=2, tensor_parallel_degree=2))
     with pytest.raises(ConfigError, match="synthetic picture dataset; it trains with stage: VL-SFT"):
         validate(cfg(train_dataset_path="synthetic:shapes/train", output_dir=str(tmp_path)))
