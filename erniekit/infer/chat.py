@@ -12,6 +12,7 @@ import sys
 from typing import TYPE_CHECKING, Any, TextIO
 
 from erniekit.errors import CheckpointError
+from erniekit.infer.stops import stop_ids  # noqa: F401 - where chat, server and WebUI take it from
 
 if TYPE_CHECKING:  # paddle is imported only when chat runs
     from erniekit.infer.generate import SamplingParams
@@ -39,19 +40,6 @@ def load_chat_model(model_dir: str) -> tuple[Ernie4_5ForCausalLM, ErnieTokenizer
     model = load_model_or_adapter(model_dir)
     model.eval()
     return model, tokenizer
-
-
-def stop_ids(model: Ernie4_5ForCausalLM, tokenizer: ErnieTokenizer) -> list[int]:
-    """End of a reply: the template's sep token, eos, and the config's eos ids; for a
-    vision-language model also its image / video tokens and the ids past the tokenizer's
-    vocabulary (a reply cannot contain them)."""
-    ids = [tokenizer.sep_token_id, tokenizer.eos_token_id, *model.config.eos_token_ids]
-    if hasattr(model, "visual_features"):
-        c = model.config
-        ids += [c.image_start_token_id, c.image_end_token_id, c.image_token_id]
-        ids += [c.video_start_token_id, c.video_end_token_id, c.video_token_id]
-        ids += range(tokenizer.vocab_size, c.vocab_size)
-    return sorted({int(i) for i in ids if i is not None})
 
 
 def chat_prompt_ids(tokenizer: ErnieTokenizer, messages: list[dict[str, str]]) -> list[int]:

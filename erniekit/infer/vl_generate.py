@@ -73,7 +73,7 @@ def generate_vl(model, ids: list[int], images, max_new_tokens: int, stop_ids: li
 
 def answer(model, tokenizer, conv: Conversation, settings, max_new_tokens: int) -> str:
     """The model's greedy reply to `conv`'s last user turn (its images included)."""
-    from erniekit.infer.chat import stop_ids
+    from erniekit.infer.stops import stop_ids
 
     ids, images, videos = prompt_with_videos(conv, tokenizer, model.config, settings, model.video_settings)
     return tokenizer.decode(generate_vl(model, ids, images, max_new_tokens, stop_ids(model, tokenizer), videos))
