@@ -49,6 +49,7 @@ class Request:
     emit: Callable[[str, str | None], None]
     stop: list[str] = field(default_factory=list)
     images: tuple | None = None  # (patches, grid_thw) of the images in `prompt` (a vision-language model)
+    videos: tuple | None = None  # the same for its videos
     # filled by the engine
     completion: list[int] = field(default_factory=list)
     text: str = ""
@@ -150,8 +151,8 @@ class Engine:
             raise ValueError(f"logit_bias key {bad} is outside the vocabulary [0, {vocab})")
 
     def submit(self, req: Request) -> None:
-        if req.images is not None and not self.vl:
-            raise ValueError("this model reads no images (it is not a vision-language model)")
+        if (req.images is not None or req.videos is not None) and not self.vl:
+            raise ValueError("this model reads no images or videos (it is not a vision-language model)")
         self.check(len(req.prompt), req.params.max_new_tokens)
         self.check_ids(req.prompt, req.params)
         self.pending.put(req)
@@ -218,17 +219,19 @@ class Engine:
         batch = KVCache(self.model.config, len(reqs), L, dtype=self.dtype)
         am = paddle.to_tensor(pad) if min(lens) < L else None
         kw, deltas = {}, np.zeros(len(reqs), dtype=np.int64)
-        images = [r.images for r in reqs if r.images is not None]
-        if images:
+        for kind, pixels, grid in (
+            ("images", "pixel_values", "image_grid_thw"),
+            ("videos", "pixel_values_videos", "video_grid_thw"),
+        ):
+            media = [getattr(r, kind) for r in reqs if getattr(r, kind) is not None]
+            if media:  # the rows' pictures in row order: the order of their placeholders in the batch
+                kw[pixels] = paddle.to_tensor(np.concatenate([p for p, _ in media]))
+                kw[grid] = np.concatenate([g for _, g in media])
+        if kw:
             from erniekit.models.ernie4_5_vl.modeling import rope_index
 
-            grids = np.concatenate([g for _, g in images])
-            pos, deltas = rope_index(ids, self.model.config, grids, attention_mask=pad)
-            kw = {
-                "pixel_values": paddle.to_tensor(np.concatenate([p for p, _ in images])),
-                "image_grid_thw": grids,
-                "position_ids": paddle.to_tensor(pos),
-            }
+            pos, deltas = rope_index(ids, self.model.config, kw.get("image_grid_thw"), kw.get("video_grid_thw"), pad)
+            kw["position_ids"] = paddle.to_tensor(pos)
         logits = self.model(paddle.to_tensor(ids), attention_mask=am, cache=batch, logits_to_keep=1, **kw).logits
         return batch, logits[:, -1].astype("float32").numpy(), deltas
 
@@ -413,9 +416,10 @@ def complete(
     stop: list[str] | None = None,
     timeout: float = 600.0,
     images: tuple | None = None,
+    videos: tuple | None = None,
 ) -> tuple[str, list[int], str]:
     """One request through the engine, waited for: (text, completion ids, finish reason);
-    images: (patches, grid_thw) of the image placeholders in `prompt`."""
+    images / videos: (patches, grid_thw) of the image / video placeholders in `prompt`."""
     done = threading.Event()
     reason: list[str] = []
 
@@ -424,7 +428,7 @@ def complete(
             reason.append(finish)
             done.set()
 
-    req = Request(list(prompt), params, emit, list(stop or []), images=images)
+    req = Request(list(prompt), params, emit, list(stop or []), images=images, videos=videos)
     engine.submit(req)
     if not done.wait(timeout):
         raise TimeoutError(f"no answer within {timeout} s")

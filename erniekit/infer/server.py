@@ -36,8 +36,9 @@ MAX_JSON_DEPTH = 32  # the deepest well-formed request (content parts) is 4 leve
 BODY_TIMEOUT_S = 60.0  # a body that trickles in slower than this is refused (408)
 MAX_STOP_CHARS = 256  # per stop string: longer ones would hold back that much of the stream
 API_KEY_ENV = "ERNIEKIT_API_KEY"
-Prompt = tuple  # (token ids, images as (patches, grid_thw) or None)
+Prompt = tuple  # (token ids, images and videos as (patches, grid_thw) or None)
 DEFAULT_MAX_IMAGES = 8  # per request: each image is a vision-encoder pass on the engine thread
+MAX_VIDEOS = 2  # per request: a video is up to max_frames frames
 ROLES = ("system", "user", "assistant", "developer")
 
 
@@ -296,14 +297,14 @@ class OpenAIServer:
             logit_bias=_logit_bias(body, self.vocab),
         )
 
-    def _messages(self, body: dict) -> tuple[list[int], tuple | None]:
+    def _messages(self, body: dict) -> tuple[list[int], tuple | None, tuple | None]:
         from erniekit.errors import DataError
         from erniekit.infer.chat import chat_prompt_ids
 
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
             raise BadRequest("messages must be a non-empty list of {role, content}", "messages")
-        msgs, chars, images = [], 0, []
+        msgs, chars, images, videos = [], 0, [], []
         for i, m in enumerate(messages):
             if not isinstance(m, dict):
                 raise BadRequest(f"messages[{i}] must be an object {{role, content}}", f"messages[{i}]")
@@ -312,8 +313,8 @@ class OpenAIServer:
                 raise BadRequest(
                     f"messages[{i}].role={_short(role)} must be one of {', '.join(ROLES)}", f"messages[{i}].role"
                 )
-            if isinstance(content, list):  # text parts, and image_url parts for a vision-language model
-                content = self._parts(content, i, role, images)
+            if isinstance(content, list):  # text parts, and image / video parts for a vision-language model
+                content = self._parts(content, i, role, images, videos)
             if not isinstance(content, str):
                 raise BadRequest(
                     f"messages[{i}].content must be a string or a list of text parts", f"messages[{i}].content"
@@ -321,18 +322,18 @@ class OpenAIServer:
             chars += len(content)
             msgs.append({"role": "system" if role == "developer" else role, "content": content})
         self._fits(chars, "messages")
-        if images:
-            return self._vl_prompt(msgs, images)
+        if images or videos:
+            return self._vl_prompt(msgs, images, videos)
         try:
             self._fits(len(self.tokenizer.apply_chat_template(msgs, add_generation_prompt=True)), "messages")
-            return chat_prompt_ids(self.tokenizer, msgs), None
+            return chat_prompt_ids(self.tokenizer, msgs), None, None
         except DataError as e:
             raise BadRequest(str(e), "messages") from None
 
-    def _parts(self, content: list, i: int, role: str, images: list) -> str:
-        """Content parts -> the message's text, IMAGE_MARKER where an image was (the decoded image
-        appended to `images`)."""
-        from erniekit.data.formats import IMAGE_MARKER
+    def _parts(self, content: list, i: int, role: str, images: list, videos: list) -> str:
+        """Content parts -> the message's text, IMAGE_MARKER / VIDEO_MARKER where an image / a
+        video was (decoded, appended to `images` / `videos`)."""
+        from erniekit.data.formats import IMAGE_MARKER, VIDEO_MARKER
 
         out = []
         for j, p in enumerate(content):
@@ -341,16 +342,26 @@ class OpenAIServer:
             if kind == "text" and isinstance(p.get("text"), str):
                 out.append(p["text"])
                 continue
-            if kind != "image_url":
+            if kind not in ("image_url", "video_url"):
                 raise BadRequest(
                     f"{where} must be {{type: text, text: str}}"
-                    + (" or {type: image_url, image_url: {url: str}}" if self.engine.vl else ""),
+                    + (
+                        ", {type: image_url, image_url: {url: str}} or {type: video_url, ...}" if self.engine.vl else ""
+                    ),
                     where,
                 )
             if not self.engine.vl:
                 raise BadRequest(f"{where}: this model reads no images (it is not a vision-language model)", where)
             if role != "user":
-                raise BadRequest(f"{where}: images go in user messages, not {role} ones", where)
+                raise BadRequest(f"{where}: images and videos go in user messages, not {role} ones", where)
+            if kind == "video_url":
+                if len(videos) >= MAX_VIDEOS:
+                    raise BadRequest(f"{where}: more than {MAX_VIDEOS} videos in one request", where)
+                url = p.get("video_url")
+                url = url.get("url") if isinstance(url, dict) else url
+                videos.append(self._video(url, where + ".video_url.url"))
+                out.append(VIDEO_MARKER)
+                continue
             if len(images) >= self.max_images:
                 raise BadRequest(f"{where}: more than {self.max_images} images in one request", where)
             url = p.get("image_url")
@@ -358,6 +369,22 @@ class OpenAIServer:
             images.append(self._image(url, where + ".image_url.url"))
             out.append(IMAGE_MARKER)
         return "".join(out)
+
+    def _local_file(self, url: str, where: str, instead: str) -> str:
+        """The real path of a file URL or path under --allowed-local-media-path; a URL to fetch,
+        or any other path, is refused (`instead`: what the client may send)."""
+        path = url[len("file://") :] if url.startswith("file://") else url
+        if "://" in path:
+            raise BadRequest(f"{where}: this server fetches nothing from the network; {instead}", where)
+        if self.local_media_root is None:
+            raise BadRequest(
+                f"{where}: local files are read only when the server runs with --allowed-local-media-path DIR; {instead}",
+                where,
+            )
+        real = os.path.realpath(path)
+        if os.path.commonpath([real, self.local_media_root]) != self.local_media_root:
+            raise BadRequest(f"{where}: {_short(url)} is outside --allowed-local-media-path", where)
+        return real
 
     def _image(self, url: Any, where: str):
         """A decoded image from a data: URI, or a file under --allowed-local-media-path; nothing
@@ -367,51 +394,48 @@ class OpenAIServer:
         if not isinstance(url, str) or not url:
             raise BadRequest(f"{where} must be a non-empty string (a data: URI)", where)
         if not url.startswith("data:"):
-            path = url[len("file://") :] if url.startswith("file://") else url
-            if "://" in path:
-                raise BadRequest(
-                    f"{where}: this server fetches nothing from the network; send the image as a "
-                    "data:image/...;base64 URI",
-                    where,
-                )
-            if self.local_media_root is None:
-                raise BadRequest(
-                    f"{where}: local files are read only when the server runs with --allowed-local-media-path "
-                    "DIR; send the image as a data:image/...;base64 URI",
-                    where,
-                )
-            real = os.path.realpath(path)
-            if os.path.commonpath([real, self.local_media_root]) != self.local_media_root:
-                raise BadRequest(f"{where}: {_short(url)} is outside --allowed-local-media-path", where)
-            url = real
+            url = self._local_file(url, where, "send the image as a data:image/...;base64 URI")
         try:
             return load_image(url, where=where)
         except ImageError as e:
             raise BadRequest(str(e), where) from None
 
-    def _vl_prompt(self, msgs: list[dict], images: list) -> tuple[list[int], tuple]:
-        """The prompt of a conversation with images, rendered as VL-SFT trains (the images'
-        tokens in place), and its images' (patches, grid_thw)."""
+    def _video(self, url: Any, where: str):
+        """A video file under --allowed-local-media-path, decoded to its sampled frames."""
+        from erniekit.models.ernie4_5_vl.processor import ImageError
+        from erniekit.models.ernie4_5_vl.video import load_video
+
+        if not isinstance(url, str) or not url or url.startswith("data:"):
+            raise BadRequest(f"{where} must name a video file under --allowed-local-media-path", where)
+        path = self._local_file(url, where, "videos are read from files under --allowed-local-media-path")
+        try:
+            return load_video(path, where, self.engine.model.video_settings)
+        except ImageError as e:
+            raise BadRequest(str(e), where) from None
+
+    def _vl_prompt(self, msgs: list[dict], images: list, videos: list) -> tuple[list[int], tuple, tuple]:
+        """The prompt of a conversation with images or videos, rendered as VL-SFT trains (their
+        tokens in place), and their (patches, grid_thw)."""
         from erniekit.data.formats import Conversation
         from erniekit.errors import DataError
-        from erniekit.infer.vl_generate import prompt_of
+        from erniekit.infer.vl_generate import prompt_with_videos
 
         system = msgs[0]["content"] if msgs[0]["role"] == "system" else None
         body = msgs[1:] if system is not None else msgs
         roles = [m["role"] for m in body]
         if roles != ["user", "assistant"] * (len(body) // 2) + ["user"]:
             raise BadRequest(
-                "messages with images must be an optional system message, then user and assistant "
+                "messages with images or videos must be an optional system message, then user and assistant "
                 "messages in turn, ending with a user message",
                 "messages",
             )
         turns = [
             (body[k]["content"], body[k + 1]["content"] if k + 1 < len(body) else "") for k in range(0, len(body), 2)
         ]
-        conv = Conversation(system, turns, [True] * len(turns), "messages", images)
+        conv = Conversation(system, turns, [True] * len(turns), "messages", images, videos)
         model = self.engine.model
         try:
-            return prompt_of(conv, self.tokenizer, model.config, model.image_settings)
+            return prompt_with_videos(conv, self.tokenizer, model.config, model.image_settings, model.video_settings)
         except DataError as e:
             raise BadRequest(str(e), "messages") from None
 
@@ -443,7 +467,7 @@ class OpenAIServer:
         if not isinstance(body, dict):
             raise BadRequest("the request body must be a JSON object")
         o = self._options(body)
-        prompt, images = self._messages(body) if chat else (self._prompt(body), None)
+        prompt, images, videos = self._messages(body) if chat else (self._prompt(body), None, None)
         room = self.engine.max_model_len - len(prompt)
         max_tokens = o["max_tokens"] if o["max_tokens"] is not None else max(1, min(DEFAULT_MAX_TOKENS, room))
         try:
@@ -464,7 +488,7 @@ class OpenAIServer:
             )
         except ValueError as e:  # the checks above cover these; kept so a gap is a 400, not a 500
             raise BadRequest(str(e)) from None
-        return (prompt, images), params, o["stops"], o["stream"], o["include_usage"]
+        return (prompt, images, videos), params, o["stops"], o["stream"], o["include_usage"]
 
     # ---- running ---------------------------------------------------------------------------
     def start(self, prompt: Prompt, params: SamplingParams, stops: list[str]) -> tuple[Request, asyncio.Queue]:
@@ -475,8 +499,8 @@ class OpenAIServer:
         def emit(delta: str, finish: str | None) -> None:
             loop.call_soon_threadsafe(out.put_nowait, (delta, finish))
 
-        ids, images = prompt
-        req = Request(ids, params, emit, stops, images=images)
+        ids, images, videos = prompt
+        req = Request(ids, params, emit, stops, images=images, videos=videos)
         self.engine.submit(req)
         return req, out
 

@@ -1,7 +1,8 @@
 """`erniekit server` on a vision-language checkpoint, through the official `openai` client:
-image_url parts (data: URIs; local files only under --allowed-local-media-path) reach the model
-(each reply equals greedy generation with that image, and different images give different
-replies); images the server must not read are refused with one-line 400s naming the part."""
+image_url parts (data: URIs; local files only under --allowed-local-media-path) and video_url parts
+(files under that directory) reach the model (each reply equals greedy generation with that
+picture, and different pictures give different replies); what the server must not read is
+refused with one-line 400s naming the part."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from erniekit.data.formats import IMAGE_MARKER, Conversation
 from erniekit.models.ernie4_5.tokenizer import default_tokenizer
 from erniekit.models.ernie4_5_vl.modeling import Ernie4_5_VLForConditionalGeneration
 from erniekit.models.ernie4_5_vl.processor import ImageSettings
+from erniekit.models.ernie4_5_vl.video import VideoSettings
 from erniekit.models.registry import model_config, save_model
 
 openai = pytest.importorskip("openai")
@@ -48,8 +50,27 @@ def dirs(tmp_path_factory):
     paddle.seed(0)  # initializer_range 0.5: peaked logits, greedy choices not decided by rounding
     model = Ernie4_5_VLForConditionalGeneration(model_config("tiny-vl").replace(initializer_range=0.5))
     model.image_settings = ImageSettings(min_pixels=56 * 56, max_pixels=112 * 112)  # saved with it
+    model.video_settings = VideoSettings(min_pixels=56 * 56, max_pixels=56 * 56, min_frames=2, max_frames=6)
     save_model(model, ckpt, tokenizer=default_tokenizer())
+    _mp4(media / "clip.mp4", 1)
+    _mp4(media / "back.mp4", -1)
+    _mp4(root / "outside.mp4", 1)
     return ckpt, str(media), str(root)
+
+
+def _mp4(path, direction: int) -> None:
+    """A 6-frame clip of a square moving right (direction 1) or left (-1)."""
+    av = pytest.importorskip("av")
+    with av.open(str(path), "w") as out:
+        stream = out.add_stream("mpeg4", rate=6)
+        stream.width, stream.height, stream.pix_fmt = 64, 64, "yuv420p"
+        for i in range(6)[::direction]:
+            frame = np.full((64, 64, 3), 230, np.uint8)
+            frame[20:36, 4 + 8 * i : 20 + 8 * i] = (200, 30, 30)
+            for packet in stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")):
+                out.mux(packet)
+        for packet in stream.encode():
+            out.mux(packet)
 
 
 @pytest.fixture(scope="module")
@@ -76,6 +97,10 @@ def _message(text: str, *urls: str) -> list[dict]:
     return [{"role": "user", "content": parts}]
 
 
+def _video_message(url: str, n: int = 1) -> dict:
+    return {"role": "user", "content": [{"type": "video_url", "video_url": {"url": url}}] * n}
+
+
 def test_image_url_parts_reach_the_model(live, dirs):
     ckpt, media, _ = dirs
     client = openai.OpenAI(base_url=live + "/v1", api_key="unused", max_retries=0)
@@ -93,6 +118,27 @@ def test_image_url_parts_reach_the_model(live, dirs):
         model=MODEL, messages=_message("what is it?", _uri(_png(1))), max_tokens=6, temperature=0, stream=True
     )
     assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == replies[0]
+
+
+def test_video_url_parts_under_the_allowed_directory_reach_the_model(live, dirs):
+    from erniekit.data.formats import VIDEO_MARKER
+    from erniekit.infer.chat import load_chat_model
+    from erniekit.infer.vl_generate import answer
+    from erniekit.models.ernie4_5_vl.video import load_video
+
+    ckpt, media, _ = dirs
+    model, tok = load_chat_model(ckpt)
+    client = openai.OpenAI(base_url=live + "/v1", api_key="unused", max_retries=0)
+    replies = []
+    for name in ("clip.mp4", "back.mp4"):
+        part = {"type": "video_url", "video_url": {"url": os.path.join(media, name)}}
+        messages = [{"role": "user", "content": [part, {"type": "text", "text": "where does it go?"}]}]
+        r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=6, temperature=0)
+        video = load_video(os.path.join(media, name), settings=model.video_settings)
+        conv = Conversation(None, [(VIDEO_MARKER + "where does it go?", "")], [True], "ref", [], [video])
+        assert r.choices[0].message.content == answer(model, tok, conv, model.image_settings, 6)
+        replies.append(r.choices[0].message.content)
+    assert replies[0] != replies[1]  # the frames' order is read
 
 
 def test_images_the_server_must_not_read_are_refused(live, dirs):
@@ -124,6 +170,9 @@ def test_images_the_server_must_not_read_are_refused(live, dirs):
             "user messages",
         ),
         (_message("x", os.path.join(media, "missing.png")), "not found"),
+        ([_video_message(os.path.join(root, "outside.mp4"))], "outside --allowed-local-media-path"),
+        ([_video_message("data:video/mp4;base64,AAAA")], "must name a video file"),
+        ([_video_message(os.path.join(media, "clip.mp4"), 3)], "more than 2 videos"),
     ]
     for messages, words in cases:
         status, err = post(messages)

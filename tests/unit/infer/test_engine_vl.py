@@ -81,3 +81,33 @@ def test_an_image_request_to_a_text_model_is_refused():
             complete(engine, [5, 6, 7], SamplingParams(max_new_tokens=2), images=(p, g))
     finally:
         engine.close()
+
+
+def test_a_video_request_batched_with_an_image_request_gets_its_single_request_tokens(model):
+    from erniekit.models.ernie4_5_vl.video import VideoSettings, preprocess_video, video_tokens
+
+    rng = np.random.default_rng(3)
+    frames = rng.integers(0, 256, (4, 56, 84, 3), dtype=np.uint8)
+    patches, grid = preprocess_video(frames, None, VideoSettings(min_pixels=56 * 84, max_pixels=56 * 84))
+    video_ids = [7, 8] + video_tokens(grid, model.config) + [9, 10, 11]
+    image_ids, images = _request(model, rng, [(84, 84)])
+    ref_video = generate_vl(model, video_ids, None, 8, stop_ids=[], videos=(patches, grid))
+    ref_image = generate_vl(model, image_ids, images, 8, stop_ids=[])
+    engine = Engine(model, default_tokenizer(), max_batch=2, max_model_len=128)
+    out = {}
+
+    def run(key, ids, **kw):
+        out[key] = complete(engine, ids, SamplingParams(max_new_tokens=8), **kw)[1]
+
+    threads = [
+        threading.Thread(target=run, args=("video", video_ids), kwargs={"videos": (patches, grid)}),
+        threading.Thread(target=run, args=("image", image_ids), kwargs={"images": images}),
+    ]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        engine.close()
+    assert out == {"video": ref_video, "image": ref_image}
