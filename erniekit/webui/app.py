@@ -233,6 +233,9 @@ def build_app(runs: Runs | None = None, paths: PathPolicy | None = None, warning
                     height=120,
                     scale=1,
                 )
+                video = gr.Video(
+                    None, sources=["upload"], label="Video (ERNIE-4.5-VL models)", elem_id="chat_video", height=120
+                )
                 send_btn = gr.Button("Send", variant="primary", elem_id="chat_send")
                 clear_btn = gr.Button("Clear", elem_id="chat_clear")
 
@@ -253,25 +256,21 @@ def build_app(runs: Runs | None = None, paths: PathPolicy | None = None, warning
                 except Exception as e:  # noqa: BLE001 - shown in the page
                     return _error(e)
 
-            def reply(text, history, picture, temp, tp, mx):
+            def reply(text, history, picture, clip, temp, tp, mx):
                 history = list(history or [])
                 if "model" not in chat_state:
-                    yield history, _error(ErniekitError("load a checkpoint first (Load)")), text, picture
+                    yield history, _error(ErniekitError("load a checkpoint first (Load)")), text, picture, clip
                     return
                 if not (text or "").strip():
-                    yield history, "", "", picture
+                    yield history, "", "", picture, clip
                     return
                 vl = chat_state.get("images")
-                if picture and vl is None:
-                    yield (
-                        history,
-                        _error(ErniekitError("this model reads no images; load an ERNIE-4.5-VL checkpoint")),
-                        text,
-                        picture,
-                    )
+                if (picture or clip) and vl is None:
+                    no = ErniekitError("this model reads no images or videos; load an ERNIE-4.5-VL checkpoint")
+                    yield history, _error(no), text, picture, clip
                     return
-                if vl is not None and (picture or vl.has_images):
-                    yield from _image_reply(vl, text, history, picture, temp, tp, mx)
+                if vl is not None and (picture or clip or vl.has_images):
+                    yield from _image_reply(vl, text, history, picture, clip, temp, tp, mx)
                     return
                 try:
                     from erniekit.infer.chat import chat_prompt_ids
@@ -297,36 +296,38 @@ def build_app(runs: Runs | None = None, paths: PathPolicy | None = None, warning
                             break
                         new.append(t)
                         history[-1]["content"] = tok.decode(new).rstrip("\ufffd")
-                        yield history, "", "", None
+                        yield history, "", "", None, None
                     history[-1]["content"] = tok.decode(new)
-                    yield history, "", "", None
+                    yield history, "", "", None, None
                 except Exception as e:  # noqa: BLE001 - shown in the page
-                    yield history, _error(e), text, picture
+                    yield history, _error(e), text, picture, clip
 
-            def _image_reply(vl, text, history, picture, temp, tp, mx):
-                shown = text + (f"\n[image: {os.path.basename(picture)}]" if picture else "")
+            def _image_reply(vl, text, history, picture, clip, temp, tp, mx):
+                shown = text + "".join(
+                    f"\n[{kind}: {os.path.basename(f)}]" for kind, f in (("image", picture), ("video", clip)) if f
+                )
                 history = history + [{"role": "user", "content": shown}, {"role": "assistant", "content": ""}]
                 try:
                     from erniekit.infer.sampling import SamplingParams
 
                     params = SamplingParams(max_new_tokens=int(mx), temperature=float(temp), top_p=float(tp))
-                    for so_far in vl.reply(text, picture, params):
+                    for so_far in vl.reply(text, picture, params, video=clip):
                         history[-1]["content"] = so_far
-                        yield history, "", "", None
+                        yield history, "", "", None, None
                 except Exception as e:  # noqa: BLE001 - shown in the page
-                    yield history[:-2], _error(e), text, picture
+                    yield history[:-2], _error(e), text, picture, clip
 
             def clear():
                 if "images" in chat_state:
                     chat_state["images"].reset()
-                return [], "", None
+                return [], "", None, None
 
-            ins = [user, chatbot, image, temperature, top_p, max_new]
-            outs = [chatbot, chat_message, user, image]
+            ins = [user, chatbot, image, video, temperature, top_p, max_new]
+            outs = [chatbot, chat_message, user, image, video]
             load_btn.click(load, [chat_dir], [chat_message], api_name="chat_load")
             send_btn.click(reply, ins, outs, api_name="chat_send")
             user.submit(reply, ins, outs)
-            clear_btn.click(clear, None, [chatbot, chat_message, image], api_name="chat_clear")
+            clear_btn.click(clear, None, [chatbot, chat_message, image, video], api_name="chat_clear")
 
         with gr.Tab("Export"):
             with gr.Row():

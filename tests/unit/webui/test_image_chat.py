@@ -12,13 +12,14 @@ from PIL import Image
 
 pytest.importorskip("gradio")
 
-from erniekit.data.formats import IMAGE_MARKER, Conversation
+from erniekit.data.formats import IMAGE_MARKER, VIDEO_MARKER, Conversation
 from erniekit.infer.chat import load_chat_model, stop_ids
 from erniekit.infer.sampling import SamplingParams
 from erniekit.infer.vl_generate import answer
 from erniekit.models.ernie4_5.tokenizer import default_tokenizer
 from erniekit.models.ernie4_5_vl.modeling import Ernie4_5_VLForConditionalGeneration
 from erniekit.models.ernie4_5_vl.processor import ImageSettings
+from erniekit.models.ernie4_5_vl.video import VideoSettings, load_video
 from erniekit.models.registry import model_config, save_model
 from erniekit.webui.image_chat import ImageConversation
 
@@ -29,7 +30,19 @@ def ckpt(tmp_path_factory):
     paddle.seed(0)  # initializer_range 0.5: peaked logits, greedy choices not decided by rounding
     model = Ernie4_5_VLForConditionalGeneration(model_config("tiny-vl").replace(initializer_range=0.5))
     model.image_settings = ImageSettings(min_pixels=56 * 56, max_pixels=112 * 112)
+    model.video_settings = VideoSettings(min_pixels=56 * 56, max_pixels=56 * 56, min_frames=2, max_frames=4)
     save_model(model, str(root / "ckpt"), tokenizer=default_tokenizer())
+    av = pytest.importorskip("av")
+    with av.open(str(root / "clip.mp4"), "w") as out:  # 4 frames of a square moving right
+        stream = out.add_stream("libx264", rate=4)
+        stream.width, stream.height, stream.pix_fmt = 64, 64, "yuv420p"
+        for i in range(4):
+            frame = np.full((64, 64, 3), 230, np.uint8)
+            frame[20:36, 4 + 10 * i : 20 + 10 * i] = (200, 30, 30)
+            for packet in stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")):
+                out.mux(packet)
+        for packet in stream.encode():
+            out.mux(packet)
     for seed in (1, 2):
         arr = np.random.default_rng(seed).integers(0, 256, (84, 84, 3), dtype=np.uint8)
         Image.fromarray(arr).save(root / f"p{seed}.png")
@@ -84,17 +97,32 @@ def test_chat_tab_sends_an_uploaded_image_and_a_text_model_refuses_one(ckpt, tmp
     try:
         client = Client(f"http://127.0.0.1:{port}", verbose=False)
         assert "Loaded" in client.predict(str(ckpt / "ckpt"), api_name="/chat_load")
-        history, message, _, _ = client.predict(
-            "what is it?", [], handle_file(str(ckpt / "p1.png")), 0.0, 1.0, 8, api_name="/chat_send"
+        history, message, _, _, _ = client.predict(
+            "what is it?", [], handle_file(str(ckpt / "p1.png")), None, 0.0, 1.0, 8, api_name="/chat_send"
         )
         model, tok = load_chat_model(str(ckpt / "ckpt"))
         assert message == ""
         want = _greedy(model, tok, [(IMAGE_MARKER + "what is it?", "")], [str(ckpt / "p1.png")])
         assert _text(history[-1]["content"]) == want.strip()  # the page shows messages stripped
         assert "[image: p1.png]" in _text(history[-2]["content"])
+        history, message, _, _, _ = client.predict(  # a video with the next message
+            "and this?",
+            history,
+            None,
+            handle_file(str(ckpt / "clip.mp4")),
+            0.0,
+            1.0,
+            8,
+            api_name="/chat_send",
+        )
+        assert message == "" and "[video: clip.mp4]" in _text(history[-2]["content"])
+        frames = load_video(str(ckpt / "clip.mp4"), settings=model.video_settings)
+        turns = [(IMAGE_MARKER + "what is it?", want), (VIDEO_MARKER + "and this?", "")]
+        conv = Conversation(None, turns, [True, True], "ref", [str(ckpt / "p1.png")], [frames])
+        assert _text(history[-1]["content"]) == answer(model, tok, conv, model.image_settings, 8).strip()
         assert "Loaded" in client.predict(str(ckpt / "text"), api_name="/chat_load")
-        _, message, _, _ = client.predict(
-            "what is it?", [], handle_file(str(ckpt / "p1.png")), 0.0, 1.0, 8, api_name="/chat_send"
+        _, message, _, _, _ = client.predict(
+            "what is it?", [], handle_file(str(ckpt / "p1.png")), None, 0.0, 1.0, 8, api_name="/chat_send"
         )
         assert "reads no images" in message
     finally:
