@@ -463,6 +463,11 @@ def _check_parallel(cfg: TrainConfig) -> None:
             f"stage {cfg.stage} runs on several processes with data and expert parallelism only in this version "
             f"({lay.describe()} asked); set tensor_parallel_degree and pipeline_parallel_degree to 1 and no sharding"
         )
+    if _supports(cfg).images and lay.ep > 1 and float((cfg.model_overrides or {}).get("moe_capacity_factor") or 0) > 0:
+        raise ConfigError(
+            "model_overrides.moe_capacity_factor: stage "
+            f"{cfg.stage} with expert parallelism routes without a capacity limit in this version; set it to 0"
+        )
     if lay.world > 1 and lay.sharding_stage == 3 and not _has_cuda():
         raise ConfigError(
             "sharding=stage3 needs reduce-scatter, which Paddle's CPU build does not have "

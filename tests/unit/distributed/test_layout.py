@@ -156,5 +156,7 @@ def test_picture_stages_take_synthetic_datasets_and_data_or_expert_parallelism_o
     assert validate(cfg(**vl, nproc_per_node=2, expert_parallel_degree=2)).stage == "VL-SFT"
     with pytest.raises(ConfigError, match="VL-SFT runs on several processes with data and expert parallelism only"):
         validate(cfg(**vl, nproc_per_node=2, tensor_parallel_degree=2))
+    with pytest.raises(ConfigError, match="moe_capacity_factor"):
+        validate(cfg(**vl, nproc_per_node=2, expert_parallel_degree=2, model_overrides={"moe_capacity_factor": 1.5}))
     with pytest.raises(ConfigError, match="synthetic picture dataset; it trains with stage: VL-SFT"):
         validate(cfg(train_dataset_path="synthetic:shapes/train", output_dir=str(tmp_path)))
