@@ -23,9 +23,10 @@ E2E_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "e2e")
 
 
 def pytest_collection_modifyitems(config, items):
-    """Everything under tests/e2e/ is marked e2e. The embedded-default test takes most of the
-    suite's time: start it first (pyproject.toml: --dist worksteal)."""
+    """Everything under tests/e2e/ is marked e2e. The embedded defaults' tests take most of the
+    suite's time: start them first (pyproject.toml: --dist worksteal), the text one, then the VL one."""
     for item in items:
         if str(item.fspath).startswith(E2E_DIR + os.sep):
             item.add_marker(pytest.mark.e2e)
-    items.sort(key=lambda item: "test_embedded_default" not in item.nodeid)
+    first = ("test_embedded_default", "test_vl_default")
+    items.sort(key=lambda item: next((i for i, name in enumerate(first) if name in item.nodeid), len(first)))

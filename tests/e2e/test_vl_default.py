@@ -1,0 +1,55 @@
+"""The embedded VL default (examples/configs/tiny/vl_sft.yaml), shortened to 400 steps on 4000
+pictures: seed 1 (the seed that sat on the answer priors at 0.38 before `vit_lr_ratio`) must read
+the pictures, well above the majority answer. The full config's claim is the matrix in
+bench_results/vl_default_matrix.json (seeds x thread counts), checked here against the issue's bar.
+"""
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = str(Path(__file__).resolve().parents[2])
+
+
+def test_the_matrix_of_the_full_default_clears_the_bar():
+    matrix = json.load(open(os.path.join(ROOT, "bench_results", "vl_default_matrix.json")))
+    assert matrix["key"] == {"config": "examples/configs/tiny/vl_sft.yaml", "overrides": []}
+    runs = matrix["runs"]
+    assert {r["seed"] for r in runs} >= {1, 2, 3, 42} and {r["threads"] for r in runs} == {1, 2}
+    scores = sorted(r["exact_match"] for r in runs)
+    assert scores[len(scores) // 2] >= 0.7 and min(scores) > 3 * max(r["baseline_exact_match"] for r in runs)
+
+
+def test_a_shortened_default_reads_the_pictures(tmp_path):
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "erniekit",
+            "train",
+            "examples/configs/tiny/vl_sft.yaml",
+            "seed=1",
+            "max_steps=400",
+            "warmup_steps=40",
+            "eval_steps=400",
+            "save_steps=400",
+            "train_dataset_path=synthetic:shapes/train?n=4000",
+            "eval_dataset_path=synthetic:shapes/eval?n=100",
+            "disable_tqdm=true",
+            f"output_dir={tmp_path}",
+        ],
+        cwd=ROOT,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    m = re.search(r"held-out exact match: ([0-9.]+) \(majority-answer baseline ([0-9.]+)\)", r.stdout)
+    assert m, r.stdout[-2000:]
+    got, baseline = float(m[1]), float(m[2])
+    # measured 0.93 (seed 1) and 0.86 (seed 42); the same run with vit_lr_ratio=1.0: 0.49
+    assert got >= 0.6 and baseline < 0.2, r.stdout[-2000:]
