@@ -67,8 +67,10 @@ def test_patches_follow_frame_then_merge_block_order():
 
 
 def test_still_frames_give_the_image_processors_patches():
-    """Two copies of a picture, resized the same way: each frame's patches are the image's
-    (normalisation fused as the video processor does: equal within float32 rounding)."""
+    """Two copies of a picture: each frame's patches are the image's in the same layout. Not
+    bit-equal: the image processor resizes with Pillow, the video processor as torch does (their
+    fixed-point bicubic weights differ by a level on under 2% of values), and video normalisation
+    is fused."""
     from PIL import Image
 
     im = Image.fromarray(np.random.default_rng(1).integers(0, 256, (90, 130, 3), dtype=np.uint8))
@@ -78,8 +80,10 @@ def test_still_frames_give_the_image_processors_patches():
     )
     assert vg.tolist() == [[2, *g[0, 1:].tolist()]]
     n = img.shape[0]
-    np.testing.assert_allclose(vid[:n], img, atol=1e-5)
-    np.testing.assert_allclose(vid[n:], img, atol=1e-5)
+    level = 1 / (255 * 0.2613)  # one of 255 levels, normalised by the smallest std
+    for frame in (vid[:n], vid[n:]):
+        diff = np.abs(frame - img)
+        assert diff.max() < 2.01 * level and (diff > 1e-5).mean() < 0.02
 
 
 def _mp4(path, frames, fps):
@@ -189,18 +193,24 @@ def test_chat_answers_about_a_video(tmp_path, capsys):
     assert replies[0] != replies[1]  # the frames' order is read
 
 
-@pytest.mark.parametrize("shape", [(64, 96, 56, 84), (90, 130, 112, 168), (481, 641, 252, 336), (50, 50, 112, 112)])
-def test_frame_resize_is_within_two_levels_of_the_references(shape):
+@pytest.mark.parametrize(
+    "shape",
+    [
+        (64, 96, 56, 84),
+        (90, 130, 112, 168),
+        (481, 641, 252, 336),
+        (50, 50, 112, 112),
+        (1000, 700, 448, 308),
+        (77, 33, 84, 28),
+    ],
+)
+def test_frames_are_resized_bit_for_bit_as_the_reference(shape):
     """The reference resizes uint8 frames with torchvision, which on CPU calls torch's antialiased
-    bicubic `interpolate` on the uint8 tensor itself; ours is Pillow's bicubic. Not bit-equal (the
-    two round their fixed-point filter weights differently): at most 2 levels apart, on under 2%
-    of the values (measured 0.4-0.9%)."""
-    from PIL import Image
+    bicubic `interpolate` on the uint8 tensor itself: ours equals it exactly, down and up."""
+    from erniekit.models.ernie4_5_vl.video import resize_frame
 
     h, w, H, W = shape
     frame = np.random.default_rng(h * w).integers(0, 256, (h, w, 3), dtype=np.uint8)
-    ours = np.asarray(Image.fromarray(frame).resize((W, H), resample=Image.BICUBIC)).astype(int)
     t = torch.from_numpy(frame).permute(2, 0, 1)[None].contiguous()
     ref = torch.nn.functional.interpolate(t, size=[H, W], mode="bicubic", align_corners=False, antialias=True)
-    diff = np.abs(ours - ref[0].permute(1, 2, 0).numpy().astype(int))
-    assert diff.max() <= 2 and (diff > 0).mean() < 0.02
+    np.testing.assert_array_equal(resize_frame(frame, H, W), ref[0].permute(1, 2, 0).numpy())
