@@ -1,4 +1,4 @@
-"""The embedded VL default (examples/configs/tiny/vl_sft.yaml), shortened to 400 steps on 4000
+"""The embedded VL default (examples/configs/tiny/vl_sft.yaml), shortened to 300 steps on 3000
 pictures: seed 1 (the seed that sat on the answer priors at 0.38 before `vit_lr_ratio`) must read
 the pictures, well above the majority answer. The full config's claim is the matrix in
 bench_results/vl_default_matrix.json (seeds x thread counts), checked here against the issue's bar.
@@ -32,11 +32,11 @@ def test_a_shortened_default_reads_the_pictures(tmp_path):
             "train",
             "examples/configs/tiny/vl_sft.yaml",
             "seed=1",
-            "max_steps=400",
-            "warmup_steps=40",
-            "eval_steps=400",
-            "save_steps=400",
-            "train_dataset_path=synthetic:shapes/train?n=4000",
+            "max_steps=300",
+            "warmup_steps=30",
+            "eval_steps=300",
+            "save_steps=300",
+            "train_dataset_path=synthetic:shapes/train?n=3000",
             "eval_dataset_path=synthetic:shapes/eval?n=100",
             "disable_tqdm=true",
             f"output_dir={tmp_path}",
@@ -51,5 +51,5 @@ def test_a_shortened_default_reads_the_pictures(tmp_path):
     m = re.search(r"held-out exact match: ([0-9.]+) \(majority-answer baseline ([0-9.]+)\)", r.stdout)
     assert m, r.stdout[-2000:]
     got, baseline = float(m[1]), float(m[2])
-    # measured 0.93 (seed 1) and 0.86 (seed 42); the same run with vit_lr_ratio=1.0: 0.49
+    # measured 0.89 (seed 1); the same run with vit_lr_ratio=1.0: 0.49
     assert got >= 0.6 and baseline < 0.2, r.stdout[-2000:]
