@@ -153,9 +153,7 @@ class Ernie4_5_VLForConditionalGeneration(Ernie4_5ForCausalLM):
             # the embedding laid them out (replicated tokens would reach each expert once per rank)
             import paddle.distributed as dist
 
-            core = embedded.process_mesh  # Paddle's core mesh object: rebuilt as the Python one
-            mesh = dist.ProcessMesh(np.array(core.process_ids).reshape(core.shape).tolist(), core.dim_names)
-            x = dist.reshard(x, mesh, list(embedded.placements))
+            x = dist.reshard(x, embedded.process_mesh, list(embedded.placements))
         vision = image_grid_thw is not None or video_grid_thw is not None
         if position_ids is None and vision:
             am = (
