@@ -12,11 +12,14 @@ import io
 import json
 import math
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
 from erniekit.errors import DataError
+from erniekit.utils.io import atomic_write_json
 
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
@@ -38,48 +41,58 @@ class ImageSettings:
 PREPROCESSOR_FILE = "preprocessor_config.json"
 
 
+def read_processor_config(path: str, name: str, what: str, build: Callable[[dict], Any]) -> Any | None:
+    """`build(config)` of the processor config `name` in a checkpoint directory (None when it has
+    none); unreadable JSON, a wrong field or a pixel budget with min > max is one DataError."""
+    file = os.path.join(path, name)
+    if not os.path.isfile(file):
+        return None
+    try:
+        with open(file) as f:
+            settings = build(json.load(f))
+    except (OSError, ValueError, TypeError, AttributeError) as e:
+        raise DataError(f"{file}: not a readable {what} processor config ({e}); fix or delete it") from None
+    if not 0 < settings.min_pixels <= settings.max_pixels:
+        raise DataError(f"{file}: size.shortest_edge / longest_edge must satisfy 0 < min <= max")
+    return settings
+
+
 def save_image_settings(path: str, settings: ImageSettings) -> None:
     """preprocessor_config.json as the hub's ERNIE-4.5-VL image processor reads it, so a model is
     served with the image sizes it was trained on (by us, transformers or FastDeploy)."""
-    cfg = {
-        "image_processor_type": "Ernie4_5_VLMoeImageProcessor",
-        "do_resize": True,
-        "size": {"shortest_edge": settings.min_pixels, "longest_edge": settings.max_pixels},
-        "patch_size": settings.patch_size,
-        "merge_size": settings.merge_size,
-        "temporal_patch_size": 1,
-        "do_rescale": True,
-        "rescale_factor": 1 / 255,
-        "do_normalize": True,
-        "image_mean": list(CLIP_MEAN),
-        "image_std": list(CLIP_STD),
-        "do_convert_rgb": True,
-    }
-    with open(os.path.join(path, PREPROCESSOR_FILE), "w") as f:
-        json.dump(cfg, f, indent=2)
+    atomic_write_json(
+        os.path.join(path, PREPROCESSOR_FILE),
+        {
+            "image_processor_type": "Ernie4_5_VLMoeImageProcessor",
+            "do_resize": True,
+            "size": {"shortest_edge": settings.min_pixels, "longest_edge": settings.max_pixels},
+            "patch_size": settings.patch_size,
+            "merge_size": settings.merge_size,
+            "temporal_patch_size": 1,
+            "do_rescale": True,
+            "rescale_factor": 1 / 255,
+            "do_normalize": True,
+            "image_mean": list(CLIP_MEAN),
+            "image_std": list(CLIP_STD),
+            "do_convert_rgb": True,
+        },
+    )
 
 
 def load_image_settings(path: str) -> ImageSettings:
     """The image sizes a checkpoint directory's preprocessor_config.json names (the hub processor's
     defaults where it has none, as transformers would use)."""
-    file = os.path.join(path, PREPROCESSOR_FILE)
-    if not os.path.isfile(file):
-        return ImageSettings()
-    try:
-        with open(file) as f:
-            cfg = json.load(f)
+
+    def build(cfg: dict) -> ImageSettings:
         size = cfg.get("size") or {}
-        settings = ImageSettings(
+        return ImageSettings(
             patch_size=int(cfg.get("patch_size", 14)),
             merge_size=int(cfg.get("merge_size", 2)),
             min_pixels=int(cfg.get("min_pixels", size.get("shortest_edge", ImageSettings.min_pixels))),
             max_pixels=int(cfg.get("max_pixels", size.get("longest_edge", ImageSettings.max_pixels))),
         )
-    except (OSError, ValueError, TypeError, AttributeError) as e:
-        raise DataError(f"{file}: not a readable image processor config ({e}); fix or delete it") from None
-    if not 0 < settings.min_pixels <= settings.max_pixels:
-        raise DataError(f"{file}: size.shortest_edge / longest_edge must satisfy 0 < min <= max")
-    return settings
+
+    return read_processor_config(path, PREPROCESSOR_FILE, "image", build) or ImageSettings()
 
 
 def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:

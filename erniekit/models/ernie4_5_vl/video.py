@@ -13,11 +13,20 @@ from __future__ import annotations
 
 import math
 import os
+import shutil
 from dataclasses import dataclass
 
 import numpy as np
 
-from erniekit.models.ernie4_5_vl.processor import CLIP_MEAN, CLIP_STD, MAX_SOURCE_PIXELS, ImageError, smart_resize
+from erniekit.models.ernie4_5_vl.processor import (
+    CLIP_MEAN,
+    CLIP_STD,
+    MAX_SOURCE_PIXELS,
+    ImageError,
+    read_processor_config,
+    smart_resize,
+)
+from erniekit.utils.io import atomic_write_json
 
 
 @dataclass(frozen=True)
@@ -198,51 +207,41 @@ VIDEO_PREPROCESSOR_FILE = "video_preprocessor_config.json"
 def save_video_settings(path: str, settings: VideoSettings) -> None:
     """video_preprocessor_config.json as the hub's video processor reads it (the font file, when
     frames are stamped, is copied beside it)."""
-    import json
-    import shutil
-
     font = None
     if settings.font is not None:
         font = os.path.basename(settings.font)
         if os.path.abspath(os.path.join(path, font)) != os.path.abspath(settings.font):
             shutil.copyfile(settings.font, os.path.join(path, font))
-    cfg = {
-        "video_processor_type": "Ernie4_5_VLMoeVideoProcessor",
-        "size": {"shortest_edge": settings.min_pixels, "longest_edge": settings.max_pixels},
-        "patch_size": settings.patch_size,
-        "merge_size": settings.merge_size,
-        "temporal_patch_size": settings.temporal_patch_size,
-        "min_frames": settings.min_frames,
-        "max_frames": settings.max_frames,
-        "fps": settings.fps,
-        "do_sample_frames": True,
-        "draw_on_frames": font is not None,
-        "font": font,
-        "image_mean": list(CLIP_MEAN),
-        "image_std": list(CLIP_STD),
-        "rescale_factor": 1 / 255,
-    }
-    with open(os.path.join(path, VIDEO_PREPROCESSOR_FILE), "w") as f:
-        json.dump(cfg, f, indent=2)
+    atomic_write_json(
+        os.path.join(path, VIDEO_PREPROCESSOR_FILE),
+        {
+            "video_processor_type": "Ernie4_5_VLMoeVideoProcessor",
+            "size": {"shortest_edge": settings.min_pixels, "longest_edge": settings.max_pixels},
+            "patch_size": settings.patch_size,
+            "merge_size": settings.merge_size,
+            "temporal_patch_size": settings.temporal_patch_size,
+            "min_frames": settings.min_frames,
+            "max_frames": settings.max_frames,
+            "fps": settings.fps,
+            "do_sample_frames": True,
+            "draw_on_frames": font is not None,
+            "font": font,
+            "image_mean": list(CLIP_MEAN),
+            "image_std": list(CLIP_STD),
+            "rescale_factor": 1 / 255,
+        },
+    )
 
 
 def load_video_settings(path: str) -> VideoSettings:
     """The video settings a checkpoint directory names (the hub processor's defaults without a
     file; frames are stamped only when it says so and ships its font)."""
-    import json
 
-    from erniekit.errors import DataError
-
-    file = os.path.join(path, VIDEO_PREPROCESSOR_FILE)
-    if not os.path.isfile(file):
-        return VideoSettings()
-    try:
-        with open(file) as f:
-            cfg = json.load(f)
+    def build(cfg: dict) -> VideoSettings:
         size = cfg.get("size") or {}
         font = cfg.get("font") if cfg.get("draw_on_frames") else None
         d = VideoSettings()
-        settings = VideoSettings(
+        return VideoSettings(
             patch_size=int(cfg.get("patch_size", d.patch_size)),
             merge_size=int(cfg.get("merge_size", d.merge_size)),
             temporal_patch_size=int(cfg.get("temporal_patch_size", d.temporal_patch_size)),
@@ -253,8 +252,13 @@ def load_video_settings(path: str) -> VideoSettings:
             fps=None if cfg.get("fps") is None else float(cfg["fps"]),
             font=None if font is None else os.path.join(path, font),
         )
-    except (OSError, ValueError, TypeError, AttributeError) as e:
-        raise DataError(f"{file}: not a readable video processor config ({e}); fix or delete it") from None
+
+    settings = read_processor_config(path, VIDEO_PREPROCESSOR_FILE, "video", build)
+    if settings is None:
+        return VideoSettings()
     if settings.font is not None and not os.path.isfile(settings.font):
-        raise DataError(f"{file}: draw_on_frames needs its font {settings.font}, which is missing; copy it beside")
+        raise ImageError(
+            f"{os.path.join(path, VIDEO_PREPROCESSOR_FILE)}: draw_on_frames needs its font {settings.font}, "
+            "which is missing; copy it beside"
+        )
     return settings
