@@ -33,6 +33,7 @@ def encode_vl_conversation(
     video_settings: VideoSettings | None = None,
 ) -> dict[str, object]:
     """One conversation -> {"input_ids", "labels", "images": (patches, grids) | None, "videos": ...}."""
+    video_settings = video_settings or VideoSettings()
     ids: list[int] = []
     labels: list[int] = []
     media = {IMAGE_MARKER: ([], [], list(conv.images)), VIDEO_MARKER: ([], [], list(conv.videos))}
@@ -44,7 +45,7 @@ def encode_vl_conversation(
         for k in range(0, len(pieces), 2):
             chunk, marker = pieces[k], pieces[k + 1] if k + 1 < len(pieces) else None
             if marker is not None:  # the hub processor's rendering: "Picture N:" / "Video N:" before its tokens
-                patches, _, pending = media[marker]
+                patches, grids, pending = media[marker]
                 chunk += f"{names[marker][0]} {len(patches) + 1}:"
             if chunk:
                 piece = tokenizer.encode(chunk)
@@ -52,7 +53,6 @@ def encode_vl_conversation(
                 labels += piece if train else [IGNORE_INDEX] * len(piece)
             if marker is None:
                 continue
-            patches, grids, pending = media[marker]
             if not pending:
                 raise DataError(f"{conv.source}: more {names[marker][1]} markers than {names[marker][1]}s")
             src = pending.pop(0)  # a path or data: URI, or decoded already (an image from the server)
@@ -61,9 +61,8 @@ def encode_vl_conversation(
                 p, g = preprocess_image(image, settings)
                 tok = image_tokens(g, config)
             else:
-                vs = video_settings or VideoSettings()
-                frames, times = load_video(src, conv.source, vs) if isinstance(src, str) else src
-                p, g = preprocess_video(frames, times, vs)
+                frames, times = load_video(src, conv.source, video_settings) if isinstance(src, str) else src
+                p, g = preprocess_video(frames, times, video_settings)
                 tok = video_tokens(g, config)
             patches.append(p)
             grids.append(g)
