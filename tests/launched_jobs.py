@@ -18,6 +18,23 @@ def worker_pids(out) -> dict[int, int]:
     return found
 
 
+def train(args: list[str], cwd: str, timeout: float = 600.0):
+    """`python -m erniekit train ARGS` at 1 OpenMP thread, which must succeed: its CompletedProcess."""
+    import subprocess
+    import sys
+
+    r = subprocess.run(
+        [sys.executable, "-m", "erniekit", "train", *args],
+        cwd=cwd,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    return r
+
+
 def free_port() -> int:
     import socket
 

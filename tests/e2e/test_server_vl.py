@@ -16,6 +16,7 @@ import numpy as np
 import paddle
 import pytest
 from launched_jobs import free_port, serve
+from media_files import moving_square, write_mp4
 from PIL import Image
 
 from erniekit.data.formats import IMAGE_MARKER, Conversation
@@ -52,25 +53,10 @@ def dirs(tmp_path_factory):
     model.image_settings = ImageSettings(min_pixels=56 * 56, max_pixels=112 * 112)  # saved with it
     model.video_settings = VideoSettings(min_pixels=56 * 56, max_pixels=56 * 56, min_frames=2, max_frames=6)
     save_model(model, ckpt, tokenizer=default_tokenizer())
-    _mp4(media / "clip.mp4", 1)
-    _mp4(media / "back.mp4", -1)
-    _mp4(root / "outside.mp4", 1)
+    write_mp4(media / "clip.mp4", moving_square(6, 64, 64), 6)  # the square moves right
+    write_mp4(media / "back.mp4", moving_square(6, 64, 64)[::-1], 6)  # and left
+    write_mp4(root / "outside.mp4", moving_square(6, 64, 64), 6)
     return ckpt, str(media), str(root)
-
-
-def _mp4(path, direction: int) -> None:
-    """A 6-frame clip of a square moving right (direction 1) or left (-1)."""
-    av = pytest.importorskip("av")
-    with av.open(str(path), "w") as out:
-        stream = out.add_stream("mpeg4", rate=6)
-        stream.width, stream.height, stream.pix_fmt = 64, 64, "yuv420p"
-        for i in range(6)[::direction]:
-            frame = np.full((64, 64, 3), 230, np.uint8)
-            frame[20:36, 4 + 8 * i : 20 + 8 * i] = (200, 30, 30)
-            for packet in stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")):
-                out.mux(packet)
-        for packet in stream.encode():
-            out.mux(packet)
 
 
 @pytest.fixture(scope="module")

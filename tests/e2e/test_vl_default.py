@@ -7,9 +7,9 @@ bench_results/vl_default_matrix.json (seeds x thread counts), checked here again
 import json
 import os
 import re
-import subprocess
-import sys
 from pathlib import Path
+
+from launched_jobs import train
 
 ROOT = str(Path(__file__).resolve().parents[2])
 
@@ -24,30 +24,10 @@ def test_the_matrix_of_the_full_default_clears_the_bar():
 
 
 def test_a_shortened_default_reads_the_pictures(tmp_path):
-    r = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "erniekit",
-            "train",
-            "examples/configs/tiny/vl_sft.yaml",
-            "seed=1",
-            "max_steps=300",
-            "warmup_steps=30",
-            "eval_steps=300",
-            "save_steps=300",
-            "train_dataset_path=synthetic:shapes/train?n=3000",
-            "eval_dataset_path=synthetic:shapes/eval?n=100",
-            "disable_tqdm=true",
-            f"output_dir={tmp_path}",
-        ],
-        cwd=ROOT,
-        env=dict(os.environ, OMP_NUM_THREADS="1"),
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    args = ["examples/configs/tiny/vl_sft.yaml", "seed=1", "max_steps=300", "warmup_steps=30", "eval_steps=300"]
+    args += ["save_steps=300", "train_dataset_path=synthetic:shapes/train?n=3000"]
+    args += ["eval_dataset_path=synthetic:shapes/eval?n=100", "disable_tqdm=true", f"output_dir={tmp_path}"]
+    r = train(args, ROOT, timeout=900)
     m = re.search(r"held-out exact match: ([0-9.]+) \(majority-answer baseline ([0-9.]+)\)", r.stdout)
     assert m, r.stdout[-2000:]
     got, baseline = float(m[1]), float(m[2])

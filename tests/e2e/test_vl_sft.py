@@ -5,12 +5,11 @@ resampler as initialised."""
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+from launched_jobs import train
 
 ROOT = str(Path(__file__).resolve().parents[2])
 
@@ -33,16 +32,7 @@ def _args(out, steps=12, batch=8, n=256):
 
 
 def _train(args):
-    r = subprocess.run(
-        [sys.executable, "-m", "erniekit", "train", *args],
-        cwd=ROOT,
-        env=dict(os.environ, OMP_NUM_THREADS="1"),
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    return r
+    return train(args, ROOT)
 
 
 def _scalars(out, key):

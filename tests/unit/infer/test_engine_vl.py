@@ -46,19 +46,16 @@ def _request(model, rng, sizes: list[tuple[int, int]]):
     return ids, ((np.concatenate(patches), np.concatenate(grids)) if sizes else None)
 
 
-def test_image_and_text_requests_decoded_together_get_their_single_request_tokens(model):
-    rng = np.random.default_rng(1)
-    shapes = [[(84, 84)], [(112, 56), (56, 56)], [], [(60, 100)], []]
-    reqs = [_request(model, rng, s) for s in shapes]
-    lengths = [9, 6, 11, 7, 5]
-    ref = [generate_vl(model, ids, im, n, stop_ids=[]) for (ids, im), n in zip(reqs, lengths)]
-    engine = Engine(model, default_tokenizer(), max_batch=3, max_model_len=128)
-    out = [None] * len(reqs)
+def _concurrently(engine, requests: list[tuple[list[int], int, dict]]) -> list[list[int]]:
+    """The completion ids of (prompt, max_new_tokens, images / videos) requests sent at once from
+    their own threads; the engine is closed afterwards."""
+    out = [None] * len(requests)
 
     def run(i):
-        out[i] = complete(engine, reqs[i][0], SamplingParams(max_new_tokens=lengths[i]), images=reqs[i][1])
+        ids, n, media = requests[i]
+        out[i] = complete(engine, ids, SamplingParams(max_new_tokens=n), **media)[1]
 
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(reqs))]
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(requests))]
     try:
         for t in threads:
             t.start()
@@ -66,7 +63,18 @@ def test_image_and_text_requests_decoded_together_get_their_single_request_token
             t.join()
     finally:
         engine.close()
-    assert [o[1] for o in out] == ref
+    return out
+
+
+def test_image_and_text_requests_decoded_together_get_their_single_request_tokens(model):
+    rng = np.random.default_rng(1)
+    shapes = [[(84, 84)], [(112, 56), (56, 56)], [], [(60, 100)], []]
+    reqs = [_request(model, rng, s) for s in shapes]
+    lengths = [9, 6, 11, 7, 5]
+    ref = [generate_vl(model, ids, im, n, stop_ids=[]) for (ids, im), n in zip(reqs, lengths)]
+    engine = Engine(model, default_tokenizer(), max_batch=3, max_model_len=128)
+    out = _concurrently(engine, [(ids, n, {"images": im}) for (ids, im), n in zip(reqs, lengths)])
+    assert out == ref
     assert len({tuple(r) for r in ref}) == len(ref)  # the images change what is generated
     assert engine.steps < sum(lengths)  # decoded together
 
@@ -94,20 +102,5 @@ def test_a_video_request_batched_with_an_image_request_gets_its_single_request_t
     ref_video = generate_vl(model, video_ids, None, 8, stop_ids=[], videos=(patches, grid))
     ref_image = generate_vl(model, image_ids, images, 8, stop_ids=[])
     engine = Engine(model, default_tokenizer(), max_batch=2, max_model_len=128)
-    out = {}
-
-    def run(key, ids, **kw):
-        out[key] = complete(engine, ids, SamplingParams(max_new_tokens=8), **kw)[1]
-
-    threads = [
-        threading.Thread(target=run, args=("video", video_ids), kwargs={"videos": (patches, grid)}),
-        threading.Thread(target=run, args=("image", image_ids), kwargs={"images": images}),
-    ]
-    try:
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-    finally:
-        engine.close()
-    assert out == {"video": ref_video, "image": ref_image}
+    out = _concurrently(engine, [(video_ids, 8, {"videos": (patches, grid)}), (image_ids, 8, {"images": images})])
+    assert out == [ref_video, ref_image]

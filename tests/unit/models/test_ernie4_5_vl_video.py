@@ -9,6 +9,7 @@ import json
 
 import numpy as np
 import pytest
+from media_files import moving_square, write_mp4
 
 from erniekit.errors import DataError
 from erniekit.models.ernie4_5_vl.processor import ImageSettings, preprocess_image
@@ -86,29 +87,9 @@ def test_still_frames_give_the_image_processors_patches():
         assert diff.max() < 2.01 * level and (diff > 1e-5).mean() < 0.02
 
 
-def _mp4(path, frames, fps):
-    av = pytest.importorskip("av")
-    with av.open(str(path), "w") as out:
-        stream = out.add_stream("mpeg4", rate=fps)
-        stream.width, stream.height, stream.pix_fmt = frames.shape[2], frames.shape[1], "yuv420p"
-        for f in frames:
-            for packet in stream.encode(av.VideoFrame.from_ndarray(f, format="rgb24")):
-                out.mux(packet)
-        for packet in stream.encode():
-            out.mux(packet)
-
-
-def _moving_square(n, h=64, w=96):
-    frames = np.full((n, h, w, 3), 230, np.uint8)
-    for i in range(n):
-        x = 4 + i * (w - 24) // max(n - 1, 1)
-        frames[i, 20:40, x : x + 16] = (200, 30, 30)
-    return frames
-
-
 def test_a_video_file_decodes_to_its_sampled_frames(tmp_path):
-    frames = _moving_square(40)
-    _mp4(tmp_path / "v.mp4", frames, 10)
+    frames = moving_square(40)
+    write_mp4(tmp_path / "v.mp4", frames, 10)
     got, times = load_video(str(tmp_path / "v.mp4"), settings=VideoSettings(fps=2.0, min_frames=4, max_frames=180))
     want = sample_frame_indices(40, 10.0, VideoSettings(fps=2.0, min_frames=4))
     assert len(got) == len(want) == 8 and np.allclose(times, want / 10.0)
@@ -127,7 +108,7 @@ def test_video_parts_in_data_become_numbered_videos(tmp_path):
     from erniekit.models.ernie4_5.tokenizer import default_tokenizer
     from erniekit.models.ernie4_5_vl.configuration import PRESETS
 
-    _mp4(tmp_path / "v.mp4", _moving_square(6), 3)
+    write_mp4(tmp_path / "v.mp4", moving_square(6), 3)
     rec = {
         "messages": [
             {
@@ -165,8 +146,8 @@ def test_chat_answers_about_a_video(tmp_path, capsys):
     model = Ernie4_5_VLForConditionalGeneration(model_config("tiny-vl").replace(initializer_range=0.5))
     model.video_settings = VideoSettings(min_pixels=56 * 56, max_pixels=56 * 56, min_frames=4, max_frames=8)
     save_model(model, str(tmp_path / "m"), tokenizer=default_tokenizer())
-    _mp4(tmp_path / "a.mp4", _moving_square(16, 56, 56), 8)
-    _mp4(tmp_path / "b.mp4", _moving_square(16, 56, 56)[::-1].copy(), 8)
+    write_mp4(tmp_path / "a.mp4", moving_square(16, 56, 56), 8)
+    write_mp4(tmp_path / "b.mp4", moving_square(16, 56, 56)[::-1], 8)
     replies = []
     for name in ("a.mp4", "b.mp4"):
         assert (

@@ -8,6 +8,7 @@ from __future__ import annotations
 import numpy as np
 import paddle
 import pytest
+from media_files import moving_square, write_mp4
 from PIL import Image
 
 pytest.importorskip("gradio")
@@ -32,17 +33,7 @@ def ckpt(tmp_path_factory):
     model.image_settings = ImageSettings(min_pixels=56 * 56, max_pixels=112 * 112)
     model.video_settings = VideoSettings(min_pixels=56 * 56, max_pixels=56 * 56, min_frames=2, max_frames=4)
     save_model(model, str(root / "ckpt"), tokenizer=default_tokenizer())
-    av = pytest.importorskip("av")
-    with av.open(str(root / "clip.mp4"), "w") as out:  # 4 frames of a square moving right
-        stream = out.add_stream("libx264", rate=4)
-        stream.width, stream.height, stream.pix_fmt = 64, 64, "yuv420p"
-        for i in range(4):
-            frame = np.full((64, 64, 3), 230, np.uint8)
-            frame[20:36, 4 + 10 * i : 20 + 10 * i] = (200, 30, 30)
-            for packet in stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")):
-                out.mux(packet)
-        for packet in stream.encode():
-            out.mux(packet)
+    write_mp4(root / "clip.mp4", moving_square(4, 64, 64), 4, codec="libx264")  # playable in a browser
     for seed in (1, 2):
         arr = np.random.default_rng(seed).integers(0, 256, (84, 84, 3), dtype=np.uint8)
         Image.fromarray(arr).save(root / f"p{seed}.png")
