@@ -81,6 +81,12 @@ def _chat_parser() -> argparse.ArgumentParser:
         metavar="PATH",
         help="a video file for the first message, after the images (repeatable; needs PyAV: pip install av)",
     )
+    p.add_argument(
+        "--tools",
+        metavar="TOOLS_PY",
+        help="a Python file whose functions the model may call; calls run locally and their results go back "
+        "to the model (a thinking-format checkpoint; docs/tools.md)",
+    )
     return p
 
 

@@ -87,6 +87,8 @@ def _normalise_choices(cfg: TrainConfig) -> dict[str, str]:
         if choices is None:
             continue
         value = getattr(cfg, f.name)
+        if value is None and f.default is None:  # an optional choice left unset
+            continue
         canonical = choices.get(str(value).lower())
         if canonical is None:
             allowed = ", ".join(dict.fromkeys(choices.values()))

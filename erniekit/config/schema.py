@@ -30,6 +30,7 @@ DPO_LOSS_TYPES = _spellings("sigmoid", "hinge", "ipo", "simpo", "orpo", "kto_pai
 FINE_TUNING = _spellings("Full", "LoRA")
 DATASET_TYPES = DATASET_TYPE_SPELLINGS  # auto, text, prompt and the SFT format registry (erniekit/data/formats.py)
 TRUNCATION = _spellings("error", "truncate")
+CHAT_TEMPLATES = _spellings("ernie", "ernie_thinking")
 LR_SCHEDULERS = _spellings("cosine", "constant", "linear", "wsd")
 COMPUTE_TYPES = _spellings("fp32", "bf16", "fp16", "fp8")
 FP8_GRAD_FORMATS = _spellings("e4m3", "e5m2")
@@ -75,6 +76,13 @@ class TrainConfig:
     max_seq_len: int = _opt(512, "longest token sequence fed to the model")
     packing: bool = _opt(False, "pack several short examples into one max_seq_len row")
     truncation: str = _opt("error", "what to do with examples over max_seq_len: error or truncate", TRUNCATION)
+    chat_template: str | None = _opt(
+        None,
+        "null: the tokenizer's own template; ernie: the ERNIE-4.5 chat template; ernie_thinking: the ERNIE-4.5 "
+        "Thinking format with reasoning and tool calls (docs/tools.md), its tags added as tokens where missing",
+        CHAT_TEMPLATES,
+    )
+    train_on_reasoning: bool = _opt(True, "thinking format: also train on the reasoning before </think>")
 
     # ### batch and length
     per_device_train_batch_size: int = _opt(8, "examples per micro-batch on each device")
@@ -371,6 +379,8 @@ SECTION_KEYS: dict[str, tuple[str, ...]] = {
         "max_seq_len",
         "packing",
         "truncation",
+        "chat_template",
+        "train_on_reasoning",
     ),
     "batch": (
         "per_device_train_batch_size",

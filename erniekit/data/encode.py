@@ -24,34 +24,63 @@ IGNORE_INDEX = -100
 def _render_pieces(conv: Conversation, tokenizer: ErnieTokenizer) -> list[tuple[str, bool]]:
     """Split the chat-template rendering of ``conv`` into (text, trained) chunks.
 
-    Uses the tokenizer's own template: the chunk before reply i is what
-    ``apply_chat_template(..., add_generation_prompt=True)`` adds for user turn i, and the
-    trained chunk is what the assistant message adds after it (reply + sep for ERNIE).
+    Uses the tokenizer's own template: the chunk before assistant message k is what
+    ``apply_chat_template(messages[:k], add_generation_prompt=True)`` adds, and the trained chunk
+    is what assistant message k adds after it (reply + sep for ERNIE; reasoning, answer or tool
+    calls + <|im_end|> for the thinking format).
     """
     msgs = conv.messages()
-    first = 1 if conv.system else 0
+    tools = conv.tools or None
+    replies = [k for k, m in enumerate(msgs) if m["role"] == "assistant"]
+    flags = [True] * len(replies) if conv.dialog is not None else conv.train_on
     pieces, done = [], ""
-    for i, train in enumerate(conv.train_on):
-        prompt = tokenizer.apply_chat_template(msgs[: first + 2 * i + 1], add_generation_prompt=True)
-        full = tokenizer.apply_chat_template(msgs[: first + 2 * i + 2], add_generation_prompt=False)
+    for k, train in zip(replies, flags):
+        prompt = tokenizer.apply_chat_template(msgs[:k], add_generation_prompt=True, tools=tools)
+        full = tokenizer.apply_chat_template(msgs[: k + 1], add_generation_prompt=False, tools=tools)
         if not (prompt.startswith(done) and full.startswith(prompt)):
             raise DataError(
                 f"{conv.source or 'conversation'}: the chat template does not render turns as a growing prefix; "
                 "use the ERNIE template or one without history-dependent output"
             )
-        pieces += [(prompt[len(done) :], False), (full[len(prompt) :], train)]
+        written = full[len(prompt) :]
+        for call in msgs[k].get("tool_calls") or []:
+            if call["function"]["name"] not in written:
+                raise DataError(
+                    f"{conv.source or 'conversation'}: the chat template drops tool calls; train tool data with "
+                    "chat_template: ernie_thinking or a checkpoint whose template renders tools"
+                )
+        pieces += [(prompt[len(done) :], False), (written, train)]
         done = full
     return [(text, train) for text, train in pieces if text]
 
 
-def _encode_full(conv: Conversation, tokenizer: ErnieTokenizer) -> tuple[list[int], list[int]]:
+def _encode_full(
+    conv: Conversation, tokenizer: ErnieTokenizer, train_on_reasoning: bool = True
+) -> tuple[list[int], list[int]]:
+    think_end = None if train_on_reasoning else _think_end_id(tokenizer, conv)
     ids: list[int] = []
     labels: list[int] = []
     for text, train in _render_pieces(conv, tokenizer):
         piece = tokenizer.encode(text)
         ids += piece
-        labels += piece if train else [IGNORE_INDEX] * len(piece)
+        if not train:
+            labels += [IGNORE_INDEX] * len(piece)
+        elif think_end is not None and think_end in piece:  # reasoning before </think> is context, not target
+            cut = piece.index(think_end)
+            labels += [IGNORE_INDEX] * cut + piece[cut:]
+        else:
+            labels += piece
     return ids, labels
+
+
+def _think_end_id(tokenizer: ErnieTokenizer, conv: Conversation) -> int:
+    tid = tokenizer.convert_tokens_to_ids("</think>")
+    if "</think>" not in tokenizer.convert_ids_to_tokens([tid]) or not getattr(tokenizer, "thinking", False):
+        raise DataError(
+            f"{conv.source or 'conversation'}: train_on_reasoning: false needs a thinking chat template "
+            "(</think> as a token); set chat_template: ernie_thinking"
+        )
+    return tid
 
 
 def _too_long(conv: Conversation, n: int, max_seq_len: int, index: int | None) -> DataError:
@@ -68,6 +97,7 @@ def encode_conversation(
     max_seq_len: int,
     truncation: str = "error",
     index: int | None = None,
+    train_on_reasoning: bool = True,
 ) -> tuple[list[int], list[int]]:
     """Return (input_ids, labels) for one conversation; labels are -100 where not trained.
 
@@ -83,7 +113,7 @@ def encode_conversation(
     """
     if truncation not in ("error", "truncate"):
         raise DataError(f"truncation='{truncation}'; use 'error' or 'truncate'")
-    ids, labels = _encode_full(conv, tokenizer)
+    ids, labels = _encode_full(conv, tokenizer, train_on_reasoning)
     if len(ids) > max_seq_len:
         if truncation == "error":
             raise _too_long(conv, len(ids), max_seq_len, index)
@@ -92,14 +122,18 @@ def encode_conversation(
 
 
 def encode_conversations(
-    convs: Sequence[Conversation], tokenizer: ErnieTokenizer, max_seq_len: int, truncation: str = "error"
+    convs: Sequence[Conversation],
+    tokenizer: ErnieTokenizer,
+    max_seq_len: int,
+    truncation: str = "error",
+    train_on_reasoning: bool = True,
 ) -> list[tuple[list[int], list[int]]]:
     """Encode many conversations; warn once for truncated ones, drop those with no trained token."""
     if truncation not in ("error", "truncate"):
         raise DataError(f"truncation='{truncation}'; use 'error' or 'truncate'")
     out, truncated, dropped = [], 0, 0
     for i, conv in enumerate(convs):
-        ids, labels = _encode_full(conv, tokenizer)
+        ids, labels = _encode_full(conv, tokenizer, train_on_reasoning)
         if len(ids) > max_seq_len:
             if truncation == "error":
                 raise _too_long(conv, len(ids), max_seq_len, i)

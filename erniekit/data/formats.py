@@ -11,6 +11,11 @@ SFT formats (one record per line in .jsonl, or a JSON list in .json):
   content may be a list of OpenAI parts: {"type": "text", "text": ...} and
   {"type": "image_url", "image_url": {"url": path or data: URI}} and
   {"type": "video_url", "video_url": {"url": path}} (vision-language data).
+  With tools: {"messages": [...], "tools": [...]} where assistant messages may carry
+  "tool_calls" and "reasoning_content" (or reasoning inline as "<think>...</think>"), and "tool"
+  messages the results (ERNIEKit's function-call data is this form); erniekit/data/tool_messages.py.
+- sharegpt: {"conversations": [{"from": "human"|"gpt"|"function_call"|"observation", "value": str}],
+  "system"?: str, "tools"?: str (JSON)}, as LLaMA-Factory reads it.
 - erniekit_vl: ERNIEKit's VL SFT records {"image_info": [{"image_url": str,
   "matched_text_index": i}], "text_info": [{"text": str, "tag": "mask"|"no_mask"}, ...]}:
   "mask" segments are prompts, "no_mask" the replies trained on; image j goes before text_info[i].
@@ -29,6 +34,7 @@ import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
+from erniekit.data.tool_messages import check_tools, is_tool_dialog, normalize_dialog
 from erniekit.errors import DataError
 from erniekit.utils.registry import LiveChoices
 
@@ -45,9 +51,15 @@ class Conversation:
     images: list[str] = field(default_factory=list)
     # video files in the order of VIDEO_MARKERs
     videos: list[str] = field(default_factory=list)
+    # tool conversations (erniekit/data/tool_messages.py): the tool list and the whole normalised
+    # message list (tool results, tool calls, reasoning); every assistant message in it is trained on
+    tools: list[dict] = field(default_factory=list)
+    dialog: list[dict] | None = None
 
     def messages(self) -> list[dict]:
         """The conversation as OpenAI-style messages (what the chat template renders)."""
+        if self.dialog is not None:
+            return [dict(m) for m in self.dialog]
         out = [{"role": "system", "content": self.system}] if self.system else []
         for user, reply in self.turns:
             out += [{"role": "user", "content": user}, {"role": "assistant", "content": reply}]
@@ -207,10 +219,22 @@ def _from_alpaca(rec: dict, where: str) -> Conversation:
     return Conversation(_str(rec, "system", where, required=False), turns, [True] * len(turns), where)
 
 
+def dialog_conversation(msgs: list, tools: object, where: str) -> Conversation:
+    """A conversation with tools, tool calls, tool results or reasoning (normalised, checked)."""
+    tool_list = check_tools(tools, where)
+    dialog = normalize_dialog(msgs, where, tool_list, end="assistant")
+    system = dialog[0]["content"] if dialog[0]["role"] == "system" else None
+    users = [m["content"] for m in dialog if m["role"] == "user"]
+    final = dialog[-1].get("content") or ""
+    return Conversation(system, [(users[-1], final)], [True], where, tools=tool_list, dialog=dialog)
+
+
 def _from_messages(rec: dict, where: str) -> Conversation:
     msgs = rec.get("messages")
     if not isinstance(msgs, list) or not msgs:
         raise DataError(f"{where}: field 'messages' {'missing' if msgs is None else 'must be a non-empty list'}")
+    if is_tool_dialog(msgs, rec.get("tools")):
+        return dialog_conversation(msgs, rec.get("tools"), where)
     images: list[str] = []
     videos: list[str] = []
     for i, m in enumerate(msgs):
@@ -312,7 +336,48 @@ def sft_format_names() -> list[str]:
     return list(_READERS)
 
 
+_SHAREGPT_ROLES = {
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "assistant": "assistant",
+    "system": "system",
+    "function_call": "assistant",
+    "observation": "tool",
+    "tool": "tool",
+}
+
+
+def _from_sharegpt(rec: dict, where: str) -> Conversation:
+    """ShareGPT / LLaMA-Factory records: {"conversations": [{"from": human|gpt|function_call|observation,
+    "value": str}], "system"?: str, "tools"?: JSON string}; a function_call value is a JSON call
+    {"name", "arguments"} or a list of them (parallel calls)."""
+    turns = rec.get("conversations")
+    if not isinstance(turns, list) or not turns:
+        raise DataError(f"{where}: field 'conversations' must be a non-empty list of {{'from', 'value'}}")
+    msgs: list[dict] = []
+    if rec.get("system") is not None:
+        msgs.append({"role": "system", "content": _str(rec, "system", where)})
+    for i, t in enumerate(turns):
+        who = t.get("from") if isinstance(t, dict) else None
+        if who not in _SHAREGPT_ROLES or not isinstance(t.get("value"), str):
+            raise DataError(
+                f"{where}: conversations[{i}] must be {{'from': {'|'.join(_SHAREGPT_ROLES)}, 'value': str}}"
+            )
+        if who == "function_call":
+            try:
+                calls = json.loads(t["value"])
+            except json.JSONDecodeError as e:
+                raise DataError(f"{where}: conversations[{i}] function_call value is not JSON ({e.msg})") from None
+            calls = calls if isinstance(calls, list) else [calls]
+            msgs.append({"role": "assistant", "content": None, "tool_calls": [{"function": c} for c in calls]})
+        else:
+            msgs.append({"role": _SHAREGPT_ROLES[who], "content": t["value"]})
+    return dialog_conversation(msgs, rec.get("tools"), where)
+
+
 register_sft_format("messages", lambda rec: "messages" in rec)(_from_messages)
+register_sft_format("sharegpt", lambda rec: "conversations" in rec)(_from_sharegpt)
 register_sft_format("alpaca", lambda rec: "instruction" in rec)(_from_alpaca)
 register_sft_format("erniekit", lambda rec: "src" in rec or "tgt" in rec)(_from_erniekit)
 register_sft_format("erniekit_vl", lambda rec: "text_info" in rec or "image_info" in rec)(_from_erniekit_vl)

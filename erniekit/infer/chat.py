@@ -20,6 +20,7 @@ if TYPE_CHECKING:  # paddle is imported only when chat runs
     from erniekit.models.ernie4_5.tokenizer import ErnieTokenizer
 
 CLEAR, EXIT = "/clear", ("/exit", "/quit")
+MAX_TOOL_ROUNDS = 5  # model replies per user message when --tools functions keep being called
 
 
 def load_chat_model(model_dir: str) -> tuple[Ernie4_5ForCausalLM, ErnieTokenizer]:
@@ -42,7 +43,9 @@ def load_chat_model(model_dir: str) -> tuple[Ernie4_5ForCausalLM, ErnieTokenizer
     return model, tokenizer
 
 
-def chat_prompt_ids(tokenizer: ErnieTokenizer, messages: list[dict[str, str]]) -> list[int]:
+def chat_prompt_ids(
+    tokenizer: ErnieTokenizer, messages: list[dict], tools: list[dict] | None = None, **template_kwargs: Any
+) -> list[int]:
     """Ids of a whole conversation plus the generation prompt, encoded chunk by chunk as SFT and
     `ChatSession` encode it (each user turn's prompt, then each reply with its sep token)."""
     text, ids = "", []
@@ -52,11 +55,14 @@ def chat_prompt_ids(tokenizer: ErnieTokenizer, messages: list[dict[str, str]]) -
         ids = ids + tokenizer.encode(rendered[len(text) :]) if rendered.startswith(text) else tokenizer.encode(rendered)
         text = rendered
 
+    def render(msgs: list[dict], generation: bool) -> str:
+        return tokenizer.apply_chat_template(msgs, add_generation_prompt=generation, tools=tools, **template_kwargs)
+
     for k, m in enumerate(messages):
         if m["role"] == "assistant":
-            extend(tokenizer.apply_chat_template(messages[:k], add_generation_prompt=True))
-            extend(tokenizer.apply_chat_template(messages[: k + 1], add_generation_prompt=False))
-    extend(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+            extend(render(messages[:k], True))
+            extend(render(messages[: k + 1], False))
+    extend(render(messages, True))
     return ids
 
 
@@ -71,8 +77,13 @@ class ChatSession:
         system: str | None = None,
         out: TextIO | None = None,
         speculative: bool = False,
+        tools: list[dict] | None = None,
+        functions: dict | None = None,
     ):
         self.model, self.tokenizer, self.params = model, tokenizer, params
+        self.tools = tools or None  # tool schemas the model sees (--tools)
+        self.functions = functions or {}  # name -> Python function run when the model calls it
+        self.thinking = bool(getattr(tokenizer, "thinking", False))  # replies carry reasoning / tool calls
         self.speculative = speculative  # greedy self-speculative decoding with the MTP heads (docs/mtp.md)
         self.system = system
         self.out = out
@@ -96,7 +107,8 @@ class ChatSession:
 
     def prompt_ids(self) -> list[int]:
         """Ids of the whole history with the generation prompt ("Assistant: ") appended."""
-        return list(self._extend(self.tokenizer.apply_chat_template(self.messages, add_generation_prompt=True)))
+        rendered = self.tokenizer.apply_chat_template(self.messages, add_generation_prompt=True, tools=self.tools)
+        return list(self._extend(rendered))
 
     def _reply_with_images(self, user: str) -> str:
         """The greedy answer of a vision-language model: the whole history re-rendered with the
@@ -119,30 +131,95 @@ class ChatSession:
         """Add a user turn, stream the assistant's answer to `out`, keep it in the history."""
         if self.images or self.videos:
             return self._reply_with_images(user)
+        self.messages.append({"role": "user", "content": user})
+        if not self.thinking:
+            text = self._generate(None)
+            self.messages.append({"role": "assistant", "content": text})
+            self._remember()
+            return text
+        for _ in range(MAX_TOOL_ROUNDS):
+            reply = self._thinking_turn()
+            if not reply.tool_calls or not self.functions:
+                return reply.content
+            from erniekit.infer.local_tools import call_tool
+
+            for call in reply.tool_calls:
+                result = call_tool(self.functions, call["function"]["name"], call["function"]["arguments"])
+                self._write(f"[tool result] {result}\n")
+                self.messages.append({"role": "tool", "content": result})
+        self._write(f"(stopped after {MAX_TOOL_ROUNDS} rounds of tool calls)\n")
+        return ""
+
+    def _thinking_turn(self):
+        """One reply of a thinking-format model: reasoning shown as `[thinking] ...`, the answer as
+        text, each tool call as `[tool call] name(arguments)`."""
+        import json
+
+        from erniekit.infer.reply_parser import ReplyParser, collect
+
+        parser, events, shown = ReplyParser(thinking_open=True, tools_allowed=bool(self.tools)), [], {"kind": None}
+
+        def show(new_events) -> None:
+            for kind, value in new_events:
+                if kind == "tool_call":
+                    fn = value["function"]
+                    self._write(("\n" if shown["kind"] else "") + f"[tool call] {fn['name']}({fn['arguments']})\n")
+                    shown["kind"] = None
+                    continue
+                if kind != shown["kind"]:
+                    self._write(("\n" if shown["kind"] else "") + ("[thinking] " if kind == "reasoning" else ""))
+                    shown["kind"] = kind
+                self._write(value)
+            events.extend(new_events)
+
+        self._generate(lambda piece: show(parser.feed(piece)))
+        show(parser.finish())
+        reply = collect(events)
+        message = {"role": "assistant", "content": reply.content or None}
+        if reply.reasoning:
+            message["reasoning_content"] = reply.reasoning
+        if reply.tool_calls:
+            message["tool_calls"] = [
+                {
+                    "id": c["id"],
+                    "type": "function",
+                    "function": {"name": c["function"]["name"], "arguments": json.loads(c["function"]["arguments"])},
+                }
+                for c in reply.tool_calls
+            ]
+        elif not reply.content:
+            message["content"] = ""
+        self.messages.append(message)
+        self._remember()
+        return reply
+
+    def _remember(self) -> None:
+        # the reply chunk as training encodes it, so the next turn reuses these ids
+        self._extend(self.tokenizer.apply_chat_template(self.messages, add_generation_prompt=False, tools=self.tools))
+
+    def _generate(self, on_text) -> str:
+        """Generate one reply from the history; stream its text to `out` (or to `on_text`)."""
         from erniekit.infer.generate import generate_stream
 
         stream = generate_stream
         if self.speculative:  # same tokens as greedy generate_stream, fewer trunk forwards
             from erniekit.infer.speculative import speculative_stream as stream
-        self.messages.append({"role": "user", "content": user})
         ids = self.prompt_ids()
         stops = set(self.params.stop_token_ids)
         new: list[int] = []
         shown = ""
+        write = on_text or self._write
         for step in stream(self.model, [ids], self.params, pad_id=self.tokenizer.pad_token_id or 0):
             tok = int(step[0])
             if tok < 0 or tok in stops:
                 break
             new.append(tok)
-            shown = self._emit(new, shown)
+            shown = self._emit(new, shown, write)
         text = self.tokenizer.decode(new)
-        self._write(text[len(shown) :] if text.startswith(shown) else "")
-        self.messages.append({"role": "assistant", "content": text})
-        # the reply chunk (text + sep) as training encodes it, so the next turn reuses these ids
-        self._extend(self.tokenizer.apply_chat_template(self.messages, add_generation_prompt=False))
+        write(text[len(shown) :] if text.startswith(shown) else "")
         return text
 
-    def _emit(self, new: list[int], shown: str) -> str:
+    def _emit(self, new: list[int], shown: str, write) -> str:
         """Decode everything generated so far and print the unseen suffix.
 
         A trailing U+FFFD is an incomplete multi-byte character (byte-fallback pieces still
@@ -150,7 +227,7 @@ class ChatSession:
         """
         text = self.tokenizer.decode(new).rstrip("\ufffd")
         if len(text) > len(shown) and text.startswith(shown):
-            self._write(text[len(shown) :])
+            write(text[len(shown) :])
             return text
         return shown
 
@@ -177,7 +254,26 @@ def run_chat(args: Any) -> int:
         from erniekit.infer.speculative import check_speculative
 
         check_speculative(model, params)
-    session = ChatSession(model, tokenizer, params, system=args.system, out=sys.stdout, speculative=speculative)
+    tools, functions = None, None
+    if getattr(args, "tools", None):
+        from erniekit.infer.local_tools import load_tools
+
+        if not getattr(tokenizer, "thinking", False):
+            raise CheckpointError(
+                f"{args.model_dir}: --tools needs a checkpoint in the ERNIE thinking format (trained with "
+                "chat_template: ernie_thinking); this one's chat template has no tool calls"
+            )
+        tools, functions = load_tools(args.tools)
+    session = ChatSession(
+        model,
+        tokenizer,
+        params,
+        system=args.system,
+        out=sys.stdout,
+        speculative=speculative,
+        tools=tools,
+        functions=functions,
+    )
     if getattr(args, "image", None) or getattr(args, "video", None):
         from erniekit.models.ernie4_5_vl.processor import load_image
         from erniekit.models.ernie4_5_vl.video import load_video

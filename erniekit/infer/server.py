@@ -23,6 +23,7 @@ import os
 import sys
 import time
 import uuid
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import Request as HTTPRequest  # module level: FastAPI resolves the handlers' annotations here
@@ -39,7 +40,25 @@ API_KEY_ENV = "ERNIEKIT_API_KEY"
 Prompt = tuple  # (token ids, images and videos as (patches, grid_thw) or None)
 DEFAULT_MAX_IMAGES = 8  # per request: each image is a vision-encoder pass on the engine thread
 MAX_VIDEOS = 2  # per request: a video is up to max_frames frames
-ROLES = ("system", "user", "assistant", "developer")
+ROLES = ("system", "user", "assistant", "developer", "tool")
+
+
+@dataclass
+class ReplyMode:
+    """How a chat reply is read back (thinking-format models): the text the prompt forces the reply
+    to start with (tool_choice required / a named function), whether tool calls are parsed, and
+    whether only the first call is kept (parallel_tool_calls false)."""
+
+    forced: str = ""
+    tools: bool = False
+    single_call: bool = False
+
+    def parser(self):
+        from erniekit.infer.reply_parser import ReplyParser
+
+        p = ReplyParser(thinking_open=True, tools_allowed=self.tools)
+        p.feed(self.forced)  # its events (an empty reasoning) say nothing the client needs
+        return p
 
 
 class BadRequest(Exception):
@@ -213,6 +232,7 @@ class OpenAIServer:
         self.vocab = min(len(tokenizer), int(engine.model.config.vocab_size))
         self.chars_per_token = _max_chars_per_token(tokenizer)
         self.created = int(time.time())
+        self.thinking = bool(getattr(tokenizer, "thinking", False))  # replies carry reasoning / tool calls
 
     # ---- validation ------------------------------------------------------------------------
     def check_key(self, authorization: str | None) -> None:
@@ -263,7 +283,7 @@ class OpenAIServer:
             raise BadRequest(
                 f"n={_short(n)}: this server returns one choice per request; send n=1 or leave it out", "n"
             )
-        for key in ("logprobs", "top_logprobs", "tools", "functions", "response_format", "suffix"):
+        for key in ("logprobs", "top_logprobs", "functions", "response_format", "suffix"):
             if body.get(key) not in (None, False, 0, [], {"type": "text"}):  # the values that ask for nothing
                 raise BadRequest(f"{key} is not supported by this server; leave it out", key)
         if body.get("best_of") not in (None, 1) or isinstance(body.get("best_of"), bool):
@@ -297,7 +317,8 @@ class OpenAIServer:
             logit_bias=_logit_bias(body, self.vocab),
         )
 
-    def _messages(self, body: dict) -> tuple[list[int], tuple | None, tuple | None]:
+    def _messages(self, body: dict) -> tuple[list[int], tuple | None, tuple | None, ReplyMode | None]:
+        from erniekit.data.tool_messages import is_tool_dialog
         from erniekit.errors import DataError
         from erniekit.infer.chat import chat_prompt_ids
 
@@ -315,20 +336,89 @@ class OpenAIServer:
                 )
             if isinstance(content, list):  # text parts, and image / video parts for a vision-language model
                 content = self._parts(content, i, role, images, videos)
-            if not isinstance(content, str):
+            calls = role == "assistant" and m.get("tool_calls")
+            if not isinstance(content, str) and not (calls and content is None):
                 raise BadRequest(
                     f"messages[{i}].content must be a string or a list of text parts", f"messages[{i}].content"
                 )
-            chars += len(content)
-            msgs.append({"role": "system" if role == "developer" else role, "content": content})
-        self._fits(chars, "messages")
+            chars += (
+                len(content or "") + len(json.dumps(m.get("tool_calls") or "")) + len(m.get("reasoning_content") or "")
+            )
+            msgs.append({**m, "role": "system" if role == "developer" else role, "content": content})
+        self._fits(chars + len(json.dumps(body.get("tools") or "")), "messages")
+        tools, mode = self._tools(body)
         if images or videos:
-            return self._vl_prompt(msgs, images, videos)
+            if tools is not None or is_tool_dialog(msgs):
+                raise BadRequest("tools with images or videos are not supported by this server yet", "tools")
+            return (*self._vl_prompt(msgs, images, videos), None)
         try:
-            self._fits(len(self.tokenizer.apply_chat_template(msgs, add_generation_prompt=True)), "messages")
-            return chat_prompt_ids(self.tokenizer, msgs), None, None
+            if tools is not None or is_tool_dialog(msgs):
+                msgs = self._dialog(msgs, tools)
+            else:
+                msgs = [{"role": m["role"], "content": m["content"]} for m in msgs]
+            self._fits(
+                len(self.tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tools=tools)), "messages"
+            )
+            ids = chat_prompt_ids(self.tokenizer, msgs, tools)
         except DataError as e:
             raise BadRequest(str(e), "messages") from None
+        if mode is not None and mode.forced:
+            ids = ids + self.tokenizer.encode(mode.forced)
+        return ids, None, None, mode
+
+    def _dialog(self, msgs: list[dict], tools: list[dict] | None) -> list[dict]:
+        from erniekit.data.tool_messages import normalize_dialog
+
+        if not self.thinking:
+            raise BadRequest(
+                "this model's chat template has no tool calls or reasoning (not the ERNIE thinking format); "
+                "serve a checkpoint trained with chat_template: ernie_thinking",
+                "messages",
+            )
+        return normalize_dialog(msgs, "request", tools or [], end="prompt")
+
+    def _tools(self, body: dict) -> tuple[list[dict] | None, ReplyMode | None]:
+        """tools, tool_choice and parallel_tool_calls -> (tools for the template, how to read the reply)."""
+        from erniekit.data.tool_messages import check_tools
+        from erniekit.errors import DataError
+
+        raw, choice = body.get("tools"), body.get("tool_choice")
+        parallel = True if body.get("parallel_tool_calls") is None else _flag(body, "parallel_tool_calls")
+        if raw in (None, []):
+            if choice not in (None, "none", "auto"):
+                raise BadRequest(f"tool_choice={_short(choice)} needs tools", "tool_choice")
+            return None, (ReplyMode() if self.thinking else None)
+        if not self.thinking:
+            raise BadRequest(
+                "tools need a model in the ERNIE thinking format (reasoning and tool calls); this checkpoint's chat "
+                "template has neither: fine-tune with chat_template: ernie_thinking",
+                "tools",
+            )
+        try:
+            tools = check_tools(raw, "request")
+        except DataError as e:
+            raise BadRequest(str(e).removeprefix("request: "), "tools") from None
+        names = [t["function"]["name"] for t in tools]
+        if choice in (None, "auto"):
+            return tools, ReplyMode(tools=True, single_call=not parallel)
+        if choice == "none":
+            return None, ReplyMode()
+        if choice == "required":
+            return tools, ReplyMode(forced="\n</think>\n\n<tool_call>\n", tools=True, single_call=not parallel)
+        fn = choice.get("function") if isinstance(choice, dict) and choice.get("type") == "function" else None
+        name = fn.get("name") if isinstance(fn, dict) else None
+        if not isinstance(name, str):
+            raise BadRequest(
+                f"tool_choice={_short(choice)} must be none, auto, required or "
+                '{"type": "function", "function": {"name": ...}}',
+                "tool_choice",
+            )
+        if name not in names:
+            raise BadRequest(
+                f"tool_choice names {name!r}, which is not among the tools ({', '.join(names)})", "tool_choice"
+            )
+        forced = '\n</think>\n\n<tool_call>\n{"name": ' + json.dumps(name, ensure_ascii=False) + ', "arguments": '
+        return tools, ReplyMode(forced=forced, tools=True, single_call=True)
 
     def _parts(self, content: list, i: int, role: str, images: list, videos: list) -> str:
         """Content parts -> the message's text, IMAGE_MARKER / VIDEO_MARKER where an image / a
@@ -467,7 +557,7 @@ class OpenAIServer:
         if not isinstance(body, dict):
             raise BadRequest("the request body must be a JSON object")
         o = self._options(body)
-        prompt, images, videos = self._messages(body) if chat else (self._prompt(body), None, None)
+        prompt, images, videos, mode = self._messages(body) if chat else (self._prompt(body), None, None, None)
         room = self.engine.max_model_len - len(prompt)
         max_tokens = o["max_tokens"] if o["max_tokens"] is not None else max(1, min(DEFAULT_MAX_TOKENS, room))
         try:
@@ -488,7 +578,10 @@ class OpenAIServer:
             )
         except ValueError as e:  # the checks above cover these; kept so a gap is a 400, not a 500
             raise BadRequest(str(e)) from None
-        return (prompt, images, videos), params, o["stops"], o["stream"], o["include_usage"]
+        stops = o["stops"]
+        if mode is not None and mode.single_call:
+            stops = [*stops, "</tool_call>"]  # parallel_tool_calls false: the reply ends with its first call
+        return (prompt, images, videos, mode), params, stops, o["stream"], o["include_usage"]
 
     # ---- running ---------------------------------------------------------------------------
     def start(self, prompt: Prompt, params: SamplingParams, stops: list[str]) -> tuple[Request, asyncio.Queue]:
@@ -499,7 +592,7 @@ class OpenAIServer:
         def emit(delta: str, finish: str | None) -> None:
             loop.call_soon_threadsafe(out.put_nowait, (delta, finish))
 
-        ids, images, videos = prompt
+        ids, images, videos = prompt[:3]
         req = Request(ids, params, emit, stops, images=images, videos=videos)
         self.engine.submit(req)
         return req, out
@@ -522,7 +615,21 @@ class OpenAIServer:
         if finish == "error":
             raise BadRequest(f"generation failed: {req.error}", status=500, kind="server_error")
         rid, now = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex, int(time.time())
-        if chat:
+        mode = prompt[3] if len(prompt) > 3 else None
+        if chat and mode is not None:
+            from erniekit.infer.reply_parser import collect
+
+            parser = mode.parser()
+            reply = collect(parser.feed(req.text) + parser.finish())
+            calls = reply.tool_calls[:1] if mode.single_call else reply.tool_calls
+            message = {"role": "assistant", "content": reply.content if reply.content or not calls else None}
+            if reply.reasoning is not None:
+                message["reasoning_content"] = reply.reasoning
+            if calls:
+                message["tool_calls"] = calls
+                finish = "tool_calls" if finish == "stop" else finish
+            choice = {"index": 0, "message": message, "finish_reason": finish, "logprobs": None}
+        elif chat:
             choice = {
                 "index": 0,
                 "message": {"role": "assistant", "content": req.text},
@@ -541,19 +648,37 @@ class OpenAIServer:
         }
 
     async def stream(self, chat: bool, prompt, params, stops, include_usage: bool):
-        """Server-sent events: OpenAI's chunk objects, then `data: [DONE]`."""
+        """Server-sent events: OpenAI's chunk objects, then `data: [DONE]`. A thinking-format reply
+        streams `reasoning_content` and `content` deltas, and each tool call as one `tool_calls`
+        delta (index, id, name and its whole arguments) once its block is complete."""
         req, out = self.start(prompt, params, stops)
         rid, now = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex, int(time.time())
         kind = "chat.completion.chunk" if chat else "text_completion"
+        mode = prompt[3] if chat and len(prompt) > 3 else None
+        parser = mode.parser() if mode is not None else None
+        calls = 0
 
-        def chunk(delta: str | None, finish: str | None, first: bool = False) -> str:
+        def chunk(delta: dict | str | None, finish: str | None, first: bool = False) -> str:
             if chat:
-                d = {"role": "assistant", "content": ""} if first else ({} if delta is None else {"content": delta})
+                d = {"role": "assistant", "content": ""} if first else ({} if delta is None else delta)
                 choice = {"index": 0, "delta": d, "finish_reason": finish, "logprobs": None}
             else:
                 choice = {"index": 0, "text": delta or "", "finish_reason": finish, "logprobs": None}
             obj = {"id": rid, "object": kind, "created": now, "model": self.model_name, "choices": [choice]}
             return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+        def deltas(events) -> list[str]:
+            nonlocal calls
+            outs = []
+            for what, value in events:
+                if what == "tool_call":
+                    if mode.single_call and calls:
+                        continue
+                    outs.append(chunk({"tool_calls": [{"index": calls, **value}]}, None))
+                    calls += 1
+                else:
+                    outs.append(chunk({"reasoning_content" if what == "reasoning" else "content": value}, None))
+            return outs
 
         try:
             if chat:
@@ -564,9 +689,16 @@ class OpenAIServer:
                     err = BadRequest(f"generation failed: {req.error}", status=500, kind="server_error")
                     yield f"data: {json.dumps(error_body(err))}\n\n"
                     break
-                if delta:
-                    yield chunk(delta, None)
+                if delta and parser is not None:
+                    for c in deltas(parser.feed(delta)):
+                        yield c
+                elif delta:
+                    yield chunk({"content": delta} if chat else delta, None)
                 if finish is not None:
+                    if parser is not None:
+                        for c in deltas(parser.finish()):
+                            yield c
+                        finish = "tool_calls" if calls and finish == "stop" else finish
                     yield chunk(None, finish)
                     break
             if include_usage:

@@ -7,6 +7,7 @@ from collections import Counter
 from erniekit.data.encode import IGNORE_INDEX, encode_conversation
 from erniekit.data.formats import Conversation
 from erniekit.infer.generate import SamplingParams, generate
+from erniekit.infer.stops import turn_end_ids
 
 
 def majority_reply(convs: list[Conversation]) -> str:
@@ -28,7 +29,7 @@ def prompt_ids(conv: Conversation, tokenizer) -> list[int]:
 
 
 def exact_match_eval(model, tokenizer, convs: list[Conversation], batch_size: int, max_new_tokens: int) -> float:
-    stops = [tokenizer.sep_token_id, tokenizer.eos_token_id]
+    stops = turn_end_ids(tokenizer)
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0, stop_token_ids=stops)
     hits = 0
     for i in range(0, len(convs), batch_size):

@@ -33,9 +33,18 @@ def peak_memory_bytes() -> int:
 
 
 def load_tokenizer(cfg):
+    """The checkpoint's tokenizer; `chat_template` swaps in a built-in template (saved with the model,
+    so chat, the server and exports render what training rendered)."""
     from erniekit.models import registry
 
-    return registry.load_tokenizer(cfg.model_name_or_path, cfg.tokenizer_name_or_path)
+    tokenizer = registry.load_tokenizer(cfg.model_name_or_path, cfg.tokenizer_name_or_path)
+    if cfg.chat_template == "ernie_thinking":
+        tokenizer = tokenizer.with_thinking_template()
+    elif cfg.chat_template == "ernie":
+        from erniekit.models.ernie4_5.tokenizer import ERNIE_CHAT_TEMPLATE
+
+        tokenizer.chat_template = ERNIE_CHAT_TEMPLATE
+    return tokenizer
 
 
 def load_model(cfg):
@@ -69,6 +78,13 @@ def load_model(cfg):
 
 
 def check_vocab(model, tokenizer) -> None:
+    beyond = [t for t, i in getattr(tokenizer, "added_tokens", {}).items() if i >= model.config.vocab_size]
+    if beyond:
+        raise ConfigError(
+            f"tokenizer tokens {', '.join(beyond[:4])} have ids past the model's vocab_size={model.config.vocab_size} "
+            f"(chat_template: ernie_thinking adds its tags where the vocabulary lacks them): set "
+            f"model_overrides.vocab_size: {tokenizer.vocab_size} when training a preset from scratch"
+        )
     if tokenizer.vocab_size > model.config.vocab_size:
         raise ConfigError(
             f"tokenizer has {tokenizer.vocab_size} tokens but the model's vocab_size is {model.config.vocab_size}: "
@@ -247,6 +263,10 @@ def _train_and_evaluate(cfg, trainer, eval_data, collective: bool, log) -> dict:
         results["eval"] = trainer.evaluate()
         if "exact_match" in results["eval"]:
             log(_exact_match_line(results["eval"], results.get("eval_start")))
+        if "tool_call_match" in results["eval"]:
+            ev = results["eval"]
+            log(f"held-out tool-call exact match: {ev['tool_call_match']:.3f}")
+            log(f"held-out final-answer accuracy: {ev['final_answer_accuracy']:.3f}")
     return results
 
 

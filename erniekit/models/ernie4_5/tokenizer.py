@@ -28,6 +28,7 @@ from typing import Any, Iterable, Sequence
 import sentencepiece as spm
 
 from erniekit.errors import CheckpointError, DataError
+from erniekit.models.ernie4_5.thinking_template import ERNIE_THINKING_CHAT_TEMPLATE, THINKING_TOKENS, render_thinking
 from erniekit.utils.io import atomic_write, read_json_object
 
 # Verbatim from the ERNIE-4.5 hub tokenizer_config.json / transformers' ERNIE 4.5 port.
@@ -69,6 +70,7 @@ DEFAULT_SPECIAL_TOKENS = {
 # ERNIE control tokens beyond the role tokens (user-defined pieces in the shipped model).
 DEFAULT_ADDITIONAL_SPECIAL_TOKENS = ["<|endofprompt|>"] + [f"<mask:{i}>" for i in range(8)]
 SPECIAL_KEYS = tuple(DEFAULT_SPECIAL_TOKENS)
+THINK_END = "</think>"
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 RESOURCE_DIR = os.path.join(_PACKAGE_DIR, "resources", "tokenizer")
 
@@ -343,24 +345,83 @@ class ErnieTokenizer:
         messages: list[dict],
         add_generation_prompt: bool = True,
         tokenize: bool = False,
+        tools: list[dict] | None = None,
         **kwargs: Any,
     ) -> str | list[int]:
-        """Render messages [{"role", "content"}] with the ERNIE template (same as transformers)."""
-        for n, m in enumerate(messages):
-            if (
-                not isinstance(m, dict)
-                or m.get("role") not in ("system", "user", "assistant")
-                or not isinstance(m.get("content"), str)
-            ):
-                raise DataError(
-                    f"messages[{n}]: need {{'role': 'system'|'user'|'assistant', 'content': str}}, got {str(m)[:80]}"
+        """Render messages with the tokenizer's template (same text as transformers renders).
+
+        Plain conversations are {"role": system|user|assistant, "content": str}; with tools, tool
+        results, tool calls or reasoning the messages are checked by erniekit.data.tool_messages.
+        The built-in ERNIE thinking template is rendered in Python (identical text, tested)."""
+        from erniekit.data.tool_messages import is_tool_dialog
+
+        if tools or is_tool_dialog(messages):
+            self._check_dialog(messages, tools)
+        else:
+            for n, m in enumerate(messages):
+                if (
+                    not isinstance(m, dict)
+                    or m.get("role") not in ("system", "user", "assistant")
+                    or not isinstance(m.get("content"), str)
+                ):
+                    raise DataError(
+                        f"messages[{n}]: need {{'role': 'system'|'user'|'assistant', 'content': str}}, got {str(m)[:80]}"
+                    )
+        if self.chat_template == ERNIE_THINKING_CHAT_TEMPLATE:
+            text = render_thinking(messages, tools, add_generation_prompt, kwargs.get("enable_thinking", True))
+        else:
+            from jinja2 import TemplateError
+
+            try:
+                text = _compile(self.chat_template).render(
+                    messages=messages,
+                    tools=tools,
+                    add_generation_prompt=add_generation_prompt,
+                    **{**self.special_tokens, **kwargs},
                 )
-        text = _compile(self.chat_template).render(
-            messages=messages,
-            add_generation_prompt=add_generation_prompt,
-            **{**self.special_tokens, **kwargs},
-        )
+            except (TypeError, TemplateError) as e:
+                raise DataError(
+                    f"chat template cannot render these messages ({type(e).__name__}: {e}); tool calls, tool results "
+                    "and reasoning need a template that renders them: chat_template: ernie_thinking"
+                ) from None
         return self.encode(text) if tokenize else text
+
+    @staticmethod
+    def _check_dialog(messages: list[dict], tools: list[dict] | None) -> None:
+        for n, m in enumerate(messages):
+            if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant", "tool"):
+                raise DataError(f"messages[{n}]: role must be system, user, assistant or tool, got {str(m)[:80]}")
+            if m["role"] != "assistant" and not isinstance(m.get("content"), str):
+                raise DataError(f"messages[{n}]: a {m['role']} message needs a string content")
+            if m["role"] == "assistant" and not (isinstance(m.get("content"), str) or m.get("tool_calls")):
+                raise DataError(f"messages[{n}]: an assistant message needs a string content or tool_calls")
+
+    @property
+    def thinking(self) -> bool:
+        """Whether replies start inside a thinking block (the template's generation prompt opens
+        `<think>`), so what the model writes is parsed into reasoning / answer / tool calls."""
+        if THINK_END not in self._special_ids:
+            return False
+        prompt = self.apply_chat_template([{"role": "user", "content": "x"}], add_generation_prompt=True)
+        return prompt.rstrip("\n").endswith("<think>")
+
+    def with_thinking_template(self) -> "ErnieTokenizer":
+        """This tokenizer with the ERNIE thinking chat format: its tags become single tokens (added
+        after the vocabulary where it lacks them) and the built-in thinking template is its template."""
+        missing = [t for t in THINKING_TOKENS if self._lookup(t) is None]
+        added = dict(self.added_tokens)
+        for k, tok in enumerate(missing):
+            added[tok] = self.vocab_size + k
+        return ErnieTokenizer(
+            self._model_proto,
+            special_tokens=self.special_tokens,
+            additional_special_tokens=list(dict.fromkeys([*self.additional_special_tokens, *THINKING_TOKENS])),
+            added_tokens=added,
+            chat_template=ERNIE_THINKING_CHAT_TEMPLATE,
+            add_bos_token=self.add_bos_token,
+            add_eos_token=self.add_eos_token,
+            extra_config=self.extra_config,
+        )
 
 
 _TEMPLATES: dict[str, Any] = {}

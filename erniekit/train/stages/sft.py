@@ -1,7 +1,9 @@
 """stage: SFT (fine_tuning: Full) — loss on assistant replies only, multi-turn, optional packing.
 
 Evaluation: held-out loss, and exact match of greedy generations against the reference reply
-(the training format is the chat template, so what is measured is what `erniekit chat` does).
+(the training format is the chat template, so what is measured is what `erniekit chat` does);
+for tool conversations, tool-call exact match and final-answer accuracy of agent round trips
+(erniekit/train/tool_eval.py).
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from erniekit.train.stages import register_stage
 
 
 def _rows(convs: list[Conversation], cfg, tokenizer, packing: bool):
-    pairs = encode_conversations(convs, tokenizer, cfg.max_seq_len, cfg.truncation)
+    pairs = encode_conversations(convs, tokenizer, cfg.max_seq_len, cfg.truncation, cfg.train_on_reasoning)
     if packing:
         return pack(pairs, cfg.max_seq_len, pad_id=tokenizer.pad_token_id)
     import numpy as np
@@ -40,7 +42,12 @@ class SFTStage(Stage):
 
     def evaluate(self, model, tokenizer, eval_data, cfg):
         res = eval_loss(model, eval_data["rows"], cfg.per_device_eval_batch_size, tokenizer.pad_token_id)
-        if cfg.eval_generation:
+        if cfg.eval_generation and any(c.dialog is not None for c in eval_data["convs"]):
+            from erniekit.train.tool_eval import tool_eval
+
+            convs = [c for c in eval_data["convs"] if c.dialog is not None][: cfg.eval_max_samples]
+            res.update(tool_eval(model, tokenizer, convs, cfg.per_device_eval_batch_size, cfg.eval_max_new_tokens))
+        elif cfg.eval_generation:
             convs = eval_data["convs"][: cfg.eval_max_samples]
             res["exact_match"] = exact_match_eval(
                 model, tokenizer, convs, cfg.per_device_eval_batch_size, cfg.eval_max_new_tokens

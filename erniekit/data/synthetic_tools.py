@@ -1,0 +1,114 @@
+"""Synthetic tool-use task: call a `calculator` for arithmetic, answer small sums by heart.
+
+A question "What is 47*86?" (a product, or a sum with a number of two or more digits) is answered
+by calling `calculator` with the expression, reading the tool's result and answering with it;
+"What is 3+4?" (one-digit numbers added) is answered directly. Held-out questions come from a
+fixed partition of the problem space (erniekit/data/synthetic.py is_heldout), so none is trained on.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+
+from erniekit.data.synthetic import is_heldout
+from erniekit.errors import DataError
+
+CALCULATOR = {
+    "type": "function",
+    "function": {
+        "name": "calculator",
+        "parameters": {
+            "type": "object",
+            "properties": {"expression": {"type": "string"}},
+            "required": ["expression"],
+        },
+    },
+}
+TOOL_REASONING = "Use the calculator."
+DIRECT_REASONING = "I know this."
+HELDOUT_FRACTION = 0.1
+
+
+def calculate(expression: str) -> str:
+    """The calculator tool: `a+b`, `a-b` or `a*b` on non-negative integers (no eval of any kind)."""
+    for op in "+-*":
+        a, sep, b = expression.partition(op)
+        if sep and a.strip().isdigit() and b.strip().isdigit():
+            x, y = int(a), int(b)
+            return str(x + y if op == "+" else x - y if op == "-" else x * y)
+    raise DataError(f"calculator: {expression!r} is not 'a+b', 'a-b' or 'a*b' with whole numbers")
+
+
+def question(a: int, op: str, b: int) -> str:
+    return f"What is {a}{op}{b}?"
+
+
+def needs_tool(a: int, op: str, b: int) -> bool:
+    return op != "+" or a > 9 or b > 9
+
+
+def conversation(a: int, op: str, b: int) -> dict:
+    """One record in the messages format with tools."""
+    q, expr = question(a, op, b), f"{a}{op}{b}"
+    answer = calculate(expr)
+    msgs = [{"role": "user", "content": q}]
+    if needs_tool(a, op, b):
+        call = {"type": "function", "function": {"name": "calculator", "arguments": {"expression": expr}}}
+        msgs += [
+            {"role": "assistant", "content": None, "reasoning_content": TOOL_REASONING, "tool_calls": [call]},
+            {"role": "tool", "content": answer},
+        ]
+        reasoning = "Answer with the result."
+    else:
+        reasoning = DIRECT_REASONING
+    msgs.append({"role": "assistant", "content": answer, "reasoning_content": reasoning})
+    return {"messages": msgs, "tools": [CALCULATOR]}
+
+
+def _problem(rng: random.Random) -> tuple[int, str, int]:
+    kind = rng.random()
+    if kind < 0.3:  # by heart
+        return rng.randint(0, 9), "+", rng.randint(0, 9)
+    if kind < 0.65:
+        return rng.randint(10, 99), "*", rng.randint(2, 99)
+    return rng.randint(10, 999), "+", rng.randint(0, 999)
+
+
+def make_tool_conversations(n: int, seed: int, split: str) -> list[dict]:
+    """`n` records of the `split` ("train" or "eval") partition; eval problems are distinct."""
+    if split not in ("train", "eval"):
+        raise DataError(f"make_tool_conversations: split={split!r}; use 'train' or 'eval'")
+    rng = random.Random(f"tools-{seed}-{split}")
+    rows, seen, tries = [], set(), 0
+    while len(rows) < n:
+        tries += 1
+        if tries > 1000 * n + 10_000:
+            raise DataError(f"make_tool_conversations: only {len(rows)} of {n} {split} problems found")
+        a, op, b = _problem(rng)
+        text = question(a, op, b)
+        # one-digit sums are memorised facts: all 100 are trained, and the held-out ones are asked too
+        small = not needs_tool(a, op, b)
+        if not small and is_heldout(text, HELDOUT_FRACTION) != (split == "eval"):
+            continue
+        if split == "eval":
+            if text in seen:
+                continue
+            seen.add(text)
+        rows.append(conversation(a, op, b))
+    return rows
+
+
+def write_tool_dataset(out_dir: str, n_train: int, n_eval: int, seed: int) -> dict[str, str]:
+    """Write train.jsonl and eval.jsonl (messages with tools) under `out_dir`."""
+    os.makedirs(out_dir, exist_ok=True)
+    paths = {}
+    for split, n in (("train", n_train), ("eval", n_eval)):
+        paths[split] = os.path.join(out_dir, f"{split}.jsonl")
+        tmp = paths[split] + ".tmp"
+        with open(tmp, "w", encoding="utf-8") as f:
+            for row in make_tool_conversations(n, seed, split):
+                f.write(json.dumps(row, ensure_ascii=False, separators=(",", ":")) + "\n")
+        os.replace(tmp, paths[split])
+    return paths

@@ -1,0 +1,183 @@
+"""Split what an ERNIE-4.5 Thinking model writes into reasoning, answer and tool calls.
+
+The model writes `REASONING\\n</think>\\n\\n` and then `<response>\\nANSWER\\n</response>\\n` or
+one or more `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>\\n` blocks (the text
+FastDeploy's `ernie-x1` reasoning and tool-call parsers read; our own code). One state machine
+serves streaming (`ReplyParser.feed` per decoded piece) and whole replies (`parse_reply`), so a
+streamed reply and the same reply returned whole always agree.
+
+Where we differ from FastDeploy, on purpose: the newlines the template puts next to the tags
+(before `</think>`, after `<response>`, before `</response>`) are dropped, so a rendered message
+parses back to the same reasoning and answer; text after `</think>` that is neither a response nor
+a tool call comes back as the answer (FastDeploy drops it); a tool call that is not valid JSON
+with a name and an object of arguments comes back as answer text, never as a broken call.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass, field
+
+THINK_END = "</think>"
+RESPONSE_START, RESPONSE_END = "<response>", "</response>"
+CALL_START, CALL_END = "<tool_call>", "</tool_call>"
+
+
+def new_call_id() -> str:
+    return "call_" + uuid.uuid4().hex[:24]
+
+
+def parse_tool_call(text: str) -> dict | None:
+    """`{"name": ..., "arguments": {...}}` -> an OpenAI tool call (arguments as a JSON string);
+    None when it is not one."""
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError:
+        return None
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
+        return None
+    args = obj.get("arguments", {})
+    if isinstance(args, str):  # arguments written as a JSON string
+        try:
+            args = json.loads(args)
+        except json.JSONDecodeError:
+            return None
+    if not isinstance(args, dict):
+        return None
+    return {
+        "id": new_call_id(),
+        "type": "function",
+        "function": {"name": obj["name"], "arguments": json.dumps(args, ensure_ascii=False)},
+    }
+
+
+def _held(text: str, tag: str) -> int:
+    """Length of the longest suffix of `text` that could be the start of `tag` (kept back)."""
+    for k in range(min(len(tag) - 1, len(text)), 0, -1):
+        if tag.startswith(text[-k:]):
+            return k
+    return 0
+
+
+@dataclass
+class ReplyParser:
+    """Feed decoded text as it comes; get ("reasoning" | "content", text) and ("tool_call", call)
+    events. `thinking_open`: the prompt ended inside a thinking block (the generation prompt
+    `<think>\\n`), so the reply starts with reasoning."""
+
+    thinking_open: bool = True
+    tools_allowed: bool = True  # False (tool_choice none): a <tool_call> the model writes stays answer text
+    state: str = field(init=False)
+    buf: str = field(init=False, default="")
+
+    def __post_init__(self) -> None:
+        self.state = "think" if self.thinking_open else "after"
+
+    def feed(self, text: str) -> list[tuple[str, object]]:
+        self.buf += text
+        events: list[tuple[str, object]] = []
+        while self._step(events, final=False):
+            pass
+        return events
+
+    def finish(self) -> list[tuple[str, object]]:
+        events: list[tuple[str, object]] = []
+        while self._step(events, final=True):
+            pass
+        return events
+
+    def _emit(self, events: list, kind: str, text: str) -> None:
+        if text:
+            if events and events[-1][0] == kind and kind != "tool_call":
+                events[-1] = (kind, events[-1][1] + text)
+            else:
+                events.append((kind, text))
+
+    def _step(self, events: list, final: bool) -> bool:
+        """Consume what can be decided from the buffer; True when the state changed (go again)."""
+        buf, state = self.buf, self.state
+        if state == "think":
+            end = buf.find(THINK_END)
+            if end >= 0:
+                self._emit(events, "reasoning", buf[:end].removesuffix("\n"))
+                self.buf, self.state = buf[end + len(THINK_END) :], "after"
+                return True
+            keep = 0 if final else max(_held(buf, "\n" + THINK_END), _held(buf, THINK_END))
+            if final:  # cut off while thinking: all of it is reasoning
+                buf = buf.removesuffix("\n")
+            self._emit(events, "reasoning", buf[: len(buf) - keep])
+            self.buf = self.buf[len(self.buf) - keep :] if keep else ""
+            return False
+        if state == "after":
+            rest = buf.lstrip("\n")
+            tags = (
+                ((RESPONSE_START, "response"), (CALL_START, "call"))
+                if self.tools_allowed
+                else ((RESPONSE_START, "response"),)
+            )
+            for tag, nxt in tags:
+                if rest.startswith(tag):
+                    rest = rest[len(tag) :]
+                    self.buf, self.state = rest.removeprefix("\n") if nxt == "response" else rest, nxt
+                    if nxt == "response" and rest == "" and not final:
+                        self.state = "response_nl"  # the newline after <response> may still come
+                    return True
+            undecided = rest == "" or any(tag.startswith(rest) for tag, _ in tags)
+            if undecided and not final:
+                return False
+            self.buf, self.state = rest, "raw"
+            return bool(rest) or False
+        if state == "response_nl":
+            if buf == "" and not final:
+                return False
+            self.buf, self.state = buf.removeprefix("\n"), "response"
+            return True
+        if state == "response":
+            end = buf.find(RESPONSE_END)
+            if end >= 0:
+                self._emit(events, "content", buf[:end].removesuffix("\n"))
+                self.buf, self.state = buf[end + len(RESPONSE_END) :], "after"
+                return True
+            keep = 0 if final else max(_held(buf, "\n" + RESPONSE_END), _held(buf, RESPONSE_END))
+            body = buf[: len(buf) - keep]
+            self._emit(events, "content", body.removesuffix("\n") if final else body)
+            self.buf = buf[len(buf) - keep :] if keep else ""
+            return False
+        if state == "call":
+            end = buf.find(CALL_END)
+            if end < 0 and not final:
+                return False
+            body = buf if end < 0 else buf[:end]
+            call = parse_tool_call(body.strip())
+            if call is None:  # not a tool call: what the model wrote is the answer
+                self._emit(events, "content", CALL_START + buf)
+                self.buf, self.state = "", "raw"
+                return False
+            events.append(("tool_call", call))
+            self.buf, self.state = ("" if end < 0 else buf[end + len(CALL_END) :]), "after"
+            return end >= 0
+        # raw: plain answer text
+        self._emit(events, "content", buf)
+        self.buf = ""
+        return False
+
+
+@dataclass
+class ParsedReply:
+    reasoning: str | None
+    content: str
+    tool_calls: list[dict]
+
+
+def collect(events: list[tuple[str, object]]) -> ParsedReply:
+    reasoning = "".join(str(t) for k, t in events if k == "reasoning")
+    content = "".join(str(t) for k, t in events if k == "content")
+    calls = [c for k, c in events if k == "tool_call"]
+    return ParsedReply(reasoning if any(k == "reasoning" for k, _ in events) else None, content, calls)  # type: ignore[arg-type]
+
+
+def parse_reply(text: str, thinking_open: bool = True, tools_allowed: bool = True) -> ParsedReply:
+    """A whole reply -> reasoning, answer and tool calls (what streaming it would give)."""
+    p = ReplyParser(thinking_open, tools_allowed)
+    return collect(p.feed(text) + p.finish())

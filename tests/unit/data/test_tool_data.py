@@ -1,0 +1,229 @@
+"""Tool-call training data: OpenAI messages with tools, ERNIEKit's function-call records and
+ShareGPT's function_call / observation turns read to one form; the loss covers only what the
+assistant writes (optionally not its reasoning); bad schemas and calls are one-line errors with
+file and line."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from erniekit.data.encode import IGNORE_INDEX, encode_conversation
+from erniekit.data.formats import load_sft_examples
+from erniekit.data.synthetic_tools import CALCULATOR, calculate, make_tool_conversations
+from erniekit.errors import DataError
+from erniekit.models.ernie4_5.tokenizer import default_tokenizer
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return default_tokenizer().with_thinking_template()
+
+
+def _write(tmp_path, rows, name="d.jsonl"):
+    path = tmp_path / name
+    path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")
+    return str(path)
+
+
+OPENAI = {
+    "messages": [
+        {"role": "user", "content": "What is 12*13?"},
+        {
+            "role": "assistant",
+            "content": None,
+            "reasoning_content": "Use the calculator.",
+            "tool_calls": [
+                {
+                    "id": "c1",
+                    "type": "function",
+                    "function": {"name": "calculator", "arguments": '{"expression": "12*13"}'},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "c1", "content": "156"},
+        {"role": "assistant", "content": "156", "reasoning_content": "Answer with the result."},
+    ],
+    "tools": [CALCULATOR],
+}
+# ERNIEKit's function-call jsonl: reasoning inline, arguments and results as JSON values
+ERNIEKIT_FC = {
+    "messages": [
+        {"role": "user", "content": "What is 12*13?"},
+        {
+            "role": "assistant",
+            "content": "<think>Use the calculator.</think>",
+            "tool_calls": [
+                {"type": "function", "function": {"name": "calculator", "arguments": {"expression": "12*13"}}}
+            ],
+        },
+        {"role": "tool", "content": 156},
+        {"role": "assistant", "content": "<think>\nAnswer with the result.\n</think>\n\n156"},
+    ],
+    "tools": [CALCULATOR],
+}
+SHAREGPT = {
+    "conversations": [
+        {"from": "human", "value": "What is 12*13?"},
+        {"from": "function_call", "value": '{"name": "calculator", "arguments": {"expression": "12*13"}}'},
+        {"from": "observation", "value": "156"},
+        {"from": "gpt", "value": "156"},
+    ],
+    "tools": json.dumps([CALCULATOR]),
+}
+
+
+def test_the_three_formats_read_to_the_same_dialog(tmp_path):
+    convs = [
+        load_sft_examples(_write(tmp_path, [r], f"{k}.jsonl"))[0] for k, r in enumerate((OPENAI, ERNIEKIT_FC, SHAREGPT))
+    ]
+    for c in convs:
+        assert c.tools[0]["function"]["name"] == "calculator"
+        roles = [m["role"] for m in c.dialog]
+        assert roles == ["user", "assistant", "tool", "assistant"]
+        call = c.dialog[1]["tool_calls"][0]["function"]
+        assert call == {"name": "calculator", "arguments": {"expression": "12*13"}}
+        assert c.dialog[2]["content"] == "156" and c.dialog[3]["content"] == "156"
+    assert convs[0].dialog[1]["reasoning_content"] == convs[1].dialog[1]["reasoning_content"] == "Use the calculator."
+    assert convs[1].dialog[3]["reasoning_content"] == "Answer with the result."  # split from <think>...</think>
+
+
+def test_loss_covers_only_what_the_assistant_writes(tmp_path, tok):
+    conv = load_sft_examples(_write(tmp_path, [OPENAI]))[0]
+    ids, labels = encode_conversation(conv, tok, 4096)
+    trained = tok.decode([i for i, l in zip(ids, labels) if l != IGNORE_INDEX], skip_special_tokens=False)
+    assert trained == (
+        'Use the calculator.\n</think>\n\n<tool_call>\n{"name": "calculator", "arguments": {"expression": "12*13"}}\n'
+        "</tool_call>\n<|im_end|>\n\nAnswer with the result.\n</think>\n\n<response>\n156\n</response>\n<|im_end|>\n\n"
+    )
+    masked = tok.decode([i for i, l in zip(ids, labels) if l == IGNORE_INDEX], skip_special_tokens=False)
+    assert "<tool_list>" in masked and "What is 12*13?" in masked and "<|im_start|>tool\n156" in masked
+
+    _, no_reasoning = encode_conversation(conv, tok, 4096, train_on_reasoning=False)
+    kept = tok.decode([i for i, l in zip(ids, no_reasoning) if l != IGNORE_INDEX], skip_special_tokens=False)
+    assert "calculator." not in kept and "Answer with the result" not in kept
+    assert kept.startswith("</think>\n\n<tool_call>") and "<response>\n156\n</response>" in kept
+
+
+def test_training_ids_are_the_inference_prompt_ids(tmp_path, tok):
+    """The prompt before each reply is what chat / the server encode for the same history."""
+    from erniekit.infer.chat import chat_prompt_ids
+
+    conv = load_sft_examples(_write(tmp_path, [OPENAI]))[0]
+    ids, labels = encode_conversation(conv, tok, 4096)
+    for k in (1, 3):  # the two assistant messages
+        prompt = chat_prompt_ids(tok, conv.dialog[:k], conv.tools)
+        assert ids[: len(prompt)] == prompt and labels[len(prompt) - 1] == IGNORE_INDEX != labels[len(prompt)]
+
+
+@pytest.mark.parametrize(
+    "record, message",
+    [
+        ({**OPENAI, "tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "function name 'bad name!'"),
+        (
+            {**OPENAI, "tools": [{"type": "function", "function": {"name": "c", "parameters": {"type": "array"}}}]},
+            "JSON schema object",
+        ),
+        ({**OPENAI, "tools": "[not json"}, "is a string but not JSON"),
+        ({**OPENAI, "tools": [CALCULATOR, CALCULATOR]}, "tool names must be unique"),
+        (
+            {
+                **OPENAI,
+                "messages": [
+                    OPENAI["messages"][0],
+                    {
+                        **OPENAI["messages"][1],
+                        "tool_calls": [
+                            {"type": "function", "function": {"name": "calculator", "arguments": "{'expression': 1"}}
+                        ],
+                    },
+                    *OPENAI["messages"][2:],
+                ],
+            },
+            "arguments is not JSON",
+        ),
+        (
+            {
+                **OPENAI,
+                "messages": [
+                    OPENAI["messages"][0],
+                    {
+                        **OPENAI["messages"][1],
+                        "tool_calls": [{"type": "function", "function": {"name": "search", "arguments": {}}}],
+                    },
+                    *OPENAI["messages"][2:],
+                ],
+            },
+            "calls 'search', which is not among the tools",
+        ),
+        (
+            {**OPENAI, "messages": [OPENAI["messages"][0], OPENAI["messages"][2], OPENAI["messages"][3]]},
+            "must follow an assistant message with tool_calls",
+        ),
+        ({**OPENAI, "messages": OPENAI["messages"][:3]}, "must end with an assistant message"),
+        (
+            {
+                **OPENAI,
+                "messages": [
+                    OPENAI["messages"][0],
+                    {**OPENAI["messages"][1], "content": "hm"},
+                    *OPENAI["messages"][2:],
+                ],
+            },
+            "text next to tool_calls",
+        ),
+        (
+            {**SHAREGPT, "conversations": [SHAREGPT["conversations"][0], {"from": "function_call", "value": "{oops"}]},
+            "function_call value is not JSON",
+        ),
+    ],
+)
+def test_bad_tools_and_calls_are_one_line_errors_with_file_and_line(tmp_path, record, message):
+    path = _write(tmp_path, [SHAREGPT if "conversations" in record else OPENAI, record])
+    with pytest.raises(DataError) as e:
+        load_sft_examples(path)
+    text = str(e.value)
+    assert f"{path}:2" in text and message in text and "\n" not in text
+
+
+def test_tool_data_with_a_template_that_drops_tool_calls_is_refused(tmp_path):
+    conv = load_sft_examples(_write(tmp_path, [OPENAI]))[0]
+    with pytest.raises(DataError, match="chat_template: ernie_thinking"):
+        encode_conversation(conv, default_tokenizer(), 4096)  # the plain ERNIE template
+    with pytest.raises(DataError, match="train_on_reasoning: false needs a thinking chat template"):
+        plain = load_sft_examples(
+            _write(
+                tmp_path,
+                [
+                    {
+                        "messages": [
+                            {"role": "user", "content": "a"},
+                            {"role": "assistant", "content": "<think>r</think>b"},
+                        ]
+                    }
+                ],
+                "p.jsonl",
+            )
+        )[0]
+        encode_conversation(plain, default_tokenizer(), 4096, train_on_reasoning=False)
+
+
+def test_synthetic_tool_conversations_are_right_and_held_out():
+    train = make_tool_conversations(400, 0, "train")
+    held = make_tool_conversations(100, 0, "eval")
+    q = lambda r: r["messages"][0]["content"]  # noqa: E731
+    tool_questions = {q(r) for r in held if len(r["messages"]) > 2}
+    assert tool_questions and not tool_questions & {q(r) for r in train}  # tool problems never trained on
+    for r in train + held:
+        msgs = r["messages"]
+        expr = msgs[0]["content"].removeprefix("What is ").removesuffix("?")
+        assert msgs[-1]["content"] == str(eval(expr))  # noqa: S307 - the reference: Python's own arithmetic
+        if len(msgs) > 2:
+            assert msgs[1]["tool_calls"][0]["function"]["arguments"] == {"expression": expr}
+            assert msgs[2]["content"] == calculate(expr)
+        else:
+            x, y = expr.split("+")
+            assert int(x) < 10 and int(y) < 10
+    with pytest.raises(DataError, match="not 'a\\+b'"):
+        calculate("__import__('os')")
