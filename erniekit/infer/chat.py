@@ -157,7 +157,7 @@ class ChatSession:
 
         from erniekit.infer.reply_parser import ReplyParser, collect
 
-        parser, events, shown = ReplyParser(thinking_open=True, tools_allowed=bool(self.tools)), [], {"kind": None}
+        parser, events, shown = ReplyParser(thinking_open=True), [], {"kind": None}
 
         def show(new_events) -> None:
             for kind, value in new_events:

@@ -404,7 +404,9 @@ class OpenAIServer:
         if choice == "none":
             return None, ReplyMode()
         if choice == "required":
-            return tools, ReplyMode(forced="\n</think>\n\n<tool_call>\n", tools=True, single_call=not parallel)
+            # the reply starts with a call whose name the model writes
+            forced = '\n</think>\n\n<tool_call>\n{"name": "'
+            return tools, ReplyMode(forced=forced, tools=True, single_call=not parallel)
         fn = choice.get("function") if isinstance(choice, dict) and choice.get("type") == "function" else None
         name = fn.get("name") if isinstance(fn, dict) else None
         if not isinstance(name, str):
@@ -870,6 +872,26 @@ def api_key_from(flag: str | None) -> tuple[str | None, str]:
     return (env, API_KEY_ENV) if env else (None, "")
 
 
+def fastdeploy_parser_flags(model_dir: str) -> list[str]:
+    """FastDeploy's reasoning and tool-call parser flags for a checkpoint in the ERNIE thinking
+    format: `ernie-x1` for text models, `ernie-45-vl-thinking` for vision-language ones (as
+    FastDeploy serves ERNIE-4.5-21B-A3B-Thinking and ERNIE-4.5-VL-28B-A3B-Thinking); none for the
+    plain chat format."""
+    from erniekit.models.ernie4_5.tokenizer import ErnieTokenizer
+
+    if not os.path.isfile(os.path.join(model_dir, "tokenizer.model")):
+        return []
+    if not ErnieTokenizer.from_pretrained(model_dir).thinking:
+        return []
+    try:
+        with open(os.path.join(model_dir, "config.json"), encoding="utf-8") as f:
+            model_type = json.load(f).get("model_type", "")
+    except (OSError, ValueError, AttributeError):
+        model_type = ""
+    name = "ernie-45-vl-thinking" if "vl" in str(model_type) else "ernie-x1"
+    return ["--reasoning-parser", name, "--tool-call-parser", name]
+
+
 def fastdeploy_command(
     model_dir: str,
     host: str,
@@ -931,6 +953,7 @@ def fastdeploy_command(
     ]
     if quantization:
         cmd += ["--quantization", quantization]
+    cmd += fastdeploy_parser_flags(model_dir)
     env = {}
     if api_key:
         if "," in api_key:

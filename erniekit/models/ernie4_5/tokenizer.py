@@ -71,6 +71,7 @@ DEFAULT_SPECIAL_TOKENS = {
 DEFAULT_ADDITIONAL_SPECIAL_TOKENS = ["<|endofprompt|>"] + [f"<mask:{i}>" for i in range(8)]
 SPECIAL_KEYS = tuple(DEFAULT_SPECIAL_TOKENS)
 THINK_END = "</think>"
+TEXT_TAGS = tuple(t for t in THINKING_TOKENS if t not in ("<|im_start|>", "<|im_end|>"))
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 RESOURCE_DIR = os.path.join(_PACKAGE_DIR, "resources", "tokenizer")
 
@@ -134,6 +135,9 @@ class ErnieTokenizer:
             if tid is not None:
                 self._special_ids[tok] = tid
         self.all_special_ids = set(self._special_ids.values())
+        # the thinking format's tags are text of a reply (its parser reads them): decoded even when
+        # special tokens are skipped, and saved as non-special added tokens, as the hub does
+        self._text_tag_ids = {self._special_ids[t] for t in TEXT_TAGS if t in self._special_ids}
         alternatives = sorted(self._special_ids, key=len, reverse=True)
         self._split_re = re.compile("(" + "|".join(map(re.escape, alternatives)) + ")") if alternatives else None
 
@@ -215,7 +219,7 @@ class ErnieTokenizer:
                 "normalized": False,
                 "rstrip": False,
                 "single_word": False,
-                "special": True,
+                "special": tid not in self._text_tag_ids,
             }
             for tok, tid in sorted(self._special_ids.items(), key=lambda kv: kv[1])
         }
@@ -332,7 +336,7 @@ class ErnieTokenizer:
             if i in self.all_special_ids or i in self._id_to_added:
                 out.append(self.sp.decode(run))
                 run = []
-                if not skip_special_tokens or i not in self.all_special_ids:
+                if not skip_special_tokens or i not in self.all_special_ids or i in self._text_tag_ids:
                     out.append(self.convert_ids_to_tokens(i))
             else:
                 run.append(i)
