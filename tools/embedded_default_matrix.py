@@ -138,7 +138,12 @@ def run_cell(config: str, overrides: list[str], seed: int, threads: int, isa: st
     results = out_dir / "train_results.json"
     if r.returncode == 0 and results.exists():
         res = json.loads(results.read_text())
-        rec["exact_match"] = res.get("eval", {}).get("exact_match")
+        ev = res.get("eval", {})
+        # a tool-calling config (sft_tools.yaml) reports its two lines; its score is the final answer
+        for k in ("tool_call_match", "final_answer_accuracy"):
+            if k in ev:
+                rec[k] = ev[k]
+        rec["exact_match"] = ev.get("exact_match", ev.get("final_answer_accuracy"))
         rec["global_step"] = res.get("global_step")
         rec["train_runtime_s"] = round(res.get("train_runtime_s", float("nan")), 1)
     else:

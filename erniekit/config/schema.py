@@ -69,7 +69,7 @@ class TrainConfig:
     # ### data
     train_dataset_path: str = _opt("examples/data/arithmetic/train.jsonl", "training data file(s), comma-separated")
     train_dataset_type: str = _opt(
-        "auto", "format of train data: auto, erniekit, alpaca, messages, text", DATASET_TYPES
+        "auto", "format of train data: auto, erniekit, alpaca, messages, sharegpt, erniekit_vl, text", DATASET_TYPES
     )
     eval_dataset_path: str | None = _opt(None, "held-out data file(s), comma-separated")
     eval_dataset_type: str = _opt("auto", "format of eval data (as train_dataset_type)", DATASET_TYPES)

@@ -215,7 +215,7 @@ def test_bad_input_errors(tmp_path):
     msg = _err(load_sft_examples, nowhere)
     assert nowhere in msg and "not found" in msg and "check" in msg
 
-    assert "unknown data format 'sharegpt'" in _err(load_sft_examples, bad_json, fmt="sharegpt")
+    assert "unknown data format 'sharegpt4'" in _err(load_sft_examples, bad_json, fmt="sharegpt4")
 
     roles = _write(
         tmp_path / "roles.jsonl",
