@@ -1,8 +1,8 @@
 """Synthetic tool-use task: call a `calculator` for arithmetic, answer small sums by heart.
 
-A question "What is 47*86?" (a product, or a sum with a number of two or more digits) is answered
-by calling `calculator` with the expression, reading the tool's result and answering with it;
-"What is 3+4?" (one-digit numbers added) is answered directly. Held-out questions come from a
+A question "What is 47*86?" (a product, or a sum with a number above 4) is answered by calling
+`calculator` with the expression, reading the tool's result and answering with it; "What is 3+4?"
+(two numbers from 0 to 4 added: 25 facts a tiny model learns by heart) is answered directly. Held-out questions come from a
 fixed partition of the problem space (erniekit/data/synthetic.py is_heldout), so none is trained on.
 """
 
@@ -45,8 +45,11 @@ def question(a: int, op: str, b: int) -> str:
     return f"What is {a}{op}{b}?"
 
 
+SMALL = 4  # sums of two numbers up to this are answered by heart
+
+
 def needs_tool(a: int, op: str, b: int) -> bool:
-    return op != "+" or a > 9 or b > 9
+    return op != "+" or a > SMALL or b > SMALL
 
 
 def conversation(a: int, op: str, b: int) -> dict:
@@ -70,7 +73,7 @@ def conversation(a: int, op: str, b: int) -> dict:
 def _problem(rng: random.Random) -> tuple[int, str, int]:
     kind = rng.random()
     if kind < 0.3:  # by heart
-        return rng.randint(0, 9), "+", rng.randint(0, 9)
+        return rng.randint(0, SMALL), "+", rng.randint(0, SMALL)
     if kind < 0.65:
         return rng.randint(10, 99), "*", rng.randint(2, 99)
     return rng.randint(10, 999), "+", rng.randint(0, 999)
@@ -88,7 +91,7 @@ def make_tool_conversations(n: int, seed: int, split: str) -> list[dict]:
             raise DataError(f"make_tool_conversations: only {len(rows)} of {n} {split} problems found")
         a, op, b = _problem(rng)
         text = question(a, op, b)
-        # one-digit sums are memorised facts: all 100 are trained, and the held-out ones are asked too
+        # small sums are facts learned by heart: all 25 are trained, and asked in the eval split too
         small = not needs_tool(a, op, b)
         if not small and is_heldout(text, HELDOUT_FRACTION) != (split == "eval"):
             continue
