@@ -2,6 +2,7 @@
 gloo on 127.0.0.1): each layout must follow the 1-process loss curve, checkpoints must move between
 process counts, and a killed worker must be restarted from the latest checkpoint."""
 
+import hashlib
 import json
 import os
 import signal
@@ -12,17 +13,25 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from launched_jobs import worker_pids
+from launched_jobs import concurrently, head_of, worker_pids
 
 ROOT = str(Path(__file__).resolve().parents[2])
 DATA = os.path.join(ROOT, "examples", "data", "arithmetic", "train.jsonl")
+EVAL = os.path.join(ROOT, "examples", "data", "arithmetic", "eval.jsonl")
 
 
-def _args(out, model="tiny-dense", steps=20, batch=8):
+def _data():
+    """The first 2000 rows of DATA: a run here trains on at most 160 (20 steps of 8), and every
+    process encodes its whole training file first (20000 rows: ~1 s a process)."""
+    return head_of(DATA, 2000)
+
+
+def _args(out=None, model="tiny-dense", steps=20, batch=8):
+    """out=None: no output_dir (a `shared_run` picks it)."""
     return [
         f"model_name_or_path={model}",
         "model_overrides.num_hidden_layers=2",
-        f"train_dataset_path={DATA}",
+        f"train_dataset_path={_data()}",
         "max_seq_len=32",
         f"per_device_train_batch_size={batch}",
         f"max_steps={steps}",
@@ -31,7 +40,7 @@ def _args(out, model="tiny-dense", steps=20, batch=8):
         "do_eval=false",
         "save_steps=10",
         "disable_tqdm=true",
-        f"output_dir={out}",
+        *([f"output_dir={out}"] if out else []),
     ]
 
 
@@ -53,6 +62,28 @@ def _ok(r):
     return r
 
 
+def _train_all(*arg_lists):
+    """Independent runs at the same time (launched_jobs.concurrently); each must succeed."""
+    return concurrently(*(lambda a=a: _ok(_train(a)) for a in arg_lists))
+
+
+@pytest.fixture(scope="module")
+def shared_run(tmp_path_factory):
+    """args (without output_dir) -> (output_dir, CompletedProcess) of that run, trained once per
+    module: a run several tests need (a 1-process reference, a layout whose checkpoint another test
+    moves) is one run. Read its files; a test that writes (resumes) uses an output_dir of its own."""
+    base, done = tmp_path_factory.mktemp("shared"), {}
+
+    def run(args):
+        key = tuple(args)
+        if key not in done:
+            out = base / hashlib.sha1("\0".join(key).encode()).hexdigest()[:12]
+            done[key] = (out, _ok(_train([*args, f"output_dir={out}"])))
+        return done[key]
+
+    return run
+
+
 def _losses(out):
     rows = [json.loads(line) for line in open(os.path.join(out, "vdl_log", "scalars.jsonl"))]
     by_step = {r["step"]: r["train/loss"] for r in rows if "train/loss" in r}  # a resumed run re-logs steps
@@ -63,8 +94,7 @@ def _losses(out):
 def reference(tmp_path_factory):
     """1-process runs: the curves every layout must follow (dense and MoE, 20 steps, batch 8)."""
     base = tmp_path_factory.mktemp("ref")
-    _ok(_train(_args(base / "dense")))
-    _ok(_train(_args(base / "moe", "tiny-moe")))
+    _train_all(_args(base / "dense"), _args(base / "moe", "tiny-moe"))
     return base
 
 
@@ -110,9 +140,8 @@ def reference(tmp_path_factory):
         ),
     ],
 )
-def test_two_processes_follow_the_one_process_loss_curve(reference, tmp_path, name, model, batch, extra, sharded):
-    out = tmp_path / name
-    r = _ok(_train(_args(out, model, batch=batch) + ["nproc_per_node=2", *extra]))
+def test_two_processes_follow_the_one_process_loss_curve(reference, shared_run, name, model, batch, extra, sharded):
+    out, r = shared_run(_args(None, model, batch=batch) + ["nproc_per_node=2", *extra])
     ref = _losses(reference / ("moe" if model == "tiny-moe" else "dense"))
     got = _losses(out)
     assert len(got) == 20
@@ -133,13 +162,18 @@ def test_two_processes_follow_the_one_process_loss_curve(reference, tmp_path, na
         assert m and "(50%)" in m[0], r.stdout[-2000:]
 
 
-def test_checkpoints_move_between_process_counts(reference, tmp_path):
-    # 1 -> 2: the 1-process checkpoint at step 10 finishes in a 2-process data-parallel run
+def test_checkpoints_move_between_process_counts(reference, shared_run, tmp_path):
+    # 1 -> 2: the 1-process checkpoint at step 10 finishes in a 2-process data-parallel run; beside
+    # it, the tensor-parallel run of the test above (trained here if it has not run in this process)
     ckpt1 = reference / "dense" / "checkpoint-10"
-    _ok(_train(_args(tmp_path / "one_to_two", batch=4) + ["nproc_per_node=2", f"resume_from_checkpoint={ckpt1}"]))
+    _, (tp, _) = concurrently(
+        lambda: _ok(
+            _train(_args(tmp_path / "one_to_two", batch=4) + ["nproc_per_node=2", f"resume_from_checkpoint={ckpt1}"])
+        ),
+        lambda: shared_run(_args(None) + ["nproc_per_node=2", "tensor_parallel_degree=2"]),
+    )
     # 2 -> 1: a tensor-parallel run's step-10 checkpoint finishes in one process
-    _ok(_train(_args(tmp_path / "tp") + ["nproc_per_node=2", "tensor_parallel_degree=2"]))
-    ckpt2 = tmp_path / "tp" / "checkpoint-10"
+    ckpt2 = tp / "checkpoint-10"
     _ok(_train(_args(tmp_path / "two_to_one") + [f"resume_from_checkpoint={ckpt2}"]))
     ref = _losses(reference / "dense")
     for run in ("one_to_two", "two_to_one"):
@@ -151,7 +185,7 @@ def test_checkpoints_move_between_process_counts(reference, tmp_path):
     from erniekit.models.ernie4_5 import from_pretrained
 
     ids = paddle.to_tensor(np.random.default_rng(0).integers(3, 1000, (2, 12)))
-    a = from_pretrained(str(tmp_path / "tp"))(input_ids=ids).logits.numpy()
+    a = from_pretrained(str(tp))(input_ids=ids).logits.numpy()
     b = from_pretrained(str(reference / "dense"))(input_ids=ids).logits.numpy()
     np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)
 
@@ -193,17 +227,15 @@ def test_zero1_moe_survives_partial_expert_gradients(tmp_path):
         "disable_tqdm=true",
         "learning_rate=3e-3",
     ]
-    _ok(_train([*common, "per_device_train_batch_size=16", f"output_dir={tmp_path / 'one'}"]))
-    _ok(
-        _train(
-            [
-                *common,
-                "per_device_train_batch_size=8",
-                "sharding=stage1",
-                "nproc_per_node=2",
-                f"output_dir={tmp_path / 'two'}",
-            ]
-        )
+    _train_all(
+        [*common, "per_device_train_batch_size=16", f"output_dir={tmp_path / 'one'}"],
+        [
+            *common,
+            "per_device_train_batch_size=8",
+            "sharding=stage1",
+            "nproc_per_node=2",
+            f"output_dir={tmp_path / 'two'}",
+        ],
     )
     one, two = _losses(tmp_path / "one"), _losses(tmp_path / "two")
     assert len(two) == 30
@@ -212,11 +244,12 @@ def test_zero1_moe_survives_partial_expert_gradients(tmp_path):
 
 # ---- pipeline parallelism (1F1B over 4 micro-batches of 2 rows, 4 layers split 2 + 2) ------------
 def _pp_args(out, model, batch=2, steps=12):
+    """out=None: no output_dir (a `shared_run` picks it)."""
     return [
         f"model_name_or_path={model}",
         "model_overrides.num_hidden_layers=4",
-        f"train_dataset_path={DATA}",
-        f"eval_dataset_path={DATA.replace('train.jsonl', 'eval.jsonl')}",
+        f"train_dataset_path={_data()}",
+        f"eval_dataset_path={EVAL}",
         "eval_generation=false",
         "eval_steps=1000",
         "max_seq_len=32",
@@ -227,7 +260,7 @@ def _pp_args(out, model, batch=2, steps=12):
         "logging_steps=1",
         "save_steps=6",
         "disable_tqdm=true",
-        f"output_dir={out}",
+        *([f"output_dir={out}"] if out else []),
     ]
 
 
@@ -238,8 +271,7 @@ def _final_eval(out) -> float:
 @pytest.mark.parametrize("model", ["tiny-dense", "tiny-moe"])
 def test_pipeline_follows_the_one_process_curve_and_checkpoints_move_both_ways(tmp_path, model):
     ref, pp = tmp_path / "one", tmp_path / "pp"
-    _ok(_train(_pp_args(ref, model)))
-    r = _ok(_train(_pp_args(pp, model) + ["nproc_per_node=2", "pipeline_parallel_degree=2"]))
+    _, r = _train_all(_pp_args(ref, model), _pp_args(pp, model) + ["nproc_per_node=2", "pipeline_parallel_degree=2"])
     assert "pipeline stage 1/2: layers 0-1" in r.stdout and r.stdout.count("step 12/12") == 1
     np.testing.assert_allclose(_losses(pp), _losses(ref), rtol=1e-5)
     assert _final_eval(pp) == pytest.approx(_final_eval(ref), rel=1e-5)  # held-out loss through the stages
@@ -258,12 +290,10 @@ def test_pipeline_follows_the_one_process_curve_and_checkpoints_move_both_ways(t
     np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)
 
     # pipeline checkpoint -> 1 process, and 1-process checkpoint -> pipeline: steps 7-12 as uninterrupted
-    _ok(_train(_pp_args(tmp_path / "to_one", model) + [f"resume_from_checkpoint={pp / 'checkpoint-6'}"]))
-    _ok(
-        _train(
-            _pp_args(tmp_path / "to_pp", model)
-            + ["nproc_per_node=2", "pipeline_parallel_degree=2", f"resume_from_checkpoint={ref / 'checkpoint-6'}"]
-        )
+    _train_all(
+        _pp_args(tmp_path / "to_one", model) + [f"resume_from_checkpoint={pp / 'checkpoint-6'}"],
+        _pp_args(tmp_path / "to_pp", model)
+        + ["nproc_per_node=2", "pipeline_parallel_degree=2", f"resume_from_checkpoint={ref / 'checkpoint-6'}"],
     )
     for run in ("to_one", "to_pp"):
         np.testing.assert_allclose(_losses(tmp_path / run), _losses(ref)[6:], rtol=1e-5)
@@ -284,11 +314,15 @@ def test_pipeline_follows_the_one_process_curve_and_checkpoints_move_both_ways(t
         ),
     ],
 )
-def test_pipeline_beside_data_parallelism_four_processes(tmp_path, model, extra):
+def test_pipeline_beside_data_parallelism_four_processes(shared_run, tmp_path, model, extra):
     """pp=2 x dp=2: each stage's two data ranks split the rows and sum their gradients."""
-    ref, pp = tmp_path / "one", tmp_path / "pp_dp"
-    _ok(_train(_pp_args(ref, model, batch=2, steps=6) + extra))
-    _ok(_train(_pp_args(pp, model, batch=1, steps=6) + extra + ["nproc_per_node=4", "pipeline_parallel_degree=2"]))
+    pp = tmp_path / "pp_dp"
+    (ref, _), _ = concurrently(
+        lambda: shared_run(_pp_args(None, model, batch=2, steps=6) + extra),  # tiny-dense: also the pp=3 test's
+        lambda: _ok(
+            _train(_pp_args(pp, model, batch=1, steps=6) + extra + ["nproc_per_node=4", "pipeline_parallel_degree=2"])
+        ),
+    )
     np.testing.assert_allclose(_losses(pp), _losses(ref), rtol=1e-5)
     assert _final_eval(pp) == pytest.approx(_final_eval(ref), rel=1e-5)
     if model == "tiny-moe":
@@ -304,13 +338,15 @@ def test_pipeline_beside_data_parallelism_four_processes(tmp_path, model, extra)
         np.testing.assert_allclose(rows[1], rows[0], rtol=1e-5)
 
 
-def test_three_stages_follow_the_one_process_curve(tmp_path):
+def test_three_stages_follow_the_one_process_curve(shared_run, tmp_path):
     """pp=3: the middle stage talks to both neighbours, each link on its own group (on one shared
     group gloo's per-group message tags disagreed and the first step timed out, measured); the
     checkpoint gathers all three stages."""
-    ref, pp = tmp_path / "one", tmp_path / "pp"
-    _ok(_train(_pp_args(ref, "tiny-dense", steps=6)))
-    _ok(_train(_pp_args(pp, "tiny-dense", steps=6) + ["nproc_per_node=3", "pipeline_parallel_degree=3"]))
+    pp = tmp_path / "pp"
+    (ref, _), _ = concurrently(
+        lambda: shared_run(_pp_args(None, "tiny-dense", steps=6)),
+        lambda: _ok(_train(_pp_args(pp, "tiny-dense", steps=6) + ["nproc_per_node=3", "pipeline_parallel_degree=3"])),
+    )
     np.testing.assert_allclose(_losses(pp), _losses(ref), rtol=1e-5)
     from safetensors.numpy import load_file
 
@@ -324,13 +360,11 @@ def test_pipeline_runs_fp8_experts(tmp_path):
     """A pipeline stage keeps plain tensors, so the block-scaled FP8 expert GEMM runs there (it is
     refused beside DistTensor layouts); the curve is the 1-process FP8 one, not the float32 one."""
     fp8 = ["fp8=true", "fp8_block_size=32", "save_steps=100"]
-    _ok(_train(_pp_args(tmp_path / "one", "tiny-moe", steps=6) + fp8))
-    _ok(
-        _train(
-            _pp_args(tmp_path / "pp", "tiny-moe", steps=6) + fp8 + ["nproc_per_node=2", "pipeline_parallel_degree=2"]
-        )
+    _train_all(
+        _pp_args(tmp_path / "one", "tiny-moe", steps=6) + fp8,
+        _pp_args(tmp_path / "pp", "tiny-moe", steps=6) + fp8 + ["nproc_per_node=2", "pipeline_parallel_degree=2"],
+        _pp_args(tmp_path / "f32", "tiny-moe", steps=6) + ["save_steps=100"],
     )
-    _ok(_train(_pp_args(tmp_path / "f32", "tiny-moe", steps=6) + ["save_steps=100"]))
     one, pp, f32 = (_losses(tmp_path / n) for n in ("one", "pp", "f32"))
     np.testing.assert_allclose(pp, one, rtol=1e-5)
     assert np.abs(one - f32).max() > 1e-4  # FP8 really ran
@@ -369,39 +403,44 @@ def test_expert_parallel_over_four_ranks(reference, tmp_path):
     assert plan["parameters"]["model.layers.1.mlp.experts.up_proj"]["local_shape"] == [2, 128, 128]
 
 
-def test_expert_parallel_runs_fp8_experts(tmp_path):
+FP8 = ["fp8=true", "fp8_block_size=32"]
+
+
+def _fp8_runs(shared_run, two_args):
+    """(FP8 1-process, `two_args` run, float32 1-process) loss curves: tiny-moe, 8 steps, global batch
+    4; the two 1-process runs are shared by the FP8 expert tests, the three run at the same time."""
+    one_args = _args(None, "tiny-moe", steps=8, batch=4)
+    (one, _), (two, _), (f32, _) = concurrently(
+        lambda: shared_run(one_args + FP8),
+        lambda: shared_run(two_args),
+        lambda: shared_run(one_args),
+    )
+    return _losses(one), _losses(two), _losses(f32)
+
+
+def test_expert_parallel_runs_fp8_experts(shared_run):
     """An expert-parallel process runs its expert slice on local tensors, so the FP8 expert GEMM
     runs there too: 2 processes follow the 1-process FP8 curve (each expert sees the same rows in
     the same order, so the block scales are the same)."""
-    fp8 = ["fp8=true", "fp8_block_size=32"]
-    _ok(_train(_args(tmp_path / "one", "tiny-moe", steps=8, batch=4) + fp8))
-    _ok(
-        _train(
-            _args(tmp_path / "ep", "tiny-moe", steps=8, batch=2)
-            + fp8
-            + ["nproc_per_node=2", "expert_parallel_degree=2"]
-        )
+    one, ep, f32 = _fp8_runs(
+        shared_run, _args(None, "tiny-moe", steps=8, batch=2) + FP8 + ["nproc_per_node=2", "expert_parallel_degree=2"]
     )
-    _ok(_train(_args(tmp_path / "f32", "tiny-moe", steps=8, batch=4)))
-    one, ep, f32 = (_losses(tmp_path / n) for n in ("one", "ep", "f32"))
     np.testing.assert_allclose(ep, one, rtol=1e-5)
     assert np.abs(one - f32).max() > 1e-4  # FP8 really ran
 
 
 @pytest.mark.parametrize("layout", [[], ["tensor_parallel_degree=2"]], ids=["dp", "tp"])
-def test_fp8_experts_under_data_and_tensor_parallelism(tmp_path, layout):
+def test_fp8_experts_under_data_and_tensor_parallelism(shared_run, layout):
     """FP8 experts with plain data or tensor parallelism: the replicated experts run on local tensors.
     Tensor parallel: every tp rank computes the whole batch's experts, so the curve is the 1-process
     FP8 one. Data parallel: dW's token-run tiles hold each rank's tokens only (the scales of a
     data-parallel FP8 GEMM), so the curve follows the 1-process one within FP8's rounding, closer
     than FP8 is to float32 (the all-reduce of the expert gradients itself is checked to 1e-5 by
     the float32 dp-moe case above)."""
-    fp8 = ["fp8=true", "fp8_block_size=32"]
-    _ok(_train(_args(tmp_path / "one", "tiny-moe", steps=8, batch=4) + fp8))
-    _ok(_train(_args(tmp_path / "f32", "tiny-moe", steps=8, batch=4)))
     batch = 4 if layout else 2
-    _ok(_train(_args(tmp_path / "two", "tiny-moe", steps=8, batch=batch) + fp8 + ["nproc_per_node=2", *layout]))
-    one, two, f32 = (_losses(tmp_path / n) for n in ("one", "two", "f32"))
+    one, two, f32 = _fp8_runs(
+        shared_run, _args(None, "tiny-moe", steps=8, batch=batch) + FP8 + ["nproc_per_node=2", *layout]
+    )
     assert len(two) == 8
     assert np.abs(one - f32).max() > 1e-4  # FP8 really ran
     if layout:
