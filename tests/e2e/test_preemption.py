@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from launched_jobs import job_processes, worker_pids
+from launched_jobs import concurrently, head_of, job_processes, worker_pids
 
 ROOT = str(Path(__file__).resolve().parents[2])
 DATA = os.path.join(ROOT, "examples", "data", "arithmetic", "train.jsonl")
@@ -23,11 +23,13 @@ ENV = dict(os.environ, OMP_NUM_THREADS="1")
 
 
 def _args(out, steps=40, batch=8):
-    """tiny-dense, 2 layers: a few steps a second, so a signal lands mid-run."""
+    """tiny-dense, 2 layers: a few steps a second, so a signal lands mid-run. The first 2000 rows of
+    DATA: each process encodes its whole training file before the first step (20000 rows: ~1 s),
+    and a run here trains on a few hundred."""
     return [
         "model_name_or_path=tiny-dense",
         "model_overrides.num_hidden_layers=2",
-        f"train_dataset_path={DATA}",
+        f"train_dataset_path={head_of(DATA, 2000)}",
         "max_seq_len=32",
         f"per_device_train_batch_size={batch}",
         f"max_steps={steps}",
@@ -299,12 +301,14 @@ def test_sigterm_stops_the_ps_example_with_a_checkpoint_and_no_survivors(tmp_pat
     assert n == n1, (n, n1)
     _assert_complete_checkpoint(out, n)
     assert "FatalError" not in "".join(logs)
-    if target == "server":  # the resume continues the curve of an uninterrupted run
+    if target == "server":  # the resume continues the curve of an uninterrupted run (the two run at once)
         steps = 2 * n if n < 20 else n + 4
-        r = _run(_ps_args(out, steps) + ["resume_from_checkpoint=auto"])
-        assert r.returncode == 0 and f"checkpoint-{n} at step {n}" in r.stdout, r.stdout[-3000:] + r.stderr[-3000:]
         ref = tmp_path / "ref"
-        assert _run(_ps_args(ref, steps)).returncode == 0
+        r, r_ref = concurrently(
+            lambda: _run(_ps_args(out, steps) + ["resume_from_checkpoint=auto"]), lambda: _run(_ps_args(ref, steps))
+        )
+        assert r.returncode == 0 and f"checkpoint-{n} at step {n}" in r.stdout, r.stdout[-3000:] + r.stderr[-3000:]
+        assert r_ref.returncode == 0, r_ref.stdout[-3000:] + r_ref.stderr[-3000:]
         got, want = _by_step(out), _by_step(ref)
         assert sorted(got) == list(range(1, steps + 1))
         np.testing.assert_allclose([got[s] for s in sorted(got)], [want[s] for s in sorted(got)], rtol=1e-5)
