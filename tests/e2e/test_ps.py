@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from launched_jobs import worker_pids
+from launched_jobs import concurrently, worker_pids
 
 from erniekit.config import load_config, validate
 from erniekit.distributed.ps.topology import PSTopology, row_ranges
@@ -131,9 +131,11 @@ def test_pipeline_stages_of_workers_follow_the_one_process_curve(tmp_path):
     pulls and pushes rows, the last asks the server for the loss; losses, gradient norms and the
     saved model equal 1 process, and the checkpoint (stages and server rows gathered) resumes there."""
     shape = ["model_overrides.num_hidden_layers=3", "gradient_accumulation_steps=3", "per_device_train_batch_size=4"]
-    r = _train(tmp_path / "pp", *shape, "pipeline_parallel_degree=2", "pipeline_stage_layers=[1,2]")
+    r, _ = concurrently(
+        lambda: _train(tmp_path / "pp", *shape, "pipeline_parallel_degree=2", "pipeline_stage_layers=[1,2]"),
+        lambda: _one_process(tmp_path / "one", *shape, "per_device_train_batch_size=4"),
+    )
     assert "workers in 2 pipeline stages of layers 0-0, 1-2" in r.stdout
-    _one_process(tmp_path / "one", *shape, "per_device_train_batch_size=4")
     _assert_same_run(tmp_path / "pp", tmp_path / "one")
     resumed = tmp_path / "resumed"
     resumed.mkdir()
@@ -156,14 +158,18 @@ def test_auto_placement_runs_the_schedulers_stages(tmp_path):
     the launch follows it (1 server + 2 stages), and training follows the 1-process curve."""
     cluster = tmp_path / "two.yaml"
     cluster.write_text(TWO_KINDS)
-    r = _train(tmp_path / "auto", "ps_placement=auto", f"cluster={cluster}", "ps_target=512", "nproc_per_node=1")
+    r, _ = concurrently(
+        lambda: _train(
+            tmp_path / "auto", "ps_placement=auto", f"cluster={cluster}", "ps_target=512", "nproc_per_node=1"
+        ),
+        lambda: _one_process(tmp_path / "one", "per_device_train_batch_size=8"),
+    )
     assert "ps_placement auto" in r.stdout and "slow x1 [layer0] | fast x1 [layer1]" in r.stdout
     plan = json.load(open(tmp_path / "auto" / "ps_placement.json"))
     assert plan["stage_layers"] == [1, 1] and plan["stage_types"] == ["slow", "fast"] and plan["processes"] == 3
     exact = next(c for c in plan["candidates"] if c["name"] == "exact")
     assert exact["tokens_per_s"] == pytest.approx(plan["predicted_tokens_per_s"])  # RL found the optimum
     assert "workers in 2 pipeline stages of layers 0-0, 1-1" in r.stdout
-    _one_process(tmp_path / "one", "per_device_train_batch_size=8")
     np.testing.assert_allclose(_curve(tmp_path / "auto"), _curve(tmp_path / "one"), rtol=1e-5)
 
 
@@ -187,13 +193,15 @@ def test_auto_placement_errors_name_the_launch_and_the_best_throughput(tmp_path)
 def test_one_server_two_workers_follow_the_one_process_curve(tmp_path):
     """tiny-moe (tied embedding, router losses): losses, gradient norms and the saved model equal a
     1-process run over the same global batches; the PS checkpoint resumes in one process."""
-    _train(tmp_path / "ps")
-    _one_process(tmp_path / "one")
+    concurrently(
+        lambda: _train(tmp_path / "ps"),
+        lambda: _one_process(tmp_path / "one"),
+        lambda: _train(tmp_path / "int8", "ps_compress=int8"),
+    )
     _assert_same_run(tmp_path / "ps", tmp_path / "one")
     results = json.load(open(tmp_path / "ps" / "train_results.json"))
     assert results["ps_bytes_per_worker"]["sent"] > 0
     # int8 pushes (error feedback): about a quarter of the row-gradient bytes, nearly the same curve
-    _train(tmp_path / "int8", "ps_compress=int8")
     pushed = json.load(open(tmp_path / "int8" / "train_results.json"))["ps_bytes_per_worker"]["pushed_row_gradients"]
     assert 0.2 < pushed / results["ps_bytes_per_worker"]["pushed_row_gradients"] < 0.3
     np.testing.assert_allclose(_curve(tmp_path / "int8"), _curve(tmp_path / "ps"), rtol=2e-3)
@@ -208,25 +216,40 @@ def test_one_server_two_workers_follow_the_one_process_curve(tmp_path):
 def test_two_servers_split_untied_tables(tmp_path):
     """An untied LM head and 2 servers (vocabulary split in two, one worker): the same curve."""
     untied = ["model_name_or_path=tiny-dense", "model_overrides.tie_word_embeddings=false"]
-    _train(tmp_path / "ps", *untied, "ps_servers=2")
-    _one_process(tmp_path / "one", *untied, "per_device_train_batch_size=8")
+    concurrently(
+        lambda: _train(tmp_path / "ps", *untied, "ps_servers=2"),
+        lambda: _one_process(tmp_path / "one", *untied, "per_device_train_batch_size=8"),
+    )
     np.testing.assert_allclose(_curve(tmp_path / "ps"), _curve(tmp_path / "one"), rtol=1e-5)
     a, b = _tensors(tmp_path / "ps"), _tensors(tmp_path / "one")
     np.testing.assert_allclose(a["lm_head.weight"], b["lm_head.weight"], rtol=1e-4, atol=1e-5)
 
 
+# 16 synchronous steps, checkpoints at 8 and 16: the uninterrupted run a restarted job must end
+# on and the curve the async run must end near; trained once per module, shared by those tests
+SYNC_STEPS = ["max_steps=16", "save_steps=8", "logging_steps=4"]
+
+
+@pytest.fixture(scope="module")
+def sync_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("sync") / "run"
+    _train(out, *SYNC_STEPS)
+    return out
+
+
 @pytest.mark.parametrize(
     "role, rank, lost", [("server", 2, "lost parameter server 0 (rank 2)"), ("worker", 1, "lost worker 1 (rank 1)")]
 )
-def test_a_killed_server_or_worker_stops_the_job_with_a_clear_error_and_the_restart_resumes(tmp_path, role, rank, lost):
+def test_a_killed_server_or_worker_stops_the_job_with_a_clear_error_and_the_restart_resumes(
+    tmp_path, sync_run, role, rank, lost
+):
     out = tmp_path / "killed"
-    steps = ["max_steps=20", "save_steps=10", "logging_steps=5"]
-    p = _train(out, *steps, "max_restart=1", popen=True)
+    p = _train(out, *SYNC_STEPS, "max_restart=1", popen=True)
     deadline = time.time() + 300
-    while not (out / "checkpoint-10").is_dir() and p.poll() is None and time.time() < deadline:
+    while not (out / "checkpoint-8").is_dir() and p.poll() is None and time.time() < deadline:
         time.sleep(0.1)
     pid = worker_pids(out).get(rank)
-    assert pid is not None and not (out / "checkpoint-20").exists()
+    assert pid is not None and not (out / "checkpoint-16").exists()
     os.kill(pid, signal.SIGKILL)
     stdout, _ = p.communicate(timeout=600)
     assert p.returncode == 0, stdout[-3000:]
@@ -234,9 +257,24 @@ def test_a_killed_server_or_worker_stops_the_job_with_a_clear_error_and_the_rest
     # what stopped the first attempt, in one line: a peer names the lost process when gloo times
     # out first; when the launcher ends the pod first, erniekit names the failure and the logs
     assert lost in stdout or "lost another worker" in stdout or "erniekit: the job failed (launcher exit code" in stdout
-    ref = tmp_path / "ref"
-    _train(ref, *steps)
-    np.testing.assert_allclose(_curve(out)[-1], _curve(ref)[-1], rtol=1e-5)
+    np.testing.assert_allclose(_curve(out)[-1], _curve(sync_run)[-1], rtol=1e-5)
+
+
+def test_async_mode_converges_like_sync(tmp_path, sync_run):
+    """Async (servers apply each worker's gradients as they come, workers average their blocks every
+    2 steps): it trains, ends near the synchronous loss, and its checkpoint resumes."""
+    steps = SYNC_STEPS
+    _train(tmp_path / "async", *steps, "ps_sync_mode=async", "ps_k_steps=2")
+    sync, asyn = _curve(sync_run), _curve(tmp_path / "async")
+    assert asyn[-1] < 0.5 * asyn[0]  # it learns
+    assert abs(asyn[-1] - sync[-1]) < 0.1 * sync[-1]
+    assert not np.allclose(asyn, sync, rtol=1e-6)  # and it is not the synchronous run
+    resumed = tmp_path / "resumed"
+    resumed.mkdir()
+    os.rename(tmp_path / "async" / "checkpoint-8", resumed / "checkpoint-8")
+    r = _train(resumed, *steps, "ps_sync_mode=async", "ps_k_steps=2", "resume_from_checkpoint=auto")
+    assert "resumed from" in r.stdout
+    assert abs(_curve(resumed)[-1] - sync[-1]) < 0.1 * sync[-1]
 
 
 @pytest.mark.parametrize("kind", ["int8", "topk"])
@@ -262,24 +300,6 @@ def test_compression_with_error_feedback_loses_nothing_for_good(kind):
         assert np.abs(one - g).max() <= np.abs(g).max() / 127 * 0.5 + 1e-6
     else:  # the 8 largest entries of each row kept exactly, the rest 0
         assert ((one != 0).sum(axis=1) == 8).all() and np.allclose(one[one != 0], g[one != 0])
-
-
-def test_async_mode_converges_like_sync(tmp_path):
-    """Async (servers apply each worker's gradients as they come, workers average their blocks every
-    2 steps): it trains, ends near the synchronous loss, and its checkpoint resumes."""
-    steps = ["max_steps=16", "save_steps=8", "logging_steps=4"]
-    _train(tmp_path / "sync", *steps)
-    _train(tmp_path / "async", *steps, "ps_sync_mode=async", "ps_k_steps=2")
-    sync, asyn = _curve(tmp_path / "sync"), _curve(tmp_path / "async")
-    assert asyn[-1] < 0.5 * asyn[0]  # it learns
-    assert abs(asyn[-1] - sync[-1]) < 0.1 * sync[-1]
-    assert not np.allclose(asyn, sync, rtol=1e-6)  # and it is not the synchronous run
-    resumed = tmp_path / "resumed"
-    resumed.mkdir()
-    os.rename(tmp_path / "async" / "checkpoint-8", resumed / "checkpoint-8")
-    r = _train(resumed, *steps, "ps_sync_mode=async", "ps_k_steps=2", "resume_from_checkpoint=auto")
-    assert "resumed from" in r.stdout
-    assert abs(_curve(resumed)[-1] - sync[-1]) < 0.1 * sync[-1]
 
 
 def test_async_saves_only_at_averaging_steps():
