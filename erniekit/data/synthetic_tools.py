@@ -1,7 +1,7 @@
 """Synthetic tool-use task: call a `calculator` for arithmetic, answer small sums by heart.
 
-A question "What is 47*86?" (a product, or a sum with a number above 4) is answered by calling
-`calculator` with the expression, reading the tool's result and answering with it; "What is 3+4?"
+A question "47*86=?" (a product, or a sum with a number above 4) is answered by calling
+`calculator` with the expression, reading the tool's result and answering with it; "3+4=?"
 (two numbers from 0 to 4 added: 25 facts a tiny model learns by heart) is answered directly. Held-out questions come from a
 fixed partition of the problem space (erniekit/data/synthetic.py is_heldout), so none is trained on.
 """
@@ -42,7 +42,10 @@ def calculate(expression: str) -> str:
 
 
 def question(a: int, op: str, b: int) -> str:
-    return f"What is {a}{op}{b}?"
+    """The expression first: the call copies the user message's start as the answer copies the tool
+    message's start (one skill for a tiny model to learn; behind "What is " two seeds in three had
+    not learned the first by step 1500)."""
+    return f"{a}{op}{b}=?"
 
 
 SMALL = 4  # sums of two numbers up to this are answered by heart

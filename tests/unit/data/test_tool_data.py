@@ -217,7 +217,7 @@ def test_synthetic_tool_conversations_are_right_and_held_out():
     assert tool_questions and not tool_questions & {q(r) for r in train}  # tool problems never trained on
     for r in train + held:
         msgs = r["messages"]
-        expr = msgs[0]["content"].removeprefix("What is ").removesuffix("?")
+        expr = msgs[0]["content"].removesuffix("=?")
         assert msgs[-1]["content"] == str(eval(expr))  # noqa: S307 - the reference: Python's own arithmetic
         if len(msgs) > 2:
             assert msgs[1]["tool_calls"][0]["function"]["arguments"] == {"expression": expr}

@@ -1,0 +1,122 @@
+"""The tool-calling demo (examples/configs/tiny/sft_tools.yaml), shortened to 300 steps and trained
+once, then driven as a user would: the run ends with its held-out tool-call and final-answer
+lines, and the `openai` client's tools API against `erniekit server` on the trained model, whole
+and streamed, gives a tool call with its reasoning, takes the result back and answers. 300 steps
+learn the format and when to call, not the copying of numbers: the assertions are about what the
+format and the API promise (the full config's accuracy is in bench_results/tools_default_matrix.json
+and docs/tools.md; it is not robust over seeds yet, issue #27)."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+from launched_jobs import free_port, serve, train
+
+openai = pytest.importorskip("openai")
+ROOT = str(Path(__file__).resolve().parents[2])
+CALC = {
+    "type": "function",
+    "function": {
+        "name": "calculator",
+        "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]},
+    },
+}
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory):
+    out = tmp_path_factory.mktemp("tools")
+    args = ["examples/configs/tiny/sft_tools.yaml", "max_steps=300", "warmup_steps=30", "eval_steps=300"]
+    args += ["save_steps=300", "eval_max_samples=40", "disable_tqdm=true", f"output_dir={out}"]
+    r = train(args, ROOT, timeout=900)
+    return str(out), r.stdout
+
+
+def test_the_run_ends_with_the_tool_lines(demo):
+    _, stdout = demo
+    call = re.search(r"held-out tool-call exact match: ([0-9.]+)", stdout)
+    final = re.search(r"held-out final-answer accuracy: ([0-9.]+)", stdout)
+    assert call and final, stdout[-2000:]
+    # measured at 300 steps: the format and the call/answer choice are learned, the numbers not yet
+    assert float(call[1]) >= 0.25, stdout[-2000:]
+
+
+@pytest.fixture(scope="module")
+def client(demo):
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    for _ in serve(["server", demo[0], "--port", str(port), "--served-model-name", "tools"], base + "/health", ROOT):
+        yield openai.OpenAI(base_url=base + "/v1", api_key="none")
+
+
+QUESTION = "47*86=?"  # a product: a call to the calculator
+
+
+def _round_trip(client, stream: bool) -> tuple[dict, dict]:
+    msgs = [{"role": "user", "content": QUESTION}]
+    first = _ask(client, msgs, stream)
+    assert first["finish_reason"] == "tool_calls", first
+    (call,) = first["tool_calls"]
+    assert call["function"]["name"] == "calculator" and call["id"].startswith("call_")
+    assert set(json.loads(call["function"]["arguments"])) == {"expression"}
+    assert first["reasoning_content"] == "Use the calculator." and not first["content"]
+    msgs += [
+        # the reasoning goes back too: the history then renders as the model was trained on it
+        {"role": "assistant", "content": None, "tool_calls": [call], "reasoning_content": first["reasoning_content"]},
+        {"role": "tool", "tool_call_id": call["id"], "content": "4042"},
+    ]
+    final = _ask(client, msgs, stream)
+    assert final["finish_reason"] == "stop" and final["content"].isdigit(), final
+    assert final["reasoning_content"] == "Answer with the result." and not final["tool_calls"]
+    return first, final
+
+
+def _ask(client, msgs, stream: bool) -> dict:
+    kw = dict(model="tools", messages=msgs, tools=[CALC], temperature=0, max_tokens=100)
+    if not stream:
+        c = client.chat.completions.create(**kw).choices[0]
+        m = c.message
+        calls = [
+            {"id": t.id, "type": t.type, "function": {"name": t.function.name, "arguments": t.function.arguments}}
+            for t in m.tool_calls or []
+        ]
+        return {
+            "finish_reason": c.finish_reason,
+            "content": m.content,
+            "tool_calls": calls,
+            "reasoning_content": (m.model_extra or {}).get("reasoning_content"),
+        }
+    out = {"finish_reason": None, "content": "", "tool_calls": [], "reasoning_content": ""}
+    for chunk in client.chat.completions.create(stream=True, **kw):
+        c = chunk.choices[0]
+        d = c.delta
+        out["content"] += d.content or ""
+        out["reasoning_content"] += (d.model_extra or {}).get("reasoning_content") or ""
+        for t in d.tool_calls or []:  # accumulated by index, as the openai client's helpers do
+            while len(out["tool_calls"]) <= t.index:
+                out["tool_calls"].append({"id": "", "type": "function", "function": {"name": "", "arguments": ""}})
+            acc = out["tool_calls"][t.index]
+            acc["id"] = t.id or acc["id"]
+            acc["function"]["name"] += t.function.name or ""
+            acc["function"]["arguments"] += t.function.arguments or ""
+        out["finish_reason"] = c.finish_reason or out["finish_reason"]
+    out["content"] = out["content"] or None  # no content deltas: None, as the whole reply says
+    return out
+
+
+def test_openai_client_tool_round_trip_whole_and_streamed_agree(client):
+    first, final = _round_trip(client, stream=False)
+    s_first, s_final = _round_trip(client, stream=True)
+    strip = lambda r: {**r, "tool_calls": [c["function"] for c in r["tool_calls"]]}  # noqa: E731 - ids differ
+    assert strip(s_first) == strip(first) and strip(s_final) == strip(final)
+
+
+def test_a_one_digit_sum_is_answered_without_the_tool(client):
+    msgs = [{"role": "user", "content": "3+4=?"}]
+    r = client.chat.completions.create(model="tools", messages=msgs, tools=[CALC], temperature=0, max_tokens=40)
+    c = r.choices[0]
+    assert c.finish_reason == "stop" and not c.message.tool_calls and c.message.content.isdigit()
+    assert (c.message.model_extra or {}).get("reasoning_content") == "I know this."
