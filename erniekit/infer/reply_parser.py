@@ -94,21 +94,27 @@ class ReplyParser:
             else:
                 events.append((kind, text))
 
+    def _until(self, events: list, kind: str, end_tag: str, final: bool) -> bool:
+        """Reasoning up to </think>, an answer up to </response>: emit the text before the tag
+        (without the newline the template puts before it) and go on after it; without the tag,
+        emit what cannot be the start of it (all of it at the end)."""
+        buf = self.buf
+        end = buf.find(end_tag)
+        if end >= 0:
+            self._emit(events, kind, buf[:end].removesuffix("\n"))
+            self.buf, self.state = buf[end + len(end_tag) :], "after"
+            return True
+        keep = 0 if final else max(_held(buf, "\n" + end_tag), _held(buf, end_tag))
+        body = buf[: len(buf) - keep]
+        self._emit(events, kind, body.removesuffix("\n") if final else body)
+        self.buf = buf[len(buf) - keep :] if keep else ""
+        return False
+
     def _step(self, events: list, final: bool) -> bool:
         """Consume what can be decided from the buffer; True when the state changed (go again)."""
         buf, state = self.buf, self.state
         if state == "think":
-            end = buf.find(THINK_END)
-            if end >= 0:
-                self._emit(events, "reasoning", buf[:end].removesuffix("\n"))
-                self.buf, self.state = buf[end + len(THINK_END) :], "after"
-                return True
-            keep = 0 if final else max(_held(buf, "\n" + THINK_END), _held(buf, THINK_END))
-            if final:  # cut off while thinking: all of it is reasoning
-                buf = buf.removesuffix("\n")
-            self._emit(events, "reasoning", buf[: len(buf) - keep])
-            self.buf = self.buf[len(self.buf) - keep :] if keep else ""
-            return False
+            return self._until(events, "reasoning", THINK_END, final)
         if state == "after":
             rest = buf.lstrip("\n")
             tags = (
@@ -127,23 +133,14 @@ class ReplyParser:
             if undecided and not final:
                 return False
             self.buf, self.state = rest, "raw"
-            return bool(rest) or False
+            return bool(rest)
         if state == "response_nl":
             if buf == "" and not final:
                 return False
             self.buf, self.state = buf.removeprefix("\n"), "response"
             return True
         if state == "response":
-            end = buf.find(RESPONSE_END)
-            if end >= 0:
-                self._emit(events, "content", buf[:end].removesuffix("\n"))
-                self.buf, self.state = buf[end + len(RESPONSE_END) :], "after"
-                return True
-            keep = 0 if final else max(_held(buf, "\n" + RESPONSE_END), _held(buf, RESPONSE_END))
-            body = buf[: len(buf) - keep]
-            self._emit(events, "content", body.removesuffix("\n") if final else body)
-            self.buf = buf[len(buf) - keep :] if keep else ""
-            return False
+            return self._until(events, "content", RESPONSE_END, final)
         if state == "call":
             end = buf.find(CALL_END)
             if end < 0 and not final:
