@@ -735,12 +735,18 @@ def test_fastdeploy_gets_the_key_and_quantization_but_never_shows_the_key(tmp_pa
 
 
 def test_the_key_never_appears_in_the_server_output(live):
-    """Runs last: stops the live server and reads all it wrote (startup banner, info-level access
-    log of every request above, 401s included)."""
+    """Stops the live server and reads all it wrote (startup banner, info-level access log of
+    every request above, 401s included). pytest-xdist may run the module's other tests in another
+    worker (with its own server), so this one sends a served and a refused request itself."""
+    assert post(live["port"], C, enc(chat("hi")))[0] == 200
+    assert post(live["port"], C, enc(chat("hi")), {"Authorization": f"Bearer {KEY}x"})[0] == 401
     proc = live["proc"]
     proc.terminate()
     proc.wait(timeout=30)
     time.sleep(0.5)
     out = "".join(live["lines"])
-    assert "API key required, from ERNIEKIT_API_KEY" in out
-    assert KEY not in out and "POST /v1/chat/completions" in out
+    assert "API key required, from ERNIEKIT_API_KEY" in out, out[:300]
+    assert '"POST /v1/chat/completions HTTP/1.1" 200' in out and " 401" in out, out[-2000:]
+    leaks = [i for i, line in enumerate(live["lines"]) if KEY in line]
+    where = "".join(live["lines"][max(0, leaks[0] - 15) : leaks[0] + 5]) if leaks else ""
+    assert not leaks, f"the key is in {len(leaks)} line(s) of the server output; the first, with context:\n{where}"
