@@ -26,19 +26,24 @@ CALCULATOR = {
         },
     },
 }
-TOOL_REASONING = "Use the calculator."
-DIRECT_REASONING = "I know this."
+# The reasoning restates what it works on (the expression, then the tool's result), as thinking
+# models do: twice the copying per conversation, the skill a tiny model learns last (docs/tools.md)
+TOOL_REASONING = "{expr}: use the calculator."
+DIRECT_REASONING = "{expr}: I know this."
+RESULT_REASONING = "It is {answer}."
 HELDOUT_FRACTION = 0.1
 
 
 def calculate(expression: str) -> str:
-    """The calculator tool: `a+b`, `a-b` or `a*b` on non-negative integers (no eval of any kind)."""
+    """The calculator tool: `a+b`, `a-b` or `a*b` on non-negative integers (no eval of any kind).
+    Anything else is a ValueError, the error a tool raises for a bad argument: an agent (the
+    held-out evaluation, `erniekit chat --tools`) hands its message back to the model."""
     for op in "+-*":
         a, sep, b = expression.partition(op)
         if sep and a.strip().isdigit() and b.strip().isdigit():
             x, y = int(a), int(b)
             return str(x + y if op == "+" else x - y if op == "-" else x * y)
-    raise DataError(f"calculator: {expression!r} is not 'a+b', 'a-b' or 'a*b' with whole numbers")
+    raise ValueError(f"calculator: {expression!r} is not 'a+b', 'a-b' or 'a*b' with whole numbers")
 
 
 def question(a: int, op: str, b: int) -> str:
@@ -63,12 +68,17 @@ def conversation(a: int, op: str, b: int) -> dict:
     if needs_tool(a, op, b):
         call = {"type": "function", "function": {"name": "calculator", "arguments": {"expression": expr}}}
         msgs += [
-            {"role": "assistant", "content": None, "reasoning_content": TOOL_REASONING, "tool_calls": [call]},
+            {
+                "role": "assistant",
+                "content": None,
+                "reasoning_content": TOOL_REASONING.format(expr=expr),
+                "tool_calls": [call],
+            },
             {"role": "tool", "content": answer},
         ]
-        reasoning = "Answer with the result."
+        reasoning = RESULT_REASONING.format(answer=answer)
     else:
-        reasoning = DIRECT_REASONING
+        reasoning = DIRECT_REASONING.format(expr=expr)
     msgs.append({"role": "assistant", "content": answer, "reasoning_content": reasoning})
     return {"messages": msgs, "tools": [CALCULATOR]}
 

@@ -3,8 +3,8 @@ once, then driven as a user would: the run ends with its held-out tool-call and 
 lines, and the `openai` client's tools API against `erniekit server` on the trained model, whole
 and streamed, gives a tool call with its reasoning, takes the result back and answers. 300 steps
 learn the format and when to call, not the copying of numbers: the assertions are about what the
-format and the API promise (the full config's accuracy is in bench_results/tools_default_matrix.json
-and docs/tools.md; it is not robust over seeds yet, issue #27)."""
+format and the API promise (the full config's accuracy over seeds is recorded in
+bench_results/tools_default_matrix.json, held to docs/tools.md's floor below)."""
 
 from __future__ import annotations
 
@@ -24,6 +24,25 @@ CALC = {
         "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]},
     },
 }
+
+
+FLOOR = 0.85  # docs/tools.md: "final-answer accuracy at least 0.85 on any seed or thread count"
+
+
+def test_the_recorded_runs_of_the_full_demo_meet_the_floor_the_docs_state():
+    """The full config is too long for the suite (~9 min); its seeds x threads matrix is recorded
+    (tools/embedded_default_matrix.py) and must be of the shipped config and above the floor."""
+    import yaml
+
+    docs = open(f"{ROOT}/docs/tools.md").read()
+    assert f"final-answer accuracy\nat least {FLOOR:.2f}" in docs
+    matrix = json.load(open(f"{ROOT}/bench_results/tools_default_matrix.json"))
+    assert matrix["key"] == {"config": "examples/configs/tiny/sft_tools.yaml", "overrides": []}
+    steps = yaml.safe_load(open(f"{ROOT}/examples/configs/tiny/sft_tools.yaml"))["max_steps"]
+    runs = matrix["runs"]
+    assert {r["seed"] for r in runs} >= {1, 2, 3, 42} and {r["threads"] for r in runs} == {1, 2}
+    assert all(r["returncode"] == 0 and r["global_step"] == steps for r in runs)
+    assert min(r["final_answer_accuracy"] for r in runs) >= FLOOR, runs
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +81,7 @@ def _round_trip(client, stream: bool) -> tuple[dict, dict]:
     (call,) = first["tool_calls"]
     assert call["function"]["name"] == "calculator" and call["id"].startswith("call_")
     assert set(json.loads(call["function"]["arguments"])) == {"expression"}
-    assert first["reasoning_content"] == "Use the calculator." and not first["content"]
+    assert first["reasoning_content"].endswith(": use the calculator.") and not first["content"]
     msgs += [
         # the reasoning goes back too: the history then renders as the model was trained on it
         {"role": "assistant", "content": None, "tool_calls": [call], "reasoning_content": first["reasoning_content"]},
@@ -70,7 +89,7 @@ def _round_trip(client, stream: bool) -> tuple[dict, dict]:
     ]
     final = _ask(client, msgs, stream)
     assert final["finish_reason"] == "stop" and final["content"].isdigit(), final
-    assert final["reasoning_content"] == "Answer with the result." and not final["tool_calls"]
+    assert final["reasoning_content"].startswith("It is ") and not final["tool_calls"]
     return first, final
 
 
@@ -119,4 +138,4 @@ def test_a_one_digit_sum_is_answered_without_the_tool(client):
     r = client.chat.completions.create(model="tools", messages=msgs, tools=[CALC], temperature=0, max_tokens=40)
     c = r.choices[0]
     assert c.finish_reason == "stop" and not c.message.tool_calls and c.message.content.isdigit()
-    assert (c.message.model_extra or {}).get("reasoning_content") == "I know this."
+    assert (c.message.model_extra or {}).get("reasoning_content", "").endswith(": I know this.")

@@ -222,11 +222,15 @@ def test_synthetic_tool_conversations_are_right_and_held_out():
         if len(msgs) > 2:
             assert msgs[1]["tool_calls"][0]["function"]["arguments"] == {"expression": expr}
             assert msgs[2]["content"] == calculate(expr)
+            # the reasoning restates the expression, then the tool's result: the copying to learn
+            assert msgs[1]["reasoning_content"] == f"{expr}: use the calculator."
+            assert msgs[3]["reasoning_content"] == f"It is {msgs[2]['content']}."
         else:
             x, y = expr.split("+")
-            assert int(x) <= 4 and int(y) <= 4
-    with pytest.raises(DataError, match="not 'a\\+b'"):
-        calculate("__import__('os')")
+            assert int(x) <= 4 and int(y) <= 4 and msgs[1]["reasoning_content"] == f"{expr}: I know this."
+    for bad in ("__import__('os')", "833++80", "", "1.5*2"):
+        with pytest.raises(ValueError, match="not 'a\\+b'"):
+            calculate(bad)
 
 
 def test_the_bundled_demo_data_is_what_the_generator_writes(tmp_path):
