@@ -273,9 +273,8 @@ def build_app(runs: Runs | None = None, paths: PathPolicy | None = None, warning
                     yield from _image_reply(vl, text, history, picture, clip, temp, tp, mx)
                     return
                 try:
-                    from erniekit.infer.chat import chat_prompt_ids
-                    from erniekit.infer.generate import generate_stream
                     from erniekit.infer.sampling import SamplingParams
+                    from erniekit.webui.text_chat import text_reply
 
                     params = SamplingParams(
                         max_new_tokens=int(mx),
@@ -283,22 +282,8 @@ def build_app(runs: Runs | None = None, paths: PathPolicy | None = None, warning
                         top_p=float(tp),
                         stop_token_ids=chat_state["stops"],
                     )
-                    tok = chat_state["tokenizer"]
-                    msgs = [{"role": m["role"], "content": _text(m["content"])} for m in history]
-                    msgs.append({"role": "user", "content": text})
-                    ids = chat_prompt_ids(tok, msgs)
-                    history = history + [{"role": "user", "content": text}, {"role": "assistant", "content": ""}]
-                    new: list[int] = []
-                    stops = set(params.stop_token_ids)
-                    for step in generate_stream(chat_state["model"], [ids], params, pad_id=tok.pad_token_id or 0):
-                        t = int(step[0])
-                        if t < 0 or t in stops:
-                            break
-                        new.append(t)
-                        history[-1]["content"] = tok.decode(new).rstrip("\ufffd")
-                        yield history, "", "", None, None
-                    history[-1]["content"] = tok.decode(new)
-                    yield history, "", "", None, None
+                    for shown in text_reply(chat_state["model"], chat_state["tokenizer"], history, text, params):
+                        yield shown, "", "", None, None
                 except Exception as e:  # noqa: BLE001 - shown in the page
                     yield history, _error(e), text, picture, clip
 
@@ -359,17 +344,6 @@ def _points_frame(points):
             "series": pd.Series([p[2] for p in points], dtype=object),
         }
     )
-
-
-def _text(content) -> str:
-    """A chatbot message's content as text (gradio may hand back a list of parts)."""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        return "".join(p.get("text", "") if isinstance(p, dict) else str(p) for p in content)
-    if isinstance(content, dict):
-        return str(content.get("text", ""))
-    return str(content)
 
 
 def prepare_launch(
