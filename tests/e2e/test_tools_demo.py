@@ -1,5 +1,5 @@
-"""The tool-calling demo (examples/configs/tiny/sft_tools.yaml), shortened to 300 steps and trained
-once, then driven as a user would: the run ends with its held-out tool-call and final-answer
+"""The tool-calling demo (examples/configs/tiny/sft_tools.yaml), shortened to 300 steps of batch 8
+(~1 min) and trained once, then driven as a user would: the run ends with its held-out tool-call and final-answer
 lines, and the `openai` client's tools API against `erniekit server` on the trained model, whole
 and streamed, gives a tool call with its reasoning, takes the result back and answers. 300 steps
 learn the format and when to call, not the copying of numbers: the assertions are about what the
@@ -49,7 +49,8 @@ def test_the_recorded_runs_of_the_full_demo_meet_the_floor_the_docs_state():
 def demo(tmp_path_factory):
     out = tmp_path_factory.mktemp("tools")
     args = ["examples/configs/tiny/sft_tools.yaml", "max_steps=300", "warmup_steps=30", "eval_steps=300"]
-    args += ["save_steps=300", "eval_max_samples=40", "disable_tqdm=true", f"output_dir={out}"]
+    args += ["per_device_train_batch_size=8", "save_steps=300", "eval_max_samples=40", "disable_tqdm=true"]
+    args += [f"output_dir={out}"]
     r = train(args, ROOT, timeout=900)
     return str(out), r.stdout
 
@@ -59,7 +60,8 @@ def test_the_run_ends_with_the_tool_lines(demo):
     call = re.search(r"held-out tool-call exact match: ([0-9.]+)", stdout)
     final = re.search(r"held-out final-answer accuracy: ([0-9.]+)", stdout)
     assert call and final, stdout[-2000:]
-    # measured at 300 steps: the format and the call/answer choice are learned, the numbers not yet
+    # measured at 300 steps of 8 (seed 42): call match 0.575, final 0.05; the format and the
+    # call/answer choice are learned, copying the numbers has begun, not finished
     assert float(call[1]) >= 0.25, stdout[-2000:]
 
 
