@@ -91,18 +91,25 @@ def new_group(ranks: list[int]):
     ranks = sorted(ranks)
     me, leader = dist.get_rank(), ranks[0]
     where = paddle.zeros([5], dtype="int64")  # the leader's IPv4 address and a free port
+    hosting = None
     if me == leader:
         host = os.environ.get("PADDLE_CURRENT_ENDPOINT", "127.0.0.1:0").rsplit(":", 1)[0]
         with socket.socket() as sock:
             sock.bind(("", 0))
             port = sock.getsockname()[1]
-        where[:] = paddle.to_tensor([*map(int, socket.gethostbyname(host).split(".")), port], dtype="int64")
+        ip = socket.gethostbyname(host)
+        where[:] = paddle.to_tensor([*map(int, ip.split(".")), port], dtype="int64")
+        if len(ranks) > 1:
+            hosting = _host_store(ip, port, len(ranks))
     dist.broadcast(where, src=leader)
     gid = collective._new_ring_id()
     pg, store = None, None
     if me in ranks and len(ranks) > 1:
-        w = where.numpy().tolist()
-        store = core.TCPStore(".".join(str(int(v)) for v in w[:4]), int(w[4]), me == leader, len(ranks), 900)
+        if hosting is not None:
+            store = hosting()
+        else:
+            w = where.numpy().tolist()
+            store = core.TCPStore(".".join(str(int(v)) for v in w[:4]), int(w[4]), False, len(ranks), 900)
         pg = core.ProcessGroupGloo.create(store, ranks.index(me), len(ranks), gid)
     group = collective.Group(
         ranks.index(me) if me in ranks else -1, gid, ranks, pg=pg, name=collective._default_group_name + str(gid)
@@ -113,6 +120,51 @@ def new_group(ranks: list[int]):
     collective._group_map_backend[group] = "gloo"
     dist.barrier()
     return group
+
+
+def _host_store(ip: str, port: int, members: int, timeout: float = 60.0):
+    """Start the group's TCP store on this rank and return once it listens (a function that
+    waits for the members and returns the store). A member that connects before the store
+    listens is retried by Paddle only 3 s later: measured, that was ~3 s per group, several
+    seconds of every pipeline or PS job's start."""
+    import socket
+    import threading
+    import time
+
+    from paddle.base import core
+
+    out: dict = {}
+
+    def host() -> None:
+        try:  # blocks until every member has connected
+            out["store"] = core.TCPStore(ip, port, True, members, 900)
+        except Exception as e:  # noqa: BLE001 - raised in the caller's thread below
+            out["error"] = e
+
+    thread = threading.Thread(target=host, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            socket.create_connection((ip, port), timeout=1).close()
+            break
+        except OSError:
+            if "error" in out:
+                raise out["error"] from None
+            if time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"the process group's store on {ip}:{port} did not start listening within {timeout:.0f} s; "
+                    "check PADDLE_CURRENT_ENDPOINT names an address of this host"
+                ) from None
+            time.sleep(0.005)
+
+    def wait():
+        thread.join()
+        if "error" in out:
+            raise out["error"]
+        return out["store"]
+
+    return wait
 
 
 class PipelineTopology:
