@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from erniekit.errors import CheckpointError
+from erniekit.models.generation_config import remember_source
 from erniekit.utils.io import read_json_object
 from erniekit.utils.registry import import_modules
 
@@ -148,6 +149,7 @@ def load_model(name_or_path: str, overrides: Mapping[str, Any] | None = None, dt
         paddle.set_default_dtype(prev)
     if os.path.isdir(name_or_path):
         f.load_weights(model, name_or_path)
+        remember_source(model, name_or_path)  # its generation_config.json goes into the model's next save
     return model
 
 

@@ -17,6 +17,7 @@ from safetensors import SafetensorError
 from erniekit.errors import CheckpointError
 from erniekit.models.ernie4_5.configuration import Ernie4_5Config
 from erniekit.models.ernie4_5.modeling import Ernie4_5ForCausalLM
+from erniekit.models.generation_config import GENERATION_CONFIG_NAME, generation_config
 from erniekit.models.hf_files import INDEX_NAME, STAGING_NAME, WEIGHTS_NAME, publish_model_files, start_staging
 from erniekit.nn.weight_only import SCALE_SUFFIX, dequantize, logical_shape
 from erniekit.utils.dtensor import assign_full, is_main_process, to_dense
@@ -280,18 +281,8 @@ def save_pretrained(
         model.config.save_pretrained(staging)
         if hasattr(model, "save_extra_files"):  # a model's own files beside the config (VL: its image processor)
             model.save_extra_files(staging)
-        c = model.config
-        atomic_write_json(
-            os.path.join(staging, "generation_config.json"),
-            {
-                "bos_token_id": c.bos_token_id,
-                "eos_token_id": c.eos_token_id,
-                "pad_token_id": c.pad_token_id,
-                "do_sample": True,
-                "top_p": 0.8,
-                "temperature": 0.8,
-            },
-        )
+        # the source's decoding defaults with every turn-end id as eos (greedy when there was no source)
+        atomic_write_json(os.path.join(staging, GENERATION_CONFIG_NAME), generation_config(model, tokenizer))
         meta = {"format": "pt"}
         if len(shards) == 1:
             save_file(shards[0], os.path.join(staging, WEIGHTS_NAME), metadata=meta)
