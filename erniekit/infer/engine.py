@@ -33,10 +33,40 @@ from erniekit.infer.sampling import SamplingParams
 from erniekit.nn.attention import KVCache
 
 log = logging.getLogger("erniekit.engine")
+PROMPT_LOGPROB_CHUNK = 256  # prompt positions whose vocabulary logits exist at once (echo with logprobs)
 
 
 def _describe(e: BaseException) -> str:
     return f"{type(e).__name__}: {e}"
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A token's log-probability under the model (its raw distribution: before temperature,
+    penalties and logit_bias, as vLLM reports them) and the `top` most likely (id, logprob)."""
+
+    id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]
+
+
+def token_logprobs(logits: np.ndarray, chosen: np.ndarray, k: int) -> list[TokenLogprob]:
+    """Rows of logits [n, V] -> the log-probability of `chosen` [n] in each row and its k most likely
+    tokens (ties to the lower id), computed in float64 so that the chosen value and the top values of
+    a row compare exactly (lm-eval's greedy check)."""
+    z = logits.astype(np.float64)
+    m = z.max(axis=-1, keepdims=True)
+    lp = z - (m + np.log(np.exp(z - m).sum(axis=-1, keepdims=True)))
+    chosen_lp = lp[np.arange(len(lp)), chosen]
+    k = min(k, lp.shape[1])
+    top = [()] * len(lp)
+    if k:
+        cand = np.argpartition(-lp, k - 1, axis=-1)[:, :k]
+        vals = np.take_along_axis(lp, cand, axis=-1)
+        order = np.lexsort((cand, -vals), axis=-1)  # by value, then by id
+        ids, vals = np.take_along_axis(cand, order, axis=-1), np.take_along_axis(vals, order, axis=-1)
+        top = [tuple(zip(i, v)) for i, v in zip(ids.tolist(), vals.tolist())]
+    return [TokenLogprob(int(c), float(v), t) for c, v, t in zip(chosen.tolist(), chosen_lp.tolist(), top)]
 
 
 @dataclass
@@ -50,8 +80,16 @@ class Request:
     stop: list[str] = field(default_factory=list)
     images: tuple | None = None  # (patches, grid_thw) of the images in `prompt` (a vision-language model)
     videos: tuple | None = None  # the same for its videos
+    # log-probabilities (OpenAI's logprobs / echo): of each generated token with its `logprobs` most
+    # likely alternatives (0: the chosen token's only; None: none); of each prompt token after the
+    # first with `prompt_logprobs` alternatives; prompt_only: score the prompt, generate nothing
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    prompt_only: bool = False
     # filled by the engine
     completion: list[int] = field(default_factory=list)
+    token_logprobs: list[TokenLogprob] = field(default_factory=list)  # one per token taken (a stop token too)
+    prompt_token_logprobs: list[TokenLogprob] = field(default_factory=list)  # prompt tokens 1.. (token 0 has none)
     text: str = ""
     sent: int = 0  # characters of `text` already emitted
     error: str | None = None
@@ -195,7 +233,7 @@ class Engine:
         """Prefill `reqs` together; when that forward raises, each request alone, so the one that
         breaks it fails by itself (the forward touches no engine state: it fills its own cache)."""
         try:
-            batch, logits, deltas = self._prefill_forward(reqs)
+            batch, logits, deltas, scored = self._prefill_forward(reqs)
         except Exception as e:  # noqa: BLE001 - isolate the request that caused it
             if len(reqs) == 1:
                 self._finish(reqs[0], "error", _describe(e))
@@ -203,12 +241,15 @@ class Engine:
             for r in reqs:
                 self._prefill_isolated([r])
             return
+        for r, lps in zip(reqs, scored):
+            r.prompt_token_logprobs = lps
         self._place(reqs, batch, logits, deltas)
 
-    def _prefill_forward(self, reqs: list[Request]) -> tuple[KVCache, np.ndarray, np.ndarray]:
+    def _prefill_forward(self, reqs: list[Request]) -> tuple[KVCache, np.ndarray, np.ndarray, list]:
         """The prompts left-padded into one batch (positions count real tokens, so each row's
-        keys and values are those of its prompt alone): their cache, last logits [B, V] and each
-        row's decode-position offset (0 but after images)."""
+        keys and values are those of its prompt alone): their cache, last logits [B, V], each
+        row's decode-position offset (0 but after images) and each row's prompt log-probabilities
+        (empty unless it asked for them)."""
         lens = [len(r.prompt) for r in reqs]
         L = max(lens)
         ids = np.zeros((len(reqs), L), dtype=np.int64)
@@ -232,8 +273,35 @@ class Engine:
 
             pos, deltas = rope_index(ids, self.model.config, kw.get("image_grid_thw"), kw.get("video_grid_thw"), pad)
             kw["position_ids"] = paddle.to_tensor(pos)
-        logits = self.model(paddle.to_tensor(ids), attention_mask=am, cache=batch, logits_to_keep=1, **kw).logits
-        return batch, logits[:, -1].astype("float32").numpy(), deltas
+        want = [r.prompt_logprobs is not None for r in reqs]
+        hidden: list[paddle.Tensor] = []
+        # the final norm's output at every position: the prompt's logits are made from it a chunk
+        # at a time, never as one [B, L, vocab] tensor
+        hook = (
+            self.model.model.norm.register_forward_post_hook(lambda _l, _i, out: hidden.append(out))
+            if any(want)
+            else None
+        )
+        try:
+            logits = self.model(paddle.to_tensor(ids), attention_mask=am, cache=batch, logits_to_keep=1, **kw).logits
+        finally:
+            if hook is not None:
+                hook.remove()
+        scored = [
+            self._prompt_logprobs(hidden[0][i, L - lens[i] :], r.prompt, r.prompt_logprobs) if want[i] else []
+            for i, r in enumerate(reqs)
+        ]
+        return batch, logits[:, -1].astype("float32").numpy(), deltas, scored
+
+    def _prompt_logprobs(self, h: paddle.Tensor, prompt: list[int], k: int) -> list[TokenLogprob]:
+        """Prompt tokens 1.. scored from the final hidden states [p, H] of the positions before them."""
+        nxt = np.asarray(prompt[1:], dtype=np.int64)
+        out: list[TokenLogprob] = []
+        for a in range(0, len(nxt), PROMPT_LOGPROB_CHUNK):
+            b = min(a + PROMPT_LOGPROB_CHUNK, len(nxt))
+            logits = self.model.head(h[a:b].unsqueeze(0))[0].astype("float32").numpy()
+            out.extend(token_logprobs(logits, nxt[a:b], k))
+        return out
 
     def _place(self, reqs: list[Request], batch: KVCache, logits: np.ndarray, deltas: np.ndarray) -> None:
         """Sample each prefilled request's first token and copy its keys and values into a free
@@ -248,6 +316,7 @@ class Engine:
                     np.fromiter(r.params.logit_bias.values(), dtype=np.float64, count=len(r.params.logit_bias)),
                 )
         first, failed = self._sample(logits, reqs)
+        self._record_logprobs(logits, first, reqs, failed)
         cache = self.cache
         if L > cache.length:  # a prompt longer than the time axis: make room on the left
             n, T = len(self.rows), cache.length
@@ -260,6 +329,9 @@ class Engine:
         for i, r in enumerate(reqs):
             if i in failed:
                 self._finish(r, "error", failed[i])
+                continue
+            if r.prompt_only:  # scored, nothing to generate: no row
+                self._finish(r, "length")
                 continue
             row, p = len(self.rows), lens[i]
             cache.put(row, batch, i, slice(L - p, L), slice(T - p, T))
@@ -292,7 +364,9 @@ class Engine:
         with paddle.no_grad():
             logits = self.model(x, attention_mask=am, cache=cache, logits_to_keep=1, **kw).logits[:, -1]
         self.steps += 1
-        nxt, failed = self._sample(logits.astype("float32").numpy(), self.rows)
+        logits = logits.astype("float32").numpy()
+        nxt, failed = self._sample(logits, self.rows)
+        self._record_logprobs(logits, nxt, self.rows, failed)
         done = []
         for i, req in enumerate(self.rows):
             if i in failed:
@@ -324,6 +398,18 @@ class Engine:
             except Exception as e:  # noqa: BLE001 - this row fails, the batch goes on
                 failed[i] = f"sampling failed: {_describe(e)}"
         return out, failed
+
+    @staticmethod
+    def _record_logprobs(logits: np.ndarray, chosen: np.ndarray, reqs: list[Request], failed: dict) -> None:
+        """Append each chosen token's log-probability to the rows that asked for them (grouped by
+        their number of alternatives, one vectorised pass per group)."""
+        groups: dict[int, list[int]] = {}
+        for i, r in enumerate(reqs):
+            if r.logprobs is not None and i not in failed and not r.prompt_only:
+                groups.setdefault(r.logprobs, []).append(i)
+        for k, rows in groups.items():
+            for i, lp in zip(rows, token_logprobs(logits[rows], chosen[rows], k)):
+                reqs[i].token_logprobs.append(lp)
 
     def _choose(self, req: Request, row: np.ndarray) -> int:
         """One row's next id: logit_bias added, presence / frequency penalties subtracted (as

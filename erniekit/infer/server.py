@@ -41,6 +41,25 @@ Prompt = tuple  # (token ids, images and videos as (patches, grid_thw) or None)
 DEFAULT_MAX_IMAGES = 8  # per request: each image is a vision-encoder pass on the engine thread
 MAX_VIDEOS = 2  # per request: a video is up to max_frames frames
 ROLES = ("system", "user", "assistant", "developer", "tool")
+MAX_PROMPTS = 64  # prompts in one /v1/completions request (a choice each), all decoded side by side
+MAX_LOGPROBS = 20  # alternatives per token (OpenAI: 5 for completions, 20 for chat; vLLM: 20)
+
+
+@dataclass
+class Parsed:
+    """A checked request: one prompt per choice (chat: one) as (token ids, images, videos, reply
+    mode), the sampling options, and what the reply carries: `logprobs` alternatives per token
+    (None: no log-probabilities), `echo` (the prompt's text, and its log-probabilities, first)."""
+
+    prompts: list[tuple]
+    params: SamplingParams
+    stops: list[str]
+    stream: bool
+    include_usage: bool
+    logprobs: int | None = None
+    echo: bool = False
+    prompt_only: bool = False  # max_tokens 0 with echo: score the prompt, generate nothing
+    texts: list[str | None] | None = None  # each prompt as sent, when it was text (echo repeats it exactly)
 
 
 @dataclass
@@ -111,6 +130,10 @@ def _integer(body: dict, key: str, lo: int, hi: int) -> int | None:
     if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
         raise BadRequest(f"{key}={_short(v)} must be an integer in [{lo}, {hi}]", key)
     return v
+
+
+def _is_id(t: Any) -> bool:
+    return isinstance(t, int) and not isinstance(t, bool)
 
 
 def _flag(body: dict, key: str, where: str | None = None) -> bool:
@@ -233,6 +256,7 @@ class OpenAIServer:
         self.chars_per_token = _max_chars_per_token(tokenizer)
         self.created = int(time.time())
         self.thinking = bool(getattr(tokenizer, "thinking", False))  # replies carry reasoning / tool calls
+        self._texts = None  # every token's text, built when log-probabilities are first asked for
 
     # ---- validation ------------------------------------------------------------------------
     def check_key(self, authorization: str | None) -> None:
@@ -266,7 +290,34 @@ class OpenAIServer:
                 "context_length_exceeded",
             )
 
-    def _options(self, body: dict) -> dict:
+    @staticmethod
+    def _logprobs(body: dict, chat: bool) -> tuple[int | None, bool]:
+        """(alternatives per token or None, echo). Chat: `logprobs` true/false and `top_logprobs`
+        0..20; completions: `logprobs` 0..20 and `echo`."""
+        lp = body.get("logprobs")
+        if chat:
+            if lp is not None and not isinstance(lp, bool):
+                raise BadRequest(
+                    f"logprobs={_short(lp)} must be true or false (top_logprobs sets how many alternatives)", "logprobs"
+                )
+            top = _integer(body, "top_logprobs", 0, MAX_LOGPROBS)
+            if top is not None and not lp:
+                raise BadRequest("top_logprobs needs logprobs: true", "top_logprobs")
+            if body.get("echo") is not None:
+                raise BadRequest("echo is an option of /v1/completions, not of chat; leave it out", "echo")
+            return ((top or 0) if lp else None), False
+        if body.get("top_logprobs") is not None:
+            raise BadRequest(
+                "top_logprobs is a chat option; /v1/completions takes logprobs=N (0 to 20)", "top_logprobs"
+            )
+        if lp is not None and (isinstance(lp, bool) or not isinstance(lp, int) or not 0 <= lp <= MAX_LOGPROBS):
+            raise BadRequest(
+                f"logprobs={_short(lp)} must be an integer in [0, {MAX_LOGPROBS}] (the alternatives per token)",
+                "logprobs",
+            )
+        return lp, _flag(body, "echo")
+
+    def _options(self, body: dict, chat: bool) -> dict:
         """Every field but the prompt, checked before any tokenising."""
         model = body.get("model")
         if not isinstance(model, str):
@@ -283,7 +334,7 @@ class OpenAIServer:
             raise BadRequest(
                 f"n={_short(n)}: this server returns one choice per request; send n=1 or leave it out", "n"
             )
-        for key in ("logprobs", "top_logprobs", "functions", "response_format", "suffix"):
+        for key in ("functions", "response_format", "suffix"):
             if body.get(key) not in (None, False, 0, [], {"type": "text"}):  # the values that ask for nothing
                 raise BadRequest(f"{key} is not supported by this server; leave it out", key)
         if body.get("best_of") not in (None, 1) or isinstance(body.get("best_of"), bool):
@@ -291,8 +342,7 @@ class OpenAIServer:
                 f"best_of={_short(body.get('best_of'))}: this server returns one choice per request; leave it out",
                 "best_of",
             )
-        if _flag(body, "echo"):
-            raise BadRequest("echo is not supported by this server; leave it out", "echo")
+        logprobs, echo = self._logprobs(body, chat)
         stream = _flag(body, "stream")
         opts = body.get("stream_options")
         if opts is not None and not isinstance(opts, dict):
@@ -302,8 +352,11 @@ class OpenAIServer:
             raise BadRequest(f"user={_short(body.get('user'))} must be a string", "user")
         keys = [k for k in ("max_completion_tokens", "max_tokens") if body.get(k) is not None]
         max_key = keys[0] if keys else "max_tokens"
-        max_tokens = _integer(body, max_key, 1, self.engine.max_model_len - 1) if keys else None
+        # 0 only with echo: the prompt's log-probabilities alone (how OpenAI's legacy API scores text)
+        max_tokens = _integer(body, max_key, 0 if echo else 1, self.engine.max_model_len - 1) if keys else None
         return dict(
+            logprobs=logprobs,
+            echo=echo,
             stream=stream,
             include_usage=include_usage,
             stops=_stops(body),
@@ -531,46 +584,70 @@ class OpenAIServer:
         except DataError as e:
             raise BadRequest(str(e), "messages") from None
 
-    def _prompt(self, body: dict) -> list[int]:
+    def _prompts(self, body: dict) -> tuple[list[list[int]], list[str | None]]:
+        """Every OpenAI prompt form: a string, a list of strings, a list of token ids, a list of
+        token-id lists (a choice per prompt). Returns the ids and each prompt's text (None for ids)."""
         prompt = body.get("prompt")
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-            prompt = prompt[0]
-        if isinstance(prompt, str):
-            self._fits(len(prompt), "prompt")
-            ids = self.tokenizer.encode(prompt)
+        forms = "a non-empty string, list of strings, list of token ids or list of token-id lists"
+        if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and all(_is_id(t) for t in prompt)):
+            items = [prompt]
         elif (
-            isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
+            isinstance(prompt, list)
+            and prompt
+            and (all(isinstance(p, str) for p in prompt) or all(isinstance(p, list) for p in prompt))
         ):
-            if not all(0 <= t < self.vocab for t in prompt):
-                raise BadRequest(f"prompt token ids must be in [0, {self.vocab})", "prompt")
-            ids = list(prompt)
+            items = prompt
         else:
+            raise BadRequest(f"prompt must be {forms}", "prompt")
+        if len(items) > MAX_PROMPTS:
             raise BadRequest(
-                "prompt must be a non-empty string, a list with one string, or a list of token ids", "prompt"
+                f"prompt has {len(items)} prompts; send at most {MAX_PROMPTS} per request", "prompt", "too_many_prompts"
             )
+        where = (lambda i: "prompt") if len(items) == 1 else (lambda i: f"prompt[{i}]")
+        for i, p in enumerate(items):  # every length check before any tokenising
+            if isinstance(p, str):
+                self._fits(len(p), where(i))
+        return [self._prompt_ids(p, where(i), forms) for i, p in enumerate(items)], [
+            p if isinstance(p, str) else None for p in items
+        ]
+
+    def _prompt_ids(self, p: str | list, where: str, forms: str) -> list[int]:
+        if isinstance(p, str):
+            ids = self.tokenizer.encode(p)
+        elif p and all(_is_id(t) for t in p):
+            if not all(0 <= t < self.vocab for t in p):
+                raise BadRequest(f"{where}: token ids must be in [0, {self.vocab})", where)
+            ids = list(p)
+        else:
+            raise BadRequest(f"{where} must be a non-empty string or list of token ids (prompt: {forms})", where)
         if not ids:
-            raise BadRequest("the prompt encodes to no tokens; send some text", "prompt")
+            raise BadRequest(f"{where} encodes to no tokens; send some text", where)
         return ids
 
-    def parse(self, raw: bytes, chat: bool) -> tuple[Prompt, SamplingParams, list[str], bool, bool]:
-        """Raw body -> (prompt, sampling, stop strings, stream, include_usage), or BadRequest.
-        Runs in a worker thread (JSON parsing and tokenising are CPU work)."""
+    def parse(self, raw: bytes, chat: bool) -> Parsed:
+        """Raw body -> the checked request, or BadRequest. Runs in a worker thread (JSON parsing
+        and tokenising are CPU work)."""
         body = parse_json(raw)
         if not isinstance(body, dict):
             raise BadRequest("the request body must be a JSON object")
-        o = self._options(body)
-        prompt, images, videos, mode = self._messages(body) if chat else (self._prompt(body), None, None, None)
-        room = self.engine.max_model_len - len(prompt)
+        o = self._options(body, chat)
+        if chat:
+            prompts, texts = [self._messages(body)], None
+        else:
+            ids, texts = self._prompts(body)
+            prompts = [(p, None, None, None) for p in ids]
+        longest = max(len(p[0]) for p in prompts)
+        room = self.engine.max_model_len - longest
         max_tokens = o["max_tokens"] if o["max_tokens"] is not None else max(1, min(DEFAULT_MAX_TOKENS, room))
         try:
-            self.engine.check(len(prompt), max_tokens)
+            self.engine.check(longest, max(1, max_tokens))
         except ValueError as e:
             raise BadRequest(
                 f"{e} ({o['max_key']})", "messages" if chat else "prompt", "context_length_exceeded"
             ) from None
         try:
             params = SamplingParams(
-                max_new_tokens=max_tokens,
+                max_new_tokens=max(1, max_tokens),
                 temperature=o["temperature"],
                 top_p=o["top_p"],
                 seed=o["seed"],
@@ -581,91 +658,217 @@ class OpenAIServer:
         except ValueError as e:  # the checks above cover these; kept so a gap is a 400, not a 500
             raise BadRequest(str(e)) from None
         stops = o["stops"]
+        mode = prompts[0][3]
         if mode is not None and mode.single_call:
             stops = [*stops, "</tool_call>"]  # parallel_tool_calls false: the reply ends with its first call
-        return (prompt, images, videos, mode), params, stops, o["stream"], o["include_usage"]
+        return Parsed(
+            prompts,
+            params,
+            stops,
+            o["stream"],
+            o["include_usage"],
+            logprobs=o["logprobs"],
+            echo=o["echo"],
+            prompt_only=max_tokens == 0,
+            texts=texts,
+        )
+
+    # ---- the tokenizer over HTTP (vLLM's endpoints: lm-eval's remote tokenizer reads them) ----
+    def _body(self, raw: bytes) -> dict:
+        body = parse_json(raw)
+        if not isinstance(body, dict):
+            raise BadRequest("the request body must be a JSON object")
+        return body
+
+    def tokenize(self, raw: bytes) -> dict:
+        body = self._body(raw)
+        prompt = body.get("prompt")
+        if not isinstance(prompt, str):
+            raise BadRequest(f"prompt={_short(prompt)} must be a string", "prompt")
+        self._fits(len(prompt), "prompt")
+        ids = self.tokenizer.encode(prompt, add_special_tokens=_flag(body, "add_special_tokens"))
+        return {"tokens": ids, "count": len(ids), "max_model_len": self.engine.max_model_len}
+
+    def detokenize(self, raw: bytes) -> dict:
+        tokens = self._body(raw).get("tokens")
+        if not isinstance(tokens, list) or not all(_is_id(t) and 0 <= t < self.vocab for t in tokens):
+            raise BadRequest(f"tokens must be a list of token ids in [0, {self.vocab})", "tokens")
+        return {"prompt": self.tokenizer.decode(tokens, skip_special_tokens=False)}
+
+    def tokenizer_info(self) -> dict:
+        special = getattr(self.tokenizer, "special_tokens", {})
+        return {
+            "tokenizer_class": type(self.tokenizer).__name__,
+            "bos_token": special.get("bos_token"),
+            "eos_token": special.get("eos_token"),
+            "pad_token": special.get("pad_token"),
+            "unk_token": special.get("unk_token"),
+            "chat_template": getattr(self.tokenizer, "chat_template", None),
+            "model_max_length": self.engine.max_model_len,
+        }
 
     # ---- running ---------------------------------------------------------------------------
-    def start(self, prompt: Prompt, params: SamplingParams, stops: list[str]) -> tuple[Request, asyncio.Queue]:
-        """Queue the request; its text pieces arrive on the returned asyncio queue as (delta, finish)."""
+    def start(self, q: Parsed) -> tuple[list[Request], asyncio.Queue]:
+        """Queue one engine request per prompt; their text pieces arrive on the returned asyncio
+        queue as (prompt index, delta, finish)."""
         loop = asyncio.get_running_loop()
         out: asyncio.Queue = asyncio.Queue()
+        reqs = []
+        for i, (ids, images, videos, _mode) in enumerate(q.prompts):
 
-        def emit(delta: str, finish: str | None) -> None:
-            loop.call_soon_threadsafe(out.put_nowait, (delta, finish))
+            def emit(delta: str, finish: str | None, i: int = i) -> None:
+                loop.call_soon_threadsafe(out.put_nowait, (i, delta, finish))
 
-        ids, images, videos = prompt[:3]
-        req = Request(ids, params, emit, stops, images=images, videos=videos)
-        self.engine.submit(req)
-        return req, out
-
-    def usage(self, req: Request) -> dict:
-        n = len(req.completion)
-        return {"prompt_tokens": len(req.prompt), "completion_tokens": n, "total_tokens": len(req.prompt) + n}
-
-    async def whole(self, chat: bool, prompt, params, stops) -> dict:
-        """The whole reply; if this coroutine is cancelled (its client went away) the request
-        leaves the batch at the next step instead of generating for nobody."""
-        req, out = self.start(prompt, params, stops)
-        finish = None
+            req = Request(
+                ids,
+                q.params,
+                emit,
+                q.stops,
+                images=images,
+                videos=videos,
+                logprobs=q.logprobs,
+                prompt_logprobs=q.logprobs if q.echo else None,
+                prompt_only=q.prompt_only,
+            )
+            reqs.append(req)
         try:
-            while finish is None:
-                _, finish = await out.get()
-        finally:
-            if finish is None:
+            for req in reqs:
+                self.engine.submit(req)
+        except BaseException:
+            for req in reqs:
                 req.cancelled = True
-        if finish == "error":
-            raise BadRequest(f"generation failed: {req.error}", status=500, kind="server_error")
-        rid, now = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex, int(time.time())
-        mode = prompt[3] if len(prompt) > 3 else None
-        if chat and mode is not None:
-            from erniekit.infer.reply_parser import collect
+            raise
+        return reqs, out
 
-            parser = mode.parser()
-            reply = collect(parser.feed(req.text) + parser.finish())
-            calls = reply.tool_calls[:1] if mode.single_call else reply.tool_calls
-            message = {"role": "assistant", "content": reply.content if reply.content or not calls else None}
-            if reply.reasoning is not None:
-                message["reasoning_content"] = reply.reasoning
-            if calls:
-                message["tool_calls"] = calls
-                finish = "tool_calls" if finish == "stop" else finish
-            choice = {"index": 0, "message": message, "finish_reason": finish, "logprobs": None}
-        elif chat:
-            choice = {
-                "index": 0,
-                "message": {"role": "assistant", "content": req.text},
-                "finish_reason": finish,
-                "logprobs": None,
-            }
+    @staticmethod
+    def usage(reqs: list[Request]) -> dict:
+        p = sum(len(r.prompt) for r in reqs)
+        n = sum(len(r.completion) for r in reqs)
+        return {"prompt_tokens": p, "completion_tokens": n, "total_tokens": p + n}
+
+    def _echo(self, q: Parsed, i: int) -> str:
+        """The prompt's text as sent (token ids: decoded with their special tokens)."""
+        text = q.texts[i] if q.texts else None
+        return text if text is not None else self.tokenizer.decode(q.prompts[i][0], skip_special_tokens=False)
+
+    def _token_texts(self):
+        if self._texts is None:
+            from erniekit.infer.openai_logprobs import TokenTexts
+
+            self._texts = TokenTexts(self.tokenizer)
+        return self._texts
+
+    def _completion_lp(self, q: Parsed, req: Request, entries, with_prompt: bool, offset: int = 0) -> dict | None:
+        if q.logprobs is None:
+            return None
+        from erniekit.infer.openai_logprobs import completion_logprobs
+
+        first = req.prompt[0] if with_prompt else None
+        return completion_logprobs(self._token_texts(), entries, first, offset)
+
+    def _chat_lp(self, q: Parsed, entries) -> dict | None:
+        if q.logprobs is None:
+            return None
+        from erniekit.infer.openai_logprobs import chat_logprobs
+
+        return chat_logprobs(self._token_texts(), entries)
+
+    async def whole(self, chat: bool, q: Parsed) -> dict:
+        """The whole reply (a choice per prompt); if this coroutine is cancelled (its client went
+        away) the requests leave the batch at the next step instead of generating for nobody."""
+        reqs, out = self.start(q)
+        finish: list[str | None] = [None] * len(reqs)
+        try:
+            while any(f is None for f in finish):
+                i, _, f = await out.get()
+                if f is not None:
+                    finish[i] = f
+        finally:
+            for i, req in enumerate(reqs):
+                if finish[i] is None:
+                    req.cancelled = True
+        failed = next((r for r, f in zip(reqs, finish) if f == "error"), None)
+        if failed is not None:
+            raise BadRequest(f"generation failed: {failed.error}", status=500, kind="server_error")
+        rid, now = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex, int(time.time())
+        if chat:
+            choices = [self._chat_choice(q, reqs[0], finish[0])]
         else:
-            choice = {"index": 0, "text": req.text, "finish_reason": finish, "logprobs": None}
+            choices = []
+            for i, req in enumerate(reqs):
+                entries, prefix = req.token_logprobs, ""
+                if q.echo:
+                    prefix = self._echo(q, i)
+                    entries = [*req.prompt_token_logprobs, *entries]
+                lp = self._completion_lp(q, req, entries, with_prompt=q.echo)
+                choices.append({"index": i, "text": prefix + req.text, "finish_reason": finish[i], "logprobs": lp})
         return {
             "id": rid,
             "object": "chat.completion" if chat else "text_completion",
             "created": now,
             "model": self.model_name,
-            "choices": [choice],
-            "usage": self.usage(req),
+            "choices": choices,
+            "usage": self.usage(reqs),
         }
 
-    async def stream(self, chat: bool, prompt, params, stops, include_usage: bool):
+    def _chat_choice(self, q: Parsed, req: Request, finish: str) -> dict:
+        mode = q.prompts[0][3]
+        lp = self._chat_lp(q, req.token_logprobs)
+        if mode is None:
+            return {
+                "index": 0,
+                "message": {"role": "assistant", "content": req.text},
+                "finish_reason": finish,
+                "logprobs": lp,
+            }
+        from erniekit.infer.reply_parser import collect
+
+        parser = mode.parser()
+        reply = collect(parser.feed(req.text) + parser.finish())
+        calls = reply.tool_calls[:1] if mode.single_call else reply.tool_calls
+        message = {"role": "assistant", "content": reply.content if reply.content or not calls else None}
+        if reply.reasoning is not None:
+            message["reasoning_content"] = reply.reasoning
+        if calls:
+            message["tool_calls"] = calls
+            finish = "tool_calls" if finish == "stop" else finish
+        return {"index": 0, "message": message, "finish_reason": finish, "logprobs": lp}
+
+    async def stream(self, chat: bool, q: Parsed):
         """Server-sent events: OpenAI's chunk objects, then `data: [DONE]`. A thinking-format reply
         streams `reasoning_content` and `content` deltas, and each tool call as one `tool_calls`
-        delta (index, id, name and its whole arguments) once its block is complete."""
-        req, out = self.start(prompt, params, stops)
+        delta (index, id, name and its whole arguments) once its block is complete. Several prompts
+        stream side by side, each chunk naming its choice's index. A chunk's logprobs cover the
+        tokens decided since the previous chunk of its choice (held-back text can trail them)."""
+        reqs, out = self.start(q)
         rid, now = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex, int(time.time())
         kind = "chat.completion.chunk" if chat else "text_completion"
-        mode = prompt[3] if chat and len(prompt) > 3 else None
+        mode = q.prompts[0][3] if chat else None
         parser = mode.parser() if mode is not None else None
         calls = 0
+        lp_sent = [0] * len(reqs)
+        offsets = [0] * len(reqs)
 
-        def chunk(delta: dict | str | None, finish: str | None, first: bool = False) -> str:
+        def new_logprobs(i: int, prompt_first: bool = False) -> dict | None:
+            if q.logprobs is None:
+                return None
+            req = reqs[i]
+            entries = req.token_logprobs[lp_sent[i] :]
+            lp_sent[i] += len(entries)
+            if chat:
+                return self._chat_lp(q, entries)
+            if prompt_first:
+                entries = [*req.prompt_token_logprobs, *entries]
+            lp = self._completion_lp(q, req, entries, prompt_first, offsets[i])
+            offsets[i] += sum(len(t) for t in lp["tokens"])
+            return lp
+
+        def chunk(i: int, delta: dict | str | None, finish: str | None, first: bool = False, lp=None) -> str:
             if chat:
                 d = {"role": "assistant", "content": ""} if first else ({} if delta is None else delta)
-                choice = {"index": 0, "delta": d, "finish_reason": finish, "logprobs": None}
+                choice = {"index": i, "delta": d, "finish_reason": finish, "logprobs": lp}
             else:
-                choice = {"index": 0, "text": delta or "", "finish_reason": finish, "logprobs": None}
+                choice = {"index": i, "text": delta or "", "finish_reason": finish, "logprobs": lp}
             obj = {"id": rid, "object": kind, "created": now, "model": self.model_name, "choices": [choice]}
             return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
@@ -676,46 +879,56 @@ class OpenAIServer:
                 if what == "tool_call":
                     if mode.single_call and calls:
                         continue
-                    outs.append(chunk({"tool_calls": [{"index": calls, **value}]}, None))
+                    outs.append(chunk(0, {"tool_calls": [{"index": calls, **value}]}, None, lp=new_logprobs(0)))
                     calls += 1
                 else:
-                    outs.append(chunk({"reasoning_content" if what == "reasoning" else "content": value}, None))
+                    key = "reasoning_content" if what == "reasoning" else "content"
+                    outs.append(chunk(0, {key: value}, None, lp=new_logprobs(0)))
             return outs
 
+        finished = [False] * len(reqs)
         try:
             if chat:
-                yield chunk(None, None, first=True)
-            while True:
-                delta, finish = await out.get()
+                yield chunk(0, None, None, first=True)
+            # an echoed prompt goes out with its choice's first event: its log-probabilities exist
+            # once the engine has prefilled it, before that request emits anything
+            echoed = [not q.echo or chat] * len(reqs)
+            while not all(finished):
+                i, delta, finish = await out.get()
                 if finish == "error":
-                    err = BadRequest(f"generation failed: {req.error}", status=500, kind="server_error")
+                    err = BadRequest(f"generation failed: {reqs[i].error}", status=500, kind="server_error")
                     yield f"data: {json.dumps(error_body(err))}\n\n"
                     break
+                if not echoed[i]:
+                    echoed[i] = True
+                    yield chunk(i, self._echo(q, i), None, lp=new_logprobs(i, prompt_first=True))
                 if delta and parser is not None:
                     for c in deltas(parser.feed(delta)):
                         yield c
                 elif delta:
-                    yield chunk({"content": delta} if chat else delta, None)
+                    yield chunk(i, {"content": delta} if chat else delta, None, lp=new_logprobs(i))
                 if finish is not None:
                     if parser is not None:
                         for c in deltas(parser.finish()):
                             yield c
                         finish = "tool_calls" if calls and finish == "stop" else finish
-                    yield chunk(None, finish)
-                    break
-            if include_usage:
+                    rest = q.logprobs is not None and lp_sent[i] < len(reqs[i].token_logprobs)
+                    yield chunk(i, None, finish, lp=new_logprobs(i) if rest else None)
+                    finished[i] = True
+            if q.include_usage:
                 obj = {
                     "id": rid,
                     "object": kind,
                     "created": now,
                     "model": self.model_name,
                     "choices": [],
-                    "usage": self.usage(req),
+                    "usage": self.usage(reqs),
                 }
                 yield f"data: {json.dumps(obj)}\n\n"
             yield "data: [DONE]\n\n"
         finally:
-            req.cancelled = True  # a client that went away stops its generation at the next step
+            for req in reqs:
+                req.cancelled = True  # a client that went away stops its generation at the next step
 
 
 def build_app(server: OpenAIServer):
@@ -809,14 +1022,32 @@ def build_app(server: OpenAIServer):
         try:
             server.check_key(request.headers.get("authorization"))
             raw = await read_body(request)
-            prompt, params, stops, stream, include_usage = await asyncio.to_thread(server.parse, raw, chat)
-            if stream:
-                return StreamingResponse(
-                    server.stream(chat, prompt, params, stops, include_usage), media_type="text/event-stream"
-                )
-            return await until_disconnect(request, server.whole(chat, prompt, params, stops))
+            q = await asyncio.to_thread(server.parse, raw, chat)
+            if q.stream:
+                return StreamingResponse(server.stream(chat, q), media_type="text/event-stream")
+            return await until_disconnect(request, server.whole(chat, q))
         except BadRequest as e:
             return fail(e)
+
+    async def tokenizer_call(request: HTTPRequest, what):
+        try:
+            server.check_key(request.headers.get("authorization"))
+            raw = await read_body(request) if what is not None else b""
+            return await asyncio.to_thread(what, raw) if what is not None else server.tokenizer_info()
+        except BadRequest as e:
+            return fail(e)
+
+    @app.post("/tokenize")
+    async def tokenize(request: HTTPRequest):
+        return await tokenizer_call(request, server.tokenize)
+
+    @app.post("/detokenize")
+    async def detokenize(request: HTTPRequest):
+        return await tokenizer_call(request, server.detokenize)
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info(request: HTTPRequest):
+        return await tokenizer_call(request, None)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: HTTPRequest):
