@@ -15,6 +15,7 @@ import paddle
 from safetensors import SafetensorError
 
 from erniekit.errors import CheckpointError
+from erniekit.models.ernie4_5 import paddle_layout
 from erniekit.models.ernie4_5.configuration import Ernie4_5Config
 from erniekit.models.ernie4_5.modeling import Ernie4_5ForCausalLM
 from erniekit.models.generation_config import GENERATION_CONFIG_NAME, generation_config
@@ -142,8 +143,12 @@ class _ShardReader:
 
 def load_state_into(model: Ernie4_5ForCausalLM, path: str, specs: dict[str, _Spec] | None = None) -> None:
     """Fill `model` from the checkpoint at `path`; errors name the tensor that is missing or misshaped.
-    specs: another family's name mapping (ERNIE-4.5-VL's); default this model's."""
+    specs: another family's name mapping (ERNIE-4.5-VL's); default this model's. A checkpoint in the
+    Paddle layout (fused qkv_proj / up_gate_proj: the -Paddle repositories) is read by paddle_layout.py."""
+    paddle_layout.refuse_pickle_only(path)
     reader = _ShardReader(path)
+    if specs is None and paddle_layout.is_paddle_layout(reader.where):
+        return paddle_layout.load_paddle_layout(model, path, reader)
     specs = _specs_cache(model) if specs is None else specs
     used: set[str] = set()
     for name, p in model.named_parameters():
