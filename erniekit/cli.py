@@ -54,7 +54,8 @@ def train(args: list[str]) -> int:
 
 def _chat_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="erniekit chat", description="Chat with a checkpoint.")
-    p.add_argument("model_dir", help="checkpoint directory (Hugging Face layout)")
+    p.add_argument("model_dir", help="checkpoint directory (Hugging Face layout) or LoRA adapter directory")
+    _add_base_model(p)
     p.add_argument("--prompt", help="answer this one message and exit (no interactive session)")
     p.add_argument("--system", help="system message")
     p.add_argument("--max-new-tokens", type=int, default=256, help="most tokens per reply")
@@ -90,9 +91,33 @@ def _chat_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _add_base_model(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--base-model",
+        metavar="DIR",
+        help="a LoRA adapter directory: put it on this base checkpoint (default: its adapter_config.json's "
+        "base_model_name_or_path; its tokenizer too when the adapter has none)",
+    )
+
+
+def _check_base_model(model_dir: str | None, base: str | None, verb: str) -> None:
+    """--base-model names an existing directory and goes with an adapter: checked before paddle loads."""
+    if base is None:
+        return
+    from erniekit.models.registry import is_adapter_dir
+
+    if not os.path.isdir(base):
+        raise ErniekitError(f"{verb}: --base-model {base} is not a directory; give the base checkpoint directory")
+    if model_dir and os.path.isdir(model_dir) and not is_adapter_dir(model_dir):
+        raise ErniekitError(
+            f"{verb}: --base-model is for a LoRA adapter directory; {model_dir} has no adapter_config.json: drop the flag"
+        )
+
+
 def chat(args: list[str]) -> int:
     """Interactive or one-shot chat with a checkpoint."""
     ns = _chat_parser().parse_args(args)
+    _check_base_model(ns.model_dir, ns.base_model, "chat")
     from erniekit.infer.sampling import SamplingParams
 
     try:  # the same checks generation applies, before paddle's slow import
@@ -109,8 +134,10 @@ def chat(args: list[str]) -> int:
         )
     _import_paddle()
     from erniekit.infer.chat import run_chat
+    from erniekit.models.registry import adapter_base_override
 
-    result = run_chat(ns)
+    with adapter_base_override(ns.base_model):
+        result = run_chat(ns)
     return result if isinstance(result, int) and not isinstance(result, bool) else 0
 
 
@@ -119,7 +146,10 @@ def _server_parser() -> argparse.ArgumentParser:
         prog="erniekit server",
         description="OpenAI-compatible HTTP server (/v1/chat/completions, /v1/completions, /v1/models, /health).",
     )
-    p.add_argument("model_dir", help="checkpoint or exported directory (Hugging Face layout)")
+    p.add_argument(
+        "model_dir", help="checkpoint or exported directory (Hugging Face layout), or LoRA adapter directory"
+    )
+    _add_base_model(p)
     p.add_argument("--host", default="127.0.0.1", help="interface to bind (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument(
@@ -172,10 +202,17 @@ def server(args: list[str]) -> int:
         raise ErniekitError("server: --max-batch must be >= 1 and --max-model-len >= 2")
     if ns.max_body_bytes < 1024:
         raise ErniekitError(f"server: --max-body-bytes {ns.max_body_bytes} must be >= 1024 (a request needs room)")
+    _check_base_model(ns.model_dir, ns.base_model, "server")
+    if ns.base_model and ns.backend == "fastdeploy":
+        raise ErniekitError(
+            "server: --base-model is for the builtin backend; for FastDeploy, erniekit export the adapter first"
+        )
     _import_paddle()
     from erniekit.infer.server import run_server
+    from erniekit.models.registry import adapter_base_override
 
-    return run_server(ns)
+    with adapter_base_override(ns.base_model):
+        return run_server(ns)
 
 
 def webui(args: list[str]) -> int:
@@ -252,11 +289,12 @@ def export(args: list[str]) -> int:
     p.add_argument("--max-shard-size", default="5GB", help="split weights into files of at most this size")
     p.add_argument(
         "--dtype",
-        choices=["float32", "bfloat16", "float16"],
+        choices=["float32", "bfloat16", "float16", "q8_0"],
         default=None,
-        help="weight dtype in the files (default: as trained)",
+        help="weight dtype in the files (default: as trained); q8_0: --format gguf only",
     )
     p.add_argument("--verify", metavar="DIR", help="reload an exported DIR and compare its logits with its source")
+    _add_base_model(p)
     p.add_argument(
         "elastic",
         nargs="*",
@@ -264,13 +302,18 @@ def export(args: list[str]) -> int:
         help="write an elastic sub-model: elastic.depth=N elastic.experts=N elastic.top_k=N (docs/elastic.md)",
     )
     ns = p.parse_intermixed_args(args)
+    if ns.dtype == "q8_0" and ns.format != "gguf":
+        p.error(f"--dtype q8_0 is a GGUF type: add --format gguf, or choose float32, bfloat16 or float16 for {ns.format}")
     from erniekit.export import command
+    from erniekit.models.registry import adapter_base_override
 
-    if ns.verify:
-        return command.verify_export(ns.verify)
-    return command.export(
-        ns.src, ns.output, ns.format, ns.force, ns.max_shard_size, ns.dtype, ns.group_size, ns.elastic
-    )
+    _check_base_model(ns.src, ns.base_model, "export")
+    with adapter_base_override(ns.base_model):
+        if ns.verify:
+            return command.verify_export(ns.verify)
+        return command.export(
+            ns.src, ns.output, ns.format, ns.force, ns.max_shard_size, ns.dtype, ns.group_size, ns.elastic
+        )
 
 
 def plan(args: list[str]) -> int:

@@ -25,16 +25,17 @@ MAX_TOOL_ROUNDS = 5  # model replies per user message when --tools functions kee
 
 def load_chat_model(model_dir: str) -> tuple[Ernie4_5ForCausalLM, ErnieTokenizer]:
     """Model + tokenizer from one checkpoint directory; a missing piece is a one-line error."""
-    from erniekit.models.registry import load_model_or_adapter, load_tokenizer
+    from erniekit.models.registry import load_model_or_adapter, load_tokenizer, tokenizer_dir
 
     if not os.path.isdir(model_dir):
         raise CheckpointError(
             f"{model_dir}: checkpoint directory not found; pass a directory written by "
             "'erniekit train' or a Hugging Face ERNIE-4.5 checkpoint"
         )
-    if not os.path.isfile(os.path.join(model_dir, "tokenizer.model")):
+    tok_dir = tokenizer_dir(model_dir)  # an adapter saved without a tokenizer uses its base's
+    if not os.path.isfile(os.path.join(tok_dir, "tokenizer.model")):
         raise CheckpointError(
-            f"{model_dir}: no tokenizer files (tokenizer.model); chat needs the tokenizer "
+            f"{tok_dir}: no tokenizer files (tokenizer.model); chat needs the tokenizer "
             "saved next to the weights: copy it from the original checkpoint"
         )
     tokenizer = load_tokenizer(model_dir)

@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import copy
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
 from erniekit.errors import CheckpointError
-from erniekit.models.generation_config import remember_source
+from erniekit.models.generation_config import GENERATION_CONFIG_NAME, remember_source
 from erniekit.utils.io import read_json_object
 from erniekit.utils.registry import import_modules
 
@@ -153,20 +154,63 @@ def load_model(name_or_path: str, overrides: Mapping[str, Any] | None = None, dt
     return model
 
 
-def adapter_base(path: str) -> str | None:
-    """The base checkpoint of a LoRA adapter directory (PEFT layout); None for a full checkpoint."""
-    from erniekit.nn.lora import ADAPTER_CONFIG_NAME
+ADAPTER_CONFIG = (
+    "adapter_config.json"  # PEFT's name (erniekit.nn.lora.ADAPTER_CONFIG_NAME), checked before paddle loads
+)
+_TOKENIZER_FILES = ("tokenizer.model", "tokenizer.json")  # a directory with one of these carries its own tokenizer
+_base_override: list[str] = []  # the innermost adapter_base_override's directory
 
-    cfg_file = os.path.join(path, ADAPTER_CONFIG_NAME)
+
+def is_adapter_dir(path: str) -> bool:
+    return os.path.isfile(os.path.join(path, ADAPTER_CONFIG))
+
+
+@contextmanager
+def adapter_base_override(base: str | None) -> Iterator[None]:
+    """`--base-model DIR` of chat / export / server: inside the block every LoRA adapter directory is
+    put on `base` instead of its adapter_config.json's base_model_name_or_path. A flag of the command,
+    so it reaches every loader the command calls (the server's, --verify's) without a parameter each."""
+    if base is None:
+        yield
+        return
+    if not os.path.isdir(base):
+        raise CheckpointError(f"--base-model {base}: not a directory; give the checkpoint the adapter was trained on")
+    _base_override.append(base)
+    try:
+        yield
+    finally:
+        _base_override.pop()
+
+
+def adapter_base(path: str) -> str | None:
+    """The base checkpoint of a LoRA adapter directory (PEFT layout); None for a full checkpoint.
+    base_model_name_or_path is tried as given, then (relative) against the adapter directory: PEFT
+    writes whatever path the base was loaded from, often relative to where training ran."""
+    cfg_file = os.path.join(path, ADAPTER_CONFIG)
     if not os.path.isfile(cfg_file):
         return None
+    if _base_override:
+        return _base_override[-1]
     base = read_json_object(cfg_file, "fix adapter_config.json").get("base_model_name_or_path")
-    if not isinstance(base, str) or not os.path.isdir(base):
-        raise CheckpointError(
-            f"{cfg_file}: base_model_name_or_path={base!r} is not a checkpoint directory; "
-            "edit it to point at the base model the adapter was trained on"
-        )
-    return base
+    tried: list[str] = []
+    if isinstance(base, str) and base:
+        tried = [base] if os.path.isabs(base) else [base, os.path.join(path, base)]
+        for candidate in tried:
+            if os.path.isdir(candidate):
+                return candidate
+    where = f" (tried {' and '.join(os.path.abspath(t) for t in tried)})" if tried else ""
+    raise CheckpointError(
+        f"{cfg_file}: base_model_name_or_path={base!r} is not a checkpoint directory{where}; pass --base-model DIR "
+        "or edit it to point at the base model the adapter was trained on"
+    )
+
+
+def tokenizer_dir(path: str) -> str:
+    """The directory whose tokenizer a checkpoint uses: its own, or, for an adapter saved without
+    one (PEFT saves none), its base checkpoint's."""
+    if any(os.path.isfile(os.path.join(path, f)) for f in _TOKENIZER_FILES):
+        return path
+    return adapter_base(path) or path
 
 
 def load_model_or_adapter(path: str) -> Any:
@@ -181,16 +225,22 @@ def load_model_or_adapter(path: str) -> Any:
         return load_model(path)
     model = load_model(base)
     load_adapter(model, path)
+    if os.path.isfile(os.path.join(path, GENERATION_CONFIG_NAME)):  # the adapter's own decoding defaults win
+        remember_source(model, path)
     return merge_and_unload(model)
 
 
 def load_tokenizer(model_name_or_path: str, tokenizer_path: str | None = None) -> Any:
-    """The tokenizer at `tokenizer_path`, else the one saved beside the checkpoint, else the bundled
-    tokenizer of a preset's family."""
+    """The tokenizer at `tokenizer_path`, else the one saved beside the checkpoint (an adapter's base's
+    when the adapter has none), else the bundled tokenizer of a preset's family."""
     f = family_of(model_name_or_path)
     if tokenizer_path:
         return f.load_tokenizer(tokenizer_path)
-    return f.load_tokenizer(model_name_or_path) if os.path.isdir(model_name_or_path) else f.default_tokenizer()
+    return (
+        f.load_tokenizer(tokenizer_dir(model_name_or_path))
+        if os.path.isdir(model_name_or_path)
+        else f.default_tokenizer()
+    )
 
 
 def save_model(model: Any, path: str, tokenizer: Any = None, **options: Any) -> None:
