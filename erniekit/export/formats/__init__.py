@@ -73,7 +73,8 @@ def _load_builtins() -> None:
     import_modules(__name__, __path__, first=_FIRST)
 
 
-_FIRST = ("hf", "weight_only", "static_graph")  # built-in modules, in the order `--format` and the WebUI list them
+# built-in modules, in the order `--format` and the WebUI list them
+_FIRST = ("hf", "weight_only", "static_graph", "paddle_layout", "gguf")
 
 
 def _rank(fmt: ExportFormat) -> int:
