@@ -303,7 +303,9 @@ def export(args: list[str]) -> int:
     )
     ns = p.parse_intermixed_args(args)
     if ns.dtype == "q8_0" and ns.format != "gguf":
-        p.error(f"--dtype q8_0 is a GGUF type: add --format gguf, or choose float32, bfloat16 or float16 for {ns.format}")
+        p.error(
+            f"--dtype q8_0 is a GGUF type: add --format gguf, or choose float32, bfloat16 or float16 for {ns.format}"
+        )
     from erniekit.export import command
     from erniekit.models.registry import adapter_base_override
 
@@ -370,6 +372,15 @@ def _eval_parser() -> argparse.ArgumentParser:
         const="elastic",
         help="elastic sub-models: parameters, held-out exact match and decode tokens/s of each",
     )
+    kind.add_argument(
+        "--lm-eval",
+        metavar="TASK,TASK",
+        type=lambda v: [t for t in v.split(",") if t],
+        help="lm-evaluation-harness tasks, run against the checkpoint served by the built-in server "
+        "(bundled offline task: erniekit_arith; needs pip install 'lm-eval[api]')",
+    )
+    p.add_argument("--include-path", metavar="DIR", help="--lm-eval: a directory of your own task YAML files")
+    p.add_argument("--limit", type=int, metavar="N", help="--lm-eval: at most N examples per task")
     p.add_argument(
         "--data",
         metavar="PATH",
@@ -379,7 +390,7 @@ def _eval_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--out",
         metavar="DIR",
-        help="directory for pictures and JSON (default: MODEL_DIR/routing; --elastic: MODEL_DIR)",
+        help="directory for pictures and JSON (default: MODEL_DIR/routing; --elastic, --lm-eval: MODEL_DIR)",
     )
     p.add_argument("--batch-size", type=int, metavar="N", default=16, help="sequences per forward pass")
     p.add_argument("--max-seq-len", type=int, metavar="N", default=1024, help="longer sequences are cut into pieces")
@@ -453,13 +464,31 @@ def _eval_elastic(ns: argparse.Namespace) -> int:
     return 0
 
 
-EVAL_REPORTS: dict[str, Callable[[argparse.Namespace], int]] = {"routing": _eval_routing, "elastic": _eval_elastic}
+def _eval_lm_eval(ns: argparse.Namespace) -> int:
+    _import_paddle()
+    from erniekit.infer.harness import run_lm_eval
+
+    results = run_lm_eval(
+        ns.model_dir, ns.lm_eval, ns.include_path, ns.limit, ns.batch_size, out=ns.out or ns.model_dir
+    )
+    from lm_eval.utils import make_table  # installed: run_lm_eval checked
+
+    print(make_table(results))
+    print(f"results: {os.path.join(ns.out or ns.model_dir, 'lm_eval_results.json')}")
+    return 0
+
+
+EVAL_REPORTS: dict[str, Callable[[argparse.Namespace], int]] = {
+    "routing": _eval_routing,
+    "elastic": _eval_elastic,
+    "lm_eval": _eval_lm_eval,
+}
 
 
 def eval_(args: list[str]) -> int:
     """Reports on a checkpoint over a dataset (forward passes only, no training)."""
     ns = _eval_parser().parse_args(args)
-    return EVAL_REPORTS[ns.report](ns)
+    return EVAL_REPORTS[ns.report or "lm_eval"](ns)
 
 
 def version(args: list[str]) -> int:
