@@ -91,3 +91,60 @@ def test_lm_eval_local_completions_loglikelihoods_equal_our_model(base, ckpt):
     # the task's accuracy is lm-eval's argmax over those same loglikelihoods
     picks = [int(np.argmax([r[0][0] for r in s["resps"]])) == s["target"] for s in samples]
     assert acc == pytest.approx(np.mean(picks))
+
+
+def test_erniekit_eval_lm_eval_reports_the_accuracy_our_model_gives(ckpt, tmp_path):
+    """`erniekit eval CKPT --lm-eval erniekit_arith --limit 6`: the printed table and the results file
+    carry the accuracy a direct scoring of those 6 questions with our model gives."""
+    import json
+    import subprocess
+    import sys
+
+    from erniekit.models.registry import load_model, load_tokenizer
+
+    out = tmp_path / "ev"
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "erniekit",
+            "eval",
+            ckpt,
+            "--lm-eval",
+            "erniekit_arith",
+            "--limit",
+            "6",
+            "--out",
+            str(out),
+        ],
+        cwd=str(ROOT),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "erniekit_arith" in r.stdout and "acc" in r.stdout
+    acc = json.loads((out / "lm_eval_results.json").read_text())["results"]["erniekit_arith"]["acc,none"]
+    model, tok = load_model(ckpt), load_tokenizer(ckpt)
+    model.eval()
+    docs = [json.loads(line) for line in (TASKS / "erniekit_arith" / "erniekit_arith.jsonl").read_text().splitlines()]
+    hits = []
+    for d in docs[:6]:
+        context = f"Question: {d['question']}\nAnswer:"
+        scores = [_direct(model, tok, context, " " + c) for c in d["choices"]]
+        hits.append(int(np.argmax(scores)) == d["label"])
+    assert acc == pytest.approx(np.mean(hits))
+
+
+def test_erniekit_eval_lm_eval_names_an_unknown_task_in_one_line(ckpt):
+    import subprocess
+    import sys
+
+    r = subprocess.run(
+        [sys.executable, "-m", "erniekit", "eval", ckpt, "--lm-eval", "no_such_task"],
+        cwd=str(ROOT),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert r.returncode != 0 and "no task no_such_task" in r.stderr and len(r.stderr.strip().splitlines()) == 1
