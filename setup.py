@@ -21,6 +21,11 @@ setup(
         "onnx": ["paddle2onnx>=2.0", "onnxruntime>=1.17"],
         "webui": ["gradio>=6.0,<7"],
         "video": ["av>=12"],  # ERNIE-4.5-VL video files (erniekit/models/ernie4_5_vl/video.py)
+        "gguf": ["gguf>=0.17"],  # erniekit export --format gguf (llama.cpp / Ollama)
+        "eval": ["lm-eval[api]>=0.4.9"],  # erniekit eval --lm-eval
+        # llama.cpp's Python binding compiles llama.cpp (a C++ compiler and cmake, ~4 min on 2 cores):
+        # not in `test`; .ci/run installs it for the GGUF test
+        "llama-cpp": ["llama-cpp-python==0.3.36"],
         "test": [
             "pytest>=8",
             "pytest-xdist>=3.2",
@@ -32,6 +37,9 @@ setup(
             "gradio>=6.0,<7",
             "playwright>=1.45",
             "av>=12",
+            "peft==0.21.2",
+            "gguf>=0.17",
+            "lm-eval[api]>=0.4.9",
         ],
     },
     entry_points={"console_scripts": ["erniekit=erniekit.cli:main"]},
