@@ -1,14 +1,24 @@
 """llama.cpp (through llama-cpp-python) runs what `erniekit export --format gguf` writes, for a
 tiny random dense and a tiny random MoE checkpoint: it cuts text into our tokenizer's ids, its
 float32 logits equal ours within 1e-3, its 32 greedy tokens are ours, and the q8_0 file's greedy
-agreement is measured (printed; asserted against a loose floor)."""
+agreement is measured (printed; asserted against a loose floor).
+
+llama-cpp-python compiles llama.cpp when installed (`pip install -e ".[llama-cpp]"`, ~4 min), so it
+is not in the test extras and the test skips without it; CI installs it and sets
+ERNIEKIT_REQUIRE_LLAMA_CPP=1, which turns that skip into a failure."""
 
 import dataclasses
+import os
 
 import numpy as np
 import pytest
 
-llama_cpp = pytest.importorskip("llama_cpp")
+try:
+    import llama_cpp
+except ImportError:
+    if os.environ.get("ERNIEKIT_REQUIRE_LLAMA_CPP") == "1":
+        raise
+    pytest.skip("llama-cpp-python is not installed (pip install -e '.[llama-cpp]')", allow_module_level=True)
 
 from erniekit.models.ernie4_5.configuration import get_preset  # noqa: E402
 from erniekit.models.ernie4_5.tokenizer import default_tokenizer  # noqa: E402
