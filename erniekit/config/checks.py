@@ -9,7 +9,8 @@ import sys
 import tempfile
 
 from erniekit.config.schema import TrainConfig, fields
-from erniekit.errors import ConfigError
+from erniekit.data.dataset_info import load_entry, parse_ref
+from erniekit.errors import ConfigError, DataError
 
 # Limits on the learning rate (docs/training.md, "Limits"). AdamW moves every weight by about
 # learning_rate per step whatever the gradient's size, and weights start near 0.02: above 1 every
@@ -64,7 +65,30 @@ def normalise(cfg: TrainConfig) -> TrainConfig:
         changes[compute] = True
     changes.update(_normalise_elastic(cfg))
     changes.update(_normalise_rl_lists(cfg))
+    changes.update(_normalise_dataset_names(cfg))
     return dataclasses.replace(cfg, **changes)
+
+
+def _normalise_dataset_names(cfg: TrainConfig) -> dict:
+    """With dataset_dir (LLaMA-Factory's), the dataset paths name datasets of its dataset_info.json:
+    each name becomes the entry DIR/dataset_info.json:NAME the data readers take."""
+    from erniekit.data.dataset_info import dataset_ref
+
+    if cfg.dataset_dir is None:
+        return {}
+    if not os.path.isdir(cfg.dataset_dir):
+        raise ConfigError(
+            f"dataset_dir={cfg.dataset_dir}: not a directory; give the directory holding dataset_info.json "
+            f"(relative paths start at {os.getcwd()})"
+        )
+    changes = {}
+    for key in ("train_dataset_path", "eval_dataset_path"):
+        value = getattr(cfg, key)
+        if value is None:
+            continue
+        names = [n.strip() for n in str(value).split(",") if n.strip()]
+        changes[key] = ",".join(n if parse_ref(n) else dataset_ref(cfg.dataset_dir, n) for n in names)
+    return changes
 
 
 def check(cfg: TrainConfig) -> None:
@@ -359,6 +383,12 @@ def _check_paths(cfg: TrainConfig) -> None:
                     raise ConfigError(
                         f"{key}: {p} is a synthetic picture dataset; it trains with stage: {_stages_that('images', ' or ')}"
                     )
+                continue
+            if parse_ref(p) is not None:  # a LLaMA-Factory dataset: its entry and file are checked now
+                try:
+                    load_entry(*parse_ref(p))
+                except DataError as e:
+                    raise ConfigError(f"{key}: {e}") from None
                 continue
             if not os.path.exists(p):
                 raise ConfigError(f"{key}: file not found: {p}; fix the path (relative paths start at {os.getcwd()})")

@@ -72,6 +72,12 @@ class TrainConfig:
         "auto", "format of train data: auto, erniekit, alpaca, messages, sharegpt, erniekit_vl, text", DATASET_TYPES
     )
     eval_dataset_path: str | None = _opt(None, "held-out data file(s), comma-separated")
+    dataset_dir: str | None = _opt(
+        None,
+        "LLaMA-Factory data: a directory with dataset_info.json; train_dataset_path / eval_dataset_path then "
+        "name its datasets (comma-separated), as LLaMA-Factory's dataset + dataset_dir. Without it, a path "
+        "entry DIR/dataset_info.json:NAME names one",
+    )
     eval_dataset_type: str = _opt("auto", "format of eval data (as train_dataset_type)", DATASET_TYPES)
     max_seq_len: int = _opt(512, "longest token sequence fed to the model")
     packing: bool = _opt(False, "pack several short examples into one max_seq_len row")
@@ -376,6 +382,7 @@ SECTION_KEYS: dict[str, tuple[str, ...]] = {
         "train_dataset_type",
         "eval_dataset_path",
         "eval_dataset_type",
+        "dataset_dir",
         "max_seq_len",
         "packing",
         "truncation",

@@ -23,6 +23,7 @@ Image paths are relative to the data file's directory; images are decoded later,
 that trains on them (VL-SFT).
 Pretrain: .jsonl/.json records {"text": str}, or a plain-text file with one document per
 non-empty line (use jsonl for documents that contain newlines).
+LLaMA-Factory datasets: a path entry DIR/dataset_info.json:NAME (erniekit/data/dataset_info.py).
 
 Every problem raises DataError naming the file and line.
 """
@@ -34,6 +35,7 @@ import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
+from erniekit.data.dataset_info import DatasetEntry, load_entry, parse_ref
 from erniekit.data.tool_messages import check_tools, is_tool_dialog, normalize_dialog
 from erniekit.errors import DataError
 from erniekit.utils.registry import LiveChoices
@@ -109,12 +111,16 @@ def _user_content(content: object, where: str, i: int, images: list[str], videos
 
 
 def split_paths(path: str) -> list[str]:
-    """A dataset path may be one file or a comma-separated list; each must exist."""
+    """A dataset path may be one file or a comma-separated list; each must exist. An entry
+    `DIR/dataset_info.json:NAME` is a LLaMA-Factory dataset (erniekit/data/dataset_info.py), checked here."""
     paths = [p.strip() for p in str(path).split(",") if p.strip()]
     if not paths:
         raise DataError("empty dataset path; set it to a .jsonl/.json file or a comma-separated list of files")
     for p in paths:
-        if not os.path.isfile(p):
+        ref = parse_ref(p)
+        if ref is not None:
+            load_entry(*ref)
+        elif not os.path.isfile(p):
             where = "is a directory, not a file" if os.path.isdir(p) else "not found"
             raise DataError(f"dataset file {where}: {p} (cwd {os.getcwd()}); check the path or its spelling")
     return paths
@@ -397,13 +403,20 @@ def detect_format(rec: object, where: str) -> str:
     )
 
 
-def load_records(path: str, fmt: str, readers: dict, detect, label: str = "data", kind: str = "examples") -> list:
+def load_records(
+    path: str, fmt: str, readers: dict, detect, label: str = "data", kind: str = "examples", ranking: bool = False
+) -> list:
     """Read every JSON record of the (comma-separated) files at `path` through `readers[fmt]`,
-    detecting the format per file when fmt == "auto"; shared by SFT and preference data."""
+    detecting the format per file when fmt == "auto"; shared by SFT, preference (`ranking`) and
+    prompt data. A dataset_info.json entry's records are mapped onto `readers`' own keys first."""
     if fmt != "auto" and fmt not in readers:
         raise DataError(f"unknown {label} format '{fmt}'; use one of {', '.join(['auto', *readers])}")
     out: list = []
     for p in split_paths(path):
+        ref = parse_ref(p)
+        if ref is not None:
+            out += _entry_records(load_entry(*ref), fmt, readers, label, kind, ranking)
+            continue
         file_fmt = None if fmt == "auto" else fmt
         before = len(out)
         for lineno, rec in _records(p):
@@ -418,6 +431,40 @@ def load_records(path: str, fmt: str, readers: dict, detect, label: str = "data"
     return out
 
 
+def _entry_records(entry: DatasetEntry, fmt: str, readers: dict, label: str, kind: str, ranking: bool) -> list:
+    """The records of a LLaMA-Factory dataset, each mapped by its columns / tags and read by our reader."""
+    if entry.ranking and not ranking:
+        raise DataError(
+            f"{entry.where} has ranking: true (chosen / rejected pairs): train it with stage DPO, "
+            f"or give {label} without ranking"
+        )
+    if ranking and not entry.ranking:
+        raise DataError(
+            f"{entry.where} has no ranking: true; DPO needs pairs: set ranking: true and columns chosen / rejected"
+        )
+    target = entry.reader_format(ranking)
+    if target not in readers:
+        raise DataError(f"{entry.where}: {entry.formatting} records cannot be read as {label}; use alpaca formatting")
+    if fmt not in ("auto", target):
+        raise DataError(
+            f"{entry.where}: its formatting ({entry.formatting}) sets the format; set the dataset type to auto, not {fmt}"
+        )
+    out: list = []
+    for file in entry.files:
+        seen: set[str] = set()
+        before = len(out)
+        for lineno, rec in _records(file):
+            where = f"{file}:{lineno}"
+            if not isinstance(rec, dict):
+                raise DataError(f"{where}: expected a JSON object, got {type(rec).__name__}")
+            seen.update(rec)
+            out.append(readers[target](entry.to_record(rec, where), where))
+        if len(out) == before:
+            raise DataError(f"{file}: no {kind}; the file is empty or has only blank lines")
+        entry.check_columns_seen(seen, file)
+    return out
+
+
 def load_sft_examples(path: str, fmt: str = "auto") -> list[Conversation]:
     """Read and validate SFT files (comma-separated list allowed); auto-detects per file."""
     return load_records(path, fmt, _READERS, detect_format)
@@ -428,7 +475,17 @@ def load_pretrain_texts(path: str) -> list[str]:
     texts: list[str] = []
     for p in split_paths(path):
         before = len(texts)
-        if p.endswith((".jsonl", ".json")):
+        ref = parse_ref(p)
+        if ref is not None:
+            entry = load_entry(*ref)
+            if entry.formatting != "alpaca" or entry.ranking:
+                raise DataError(
+                    f"{entry.where}: pretraining reads an alpaca dataset's prompt column (e.g. columns: "
+                    "{prompt: text}); sharegpt and ranking data are not pretraining data"
+                )
+            for file in entry.files:
+                texts += [entry.text(rec if isinstance(rec, dict) else {}, f"{file}:{n}") for n, rec in _records(file)]
+        elif p.endswith((".jsonl", ".json")):
             for lineno, rec in _records(p):
                 where = f"{p}:{lineno}"
                 if not isinstance(rec, dict):

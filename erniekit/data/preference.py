@@ -241,7 +241,9 @@ def detect_preference_format(rec: object, where: str) -> str:
 
 def load_preference_pairs(path: str, fmt: str = "auto") -> list[PreferencePair]:
     """Read and validate preference files (comma-separated list allowed); auto-detects per file."""
-    return load_records(path, fmt, _READERS, detect_preference_format, "preference data", "preference examples")
+    return load_records(
+        path, fmt, _READERS, detect_preference_format, "preference data", "preference examples", ranking=True
+    )
 
 
 # ------------------------------------------------------------------ encoding
