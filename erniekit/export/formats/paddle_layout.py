@@ -31,8 +31,8 @@ def _written_as_paddle(model, dtype: str):
 
 
 def _write(model, tokenizer, out: str, info: dict, options: ExportOptions) -> None:
-    from erniekit.models.ernie4_5.checkpoint import save_pretrained
     from erniekit.models.ernie4_5.paddle_layout import check_supported, paddle_state_dict
+    from erniekit.models.registry import save_model
     from erniekit.utils.io import atomic_write_json
 
     if model.config.model_type not in _TEXT_TYPES:
@@ -45,7 +45,7 @@ def _write(model, tokenizer, out: str, info: dict, options: ExportOptions) -> No
     state = paddle_state_dict(model, options.dtype)
     info["dtype"] = dtype
     with _written_as_paddle(model, dtype):
-        save_pretrained(model, out, tokenizer=tokenizer, max_shard_size=options.max_shard_size, state=state)
+        save_model(model, out, tokenizer=tokenizer, max_shard_size=options.max_shard_size, state=state)
     atomic_write_json(os.path.join(out, INFO_NAME), info)
 
 
@@ -54,8 +54,7 @@ def _verify(out: str, info: dict, ref_model, tokenizer, atol: float | None) -> d
     erniekit loads any checkpoint) to the source's logits: relative 1e-4 in float32; 5e-2 in 16 bits,
     as wint8 (bfloat16 rounding alone moved tiny-moe's logits 2.6% and can flip a router's choice; a
     misplaced block moves them by their whole size)."""
-    from erniekit.models.ernie4_5.checkpoint import _ShardReader
-    from erniekit.models.ernie4_5.paddle_layout import ARCHITECTURES, is_paddle_layout
+    from erniekit.models.ernie4_5.paddle_layout import ARCHITECTURES, checkpoint_tensor_names, is_paddle_layout
     from erniekit.utils.io import read_json_object
 
     config = read_json_object(os.path.join(out, "config.json"), f"re-run erniekit export --format {NAME}")
@@ -65,7 +64,7 @@ def _verify(out: str, info: dict, ref_model, tokenizer, atol: float | None) -> d
             f"{os.path.join(out, 'config.json')}: not FastDeploy's Paddle flavour (needs dtype, no torch_dtype, "
             f"architectures [{arch}]); re-run erniekit export --format {NAME}"
         )
-    if not is_paddle_layout(_ShardReader(out).where):
+    if not is_paddle_layout(checkpoint_tensor_names(out)):
         raise CheckpointError(
             f"{out}: no fused qkv_proj / up_gate_proj tensors; re-run erniekit export --format {NAME}"
         )

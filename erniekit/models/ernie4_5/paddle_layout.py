@@ -65,6 +65,22 @@ def is_paddle_layout(names: Iterable[str]) -> bool:
     return any(_FUSED.search(n) for n in names)
 
 
+def checkpoint_tensor_names(path: str) -> list[str]:
+    """The tensor names of the checkpoint directory `path` (its index, else its one file), read
+    without loading a tensor."""
+    from erniekit.utils.io import open_safetensors, read_json_object
+
+    index = os.path.join(path, INDEX_NAME)
+    if os.path.isfile(index):
+        weight_map = read_json_object(index, f"fix {INDEX_NAME}").get("weight_map")
+        return list(weight_map) if isinstance(weight_map, dict) else []
+    single = os.path.join(path, WEIGHTS_NAME)
+    if not os.path.isfile(single):
+        return []
+    with open_safetensors(single, "numpy") as f:
+        return list(f.keys())
+
+
 def check_supported(config, where: str) -> None:
     """The configurations the layout's rules are known for; anything else is refused, not guessed."""
     if config.num_modalities != 1:
