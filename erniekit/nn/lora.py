@@ -14,7 +14,8 @@ import contextlib
 import math
 import os
 import re
-from dataclasses import dataclass, field
+import warnings
+from dataclasses import dataclass, field, replace
 from typing import Iterator
 
 import paddle
@@ -22,6 +23,7 @@ import paddle.nn as nn
 import paddle.nn.functional as F
 
 from erniekit.errors import CheckpointError, ConfigError
+from erniekit.nn import lora_fused
 from erniekit.nn.moe import StackedExperts
 from erniekit.nn.rows import concat_rows, split_rows
 from erniekit.utils.io import read_json_object
@@ -52,6 +54,9 @@ class LoraConfig:
     use_dora: bool = False  # weight-decomposed LoRA (magnitude * direction)
     lora_plus_scale: float = 1.0  # LoRA+: learning-rate multiplier of the B matrices
     base_dtype: str | None = None  # "bfloat16": hold frozen adapted base weights in bf16
+    # routed-expert tensors on save: "fused" (transformers >= 5: PEFT target_parameters on the fused
+    # experts), "per_expert" (transformers < 5, the Hub checkpoints' names), "auto" (by transformers)
+    peft_layout: str = "auto"
 
     def __post_init__(self) -> None:
         if isinstance(self.target_modules, str):
@@ -65,6 +70,10 @@ class LoraConfig:
             (
                 self.base_dtype in (None, "float32", "bfloat16", "float16"),
                 f"base_dtype={self.base_dtype!r}: use None, 'float32', 'bfloat16' or 'float16'",
+            ),
+            (
+                self.peft_layout in lora_fused.PEFT_LAYOUTS,
+                f"peft_layout={self.peft_layout!r}: use " + ", ".join(repr(x) for x in lora_fused.PEFT_LAYOUTS),
             ),
         ]
         for ok, msg in checks:
@@ -461,6 +470,7 @@ def apply_lora(model: nn.Layer, config: LoraConfig) -> list[str]:
     subs = dict(model.named_sublayers())
     for name, layer, projs in plan:
         new = LoraLinear(layer, config) if isinstance(layer, nn.Linear) else LoraStackedExperts(layer, config, projs)
+        new.training = layer.training  # a new Layer starts in train mode: keep the model's (eval: no dropout)
         parent, attr = (subs[name.rsplit(".", 1)[0]], name.rsplit(".", 1)[1]) if "." in name else (model, name)
         setattr(parent, attr, new)
     model.__dict__[_STATE_ATTR] = _State(config, frozen)
@@ -566,10 +576,104 @@ def _peft_targets(model: nn.Layer, config: LoraConfig) -> list[str] | str:
     return "|".join(re.escape(n) for n in known if n in adapted)
 
 
+def _has_experts(model: nn.Layer) -> bool:
+    return any(isinstance(l, StackedExperts) for _, l in model.named_sublayers())
+
+
+def _multimodal(model: nn.Layer) -> bool:
+    """Modality experts (ERNIE-VL `mlp.experts_<m>`): transformers 5 names them differently again."""
+    return any(re.search(r"\.experts_\d+$", n) for n, l in model.named_sublayers() if isinstance(l, StackedExperts))
+
+
+def _param_target(name: str) -> bool:
+    """A Linear that PEFT on a transformers >= 5 MoE model can only adapt as a parameter target."""
+    return name.rsplit(".", 1)[-1] in lora_fused.PEFT_REMAPPED_LEAVES
+
+
+def _save_layout(model: nn.Layer, config: LoraConfig, requested: str) -> str:
+    """'fused' or 'per_expert'. The layouts differ only for a model with routed experts. Where the
+    fused layout cannot hold the adapter, asking for it is an error and 'auto' writes per-expert
+    tensors with a warning (the adapter stays exact for erniekit and PEFT on transformers < 5)."""
+    if requested not in lora_fused.PEFT_LAYOUTS:
+        raise ConfigError(f"save_adapter: peft_layout={requested!r}: use one of {lora_fused.PEFT_LAYOUTS}")
+    if lora_fused.resolve_layout(requested) == "per_expert" or not _has_experts(model):
+        return "per_expert"
+    why = None
+    if _multimodal(model):
+        why = "modality experts (mlp.experts_<m>, ERNIE-VL)"
+    elif config.use_dora and any(isinstance(l, LoraStackedExperts) or _param_target(n) for n, l in lora_layers(model)):
+        why = "DoRA on MLP projections (PEFT's ParamWrapper for target_parameters has no DoRA)"
+    if why is None:
+        return "fused"
+    msg = f"the fused-expert PEFT layout (target_parameters, transformers >= 5) cannot hold {why}"
+    if requested == "fused":
+        raise ConfigError(f"save_adapter: {msg}; use peft_layout='per_expert'")
+    warnings.warn(
+        f"save_adapter: {msg}; wrote the per-expert layout, which PEFT loads with transformers < 5 only", stacklevel=3
+    )
+    return "per_expert"
+
+
+def _torch_pair(layer: LoraStackedExperts, p: str) -> tuple[paddle.Tensor, paddle.Tensor]:
+    """Projection p's factors in torch's per-expert orientation: A [E, r, in], B [E, out, r]."""
+    return tuple(getattr(layer, f"{p}_lora_{k}").detach().transpose([0, 2, 1]) for k in ("A", "B"))
+
+
+def _fused_layout(model: nn.Layer, config: LoraConfig) -> tuple[dict[str, paddle.Tensor], dict]:
+    """Tensors and adapter_config.json entries of PEFT's fused-expert layout (erniekit/nn/lora_fused.py)."""
+    G, D = lora_fused.GATE_UP, lora_fused.DOWN
+    layers = dict(lora_layers(model))
+    tensors: dict[str, paddle.Tensor] = {}
+    modules, params, on, gate_ups, doubled = [], [], set(), [], []
+    for name, layer in model.named_sublayers():
+        if isinstance(layer, (nn.Linear, LoraLinear)):
+            key = f"{name}.weight" if _param_target(name) else name
+            (params if key != name else modules).append(key)
+            if name in layers:
+                on.add(key)
+                for k, (p, tr) in layer.peft_tensors(name).items():
+                    tensors[k] = p.detach().T if tr else p.detach()
+        elif isinstance(layer, StackedExperts):
+            params += [f"{name}.{q}" for q in lora_fused.FUSED_PARAMS]
+            if name not in layers:
+                continue
+            gate, up = (_torch_pair(layer, p) if p in layer.projs else None for p in ("gate_proj", "up_proj"))
+            fused = {}
+            if gate is not None or up is not None:
+                fused[G] = lora_fused.fuse_gate_up(gate, up)
+                gate_ups.append(f"{name}.{G}")
+                if gate is not None and up is not None:
+                    doubled.append(f"{name}.{G}")
+            if "down_proj" in layer.projs:
+                fused[D] = _torch_pair(layer, "down_proj")
+            prefixes = lora_fused.wrapper_prefixes(name, list(fused))
+            for q, (a, b) in fused.items():
+                on.add(f"{name}.{q}")
+                (
+                    tensors[f"{PEFT_PREFIX}{prefixes[q]}.lora_A.weight"],
+                    tensors[f"{PEFT_PREFIX}{prefixes[q]}.lora_B.weight"],
+                ) = lora_fused.pack(a, b)
+    # gate and up at rank r each are one rank-2r update: its scaling must stay alpha/r (rsLoRA alpha/sqrt(r))
+    keys = [r"experts\.gate_up_proj"] if doubled and doubled == gate_ups else [re.escape(k) for k in doubled]
+    alpha2 = config.lora_alpha * (math.sqrt(2) if config.use_rslora else 2)
+    return tensors, {
+        "target_modules": lora_fused.peft_list(modules, on & set(modules), 1),
+        "target_parameters": lora_fused.peft_list(params, on & set(params), 2) or None,
+        "rank_pattern": {k: 2 * config.r for k in keys},
+        "alpha_pattern": {k: alpha2 for k in keys},
+    }
+
+
 def save_adapter(
-    model: nn.Layer, path: str, config: LoraConfig | None = None, base_model_name_or_path: str | None = None
+    model: nn.Layer,
+    path: str,
+    config: LoraConfig | None = None,
+    base_model_name_or_path: str | None = None,
+    peft_layout: str | None = None,
 ) -> None:
-    """Write adapter_config.json + adapter_model.safetensors as PEFT's `save_pretrained` does."""
+    """Write adapter_config.json + adapter_model.safetensors as PEFT's `save_pretrained` does.
+    peft_layout (default: the config's): routed experts as transformers >= 5 fuses them ('fused')
+    or one Linear per expert ('per_expert'); 'auto' follows the installed transformers."""
     from safetensors.paddle import save_file
 
     from erniekit.utils.io import atomic_write, atomic_write_json
@@ -583,21 +687,25 @@ def save_adapter(
                 f"save_adapter: config {k}={getattr(config, k)!r} differs from the applied {getattr(applied, k)!r}; "
                 "pass the config given to apply_lora (or none)"
             )
-    tensors: dict[str, paddle.Tensor] = {}
-    for name, layer in lora_layers(model):
-        for key, spec in layer.peft_tensors(name).items():
-            t = spec[0].detach()
-            if isinstance(layer, LoraStackedExperts):
-                t = t[spec[1]]
-            tensors[key] = (t.T if spec[-1] else t).astype("float32").contiguous()
+    if _save_layout(model, config, peft_layout or config.peft_layout) == "fused":
+        tensors, entries = _fused_layout(model, config)
+    else:
+        tensors, entries = {}, {"target_modules": _peft_targets(model, config), "rank_pattern": {}, "alpha_pattern": {}}
+        for name, layer in lora_layers(model):
+            for key, spec in layer.peft_tensors(name).items():
+                t = spec[0].detach()
+                if isinstance(layer, LoraStackedExperts):
+                    t = t[spec[1]]
+                tensors[key] = t.T if spec[-1] else t
+    tensors = {k: t.astype("float32").contiguous() for k, t in tensors.items()}
     cfg = {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
         "base_model_name_or_path": base_model_name_or_path,
         "r": config.r,
         "lora_alpha": config.lora_alpha,
-        "lora_dropout": config.lora_dropout,
-        "target_modules": _peft_targets(model, config),
+        # PEFT's ParamWrapper refuses dropout; it is a training setting, the adapter's function has none
+        "lora_dropout": 0.0 if entries.get("target_parameters") else config.lora_dropout,
         "use_rslora": config.use_rslora,
         "use_dora": config.use_dora,
         "bias": "none",
@@ -607,8 +715,7 @@ def save_adapter(
         "modules_to_save": None,
         "layers_to_transform": None,
         "layers_pattern": None,
-        "rank_pattern": {},
-        "alpha_pattern": {},
+        **entries,
     }
     os.makedirs(path, exist_ok=True)
     weights = os.path.join(path, ADAPTER_WEIGHTS_NAME)
@@ -616,75 +723,224 @@ def save_adapter(
     atomic_write_json(os.path.join(path, ADAPTER_CONFIG_NAME), cfg)
 
 
-def _read_adapter_config(path: str) -> LoraConfig:
+def _read_adapter_config(path: str) -> dict:
+    """adapter_config.json, with what erniekit cannot load refused in one line."""
     file = os.path.join(path, ADAPTER_CONFIG_NAME)
     if not os.path.isfile(file):
         raise CheckpointError(
             f"{file}: not found; point at a directory written by save_adapter or PEFT's save_pretrained"
         )
     d = read_json_object(file, "fix adapter_config.json")
+    tp, patterns = d.get("target_parameters"), [d.get("rank_pattern") or {}, d.get("alpha_pattern") or {}]
     unsupported = [
         (d.get("peft_type", "LORA") != "LORA", f"peft_type={d.get('peft_type')!r} (only LORA is supported)"),
         (d.get("bias", "none") != "none", f"bias={d.get('bias')!r} (only 'none' is supported)"),
         (bool(d.get("fan_in_fan_out")), "fan_in_fan_out=true (only Linear layers are supported)"),
         (bool(d.get("modules_to_save")), "modules_to_save (fully trained extra modules are not supported)"),
-        (
-            bool(d.get("rank_pattern")) or bool(d.get("alpha_pattern")),
-            "rank_pattern/alpha_pattern (one r and alpha for all modules)",
-        ),
         (d.get("layers_to_transform") is not None, "layers_to_transform (use a target_modules regex)"),
+        (
+            tp is not None and not (isinstance(tp, list) and all(isinstance(x, str) for x in tp)),
+            f"target_parameters={tp!r} (expected a list of parameter names)",
+        ),
+        (bool(tp) and bool(d.get("use_dora")), "use_dora with target_parameters (PEFT's ParamWrapper has no DoRA)"),
+        (
+            not all(isinstance(p, dict) for p in patterns)
+            or not all(isinstance(v, int) and v > 0 for v in patterns[0].values())
+            or not all(isinstance(v, (int, float)) and v > 0 for v in patterns[1].values()),
+            "rank_pattern/alpha_pattern (expected {pattern: positive number})",
+        ),
     ]
     for bad, what in unsupported:
         if bad:
             raise CheckpointError(f"{file}: {what}")
-    tm = d.get("target_modules")
-    if tm == "all-linear":
-        patterns = [r"(?!lm_head$).*"]
-    elif isinstance(tm, str):
-        patterns = [tm]
-    elif isinstance(tm, list) and tm:  # PEFT list: exact name or a '.'-separated suffix
-        patterns = [r"(?:.*\.)?" + re.escape(k) for k in tm]
-    else:
+    return d
+
+
+def _target_patterns(model: nn.Layer, d: dict, file: str) -> list[str]:
+    """Our target_modules regexes for what the adapter's config targets on `model`."""
+    tm, tp = d.get("target_modules"), d.get("target_parameters")
+    if not tp:
+        if tm == "all-linear":
+            return [r"(?!lm_head$).*"]
+        if isinstance(tm, str):
+            return [tm]
+        if isinstance(tm, list) and tm:  # PEFT list: exact name or a '.'-separated suffix
+            return [r"(?:.*\.)?" + re.escape(k) for k in tm]
         raise CheckpointError(f"{file}: target_modules={tm!r}: expected a list of module names or a regex")
-    try:
-        return LoraConfig(
-            r=d.get("r", 8),
-            lora_alpha=d.get("lora_alpha", 8),
-            lora_dropout=d.get("lora_dropout", 0.0),
-            target_modules=patterns,
-            use_rslora=bool(d.get("use_rslora")),
-            use_dora=bool(d.get("use_dora")),
+    if _multimodal(model):
+        raise CheckpointError(
+            f"{file}: target_parameters (PEFT's fused-expert layout) on a model with modality experts: "
+            "only text MoE models are supported; save the adapter per expert (transformers < 5 names)"
         )
-    except ConfigError as e:
-        raise CheckpointError(f"{file}: {e}") from None
-
-
-def _expected_shapes(model: nn.Layer, plan, r: int, dora: bool) -> dict[str, list[int]]:
-    out = {}
-    for name, layer, projs in plan:
+    selected = []
+    for name, layer in _candidates(model):
         if isinstance(layer, nn.Linear):
-            shapes = [(PEFT_PREFIX + name, layer.weight.shape)]
+            if lora_fused.peft_selects(tm, name) or lora_fused.peft_selects(tp, f"{name}.weight"):
+                selected.append(re.escape(name))
+            continue
+        projs = ["gate_proj", "up_proj"] if lora_fused.peft_selects(tp, f"{name}.{lora_fused.GATE_UP}") else []
+        projs += ["down_proj"] if lora_fused.peft_selects(tp, f"{name}.{lora_fused.DOWN}") else []
+        if projs:
+            selected.append(rf"{re.escape(name)}\.\d+\.(?:{'|'.join(projs)})")
+    if not selected:
+        raise CheckpointError(
+            f"{file}: target_modules={tm!r} and target_parameters={tp!r} select nothing in the model: "
+            "the adapter was made for another base model"
+        )
+    return ["|".join(selected)]
+
+
+@dataclass
+class _Slot:
+    """One LoRA pair of the file: `owner` (module name, expert projection or None); kind 'linear',
+    'expert' (one expert of the per-expert layout) or a fused parameter (gate_up_proj, down_proj)."""
+
+    owner: tuple[str, str | None]
+    kind: str
+    prefix: str
+    shapes: dict[str, list[int]]
+    scaling: float
+    experts: int
+
+
+def _slots(plan, d: dict, fused: bool) -> list[_Slot]:
+    """What the file must hold for `plan`, with each pair's rank and scaling as PEFT gives them
+    (rank_pattern / alpha_pattern keyed by module name, or by parameter name for target_parameters)."""
+    r0, a0, rs, dora = d.get("r", 8), d.get("lora_alpha", 8), bool(d.get("use_rslora")), bool(d.get("use_dora"))
+
+    def slot(owner, kind, key, prefix, fan_in, fan_out, experts=1, magnitude=False) -> _Slot:
+        R = int(lora_fused.pattern_value(d.get("rank_pattern"), key, r0))
+        alpha = lora_fused.pattern_value(d.get("alpha_pattern"), key, a0)
+        shapes = {f"{prefix}.lora_A.weight": [R * experts, fan_in], f"{prefix}.lora_B.weight": [fan_out, R * experts]}
+        if magnitude:
+            shapes[f"{prefix}.lora_magnitude_vector"] = [fan_out]
+        return _Slot(owner, kind, prefix, shapes, alpha / (math.sqrt(R) if rs else R), experts)
+
+    out = []
+    for name, layer, projs in plan:
+        if not projs:
+            fan_in, fan_out = layer.weight.shape
+            param = fused and not lora_fused.peft_selects(d.get("target_modules"), name)
+            key = f"{name}.weight" if param else name
+            out.append(slot((name, None), "linear", key, PEFT_PREFIX + name, fan_in, fan_out, magnitude=dora))
+        elif fused:
+            E, H, I = layer.gate_proj.shape
+            targeted = [q for q, ps in lora_fused.FUSED_PROJS.items() if set(ps) & set(projs)]
+            prefixes = lora_fused.wrapper_prefixes(name, targeted)
+            for q in targeted:
+                fan_in, fan_out = (H, 2 * I) if q == lora_fused.GATE_UP else (I, H)
+                out.append(slot((name, q), q, f"{name}.{q}", PEFT_PREFIX + prefixes[q], fan_in, fan_out, E))
         else:
-            shapes = [
-                (f"{PEFT_PREFIX}{expert_module_name(name, layer, e)}.{p}", getattr(layer, p).shape[1:])
-                for p in projs
-                for e in range(layer.num_experts)
-            ]
-        for base, (fan_in, fan_out) in shapes:
-            out[f"{base}.lora_A.weight"] = [r, fan_in]
-            out[f"{base}.lora_B.weight"] = [fan_out, r]
-            if dora:
-                out[f"{base}.lora_magnitude_vector"] = [fan_out]
+            for p in projs:
+                fan_in, fan_out = getattr(layer, p).shape[1:]
+                for e in range(layer.num_experts):
+                    mod = f"{expert_module_name(name, layer, e)}.{p}"
+                    out.append(slot((name, p), "expert", mod, PEFT_PREFIX + mod, fan_in, fan_out, magnitude=dora))
     return out
 
 
+def _check_names(model: nn.Layer, f, file: str, slots: list[_Slot], missing_hint: str) -> None:
+    """Every tensor of the file has a place and every place its tensor, of the right shape."""
+    expected = {n: shape for s in slots for n, shape in s.shapes.items()}
+    names = list(f.keys())
+    known = {n for n, _ in _candidates(model)} | {n for n, _ in lora_layers(model)}
+    for n in names:
+        if n not in expected:
+            module = re.sub(r"\.(lora_A\.weight|lora_B\.weight|lora_magnitude_vector)$", "", n)
+            module = re.sub(r"(\.base_layer)+$", "", module)
+            module = module[len(PEFT_PREFIX) :] if module.startswith(PEFT_PREFIX) else module
+            owned = module in known or re.sub(r"\.\d+\.\w+$", "", module) in known
+            why = (
+                "which adapter_config.json target_modules (or target_parameters) does not select: the two files disagree"
+                if owned
+                else "which the model does not have: the adapter was made for another base model"
+            )
+            raise CheckpointError(f"{file}: tensor {n} is for module {module}, {why}")
+    for n, want in expected.items():
+        if n not in names:
+            raise CheckpointError(f"{file}: tensor {n} is missing ({missing_hint})")
+        got = list(f.get_slice(n).get_shape())
+        if got != want:
+            raise CheckpointError(
+                f"{file}: tensor {n} has shape {got}, the model expects {want}: "
+                "the adapter's base model has other shapes (check base_model_name_or_path)"
+            )
+
+
+def _read_pieces(f, slots: list[_Slot], r: int) -> dict[tuple[str, str | None], list[list]]:
+    """(module, projection) -> per expert [A [in, R], B [R, out], scaling, magnitude or None] in
+    Paddle's orientation. A fused gate_up_proj pair becomes gate and up (lora_fused.split_gate_up)."""
+    pieces: dict[tuple[str, str | None], list[list]] = {}
+    for s in slots:
+        a, b = f.get_tensor(f"{s.prefix}.lora_A.weight"), f.get_tensor(f"{s.prefix}.lora_B.weight")
+        if s.kind in ("linear", "expert"):
+            mag = f"{s.prefix}.lora_magnitude_vector"
+            m = f.get_tensor(mag) if mag in s.shapes else None
+            pieces.setdefault(s.owner, []).append([a.T, b.T, s.scaling, m])
+            continue
+        a_t, b_t = lora_fused.unpack(a, b, s.experts)
+        halves = lora_fused.split_gate_up(a_t, b_t, r) if s.kind == lora_fused.GATE_UP else [(a_t, b_t)]
+        for p, (at, bt) in zip(lora_fused.FUSED_PROJS[s.kind], halves):
+            pieces[(s.owner[0], p)] = [[at[e].T, bt[e].T, s.scaling, None] for e in range(s.experts)]
+    return pieces
+
+
+def _fit(a: paddle.Tensor, b: paddle.Tensor, s: float, layer, what: str, file: str, exact: bool):
+    """A [in, R], B [R, out] at scaling s as the layer's rank and scaling: B rescaled, the rank
+    zero-padded (a padded column of A meets a zero row of B: the update is unchanged)."""
+    R, r = a.shape[1], layer.r
+    if R > r or (exact and R != r):
+        raise CheckpointError(
+            f"{file}: the adapter of {what} has rank {R}, the model's adapters rank {r}: "
+            "the adapter was saved with other lora settings"
+        )
+    if s != layer.scaling:
+        b = b.astype(layer.compute_dtype) * (s / layer.scaling)
+    if R < r:
+        a = paddle.concat([a, paddle.zeros([a.shape[0], r - R], dtype=a.dtype)], axis=1)
+        b = paddle.concat([b, paddle.zeros([r - R, b.shape[1]], dtype=b.dtype)], axis=0)
+    return a, b
+
+
+def _fill(model: nn.Layer, pieces: dict, file: str, exact: bool = False) -> None:
+    """Copy read pieces into the model's adapters; a fused gate/up half the model does not adapt
+    must be zero (it is when the adapter was saved from such a model)."""
+    with paddle.no_grad():
+        for name, layer in lora_layers(model):
+            if isinstance(layer, LoraLinear):
+                [(a, b, s, m)] = pieces.pop((name, None))
+                a, b = _fit(a, b, s, layer, name, file, exact)
+                for p, t in ((layer.lora_A, a), (layer.lora_B, b), (layer.lora_magnitude_vector, m)):
+                    if p is not None and t is not None:
+                        p.set_value(t.astype(p.dtype))
+                continue
+            for p in layer.projs:
+                items = pieces.pop((name, p))
+                fitted = [_fit(a, b, s, layer, f"{name}.<e>.{p}", file, exact) for a, b, s, _ in items]
+                for k, ts in (("lora_A", [x for x, _ in fitted]), ("lora_B", [y for _, y in fitted])):
+                    param = getattr(layer, f"{p}_{k}")
+                    param.set_value(paddle.stack(ts).astype(param.dtype))
+                if layer.use_dora:
+                    param = getattr(layer, f"{p}_lora_magnitude_vector")
+                    param.set_value(paddle.stack([m for *_, m in items]).astype(param.dtype))
+        for (name, p), items in pieces.items():
+            if any(bool((b != 0).any()) for _, b, _, _ in items):
+                raise CheckpointError(
+                    f"{file}: the fused gate_up_proj adapter of {name} changes {p}, which the model's adapters "
+                    "do not cover: load it with load_adapter on the base model"
+                )
+
+
 def load_adapter(model: nn.Layer, path: str, base_dtype: str | None = None) -> LoraConfig:
-    """Apply LoRA as `path`/adapter_config.json says and load adapter_model.safetensors (PEFT layout).
-    Everything is checked before the model is changed; errors name the tensor."""
+    """Apply LoRA as `path`/adapter_config.json says and load adapter_model.safetensors, in either
+    PEFT layout (per-expert Linears, or target_parameters on transformers 5's fused experts).
+    Everything is checked before the model is changed; errors name the tensor. Ranks that differ
+    per module (rank_pattern, a fused gate_up whose halves share A) load at the largest rank, the
+    others zero-padded: the same adapted model, and trainable further."""
     from erniekit.utils.io import open_safetensors
 
-    config = _read_adapter_config(path)
-    config.base_dtype = base_dtype
+    d = _read_adapter_config(path)
+    cfg_file = os.path.join(path, ADAPTER_CONFIG_NAME)
     file = os.path.join(path, ADAPTER_WEIGHTS_NAME)
     if not os.path.isfile(file):
         hint = (
@@ -693,68 +949,51 @@ def load_adapter(model: nn.Layer, path: str, base_dtype: str | None = None) -> L
             else ""
         )
         raise CheckpointError(f"{file}: not found{hint}")
+    patterns = _target_patterns(model, d, cfg_file)
+    try:
+        config = LoraConfig(
+            r=d.get("r", 8),
+            lora_alpha=d.get("lora_alpha", 8),
+            lora_dropout=d.get("lora_dropout", 0.0),
+            target_modules=patterns,
+            use_rslora=bool(d.get("use_rslora")),
+            use_dora=bool(d.get("use_dora")),
+            base_dtype=base_dtype,
+        )
+    except ConfigError as e:
+        raise CheckpointError(f"{cfg_file}: {e}") from None
     try:
         plan = _plan(model, config)
     except ConfigError as e:
         raise CheckpointError(f"{path}: {e}") from None
-    expected = _expected_shapes(model, plan, config.r, config.use_dora)
     with open_safetensors(file) as f:
-        names = list(f.keys())
-        known = {n for n, _ in _candidates(model)}
-        for n in names:
-            if n not in expected:
-                module = re.sub(r"\.(lora_A\.weight|lora_B\.weight|lora_magnitude_vector)$", "", n)
-                module = module[len(PEFT_PREFIX) :] if module.startswith(PEFT_PREFIX) else module
-                owned = module in known or re.sub(r"\.\d+\.\w+$", "", module) in known
-                why = (
-                    "which adapter_config.json target_modules does not select: the two files disagree"
-                    if owned
-                    else "which the model does not have: the adapter was made for another base model"
-                )
-                raise CheckpointError(f"{file}: tensor {n} is for module {module}, {why}")
-        for n, want in expected.items():
-            if n not in names:
-                raise CheckpointError(f"{file}: tensor {n} is missing (adapter_config.json targets its module)")
-            got = list(f.get_slice(n).get_shape())
-            if got != want:
-                raise CheckpointError(
-                    f"{file}: tensor {n} has shape {got}, the model expects {want}: "
-                    "the adapter's base model has other shapes (check base_model_name_or_path)"
-                )
-        apply_lora(model, config)
-        _fill_adapters(model, f)
+        slots = _slots(plan, d, bool(d.get("target_parameters")))
+        _check_names(model, f, file, slots, "adapter_config.json targets its module")
+        pieces = _read_pieces(f, slots, config.r)
+    rank = max(a.shape[1] for items in pieces.values() for a, *_ in items)
+    if rank != config.r:  # the largest rank; alpha so that the scaling stays the config's
+        config = replace(config, r=rank, lora_alpha=config.scaling * (math.sqrt(rank) if config.use_rslora else rank))
+    apply_lora(model, config)
+    _fill(model, pieces, file)
     return config
 
 
-def _fill_adapters(model: nn.Layer, f) -> None:
-    """Copy PEFT-layout tensors from an open safetensors file into the model's adapters."""
-    with paddle.no_grad():
-        for name, layer in lora_layers(model):
-            specs = layer.peft_tensors(name)
-            if isinstance(layer, LoraLinear):
-                for key, (p, tr) in specs.items():
-                    t = f.get_tensor(key).astype(p.dtype)
-                    p.set_value(t.T if tr else t)
-                continue
-            stacks: dict[int, list] = {}
-            for key, (p, _expert, tr) in specs.items():
-                t = f.get_tensor(key).astype(p.dtype)
-                stacks.setdefault(id(p), [p, []])[1].append(t.T if tr else t)
-            for p, ts in stacks.values():  # peft_tensors lists experts in order
-                p.set_value(paddle.stack(ts))
-
-
 def load_adapter_weights(model: nn.Layer, path: str) -> None:
-    """Refill the adapters of a model that already has LoRA applied (resume), from `path`."""
+    """Refill the adapters of a model that already has LoRA applied (resume), from `path` in
+    either layout; ranks must be the model's."""
     from erniekit.utils.io import open_safetensors
 
     file = os.path.join(path, ADAPTER_WEIGHTS_NAME)
     if not lora_layers(model):
         raise CheckpointError(f"{path}: holds a LoRA adapter but the model has none; set fine_tuning=LoRA")
+    applied = _state(model, "load_adapter_weights").config
+    if os.path.isfile(os.path.join(path, ADAPTER_CONFIG_NAME)):
+        d = _read_adapter_config(path)
+    else:
+        d = {k: getattr(applied, k) for k in ("r", "lora_alpha", "use_rslora", "use_dora")}
+    plan = [(n, l, getattr(l, "projs", ())) for n, l in lora_layers(model)]
     with open_safetensors(file) as f:
-        missing = [k for name, layer in lora_layers(model) for k in layer.peft_tensors(name) if k not in f.keys()]
-        if missing:
-            raise CheckpointError(
-                f"{file}: tensor {missing[0]} is missing; the adapter was saved with other lora settings"
-            )
-        _fill_adapters(model, f)
+        slots = _slots(plan, d, bool(d.get("target_parameters")))
+        _check_names(model, f, file, slots, "the adapter was saved with other lora settings")
+        pieces = _read_pieces(f, slots, applied.r)
+    _fill(model, pieces, file, exact=True)

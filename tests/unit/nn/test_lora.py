@@ -223,7 +223,7 @@ def test_target_subsets_round_trip_as_peft_regex_and_expert_projection_lists(tmp
         m, LoraConfig(r=2, target_modules=[r"model\.layers\.1\.mlp\.experts", r"model\.layers\.0\.self_attn\.q_proj"])
     )
     _randomize(m)
-    save_adapter(m, str(tmp_path))
+    save_adapter(m, str(tmp_path), peft_layout="per_expert")  # fused: full names (tests/unit/nn/test_peft_moe.py)
     tm = json.loads((tmp_path / "adapter_config.json").read_text())["target_modules"]
     assert isinstance(tm, str)  # no suffix list selects exactly these
     fresh = _model()
