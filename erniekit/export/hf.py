@@ -63,6 +63,11 @@ def export_hf(
     check_output(src, out, force)
     model, tokenizer = _load_source(src, elastic)
     info = {"source": os.path.abspath(src), "format": fmt}
+    from erniekit.models.registry import adapter_base
+
+    base = adapter_base(src)
+    if base is not None:  # an adapter: --verify reloads it on the same base (--base-model included)
+        info["base"] = os.path.abspath(base)
     if elastic is not None and not elastic.is_full:
         info["elastic"] = {"depth": elastic.depth, "experts": elastic.experts, "top_k": elastic.top_k}
     writer.write(model, tokenizer, out, info, ExportOptions(max_shard_size, dtype, group_size))
@@ -89,5 +94,10 @@ def verify(out: str, atol: float | None = None) -> dict:
     if not os.path.isdir(src):
         raise CheckpointError(f"{out}: its source {src} is gone; --verify needs the source to compare with")
     el = info.get("elastic")
-    ref_model, tokenizer = _load_source(src, ElasticSpec(**el) if el else None)
+    from erniekit.models.registry import adapter_base_overridden, adapter_base_override
+
+    base = info.get("base")
+    recorded = base if isinstance(base, str) and os.path.isdir(base) and not adapter_base_overridden() else None
+    with adapter_base_override(recorded):
+        ref_model, tokenizer = _load_source(src, ElasticSpec(**el) if el else None)
     return export_format(info["format"]).verify(out, info, ref_model, tokenizer, atol)

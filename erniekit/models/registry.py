@@ -182,6 +182,11 @@ def adapter_base_override(base: str | None) -> Iterator[None]:
         _base_override.pop()
 
 
+def adapter_base_overridden() -> bool:
+    """True inside an `adapter_base_override` block (a --base-model flag is in force)."""
+    return bool(_base_override)
+
+
 def adapter_base(path: str) -> str | None:
     """The base checkpoint of a LoRA adapter directory (PEFT layout); None for a full checkpoint.
     base_model_name_or_path is tried as given, then (relative) against the adapter directory: PEFT

@@ -80,6 +80,8 @@ def test_export_of_peft_adapter_equals_merged(dirs, tmp_path):
     np.testing.assert_allclose(got, want, atol=1e-5)
     r = _cli("export", "--verify", out, "--base-model", dirs["base"])
     assert r.returncode == 0 and "OK" in r.stdout, r.stdout + r.stderr
+    r = _cli("export", "--verify", out)  # the base the export was made on is recorded in export_info.json
+    assert r.returncode == 0 and "OK" in r.stdout, r.stdout + r.stderr
 
 
 def test_server_on_peft_adapter_with_base_model_flag(dirs, reference):
