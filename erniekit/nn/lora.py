@@ -4,8 +4,9 @@ Adapted layers keep their base parameters under the same names (`...q_proj.weigh
 HF-layout checkpoint io and the optimizer's name-keyed state keep working, and
 `merge_and_unload` gives back the original layer objects. Adapter tensors are stored in Paddle's
 [in, out] orientation (A [in, r], B [r, out]; experts A [E, in, r], B [E, r, out]) and transposed
-to PEFT's torch orientation (lora_A.weight [r, in], lora_B.weight [out, r]) on save/load.
-Formulas and references: docs/lora.md.
+to PEFT's torch orientation (lora_A.weight [r, in], lora_B.weight [out, r]) on save/load; routed
+experts go per expert (transformers < 5) or as PEFT's target_parameters on transformers 5's fused
+experts (erniekit/nn/lora_fused.py). Formulas, layouts and references: docs/lora.md.
 """
 
 from __future__ import annotations
@@ -839,13 +840,14 @@ def _slots(plan, d: dict, fused: bool) -> list[_Slot]:
     return out
 
 
-def _check_names(model: nn.Layer, f, file: str, slots: list[_Slot], missing_hint: str) -> None:
-    """Every tensor of the file has a place and every place its tensor, of the right shape."""
+def _check_names(model: nn.Layer, f, file: str, slots: list[_Slot], missing_hint: str, extra: bool = False) -> None:
+    """Every tensor of the file has a place (unless `extra`: a model holding part of the layers)
+    and every place its tensor, of the right shape."""
     expected = {n: shape for s in slots for n, shape in s.shapes.items()}
     names = list(f.keys())
     known = {n for n, _ in _candidates(model)} | {n for n, _ in lora_layers(model)}
     for n in names:
-        if n not in expected:
+        if n not in expected and not extra:
             module = re.sub(r"\.(lora_A\.weight|lora_B\.weight|lora_magnitude_vector)$", "", n)
             module = re.sub(r"(\.base_layer)+$", "", module)
             module = module[len(PEFT_PREFIX) :] if module.startswith(PEFT_PREFIX) else module
@@ -980,20 +982,22 @@ def load_adapter(model: nn.Layer, path: str, base_dtype: str | None = None) -> L
 
 def load_adapter_weights(model: nn.Layer, path: str) -> None:
     """Refill the adapters of a model that already has LoRA applied (resume), from `path` in
-    either layout; ranks must be the model's."""
+    either layout; ranks must be the model's. The model may hold only some of the adapted layers
+    (a pipeline stage): the file's other tensors are skipped."""
     from erniekit.utils.io import open_safetensors
 
     file = os.path.join(path, ADAPTER_WEIGHTS_NAME)
-    if not lora_layers(model):
+    layers = lora_layers(model)
+    if not layers:
         raise CheckpointError(f"{path}: holds a LoRA adapter but the model has none; set fine_tuning=LoRA")
-    applied = _state(model, "load_adapter_weights").config
+    first = layers[0][1]
     if os.path.isfile(os.path.join(path, ADAPTER_CONFIG_NAME)):
         d = _read_adapter_config(path)
-    else:
-        d = {k: getattr(applied, k) for k in ("r", "lora_alpha", "use_rslora", "use_dora")}
-    plan = [(n, l, getattr(l, "projs", ())) for n, l in lora_layers(model)]
+    else:  # the model's own settings
+        d = {"r": first.r, "lora_alpha": first.scaling * first.r, "use_dora": first.use_dora}
+    plan = [(n, l, getattr(l, "projs", ())) for n, l in layers]
     with open_safetensors(file) as f:
         slots = _slots(plan, d, bool(d.get("target_parameters")))
-        _check_names(model, f, file, slots, "the adapter was saved with other lora settings")
-        pieces = _read_pieces(f, slots, applied.r)
+        _check_names(model, f, file, slots, "the adapter was saved with other lora settings", extra=True)
+        pieces = _read_pieces(f, slots, first.r)
     _fill(model, pieces, file, exact=True)

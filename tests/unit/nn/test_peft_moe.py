@@ -258,6 +258,11 @@ def test_layouts_round_trip_through_our_loader(tmp_path, hf_dir, layout):
     apply_lora(resumed, LoraConfig(r=4, lora_alpha=8))
     load_adapter_weights(resumed, str(tmp_path))
     np.testing.assert_allclose(_logits(resumed), ref, rtol=0, atol=1e-6)
+    part = _ours(hf_dir)  # a pipeline stage holds some of the adapted layers: it takes its own
+    apply_lora(part, LoraConfig(r=4, lora_alpha=8, target_modules=[r".*\.experts"]))
+    load_adapter_weights(part, str(tmp_path))
+    want, got = ours.model.layers[1].mlp.experts, part.model.layers[1].mlp.experts
+    np.testing.assert_array_equal(got.up_proj_lora_B.numpy(), want.up_proj_lora_B.numpy())
 
 
 # ---- choosing the layout; what the fused layout cannot hold ------------------------------------
