@@ -210,7 +210,7 @@ def test_peft_fused_expert_adapter_loads_in_erniekit(tmp_path, hf_dir, extra):
     _assert_close(got, ref)
     with adapters_disabled(ours):
         assert np.abs(_logits(ours) - ref).max() > 1e-2
-    # rank_pattern: gate_up at rank 6 (not 2r, so gate and up share A at 6); the others zero-padded
+    # rank_pattern: gate_up at 6 = 2r but B not block-diagonal: gate and up share A at rank 6, the others zero-padded
     assert config.r == (6 if extra else 3)
 
     # continued training: the expert adapters are trainable parameters with gradients
