@@ -220,6 +220,12 @@ def _check_ranges(cfg: TrainConfig) -> None:
         cfg.lora_base_dtype,
         "null, bfloat16, float16 or float32",
     )
+    _require(
+        cfg.lora_peft_layout in ("auto", "fused", "per_expert"),
+        "lora_peft_layout",
+        cfg.lora_peft_layout,
+        "auto, fused or per_expert",
+    )
     _require(0 <= cfg.label_smoothing < 0.5, "label_smoothing", cfg.label_smoothing, "in [0, 0.5)")
     _require(cfg.sft_loss_ratio >= 0, "sft_loss_ratio", cfg.sft_loss_ratio, ">= 0")
     if (cfg.elastic_depth or cfg.elastic_experts or cfg.elastic_top_k) and not _supports(cfg).elastic:

@@ -146,6 +146,11 @@ class TrainConfig:
     use_dora: bool = _opt(False, "weight-decomposed LoRA (DoRA)")
     lora_plus_scale: float = _opt(1.0, "LoRA+: learning-rate multiplier of the B matrices")
     lora_base_dtype: str | None = _opt(None, "hold the frozen base in this dtype (bfloat16) to save memory")
+    lora_peft_layout: str = _opt(
+        "auto",
+        "how saved MoE adapters name routed experts for PEFT: fused (transformers >= 5), per_expert (older), "
+        "auto = by the installed transformers",
+    )
 
     # ### DPO (stage: DPO); names as PaddleFormers' DPO arguments
     beta: float = _opt(0.1, "DPO temperature; GRPO/PPO: KL coefficient to the reference (0 drops the reference model)")
@@ -431,6 +436,7 @@ SECTION_KEYS: dict[str, tuple[str, ...]] = {
         "use_dora",
         "lora_plus_scale",
         "lora_base_dtype",
+        "lora_peft_layout",
     ),
     "vision": ("image_min_pixels", "image_max_pixels", "freeze_vision_encoder", "freeze_resampler", "vit_lr_ratio"),
     "dpo": ("beta", "loss_type", "label_smoothing", "reference_free", "sft_loss_ratio", "simpo_gamma", "dpop_lambda"),

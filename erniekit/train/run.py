@@ -71,6 +71,7 @@ def load_model(cfg):
                 use_dora=cfg.use_dora,
                 lora_plus_scale=cfg.lora_plus_scale,
                 base_dtype=cfg.lora_base_dtype,
+                peft_layout=cfg.lora_peft_layout,
                 **kw,
             ),
         )

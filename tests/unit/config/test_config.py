@@ -174,6 +174,7 @@ def test_validate_accepts_and_normalises(valid):
     [
         ("stage=KTO", "stage"),
         ("fine_tuning=QLoRA", "fine_tuning"),
+        ("lora_peft_layout=sideways", "lora_peft_layout"),
         ("train_dataset_type=csv", "train_dataset_type"),
         ("truncation=drop", "truncation"),
         ("max_seq_len=4", "max_seq_len"),

@@ -286,6 +286,31 @@ def test_lora_training_trains_only_adapters_and_resumes(tmp_path):
     assert not np.allclose(merged(ids).logits.numpy(), plain(ids).logits.numpy(), atol=1e-4)
 
 
+@pytest.mark.parametrize("layout, fused", [("fused", True), ("per_expert", False)])
+def test_lora_peft_layout_key_chooses_how_moe_adapters_are_saved(tmp_path, layout, fused):
+    """lora_peft_layout reaches the saved adapter: PEFT's target_parameters on the fused experts
+    (transformers >= 5) or a module per expert (older)."""
+    import json
+
+    _run(
+        tmp_path,
+        "a",
+        "fine_tuning=LoRA",
+        "model_name_or_path=tiny-moe",
+        "lora_rank=2",
+        "do_eval=false",
+        "max_steps=1",
+        f"lora_peft_layout={layout}",
+    )
+    from safetensors import safe_open
+
+    cfg = json.loads((tmp_path / "a" / "adapter_config.json").read_text())
+    assert bool(cfg.get("target_parameters")) == fused
+    with safe_open(str(tmp_path / "a" / "adapter_model.safetensors"), "numpy") as f:
+        per_expert = any(".experts.0." in k for k in f.keys())
+    assert per_expert != fused
+
+
 def test_dpo_stage_runs_and_improves_preferences(tmp_path):
     _run(tmp_path, "sft", "max_steps=30", "do_eval=false", "warmup_steps=3")
     res, _ = _run(
