@@ -100,6 +100,7 @@ def check(cfg: TrainConfig) -> None:
     _check_paths(cfg)
     _check_precision(cfg)
     _check_parallel(cfg)
+    _check_distill(cfg)
     _flush_warnings()
 
 
@@ -496,6 +497,12 @@ def _check_parallel(cfg: TrainConfig) -> None:
         _check_ps(cfg)
         return
     lay = layout_from_config(cfg.parallelism)
+    if _supports(cfg).data_parallel_only and (lay.tp > 1 or lay.pp > 1 or lay.ep > 1 or lay.sharding_stage):
+        raise ConfigError(
+            f"stage {cfg.stage} holds a whole second model (the teacher) in each process: it runs on several "
+            f"processes with plain data parallelism only ({lay.describe()} asked); set tensor_parallel_degree, "
+            "pipeline_parallel_degree and expert_parallel_degree to 1 and no sharding"
+        )
     if _supports(cfg).images and (lay.tp > 1 or lay.pp > 1 or lay.sharding_stage):
         raise ConfigError(
             f"stage {cfg.stage} runs on several processes with data and expert parallelism only in this version "
@@ -513,6 +520,65 @@ def _check_parallel(cfg: TrainConfig) -> None:
         )
     if lay.pp > 1:
         _check_pipeline(cfg, lay)
+
+
+def _check_distill(cfg: TrainConfig) -> None:
+    """stage: Distill (erniekit/train/stages/distill.py): its teacher and options; the tokenizer and
+    vocabulary match is checked once both are loaded."""
+    if cfg.stage != "Distill":
+        if cfg.teacher_name_or_path is not None:
+            raise ConfigError(
+                f"teacher_name_or_path applies to stage Distill, not {cfg.stage}; set stage: Distill or "
+                "teacher_name_or_path=null"
+            )
+        return
+    _require(0 <= cfg.distill_beta <= 1, "distill_beta", cfg.distill_beta, "in [0, 1] (0: forward KL, 1: reverse KL)")
+    _require(cfg.distill_temperature > 0, "distill_temperature", cfg.distill_temperature, "> 0")
+    _require(0 <= cfg.distill_alpha <= 1, "distill_alpha", cfg.distill_alpha, "in [0, 1] (1: distillation only)")
+    _require(0 <= cfg.on_policy_ratio <= 1, "on_policy_ratio", cfg.on_policy_ratio, "in [0, 1]")
+    _require(cfg.teacher_topk >= 1, "teacher_topk", cfg.teacher_topk, ">= 1")
+    if cfg.on_policy_ratio > 0:
+        _require(cfg.max_new_tokens >= 1, "max_new_tokens", cfg.max_new_tokens, ">= 1")
+        _require(
+            cfg.max_new_tokens < cfg.max_seq_len,
+            "max_new_tokens",
+            cfg.max_new_tokens,
+            f"< max_seq_len ({cfg.max_seq_len}), leaving room for the prompt",
+        )
+        _require(cfg.temperature > 0, "temperature", cfg.temperature, "> 0 (the student samples its replies)")
+        _require(0 < cfg.top_p <= 1, "top_p", cfg.top_p, "in (0, 1]")
+    teacher = cfg.teacher_name_or_path
+    if not teacher:
+        raise ConfigError(
+            "stage Distill needs teacher_name_or_path: a trained checkpoint directory sharing the student's tokenizer"
+        )
+    if not os.path.isdir(teacher):
+        made_by = _config_writing(teacher)
+        how = f"run `erniekit train {made_by}` first (it writes the teacher there)" if made_by else "train it first"
+        raise ConfigError(
+            f"teacher_name_or_path: {teacher} does not exist (relative paths start at {os.getcwd()}); {how}, "
+            "or point teacher_name_or_path at a checkpoint directory"
+        )
+    if not os.path.isfile(os.path.join(teacher, "config.json")):
+        raise ConfigError(
+            f"teacher_name_or_path: {teacher} has no config.json; give a full checkpoint in Hugging Face layout "
+            "(merge a LoRA adapter first: erniekit export)"
+        )
+
+
+def _config_writing(path: str) -> str | None:
+    """The shipped example config whose output_dir is `path` (a missing teacher's hint)."""
+    import glob
+
+    import yaml
+
+    root = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "examples")
+    for file in sorted(glob.glob(os.path.join(root, "configs", "**", "*.yaml"), recursive=True)):
+        with open(file) as f:
+            data = yaml.safe_load(f)
+        if isinstance(data, dict) and os.path.normpath(str(data.get("output_dir", ""))) == os.path.normpath(path):
+            return os.path.relpath(file, os.getcwd()) if file.startswith(os.getcwd()) else file
+    return None
 
 
 def _check_ps(cfg: TrainConfig) -> None:

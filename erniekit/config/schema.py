@@ -41,6 +41,7 @@ DISTRIBUTED_MODES = _spellings("collective", "ps")
 PS_SYNC_MODES = _spellings("sync", "async")
 PS_COMPRESSION = _spellings("none", "int8", "topk")
 PS_PLACEMENTS = _spellings("manual", "auto")
+DISTILL_LOSSES = _spellings("forward_kl", "reverse_kl", "jsd")
 
 
 def _opt(default: Any, help: str, choices: dict[str, str] | None = None) -> Any:
@@ -58,7 +59,7 @@ class TrainConfig:
     """Everything one `erniekit train` run needs; the resolved copy is saved in output_dir."""
 
     # ### stage
-    stage: str = _opt("SFT", "training stage: pretrain (alias PT), SFT, DPO, GRPO, PPO or VL-SFT", STAGES)
+    stage: str = _opt("SFT", "training stage: pretrain (alias PT), SFT, DPO, GRPO, PPO, VL-SFT or Distill", STAGES)
     fine_tuning: str = _opt("Full", "which weights train: Full or LoRA (adapters only, base frozen)", FINE_TUNING)
 
     # ### model
@@ -196,6 +197,37 @@ class TrainConfig:
     lam: float = _opt(0.95, "PPO: GAE lambda")
     vf_coef: float = _opt(0.1, "PPO: weight of the value loss")
     cliprange_value: float = _opt(0.2, "PPO: clip range of the value update")
+
+    # ### distillation (stage: Distill; docs/distillation.md); names as TRL's GKD / ERNIEKit's
+    teacher_name_or_path: str | None = _opt(
+        None, "Distill: the teacher checkpoint (HF layout, the student's tokenizer and vocabulary)"
+    )
+    distill_loss: str = _opt(
+        "forward_kl",
+        "Distill: divergence to the teacher: forward_kl (KL(teacher || student)), reverse_kl or jsd (GKD's, with "
+        "distill_beta)",
+        DISTILL_LOSSES,
+    )
+    distill_beta: float = _opt(
+        0.5, "Distill: jsd's beta in [0, 1] (GKD / TRL: 0 = forward KL, 1 = reverse KL; the mixture's teacher weight)"
+    )
+    distill_temperature: float = _opt(
+        1.0, "Distill: both distributions softened by this (> 0); the divergence is scaled by its square"
+    )
+    distill_alpha: float = _opt(
+        1.0, "Distill: weight of the distillation loss in [0, 1]; 1 - distill_alpha on the hard-label cross-entropy"
+    )
+    on_policy_ratio: float = _opt(
+        0.0,
+        "Distill: fraction of steps (GKD's lambda) trained on replies the student samples to the data's prompts "
+        "(max_new_tokens, temperature, top_p), scored by the teacher; drawn per step from the seed",
+    )
+    teacher_topk_cache: str | None = _opt(
+        None,
+        "Distill: a directory holding the teacher's top-k log-probs on the training data, computed once and "
+        "read back (big teachers); null = teacher logits computed on the fly",
+    )
+    teacher_topk: int = _opt(64, "Distill: k of teacher_topk_cache (tokens kept per position; the rest is one bucket)")
 
     # ### weight EMA (ERNIE 4.5: a constant LR plus an EMA of the weights instead of LR decay)
     ema_decay: float = _opt(0.0, "keep an EMA of the trainable weights with this decay (0 = off), e.g. 0.999")
@@ -459,6 +491,16 @@ SECTION_KEYS: dict[str, tuple[str, ...]] = {
         "lam",
         "vf_coef",
         "cliprange_value",
+    ),
+    "distill": (
+        "teacher_name_or_path",
+        "distill_loss",
+        "distill_beta",
+        "distill_temperature",
+        "distill_alpha",
+        "on_policy_ratio",
+        "teacher_topk_cache",
+        "teacher_topk",
     ),
     "ema": ("ema_decay", "save_ema"),
     "loss": ("loss_token_balance",),

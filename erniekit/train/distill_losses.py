@@ -17,7 +17,7 @@ the loss is a sum over them: the training loop divides by the number of trained 
 A teacher may also come as its top-k log-probabilities (cached to disk for a big teacher): both
 distributions are then compared over k + 1 buckets, the teacher's k most likely tokens and "the
 rest", which is exact in the rest's total mass and equals the full-vocabulary loss when k is the
-vocabulary size.
+vocabulary size (then there is no "rest" bucket at all).
 """
 
 from __future__ import annotations
@@ -119,9 +119,13 @@ def distill_loss_sum(
                 f"the teacher's top-k cache has {teacher.ids.shape[0]} positions for a batch with {len(flat)} "
                 "trained positions; rebuild the cache for this data and max_seq_len"
             )
-        ids = paddle.to_tensor(teacher.ids)
-        s = _with_tail(paddle.take_along_axis(s, ids, axis=-1))
-        t = _with_tail(paddle.to_tensor(teacher.logp))
+        V = s.shape[-1]
+        s = paddle.take_along_axis(s, paddle.to_tensor(teacher.ids), axis=-1)
+        t = paddle.to_tensor(teacher.logp)
+        if teacher.ids.shape[1] < V:  # the tokens outside the k: one bucket, their total mass
+            s, t = _with_tail(s), _with_tail(t)
+        # at k = V there is no rest: its float32 round-off (1 - sum ~ 1e-7) would weigh
+        # log(1e-7 / 1e-12) per position, ~1e-4 of a typical loss
     else:
         t = log_probs(gather_positions(teacher.detach(), flat), temperature)
     return divergence(s, t, kind, beta).sum() * (temperature * temperature)

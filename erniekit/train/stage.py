@@ -33,6 +33,7 @@ class Supports:
     rollouts: bool = False  # RL: sampled generations scored by rewards (the RL keys apply)
     row_losses: bool = False  # its loss is a sum over batch rows: data-parallel ranks run whole-model replicas
     images: bool = False  # trains on pictures: synthetic picture datasets; plain data parallelism only (this version)
+    data_parallel_only: bool = False  # holds a second whole model (a teacher): plain data parallelism only
     min_generations: int = 1  # num_generations below this is refused
 
 

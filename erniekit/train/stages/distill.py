@@ -1,0 +1,315 @@
+"""stage: Distill — a student learns a teacher checkpoint's next-token distributions (docs/distillation.md).
+
+The student is the run's model (model_name_or_path, a preset, model_overrides: fewer layers,
+narrower, dense from MoE, fewer experts; Full or LoRA); the teacher is `teacher_name_or_path`, a
+checkpoint with the same tokenizer and vocabulary, frozen in eval mode in the same process. On
+each trained position of an SFT batch (the assistant replies), the loss is
+
+    distill_alpha * T^2 * D(teacher || student) + (1 - distill_alpha) * cross-entropy(labels)
+
+with D one of forward KL, reverse KL or GKD's generalised JSD (erniekit/train/distill_losses.py),
+summed over the trained tokens and averaged by the loop like the SFT loss. MoE students add their
+router losses as in SFT.
+
+On-policy steps (GKD, Agarwal et al. 2024): a fraction `on_policy_ratio` of the optimizer steps,
+drawn per step from (seed, step), train on replies the student samples itself to the batch's
+prompts (the tokens before each row's first trained token), scored by the teacher. A resumed run
+draws the same steps and, seeded by the loop per step, samples the same replies.
+
+The teacher's logits come from a forward pass per batch, or from `teacher_topk_cache` (its top-k
+log-probabilities on the training rows, computed once: erniekit/train/distill_cache.py); the
+cache serves the dataset's rows, so on-policy steps still need the teacher in memory.
+
+Parallel layouts: one process, or plain data parallelism (whole-model replicas, each rank scoring
+its rows with its own copy of the teacher); tensor / pipeline / expert parallelism, sharding and
+the parameter-server mode are refused at config validation (`Supports.data_parallel_only`).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import paddle
+
+from erniekit.data.encode import encode_conversations
+from erniekit.data.formats import Conversation, load_sft_examples
+from erniekit.errors import ConfigError, DataError
+from erniekit.train.distill_losses import TopK, distill_loss_sum, gather_positions, top_k, trained_positions
+from erniekit.train.evaluation import baseline_exact_match, exact_match_eval, majority_reply
+from erniekit.train.losses import IGNORE_INDEX, causal_lm_loss_sum, count_target_tokens
+from erniekit.train.stage import LossOutput, Stage, Supports, lm_loss, model_inputs
+from erniekit.train.stages import register_stage
+from erniekit.utils.dtensor import barrier, is_main_process, scalar
+
+_ON_POLICY_STREAM = 0x6B64  # keeps the per-step on-policy draw apart from other uses of the seed
+
+
+def _rows(convs: list[Conversation], cfg, tokenizer) -> list[dict[str, np.ndarray]]:
+    pairs = encode_conversations(convs, tokenizer, cfg.max_seq_len, cfg.truncation, cfg.train_on_reasoning)
+    return [
+        {"input_ids": np.asarray(i, np.int64), "labels": np.asarray(l, np.int64), "row_index": np.array(n)}
+        for n, (i, l) in enumerate(pairs)
+    ]
+
+
+def vocabulary_mismatch(student_tok, teacher_tok) -> str | None:
+    """How two tokenizers differ (None: the same id -> token table)."""
+    if student_tok.vocab_size != teacher_tok.vocab_size:
+        return f"{student_tok.vocab_size} tokens against the teacher's {teacher_tok.vocab_size}"
+    ids = list(range(student_tok.vocab_size))
+    a, b = student_tok.convert_ids_to_tokens(ids), teacher_tok.convert_ids_to_tokens(ids)
+    diff = [i for i, (x, y) in enumerate(zip(a, b)) if x != y]
+    if diff:
+        i = diff[0]
+        return f"{len(diff)} ids name other tokens (id {i}: {a[i]!r} against the teacher's {b[i]!r})"
+    return None
+
+
+def on_policy_step(seed: int, step: int, ratio: float) -> bool:
+    """Whether optimizer step `step` trains on the student's own samples: a pure function of
+    (seed, step), so a resumed run draws the same steps."""
+    if ratio <= 0.0:
+        return False
+    if ratio >= 1.0:
+        return True
+    return bool(np.random.default_rng([seed, step, _ON_POLICY_STREAM]).random() < ratio)
+
+
+def prompts_of(batch: dict[str, np.ndarray]) -> list[list[int]]:
+    """Each row's tokens before its first trained target (the prompt of its first reply)."""
+    labels, ids = batch["labels"], batch["input_ids"]
+    real = batch["segment_ids"] > 0
+    trained = labels != IGNORE_INDEX
+    first = np.where(trained.any(1), trained.argmax(1), real.sum(1))
+    return [ids[i, : first[i]].tolist() for i in range(len(ids))]
+
+
+@register_stage
+class DistillStage(Stage):
+    name = "Distill"
+    aliases = ("KD", "GKD")
+    supports = Supports(row_losses=True, data_parallel_only=True)
+    progress_keys = {"kd": "train/distill_loss"}
+
+    # ---- data (the SFT stage's: chat-template rows, loss on the replies) --------------------
+    def build_train_rows(self, cfg, tokenizer):
+        convs = load_sft_examples(cfg.train_dataset_path, cfg.train_dataset_type)
+        self.majority_reply = majority_reply(convs)
+        return _rows(convs, cfg, tokenizer)
+
+    def build_eval_data(self, cfg, tokenizer):
+        if not cfg.eval_dataset_path:
+            return None
+        convs = load_sft_examples(cfg.eval_dataset_path, cfg.eval_dataset_type)
+        return {"convs": convs, "rows": _rows(convs, cfg, tokenizer)}
+
+    def collate(self, rows, pad_id):
+        from erniekit.train.batching import collate
+
+        batch = collate(rows, pad_id)
+        batch["row_index"] = np.array([int(r.get("row_index", -1)) for r in rows], np.int64)
+        return batch
+
+    # ---- the teacher --------------------------------------------------------------------------
+    def prepare(self, model, train_rows, eval_data, cfg, tokenizer) -> None:
+        super().prepare(model, train_rows, eval_data, cfg, tokenizer)
+        from erniekit.models import registry
+
+        self.cfg, self.tokenizer = cfg, tokenizer
+        self.on_policy = False  # the current step's kind (step_batches sets it)
+        self._stats: dict[str, float] = {}
+        path = cfg.teacher_name_or_path
+        why = vocabulary_mismatch(tokenizer, registry.load_tokenizer(path))
+        if why:
+            raise ConfigError(
+                f"teacher_name_or_path: {path} has another tokenizer than the student ({why}); distillation "
+                "compares distributions over the same vocabulary: use a teacher trained with the student's tokenizer"
+            )
+        t_vocab = registry.model_config(path).vocab_size
+        if t_vocab != model.config.vocab_size:
+            raise ConfigError(
+                f"teacher_name_or_path: {path} has vocab_size={t_vocab}, the student {model.config.vocab_size}; "
+                f"set model_overrides.vocab_size: {t_vocab}"
+            )
+        self.teacher = None
+        self.cache = None
+        if cfg.teacher_topk_cache:
+            self.cache = self._open_or_build_cache(train_rows, cfg)
+        if self.cache is None or cfg.on_policy_ratio > 0:
+            self.teacher = self._load_teacher()
+        self.teacher_eval: dict[str, float] | None = None  # the teacher's own held-out figures, once
+
+    def _load_teacher(self):
+        from erniekit.models import registry
+
+        teacher = registry.load_model(self.cfg.teacher_name_or_path)
+        for p in teacher.parameters():
+            p.stop_gradient = True
+        teacher.eval()
+        return teacher
+
+    @paddle.no_grad()
+    def teacher_logits(self, batch: dict[str, np.ndarray]) -> paddle.Tensor:
+        return self.teacher(**model_inputs(batch)).logits
+
+    def _open_or_build_cache(self, train_rows, cfg):
+        from erniekit.models import registry
+        from erniekit.train.distill_cache import build_cache, fingerprint, open_cache
+
+        k = min(cfg.teacher_topk, registry.model_config(cfg.teacher_name_or_path).vocab_size)
+        want = fingerprint(cfg.teacher_name_or_path, train_rows, k, cfg.distill_temperature)
+        directory = cfg.teacher_topk_cache
+        if is_main_process():
+            cache = open_cache(directory, want)
+            if cache is None:
+                self.teacher = self._load_teacher()
+                pad = self.tokenizer.pad_token_id
+
+                def batch_topk(rows):
+                    b = self.collate(rows, pad)
+                    logits = self.teacher_logits(b)
+                    flat = trained_positions(b["labels"], b["segment_ids"])
+                    return top_k(gather_positions(logits, flat), k, cfg.distill_temperature)
+
+                build_cache(directory, want, train_rows, batch_topk, cfg.per_device_eval_batch_size)
+                self.teacher = None  # loaded again below only if on-policy steps need it
+        barrier()  # rank 0 built it: every rank reads the same files
+        return open_cache(directory, want)
+
+    # ---- one step's batches ---------------------------------------------------------------------
+    def step_batches(self, model, micro, step):
+        """The data's batches, or on an on-policy step the student's own replies to their prompts."""
+        self.on_policy = on_policy_step(self.cfg.seed, step, self.cfg.on_policy_ratio)
+        if not self.on_policy:
+            return micro
+        return [self.sampled_batch(model, b) for b in micro]
+
+    @paddle.no_grad()
+    def sampled_batch(self, model, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Prompt + the student's sampled reply (up to and with its stop token) per row, the reply
+        trained; right-padded like a data batch (row_index -1: no cache entry)."""
+        from erniekit.infer.sampling import SamplingParams
+        from erniekit.infer.stops import turn_end_ids
+        from erniekit.rl.rollout import rollout
+
+        cfg = self.cfg
+        prompts = prompts_of(batch)
+        room = cfg.max_seq_len - max(len(p) for p in prompts)
+        if room < 1:
+            raise DataError(
+                f"on-policy distillation: a prompt of {cfg.max_seq_len - room} tokens leaves no room to sample "
+                f"within max_seq_len={cfg.max_seq_len}; raise max_seq_len"
+            )
+        params = SamplingParams(
+            max_new_tokens=min(cfg.max_new_tokens, room),
+            temperature=cfg.temperature,
+            top_p=cfg.top_p,
+            stop_token_ids=sorted({*turn_end_ids(self.tokenizer), *cfg.stop_token_ids}),
+        )
+        ro = rollout(model, prompts, params, self.tokenizer.pad_token_id)
+        rows = []
+        for p, comp, m in zip(prompts, ro.completion_ids, ro.completion_mask):
+            reply = comp[: int(m.sum())]
+            rows.append(
+                {
+                    "input_ids": np.concatenate([np.asarray(p, np.int64), reply]),
+                    "labels": np.concatenate([np.full(len(p), IGNORE_INDEX, np.int64), reply]),
+                }
+            )
+        self._stat("sampled_reply_length", float(ro.completion_mask.sum()), len(rows))
+        return self.collate(rows, self.tokenizer.pad_token_id)
+
+    # ---- the loss -------------------------------------------------------------------------------
+    def teacher_for(self, batch: dict[str, np.ndarray]) -> paddle.Tensor | TopK:
+        """The teacher's side of the loss for this batch: cached top-k for dataset rows when a cache
+        is in use, else its logits."""
+        if self.cache is not None and (batch["row_index"] >= 0).all():
+            return self.cache.batch(batch["row_index"])
+        return self.teacher_logits(batch)
+
+    def loss(self, model, batch) -> LossOutput:
+        cfg = self.cfg
+        teacher = self.teacher_for(batch)
+        res = lm_loss(model, batch)  # the student's forward, its hard-label loss and router losses
+        kd = distill_loss_sum(
+            res.logits,
+            batch["labels"],
+            teacher,
+            cfg.distill_loss,
+            cfg.distill_beta,
+            cfg.distill_temperature,
+            batch["segment_ids"],
+        )
+        a = cfg.distill_alpha
+        hard = res.loss_sum
+        total = kd if a == 1.0 else hard if a == 0.0 else a * kd + (1.0 - a) * hard
+        res.metrics.update(distill_loss=scalar(kd), hard_loss=scalar(hard))
+        res.loss_sum = total
+        return res
+
+    def step_metrics(self) -> dict[str, float]:
+        out = {"train/on_policy": float(self.on_policy)}
+        out.update({f"train/{k}": s / n for k, (s, n) in self._stats.items() if n > 0})
+        self._stats = {}
+        return out
+
+    def _stat(self, key: str, value: float, count: float) -> None:
+        s, n = self._stats.get(key, (0.0, 0.0))
+        self._stats[key] = (s + value, n + count)
+
+    # ---- evaluation -----------------------------------------------------------------------------
+    def evaluate(self, model, tokenizer, eval_data, cfg) -> dict[str, float]:
+        """SFT's figures (held-out loss, exact match) and, with the teacher in memory, the held-out
+        divergence to it, the student's top-1 agreement with it and the teacher's own exact match."""
+        res = self._eval_passes(model, eval_data["rows"], cfg, tokenizer.pad_token_id)
+        if cfg.eval_generation:
+            convs = eval_data["convs"][: cfg.eval_max_samples]
+            res["exact_match"] = exact_match_eval(
+                model, tokenizer, convs, cfg.per_device_eval_batch_size, cfg.eval_max_new_tokens
+            )
+            majority = getattr(self, "majority_reply", None)
+            if majority is not None:
+                res["baseline_exact_match"] = baseline_exact_match(convs, majority)
+            if self.teacher is not None:
+                if self.teacher_eval is None:
+                    self.teacher_eval = {
+                        "teacher_exact_match": exact_match_eval(
+                            self.teacher, tokenizer, convs, cfg.per_device_eval_batch_size, cfg.eval_max_new_tokens
+                        )
+                    }
+                res.update(self.teacher_eval)
+        return res
+
+    @paddle.no_grad()
+    def _eval_passes(self, model, rows, cfg, pad_id: int) -> dict[str, float]:
+        model.eval()
+        total = kd = agree = 0.0
+        n = 0
+        for i in range(0, len(rows), cfg.per_device_eval_batch_size):
+            b = self.collate(rows[i : i + cfg.per_device_eval_batch_size], pad_id)
+            logits = model(**model_inputs(b)).logits
+            total += scalar(causal_lm_loss_sum(logits, b["labels"], b["segment_ids"]))
+            n += count_target_tokens(b)
+            if self.teacher is None:
+                continue
+            t = self.teacher_logits(b)
+            kd += scalar(
+                distill_loss_sum(
+                    logits,
+                    b["labels"],
+                    t,
+                    cfg.distill_loss,
+                    cfg.distill_beta,
+                    cfg.distill_temperature,
+                    b["segment_ids"],
+                )
+            )
+            flat = trained_positions(b["labels"], b["segment_ids"])
+            s_top = gather_positions(logits, flat).argmax(-1).numpy()
+            t_top = gather_positions(t, flat).argmax(-1).numpy()
+            agree += float((s_top == t_top).sum())
+        loss = total / max(n, 1)
+        res = {"loss": loss, "perplexity": float(np.exp(min(loss, 50.0)))}
+        if self.teacher is not None:
+            res["distill_loss"] = kd / max(n, 1)
+            res["teacher_agreement"] = agree / max(n, 1)
+        return res
