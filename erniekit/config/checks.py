@@ -100,6 +100,7 @@ def check(cfg: TrainConfig) -> None:
     _check_paths(cfg)
     _check_precision(cfg)
     _check_parallel(cfg)
+    _check_online_distill(cfg)
     _check_distill(cfg)
     _flush_warnings()
 
@@ -365,6 +366,64 @@ def _check_elastic_sandwich(cfg: TrainConfig) -> None:
             f"not {cfg.stage}; "
             "set elastic_sandwich=false"
         )
+
+
+def _check_online_distill(cfg: TrainConfig) -> None:
+    """online_distill_students (docs/online_distillation.md): the chain of teachers, each student's shape
+    against the model's, and what this version trains beside students."""
+    _require(cfg.online_distill_every >= 1, "online_distill_every", cfg.online_distill_every, ">= 1")
+    _require(0 <= cfg.online_distill_beta <= 1, "online_distill_beta", cfg.online_distill_beta, "in [0, 1]")
+    _require(cfg.online_distill_temperature > 0, "online_distill_temperature", cfg.online_distill_temperature, "> 0")
+    if not cfg.online_distill_students:
+        return
+    from erniekit.distributed.collective.layout import layout_from_config
+    from erniekit.models.registry import model_config
+    from erniekit.train.online_distill_spec import KEY, parse_students, student_config
+
+    if not _supports(cfg).online_distill:
+        raise ConfigError(f"{KEY} applies to the {_stages_that('online_distill')} stages, not {cfg.stage}; clear {KEY}")
+    why = None
+    lay = layout_from_config(cfg.parallelism) if cfg.distributed_mode == "collective" else None
+    if cfg.fine_tuning != "Full":
+        why = f"trains full models, not fine_tuning={cfg.fine_tuning}; set fine_tuning=Full"
+    elif cfg.loss_token_balance:
+        why = "averages over trained tokens only; set loss_token_balance=false"
+    elif cfg.elastic_depth or cfg.elastic_experts or cfg.elastic_top_k:
+        why = "does not train elastic sub-models; clear elastic_depth, elastic_experts and elastic_top_k"
+    elif cfg.fp16:
+        why = "does not run fp16 loss scaling; use bf16 or float32"
+    elif lay is None or cfg.parallel:
+        why = "runs in one process or with plain data parallelism; set distributed_mode=collective, no parallel: auto"
+    elif lay.world > 1 and not lay.data_only:
+        why = (
+            f"runs in one process or with plain data parallelism (each rank holds every model), not {lay.describe()}; "
+            "set tensor/expert/pipeline degrees to 1 and no sharding"
+        )
+    if why:
+        raise ConfigError(f"{KEY} {why}")
+    specs = parse_students(cfg.online_distill_students)
+    teacher = model_config(cfg.model_name_or_path, cfg.model_overrides or None)
+    for i, spec in enumerate(specs):
+        where = f"{KEY}[{i}] ({spec.name})"
+        c = student_config(spec, cfg.model_name_or_path, cfg.model_overrides, where)
+        if c.vocab_size != teacher.vocab_size:
+            raise ConfigError(
+                f"{where}: vocab_size={c.vocab_size} differs from the model's {teacher.vocab_size}; a student "
+                "shares the teacher's tokenizer and vocabulary"
+            )
+        if cfg.fp8 and c.is_moe:
+            sizes = [("hidden_size", c.hidden_size)] + [("moe_intermediate_size", n) for n in c.expert_sizes]
+            bad = [(k, n) for k, n in sizes if n % cfg.fp8_block_size]
+            if bad:
+                raise ConfigError(
+                    f"{where}: fp8_block_size={cfg.fp8_block_size} does not divide {bad[0][0]}={bad[0][1]} of this "
+                    "MoE student; choose sizes that are multiples of it (or moe_num_experts: 0)"
+                )
+        if c.is_moe and not teacher.is_moe and lay.world > 1:
+            raise ConfigError(
+                f"{where}: a MoE student of a dense model runs in one process in this version (its router "
+                "statistics are summed over the data ranks through the teacher's MoE layers); use moe_num_experts: 0"
+            )
 
 
 def _check_length(cfg: TrainConfig) -> None:

@@ -271,6 +271,25 @@ class TrainConfig:
         0.0, "with elastic_sandwich: the sub-model's loss is (1-w) * CE + w * KL(full model || sub-model)"
     )
 
+    # ### online distillation (ERNIE 3.0 Titan): students learn beside the model (docs/online_distillation.md)
+    online_distill_students: list = _opt(
+        [],
+        "pretrain/SFT: students trained in the same run from the model's current soft labels; each a preset, a "
+        "checkpoint directory or {name, teacher (the main model or a student: teacher assistant), model, "
+        "auxiliary_layer, auxiliary_weight, model config fields such as num_hidden_layers}; saved in "
+        "output_dir/students/<name>",
+    )
+    online_distill_every: int = _opt(1, "with online_distill_students: the students learn every N optimizer steps")
+    online_distill_loss: str = _opt(
+        "forward_kl",
+        "with online_distill_students: divergence to each student's teacher: forward_kl, reverse_kl or jsd",
+        _spellings("forward_kl", "reverse_kl", "jsd"),
+    )
+    online_distill_beta: float = _opt(0.5, "with online_distill_students: jsd's beta in [0, 1] (GKD's)")
+    online_distill_temperature: float = _opt(
+        1.0, "with online_distill_students: softening temperature (> 0); the divergence is scaled by its square"
+    )
+
     # ### precision and runtime
     bf16: bool = _opt(False, "train in bfloat16 (needs a GPU)")
     fp16: bool = _opt(False, "train in float16 with loss scaling (needs a GPU)")
@@ -549,6 +568,13 @@ SECTION_KEYS: dict[str, tuple[str, ...]] = {
         "ps_placement",
         "ps_target",
         "ps_stage_workers",
+    ),
+    "online_distill": (
+        "online_distill_students",
+        "online_distill_every",
+        "online_distill_loss",
+        "online_distill_beta",
+        "online_distill_temperature",
     ),
 }
 

@@ -22,7 +22,7 @@ from erniekit.errors import ErniekitError
 from erniekit.routing.monitor import RoutingMonitor
 from erniekit.train.batching import MicroBatches
 from erniekit.train.checkpointing import EMA_NAME, load_checkpoint, resolve_resume, rotate_checkpoints, save_checkpoint
-from erniekit.train.optim import build_optimizer
+from erniekit.train.optim import build_optimizer, clip_grad_norm_
 from erniekit.train.runners import StepRunner, StepSums
 from erniekit.train.runners.local import LocalRunner
 from erniekit.train.scalar_log import ScalarLogger
@@ -74,6 +74,10 @@ class Trainer:
             stage.lr_ratios(cfg),
         )
         self.params = [p for p in model.parameters() if not p.stop_gradient] + [p for _, p in extra]
+        self.groups = stage.grad_groups()  # other models of the step (online-distillation students)
+        grouped = {id(p) for group in self.groups.values() for p in group}
+        self.clip_params = [p for p in self.params if id(p) not in grouped]  # clipped together: train/grad_norm
+        self.group_norms: dict[str, float] = {}
         self.ema = None
         if cfg.ema_decay > 0:
             from erniekit.train.ema import WeightEMA
@@ -165,6 +169,7 @@ class Trainer:
         if cfg.fp16:
             self._unscale()
         grad_norm, grads = self.runner.clip(self, cfg.max_grad_norm, lr)
+        self._clip_groups(grads)
         self._update(grad_norm, grads)
         self.optimizer.clear_grad()
         self.after_update()
@@ -180,6 +185,27 @@ class Trainer:
         for p in self.params:
             if p.grad is not None:
                 p.grad.scale_(1.0 / self.loss_scale)
+
+    def _clip_groups(self, grads: dict | None) -> None:
+        """The stage's other models (`Stage.grad_groups`): each one's gradients clipped by its own
+        norm; an idle one's gradients dropped, so the optimizer leaves it as it is (data-parallel
+        replicas fill missing gradients with zeros, and AdamW would step on zeros)."""
+        idle = self.stage.idle_groups(self.step) if self.groups else set()
+        self.group_norms = {}
+        for name, params in self.groups.items():
+            if name in idle:
+                for p in params:
+                    p.grad = None
+                    if grads is not None:
+                        grads.pop(id(p), None)
+                continue
+            norm = clip_grad_norm_(params, self.cfg.max_grad_norm, grads)
+            if not math.isfinite(norm):
+                raise ErniekitError(
+                    f"step {self.step + 1}: gradient norm of {name} is {norm}; lower learning_rate "
+                    "or check the data (the last checkpoint is intact)"
+                )
+            self.group_norms[f"train/{name}/grad_norm"] = norm
 
     def _update(self, grad_norm: float, grads: dict | None) -> None:
         """The optimizer step, or with fp16 an overflow's skip; a non-finite norm otherwise stops the run."""
@@ -217,6 +243,7 @@ class Trainer:
             metrics.update(self.elastic.scalars(self.model, specs[-1]))
             if len(specs) > 1:
                 metrics.update(sums.elastic)
+        metrics.update(self.group_norms)
         metrics.update(self.stage.step_metrics())
         return metrics
 

@@ -148,6 +148,10 @@ def _run_joined(cfg, topology, device: str, log) -> dict:
     tokenizer = load_tokenizer(cfg)
     check_vocab(model, tokenizer)
     stage = get_stage(cfg.stage)
+    if cfg.online_distill_students:  # students trained beside the model (docs/online_distillation.md)
+        from erniekit.train.online_distill import with_students
+
+        stage = with_students(stage, cfg)
     runner = None
     if ps is not None:
         ps = _ps_role(cfg, model, ps)
@@ -268,6 +272,8 @@ def _train_and_evaluate(cfg, trainer, eval_data, collective: bool, log) -> dict:
             ev = results["eval"]
             log(f"held-out tool-call exact match: {ev['tool_call_match']:.3f}")
             log(f"held-out final-answer accuracy: {ev['final_answer_accuracy']:.3f}")
+        for line in trainer.stage.report_lines(results["eval"], results.get("eval_start")):
+            log(line)
     return results
 
 
@@ -284,3 +290,4 @@ def _save_final(cfg, trainer) -> None:
         )
     else:
         save_model_or_adapter(model, cfg.output_dir, trainer.tokenizer, cfg.model_name_or_path, runner)
+    trainer.stage.save_final(cfg.output_dir, trainer.tokenizer)  # online-distillation students

@@ -33,6 +33,7 @@ class Supports:
     rollouts: bool = False  # RL: sampled generations scored by rewards (the RL keys apply)
     row_losses: bool = False  # its loss is a sum over batch rows: data-parallel ranks run whole-model replicas
     images: bool = False  # trains on pictures: synthetic picture datasets; plain data parallelism only (this version)
+    online_distill: bool = False  # online_distill_students: students trained beside it (docs/online_distillation.md)
     data_parallel_only: bool = False  # holds a second whole model (a teacher): plain data parallelism only
     min_generations: int = 1  # num_generations below this is refused
 
@@ -45,6 +46,7 @@ LM = Supports(
     elastic_sandwich=True,
     token_balance=True,
     row_losses=True,
+    online_distill=True,
 )  # the causal-LM stages (pretrain, SFT)
 
 
@@ -54,6 +56,7 @@ class LossOutput:
     aux_loss: paddle.Tensor | None = None  # MoE load-balancing loss, weighted by router_aux_loss_coef
     metrics: dict[str, float] = field(default_factory=dict)  # sums over units, averaged like the loss
     logits: paddle.Tensor | None = None  # LM stages: the next-token logits (teacher of elastic sub-models)
+    hidden: paddle.Tensor | None = None  # LM stages: the final normed hidden states (online distillation's hints)
 
 
 def model_inputs(batch: dict[str, np.ndarray]) -> dict[str, paddle.Tensor | None]:
@@ -76,7 +79,12 @@ def lm_loss(model, batch: dict[str, np.ndarray], token_balance: bool = False) ->
     mtp = wants_mtp(model)  # multi-token prediction heads: docs/mtp.md
     out = model(**model_inputs(batch), **({"return_mtp": True} if mtp else {}))
     loss_fn = token_balanced_loss_sum if token_balance else causal_lm_loss_sum
-    res = LossOutput(loss_fn(out.logits, batch["labels"], batch["segment_ids"]), out.aux_loss, logits=out.logits)
+    res = LossOutput(
+        loss_fn(out.logits, batch["labels"], batch["segment_ids"]),
+        out.aux_loss,
+        logits=out.logits,
+        hidden=out.hidden_states,
+    )
     if mtp:
         add_mtp_loss(res, out.mtp_logits, batch, loss_fn, model.config.multi_token_pred_lambda)
     return res
@@ -142,6 +150,26 @@ class Stage:
 
     def load_checkpoint_tensors(self, path: str) -> None:
         """Restore what `checkpoint_tensors` saved, on resume."""
+
+    # ---- other models trained in the same steps (online-distillation students) ----------------------
+    def grad_groups(self) -> dict[str, list[paddle.Tensor]]:
+        """Name -> parameters of `extra_named_parameters` that form a model of their own: the loop
+        clips each group by its own norm (logged as train/NAME/grad_norm) and the model's gradients
+        without them, so one model's gradients never scale another's update."""
+        return {}
+
+    def idle_groups(self, step: int) -> set[str]:
+        """Names of `grad_groups` that do not learn in optimizer step `step` (0-based): the optimizer
+        leaves their parameters as they are."""
+        return set()
+
+    def save_final(self, output_dir: str, tokenizer) -> None:
+        """At the end of the run, beside the model: what the stage trained besides it."""
+
+    def report_lines(self, results: dict[str, float], start: dict[str, float] | None) -> list[str]:
+        """Lines for the end-of-run report from the final held-out `results` (start: the first
+        evaluation's, when the run made one)."""
+        return []
 
 
 @paddle.no_grad()

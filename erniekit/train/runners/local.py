@@ -95,7 +95,7 @@ class LocalRunner(StepRunner):
 
     def clip(self, trainer, max_norm: float, lr: float) -> tuple[float, dict | None]:
         grads = reduced_grads(trainer.params)  # multi-process: each gradient reduced once, for both
-        return clip_grad_norm_(trainer.params, max_norm, grads), grads
+        return clip_grad_norm_(trainer.clip_params, max_norm, grads), grads
 
     def agree_stop(self, local: int) -> int:
         """An all-reduce MAX of each rank's request: every rank stops after the same step."""

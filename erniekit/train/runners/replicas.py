@@ -41,7 +41,7 @@ class ReplicaRunner(LocalRunner):
 
     def clip(self, trainer, max_norm: float, lr: float) -> tuple[float, dict | None]:
         """The gradients are already the sums over the ranks, the same on each: clip them in place."""
-        return clip_grad_norm_(trainer.params, max_norm), None
+        return clip_grad_norm_(trainer.clip_params, max_norm), None
 
     def agree_stop(self, local: int) -> int:
         """The highest stop signal any rank had when the step's all-reduce ran (the same on every
