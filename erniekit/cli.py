@@ -88,7 +88,43 @@ def _chat_parser() -> argparse.ArgumentParser:
         help="a Python file whose functions the model may call; calls run locally and their results go back "
         "to the model (a thinking-format checkpoint; docs/tools.md)",
     )
+    p.add_argument(
+        "--control",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a control attribute the model was trained to follow, e.g. style=words (repeatable; docs/control.md)",
+    )
+    p.add_argument(
+        "--rerank",
+        type=int,
+        default=1,
+        metavar="N",
+        help="sample N answers (--temperature > 0) and return the one the checkpoint's credibility head "
+        "scores highest (trained with credibility_loss_weight > 0; docs/control.md)",
+    )
     return p
+
+
+MAX_RERANK = 64  # answers sampled side by side for one reply
+
+
+def _check_control_flags(ns: argparse.Namespace) -> None:
+    """--control and --rerank, checked before paddle loads."""
+    from erniekit.data.control import parse_control_args
+
+    ns.control = parse_control_args(ns.control)
+    if not 1 <= ns.rerank <= MAX_RERANK:
+        raise ErniekitError(f"chat: --rerank {ns.rerank} must be in 1..{MAX_RERANK}")
+    if ns.rerank > 1:
+        if ns.temperature <= 0:
+            raise ErniekitError(
+                f"chat: --rerank {ns.rerank} samples answers to choose from: set --temperature > 0, e.g. 1.0"
+            )
+        if ns.speculative or ns.image or ns.video or ns.tools:
+            raise ErniekitError(
+                "chat: --rerank works on plain text chat: drop --speculative, --image, --video, --tools"
+            )
 
 
 def _add_base_model(p: argparse.ArgumentParser) -> None:
@@ -132,6 +168,7 @@ def chat(args: list[str]) -> int:
         raise ErniekitError(
             f"chat: --speculative supports greedy decoding only: use --temperature 0 (got {ns.temperature})"
         )
+    _check_control_flags(ns)
     _import_paddle()
     from erniekit.infer.chat import run_chat
     from erniekit.models.registry import adapter_base_override
@@ -373,6 +410,13 @@ def _eval_parser() -> argparse.ArgumentParser:
         help="elastic sub-models: parameters, held-out exact match and decode tokens/s of each",
     )
     kind.add_argument(
+        "--credibility",
+        dest="report",
+        action="store_const",
+        const="credibility",
+        help="credibility head (docs/control.md): scores of real vs sampled replies and their ROC AUC",
+    )
+    kind.add_argument(
         "--lm-eval",
         metavar="TASK,TASK",
         type=lambda v: [t for t in v.split(",") if t],
@@ -402,7 +446,14 @@ def _eval_parser() -> argparse.ArgumentParser:
             default=[],
             help=f"--elastic: {what} to tabulate (default: the run's elastic_* choices)",
         )
-    p.add_argument("--max-samples", type=int, metavar="N", default=500, help="--elastic: examples scored")
+    p.add_argument(
+        "--max-samples", type=int, metavar="N", default=500, help="--elastic, --credibility: examples scored"
+    )
+    p.add_argument("--max-new-tokens", type=int, metavar="N", default=32, help="--credibility: longest sampled reply")
+    p.add_argument(
+        "--temperature", type=float, default=1.0, help="--credibility: sampling temperature of the replies (> 0)"
+    )
+    p.add_argument("--seed", type=int, default=0, help="--credibility: seed of the sampled replies")
     return p
 
 
@@ -478,9 +529,39 @@ def _eval_lm_eval(ns: argparse.Namespace) -> int:
     return 0
 
 
+def _eval_credibility(ns: argparse.Namespace) -> int:
+    data = ns.data or _default_eval_data()
+    if data is None:
+        raise ErniekitError(
+            "eval --credibility needs --data PATH (the bundled examples/data is not next to this install)"
+        )
+    if min(ns.batch_size, ns.max_samples, ns.max_new_tokens) < 1 or not 0 < ns.temperature <= 2:
+        raise ErniekitError(
+            "eval --credibility: --batch-size, --max-samples and --max-new-tokens must be >= 1 and "
+            f"--temperature in (0, 2] (got {ns.temperature})"
+        )
+    _import_paddle()
+    from erniekit.infer.credibility import format_credibility, run_credibility_report
+
+    rep = run_credibility_report(
+        ns.model_dir,
+        data,
+        ns.out or ns.model_dir,
+        ns.max_samples,
+        ns.batch_size,
+        ns.max_new_tokens,
+        ns.temperature,
+        ns.seed,
+    )
+    print(format_credibility(rep))
+    print(f"results: {rep['path']}")
+    return 0
+
+
 EVAL_REPORTS: dict[str, Callable[[argparse.Namespace], int]] = {
     "routing": _eval_routing,
     "elastic": _eval_elastic,
+    "credibility": _eval_credibility,
     "lm_eval": _eval_lm_eval,
 }
 

@@ -102,6 +102,7 @@ def check(cfg: TrainConfig) -> None:
     _check_parallel(cfg)
     _check_online_distill(cfg)
     _check_distill(cfg)
+    _check_control(cfg)
     _flush_warnings()
 
 
@@ -760,3 +761,23 @@ def _has_cuda() -> bool:
     import paddle
 
     return paddle.device.is_compiled_with_cuda()
+
+
+def _check_control(cfg: TrainConfig) -> None:
+    """Controllable LM and credibility keys (docs/control.md): SFT only; the credibility loss samples
+    replies with the whole model, so it runs in one process."""
+    _require(0 <= cfg.control_drop_prob <= 1, "control_drop_prob", cfg.control_drop_prob, "in [0, 1]")
+    _require(cfg.credibility_loss_weight >= 0, "credibility_loss_weight", cfg.credibility_loss_weight, ">= 0 (0 = off)")
+    for key in ("credibility_every", "credibility_batch_size", "credibility_max_new_tokens"):
+        _require(getattr(cfg, key) >= 1, key, getattr(cfg, key), ">= 1")
+    _require(cfg.credibility_temperature > 0, "credibility_temperature", cfg.credibility_temperature, "> 0")
+    for key in ("control_drop_prob", "credibility_loss_weight"):
+        if getattr(cfg, key) > 0 and cfg.stage != "SFT":
+            raise ConfigError(f"{key}={getattr(cfg, key)} applies to stage SFT, not {cfg.stage}; set {key}=0")
+    if cfg.credibility_loss_weight > 0 and (
+        cfg.nproc_per_node * cfg.nnodes > 1 or cfg.distributed_mode != "collective"
+    ):
+        raise ConfigError(
+            "credibility_loss_weight > 0 runs in one process in this version (it samples replies with the whole "
+            "model): set nproc_per_node=1, nnodes=1 and distributed_mode=collective, or credibility_loss_weight=0"
+        )

@@ -238,6 +238,24 @@ class TrainConfig:
         False, "ERNIE 4.5 token-balanced loss: average each example's loss over its own tokens, then over examples"
     )
 
+    # ### controllable LM and credibility (ERNIE 3.0 Titan; stage SFT; docs/control.md)
+    control_drop_prob: float = _opt(
+        0.0,
+        "SFT: probability that each control attribute of a training record is left out of its prefix (fixed per "
+        "seed, example and attribute), so the model also answers without it",
+    )
+    credibility_loss_weight: float = _opt(
+        0.0,
+        "SFT: weight of the credibility loss, a binary loss of a scoring head telling real replies from replies "
+        "the model samples itself (0 = off); the head is saved as credibility_head.safetensors",
+    )
+    credibility_every: int = _opt(
+        1, "SFT with credibility: sample fresh replies and take the credibility loss every N steps"
+    )
+    credibility_batch_size: int = _opt(16, "SFT with credibility: prompts whose real and sampled replies a step scores")
+    credibility_max_new_tokens: int = _opt(16, "SFT with credibility: longest sampled reply")
+    credibility_temperature: float = _opt(1.0, "SFT with credibility: sampling temperature of the replies (> 0)")
+
     # ### vision-language (stage VL-SFT, ERNIE-4.5-VL models; docs/multimodal.md)
     image_min_pixels: int = _opt(
         56 * 56, "VL: smallest resized image area (pixels); images are resized to 28-pixel multiples"
@@ -523,6 +541,14 @@ SECTION_KEYS: dict[str, tuple[str, ...]] = {
     ),
     "ema": ("ema_decay", "save_ema"),
     "loss": ("loss_token_balance",),
+    "control": (
+        "control_drop_prob",
+        "credibility_loss_weight",
+        "credibility_every",
+        "credibility_batch_size",
+        "credibility_max_new_tokens",
+        "credibility_temperature",
+    ),
     "elastic": (
         "elastic_depth",
         "elastic_experts",

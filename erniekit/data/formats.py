@@ -16,6 +16,8 @@ SFT formats (one record per line in .jsonl, or a JSON list in .json):
   messages the results (ERNIEKit's function-call data is this form); erniekit/data/tool_messages.py.
 - sharegpt: {"conversations": [{"from": "human"|"gpt"|"function_call"|"observation", "value": str}],
   "system"?: str, "tools"?: str (JSON)}, as LLaMA-Factory reads it.
+- any SFT record may carry `"control": {"attribute": "value", ...}`: control attributes rendered as a
+  prefix line of the system part (erniekit/data/control.py).
 - erniekit_vl: ERNIEKit's VL SFT records {"image_info": [{"image_url": str,
   "matched_text_index": i}], "text_info": [{"text": str, "tag": "mask"|"no_mask"}, ...]}:
   "mask" segments are prompts, "no_mask" the replies trained on; image j goes before text_info[i].
@@ -35,6 +37,7 @@ import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
+from erniekit.data.control import check_control, with_control
 from erniekit.data.dataset_info import DatasetEntry, load_entry, parse_ref
 from erniekit.data.tool_messages import check_tools, is_tool_dialog, normalize_dialog
 from erniekit.errors import DataError
@@ -57,15 +60,17 @@ class Conversation:
     # message list (tool results, tool calls, reasoning); every assistant message in it is trained on
     tools: list[dict] = field(default_factory=list)
     dialog: list[dict] | None = None
+    # control attributes (erniekit/data/control.py), rendered as a prefix line of the system part
+    control: dict[str, str] = field(default_factory=dict)
 
     def messages(self) -> list[dict]:
         """The conversation as OpenAI-style messages (what the chat template renders)."""
         if self.dialog is not None:
-            return [dict(m) for m in self.dialog]
+            return with_control([dict(m) for m in self.dialog], self.control)
         out = [{"role": "system", "content": self.system}] if self.system else []
         for user, reply in self.turns:
             out += [{"role": "user", "content": user}, {"role": "assistant", "content": reply}]
-        return out
+        return with_control(out, self.control)
 
 
 IMAGE_MARKER = "<|IMAGE_PLACEHOLDER|>"  # where an image goes in a user turn (replaced by its tokens)
@@ -326,11 +331,22 @@ def register_sft_format(name: str, detect: Callable[[dict], bool]):
     is in it (auto-detection asks the formats in registration order). CONTRIBUTING.md: adding a format."""
 
     def add(reader: Callable[[dict, str], Conversation]) -> Callable[[dict, str], Conversation]:
-        _READERS[name] = reader
+        _READERS[name] = _reading_control(reader)
         _DETECTORS[name] = detect
         return reader
 
     return add
+
+
+def _reading_control(reader: Callable[[dict, str], Conversation]) -> Callable[[dict, str], Conversation]:
+    """Every SFT format takes a record's optional `"control": {attribute: value}` the same way."""
+
+    def read(rec: dict, where: str) -> Conversation:
+        conv = reader(rec, where)
+        conv.control = check_control(rec.get("control"), where)
+        return conv
+
+    return read
 
 
 def unregister_sft_format(name: str) -> None:
@@ -458,7 +474,10 @@ def _entry_records(entry: DatasetEntry, fmt: str, readers: dict, label: str, kin
             if not isinstance(rec, dict):
                 raise DataError(f"{where}: expected a JSON object, got {type(rec).__name__}")
             seen.update(rec)
-            out.append(readers[target](entry.to_record(rec, where), where))
+            mapped = entry.to_record(rec, where)
+            if "control" in rec:  # control attributes travel whatever the columns map
+                mapped["control"] = rec["control"]
+            out.append(readers[target](mapped, where))
         if len(out) == before:
             raise DataError(f"{file}: no {kind}; the file is empty or has only blank lines")
         entry.check_columns_seen(seen, file)

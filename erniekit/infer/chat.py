@@ -80,8 +80,11 @@ class ChatSession:
         speculative: bool = False,
         tools: list[dict] | None = None,
         functions: dict | None = None,
+        rerank: int = 1,
+        head=None,
     ):
         self.model, self.tokenizer, self.params = model, tokenizer, params
+        self.rerank, self.head = rerank, head  # --rerank N: N sampled answers, the most credible kept
         self.tools = tools or None  # tool schemas the model sees (--tools)
         self.functions = functions or {}  # name -> Python function run when the model calls it
         self.thinking = bool(getattr(tokenizer, "thinking", False))  # replies carry reasoning / tool calls
@@ -134,7 +137,7 @@ class ChatSession:
             return self._reply_with_images(user)
         self.messages.append({"role": "user", "content": user})
         if not self.thinking:
-            text = self._generate(None)
+            text = self._reranked() if self.rerank > 1 else self._generate(None)
             self.messages.append({"role": "assistant", "content": text})
             self._remember()
             return text
@@ -194,6 +197,27 @@ class ChatSession:
         self._remember()
         return reply
 
+    def _reranked(self) -> str:
+        """Sample `rerank` answers side by side and write the one the credibility head scores highest
+        (erniekit/infer/credibility.py); not streamed: the choice needs every whole answer."""
+        from erniekit.infer.credibility import rerank, sample_replies
+
+        p = self.params
+        ids = self.prompt_ids()
+        answers = sample_replies(
+            self.model,
+            self.tokenizer,
+            [ids] * self.rerank,
+            p.temperature,
+            p.max_new_tokens,
+            self.rerank,
+            p.seed,
+            p.top_p,
+        )
+        best, _ = rerank(self.model, self.head, self.tokenizer, self.messages, answers)
+        self._write(answers[best])
+        return answers[best]
+
     def _remember(self) -> None:
         # the reply chunk as training encodes it, so the next turn reuses these ids
         self._extend(self.tokenizer.apply_chat_template(self.messages, add_generation_prompt=False, tools=self.tools))
@@ -243,6 +267,16 @@ def run_chat(args: Any) -> int:
     from erniekit.infer.generate import SamplingParams
 
     model, tokenizer = load_chat_model(args.model_dir)
+    rerank, head = getattr(args, "rerank", 1), None
+    if rerank > 1:
+        from erniekit.nn.credibility import CREDIBILITY_HEAD_NAME, load_credibility_head
+
+        head = load_credibility_head(args.model_dir, model.config.hidden_size)
+        if head is None:
+            raise CheckpointError(
+                f"{args.model_dir}: --rerank needs the credibility head ({CREDIBILITY_HEAD_NAME}) next to the "
+                "weights: train with credibility_loss_weight > 0 (docs/control.md)"
+            )
     params = SamplingParams(
         max_new_tokens=args.max_new_tokens,
         temperature=args.temperature,
@@ -265,15 +299,19 @@ def run_chat(args: Any) -> int:
                 "chat_template: ernie_thinking); this one's chat template has no tool calls"
             )
         tools, functions = load_tools(args.tools)
+    from erniekit.data.control import control_system
+
     session = ChatSession(
         model,
         tokenizer,
         params,
-        system=args.system,
+        system=control_system(args.system, getattr(args, "control", None) or {}),  # --control: docs/control.md
         out=sys.stdout,
         speculative=speculative,
         tools=tools,
         functions=functions,
+        rerank=rerank,
+        head=head,
     )
     if getattr(args, "image", None) or getattr(args, "video", None):
         from erniekit.models.ernie4_5_vl.processor import load_image

@@ -371,6 +371,7 @@ class OpenAIServer:
         )
 
     def _messages(self, body: dict) -> tuple[list[int], tuple | None, tuple | None, ReplyMode | None]:
+        from erniekit.data.control import with_control
         from erniekit.data.tool_messages import is_tool_dialog
         from erniekit.errors import DataError
         from erniekit.infer.chat import chat_prompt_ids
@@ -398,6 +399,7 @@ class OpenAIServer:
                 len(content or "") + len(json.dumps(m.get("tool_calls") or "")) + len(m.get("reasoning_content") or "")
             )
             msgs.append({**m, "role": "system" if role == "developer" else role, "content": content})
+        msgs = with_control(msgs, self._control(body))  # extra_body.control: the prefix SFT trained on
         self._fits(chars + len(json.dumps(body.get("tools") or "")), "messages")
         tools, mode = self._tools(body)
         if images or videos:
@@ -418,6 +420,18 @@ class OpenAIServer:
         if mode is not None and mode.forced:
             ids = ids + self.tokenizer.encode(mode.forced)
         return ids, None, None, mode
+
+    @staticmethod
+    def _control(body: dict) -> dict[str, str]:
+        """`control` (the openai client's extra_body={"control": {...}}): attribute -> value strings,
+        rendered as the control prefix (erniekit/data/control.py; docs/control.md)."""
+        from erniekit.data.control import check_control
+        from erniekit.errors import DataError
+
+        try:
+            return check_control(body.get("control"), "request")
+        except DataError as e:
+            raise BadRequest(str(e).removeprefix("request: "), "control") from None
 
     def _dialog(self, msgs: list[dict], tools: list[dict] | None) -> list[dict]:
         from erniekit.data.tool_messages import normalize_dialog
@@ -634,6 +648,11 @@ class OpenAIServer:
         if chat:
             prompts, texts = [self._messages(body)], None
         else:
+            if body.get("control") is not None:
+                raise BadRequest(
+                    "control is an option of /v1/chat/completions (it goes into the chat template); leave it out",
+                    "control",
+                )
             ids, texts = self._prompts(body)
             prompts = [(p, None, None, None) for p in ids]
         longest = max(len(p[0]) for p in prompts)

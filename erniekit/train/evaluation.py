@@ -22,7 +22,9 @@ def baseline_exact_match(convs: list[Conversation], majority: str) -> float:
 
 def prompt_ids(conv: Conversation, tokenizer) -> list[int]:
     """Everything before the last assistant reply, tokenized exactly as in training."""
-    last = Conversation(conv.system, conv.turns, [False] * (len(conv.turns) - 1) + [True], conv.source)
+    last = Conversation(
+        conv.system, conv.turns, [False] * (len(conv.turns) - 1) + [True], conv.source, control=conv.control
+    )
     ids, labels = encode_conversation(last, tokenizer, max_seq_len=10**9)
     first_trained = next(i for i, l in enumerate(labels) if l != IGNORE_INDEX)
     return ids[:first_trained]

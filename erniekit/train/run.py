@@ -272,6 +272,10 @@ def _train_and_evaluate(cfg, trainer, eval_data, collective: bool, log) -> dict:
             ev = results["eval"]
             log(f"held-out tool-call exact match: {ev['tool_call_match']:.3f}")
             log(f"held-out final-answer accuracy: {ev['final_answer_accuracy']:.3f}")
+        from erniekit.train.control_eval import held_out_lines
+
+        for line in held_out_lines(results["eval"]):  # control following, credibility AUC (docs/control.md)
+            log(line)
         for line in trainer.stage.report_lines(results["eval"], results.get("eval_start")):
             log(line)
     return results
@@ -291,3 +295,11 @@ def _save_final(cfg, trainer) -> None:
     else:
         save_model_or_adapter(model, cfg.output_dir, trainer.tokenizer, cfg.model_name_or_path, runner)
     trainer.stage.save_final(cfg.output_dir, trainer.tokenizer)  # online-distillation students
+    if is_main_process():  # what a stage keeps beside the weights (a credibility head)
+        from safetensors.paddle import save_file
+
+        from erniekit.utils.io import atomic_write
+
+        for name, tensors in trainer.stage.model_tensors().items():
+            state = {k: v.contiguous() for k, v in tensors.items()}
+            atomic_write(os.path.join(cfg.output_dir, name), lambda tmp, state=state: save_file(state, tmp))

@@ -171,6 +171,10 @@ class Stage:
         evaluation's, when the run made one)."""
         return []
 
+    def model_tensors(self) -> dict[str, dict[str, paddle.Tensor]]:
+        """Files (name -> tensors) saved next to the final model in output_dir (a credibility head)."""
+        return {}
+
 
 @paddle.no_grad()
 def eval_loss(

@@ -8,6 +8,7 @@ for tool conversations, tool-call exact match and final-answer accuracy of agent
 
 from __future__ import annotations
 
+from erniekit.data.control import drop_controls
 from erniekit.data.encode import encode_conversations, pack
 from erniekit.data.formats import Conversation, load_sft_examples
 from erniekit.train.evaluation import baseline_exact_match, exact_match_eval, majority_reply
@@ -29,10 +30,50 @@ class SFTStage(Stage):
     name = "SFT"
     supports = LM
 
+    credibility = None  # erniekit/train/credibility.py, with credibility_loss_weight > 0
+
     def build_train_rows(self, cfg, tokenizer):
         convs = load_sft_examples(cfg.train_dataset_path, cfg.train_dataset_type)
+        convs = drop_controls(convs, cfg.control_drop_prob, cfg.seed)  # docs/control.md
         self.majority_reply = majority_reply(convs)
+        self.train_convs = convs
         return _rows(convs, cfg, tokenizer, cfg.packing)
+
+    # ---- the credibility loss (docs/control.md): a scoring head beside the model ----------------------
+    def prepare(self, model, train_rows, eval_data, cfg, tokenizer) -> None:
+        super().prepare(model, train_rows, eval_data, cfg, tokenizer)
+        if cfg.credibility_loss_weight > 0 and cfg.do_train:
+            from erniekit.train.credibility import CredibilityTraining
+
+            self.credibility = CredibilityTraining(cfg, model, tokenizer, self.train_convs)
+
+    def step_batches(self, model, micro, step):
+        if self.credibility is not None:
+            self.credibility.attach(model, micro, step, sum(self.normalizer(b) for b in micro))
+        return micro
+
+    def loss(self, model, batch):
+        extra = None if self.credibility is None else self.credibility.loss_sum(model, batch)  # before the LM pass
+        out = super().loss(model, batch)
+        if extra is not None:
+            out.loss_sum = out.loss_sum + extra
+        return out
+
+    def step_metrics(self):
+        return {} if self.credibility is None else self.credibility.metrics()
+
+    def extra_named_parameters(self):
+        return [] if self.credibility is None else self.credibility.named_parameters()
+
+    def checkpoint_tensors(self):
+        return {} if self.credibility is None else self.credibility.tensors()
+
+    def load_checkpoint_tensors(self, path: str) -> None:
+        if self.credibility is not None:
+            self.credibility.load(path)
+
+    def model_tensors(self):
+        return self.checkpoint_tensors()
 
     def build_eval_data(self, cfg, tokenizer):
         if not cfg.eval_dataset_path:
@@ -49,10 +90,21 @@ class SFTStage(Stage):
             res.update(tool_eval(model, tokenizer, convs, cfg.per_device_eval_batch_size, cfg.eval_max_new_tokens))
         elif cfg.eval_generation:
             convs = eval_data["convs"][: cfg.eval_max_samples]
-            res["exact_match"] = exact_match_eval(
-                model, tokenizer, convs, cfg.per_device_eval_batch_size, cfg.eval_max_new_tokens
-            )
+            if any(c.control for c in convs):  # exact match and the control-following rates
+                from erniekit.train.control_eval import control_generation_eval
+
+                res.update(
+                    control_generation_eval(
+                        model, tokenizer, convs, cfg.per_device_eval_batch_size, cfg.eval_max_new_tokens
+                    )
+                )
+            else:
+                res["exact_match"] = exact_match_eval(
+                    model, tokenizer, convs, cfg.per_device_eval_batch_size, cfg.eval_max_new_tokens
+                )
             majority = getattr(self, "majority_reply", None)
             if majority is not None:
                 res["baseline_exact_match"] = baseline_exact_match(convs, majority)
+        if self.credibility is not None:
+            res.update(self.credibility.evaluate(model, eval_data["convs"], cfg.eval_max_samples))
         return res

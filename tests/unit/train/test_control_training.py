@@ -1,0 +1,172 @@
+"""SFT with control attributes and the credibility loss (docs/control.md): dropped attributes are the
+same whenever the rows are rebuilt, the credibility term is weight x mean BCE of the head over real
+and sampled replies, a run saves the head and resumes exactly, the held-out lines."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import paddle
+import pytest
+
+from erniekit.config import load_config, validate
+from erniekit.data.formats import load_sft_examples
+from erniekit.models.ernie4_5 import Ernie4_5ForCausalLM, get_preset
+from erniekit.models.ernie4_5.tokenizer import default_tokenizer
+from erniekit.nn.credibility import CREDIBILITY_HEAD_NAME, sequence_logits
+
+ROOT = Path(__file__).resolve().parents[3]
+DATA = ROOT / "examples" / "data" / "control"
+SMALL = [
+    "model_overrides.num_hidden_layers=2",
+    "model_overrides.hidden_size=64",
+    "model_overrides.intermediate_size=128",
+    "model_overrides.moe_intermediate_size=64",
+    "per_device_train_batch_size=8",
+    "max_seq_len=56",
+    "learning_rate=3e-3",
+    "logging_steps=1",
+    "disable_tqdm=true",
+    f"train_dataset_path={DATA}/train.jsonl",
+    f"eval_dataset_path={DATA}/eval.jsonl",
+    "per_device_eval_batch_size=64",
+]
+
+
+def _cfg(tmp_path, *overrides):
+    return validate(load_config(None, SMALL + [f"output_dir={tmp_path}", *overrides]))
+
+
+def test_dropped_attributes_are_the_same_when_the_rows_are_rebuilt(tmp_path):
+    from erniekit.train.stages import get_stage
+
+    tok = default_tokenizer()
+    cfg = _cfg(tmp_path, "control_drop_prob=0.3")
+    a, b = get_stage("SFT"), get_stage("SFT")
+    rows_a, rows_b = a.build_train_rows(cfg, tok), b.build_train_rows(cfg, tok)
+    assert all(np.array_equal(x["input_ids"], y["input_ids"]) for x, y in zip(rows_a, rows_b))
+    n = len(a.train_convs)
+    without = sum(not c.control for c in a.train_convs)
+    assert without / n == pytest.approx(0.3, abs=0.03)
+    prefixed = sum("<control>" in tok.decode(r["input_ids"].tolist()) for r in rows_a)
+    assert prefixed == n - without
+    none = get_stage("SFT").build_train_rows(_cfg(tmp_path, "control_drop_prob=1.0"), tok)
+    assert not any("<control>" in tok.decode(r["input_ids"].tolist()) for r in none[:200])
+
+
+@pytest.fixture(scope="module")
+def model():
+    paddle.seed(0)
+    m = Ernie4_5ForCausalLM(get_preset("tiny-moe").replace(initializer_range=0.2))
+    return m
+
+
+def test_the_credibility_term_is_weight_times_mean_bce(tmp_path, model):
+    from erniekit.train.credibility import BATCH_KEY, CredibilityTraining
+
+    tok = default_tokenizer()
+    cfg = _cfg(tmp_path, "credibility_loss_weight=0.25", "credibility_batch_size=6", "credibility_every=2")
+    convs = load_sft_examples(cfg.train_dataset_path)[:40]
+    ct = CredibilityTraining(cfg, model, tok, convs)
+    ct.head.set_state_dict(
+        {
+            "weight": paddle.to_tensor(
+                np.random.default_rng(0).normal(0, 1, (model.config.hidden_size, 1)).astype("float32")
+            )
+        }
+    )
+    micro = [{}, {}]
+    ct.attach(model, micro, step=0, units=37)  # step 1 of every 2: no credibility
+    assert BATCH_KEY not in micro[0]
+    paddle.seed(5)
+    ct.attach(model, micro, step=1, units=37)
+    part = micro[0][BATCH_KEY]
+    again = [{}]
+    paddle.seed(5)
+    ct.attach(model, again, step=1, units=37)  # the same step and seed: the same prompts and samples
+    assert again[0][BATCH_KEY]["sequences"] == part["sequences"]
+    other = [{}]
+    ct.attach(model, other, step=3, units=37)
+    assert other[0][BATCH_KEY]["sequences"][0] != part["sequences"][0]  # another step draws other prompts
+    labels = part["labels"]
+    assert labels.sum() == 6 and len(labels) > 6  # 6 real replies and their differing samples
+    model.train()
+    got = float(ct.loss_sum(model, micro[0]))
+    z = sequence_logits(model, ct.head, part["sequences"], tok.pad_token_id).numpy().astype(np.float64)
+    p = 1 / (1 + np.exp(-z))
+    bce = -np.mean(labels * np.log(p) + (1 - labels) * np.log(1 - p))
+    assert got == pytest.approx(0.25 * 37 * bce, rel=1e-4)
+    assert ct.metrics()["train/credibility_loss"] == pytest.approx(bce, rel=1e-4)
+    assert ct.loss_sum(model, micro[1]) is None
+
+
+def _scalars(path):
+    with open(os.path.join(path, "vdl_log", "scalars.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def test_a_run_saves_the_head_resumes_exactly_and_prints_the_lines(tmp_path):
+    from safetensors.numpy import load_file
+
+    from erniekit.train.run import run_train
+
+    common = ["max_steps=4", "save_steps=2", "save_total_limit=0", "credibility_loss_weight=0.5"]
+    common += [
+        "credibility_every=1",
+        "credibility_batch_size=4",
+        "credibility_max_new_tokens=6",
+        "control_drop_prob=0.2",
+    ]
+    full = tmp_path / "full"
+    logs: list[str] = []
+    run_train(_cfg(full, *common, "eval_max_samples=16", "eval_max_new_tokens=6", "eval_steps=100"), log=logs.append)
+    assert (full / CREDIBILITY_HEAD_NAME).exists() and (full / "checkpoint-2" / CREDIBILITY_HEAD_NAME).exists()
+    assert any(line.startswith("held-out control following: style=digits ") and "style=words" in line for line in logs)
+    assert any(line.startswith("held-out credibility AUC (real vs sampled replies): ") for line in logs)
+    steps = {r["step"]: r for r in _scalars(full) if "train/loss" in r}
+    assert all("train/credibility_loss" in steps[s] for s in (1, 2, 3, 4))
+    # an interrupted run: checkpoint-2 alone; resuming replays steps 3 and 4, head included
+    os.makedirs(tmp_path / "resumed")
+    os.rename(full / "checkpoint-2", tmp_path / "resumed" / "checkpoint-2")
+    resumed = tmp_path / "resumed"
+    run_train(_cfg(resumed, *common, "do_eval=false", "resume_from_checkpoint=auto"), log=lambda *_: None)
+    again = {r["step"]: r for r in _scalars(resumed) if "train/loss" in r}
+    for s in (3, 4):
+        for key in ("train/loss", "train/credibility_loss"):
+            assert again[s][key] == pytest.approx(steps[s][key], rel=1e-5, abs=1e-6), (s, key)
+    a, b = load_file(str(full / CREDIBILITY_HEAD_NAME)), load_file(str(resumed / CREDIBILITY_HEAD_NAME))
+    for k in a:
+        np.testing.assert_allclose(a[k], b[k], atol=1e-6, err_msg=k)
+    assert np.abs(a["weight"]).sum() > 0  # the head learned something
+
+
+def test_control_eval_counts_replies_that_follow(monkeypatch):
+    import erniekit.train.control_eval as ce
+
+    tok = default_tokenizer()
+    convs = load_sft_examples(str(DATA / "eval.jsonl"))[:10]  # 5 problems, digits then words
+    replies = ["three", "7", "minus two", "12", "x"] * 2
+
+    def scripted(model, prompts, params, pad_id=0):
+        return [tok.encode(replies.pop(0)) for _ in prompts]
+
+    monkeypatch.setattr(ce, "generate", scripted)
+    res = ce.control_generation_eval(None, tok, convs, batch_size=4, max_new_tokens=4)
+    sent = ["three", "7", "minus two", "12", "x"] * 2
+    digits = [r for c, r in zip(convs, sent) if c.control["style"] == "digits"]
+    words = [r for c, r in zip(convs, sent) if c.control["style"] == "words"]
+    assert res["follow:style=digits"] == sum(r.lstrip("-").isdigit() for r in digits) / 5
+    assert res["follow:style=words"] == sum(r in ("three", "minus two") for r in words) / 5
+    assert res["exact_match"] == sum(r == c.turns[-1][1] for c, r in zip(convs, sent)) / 10
+    lines = ce.held_out_lines(
+        {**res, "credibility_auc": 0.9, "credibility_real_mean": 0.8, "credibility_generated_mean": 0.2}
+    )
+    assert lines[0] == (
+        f"held-out control following: style=digits {res['follow:style=digits']:.3f}, "
+        f"style=words {res['follow:style=words']:.3f}"
+    )
+    assert lines[1].startswith("held-out credibility AUC (real vs sampled replies): 0.900")
+    assert ce.held_out_lines({"exact_match": 1.0}) == []
