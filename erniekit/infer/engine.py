@@ -33,7 +33,6 @@ from erniekit.infer.sampling import SamplingParams
 from erniekit.nn.attention import KVCache
 
 log = logging.getLogger("erniekit.engine")
-PROMPT_LOGPROB_CHUNK = 256  # prompt positions whose vocabulary logits exist at once (echo with logprobs)
 
 
 def _describe(e: BaseException) -> str:
@@ -50,23 +49,36 @@ class TokenLogprob:
     top: tuple[tuple[int, float], ...]
 
 
+def _chunk_rows(vocab: int) -> int:
+    """Rows of [rows, vocab] logits scored at once: a few tens of MB of temporaries whatever the vocabulary."""
+    return max(1, min(256, (1 << 22) // max(1, vocab)))
+
+
 def token_logprobs(logits: np.ndarray, chosen: np.ndarray, k: int) -> list[TokenLogprob]:
     """Rows of logits [n, V] -> the log-probability of `chosen` [n] in each row and its k most likely
-    tokens (ties to the lower id), computed in float64 so that the chosen value and the top values of
-    a row compare exactly (lm-eval's greedy check)."""
-    z = logits.astype(np.float64)
-    m = z.max(axis=-1, keepdims=True)
-    lp = z - (m + np.log(np.exp(z - m).sum(axis=-1, keepdims=True)))
-    chosen_lp = lp[np.arange(len(lp)), chosen]
-    k = min(k, lp.shape[1])
-    top = [()] * len(lp)
-    if k:
-        cand = np.argpartition(-lp, k - 1, axis=-1)[:, :k]
-        vals = np.take_along_axis(lp, cand, axis=-1)
-        order = np.lexsort((cand, -vals), axis=-1)  # by value, then by id
-        ids, vals = np.take_along_axis(cand, order, axis=-1), np.take_along_axis(vals, order, axis=-1)
-        top = [tuple(zip(i, v)) for i, v in zip(ids.tolist(), vals.tolist())]
-    return [TokenLogprob(int(c), float(v), t) for c, v, t in zip(chosen.tolist(), chosen_lp.tolist(), top)]
+    tokens (ties to the lower id). The chosen value and the top values of a row come from the same
+    float32 array, so they compare exactly (lm-eval's greedy check); rows go a chunk at a time, so
+    the temporaries stay small for a large vocabulary."""
+    n, V = logits.shape
+    k = min(k, V)
+    out: list[TokenLogprob] = []
+    step = _chunk_rows(V)
+    for a in range(0, n, step):
+        z = np.asarray(logits[a : a + step], dtype=np.float32)
+        m = z.max(axis=-1, keepdims=True)
+        lse = m + np.log(np.exp(z - m).sum(axis=-1, keepdims=True))
+        c = chosen[a : a + step]
+        chosen_lp = (z[np.arange(len(z)), c] - lse[:, 0]).tolist()
+        top = [()] * len(z)
+        if k:
+            cand = np.argpartition(z, V - k, axis=-1)[:, V - k :]
+            vals = np.take_along_axis(z, cand, axis=-1)
+            order = np.lexsort((cand, -vals), axis=-1)  # by value, then by id
+            ids = np.take_along_axis(cand, order, axis=-1)
+            vals = np.take_along_axis(vals, order, axis=-1) - lse
+            top = [tuple(zip(i, v)) for i, v in zip(ids.tolist(), vals.tolist())]
+        out.extend(TokenLogprob(int(t), float(v), tp) for t, v, tp in zip(c.tolist(), chosen_lp, top))
+    return out
 
 
 @dataclass
@@ -297,8 +309,9 @@ class Engine:
         """Prompt tokens 1.. scored from the final hidden states [p, H] of the positions before them."""
         nxt = np.asarray(prompt[1:], dtype=np.int64)
         out: list[TokenLogprob] = []
-        for a in range(0, len(nxt), PROMPT_LOGPROB_CHUNK):
-            b = min(a + PROMPT_LOGPROB_CHUNK, len(nxt))
+        step = _chunk_rows(int(self.model.config.vocab_size))  # positions whose vocabulary logits exist at once
+        for a in range(0, len(nxt), step):
+            b = min(a + step, len(nxt))
             logits = self.model.head(h[a:b].unsqueeze(0))[0].astype("float32").numpy()
             out.extend(token_logprobs(logits, nxt[a:b], k))
         return out
@@ -402,13 +415,19 @@ class Engine:
     @staticmethod
     def _record_logprobs(logits: np.ndarray, chosen: np.ndarray, reqs: list[Request], failed: dict) -> None:
         """Append each chosen token's log-probability to the rows that asked for them (grouped by
-        their number of alternatives, one vectorised pass per group)."""
+        their number of alternatives, one vectorised pass per group); a group whose scoring raises
+        fails its own rows (added to `failed`), never the others."""
         groups: dict[int, list[int]] = {}
         for i, r in enumerate(reqs):
             if r.logprobs is not None and i not in failed and not r.prompt_only:
                 groups.setdefault(r.logprobs, []).append(i)
         for k, rows in groups.items():
-            for i, lp in zip(rows, token_logprobs(logits[rows], chosen[rows], k)):
+            try:
+                scored = token_logprobs(logits[rows], chosen[rows], k)
+            except Exception as e:  # noqa: BLE001 - these rows fail, the batch goes on
+                failed.update({i: f"log-probabilities failed: {_describe(e)}" for i in rows})
+                continue
+            for i, lp in zip(rows, scored):
                 reqs[i].token_logprobs.append(lp)
 
     def _choose(self, req: Request, row: np.ndarray) -> int:

@@ -19,6 +19,7 @@ from contextlib import contextmanager
 from typing import Iterator
 
 from erniekit.errors import ErniekitError
+from erniekit.infer.server import MAX_PROMPTS
 
 BUNDLED_TASKS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(__file__))), "examples", "lm_eval")
 SERVED_NAME = "erniekit-eval"
@@ -98,7 +99,7 @@ def run_lm_eval(
                 "base_url": f"{base}/v1/completions",
                 "model": SERVED_NAME,
                 "tokenizer_backend": "remote",
-                "batch_size": batch_size,
+                "batch_size": min(batch_size, MAX_PROMPTS),  # prompts per request: the server takes 64 at most
                 "max_retries": 1,
                 "max_length": context - 1,  # room for the one token a loglikelihood request generates
             },

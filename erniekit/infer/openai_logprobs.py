@@ -18,21 +18,25 @@ _BYTE_PIECE = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
 
 
 class TokenTexts:
-    """Every id's text, built once per server (a list lookup per token afterwards)."""
+    """Every id's text and raw bytes, built once per server (a list lookup per token afterwards)."""
 
-    def __init__(self, tokenizer) -> None:
-        self.texts = [self._text(p) for p in tokenizer.convert_ids_to_tokens(range(len(tokenizer)))]
-
-    @staticmethod
-    def _text(piece: str) -> str:
-        m = _BYTE_PIECE.match(piece)
-        if m:
-            b = int(m[1], 16)
-            return chr(b) if b < 0x80 else f"bytes:\\x{b:02x}"
-        return piece.replace("\u2581", " ")
+    def __init__(self, pieces: list[str]) -> None:
+        self.texts, self.raw = [], []
+        for p in pieces:
+            m = _BYTE_PIECE.match(p)
+            if m:  # a byte of a character split over several tokens
+                b = int(m[1], 16)
+                self.texts.append(chr(b) if b < 0x80 else f"bytes:\\x{b:02x}")
+                self.raw.append(bytes([b]))
+            else:
+                self.texts.append(p.replace("\u2581", " "))
+                self.raw.append(self.texts[-1].encode("utf-8"))
 
     def __call__(self, token_id: int) -> str:
         return self.texts[token_id] if 0 <= token_id < len(self.texts) else ""
+
+    def bytes_of(self, token_id: int) -> list[int]:
+        return list(self.raw[token_id]) if 0 <= token_id < len(self.raw) else []
 
 
 def completion_logprobs(
@@ -65,7 +69,6 @@ def completion_logprobs(
 
 def chat_logprobs(texts: TokenTexts, entries: list[TokenLogprob]) -> dict:
     def one(token_id: int, lp: float) -> dict:
-        t = texts(token_id)
-        return {"token": t, "logprob": lp, "bytes": list(t.encode("utf-8"))}
+        return {"token": texts(token_id), "logprob": lp, "bytes": texts.bytes_of(token_id)}
 
     return {"content": [{**one(e.id, e.logprob), "top_logprobs": [one(i, v) for i, v in e.top]} for e in entries]}

@@ -43,6 +43,9 @@ MAX_VIDEOS = 2  # per request: a video is up to max_frames frames
 ROLES = ("system", "user", "assistant", "developer", "tool")
 MAX_PROMPTS = 64  # prompts in one /v1/completions request (a choice each), all decoded side by side
 MAX_LOGPROBS = 20  # alternatives per token (OpenAI: 5 for completions, 20 for chat; vLLM: 20)
+# log-probabilities one request may ask for: tokens scored x (1 + alternatives), ~130 bytes each while
+# the request runs (a million: ~130 MB), so a few requests cannot run the server out of memory
+MAX_LOGPROB_ENTRIES = 1 << 20
 
 
 @dataclass
@@ -226,10 +229,9 @@ def parse_json(raw: bytes) -> Any:
     return body
 
 
-def _max_chars_per_token(tokenizer) -> int:
+def _max_chars_per_token(pieces: list[str]) -> int:
     """The most characters one token can stand for (longest piece or special token): a prompt of
     C characters has at least C / this many tokens, whatever the tokenizer does with it."""
-    pieces = tokenizer.convert_ids_to_tokens(range(len(tokenizer)))
     return max(1, max(len(p) for p in pieces))
 
 
@@ -253,10 +255,13 @@ class OpenAIServer:
         self._expected_auth = f"Bearer {api_key}".encode() if api_key else None  # the header bytes to expect
         self.max_body_bytes = max_body_bytes
         self.vocab = min(len(tokenizer), int(engine.model.config.vocab_size))
-        self.chars_per_token = _max_chars_per_token(tokenizer)
+        from erniekit.infer.openai_logprobs import TokenTexts
+
+        pieces = tokenizer.convert_ids_to_tokens(range(len(tokenizer)))
+        self.chars_per_token = _max_chars_per_token(pieces)
+        self.token_texts = TokenTexts(pieces)  # the text and bytes of each id, for log-probabilities
         self.created = int(time.time())
         self.thinking = bool(getattr(tokenizer, "thinking", False))  # replies carry reasoning / tool calls
-        self._texts = None  # every token's text, built when log-probabilities are first asked for
 
     # ---- validation ------------------------------------------------------------------------
     def check_key(self, authorization: str | None) -> None:
@@ -676,6 +681,16 @@ class OpenAIServer:
             )
         except ValueError as e:  # the checks above cover these; kept so a gap is a 400, not a 500
             raise BadRequest(str(e)) from None
+        if o["logprobs"] is not None:
+            scored = (sum(len(p[0]) for p in prompts) if o["echo"] else 0) + len(prompts) * max_tokens
+            entries = scored * (1 + o["logprobs"])
+            if entries > MAX_LOGPROB_ENTRIES:
+                raise BadRequest(
+                    f"logprobs={o['logprobs']} over {scored} tokens asks for {entries} log-probabilities, more than "
+                    f"the {MAX_LOGPROB_ENTRIES} a request may; ask for fewer alternatives, tokens or prompts",
+                    "logprobs",
+                    "too_many_logprobs",
+                )
         stops = o["stops"]
         mode = prompts[0][3]
         if mode is not None and mode.single_call:
@@ -729,14 +744,16 @@ class OpenAIServer:
     # ---- running ---------------------------------------------------------------------------
     def start(self, q: Parsed) -> tuple[list[Request], asyncio.Queue]:
         """Queue one engine request per prompt; their text pieces arrive on the returned asyncio
-        queue as (prompt index, delta, finish)."""
+        queue as (prompt index, delta, finish, log-probabilities recorded by then): the count is
+        taken on the engine thread as the piece is emitted, so a chunk's log-probabilities are
+        those of the tokens decided up to its text, whatever the engine has done since."""
         loop = asyncio.get_running_loop()
         out: asyncio.Queue = asyncio.Queue()
-        reqs = []
+        reqs: list[Request] = []
         for i, (ids, images, videos, _mode) in enumerate(q.prompts):
 
             def emit(delta: str, finish: str | None, i: int = i) -> None:
-                loop.call_soon_threadsafe(out.put_nowait, (i, delta, finish))
+                loop.call_soon_threadsafe(out.put_nowait, (i, delta, finish, len(reqs[i].token_logprobs)))
 
             req = Request(
                 ids,
@@ -770,27 +787,20 @@ class OpenAIServer:
         text = q.texts[i] if q.texts else None
         return text if text is not None else self.tokenizer.decode(q.prompts[i][0], skip_special_tokens=False)
 
-    def _token_texts(self):
-        if self._texts is None:
-            from erniekit.infer.openai_logprobs import TokenTexts
-
-            self._texts = TokenTexts(self.tokenizer)
-        return self._texts
-
     def _completion_lp(self, q: Parsed, req: Request, entries, with_prompt: bool, offset: int = 0) -> dict | None:
         if q.logprobs is None:
             return None
         from erniekit.infer.openai_logprobs import completion_logprobs
 
         first = req.prompt[0] if with_prompt else None
-        return completion_logprobs(self._token_texts(), entries, first, offset)
+        return completion_logprobs(self.token_texts, entries, first, offset)
 
     def _chat_lp(self, q: Parsed, entries) -> dict | None:
         if q.logprobs is None:
             return None
         from erniekit.infer.openai_logprobs import chat_logprobs
 
-        return chat_logprobs(self._token_texts(), entries)
+        return chat_logprobs(self.token_texts, entries)
 
     async def whole(self, chat: bool, q: Parsed) -> dict:
         """The whole reply (a choice per prompt); if this coroutine is cancelled (its client went
@@ -799,7 +809,7 @@ class OpenAIServer:
         finish: list[str | None] = [None] * len(reqs)
         try:
             while any(f is None for f in finish):
-                i, _, f = await out.get()
+                i, _, f, _ = await out.get()
                 if f is not None:
                     finish[i] = f
         finally:
@@ -868,11 +878,11 @@ class OpenAIServer:
         lp_sent = [0] * len(reqs)
         offsets = [0] * len(reqs)
 
-        def new_logprobs(i: int, prompt_first: bool = False) -> dict | None:
+        def new_logprobs(i: int, upto: int, prompt_first: bool = False) -> dict | None:
             if q.logprobs is None:
                 return None
             req = reqs[i]
-            entries = req.token_logprobs[lp_sent[i] :]
+            entries = req.token_logprobs[lp_sent[i] : max(lp_sent[i], upto)]
             lp_sent[i] += len(entries)
             if chat:
                 return self._chat_lp(q, entries)
@@ -891,18 +901,18 @@ class OpenAIServer:
             obj = {"id": rid, "object": kind, "created": now, "model": self.model_name, "choices": [choice]}
             return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
-        def deltas(events) -> list[str]:
+        def deltas(events, upto: int) -> list[str]:
             nonlocal calls
             outs = []
             for what, value in events:
                 if what == "tool_call":
                     if mode.single_call and calls:
                         continue
-                    outs.append(chunk(0, {"tool_calls": [{"index": calls, **value}]}, None, lp=new_logprobs(0)))
+                    outs.append(chunk(0, {"tool_calls": [{"index": calls, **value}]}, None, lp=new_logprobs(0, upto)))
                     calls += 1
                 else:
                     key = "reasoning_content" if what == "reasoning" else "content"
-                    outs.append(chunk(0, {key: value}, None, lp=new_logprobs(0)))
+                    outs.append(chunk(0, {key: value}, None, lp=new_logprobs(0, upto)))
             return outs
 
         finished = [False] * len(reqs)
@@ -913,26 +923,26 @@ class OpenAIServer:
             # once the engine has prefilled it, before that request emits anything
             echoed = [not q.echo or chat] * len(reqs)
             while not all(finished):
-                i, delta, finish = await out.get()
+                i, delta, finish, upto = await out.get()
                 if finish == "error":
                     err = BadRequest(f"generation failed: {reqs[i].error}", status=500, kind="server_error")
                     yield f"data: {json.dumps(error_body(err))}\n\n"
                     break
                 if not echoed[i]:
                     echoed[i] = True
-                    yield chunk(i, self._echo(q, i), None, lp=new_logprobs(i, prompt_first=True))
+                    yield chunk(i, self._echo(q, i), None, lp=new_logprobs(i, 0, prompt_first=True))
                 if delta and parser is not None:
-                    for c in deltas(parser.feed(delta)):
+                    for c in deltas(parser.feed(delta), upto):
                         yield c
                 elif delta:
-                    yield chunk(i, {"content": delta} if chat else delta, None, lp=new_logprobs(i))
+                    yield chunk(i, {"content": delta} if chat else delta, None, lp=new_logprobs(i, upto))
                 if finish is not None:
                     if parser is not None:
-                        for c in deltas(parser.finish()):
+                        for c in deltas(parser.finish(), upto):
                             yield c
                         finish = "tool_calls" if calls and finish == "stop" else finish
-                    rest = q.logprobs is not None and lp_sent[i] < len(reqs[i].token_logprobs)
-                    yield chunk(i, None, finish, lp=new_logprobs(i) if rest else None)
+                    rest = q.logprobs is not None and lp_sent[i] < upto
+                    yield chunk(i, None, finish, lp=new_logprobs(i, upto) if rest else None)
                     finished[i] = True
             if q.include_usage:
                 obj = {

@@ -28,8 +28,12 @@ def read_generation_config(path: str) -> dict | None:
 
 
 def remember_source(model: Any, path: str) -> None:
-    """Keep the generation config of the checkpoint `model` was loaded from, for its next save."""
-    object.__setattr__(model, _SOURCE_ATTR, read_generation_config(path))
+    """Keep the generation config of the checkpoint `model` was loaded from, for its next save
+    (checked now: a malformed eos_token_id is reported at load, not at the first checkpoint)."""
+    source = read_generation_config(path)
+    if source is not None:
+        _ids(source.get("eos_token_id"), os.path.join(path, GENERATION_CONFIG_NAME))
+    object.__setattr__(model, _SOURCE_ATTR, source)
 
 
 def _ids(value: Any, where: str) -> list[int]:

@@ -78,7 +78,6 @@ def test_lm_eval_local_completions_loglikelihoods_equal_our_model(base, ckpt):
     samples = out["samples"]["erniekit_arith"]
     assert len(samples) == 12
     acc = out["results"]["erniekit_arith"]["acc,none"]
-    assert 0.0 <= acc <= 1.0
     model, tok = load_model(ckpt), load_tokenizer(ckpt)
     model.eval()
     got, want = [], []

@@ -48,16 +48,6 @@ def encode(array, type_name: str):
     return gguf.quants.quantize(np.ascontiguousarray(array, dtype=np.float32), qtype)
 
 
-def _generation_config(src: str) -> dict:
-    from erniekit.models.registry import adapter_base
-    from erniekit.utils.io import read_json_object
-
-    for d in (src, adapter_base(src)):
-        if d and os.path.isfile(os.path.join(d, "generation_config.json")):
-            return read_json_object(os.path.join(d, "generation_config.json"), "fix generation_config.json")
-    return {}
-
-
 def _write(model, tokenizer, out: str, info: dict, options: ExportOptions) -> None:
     import tempfile
 
@@ -65,6 +55,7 @@ def _write(model, tokenizer, out: str, info: dict, options: ExportOptions) -> No
 
     from erniekit.export import gguf_model, ollama
     from erniekit.export.gguf_vocab import sentencepiece_vocab, write_vocab
+    from erniekit.models.generation_config import generation_config
     from erniekit.models.registry import model_state
     from erniekit.utils.io import atomic_write_json, atomic_write_text, write_errors
 
@@ -99,7 +90,8 @@ def _write(model, tokenizer, out: str, info: dict, options: ExportOptions) -> No
         w.write_tensors_to_file()
         w.close()
         os.replace(partial, os.path.join(out, GGUF_NAME))
-    generation = _generation_config(info["source"])
+    # the decoding defaults and turn-end ids the HF export writes (the source's, greedy without one)
+    generation = generation_config(model, tokenizer)
     eos = generation.get("eos_token_id", [])
     eos = [*config.eos_token_ids, *(eos if isinstance(eos, list) else [eos])]
     stops = ([eot] if eot else []) + [

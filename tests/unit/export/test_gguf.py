@@ -5,6 +5,7 @@ llama.cpp itself runs the files in tests/e2e/test_gguf_llama_cpp.py."""
 
 import dataclasses
 import json
+import os
 import re
 import struct
 
@@ -406,3 +407,20 @@ def test_modelfile_of_another_template_has_no_guessed_template(ckpts, tmp_path):
     mf = _modelfile(f"{out}/Modelfile")
     assert mf["template"] is None and "# no TEMPLATE" in open(f"{out}/Modelfile").read()
     assert mf["stop"][0] == '"<|im_end|>"'
+
+
+def test_modelfile_takes_the_exports_generation_defaults_even_without_a_source_file(ckpts, tmp_path):
+    """A source with no generation_config.json exports greedy (as the HF export writes it); one that
+    samples keeps its temperature and top_p."""
+    import shutil
+
+    from erniekit.export.hf import export_hf
+
+    bare = tmp_path / "bare"
+    shutil.copytree(ckpts["dense"], bare)
+    os.remove(bare / "generation_config.json")
+    mf = _modelfile(f"{export_hf(str(bare), str(tmp_path / 'o1'), fmt='gguf')}/Modelfile")
+    assert mf["temperature"] == ["0"]
+    (bare / "generation_config.json").write_text(json.dumps({"do_sample": True, "temperature": 0.7, "top_p": 0.9}))
+    mf = _modelfile(f"{export_hf(str(bare), str(tmp_path / 'o2'), fmt='gguf')}/Modelfile")
+    assert mf["temperature"] == ["0.7"] and mf["top_p"] == ["0.9"]

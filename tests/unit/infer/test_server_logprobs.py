@@ -72,9 +72,11 @@ def test_token_logprobs_is_the_log_softmax_with_its_top_k_in_order():
     got = token_logprobs(logits, chosen, 3)
     ref = logits.astype(np.float64) - np.log(np.exp(logits.astype(np.float64)).sum(-1, keepdims=True))
     for i, e in enumerate(got):
-        assert e.id == chosen[i] and e.logprob == pytest.approx(ref[i, chosen[i]], abs=1e-9)
+        assert e.id == chosen[i] and e.logprob == pytest.approx(ref[i, chosen[i]], rel=1e-6, abs=1e-5)
         assert [t for t, _ in e.top] == list(np.argsort(-ref[i], kind="stable")[:3])
-        assert [v for _, v in e.top] == pytest.approx(sorted(ref[i], reverse=True)[:3], abs=1e-9)
+        assert [v for _, v in e.top] == pytest.approx(sorted(ref[i], reverse=True)[:3], rel=1e-6, abs=1e-5)
+        if e.id == e.top[0][0]:  # the chosen value and the top values come from one computation
+            assert e.logprob == e.top[0][1]
     assert [t for t, _ in got[2].top][:2] == [7, 9]
     assert all(e.top == () for e in token_logprobs(logits, chosen, 0))
 
@@ -88,6 +90,23 @@ def _run(engine, reqs):
         engine.submit(r)
     for d in done:
         assert d.wait(60)
+
+
+def test_one_left_padded_prefill_scores_each_prompt_as_a_forward_over_it_alone(model, tok):
+    """The prefill's own batch (not left to the engine thread's timing): three prompts of different
+    lengths, left-padded into one forward, each scored from its own positions."""
+    e = Engine(model, tok, max_batch=4, max_model_len=64)
+    try:
+        rng = np.random.default_rng(2)
+        prompts = [list(map(int, rng.integers(5, 1000, size=n))) for n in (4, 19, 11)]
+        reqs = [Request(p, SamplingParams(max_new_tokens=2), None, prompt_logprobs=1) for p in prompts]
+        _, _, _, scored = e._prefill_forward(reqs)
+    finally:
+        e.close()
+    for p, lps in zip(prompts, scored):
+        ref = _direct(model, p)
+        np.testing.assert_allclose([x.logprob for x in lps], ref[np.arange(len(p) - 1), p[1:]], atol=1e-4)
+        assert [x.top[0][0] for x in lps] == list(ref[:-1].argmax(-1))
 
 
 def test_prompt_and_generated_logprobs_equal_a_direct_forward_in_a_mixed_batch(engine, model):
@@ -155,20 +174,28 @@ def test_echo_with_logprobs_scores_the_prompt_as_lm_eval_reads_it(client, model,
     assert z.logprobs.top_logprobs[1:] == [{}] * (len(seq) - 1)  # logprobs 0: no alternatives
 
 
-def test_streamed_prompts_and_logprobs_add_up_to_the_whole_reply(http):
+def test_streamed_prompts_and_logprobs_add_up_to_the_whole_reply(http, tok):
+    """Each choice's chunks add up to its whole reply; the echoed prompt's chunk carries the prompt's
+    tokens only, and each piece of generated text the tokens decided up to it (never none)."""
     body = {"model": MODEL, "prompt": ["1+2=", "Hello"], "max_tokens": 6, "temperature": 0, "logprobs": 2, "echo": True}
     whole = http.post("/v1/completions", json=body).json()["choices"]
-    text, lps = {0: "", 1: ""}, {0: [], 1: []}
+    text, lps, chunks = {0: "", 1: ""}, {0: [], 1: []}, {0: [], 1: []}
     with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as resp:
         for line in resp.iter_lines():
             if not line.startswith("data: {"):
                 continue
             c = json.loads(line[6:])["choices"][0]
             text[c["index"]] += c["text"]
+            chunks[c["index"]].append(c)
             if c["logprobs"]:
                 lps[c["index"]] += c["logprobs"]["token_logprobs"]
     for c in whole:
-        assert text[c["index"]] == c["text"]
+        i = c["index"]
+        first = chunks[i][0]
+        assert first["text"] == ["1+2=", "Hello"][i]
+        assert len(first["logprobs"]["tokens"]) == len(tok.encode(first["text"]))
+        assert all(len(x["logprobs"]["tokens"]) >= 1 for x in chunks[i][1:] if x["text"])
+        assert text[i] == c["text"]
         assert lps[c["index"]] == pytest.approx(c["logprobs"]["token_logprobs"], abs=1e-5)  # batching may differ
 
 
@@ -188,6 +215,37 @@ def test_chat_logprobs_through_the_openai_client(client, model, tok):
     assert bytes(content[0].bytes).decode() == content[0].token
     plain = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=5, temperature=0)
     assert plain.choices[0].logprobs is None
+
+
+def test_byte_pieces_report_their_own_byte_in_chat_logprobs(tok):
+    """A character split over byte tokens: each token's `bytes` is its byte, so a client rebuilds
+    the character by joining them (its text is OpenAI's "bytes:\\xNN")."""
+    from erniekit.infer.engine import TokenLogprob
+    from erniekit.infer.openai_logprobs import TokenTexts, chat_logprobs
+
+    texts = TokenTexts(tok.convert_ids_to_tokens(range(len(tok))))
+    ids = tok.encode("中")
+    assert len(ids) == 3 and all(tok.convert_ids_to_tokens(i).startswith("<0x") for i in ids)
+    content = chat_logprobs(texts, [TokenLogprob(i, -1.0, ((i, -1.0),)) for i in ids])["content"]
+    assert bytes(sum((c["bytes"] for c in content), [])).decode("utf-8") == "中"
+    assert content[0]["token"] == "bytes:\\xe4" and content[0]["top_logprobs"][0]["bytes"] == [0xE4]
+
+
+def test_a_request_for_more_log_probabilities_than_a_budget_is_refused(http, monkeypatch):
+    import erniekit.infer.server as srv
+
+    monkeypatch.setattr(srv, "MAX_LOGPROB_ENTRIES", 100_000)  # this test's context holds 127 tokens a prompt
+    prompt = [[5] * 100] * 64  # 6400 prompt tokens x 21 > 100k
+    r = http.post(
+        "/v1/completions",
+        json={"model": MODEL, "prompt": prompt, "echo": True, "logprobs": 20, "max_tokens": 0},
+    )
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["param"] == "logprobs" and err["code"] == "too_many_logprobs"
+    ok = http.post(
+        "/v1/completions", json={"model": MODEL, "prompt": [5] * 100, "echo": True, "logprobs": 20, "max_tokens": 0}
+    )
+    assert ok.status_code == 200
 
 
 def test_tokenizer_endpoints_round_trip(http, tok):
