@@ -18,6 +18,7 @@
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -90,36 +91,96 @@ def _name(tensor, config, bid: int | None = None) -> str:
     return g.TENSOR_NAMES[tensor].format(bid=bid) + "." + suffix
 
 
-def to_gguf(state: dict[str, np.ndarray], config) -> dict[str, np.ndarray]:
-    """Hugging Face-named tensors -> GGUF-named ones (experts stacked, MTP heads left out)."""
+def gguf_name(hf: str, config) -> tuple[str, int | None] | None:
+    """The GGUF tensor a Hugging Face-named tensor goes into, with its index in the stack for an
+    expert (None otherwise); None for a tensor left out (MTP heads)."""
+    if _SKIPPED_RE.match(hf):
+        return None
     top, layer, experts = _tables()
-    out: dict[str, np.ndarray] = {}
-    stacks: dict[str, dict[int, np.ndarray]] = {}
-    for hf, t in state.items():
-        if _SKIPPED_RE.match(hf):
+    m = _LAYER_RE.fullmatch(hf)
+    if hf in top:
+        return _name(top[hf], config), None
+    if m and m[2] in layer:
+        return _name(layer[m[2]], config, int(m[1])), None
+    if m and (e := _EXPERT_RE.fullmatch(m[2])):
+        return _name(experts[e[2]], config, int(m[1])), int(e[1])
+    raise CheckpointError(f"export --format gguf: no llama.cpp tensor for {hf}")
+
+
+@dataclass(frozen=True)
+class PlannedTensor:
+    """One tensor of the GGUF file before any data is read: its name, its numpy shape (the Hugging
+    Face [out, in] layout; GGUF lists the dimensions the other way round) and the one parameter of
+    ours it is made from, by `layout`: 'copy', 'transpose' (our Linear [in, out]), 'experts' (our
+    [E, in, out] stack -> [E, out, in]) or 'flat' (the [1, E] correction bias -> [E])."""
+
+    name: str
+    shape: tuple[int, ...]
+    param: str
+    layout: str
+
+
+def plan(model) -> list[PlannedTensor]:
+    """The GGUF tensors of `model` in file order (its parameters' order, as `hf_state_dict` gives
+    the Hugging Face tensors and llama.cpp's converter writes them), from the parameters' shapes
+    only: the file's tensor infos are written before any weight is read."""
+    # the Hugging Face names hf_state_dict gives each parameter (the family's own mapping)
+    from erniekit.models.ernie4_5.checkpoint import _specs_cache
+
+    config = model.config
+    specs = _specs_cache(model)
+    out: list[PlannedTensor] = []
+    for pname, p in model.named_parameters():
+        spec = specs[pname]
+        targets = [gguf_name(hf, config) for hf in spec.hf_names]
+        if all(t is None for t in targets):
             continue
-        m = _LAYER_RE.fullmatch(hf)
-        if hf in top:
-            out[_name(top[hf], config)] = t
-        elif m and m[2] in layer:
-            tensor = layer[m[2]]
-            out[_name(tensor, config, int(m[1]))] = t.reshape(-1) if "e_score" in hf else t
-        elif m and (e := _EXPERT_RE.fullmatch(m[2])):
-            name = _name(experts[e[2]], config, int(m[1]))
-            out.setdefault(name, None)  # keeps the file order of the first expert
-            stacks.setdefault(name, {})[int(e[1])] = t
+        if any(t is None for t in targets):
+            raise CheckpointError(f"export --format gguf: {pname} mixes MTP and model tensors: {spec.hf_names[:2]}")
+        shape = tuple(int(d) for d in p.shape)
+        if spec.kind == "experts":
+            name, n = targets[0][0], config.experts_per_modality[0]
+            if any(t[0] != name for t in targets) or [t[1] for t in targets] != list(range(n)):
+                raise CheckpointError(f"export --format gguf: {name} needs experts 0..{n - 1}, got {len(targets)}")
+            out.append(PlannedTensor(name, (shape[0], shape[2], shape[1]), pname, "experts"))
+            continue
+        if len(targets) != 1 or targets[0][1] is not None or spec.kind not in ("copy", "transpose"):
+            raise CheckpointError(f"export --format gguf: no llama.cpp tensor for {spec.hf_names[0]} ({pname})")
+        name = targets[0][0]
+        if spec.kind == "transpose":
+            out.append(PlannedTensor(name, shape[::-1], pname, "transpose"))
+        elif "e_score" in spec.hf_names[0]:
+            out.append(PlannedTensor(name, (int(np.prod(shape)),), pname, "flat"))
         else:
-            raise CheckpointError(f"export --format gguf: no llama.cpp tensor for {hf}")
-    for name, parts in stacks.items():
-        n = config.experts_per_modality[0]
-        if sorted(parts) != list(range(n)):
-            raise CheckpointError(f"export --format gguf: {name} needs experts 0..{n - 1}, got {len(parts)}")
-        out[name] = np.stack([parts[e] for e in range(n)])
+            out.append(PlannedTensor(name, shape, pname, "copy"))
     return out
 
 
+def read(param, layout: str) -> np.ndarray:
+    """One planned tensor's float32 values (contiguous) from its parameter: the full value of a
+    parameter sharded over processes (a collective: every rank calls it in the same order), viewed
+    without a copy where it is a float32 CPU tensor, so at most this one tensor is copied."""
+    import paddle
+
+    from erniekit.utils.dtensor import host_view, to_dense
+
+    t = to_dense(param.detach())
+    if t.dtype != paddle.float32:
+        t = t.astype("float32")
+    a = host_view(t)
+    if a is None:
+        a = t.numpy()
+    if layout == "experts":
+        a = a.transpose(0, 2, 1)
+    elif layout == "transpose":
+        a = a.T
+    elif layout == "flat":
+        a = a.reshape(-1)
+    return np.ascontiguousarray(a)
+
+
 def from_gguf(tensors: dict[str, np.ndarray], config) -> dict[str, np.ndarray]:
-    """The inverse of `to_gguf`: GGUF-named tensors -> Hugging Face-named ones."""
+    """GGUF-named tensors (a file `plan` describes) -> Hugging Face-named ones."""
     top, layer, experts = _tables()
     known = set(_gguf().MODEL_TENSORS[arch_of(config)])
     layer = {hf: t for hf, t in layer.items() if t in known}

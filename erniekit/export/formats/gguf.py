@@ -5,11 +5,17 @@ with the tokenizer and chat template inside, and an Ollama Modelfile beside it (
 converter does, 1-D tensors, norms and the MoE router stay float32, and a q8_0 matrix whose rows
 are not a multiple of 32 is written float16. `--verify` reads the file back with gguf's reader,
 dequantizes it into an erniekit model and compares its logits with the source's.
+
+The file is written tensor by tensor (`write_tensors`): every tensor's info is known from the
+parameters' shapes, so the header goes first and each tensor is then read from the model, encoded,
+written and dropped: beyond the loaded model the export holds about one output tensor (the largest
+is a MoE layer's stacked experts or the embedding), not a copy of the model.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 
 from erniekit.errors import CheckpointError
 from erniekit.export.formats import INFO_NAME, ExportFormat, ExportOptions, register_export_format
@@ -25,17 +31,26 @@ TYPES = {
 }
 
 
-def tensor_type(name: str, array, matrix_type: str) -> str:
+def tensor_type(name: str, shape: Sequence[int], matrix_type: str) -> str:
     """The GGML type one tensor is stored in, by the converter's rules (see the module doc)."""
     import gguf
 
-    if array.ndim <= 1 or name.endswith("_norm.weight") or not name.endswith(".weight"):
+    if len(shape) <= 1 or name.endswith("_norm.weight") or not name.endswith(".weight"):
         return "F32"
     if name.startswith("blk.") and name.endswith(".ffn_gate_inp.weight"):  # the MoE router
         return "F32"
-    if matrix_type == "Q8_0" and array.shape[-1] % gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType.Q8_0][0]:
+    if matrix_type == "Q8_0" and shape[-1] % gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType.Q8_0][0]:
         return "F16"
     return matrix_type
+
+
+def encoded_nbytes(shape: Sequence[int], type_name: str) -> int:
+    """The bytes of a tensor of `shape` in GGML type `type_name`, known before it is encoded."""
+    import math
+
+    import gguf
+
+    return math.prod(gguf.quants.quant_shape_to_byte_shape(shape, gguf.GGMLQuantizationType[type_name]))
 
 
 def encode(array, type_name: str):
@@ -48,6 +63,36 @@ def encode(array, type_name: str):
     return gguf.quants.quantize(np.ascontiguousarray(array, dtype=np.float32), qtype)
 
 
+def write_tensors(writer, model, planned: list, types: list[str], sizes: list[int]) -> None:
+    """Declare every tensor, write the header, metadata and tensor infos, then each tensor's data:
+    read from its parameter, encoded, written and dropped before the next one is read, so the
+    export holds one output tensor at a time besides the model (a gguf.GGUFWriter whose metadata
+    is set and no tensor added)."""
+    import gguf
+    import numpy as np
+
+    from erniekit.export import gguf_model
+
+    for t, ty, n in zip(planned, types, sizes):
+        # the float32 numpy dtype only says `t.shape` is the logical shape (a uint8 one would be bytes)
+        writer.add_tensor_info(t.name, t.shape, np.float32, n, raw_dtype=gguf.GGMLQuantizationType[ty])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    params = dict(model.named_parameters())
+    for t, ty in zip(planned, types):
+        value = gguf_model.read(params[t.param], t.layout)
+        if value.shape != t.shape:  # its tensor info is written already: the file would be corrupt
+            raise CheckpointError(
+                f"export --format gguf: {t.param} gave {t.name} the shape {list(value.shape)}, its tensor info "
+                f"says {list(t.shape)}; this is an erniekit bug: report it"
+            )
+        data = encode(value, ty)
+        del value
+        writer.write_tensor_data(data)  # checks the byte count against the tensor info
+        del data  # before the next tensor is read
+
+
 def _write(model, tokenizer, out: str, info: dict, options: ExportOptions) -> None:
     import tempfile
 
@@ -56,7 +101,6 @@ def _write(model, tokenizer, out: str, info: dict, options: ExportOptions) -> No
     from erniekit.export import gguf_model, ollama
     from erniekit.export.gguf_vocab import sentencepiece_vocab, write_vocab
     from erniekit.models.generation_config import generation_config
-    from erniekit.models.registry import model_state
     from erniekit.utils.io import atomic_write_json, atomic_write_text, write_errors
 
     if options.dtype not in TYPES:
@@ -66,29 +110,26 @@ def _write(model, tokenizer, out: str, info: dict, options: ExportOptions) -> No
     config = model.config
     gguf_model.check_supported(config)
     matrix_type, file_type, _ = TYPES[options.dtype]
-    state = {k: v.numpy() for k, v in model_state(model, "float32").items()}
-    tensors = gguf_model.to_gguf(state, config)
+    planned = gguf_model.plan(model)
+    types = [tensor_type(t.name, t.shape, matrix_type) for t in planned]
+    sizes = [encoded_nbytes(t.shape, ty) for t, ty in zip(planned, types)]
     eot = ollama.end_of_turn(tokenizer)
     with tempfile.TemporaryDirectory() as tok_dir:
         tokenizer.save_pretrained(tok_dir)
         vocab = sentencepiece_vocab(tok_dir, config.vocab_size, end_of_turn=eot)
-    encoded = {n: (tensor_type(n, t, matrix_type), t) for n, t in tensors.items()}
-    encoded = {n: (ty, encode(t, ty)) for n, (ty, t) in encoded.items()}
     os.makedirs(out, exist_ok=True)
     partial = os.path.join(out, f".{GGUF_NAME}.tmp")
-    with write_errors("the GGUF file", out, sum(d.nbytes for _, d in encoded.values()), partial=partial):
+    with write_errors("the GGUF file", out, sum(sizes), partial=partial):
         w = gguf.GGUFWriter(partial, gguf.MODEL_ARCH_NAMES[gguf_model.arch_of(config)])
-        w.add_name(os.path.basename(os.path.normpath(info["source"])))
-        w.add_file_type(gguf.LlamaFileType[file_type])
-        w.add_quantization_version(gguf.GGML_QUANT_VERSION)
-        gguf_model.write_hparams(w, config)
-        write_vocab(w, vocab)
-        for name, (ty, data) in encoded.items():
-            w.add_tensor(name, data, raw_dtype=gguf.GGMLQuantizationType[ty])
-        w.write_header_to_file()
-        w.write_kv_data_to_file()
-        w.write_tensors_to_file()
-        w.close()
+        try:
+            w.add_name(os.path.basename(os.path.normpath(info["source"])))
+            w.add_file_type(gguf.LlamaFileType[file_type])
+            w.add_quantization_version(gguf.GGML_QUANT_VERSION)
+            gguf_model.write_hparams(w, config)
+            write_vocab(w, vocab)
+            write_tensors(w, model, planned, types, sizes)
+        finally:
+            w.close()
         os.replace(partial, os.path.join(out, GGUF_NAME))
     # the decoding defaults and turn-end ids the HF export writes (the source's, greedy without one)
     generation = generation_config(model, tokenizer)
@@ -99,14 +140,14 @@ def _write(model, tokenizer, out: str, info: dict, options: ExportOptions) -> No
     ]
     text = ollama.modelfile(GGUF_NAME, ollama.go_template(tokenizer), stops, ollama.sampling(generation))
     atomic_write_text(os.path.join(out, ollama.MODELFILE_NAME), text)
-    types: dict[str, int] = {}
-    for ty, _ in encoded.values():
-        types[ty] = types.get(ty, 0) + 1
+    counts: dict[str, int] = {}
+    for ty in types:
+        counts[ty] = counts.get(ty, 0) + 1
     info.update(
         file=GGUF_NAME,
         architecture=gguf.MODEL_ARCH_NAMES[gguf_model.arch_of(config)],
         dtype=options.dtype or "float32",
-        tensor_types=types,
+        tensor_types=counts,
         end_of_turn=eot,
         mtp_heads_left_out=bool(config.num_nextn_predict_layers),
     )
