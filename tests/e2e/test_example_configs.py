@@ -22,7 +22,16 @@ def test_every_stage_has_an_example_config():
     from erniekit.train.stages import stage_names
 
     stages = {yaml.safe_load(open(p))["stage"] for p in CONFIGS}
-    assert stages == set(stage_names()) == {"pretrain", "SFT", "DPO", "GRPO", "PPO", "VL-SFT"}
+    assert stages == set(stage_names()) == {"pretrain", "SFT", "DPO", "GRPO", "PPO", "VL-SFT", "Distill"}
+
+
+def _random_teacher(path) -> str:
+    """A tiny-moe checkpoint with fresh weights and the bundled tokenizer."""
+    from erniekit.models import registry
+
+    model = registry.load_model("tiny-moe", {"num_hidden_layers": 2})
+    registry.save_model(model, str(path), tokenizer=registry.family_of("tiny-moe").default_tokenizer())
+    return str(path)
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=[os.path.basename(p) for p in CONFIGS])
@@ -39,6 +48,8 @@ def test_example_config_trains_a_few_steps(path, tmp_path):
     ]
     if not os.path.isabs(cfg["model_name_or_path"]) and cfg["model_name_or_path"].startswith("output/"):
         overrides.append("model_name_or_path=tiny-moe")  # the run it builds on is not there in a test
+    if str(cfg.get("teacher_name_or_path", "")).startswith("output/"):  # Distill: a random teacher instead
+        overrides.append(f"teacher_name_or_path={_random_teacher(tmp_path / 'teacher')}")
     if cfg.get("do_eval", True):  # keep the evaluations, on a few examples, so every stage's eval path runs too
         overrides += ["per_device_eval_batch_size=8", "eval_max_samples=8"]
     r = subprocess.run(
