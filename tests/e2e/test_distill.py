@@ -1,7 +1,7 @@
-"""stage: Distill through `erniekit train`: a short cut of the demonstration (a trained teacher, a
-2-layer student distilled against the same student trained by plain SFT for the same steps),
-two data-parallel processes against one, and the recorded demonstration
-(bench_results/distill_demo.json) against its claim and the shipped config."""
+"""stage: Distill through `erniekit train`: the demonstration's config on a briefly trained teacher
+(a 2-layer student that learns and loads as a normal checkpoint), two data-parallel processes
+against one, and the recorded demonstration (bench_results/distill_demo.json: the distilled
+student against the same student by plain SFT) against its claim and the shipped config."""
 
 from __future__ import annotations
 
@@ -47,17 +47,18 @@ def _losses(out) -> np.ndarray:
 
 @pytest.fixture(scope="module")
 def teacher(tmp_path_factory) -> Path:
-    """The embedded default, cut short: 4 layers, 400 steps (no FP8 emulation)."""
+    """A teacher of the embedded default's shape, cut to 30 steps: these tests check the mechanics
+    (the distilled student's gain over plain SFT needs a trained teacher and minutes per run: it is
+    measured by tools/distill_demo.py into bench_results/distill_demo.json, checked below)."""
     out = tmp_path_factory.mktemp("distill") / "teacher"
     _train(
         "examples/configs/tiny/sft.yaml",
-        f"train_dataset_path={head_of(str(DATA / 'train.jsonl'), 10000)}",
-        "max_steps=400",
+        f"train_dataset_path={head_of(str(DATA / 'train.jsonl'), 2000)}",
+        "max_steps=30",
         "fp8=false",
-        "eval_generation=false",
-        "eval_steps=1000",
+        "do_eval=false",
         "save_steps=1000",
-        "logging_steps=50",
+        "logging_steps=10",
         f"output_dir={out}",
     )
     return out
@@ -68,8 +69,8 @@ def _student(teacher, out, *extra) -> list[str]:
     return [
         CONFIG,
         f"teacher_name_or_path={teacher}",
-        f"train_dataset_path={head_of(str(DATA / 'train.jsonl'), 10000)}",
-        "max_steps=300",
+        f"train_dataset_path={head_of(str(DATA / 'train.jsonl'), 2000)}",
+        "max_steps=20",
         "fp8=false",
         "logging_steps=10",
         *EVAL,
@@ -78,14 +79,13 @@ def _student(teacher, out, *extra) -> list[str]:
     ]
 
 
-def test_a_distilled_student_beats_the_same_student_trained_by_sft(teacher, tmp_path):
-    kd = _train(*_student(teacher, tmp_path / "kd"))
-    _train(*_student(teacher, tmp_path / "sft", "stage=SFT", "teacher_name_or_path=null"))
-    d, s = _results(tmp_path / "kd")["eval"], _results(tmp_path / "sft")["eval"]
-    # measured (AMD EPYC, 2 threads, seed 42): held-out loss 0.934 distilled against 1.065 by plain SFT
-    assert d["loss"] < s["loss"] - 0.05, (d, s)
-    assert d["teacher_agreement"] > 0.5 and 0 <= d["exact_match"] <= 1
+def test_the_cli_trains_a_two_layer_student_that_loads_as_a_normal_checkpoint(teacher, tmp_path):
+    kd = _train(*_student(teacher, tmp_path / "kd", "eval_max_samples=20", "per_device_eval_batch_size=20"))
+    d = _results(tmp_path / "kd")["eval"]
+    assert {"loss", "exact_match", "teacher_agreement", "distill_loss"} <= set(d), d
     assert any(line.startswith("held-out exact match: ") for line in kd.stdout.splitlines()[-3:]), kd.stdout[-1500:]
+    losses = _losses(tmp_path / "kd")
+    assert losses[-1] < losses[0]  # 20 steps from a random student: the distillation loss falls
     from erniekit.models import registry
 
     student = registry.load_model(str(tmp_path / "kd"))  # a normal checkpoint: what chat / export load
