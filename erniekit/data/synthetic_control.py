@@ -19,6 +19,7 @@ from erniekit.errors import DataError
 
 STYLES = ("digits", "words")
 N_TRAIN, N_EVAL = 5000, 100  # the bundled files (examples/data/control)
+MAX_OPERAND = 99  # the embedded default's 1-2 digit operands: answers -99..198
 _ONES = "zero one two three four five six seven eight nine ten eleven twelve thirteen fourteen fifteen sixteen seventeen eighteen nineteen".split()
 _TENS = "_ _ twenty thirty forty fifty sixty seventy eighty ninety".split()
 
@@ -44,7 +45,7 @@ def styled_answer(value: int, style: str) -> str:
 
 
 def _problem(rng: random.Random) -> tuple[str, int]:
-    a, b = rng.randint(0, 99), rng.randint(0, 99)
+    a, b = rng.randint(0, MAX_OPERAND), rng.randint(0, MAX_OPERAND)
     op = "+-"[rng.randrange(2)]
     return f"{a}{op}{b}=", OPS[op](a, b)
 
