@@ -410,18 +410,18 @@ def _eval_parser() -> argparse.ArgumentParser:
         help="elastic sub-models: parameters, held-out exact match and decode tokens/s of each",
     )
     kind.add_argument(
-        "--credibility",
-        dest="report",
-        action="store_const",
-        const="credibility",
-        help="credibility head (docs/control.md): scores of real vs sampled replies and their ROC AUC",
-    )
-    kind.add_argument(
         "--lm-eval",
         metavar="TASK,TASK",
         type=lambda v: [t for t in v.split(",") if t],
         help="lm-evaluation-harness tasks, run against the checkpoint served by the built-in server "
         "(bundled offline task: erniekit_arith; needs pip install 'lm-eval[api]')",
+    )
+    kind.add_argument(
+        "--credibility",
+        dest="report",
+        action="store_const",
+        const="credibility",
+        help="credibility head (docs/control.md): scores of real vs sampled replies and their ROC AUC",
     )
     p.add_argument("--include-path", metavar="DIR", help="--lm-eval: a directory of your own task YAML files")
     p.add_argument("--limit", type=int, metavar="N", help="--lm-eval: at most N examples per task")
