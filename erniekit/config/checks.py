@@ -781,3 +781,8 @@ def _check_control(cfg: TrainConfig) -> None:
             "credibility_loss_weight > 0 runs in one process in this version (it samples replies with the whole "
             "model): set nproc_per_node=1, nnodes=1 and distributed_mode=collective, or credibility_loss_weight=0"
         )
+    if cfg.credibility_loss_weight > 0 and (cfg.elastic_depth or cfg.elastic_experts or cfg.elastic_top_k):
+        raise ConfigError(
+            "credibility_loss_weight > 0 trains the full model's head: clear elastic_depth, elastic_experts and "
+            "elastic_top_k, or set credibility_loss_weight=0"
+        )
