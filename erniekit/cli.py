@@ -541,7 +541,7 @@ def _eval_credibility(ns: argparse.Namespace) -> int:
             f"--temperature in (0, 2] (got {ns.temperature})"
         )
     _import_paddle()
-    from erniekit.infer.credibility import format_credibility, run_credibility_report
+    from erniekit.infer.credibility_report import format_credibility, run_credibility_report
 
     rep = run_credibility_report(
         ns.model_dir,
