@@ -125,31 +125,31 @@ def plan(model) -> list[PlannedTensor]:
     the Hugging Face tensors and llama.cpp's converter writes them), from the parameters' shapes
     only: the file's tensor infos are written before any weight is read."""
     # the Hugging Face names hf_state_dict gives each parameter (the family's own mapping)
-    from erniekit.models.ernie4_5.checkpoint import _specs_cache
+    from erniekit.models.registry import checkpoint_names
 
     config = model.config
-    specs = _specs_cache(model)
+    names = checkpoint_names(model)
     out: list[PlannedTensor] = []
     for pname, p in model.named_parameters():
-        spec = specs[pname]
-        targets = [gguf_name(hf, config) for hf in spec.hf_names]
+        kind, hf_names = names[pname]
+        targets = [gguf_name(hf, config) for hf in hf_names]
         if all(t is None for t in targets):
             continue
         if any(t is None for t in targets):
-            raise CheckpointError(f"export --format gguf: {pname} mixes MTP and model tensors: {spec.hf_names[:2]}")
+            raise CheckpointError(f"export --format gguf: {pname} mixes MTP and model tensors: {hf_names[:2]}")
         shape = tuple(int(d) for d in p.shape)
-        if spec.kind == "experts":
+        if kind == "experts":
             name, n = targets[0][0], config.experts_per_modality[0]
             if any(t[0] != name for t in targets) or [t[1] for t in targets] != list(range(n)):
                 raise CheckpointError(f"export --format gguf: {name} needs experts 0..{n - 1}, got {len(targets)}")
             out.append(PlannedTensor(name, (shape[0], shape[2], shape[1]), pname, "experts"))
             continue
-        if len(targets) != 1 or targets[0][1] is not None or spec.kind not in ("copy", "transpose"):
-            raise CheckpointError(f"export --format gguf: no llama.cpp tensor for {spec.hf_names[0]} ({pname})")
+        if len(targets) != 1 or targets[0][1] is not None or kind not in ("copy", "transpose"):
+            raise CheckpointError(f"export --format gguf: no llama.cpp tensor for {hf_names[0]} ({pname})")
         name = targets[0][0]
-        if spec.kind == "transpose":
+        if kind == "transpose":
             out.append(PlannedTensor(name, shape[::-1], pname, "transpose"))
-        elif "e_score" in spec.hf_names[0]:
+        elif "e_score" in hf_names[0]:
             out.append(PlannedTensor(name, (int(np.prod(shape)),), pname, "flat"))
         else:
             out.append(PlannedTensor(name, shape, pname, "copy"))

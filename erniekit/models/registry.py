@@ -43,6 +43,9 @@ class ModelFamily:
     save: Callable[..., None]  # (model, path, tokenizer=None, max_shard_size=, dtype=, state=)
     load_tokenizer: Callable[[str], Any]  # checkpoint or tokenizer directory -> tokenizer
     default_tokenizer: Callable[[], Any]  # the bundled tokenizer presets train with
+    # model -> {parameter name: (kind, checkpoint tensor names)} without reading a weight (how a
+    # writer plans a file: GGUF); None: the family does not say
+    checkpoint_names: Callable[[Any], dict] | None = None
 
 
 _families: dict[str, ModelFamily] = {}
@@ -251,6 +254,15 @@ def load_tokenizer(model_name_or_path: str, tokenizer_path: str | None = None) -
 def save_model(model: Any, path: str, tokenizer: Any = None, **options: Any) -> None:
     """Write `model` in its family's checkpoint layout (options: max_shard_size, dtype, state)."""
     family_of_model(model).save(model, path, tokenizer=tokenizer, **options)
+
+
+def checkpoint_names(model: Any) -> dict[str, tuple[str, list[str]]]:
+    """{parameter name: (kind, checkpoint tensor names)} of `model`, from shapes only: 'copy',
+    'transpose', 'experts' (one tensor per expert) or 'rowN' (a row of a shared tensor)."""
+    f = family_of_model(model)
+    if f.checkpoint_names is None:
+        raise CheckpointError(f"model family {f.name!r} does not name its checkpoint tensors per parameter")
+    return f.checkpoint_names(model)
 
 
 def model_state(model: Any, dtype: str | None = None) -> dict:

@@ -39,6 +39,12 @@ def _load_tokenizer(path: str) -> Any:
     return ErnieTokenizer.from_pretrained(path)
 
 
+def _checkpoint_names(model: Any) -> dict:
+    from erniekit.models.ernie4_5.checkpoint import _specs_cache
+
+    return {name: (spec.kind, list(spec.hf_names)) for name, spec in _specs_cache(model).items()}
+
+
 def _default_tokenizer() -> Any:
     from erniekit.models.ernie4_5.tokenizer import default_tokenizer
 
@@ -57,5 +63,6 @@ ERNIE4_5 = register_model_family(
         save=_save,
         load_tokenizer=_load_tokenizer,
         default_tokenizer=_default_tokenizer,
+        checkpoint_names=_checkpoint_names,
     )
 )
