@@ -74,10 +74,7 @@ class Trainer:
             stage.lr_ratios(cfg),
         )
         self.params = [p for p in model.parameters() if not p.stop_gradient] + [p for _, p in extra]
-        self.groups = stage.grad_groups()  # other models of the step (online-distillation students)
-        grouped = {id(p) for group in self.groups.values() for p in group}
-        self.clip_params = [p for p in self.params if id(p) not in grouped]  # clipped together: train/grad_norm
-        self.group_norms: dict[str, float] = {}
+        self._group_params(stage)
         self.ema = None
         if cfg.ema_decay > 0:
             from erniekit.train.ema import WeightEMA
@@ -95,6 +92,14 @@ class Trainer:
             cfg.elastic, model, cfg.seed
         )  # None unless elastic_* choices are set
         self.runner.bind(self)
+
+    def _group_params(self, stage) -> None:
+        """The stage's other models of the step (online-distillation students) are clipped by their
+        own norms; the rest of `params` together (train/grad_norm)."""
+        self.groups = stage.grad_groups()
+        grouped = {id(p) for group in self.groups.values() for p in group}
+        self.clip_params = [p for p in self.params if id(p) not in grouped]
+        self.group_norms: dict[str, float] = {}
 
     # ---- state -----------------------------------------------------------------------------
     def state(self) -> dict:
