@@ -375,6 +375,7 @@ def _check_online_distill(cfg: TrainConfig) -> None:
     _require(cfg.online_distill_every >= 1, "online_distill_every", cfg.online_distill_every, ">= 1")
     _require(0 <= cfg.online_distill_beta <= 1, "online_distill_beta", cfg.online_distill_beta, "in [0, 1]")
     _require(cfg.online_distill_temperature > 0, "online_distill_temperature", cfg.online_distill_temperature, "> 0")
+    _require(0 <= cfg.online_distill_alpha <= 1, "online_distill_alpha", cfg.online_distill_alpha, "in [0, 1]")
     if not cfg.online_distill_students:
         return
     from erniekit.distributed.collective.layout import layout_from_config

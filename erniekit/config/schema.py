@@ -307,6 +307,11 @@ class TrainConfig:
     online_distill_temperature: float = _opt(
         1.0, "with online_distill_students: softening temperature (> 0); the divergence is scaled by its square"
     )
+    online_distill_alpha: float = _opt(
+        1.0,
+        "with online_distill_students: weight in [0, 1] of each student's divergence; 1 - alpha on its own LM "
+        "loss on the data's labels (1: soft labels only)",
+    )
 
     # ### precision and runtime
     bf16: bool = _opt(False, "train in bfloat16 (needs a GPU)")
@@ -601,6 +606,7 @@ SECTION_KEYS: dict[str, tuple[str, ...]] = {
         "online_distill_loss",
         "online_distill_beta",
         "online_distill_temperature",
+        "online_distill_alpha",
     ),
 }
 

@@ -6,12 +6,13 @@ evaluation and the teacher's loss are that stage's; the students are extra param
 (`extra_named_parameters`), each a `grad_group` clipped by its own norm, so the teacher's update
 is the one its solo run makes. The step's loss is
 
-    L = L_LM(teacher) + sum over students s of [ D(z_teacher(s) || z_s) + w_s * H_s ]
+    L = L_LM(teacher) + sum over students s of [ a D(z_teacher(s) || z_s) + (1 - a) L_LM(s) + w_s * H_s ]
 
 where D is `distill_loss_sum` (forward KL, reverse KL or GKD's JSD, temperature T) against the
 detached logits of s's teacher (the main model, or a teacher-assistant student earlier in the
-chain) and H_s the auxiliary layer's hidden-state loss (online_distill_aux.py). Students learn in
-the steps where step % online_distill_every == 0 and are left as they are in the others.
+chain), a = online_distill_alpha (1: soft labels only), L_LM(s) the student's own loss on the
+data's labels and H_s the auxiliary layer's hidden-state loss (online_distill_aux.py). Students
+learn in the steps where step % online_distill_every == 0 and are left as they are in the others.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import paddle
 
 from erniekit.errors import ConfigError
 from erniekit.train.distill_losses import distill_loss_sum
+from erniekit.train.losses import causal_lm_loss_sum
 from erniekit.train.online_distill_aux import AuxiliaryLayer, hidden_loss_sum
 from erniekit.train.online_distill_spec import (
     MAIN_TEACHER,
@@ -85,6 +87,7 @@ class OnlineDistill:
         self.every = cfg.online_distill_every
         self.kind, self.beta = cfg.online_distill_loss, cfg.online_distill_beta
         self.temperature = cfg.online_distill_temperature
+        self.alpha = cfg.online_distill_alpha
         self.students: dict[str, paddle.nn.Layer] = {}
         self.aux: dict[str, AuxiliaryLayer] = {}
         self.active = True  # the students learn in the current step
@@ -137,8 +140,12 @@ class OnlineDistill:
                 self.temperature,
                 batch["segment_ids"],
             )
-            total = total + kd
             res.metrics[f"{spec.name}_distill"] = scalar(kd)
+            if self.alpha < 1.0:  # the data's own labels beside the soft ones
+                ce = causal_lm_loss_sum(out.logits, batch["labels"], batch["segment_ids"])
+                kd = self.alpha * kd + (1.0 - self.alpha) * ce
+                res.metrics[f"{spec.name}_lm"] = scalar(ce)
+            total = total + kd
             if spec.name in self.aux:
                 h = self.aux[spec.name](self.students[spec.name], out.hidden_states, inputs)
                 hl = hidden_loss_sum(h, hidden[spec.teacher], batch["labels"], batch["segment_ids"])
