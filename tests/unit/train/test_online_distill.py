@@ -288,3 +288,28 @@ def test_refused_settings(tmp_path, overrides, message):
 def test_two_data_parallel_processes_validate(tmp_path):
     cfg = _cfg(tmp_path, "online_distill_students=[{num_hidden_layers: 1}]", "nproc_per_node=2")
     assert cfg.online_distill_students == [{"num_hidden_layers": 1}]
+
+
+def test_a_student_on_labels_only_is_its_solo_run(tmp_path):
+    """online_distill_alpha=0: the student's loss is its own LM loss, its clipping its own, its start
+    the seeded one: it must train exactly as a solo run of its shape (all but the divergence checked)."""
+    common = ["max_steps=4", "do_eval=false", "save_steps=100"]
+    _run(
+        tmp_path,
+        "online",
+        "online_distill_students=[{name: s, num_hidden_layers: 1}]",
+        "online_distill_alpha=0",
+        *common,
+    )
+    _run(tmp_path, "solo", "model_overrides.num_hidden_layers=1", *common)
+    from safetensors.numpy import load_file
+
+    a = load_file(str(tmp_path / "online" / "students" / "s" / "model.safetensors"))
+    b = load_file(str(tmp_path / "solo" / "model.safetensors"))
+    assert a.keys() == b.keys()
+    for k in a:
+        np.testing.assert_allclose(a[k], b[k], rtol=0, atol=1e-6, err_msg=k)
+    solo = {r["step"]: r["train/loss"] for r in _scalars(tmp_path / "solo") if "train/loss" in r}
+    online = {r["step"]: r for r in _scalars(tmp_path / "online") if "train/loss" in r}
+    for s in solo:
+        assert online[s]["train/s_lm"] == pytest.approx(solo[s], rel=1e-6)
