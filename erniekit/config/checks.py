@@ -501,6 +501,12 @@ def _check_model(name: str) -> None:
     from erniekit.models.registry import preset_names
 
     if name not in preset_names():
+        made_by = _config_writing(name)  # another shipped config's output (output/tiny-sft): say which
+        if made_by:
+            raise ConfigError(
+                f"model_name_or_path: {name} does not exist (relative paths start at {os.getcwd()}); "
+                f"run `erniekit train {made_by}` first (it writes the model there)"
+            )
         raise ConfigError(
             f"model_name_or_path: {name!r} is neither a directory nor a preset; "
             f"use a checkpoint directory or one of: {', '.join(preset_names())}"
