@@ -431,7 +431,11 @@ def _cli_cases(tmp: Path, good: Path) -> list[tuple[str, list, str]]:
         ("chat-top-p", ["chat", good, "--top-p", "2"], "top_p"),
         ("chat-not-a-number", ["chat", good, "--max-new-tokens", "many"], "argument --max-new-tokens"),
         ("chat-unknown-flag", ["chat", good, "--beam", "4"], "unrecognized arguments: --beam 4"),
-        ("eval-no-report", ["eval", good], "one of the arguments --routing --elastic --lm-eval --credibility is required"),
+        (
+            "eval-no-report",
+            ["eval", good],
+            "one of the arguments --routing --elastic --lm-eval --credibility is required",
+        ),
         ("eval-depths", ["eval", good, "--elastic", "--depths", "a,b"], "argument --depths"),
         ("eval-batch", ["eval", good, "--routing", "--batch-size", "0"], "--batch-size 0"),
         ("plan-no-cluster", ["plan", "max_steps=1"], "plan needs cluster=FILE"),
