@@ -36,9 +36,9 @@ def _scalars(out):
 
 
 # the held-out loss of each student of the example config after these 60 steps, measured at seed 42
-# (an untrained student's is ~ln(1024) = 6.9): assistant3 1.99, student2 2.32; the floors leave room
+# (an untrained student's is ~ln(1024) = 6.9): assistant3 1.72, student2 1.77; the floors leave room
 # for other thread counts and CPUs
-FLOORS = {"assistant3": 2.6, "student2": 2.9}
+FLOORS = {"assistant3": 2.3, "student2": 2.4}
 
 
 def test_example_config_cut_short_trains_students_that_chat_loads(tmp_path):
@@ -58,9 +58,7 @@ def test_example_config_cut_short_trains_students_that_chat_loads(tmp_path):
     )
     lines = [line for line in r.stdout.splitlines() if line.startswith("held-out")]
     assert any("student assistant3 (3 layers" in line and "taught by teacher" in line for line in lines), lines
-    assert any(
-        "student student2 (2 layers" in line and "taught by assistant3, auxiliary layer" in line for line in lines
-    )
+    assert any("student student2 (2 layers" in line and "taught by assistant3)" in line for line in lines)
     results = json.loads((out / "train_results.json").read_text())["eval"]
     for name, floor in FLOORS.items():
         assert results[f"{name}/loss"] < floor, (name, results[f"{name}/loss"])
