@@ -110,7 +110,8 @@ def exact_match(prediction: str, reference: str) -> bool:
     return prediction.strip() == reference.strip()
 
 
-def _write_jsonl(path: str, rows: Iterable[dict]) -> None:
+def write_jsonl(path: str, rows: Iterable[dict]) -> None:
+    """One compact JSON object per line, written atomically (the bundled datasets' format)."""
     tmp = path + ".tmp"
     with open(tmp, "w", encoding="utf-8") as f:
         for row in rows:
@@ -184,13 +185,13 @@ def write_arithmetic_dataset(
     os.makedirs(out_dir, exist_ok=True)
     names = ("train", "eval", "pretrain", "dpo_train", "dpo_eval", "rl_prompts")
     paths = {name: os.path.join(out_dir, f"{name}.jsonl") for name in names}
-    _write_jsonl(paths["train"], train)
-    _write_jsonl(paths["eval"], evals)
-    _write_jsonl(paths["pretrain"], ({"text": pretrain_text(r, i)} for i, r in enumerate(pretrain)))
+    write_jsonl(paths["train"], train)
+    write_jsonl(paths["eval"], evals)
+    write_jsonl(paths["pretrain"], ({"text": pretrain_text(r, i)} for i, r in enumerate(pretrain)))
     dpo_rows = make_arithmetic(n_train // 5, seed + 2, split="train", sampling=sampling, **kw)
-    _write_jsonl(paths["dpo_train"], make_arithmetic_preferences(dpo_rows, seed))
-    _write_jsonl(paths["dpo_eval"], make_arithmetic_preferences(evals, seed + 1))
-    _write_jsonl(paths["rl_prompts"], rl_prompt_rows(train, n_train // 5, seed + 3, **kw))
+    write_jsonl(paths["dpo_train"], make_arithmetic_preferences(dpo_rows, seed))
+    write_jsonl(paths["dpo_eval"], make_arithmetic_preferences(evals, seed + 1))
+    write_jsonl(paths["rl_prompts"], rl_prompt_rows(train, n_train // 5, seed + 3, **kw))
     return paths
 
 

@@ -10,11 +10,10 @@ trained on.
 
 from __future__ import annotations
 
-import json
 import os
 import random
 
-from erniekit.data.synthetic import DEFAULT_HELDOUT_FRACTION, OPS, is_heldout
+from erniekit.data.synthetic import DEFAULT_HELDOUT_FRACTION, OPS, is_heldout, write_jsonl
 from erniekit.errors import DataError
 
 STYLES = ("digits", "words")
@@ -79,11 +78,7 @@ def write_control_dataset(out_dir: str, n_train: int, n_eval: int, seed: int) ->
     paths = {}
     for split, n in (("train", n_train), ("eval", n_eval)):
         paths[split] = os.path.join(out_dir, f"{split}.jsonl")
-        tmp = paths[split] + ".tmp"
-        with open(tmp, "w", encoding="utf-8") as f:
-            for row in make_control_records(n, seed, split):
-                f.write(json.dumps(row, ensure_ascii=False, separators=(",", ":")) + "\n")
-        os.replace(tmp, paths[split])
+        write_jsonl(paths[split], make_control_records(n, seed, split))
     return paths
 
 

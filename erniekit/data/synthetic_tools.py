@@ -8,11 +8,10 @@ fixed partition of the problem space (erniekit/data/synthetic.py is_heldout), so
 
 from __future__ import annotations
 
-import json
 import os
 import random
 
-from erniekit.data.synthetic import is_heldout
+from erniekit.data.synthetic import is_heldout, write_jsonl
 from erniekit.errors import DataError
 
 CALCULATOR = {
@@ -122,9 +121,5 @@ def write_tool_dataset(out_dir: str, n_train: int, n_eval: int, seed: int) -> di
     paths = {}
     for split, n in (("train", n_train), ("eval", n_eval)):
         paths[split] = os.path.join(out_dir, f"{split}.jsonl")
-        tmp = paths[split] + ".tmp"
-        with open(tmp, "w", encoding="utf-8") as f:
-            for row in make_tool_conversations(n, seed, split):
-                f.write(json.dumps(row, ensure_ascii=False, separators=(",", ":")) + "\n")
-        os.replace(tmp, paths[split])
+        write_jsonl(paths[split], make_tool_conversations(n, seed, split))
     return paths
