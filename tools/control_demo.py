@@ -23,24 +23,19 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tools"))
+from embedded_default_matrix import cpu_model  # noqa: E402
+
 CONFIG = "examples/configs/tiny/sft_control.yaml"
 METRICS = ("follow:style=digits", "follow:style=words", "credibility_auc", "exact_match", "loss")
 
 
-def cpu_model() -> str:
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def run_one(seed: int, threads: int, overrides: list[str]) -> dict:
-    with tempfile.TemporaryDirectory(prefix="control-demo-") as out:
+def train_run(config: str, seed: int, threads: int, overrides: list[str], metrics: tuple[str, ...], after=None) -> dict:
+    """One `erniekit train` of `config` in a fresh process: its held-out `metrics` and lines, plus
+    what `after(output_dir)` reads from the finished run (before the directory goes)."""
+    with tempfile.TemporaryDirectory(prefix="demo-") as out:
         env = dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONPATH=str(ROOT))
-        cmd = [sys.executable, "-m", "erniekit", "train", CONFIG, f"seed={seed}", f"output_dir={out}"]
+        cmd = [sys.executable, "-m", "erniekit", "train", config, f"seed={seed}", f"output_dir={out}"]
         cmd += ["disable_tqdm=true", *overrides]
         t0 = time.perf_counter()
         proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
@@ -52,9 +47,15 @@ def run_one(seed: int, threads: int, overrides: list[str]) -> dict:
         res = json.load(open(os.path.join(out, "train_results.json")))
         run["global_step"] = res["global_step"]
         run["train_runtime_s"] = round(res["train_runtime_s"], 1)
-        run.update({k: res["eval"][k] for k in METRICS if k in res["eval"]})
+        run.update({k: res["eval"][k] for k in metrics if k in res["eval"]})
         run["lines"] = [line for line in proc.stdout.splitlines() if line.startswith("held-out ")]
+        if after is not None:
+            run.update(after(out))
         return run
+
+
+def run_one(seed: int, threads: int, overrides: list[str]) -> dict:
+    return train_run(CONFIG, seed, threads, overrides, METRICS)
 
 
 def summary(runs: list[dict]) -> dict:

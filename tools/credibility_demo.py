@@ -17,16 +17,13 @@ import argparse
 import json
 import os
 import re
-import subprocess
 import sys
-import tempfile
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tools"))
-from control_demo import cpu_model  # noqa: E402
+from control_demo import cpu_model, train_run  # noqa: E402
 
 CONFIG = "examples/configs/tiny/sft_credibility.yaml"
 INTEGER = re.compile(r"-?\d+")
@@ -65,29 +62,16 @@ def split_auc(model_dir: str, cfg: dict, seed: int) -> dict:
     }
 
 
-def run_one(seed: int, threads: int, overrides: list[str]) -> dict:
+def _split(out: str) -> dict:
     import yaml
 
-    with tempfile.TemporaryDirectory(prefix="credibility-demo-") as out:
-        env = dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONPATH=str(ROOT))
-        cmd = [sys.executable, "-m", "erniekit", "train", CONFIG, f"seed={seed}", f"output_dir={out}"]
-        cmd += ["disable_tqdm=true", *overrides]
-        t0 = time.perf_counter()
-        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
-        run = {"seed": seed, "threads": threads, "wall_s": round(time.perf_counter() - t0, 1)}
-        run["returncode"] = proc.returncode
-        if proc.returncode != 0:
-            run["error"] = proc.stderr[-2000:]
-            return run
-        res = json.load(open(os.path.join(out, "train_results.json")))
-        run["global_step"] = res["global_step"]
-        run["train_runtime_s"] = round(res["train_runtime_s"], 1)
-        ev = res["eval"]
-        run.update({k: ev[k] for k in ("credibility_auc", "credibility_identical", "exact_match") if k in ev})
-        run["lines"] = [line for line in proc.stdout.splitlines() if line.startswith("held-out ")]
-        cfg = yaml.safe_load(open(os.path.join(out, "run_config.yaml")))
-        run.update(split_auc(out, cfg, cfg["seed"]))
-        return run
+    cfg = yaml.safe_load(open(os.path.join(out, "run_config.yaml")))
+    return split_auc(out, cfg, cfg["seed"])
+
+
+def run_one(seed: int, threads: int, overrides: list[str]) -> dict:
+    metrics = ("credibility_auc", "credibility_identical", "exact_match")
+    return train_run(CONFIG, seed, threads, overrides, metrics, _split)
 
 
 def main() -> int:
