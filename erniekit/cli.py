@@ -360,7 +360,7 @@ def plan(args: list[str]) -> int:
     p = _Parser(
         prog="erniekit plan",
         description=plan.__doc__,
-        usage="erniekit plan CONFIG.yaml cluster=CLUSTER.yaml [key=value ...] [--top N]",
+        usage="erniekit plan CONFIG.yaml cluster=CLUSTER.yaml | sites=SITES.yaml [key=value ...] [--top N]",
     )
     p.add_argument("items", nargs="*", help="CONFIG.yaml, then key=value overrides (cluster=FILE is required)")
     p.add_argument("--top", type=int, default=15, help="rows to print")
@@ -379,7 +379,14 @@ def plan(args: list[str]) -> int:
     p.add_argument(
         "--target",
         type=float,
-        help="--mode ps: throughput target, tokens/s (default: half the fastest single-type placement)",
+        help="--mode ps: throughput target, tokens/s (default: half the fastest single-type placement); "
+        "with sites: a tokens/s target for the recommendation (default: cross_cluster_max_sync_fraction)",
+    )
+    p.add_argument(
+        "--sites", metavar="FILE", help="sites joined by a slow link (or sites=FILE): the cross-cluster sync plan"
+    )
+    p.add_argument(
+        "--measured-step-s", type=float, help="with sites: a measured step time of one site in place of the predicted"
     )
     ns = p.parse_intermixed_args(args)
     from erniekit.distributed import plan_report
@@ -388,6 +395,8 @@ def plan(args: list[str]) -> int:
         return plan_report.ps_plan(ns.items, ns.top, ns.target, ns.json)
     items = ns.items
     path, overrides = (None, items) if not items or "=" in items[0] else (items[0], items[1:])
+    if ns.sites or any(o.startswith("sites=") for o in overrides):
+        return plan_report.cross_cluster_plan(path, overrides, ns.sites, ns.target, ns.measured_step_s, ns.json)
     return plan_report.collective_plan(path, overrides, ns.top, ns.all, ns.json)
 
 

@@ -102,3 +102,72 @@ def ps_plan(items: list[str], top: int, target: float | None, json_path: str | N
                 indent=1,
             )
     return 0
+
+
+def cross_cluster_plan(
+    path: str | None,
+    overrides: list[str],
+    sites_path: str | None,
+    target: float | None,
+    measured_step_s: float | None,
+    json_path: str | None,
+) -> int:
+    """`erniekit plan CONFIG sites=SITES.yaml`: the config's cross_cluster_* sync predicted on the sites,
+    and the interval and compression recommended for its max sync fraction (or --target tokens/s);
+    exit status 1 when nothing meets the target (docs/cross_cluster.md)."""
+    from erniekit.config import load_config
+    from erniekit.distributed.cross_cluster import plan as cc
+
+    given = [o.split("=", 1)[1] for o in overrides if o.startswith("sites=")]
+    sites = cc.load_sites(sites_path or given[-1])
+    cfg = load_config(path, [o for o in overrides if not o.startswith("sites=")])
+    sizes = list(cfg.cross_cluster_sizes)
+    if sizes and sizes != [sites.world] * len(sites.sites):
+        raise ErniekitError(
+            f"cross_cluster_sizes={sizes} but {sites_path or given[-1]} has {len(sites.sites)} sites of "
+            f"{sites.world} devices; make them agree"
+        )
+    job = cc.job_from_config(cfg, sites.sites[0].cluster)
+    sync = cc.config_sync(cfg)
+    print(
+        f"model {cfg.model_name_or_path}: {job.rank_trainable / 1e6:.2f}M trainable parameters per rank "
+        f"({cfg.fine_tuning}); each site {job.plan.describe()}, global batch {job.work.global_batch} x "
+        f"{job.work.seq_len} tokens; {sites.name}: {', '.join(s.name for s in sites.sites)} over "
+        f"{sites.link.bandwidth_mbit:g} Mbit/s, {sites.link.latency_ms:g} ms"
+        f"{' per rank pair' if sites.link.per_rank_pair else ' shared by each site'}"
+    )
+    pred = None
+    if sync["compress"] == "adaptive":
+        print("config: cross_cluster_compress adaptive picks interval and compression at run time (as below)")
+    else:
+        pred = cc.predict_cross_cluster(job, sites, measured_step_s=measured_step_s, **sync)
+        print(
+            f"config: {pred.describe()}: step {pred.step_s:.4f} s ({pred.intra_s:.4f} s local, "
+            f"{pred.sync_fraction:.1%} syncing), {pred.tokens_per_s:.0f} tokens/s, "
+            f"{pred.bytes_per_step / 1e3:.1f} KB per rank per step"
+        )
+    rec = cc.recommend(
+        job,
+        sites,
+        None if target else sync["max_sync_fraction"],
+        target,
+        sync["topk_ratio"],
+        sync["overlap_steps"],
+        measured_step_s,
+    )
+    if rec.choice:
+        print(f"recommended for {rec.target}: {rec.choice.describe()} (*)")
+    else:
+        print(f"recommended: none; {rec.why}")
+    print(cc.format_table(rec))
+    if json_path:
+        out = {
+            "sites": dataclasses.asdict(sites),
+            "config": dataclasses.asdict(pred) if pred else None,
+            "target": rec.target,
+            "recommended": dataclasses.asdict(rec.choice) if rec.choice else None,
+            "table": [dataclasses.asdict(r) for r in rec.table],
+        }
+        with open(json_path, "w", encoding="utf-8") as f:
+            json.dump(out, f, indent=1)
+    return 0 if rec.choice else 1
