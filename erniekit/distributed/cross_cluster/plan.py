@@ -137,7 +137,17 @@ def load_sites(path: str) -> Sites:
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: a sites file is a mapping with link: and sites: (examples/clusters/two_sites.yaml)")
     _unknown(raw, ("name", "link", "sites"), path)
-    link = raw.get("link")
+    wan = _link(raw.get("link"), path)
+    entries = raw.get("sites")
+    if not isinstance(entries, list) or len(entries) < 2:
+        raise ConfigError(f"{path}: sites: must be a list of at least 2 sites (got {entries!r})")
+    sites: list[Site] = []
+    for i, entry in enumerate(entries):
+        sites.append(_site(entry, f"{path}: sites[{i}]", os.path.dirname(path), sites))
+    return Sites(str(raw.get("name", os.path.splitext(os.path.basename(path))[0])), tuple(sites), wan)
+
+
+def _link(link, path: str) -> Link:
     if not isinstance(link, dict):
         raise ConfigError(f"{path}: link: must be a mapping {{bandwidth_mbit, latency_ms}} (got {link!r})")
     _unknown(link, ("bandwidth_mbit", "latency_ms", "per_rank_pair"), f"{path}: link")
@@ -147,38 +157,38 @@ def load_sites(path: str) -> Sites:
     pair = link.get("per_rank_pair", False)
     if not isinstance(pair, bool):
         raise ConfigError(f"{path}: link.per_rank_pair={pair!r} must be true or false")
-    wan = Link(
+    return Link(
         _number(link["bandwidth_mbit"], f"{path}: link.bandwidth_mbit", 0, strict=True),
         _number(link["latency_ms"], f"{path}: link.latency_ms", 0, strict=False),
         pair,
     )
-    entries = raw.get("sites")
-    if not isinstance(entries, list) or len(entries) < 2:
-        raise ConfigError(f"{path}: sites: must be a list of at least 2 sites (got {entries!r})")
-    sites, base = [], os.path.dirname(path)
-    for i, entry in enumerate(entries):
-        where = f"{path}: sites[{i}]"
-        if not isinstance(entry, dict):
-            raise ConfigError(f"{where} must be a mapping with name: and cluster:")
-        _unknown(entry, ("name", "cluster"), where)
-        name, cluster = entry.get("name"), entry.get("cluster")
-        if not isinstance(name, str) or not name:
-            raise ConfigError(f"{where}.name is missing or not a string")
-        if name in (s.name for s in sites):
-            raise ConfigError(f"{where}.name={name!r} is used twice; give each site its own name")
-        if isinstance(cluster, str):
+
+
+def _site(entry, where: str, base: str, before: list[Site]) -> Site:
+    """One entry of sites: (its cluster path relative to the sites file's folder `base`)."""
+    if not isinstance(entry, dict):
+        raise ConfigError(f"{where} must be a mapping with name: and cluster:")
+    _unknown(entry, ("name", "cluster"), where)
+    name, cluster = entry.get("name"), entry.get("cluster")
+    if not isinstance(name, str) or not name:
+        raise ConfigError(f"{where}.name is missing or not a string")
+    if name in (s.name for s in before):
+        raise ConfigError(f"{where}.name={name!r} is used twice; give each site its own name")
+    if isinstance(cluster, str):
+        try:
             c = planner.load_cluster(os.path.join(base, cluster))
-        elif isinstance(cluster, dict):
-            c = cluster_from_mapping(cluster, f"{where}.cluster")
-        else:
-            raise ConfigError(f"{where}.cluster must be a cluster file path or an inline cluster mapping")
-        if sites and c.world != sites[0].cluster.world:
-            raise ConfigError(
-                f"{where}.cluster has {c.world} devices, site {sites[0].name!r} {sites[0].cluster.world}; every "
-                "site runs the same layout, so give each the same nodes x devices_per_node"
-            )
-        sites.append(Site(name, c))
-    return Sites(str(raw.get("name", os.path.splitext(os.path.basename(path))[0])), tuple(sites), wan)
+        except ConfigError as e:
+            raise ConfigError(f"{where}.cluster: {e}") from None
+    elif isinstance(cluster, dict):
+        c = cluster_from_mapping(cluster, f"{where}.cluster")
+    else:
+        raise ConfigError(f"{where}.cluster must be a cluster file path or an inline cluster mapping")
+    if before and c.world != before[0].cluster.world:
+        raise ConfigError(
+            f"{where}.cluster has {c.world} devices, site {before[0].name!r} {before[0].cluster.world}; every "
+            "site runs the same layout, so give each the same nodes x devices_per_node"
+        )
+    return Site(name, c)
 
 
 # ---- what each site trains -----------------------------------------------------------------
@@ -313,6 +323,21 @@ def _job(job, sites: Sites) -> Job:
     return job if isinstance(job, Job) else job_from_config(job, sites.sites[0].cluster)
 
 
+def _check_sync(mode: str, sync_every: int, compress: str, overlap_steps: int, measured_step_s: float | None) -> None:
+    if mode not in MODES:
+        raise ConfigError(f"cross_cluster_sync={mode!r}: use one of {', '.join(MODES)}")
+    if compress not in KINDS:
+        raise ConfigError(f"cross_cluster_compress={compress!r}: use one of {', '.join(KINDS + ('adaptive',))}")
+    if mode == "local" and (not isinstance(sync_every, int) or sync_every < 1):
+        raise ConfigError(f"cross_cluster_sync_every={sync_every!r} must be an integer >= 1")
+    if mode == "local" and not 0 <= overlap_steps <= sync_every:
+        raise ConfigError(
+            f"cross_cluster_overlap_steps={overlap_steps} must be in [0, cross_cluster_sync_every={sync_every}]"
+        )
+    if measured_step_s is not None and measured_step_s <= 0:
+        raise ConfigError(f"measured step time {measured_step_s!r} s must be > 0")
+
+
 def predict_cross_cluster(
     job,
     sites: Sites,
@@ -328,8 +353,6 @@ def predict_cross_cluster(
     measured_step_s replaces the predicted intra-cluster step (calibration with a measured run);
     compress="adaptive" predicts what recommend() picks for max_sync_fraction."""
     job = _job(job, sites)
-    if mode not in MODES:
-        raise ConfigError(f"cross_cluster_sync={mode!r}: use one of {', '.join(MODES)}")
     if compress == "adaptive":
         if mode != "local":
             raise ConfigError("cross_cluster_compress=adaptive works with cross_cluster_sync=local only")
@@ -337,16 +360,7 @@ def predict_cross_cluster(
         if rec.choice is None:
             raise ConfigError(rec.why)
         return rec.choice
-    if compress not in KINDS:
-        raise ConfigError(f"cross_cluster_compress={compress!r}: use one of {', '.join(KINDS + ('adaptive',))}")
-    if mode == "local" and (not isinstance(sync_every, int) or sync_every < 1):
-        raise ConfigError(f"cross_cluster_sync_every={sync_every!r} must be an integer >= 1")
-    if mode == "local" and not 0 <= overlap_steps <= sync_every:
-        raise ConfigError(
-            f"cross_cluster_overlap_steps={overlap_steps} must be in [0, cross_cluster_sync_every={sync_every}]"
-        )
-    if measured_step_s is not None and measured_step_s <= 0:
-        raise ConfigError(f"measured step time {measured_step_s!r} s must be > 0")
+    _check_sync(mode, sync_every, compress, overlap_steps, measured_step_s)
     preds = {s.name: planner.predict(job.model, s.cluster, job.work, job.plan) for s in sites.sites}
     slowest = max(sites.sites, key=lambda s: preds[s.name].step_s)
     intra = measured_step_s if measured_step_s is not None else preds[slowest.name].step_s
@@ -452,10 +466,10 @@ def format_table(rec: Recommendation) -> str:
 def config_sync(cfg) -> dict:
     """The cross_cluster_* keys of a training config, as predict_cross_cluster's arguments."""
     return {
-        "mode": getattr(cfg, "cross_cluster_sync", "local"),
-        "sync_every": getattr(cfg, "cross_cluster_sync_every", 16),
-        "compress": getattr(cfg, "cross_cluster_compress", "int8"),
-        "topk_ratio": getattr(cfg, "cross_cluster_topk_ratio", 0.1),
-        "overlap_steps": getattr(cfg, "cross_cluster_overlap_steps", 0),
-        "max_sync_fraction": getattr(cfg, "cross_cluster_max_sync_fraction", 0.1),
+        "mode": cfg.cross_cluster_sync,
+        "sync_every": cfg.cross_cluster_sync_every,
+        "compress": cfg.cross_cluster_compress,
+        "topk_ratio": cfg.cross_cluster_topk_ratio,
+        "overlap_steps": cfg.cross_cluster_overlap_steps,
+        "max_sync_fraction": cfg.cross_cluster_max_sync_fraction,
     }
