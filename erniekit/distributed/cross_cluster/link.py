@@ -1,0 +1,591 @@
+"""Authenticated, message-oriented TCP links between the same rank of different clusters.
+
+Rank r of cluster c listens on host_c:(base_port_c + r); for each pair the lower cluster id listens
+and the higher one connects. The handshake exchanges (cluster id, rank, fresh nonce, a JSON hello)
+MAC'd with the shared key, and both sides derive a session key from the two nonces, so a recorded
+session cannot be replayed into a new one. Every message is then
+
+    header = seq (u64) | payload length (u64) | tag (32 bytes, NUL-padded UTF-8)
+    frame  = header | HMAC(session, "H", sender, header) | payload | HMAC(session, "P", sender, header, payload)
+
+with seq counting up from 0 in each direction: a flipped byte anywhere fails a MAC (the fixed-size
+header has its own, so a forged length cannot make the reader wait for bytes that never come), and a
+replayed or reordered frame fails the sequence check. The hello is built the same way. No encryption: docs/cross_cluster.md says which tunnel to use.
+
+Each link has a sender thread (send() only queues: both sides can send large messages and then
+recv without deadlock) and a reader thread (receipt does not wait for the application, so a slow
+reader never stalls the other cluster's sender). `LinkShape` emulates a slow link in the sender."""
+
+from __future__ import annotations
+
+import json
+import math
+import queue
+import secrets
+import socket
+import struct
+import threading
+import time
+from dataclasses import dataclass, fields
+
+from erniekit.distributed.cross_cluster import auth
+from erniekit.errors import ConfigError, ErniekitError
+
+RESTART = "the other cluster stopped or the link dropped; restart both clusters with resume_from_checkpoint=auto"
+_HEAD = struct.Struct(">QQ32s")  # seq, payload length, tag
+_HELLO = struct.Struct(">8sII32sI")  # magic, cluster id, rank, nonce, JSON length
+_MAGIC = b"EKCCLNK1"  # protocol name and version
+_MAX_HELLO_JSON = 1 << 16
+_CONFIRM = "handshake"  # tag of message 0 in each direction: proves both sides hold the session key
+_SENDER_QUEUE = 64  # messages a link holds for its sender thread before send() waits
+
+
+class LinkError(ErniekitError):
+    """The cross-cluster link failed: peer gone, timeout, wrong message; the job has to stop."""
+
+
+class AuthError(LinkError):
+    """A handshake or message failed its HMAC or sequence check: a different key or tampered traffic."""
+
+
+@dataclass(frozen=True)
+class LinkShape:
+    """A slow link emulated by the sender: a message of n wire bytes handed to send() at time t is
+    readable by the peer no earlier than t + latency + 8n / bandwidth, and messages queue behind each
+    other (one at a time per direction). bandwidth None or 0 and latency 0: not emulated."""
+
+    bandwidth_mbit: float | None = None
+    latency_ms: float = 0.0
+
+    def __post_init__(self) -> None:
+        for name in ("bandwidth_mbit", "latency_ms"):
+            v = getattr(self, name)
+            if v is not None and not (math.isfinite(v) and v >= 0):
+                raise ConfigError(f"link shape {name}={v}: use a finite number >= 0 (0 = not emulated)")
+
+    @property
+    def emulated(self) -> bool:
+        return bool(self.bandwidth_mbit) or self.latency_ms > 0
+
+    def transmit_seconds(self, nbytes: int) -> float:
+        """Time the emulated link is busy carrying `nbytes` (0 when bandwidth is not emulated)."""
+        return 8.0 * nbytes / (self.bandwidth_mbit * 1e6) if self.bandwidth_mbit else 0.0
+
+    def seconds(self, nbytes: int) -> float:
+        """Time from send() to the peer's recv() for one message of `nbytes` wire bytes on an idle link."""
+        return self.latency_ms / 1000.0 + self.transmit_seconds(nbytes)
+
+
+@dataclass
+class LinkStats:
+    """Counters of one link (or summed over links). Bytes are wire bytes: handshake, headers and MACs
+    included. send_seconds: time this side's messages spent queued or on the wire (the union of each
+    message's send()-to-last-byte interval); recv_wait_seconds: time callers waited in recv()."""
+
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    messages_sent: int = 0
+    messages_received: int = 0
+    send_seconds: float = 0.0
+    recv_wait_seconds: float = 0.0
+
+    def __add__(self, other: LinkStats) -> LinkStats:
+        return LinkStats(**{f.name: getattr(self, f.name) + getattr(other, f.name) for f in fields(self)})
+
+
+def frame_bytes(tag: str, nbytes: int) -> int:
+    """Wire bytes of one message with `nbytes` of payload (what the link counts and the planner uses)."""
+    return _HEAD.size + 2 * auth.MAC_BYTES + nbytes
+
+
+def parse_address(address: str, where: str = "cross_cluster_peers") -> tuple[str, int]:
+    """'host:port' (or '[v6]:port') -> (host, port)."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ConfigError(f"{where}: {address!r} is not host:port (e.g. 10.0.0.2:29600)")
+    return host.strip("[]"), int(port)
+
+
+def _peer_name(cluster_id: int, rank: int, where: str) -> str:
+    return f"cluster {cluster_id} rank {rank} ({where})"
+
+
+def _who(cid: int) -> bytes:
+    return struct.pack(">I", cid)
+
+
+class _Conn:
+    """A socket with exact reads and a byte count; raises LinkError naming the peer when the peer
+    closes or resets the connection."""
+
+    def __init__(self, sock: socket.socket, name: str) -> None:
+        self.sock, self.name = sock, name
+        self.sent = self.received = 0
+
+    def send(self, *parts: bytes | memoryview) -> None:
+        for p in parts:
+            self.sock.sendall(p)
+            self.sent += len(p)
+
+    def read(self, n: int) -> bytearray:
+        buf = bytearray(n)
+        view, got = memoryview(buf), 0
+        while got < n:
+            k = self.sock.recv_into(view[got:])
+            if k == 0:
+                raise LinkError(f"link to {self.name} closed: {RESTART}")
+            got += k
+            self.received += k
+        return buf
+
+
+def _write_frame(conn: _Conn, skey: bytes, sender: int, seq: int, tag: bytes, payload: bytes | memoryview) -> None:
+    head = _HEAD.pack(seq, len(payload), tag)
+    who = _who(sender)
+    conn.send(head + auth.mac(skey, b"H", who, head), payload, auth.mac(skey, b"P", who, head, payload))
+
+
+def _read_frame(conn: _Conn, skey: bytes, sender: int, expect_seq: int) -> tuple[str, bytes]:
+    head = bytes(conn.read(_HEAD.size))
+    seq, n, tag = _HEAD.unpack(head)
+    who = _who(sender)
+    failed = f"message {expect_seq} from {conn.name} failed its HMAC check: a different key or tampered traffic; the job stops"
+    if not auth.verify(skey, conn.read(auth.MAC_BYTES), b"H", who, head):
+        raise AuthError(failed)
+    if seq != expect_seq:
+        raise AuthError(
+            f"message {seq} from {conn.name} arrived when {expect_seq} was due: a replayed or reordered "
+            "message (tampered traffic); the job stops"
+        )
+    payload = conn.read(n)
+    if not auth.verify(skey, conn.read(auth.MAC_BYTES), b"P", who, head, payload):
+        raise AuthError(failed)
+    try:
+        return tag.rstrip(b"\0").decode("utf-8"), bytes(payload)
+    except UnicodeDecodeError:
+        raise LinkError(
+            f"message {seq} from {conn.name} has a tag that is not UTF-8: a different erniekit version"
+        ) from None
+
+
+def _handshake(
+    conn: _Conn, key: bytes, me: int, rank: int, hello: dict, accept: set[int] | None, peer: int | None
+) -> tuple[int, bytes, dict]:
+    """Exchange authenticated hellos and confirm the session key; returns (peer cluster id, session key,
+    peer hello). `peer` is the expected cluster id when connecting, `accept` the allowed ids when listening."""
+    nonce = secrets.token_bytes(32)
+    body = json.dumps(hello, sort_keys=True).encode("utf-8")
+    head = _HELLO.pack(_MAGIC, me, rank, nonce, len(body))
+    conn.send(head, auth.mac(key, b"hello-head", head), body, auth.mac(key, b"hello", head, body))
+
+    failed = AuthError(
+        f"handshake from {conn.name} failed its HMAC check: the clusters use different keys "
+        "(cross_cluster_key_file / $ERNIEKIT_CROSS_CLUSTER_KEY) or the traffic was tampered with; the job stops"
+    )
+    their_head = bytes(conn.read(_HELLO.size))
+    if not auth.verify(key, conn.read(auth.MAC_BYTES), b"hello-head", their_head):
+        raise failed
+    magic, cid, their_rank, their_nonce, nbody = _HELLO.unpack(their_head)
+    if magic != _MAGIC or nbody > _MAX_HELLO_JSON:
+        raise LinkError(f"{conn.name} speaks another protocol version ({magic!r}): use the same erniekit everywhere")
+    their_body = bytes(conn.read(nbody))
+    if not auth.verify(key, conn.read(auth.MAC_BYTES), b"hello", their_head, their_body):
+        raise failed
+    expected = {peer} if peer is not None else accept
+    if their_rank != rank or cid not in expected:
+        raise LinkError(
+            f"{_peer_name(cid, their_rank, conn.name)} reached cluster {me} rank {rank}, which expected "
+            f"cluster {sorted(expected)} rank {rank}: every cluster needs the same cross_cluster_peers and layout"
+        )
+    conn.name = _peer_name(cid, their_rank, conn.name)
+    low, high = (nonce, their_nonce) if me < cid else (their_nonce, nonce)
+    skey = auth.session_key(key, struct.pack(">III", min(me, cid), max(me, cid), rank), low, high)
+    _write_frame(conn, skey, me, 0, _CONFIRM.encode(), b"")
+    tag, _ = _read_frame(conn, skey, cid, 0)  # fails when the hello was replayed from another session
+    if tag != _CONFIRM:
+        raise LinkError(f"{conn.name} did not confirm the handshake (sent {tag!r}): a different erniekit version")
+    return cid, skey, json.loads(their_body)
+
+
+class PeerLink:
+    """Duplex, authenticated message channel to the same rank in one other cluster.
+
+    Built by `connect` / `accept` (normally through CrossClusterLinks.open). send() queues a copy of
+    the payload for the sender thread; recv() returns messages in order. After any failure every later
+    send()/recv() raises the same one-line error."""
+
+    def __init__(
+        self,
+        sock: socket.socket,
+        conn: _Conn,
+        me: int,
+        peer: int,
+        skey: bytes,
+        hello: dict,
+        shape: LinkShape,
+        timeout_s: float,
+    ) -> None:
+        self.cluster_id, self.peer_cluster_id, self.hello = me, peer, hello
+        self.shape, self.timeout_s = shape, timeout_s
+        self.name = conn.name
+        self._sock, self._conn, self._skey = sock, conn, skey
+        self._stats = LinkStats(
+            bytes_sent=conn.sent, bytes_received=conn.received, messages_sent=1, messages_received=1
+        )
+        self._lock = threading.Lock()
+        self._error: LinkError | None = None
+        self._closing = False
+        self._send_seq = 1
+        self._link_free_at = self._last_end = 0.0  # emulated link busy until; end of the last message's send
+        self._outbox: queue.Queue = queue.Queue(_SENDER_QUEUE)
+        self._inbox: queue.Queue = queue.Queue()
+        self._sender = threading.Thread(target=self._send_loop, name=f"cc-send-{peer}", daemon=True)
+        self._reader = threading.Thread(target=self._read_loop, name=f"cc-recv-{peer}", daemon=True)
+        self._sender.start()
+        self._reader.start()
+
+    # ----------------------------------------------------------------- opening
+    @classmethod
+    def connect(
+        cls,
+        host: str,
+        port: int,
+        *,
+        cluster_id: int,
+        rank: int,
+        peer_cluster_id: int,
+        key: bytes,
+        hello: dict,
+        shape: LinkShape = LinkShape(),
+        connect_timeout_s: float = 300.0,
+        timeout_s: float = 600.0,
+        deadline: float | None = None,
+    ) -> PeerLink:
+        """Connect to the listening peer (a lower cluster id), retrying until connect_timeout_s after
+        now, or until `deadline` (time.monotonic()) when given."""
+        where = f"{host}:{port}"
+        deadline = time.monotonic() + connect_timeout_s if deadline is None else deadline
+        pause, last = 0.02, None
+        while True:
+            try:
+                sock = socket.create_connection((host, port), timeout=max(0.05, deadline - time.monotonic()))
+                break
+            except OSError as e:
+                last = e.strerror or type(e).__name__
+            if time.monotonic() + pause > deadline:
+                raise LinkError(
+                    f"could not connect to {_peer_name(peer_cluster_id, rank, where)} in {connect_timeout_s:g} s "
+                    f"({last}): start that cluster and check cross_cluster_peers"
+                )
+            time.sleep(pause)
+            pause = min(0.5, pause * 2)
+        return cls._handshaken(
+            sock, where, deadline, key, cluster_id, rank, hello, None, peer_cluster_id, shape, timeout_s
+        )
+
+    @classmethod
+    def accept(
+        cls,
+        listener: socket.socket,
+        *,
+        cluster_id: int,
+        rank: int,
+        peers: set[int],
+        key: bytes,
+        hello: dict,
+        deadline: float,
+        shape: LinkShape = LinkShape(),
+        timeout_s: float = 600.0,
+    ) -> PeerLink:
+        """Accept one connection on `listener` from any cluster in `peers` (higher ids) before `deadline`
+        (time.monotonic()); the peer's cluster id is the authenticated one of its hello."""
+        listener.settimeout(max(0.0, deadline - time.monotonic()))
+        sock, addr = listener.accept()  # socket.timeout is turned into a LinkError by the caller
+        where = f"{addr[0]}:{addr[1]}"
+        return cls._handshaken(sock, where, deadline, key, cluster_id, rank, hello, peers, None, shape, timeout_s)
+
+    @classmethod
+    def _handshaken(cls, sock, where, deadline, key, me, rank, hello, accept, peer, shape, timeout_s) -> PeerLink:
+        name = _peer_name(peer, rank, where) if peer is not None else f"a cluster at {where}"
+        conn = _Conn(sock, name)
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            sock.settimeout(max(0.05, deadline - time.monotonic()))
+            cid, skey, their_hello = _handshake(conn, key, me, rank, hello, accept, peer)
+            sock.settimeout(None)  # from here the threads block; timeouts are the callers' (recv, close)
+        except (TimeoutError, socket.timeout):
+            sock.close()
+            raise LinkError(
+                f"handshake with {conn.name} did not finish in time: the peer is not an erniekit cluster, "
+                "is stuck, or the link is down; check cross_cluster_peers"
+            ) from None
+        except OSError as e:
+            sock.close()
+            raise LinkError(f"link to {conn.name} failed during the handshake ({e.strerror or e}): {RESTART}") from None
+        except BaseException:
+            sock.close()
+            raise
+        return cls(sock, conn, me, cid, skey, their_hello, shape, timeout_s)
+
+    # --------------------------------------------------------------- messages
+    def send(self, tag: str, payload: bytes | bytearray | memoryview) -> None:
+        """Queue one message (the payload is copied: the caller may reuse its buffer); returns at once
+        unless _SENDER_QUEUE messages are already waiting, then waits up to timeout_s for room."""
+        self._raise_if_failed()
+        tag_b = tag.encode("utf-8")
+        if not 0 < len(tag_b) <= 32 or b"\0" in tag_b:
+            raise LinkError(f"message tag {tag!r}: use 1 to 32 UTF-8 bytes without NUL")
+        item = (tag_b, bytes(payload), time.monotonic())
+        try:
+            self._outbox.put(item, timeout=self.timeout_s)
+        except queue.Full:
+            raise LinkError(
+                f"{_SENDER_QUEUE} messages to {self.name} still unsent after {self.timeout_s:g} s; "
+                "raise cross_cluster_timeout_s or check the link"
+            ) from None
+
+    def recv(self, timeout_s: float | None = None, expect: str | None = None) -> tuple[str, bytes]:
+        """The next message (tag, payload), waiting at most timeout_s (default: the link's timeout_s).
+        With `expect`, a message with another tag is an error (the clusters disagree on the protocol)."""
+        wait = self.timeout_s if timeout_s is None else timeout_s
+        t0 = time.monotonic()
+        try:
+            item = self._inbox.get(timeout=wait)
+        except queue.Empty:
+            raise LinkError(
+                f"no message from {self.name} in {wait:g} s; raise cross_cluster_timeout_s or check the link"
+            ) from None
+        finally:
+            self._stats.recv_wait_seconds += time.monotonic() - t0
+        if item is None:  # a failure, recorded in self._error before the marker was queued
+            self._inbox.put(None)
+            self._raise_if_failed()
+        tag, payload = item
+        if expect is not None and tag != expect:
+            self._fail(
+                LinkError(
+                    f"expected a {expect!r} message from {self.name}, got {tag!r}: the clusters run different "
+                    "erniekit versions or configs; use the same on every cluster"
+                )
+            )
+            self._raise_if_failed()
+        return tag, payload
+
+    def stats(self) -> LinkStats:
+        """A snapshot of this link's counters."""
+        s = self._stats
+        return LinkStats(**{f.name: getattr(s, f.name) for f in fields(s)})
+
+    def close(self, flush_s: float | None = None) -> None:
+        """Send what is queued (waiting up to flush_s, default timeout_s), then close the connection."""
+        if self._closing:
+            return
+        wait = self.timeout_s if flush_s is None else flush_s
+        if self._error is None:  # let the sender finish what is queued
+            try:
+                self._outbox.put(None, timeout=wait)
+                self._sender.join(wait)
+            except queue.Full:
+                pass  # the link is stuck: shutting the socket below unblocks the sender
+        self._closing = True
+        try:
+            self._sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass  # already reset by the peer
+        self._sock.close()
+        try:
+            self._outbox.put_nowait(None)  # wakes a sender still waiting for work
+        except queue.Full:
+            pass  # it is in sendall on the shut socket and will fail out
+        self._sender.join(1.0)
+        self._reader.join(1.0)
+
+    # ----------------------------------------------------------------- threads
+    def _fail(self, err: LinkError) -> None:
+        with self._lock:
+            if self._error is None:
+                self._error = err
+                self._inbox.put(None)
+
+    def _raise_if_failed(self) -> None:
+        if self._error is not None:
+            raise type(self._error)(str(self._error))
+
+    def _lost(self, e: OSError) -> LinkError:
+        if self._closing:
+            return LinkError(f"link to {self.name} was closed by this process")
+        return LinkError(f"link to {self.name} failed ({e.strerror or type(e).__name__}): {RESTART}")
+
+    def _send_loop(self) -> None:
+        while True:
+            item = self._outbox.get()
+            if item is None or self._error is not None:
+                return
+            try:
+                self._transmit(*item)
+            except OSError as e:
+                self._fail(self._lost(e))
+                return
+
+    def _transmit(self, tag: bytes, payload: bytes, queued_at: float) -> None:
+        n = _HEAD.size + 2 * auth.MAC_BYTES + len(payload)
+        if self.shape.emulated:  # one message at a time on the emulated pipe, then the latency
+            done = max(queued_at, self._link_free_at) + self.shape.transmit_seconds(n)
+            self._link_free_at = done
+            pause = done + self.shape.latency_ms / 1000.0 - time.monotonic()
+            if pause > 0:
+                time.sleep(pause)
+        before = self._conn.sent
+        _write_frame(self._conn, self._skey, self.cluster_id, self._send_seq, tag, payload)
+        self._send_seq += 1
+        end = time.monotonic()
+        s = self._stats
+        s.bytes_sent += self._conn.sent - before
+        s.messages_sent += 1
+        s.send_seconds += end - max(queued_at, self._last_end)
+        self._last_end = end
+
+    def _read_loop(self) -> None:
+        seq = 1
+        while True:
+            before = self._conn.received
+            try:
+                item = _read_frame(self._conn, self._skey, self.peer_cluster_id, seq)
+            except LinkError as e:
+                self._fail(LinkError(f"link to {self.name} was closed by this process") if self._closing else e)
+                return
+            except OSError as e:
+                self._fail(self._lost(e))
+                return
+            seq += 1
+            self._stats.bytes_received += self._conn.received - before
+            self._stats.messages_received += 1
+            self._inbox.put(item)
+
+
+class CrossClusterLinks:
+    """This process's links to the same rank in every other cluster (one PeerLink per cluster)."""
+
+    def __init__(self, cluster_id: int, rank: int, links: dict[int, PeerLink], hellos: list[dict]) -> None:
+        self.cluster_id, self.rank, self.hellos = cluster_id, rank, hellos
+        self._links = links
+
+    @classmethod
+    def open(
+        cls,
+        cluster_id: int,
+        rank: int,
+        addresses: list[str],
+        key: bytes,
+        shape: LinkShape = LinkShape(),
+        hello: dict | None = None,
+        connect_timeout_s: float = 300.0,
+        timeout_s: float = 600.0,
+        bind_host: str | None = None,
+    ) -> CrossClusterLinks:
+        """Open links to rank `rank` of every cluster in `addresses` (host:base_port, in cluster order).
+        Listens on addresses[cluster_id] port + rank (bound to bind_host if given, e.g. 0.0.0.0 behind
+        NAT); connects to the lower ids first, then accepts the higher ones. `hellos` then holds every
+        cluster's hello dict in cluster order (this one's included)."""
+        if not 0 <= cluster_id < len(addresses):
+            raise ConfigError(
+                f"cross-cluster id {cluster_id} is not an index of the {len(addresses)} cluster addresses"
+            )
+        where = [parse_address(a, f"cross_cluster_peers[{i}]") for i, a in enumerate(addresses)]
+        hello = dict(hello or {})
+        deadline = time.monotonic() + connect_timeout_s
+        higher = set(range(cluster_id + 1, len(addresses)))
+        listener = None
+        links: dict[int, PeerLink] = {}
+        try:
+            if higher:  # listen before connecting anywhere, so higher clusters can queue up meanwhile
+                listen = (bind_host or where[cluster_id][0], where[cluster_id][1] + rank)
+                try:
+                    listener = socket.create_server(listen, backlog=len(higher))
+                except OSError as e:
+                    raise LinkError(
+                        f"cluster {cluster_id} rank {rank} cannot listen on {listen[0]}:{listen[1]} "
+                        f"({e.strerror}): pick a free base port in cross_cluster_peers[{cluster_id}]"
+                    ) from None
+            for c in range(cluster_id):
+                host, port = where[c]
+                links[c] = PeerLink.connect(
+                    host,
+                    port + rank,
+                    cluster_id=cluster_id,
+                    rank=rank,
+                    peer_cluster_id=c,
+                    key=key,
+                    hello=hello,
+                    shape=shape,
+                    connect_timeout_s=connect_timeout_s,
+                    deadline=deadline,
+                    timeout_s=timeout_s,
+                )
+            while higher - links.keys():
+                try:
+                    link = PeerLink.accept(
+                        listener,
+                        cluster_id=cluster_id,
+                        rank=rank,
+                        peers=higher - links.keys(),
+                        key=key,
+                        hello=hello,
+                        deadline=deadline,
+                        shape=shape,
+                        timeout_s=timeout_s,
+                    )
+                except (TimeoutError, socket.timeout):
+                    missing = sorted(higher - links.keys())
+                    raise LinkError(
+                        f"cluster(s) {missing} rank {rank} did not connect to {listen[0]}:{listen[1]} in "
+                        f"{connect_timeout_s:g} s: start them and check that every cluster has the same "
+                        "cross_cluster_peers"
+                    ) from None
+                links[link.peer_cluster_id] = link
+        except BaseException:
+            for link in links.values():
+                link.close(flush_s=0)
+            raise
+        finally:
+            if listener is not None:
+                listener.close()
+        hellos = [hello if c == cluster_id else links[c].hello for c in range(len(addresses))]
+        return cls(cluster_id, rank, links, hellos)
+
+    @property
+    def n_clusters(self) -> int:
+        return len(self._links) + 1
+
+    def peer(self, cluster_id: int) -> PeerLink:
+        return self._links[cluster_id]
+
+    def all_gather(
+        self, tag: str, payload: bytes | bytearray | memoryview, timeout_s: float | None = None
+    ) -> list[bytes]:
+        """Every cluster's payload in cluster order (this cluster's own is not sent to itself). Sends to
+        all peers first (in the background), then receives from each."""
+        own = bytes(payload)
+        for link in self._links.values():
+            link.send(tag, own)
+        return [
+            own if c == self.cluster_id else self._links[c].recv(timeout_s, expect=tag)[1]
+            for c in range(self.n_clusters)
+        ]
+
+    def stats(self) -> LinkStats:
+        """Counters summed over the links."""
+        total = LinkStats()
+        for link in self._links.values():
+            total = total + link.stats()
+        return total
+
+    def close(self, flush_s: float | None = None) -> None:
+        for link in self._links.values():
+            link.close(flush_s)
+
+    def __enter__(self) -> CrossClusterLinks:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close(flush_s=0 if exc[0] is not None else None)

@@ -1,0 +1,442 @@
+"""The cross-cluster link: authenticated TCP channels between the same rank of different clusters,
+run on 127.0.0.1 in threads (one per emulated cluster), with a byte-flipping proxy for tampering
+and a killed subprocess for a lost peer."""
+
+import os
+import random
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from erniekit.distributed.cross_cluster import auth
+from erniekit.distributed.cross_cluster.link import (
+    AuthError,
+    CrossClusterLinks,
+    LinkError,
+    LinkShape,
+    LinkStats,
+    frame_bytes,
+)
+from erniekit.errors import ConfigError
+
+KEY = b"test-key-0123456789abcdef"
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+
+def free_base_ports(n_clusters: int, n_ranks: int = 1) -> list[int]:
+    """A base port per cluster with base .. base + n_ranks - 1 all free on 127.0.0.1."""
+    bases: list[int] = []
+    taken: set[int] = set()
+    for _ in range(200):
+        base = random.randrange(20000, 60000 - n_ranks)
+        span = set(range(base, base + n_ranks))
+        if span & taken:
+            continue
+        try:
+            for p in span:
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", p))
+        except OSError:
+            continue
+        bases.append(base)
+        taken |= span
+        if len(bases) == n_clusters:
+            return bases
+    raise RuntimeError("no free ports on 127.0.0.1")
+
+
+def open_all(addresses_of, n, rank=0, keys=None, shape=None, connect_timeout_s=10.0, timeout_s=10.0):
+    """CrossClusterLinks.open for clusters 0..n-1 in threads; addresses_of(c) is cluster c's list.
+    Returns one CrossClusterLinks or exception per cluster."""
+    out: list = [None] * n
+
+    def run(c):
+        try:
+            out[c] = CrossClusterLinks.open(
+                c,
+                rank,
+                addresses_of(c),
+                (keys or [KEY] * n)[c],
+                shape=shape or LinkShape(),
+                hello={"cluster": c, "world": 2},
+                connect_timeout_s=connect_timeout_s,
+                timeout_s=timeout_s,
+            )
+        except Exception as e:  # handed back to the test, which asserts on it
+            out[c] = e
+
+    threads = [threading.Thread(target=run, args=(c,)) for c in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    return out
+
+
+def pair(shape=None, timeout_s=10.0):
+    bases = free_base_ports(2)
+    links = open_all(lambda c: [f"127.0.0.1:{b}" for b in bases], 2, shape=shape, timeout_s=timeout_s)
+    for x in links:
+        if isinstance(x, Exception):
+            raise x
+    return links
+
+
+class Proxy:
+    """Forwards one TCP connection; the stream from the connecting (higher) cluster to the listening
+    one is recorded, can have one byte flipped at an absolute offset, and can be re-injected."""
+
+    def __init__(self, target_port: int) -> None:
+        self.server = socket.create_server(("127.0.0.1", 0))
+        self.port = self.server.getsockname()[1]
+        self.target = target_port
+        self.recorded = bytearray()
+        self.flip_at: int | None = None
+        self._down: socket.socket | None = None
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        up, _ = self.server.accept()
+        self.server.close()
+        self._down = socket.create_connection(("127.0.0.1", self.target))
+        threading.Thread(target=self._pump, args=(up, self._down, True), daemon=True).start()
+        threading.Thread(target=self._pump, args=(self._down, up, False), daemon=True).start()
+
+    def _pump(self, src: socket.socket, dst: socket.socket, record: bool) -> None:
+        try:
+            while chunk := src.recv(1 << 16):
+                if record:
+                    chunk = bytearray(chunk)
+                    start = len(self.recorded)
+                    if self.flip_at is not None and start <= self.flip_at < start + len(chunk):
+                        chunk[self.flip_at - start] ^= 0x20
+                    self.recorded += chunk  # counted before it is forwarded: offsets are known on arrival
+                dst.sendall(chunk)
+        except OSError:
+            pass
+        for s in (src, dst):
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+    def inject(self, start: int, end: int) -> None:
+        self._down.sendall(bytes(self.recorded[start:end]))
+
+
+def proxied_pair(flip_at=None):
+    """Cluster 1 reaches cluster 0 through a Proxy; returns (links0, links1 or exception, proxy)."""
+    (b0, b1) = free_base_ports(2)
+    proxy = Proxy(b0)
+    proxy.flip_at = flip_at
+    real = [f"127.0.0.1:{b0}", f"127.0.0.1:{b1}"]
+    via = [f"127.0.0.1:{proxy.port}", f"127.0.0.1:{b1}"]
+    links = open_all(lambda c: real if c == 0 else via, 2, connect_timeout_s=5.0, timeout_s=5.0)
+    return links[0], links[1], proxy
+
+
+def test_large_messages_both_directions_at_once():
+    """8 MB each way, both sides send first and then receive: send() only queues, so no deadlock;
+    bytes and order arrive intact and the wire byte counts are exact."""
+    a, b = pair()
+    rng = np.random.default_rng(0)
+    data = [rng.integers(0, 256, 8 << 20, dtype=np.uint8).tobytes() for _ in range(2)]
+    got: dict = {}
+
+    def side(links, c):
+        peer = links.peer(1 - c)
+        peer.send("big", memoryview(data[c]))
+        peer.send("small", b"x")
+        got[c] = [peer.recv(10.0), peer.recv(10.0)]
+
+    threads = [threading.Thread(target=side, args=(x, c)) for c, x in enumerate((a, b))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(20)
+    assert got[0] == [("big", data[1]), ("small", b"x")]
+    assert got[1] == [("big", data[0]), ("small", b"x")]
+    s0, s1 = a.stats(), b.stats()
+    assert s0.bytes_sent == s1.bytes_received and s1.bytes_sent == s0.bytes_received
+    handshake = s0.bytes_sent - frame_bytes("big", 8 << 20) - frame_bytes("small", 1)
+    assert 0 < handshake < 400  # hello + confirm only
+    assert (s0.messages_sent, s0.messages_received) == (3, 3)  # the handshake confirm counts as one
+    a.close()
+    b.close()
+
+
+def test_all_gather_three_clusters_in_cluster_order():
+    """3 clusters, rank 1 of each (ports base + 1): every cluster gets every payload in cluster order
+    and every cluster's hello."""
+    bases = free_base_ports(3, n_ranks=2)
+    links = open_all(lambda c: [f"127.0.0.1:{b}" for b in bases], 3, rank=1)
+    assert all(isinstance(x, CrossClusterLinks) for x in links), links
+    payloads = [bytes([c]) * (1000 + c) for c in range(3)]
+    out: list = [None] * 3
+    threads = [
+        threading.Thread(target=lambda c: out.__setitem__(c, links[c].all_gather("delta", payloads[c])), args=(c,))
+        for c in range(3)
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert out == [payloads] * 3
+    assert [x.hellos for x in links] == [[{"cluster": c, "world": 2} for c in range(3)]] * 3
+    own = links[0].stats()
+    assert own.messages_received == 2 + 2  # one per peer, plus each handshake confirm
+    assert own.bytes_sent >= 2 * frame_bytes("delta", 1000)
+    for x in links:
+        x.close()
+
+
+def test_wrong_key_fails_the_handshake_without_showing_a_key():
+    bases = free_base_ports(2)
+    other = b"another-key-zyxwvutsrq"
+    links = open_all(lambda c: [f"127.0.0.1:{b}" for b in bases], 2, keys=[KEY, other], connect_timeout_s=5.0)
+    assert all(isinstance(x, AuthError) for x in links), links
+    assert "failed its HMAC check" in str(links[0]) and "127.0.0.1" in str(links[0])
+    assert f"cluster 0 rank 0 (127.0.0.1:{bases[0]})" in str(links[1])
+    for e in links:
+        assert KEY.decode() not in str(e) and other.decode() not in str(e)
+        assert "\n" not in str(e)
+
+
+@pytest.mark.parametrize(
+    "where",
+    ["seq", "length", "tag", "header_mac", "payload", "payload_mac"],
+)
+def test_a_flipped_byte_anywhere_in_a_message_is_rejected(where):
+    """A proxy flips one byte of message 1 (after the handshake); the receiving cluster raises an
+    AuthError naming the sender, before handing any of the payload to the caller."""
+    n = 5000
+    offset = {"seq": 7, "length": 12, "tag": 16, "header_mac": 50, "payload": 80 + n // 2, "payload_mac": 80 + n + 31}
+    # the handshake's length is fixed except for the hello JSON: measure it on an untampered pair
+    a, b, proxy = proxied_pair()
+    handshake = len(proxy.recorded)
+    a.close(), b.close()
+    a, b, proxy = proxied_pair(flip_at=handshake + offset[where])
+    assert len(proxy.recorded) == handshake  # same handshake length: the flip lands in message 1
+    b.peer(0).send("delta", os.urandom(n))
+    with pytest.raises(AuthError) as e:
+        a.peer(1).recv(5.0)
+    msg = str(e.value)
+    assert "cluster 1 rank 0" in msg and "the job stops" in msg and KEY.decode() not in msg
+    with pytest.raises(AuthError):  # sticky: every later call stops too
+        a.peer(1).send("x", b"")
+    a.close(), b.close()
+
+
+def test_a_flipped_byte_in_the_handshake_is_rejected():
+    a, b, _ = proxied_pair(flip_at=20)  # inside the hello's nonce
+    assert isinstance(a, AuthError) and "handshake" in str(a), a
+    assert isinstance(b, LinkError)
+
+
+def test_a_replayed_message_is_rejected():
+    """Message 1 delivered, then its exact bytes (valid MACs) sent again: rejected by the sequence check."""
+    a, b, proxy = proxied_pair()
+    start = len(proxy.recorded)
+    b.peer(0).send("delta", b"pay me once")
+    assert a.peer(1).recv(5.0) == ("delta", b"pay me once")
+    proxy.inject(start, start + frame_bytes("delta", 11))
+    with pytest.raises(AuthError, match="message 1 from cluster 1 rank 0 .* arrived when 2 was due"):
+        a.peer(1).recv(5.0)
+    a.close(), b.close()
+
+
+def test_a_recorded_handshake_cannot_start_a_new_session():
+    """Replaying cluster 1's recorded handshake into a new connection fails: the session key
+    depends on cluster 0's fresh nonce, so the replayed confirm fails its HMAC."""
+    a, b, proxy = proxied_pair()
+    recorded = bytes(proxy.recorded)
+    a.close(), b.close()
+    (b0,) = free_base_ports(1)
+    result: list = []
+
+    def listen():
+        try:
+            result.append(CrossClusterLinks.open(0, 0, [f"127.0.0.1:{b0}", "127.0.0.1:1"], KEY, connect_timeout_s=5))
+        except Exception as e:  # asserted below
+            result.append(e)
+
+    t = threading.Thread(target=listen)
+    t.start()
+    for _ in range(100):
+        try:
+            attacker = socket.create_connection(("127.0.0.1", b0))
+            break
+        except OSError:
+            time.sleep(0.02)
+    attacker.sendall(recorded)
+    t.join(10)
+    attacker.close()
+    assert isinstance(result[0], AuthError) and "message 0 from cluster 1 rank 0" in str(result[0]), result
+
+
+def test_recv_timeout_and_wrong_tag_raise_link_errors():
+    a, b = pair()
+    t0 = time.monotonic()
+    with pytest.raises(LinkError, match=r"no message from cluster 1 rank 0 .* in 0.2 s; raise cross_cluster_timeout_s"):
+        a.peer(1).recv(0.2)
+    assert 0.18 < time.monotonic() - t0 < 2
+    b.peer(0).send("late", b"1")  # a timeout leaves the link usable
+    b.peer(0).send("other", b"2")
+    assert a.peer(1).recv(5.0) == ("late", b"1")
+    with pytest.raises(LinkError, match="expected a 'delta' message from cluster 1 rank 0 .*, got 'other'"):
+        a.peer(1).recv(5.0, expect="delta")
+    a.close(), b.close()
+
+
+def test_peer_closing_its_side_ends_the_other_sides_recv_at_once():
+    a, b = pair()
+    b.peer(0).send("last", b"z")
+    b.close()
+    assert a.peer(1).recv(5.0) == ("last", b"z")  # what was sent before closing still arrives
+    t0 = time.monotonic()
+    with pytest.raises(LinkError, match="cluster 1 rank 0 .* the other cluster stopped or the link dropped; restart"):
+        a.peer(1).recv(5.0)
+    assert time.monotonic() - t0 < 1.0
+    a.close()
+
+
+_CHILD = """
+import sys, time
+sys.path.insert(0, {repo!r})
+from erniekit.distributed.cross_cluster.auth import load_key
+from erniekit.distributed.cross_cluster.link import CrossClusterLinks
+links = CrossClusterLinks.open(1, 0, {addresses!r}, load_key(None), connect_timeout_s=10)
+print("ready", flush=True)
+time.sleep(60)
+"""
+
+
+def test_killed_peer_process_stops_recv_quickly():
+    """Cluster 1 is a real process (key from $ERNIEKIT_CROSS_CLUSTER_KEY); SIGKILL it while cluster 0
+    waits in recv with a long timeout: the LinkError comes at once, naming the peer."""
+    bases = free_base_ports(2)
+    addresses = [f"127.0.0.1:{b}" for b in bases]
+    env = dict(os.environ, ERNIEKIT_CROSS_CLUSTER_KEY=KEY.decode())
+    child = subprocess.Popen(
+        [sys.executable, "-c", _CHILD.format(repo=REPO, addresses=addresses)],
+        env=env,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        links = CrossClusterLinks.open(0, 0, addresses, KEY, connect_timeout_s=20, timeout_s=60)
+        assert child.stdout.readline().strip() == "ready"
+        result: list = []
+
+        def wait():
+            t0 = time.monotonic()
+            try:
+                links.peer(1).recv(60)
+            except LinkError as e:
+                result.append((e, time.monotonic() - t0))
+
+        t = threading.Thread(target=wait)
+        t.start()
+        time.sleep(0.2)
+        t_kill = time.monotonic()
+        child.kill()
+        t.join(10)
+        assert result, "recv did not return after the peer was killed"
+        err, _ = result[0]
+        assert "cluster 1 rank 0" in str(err) and "restart both clusters" in str(err)
+        assert time.monotonic() - t_kill < 5
+        links.close()
+    finally:
+        child.kill()
+        child.wait()
+
+
+def test_connect_timeouts_name_the_missing_cluster():
+    (b0, b1) = free_base_ports(2)
+    addresses = [f"127.0.0.1:{b0}", f"127.0.0.1:{b1}"]
+    t0 = time.monotonic()
+    with pytest.raises(LinkError, match=rf"could not connect to cluster 0 rank 0 \(127.0.0.1:{b0}\) in 0.3 s"):
+        CrossClusterLinks.open(1, 0, addresses, KEY, connect_timeout_s=0.3)
+    with pytest.raises(LinkError, match=rf"cluster\(s\) \[1\] rank 0 did not connect to 127.0.0.1:{b0} in 0.3 s"):
+        CrossClusterLinks.open(0, 0, addresses, KEY, connect_timeout_s=0.3)
+    assert time.monotonic() - t0 < 3
+
+
+def test_emulated_link_delays_and_queues_messages():
+    """100 Mbit/s + 50 ms: a 1.25 MB message takes latency + 8n/bandwidth = 0.15 s from send() to
+    recv(); two sent back to back queue, the second arrives at 2 x 0.1 + 0.05 = 0.25 s."""
+    shape = LinkShape(bandwidth_mbit=100, latency_ms=50)
+    n = 1_250_000
+    assert shape.seconds(n) == pytest.approx(0.15)
+    a, b = pair(shape=shape)
+    tx, rx = b.peer(0), a.peer(1)
+    payload = bytes(n)
+    t0 = time.monotonic()
+    tx.send("one", payload)
+    rx.recv(5.0)
+    one = time.monotonic() - t0
+    assert one == pytest.approx(shape.seconds(frame_bytes("one", n)), rel=0.2)
+    time.sleep(0.05)
+    t0 = time.monotonic()
+    tx.send("a", payload)
+    tx.send("b", payload)
+    assert time.monotonic() - t0 < 0.05  # send() does not wait for the link
+    rx.recv(5.0)
+    first = time.monotonic() - t0
+    rx.recv(5.0)
+    second = time.monotonic() - t0
+    assert first == pytest.approx(0.15, rel=0.2)
+    assert second == pytest.approx(0.05 + 2 * shape.transmit_seconds(frame_bytes("b", n)), rel=0.2)
+    busy = tx.stats().send_seconds
+    assert busy == pytest.approx(one + second, rel=0.2)  # each burst counted once, not per message
+    a.close(), b.close()
+
+
+def test_link_shape_and_stats_arithmetic():
+    assert not LinkShape().emulated and not LinkShape(0, 0).emulated
+    assert LinkShape(None, 5).emulated and LinkShape(1.0).emulated
+    assert LinkShape(8.0).transmit_seconds(1_000_000) == pytest.approx(1.0)
+    assert LinkShape(None, 20).seconds(10**9) == pytest.approx(0.02)
+    with pytest.raises(ConfigError, match="latency_ms=-1"):
+        LinkShape(10, -1)
+    s = LinkStats(1, 2, 3, 4, 0.5, 0.25) + LinkStats(10, 20, 30, 40, 1.0, 2.0)
+    assert s == LinkStats(11, 22, 33, 44, 1.5, 2.25)
+
+
+def test_load_key_from_file_env_and_refusals(tmp_path, monkeypatch):
+    secret = "s3cret-key-material-42"
+    f = tmp_path / "cc.key"
+    f.write_text(secret + "\n")
+    f.chmod(0o600)
+    monkeypatch.delenv(auth.KEY_ENV, raising=False)
+    assert auth.load_key(str(f)) == secret.encode()
+    f.chmod(0o644)
+    with pytest.warns(UserWarning, match="readable by group/others .*chmod 600"):
+        auth.load_key(str(f))
+    monkeypatch.setenv(auth.KEY_ENV, secret)
+    assert auth.load_key(None) == secret.encode()
+    monkeypatch.setenv(auth.KEY_ENV, "short-secret")
+    with pytest.raises(ConfigError, match=r"\$ERNIEKIT_CROSS_CLUSTER_KEY: the key has 12 bytes, at least 16") as e:
+        auth.load_key(None)
+    assert "short-secret" not in str(e.value)
+    monkeypatch.delenv(auth.KEY_ENV)
+    with pytest.raises(ConfigError, match="no cross-cluster key: set cross_cluster_key_file or"):
+        auth.load_key(None)
+    with pytest.raises(ConfigError, match="cross_cluster_key_file=.*missing.key: cannot read it"):
+        auth.load_key(str(tmp_path / "missing.key"))
+
+
+def test_hmac_helpers_match_the_standard_library():
+    import hashlib
+    import hmac
+
+    parts = [b"a", memoryview(b"bc"), bytearray(b"def")]
+    ref = hmac.new(KEY, b"abcdef", hashlib.sha256).digest()
+    assert auth.mac(KEY, *parts) == ref
+    assert auth.verify(KEY, ref, b"abcdef") and not auth.verify(KEY, ref, b"abcdeg")
+    assert auth.session_key(KEY, b"c", b"1" * 32, b"2" * 32) != auth.session_key(KEY, b"c", b"1" * 32, b"3" * 32)
