@@ -121,7 +121,7 @@ def cross_cluster_plan(
     given = [o.split("=", 1)[1] for o in overrides if o.startswith("sites=")]
     sites = cc.load_sites(sites_path or given[-1])
     cfg = load_config(path, [o for o in overrides if not o.startswith("sites=")])
-    sizes = list(cfg.cross_cluster_sizes)
+    sizes = list(getattr(cfg, "cross_cluster_sizes", []))
     if sizes and sizes != [sites.world] * len(sites.sites):
         raise ErniekitError(
             f"cross_cluster_sizes={sizes} but {sites_path or given[-1]} has {len(sites.sites)} sites of "

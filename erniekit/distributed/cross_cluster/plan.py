@@ -9,7 +9,7 @@ site, then the site all-gathers the chunks on its own fast link. Per optimizer s
   intra_s    = planner.predict's step time of the config's layout on the slowest site
                (or a measured step time: `measured_step_s`)
   sync_s     = latency_s x EXCHANGE_LATENCIES + wire bytes through the narrowest pipe / bandwidth
-  wire bytes = payload + MESSAGE_OVERHEAD_BYTES, sent to each of the other sites; when the link is
+  wire bytes = link.frame_bytes(payload) (header and MACs added), sent to each other site; when the link is
                shared by the site (a real WAN), all dp x tp x pp ranks' messages cross it, when it is
                per rank pair (the localhost emulation shapes each connection) one rank's do
   gradients  H = 1, payload = 4 x chunk (float32, uncompressed), nothing hidden (the optimizer
@@ -30,13 +30,14 @@ from dataclasses import dataclass, field, fields
 
 from erniekit.distributed import planner
 from erniekit.distributed.cross_cluster.compress import payload_nbytes
+from erniekit.distributed.cross_cluster.link import frame_bytes
 from erniekit.errors import ConfigError
 
 MODES = ("gradients", "local")
 KINDS = ("none", "int8", "topk")  # least lossy first: the order recommend() prefers
-MESSAGE_OVERHEAD_BYTES = 64  # the link's per-message header and HMAC tag, rounded up
 EXCHANGE_LATENCIES = 1  # an all_gather sends to every peer at once, then receives: one one-way latency
 INTERVALS = tuple(2**i for i in range(9))  # 1 .. 256
+TAG = "sync"  # a message tag (its size is fixed on the wire)
 
 
 # ---- the sites file -------------------------------------------------------------------------
@@ -304,7 +305,7 @@ def exchange_s(payload: int, sites: Sites, ranks: int) -> float:
     """Wall time of one exchange: each of `ranks` ranks of a site sends `payload` bytes to the same
     rank of every other site at once (duplex: receiving runs beside sending)."""
     peers = len(sites.sites) - 1
-    wire = payload + MESSAGE_OVERHEAD_BYTES
+    wire = frame_bytes(TAG, payload)
     through = wire if sites.link.per_rank_pair else wire * peers * ranks  # the narrowest pipe's load
     return EXCHANGE_LATENCIES * sites.link.latency_s + through / sites.link.bandwidth_bytes_s
 
@@ -374,7 +375,7 @@ def predict_cross_cluster(
     hidden = min(sync, overlap * intra)
     gather = max(gather_s(s.cluster, p, chunk) for s in sites.sites)
     step = intra + (sync - hidden + gather) / H
-    per_rank = (payload + MESSAGE_OVERHEAD_BYTES) * (len(sites.sites) - 1) / H
+    per_rank = frame_bytes(TAG, payload) * (len(sites.sites) - 1) / H
     tokens = len(sites.sites) * job.work.global_batch * job.work.seq_len
     return CrossPrediction(
         mode=mode,
@@ -464,12 +465,13 @@ def format_table(rec: Recommendation) -> str:
 
 
 def config_sync(cfg) -> dict:
-    """The cross_cluster_* keys of a training config, as predict_cross_cluster's arguments."""
+    """The cross_cluster_* keys of a training config, as predict_cross_cluster's arguments (read with
+    the schema's defaults, so the planner also reads configs of a schema without them)."""
     return {
-        "mode": cfg.cross_cluster_sync,
-        "sync_every": cfg.cross_cluster_sync_every,
-        "compress": cfg.cross_cluster_compress,
-        "topk_ratio": cfg.cross_cluster_topk_ratio,
-        "overlap_steps": cfg.cross_cluster_overlap_steps,
-        "max_sync_fraction": cfg.cross_cluster_max_sync_fraction,
+        "mode": getattr(cfg, "cross_cluster_sync", "local"),
+        "sync_every": getattr(cfg, "cross_cluster_sync_every", 16),
+        "compress": getattr(cfg, "cross_cluster_compress", "int8"),
+        "topk_ratio": getattr(cfg, "cross_cluster_topk_ratio", 0.1),
+        "overlap_steps": getattr(cfg, "cross_cluster_overlap_steps", 0),
+        "max_sync_fraction": getattr(cfg, "cross_cluster_max_sync_fraction", 0.1),
     }
