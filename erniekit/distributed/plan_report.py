@@ -136,16 +136,13 @@ def cross_cluster_plan(
         f"{sites.link.bandwidth_mbit:g} Mbit/s, {sites.link.latency_ms:g} ms"
         f"{' per rank pair' if sites.link.per_rank_pair else ' shared by each site'}"
     )
-    pred = None
-    if sync["compress"] == "adaptive":
-        print("config: cross_cluster_compress adaptive picks interval and compression at run time (as below)")
-    else:
-        pred = cc.predict_cross_cluster(job, sites, measured_step_s=measured_step_s, **sync)
-        print(
-            f"config: {pred.describe()}: step {pred.step_s:.4f} s ({pred.intra_s:.4f} s local, "
-            f"{pred.sync_fraction:.1%} syncing), {pred.tokens_per_s:.0f} tokens/s, "
-            f"{pred.bytes_per_step / 1e3:.1f} KB per rank per step"
-        )
+    pred = cc.predict_cross_cluster(job, sites, measured_step_s=measured_step_s, **sync)
+    adaptive = " (adaptive)" if sync["compress"] == "adaptive" else ""
+    print(
+        f"config{adaptive}: {pred.describe()}: step {pred.step_s:.4f} s ({pred.intra_s:.4f} s local, "
+        f"{pred.sync_fraction:.1%} syncing), {pred.tokens_per_s:.0f} tokens/s, "
+        f"{pred.bytes_per_step / 1e3:.1f} KB per rank per step"
+    )
     rec = cc.recommend(
         job,
         sites,
@@ -163,7 +160,7 @@ def cross_cluster_plan(
     if json_path:
         out = {
             "sites": dataclasses.asdict(sites),
-            "config": dataclasses.asdict(pred) if pred else None,
+            "config": dataclasses.asdict(pred),
             "target": rec.target,
             "recommended": dataclasses.asdict(rec.choice) if rec.choice else None,
             "table": [dataclasses.asdict(r) for r in rec.table],

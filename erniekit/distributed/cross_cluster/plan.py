@@ -29,6 +29,7 @@ import os
 from dataclasses import dataclass, field, fields
 
 from erniekit.distributed import planner
+from erniekit.distributed.cross_cluster import adaptive
 from erniekit.distributed.cross_cluster.compress import payload_nbytes
 from erniekit.distributed.cross_cluster.link import frame_bytes
 from erniekit.errors import ConfigError
@@ -352,15 +353,13 @@ def predict_cross_cluster(
 ) -> CrossPrediction:
     """The step of `job` (a training config or a Job) on `sites` with this sync (module docstring).
     measured_step_s replaces the predicted intra-cluster step (calibration with a measured run);
-    compress="adaptive" predicts what recommend() picks for max_sync_fraction."""
+    compress="adaptive" predicts what the run's adaptive choice picks (adaptive_choice)."""
     job = _job(job, sites)
     if compress == "adaptive":
         if mode != "local":
             raise ConfigError("cross_cluster_compress=adaptive works with cross_cluster_sync=local only")
-        rec = recommend(job, sites, max_sync_fraction, None, topk_ratio, overlap_steps, measured_step_s)
-        if rec.choice is None:
-            raise ConfigError(rec.why)
-        return rec.choice
+        c = adaptive_choice(job, sites, max_sync_fraction, topk_ratio, overlap_steps, measured_step_s)
+        return predict_cross_cluster(job, sites, c.interval, c.kind, topk_ratio, mode, overlap_steps, measured_step_s)
     _check_sync(mode, sync_every, compress, overlap_steps, measured_step_s)
     preds = {s.name: planner.predict(job.model, s.cluster, job.work, job.plan) for s in sites.sites}
     slowest = max(sites.sites, key=lambda s: preds[s.name].step_s)
@@ -395,6 +394,31 @@ def predict_cross_cluster(
         tokens_per_s=tokens / step,
         slowest_site=slowest.name,
         parts={"predicted_intra_s": preds[slowest.name].step_s, "ranks_per_site": p.dp * p.tp * p.pp},
+    )
+
+
+def adaptive_choice(
+    job,
+    sites: Sites,
+    max_sync_fraction: float,
+    topk_ratio: float,
+    overlap_steps: int,
+    measured_step_s: float | None = None,
+) -> adaptive.Choice:
+    """What cross_cluster_compress=adaptive picks at run time (adaptive.choose) when it measures this
+    link and the predicted (or measured) step of the slowest site without the sync."""
+    job = _job(job, sites)
+    plain = predict_cross_cluster(job, sites, 1, "none", topk_ratio, "local", 0, measured_step_s)
+    ranks = 1 if sites.link.per_rank_pair else plain.parts["ranks_per_site"]
+    return adaptive.choose(
+        plain.intra_s,
+        plain.chunk,
+        sites.link.bandwidth_bytes_s / ranks,
+        sites.link.latency_s,
+        max_sync_fraction,
+        overlap_steps,
+        topk_ratio=topk_ratio,
+        n_clusters=len(sites.sites),
     )
 
 

@@ -115,10 +115,17 @@ def test_recommendation_for_a_tokens_per_s_target_and_when_nothing_meets_it():
         X.recommend(JOB, _sites(), 0.1, 1000.0)
 
 
-def test_adaptive_predicts_what_the_recommendation_picks():
-    rec = X.recommend(JOB, _sites(), 0.1, measured_step_s=0.5)
-    r = X.predict_cross_cluster(JOB, _sites(), compress="adaptive", max_sync_fraction=0.1, measured_step_s=0.5)
-    assert (r.sync_every, r.compress) == (rec.choice.sync_every, rec.choice.compress)
+@pytest.mark.parametrize("n,shared,bandwidth", [(2, False, 1e7), (3, True, 1e7 / 2)])
+def test_adaptive_predicts_what_the_runs_adaptive_choice_picks(n, shared, bandwidth):
+    """The run's chooser sees one rank's share of the link (a shared link: / the site's 2 ranks)."""
+    from erniekit.distributed.cross_cluster import adaptive
+
+    want = adaptive.choose(0.5, 500_000, bandwidth, 0.02, 0.05, 1, topk_ratio=0.1, n_clusters=n)
+    sites = _sites(n, per_rank_pair=not shared)
+    r = X.predict_cross_cluster(
+        JOB, sites, compress="adaptive", overlap_steps=1, max_sync_fraction=0.05, measured_step_s=0.5
+    )
+    assert (r.sync_every, r.compress, r.overlap_steps) == (want.interval, want.kind, 1) and want.meets
     with pytest.raises(ConfigError, match="cross_cluster_overlap_steps=5"):
         X.predict_cross_cluster(JOB, _sites(), 4, "int8", overlap_steps=5)
 
