@@ -58,10 +58,13 @@ class LinkShape:
     latency_ms: float = 0.0
 
     def __post_init__(self) -> None:
-        for name in ("bandwidth_mbit", "latency_ms"):
+        for name, key in (
+            ("bandwidth_mbit", "cross_cluster_link_mbit"),
+            ("latency_ms", "cross_cluster_link_latency_ms"),
+        ):
             v = getattr(self, name)
             if v is not None and not (math.isfinite(v) and v >= 0):
-                raise ConfigError(f"link shape {name}={v}: use a finite number >= 0 (0 = not emulated)")
+                raise ConfigError(f"{key}={v}: use a finite number >= 0 (0 = not emulated)")
 
     @property
     def emulated(self) -> bool:
@@ -139,10 +142,11 @@ class _Conn:
         return buf
 
 
-def _write_frame(conn: _Conn, skey: bytes, sender: int, seq: int, tag: bytes, payload: bytes | memoryview) -> None:
+def _frame(skey: bytes, sender: int, seq: int, tag: bytes, payload: bytes | memoryview) -> tuple:
+    """The wire parts of one message: header + its MAC, payload, MAC of header and payload."""
     head = _HEAD.pack(seq, len(payload), tag)
     who = _who(sender)
-    conn.send(head + auth.mac(skey, b"H", who, head), payload, auth.mac(skey, b"P", who, head, payload))
+    return head + auth.mac(skey, b"H", who, head), payload, auth.mac(skey, b"P", who, head, payload)
 
 
 def _read_frame(conn: _Conn, skey: bytes, sender: int, expect_seq: int) -> tuple[str, bytes]:
@@ -200,7 +204,7 @@ def _handshake(
     conn.name = _peer_name(cid, their_rank, conn.name)
     low, high = (nonce, their_nonce) if me < cid else (their_nonce, nonce)
     skey = auth.session_key(key, struct.pack(">III", min(me, cid), max(me, cid), rank), low, high)
-    _write_frame(conn, skey, me, 0, _CONFIRM.encode(), b"")
+    conn.send(*_frame(skey, me, 0, _CONFIRM.encode(), b""))
     tag, _ = _read_frame(conn, skey, cid, 0)  # fails when the hello was replayed from another session
     if tag != _CONFIRM:
         raise LinkError(f"{conn.name} did not confirm the handshake (sent {tag!r}): a different erniekit version")
@@ -428,6 +432,7 @@ class PeerLink:
                 return
 
     def _transmit(self, tag: bytes, payload: bytes, queued_at: float) -> None:
+        parts = _frame(self._skey, self.cluster_id, self._send_seq, tag, payload)  # the MACs overlap the emulated wait
         n = _HEAD.size + 2 * auth.MAC_BYTES + len(payload)
         if self.shape.emulated:  # one message at a time on the emulated pipe, then the latency
             done = max(queued_at, self._link_free_at) + self.shape.transmit_seconds(n)
@@ -436,7 +441,7 @@ class PeerLink:
             if pause > 0:
                 time.sleep(pause)
         before = self._conn.sent
-        _write_frame(self._conn, self._skey, self.cluster_id, self._send_seq, tag, payload)
+        self._conn.send(*parts)
         self._send_seq += 1
         end = time.monotonic()
         s = self._stats
@@ -505,7 +510,7 @@ class CrossClusterLinks:
                 except OSError as e:
                     raise LinkError(
                         f"cluster {cluster_id} rank {rank} cannot listen on {listen[0]}:{listen[1]} "
-                        f"({e.strerror}): pick a free base port in cross_cluster_peers[{cluster_id}]"
+                        f"({e.strerror}): cross_cluster_peers[{cluster_id}] needs an address of this machine and a free base port"
                     ) from None
             for c in range(cluster_id):
                 host, port = where[c]

@@ -103,7 +103,12 @@ class Proxy:
     def _serve(self) -> None:
         up, _ = self.server.accept()
         self.server.close()
-        self._down = socket.create_connection(("127.0.0.1", self.target))
+        for _ in range(250):  # cluster 0 may not listen yet
+            try:
+                self._down = socket.create_connection(("127.0.0.1", self.target))
+                break
+            except ConnectionRefusedError:
+                time.sleep(0.02)
         threading.Thread(target=self._pump, args=(up, self._down, True), daemon=True).start()
         threading.Thread(target=self._pump, args=(self._down, up, False), daemon=True).start()
 
@@ -369,31 +374,37 @@ def test_connect_timeouts_name_the_missing_cluster():
 
 def test_emulated_link_delays_and_queues_messages():
     """100 Mbit/s + 50 ms: a 1.25 MB message takes latency + 8n/bandwidth = 0.15 s from send() to
-    recv(); two sent back to back queue, the second arrives at 2 x 0.1 + 0.05 = 0.25 s."""
+    recv(); two sent back to back queue, the second arrives at 2 x 0.1 + 0.05 = 0.25 s. Every trial
+    must take at least that long; the best of 3 within 20% (the others may meet a busy CPU)."""
     shape = LinkShape(bandwidth_mbit=100, latency_ms=50)
     n = 1_250_000
     assert shape.seconds(n) == pytest.approx(0.15)
+    wire = frame_bytes("m", n)
     a, b = pair(shape=shape)
     tx, rx = b.peer(0), a.peer(1)
     payload = bytes(n)
-    t0 = time.monotonic()
-    tx.send("one", payload)
-    rx.recv(5.0)
-    one = time.monotonic() - t0
-    assert one == pytest.approx(shape.seconds(frame_bytes("one", n)), rel=0.2)
-    time.sleep(0.05)
-    t0 = time.monotonic()
-    tx.send("a", payload)
-    tx.send("b", payload)
-    assert time.monotonic() - t0 < 0.05  # send() does not wait for the link
-    rx.recv(5.0)
-    first = time.monotonic() - t0
-    rx.recv(5.0)
-    second = time.monotonic() - t0
-    assert first == pytest.approx(0.15, rel=0.2)
-    assert second == pytest.approx(0.05 + 2 * shape.transmit_seconds(frame_bytes("b", n)), rel=0.2)
-    busy = tx.stats().send_seconds
-    assert busy == pytest.approx(one + second, rel=0.2)  # each burst counted once, not per message
+
+    def burst(k):
+        """Arrival times of k messages sent back to back, from the first send()."""
+        t0 = time.monotonic()
+        for _ in range(k):
+            tx.send("m", payload)
+        assert time.monotonic() - t0 < shape.transmit_seconds(wire)  # send() does not wait for the link
+        arrivals = []
+        for _ in range(k):
+            rx.recv(5.0)
+            arrivals.append(time.monotonic() - t0)
+        return arrivals
+
+    ones = [burst(1)[0] for _ in range(3)]
+    twos = [burst(2) for _ in range(3)]
+    assert min(ones) >= shape.seconds(wire) and min(ones) == pytest.approx(0.15, rel=0.2)
+    firsts, seconds = [t[0] for t in twos], [t[1] for t in twos]
+    assert min(firsts) >= shape.seconds(wire) and min(firsts) == pytest.approx(0.15, rel=0.2)
+    two = 0.05 + 2 * shape.transmit_seconds(wire)
+    assert min(seconds) >= two and min(seconds) == pytest.approx(0.25, rel=0.2)
+    busy = tx.stats().send_seconds  # each burst counted once (not per message): busy from send() to its last byte
+    assert 3 * shape.seconds(wire) + 3 * two <= busy <= sum(ones) + sum(seconds)
     a.close(), b.close()
 
 
