@@ -10,11 +10,14 @@ session cannot be replayed into a new one. Every message is then
 
 with seq counting up from 0 in each direction: a flipped byte anywhere fails a MAC (the fixed-size
 header has its own, so a forged length cannot make the reader wait for bytes that never come), and a
-replayed or reordered frame fails the sequence check. The hello is built the same way. No encryption: docs/cross_cluster.md says which tunnel to use.
+replayed or reordered frame fails the sequence check. The hello is built the same way, MAC'd with
+the shared key: fixed part | its MAC | JSON | MAC of both. No encryption: docs/cross_cluster.md
+says which tunnel to use.
 
 Each link has a sender thread (send() only queues: both sides can send large messages and then
 recv without deadlock) and a reader thread (receipt does not wait for the application, so a slow
-reader never stalls the other cluster's sender). `LinkShape` emulates a slow link in the sender."""
+reader never stalls the other cluster's sender; received messages wait in memory until recv()).
+`LinkShape` emulates a slow link in the sender."""
 
 from __future__ import annotations
 
@@ -35,7 +38,7 @@ RESTART = "the other cluster stopped or the link dropped; restart both clusters 
 _HEAD = struct.Struct(">QQ32s")  # seq, payload length, tag
 _HELLO = struct.Struct(">8sII32sI")  # magic, cluster id, rank, nonce, JSON length
 _MAGIC = b"EKCCLNK1"  # protocol name and version
-_MAX_HELLO_JSON = 1 << 16
+_MAX_HELLO_JSON = 1 << 20  # bytes of a hello's JSON
 _CONFIRM = "handshake"  # tag of message 0 in each direction: proves both sides hold the session key
 _SENDER_QUEUE = 64  # messages a link holds for its sender thread before send() waits
 
@@ -153,7 +156,10 @@ def _read_frame(conn: _Conn, skey: bytes, sender: int, expect_seq: int) -> tuple
     head = bytes(conn.read(_HEAD.size))
     seq, n, tag = _HEAD.unpack(head)
     who = _who(sender)
-    failed = f"message {expect_seq} from {conn.name} failed its HMAC check: a different key or tampered traffic; the job stops"
+    failed = (
+        f"message {expect_seq} from {conn.name} failed its HMAC check: a different key or tampered traffic; "
+        "the job stops"
+    )
     if not auth.verify(skey, conn.read(auth.MAC_BYTES), b"H", who, head):
         raise AuthError(failed)
     if seq != expect_seq:
@@ -179,6 +185,8 @@ def _handshake(
     peer hello). `peer` is the expected cluster id when connecting, `accept` the allowed ids when listening."""
     nonce = secrets.token_bytes(32)
     body = json.dumps(hello, sort_keys=True).encode("utf-8")
+    if len(body) > _MAX_HELLO_JSON:
+        raise LinkError(f"the hello for {conn.name} has {len(body)} bytes of JSON, more than {_MAX_HELLO_JSON}")
     head = _HELLO.pack(_MAGIC, me, rank, nonce, len(body))
     conn.send(head, auth.mac(key, b"hello-head", head), body, auth.mac(key, b"hello", head, body))
 
@@ -510,7 +518,8 @@ class CrossClusterLinks:
                 except OSError as e:
                     raise LinkError(
                         f"cluster {cluster_id} rank {rank} cannot listen on {listen[0]}:{listen[1]} "
-                        f"({e.strerror}): cross_cluster_peers[{cluster_id}] needs an address of this machine and a free base port"
+                        f"({e.strerror}): cross_cluster_peers[{cluster_id}] needs an address of this machine and "
+                        "a free base port"
                     ) from None
             for c in range(cluster_id):
                 host, port = where[c]
