@@ -8,6 +8,7 @@ import os
 import sys
 import tempfile
 
+from erniekit.config.cross_cluster_checks import check_cross_cluster, normalise_cross_cluster
 from erniekit.config.schema import TrainConfig, fields
 from erniekit.data.dataset_info import load_entry, parse_ref
 from erniekit.errors import ConfigError, DataError
@@ -66,6 +67,7 @@ def normalise(cfg: TrainConfig) -> TrainConfig:
     changes.update(_normalise_elastic(cfg))
     changes.update(_normalise_rl_lists(cfg))
     changes.update(_normalise_dataset_names(cfg))
+    changes.update(normalise_cross_cluster(cfg))
     return dataclasses.replace(cfg, **changes)
 
 
@@ -103,6 +105,7 @@ def check(cfg: TrainConfig) -> None:
     _check_online_distill(cfg)
     _check_distill(cfg)
     _check_control(cfg)
+    check_cross_cluster(cfg, _supports(cfg), None if cfg.distributed_mode == "ps" else layout_of(cfg))
     _flush_warnings()
 
 
@@ -373,6 +376,7 @@ def _check_online_distill(cfg: TrainConfig) -> None:
     """online_distill_students (docs/online_distillation.md): the chain of teachers, each student's shape
     against the model's, and what this version trains beside students."""
     _require(cfg.online_distill_every >= 1, "online_distill_every", cfg.online_distill_every, ">= 1")
+    _require(cfg.online_distill_start >= 0, "online_distill_start", cfg.online_distill_start, ">= 0")
     _require(0 <= cfg.online_distill_beta <= 1, "online_distill_beta", cfg.online_distill_beta, "in [0, 1]")
     _require(cfg.online_distill_temperature > 0, "online_distill_temperature", cfg.online_distill_temperature, "> 0")
     _require(0 <= cfg.online_distill_alpha <= 1, "online_distill_alpha", cfg.online_distill_alpha, "in [0, 1]")
@@ -589,6 +593,12 @@ def _check_parallel(cfg: TrainConfig) -> None:
         _check_pipeline(cfg, lay)
 
 
+def layout_of(cfg: TrainConfig):
+    from erniekit.distributed.collective.layout import layout_from_config
+
+    return layout_from_config(cfg.parallelism)
+
+
 def _check_distill(cfg: TrainConfig) -> None:
     """stage: Distill (erniekit/train/stages/distill.py): its teacher and options; the tokenizer and
     vocabulary match is checked once both are loaded."""
@@ -614,6 +624,7 @@ def _check_distill(cfg: TrainConfig) -> None:
         )
         _require(cfg.temperature > 0, "temperature", cfg.temperature, "> 0 (the student samples its replies)")
         _require(0 < cfg.top_p <= 1, "top_p", cfg.top_p, "in (0, 1]")
+    _check_distill_layout(cfg)
     teacher = cfg.teacher_name_or_path
     if not teacher:
         raise ConfigError(
@@ -630,6 +641,32 @@ def _check_distill(cfg: TrainConfig) -> None:
         raise ConfigError(
             f"teacher_name_or_path: {teacher} has no config.json; give a full checkpoint in Hugging Face layout "
             "(merge a LoRA adapter first: erniekit export)"
+        )
+
+
+def _check_distill_layout(cfg: TrainConfig) -> None:
+    """Layouts that split the student (tensor / expert / pipeline parallelism, sharding, parameter
+    servers) keep no teacher in memory: the loss reads its top-k cache, and on-policy steps (the
+    teacher scores the student's own samples) run in one process or plain data parallelism only."""
+    from erniekit.distributed.collective.layout import layout_from_config
+
+    if cfg.distributed_mode == "ps":
+        split = "distributed_mode=ps"
+    else:
+        lay = layout_from_config(cfg.parallelism)
+        split = lay.describe() if lay.world > 1 and not lay.data_only else None
+    if split is None:
+        return
+    if cfg.on_policy_ratio > 0:
+        raise ConfigError(
+            f"on_policy_ratio={cfg.on_policy_ratio}: on-policy steps score the student's samples with the teacher in "
+            f"memory, which runs in one process or plain data parallelism, not {split}; set on_policy_ratio=0"
+        )
+    if not cfg.teacher_topk_cache:
+        raise ConfigError(
+            f"stage Distill with {split} reads the teacher from its top-k cache (no training process keeps it): set "
+            "teacher_topk_cache=DIR (rank 0 builds it before the first step; teacher_topk = the vocabulary size "
+            "gives the exact loss)"
         )
 
 

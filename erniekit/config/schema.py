@@ -42,6 +42,9 @@ PS_SYNC_MODES = _spellings("sync", "async")
 PS_COMPRESSION = _spellings("none", "int8", "topk")
 PS_PLACEMENTS = _spellings("manual", "auto")
 DISTILL_LOSSES = _spellings("forward_kl", "reverse_kl", "jsd")
+CROSS_CLUSTER_SYNCS = _spellings("local", "gradients")
+CROSS_CLUSTER_OUTERS = _spellings("average", "nesterov")
+CROSS_CLUSTER_COMPRESSION = _spellings("none", "int8", "topk", "adaptive")
 
 
 def _opt(default: Any, help: str, choices: dict[str, str] | None = None) -> Any:
@@ -312,6 +315,11 @@ class TrainConfig:
         "with online_distill_students: weight in [0, 1] of each student's divergence; 1 - alpha on its own LM "
         "loss on the data's labels (1: soft labels only)",
     )
+    online_distill_start: int = _opt(
+        0,
+        "with online_distill_students: the optimizer step from which students learn the soft labels; before "
+        "it each student learns the data's labels only (a teacher that starts from scratch is no better yet)",
+    )
 
     # ### precision and runtime
     bf16: bool = _opt(False, "train in bfloat16 (needs a GPU)")
@@ -420,6 +428,55 @@ class TrainConfig:
     )
     ps_stage_workers: int = _opt(
         1, "with ps_placement auto: workers per pipeline stage (data-parallel copies of the pipeline)"
+    )
+
+    # ### training across clusters over a slow link (docs/cross_cluster.md)
+    cross_cluster_sizes: list[int] = _opt(
+        [],
+        "processes of each cluster, all on this machine (e.g. [2, 2]: two clusters of 2 over an emulated "
+        "link); [] = one cluster, or clusters on other machines (cross_cluster_peers)",
+    )
+    cross_cluster_id: int = _opt(-1, "this site's cluster index in cross_cluster_peers (clusters on separate machines)")
+    cross_cluster_peers: list[str] = _opt(
+        [], "host:port of every cluster's link in cluster order (rank r of a cluster listens on port + r)"
+    )
+    cross_cluster_sync: str = _opt(
+        "local",
+        "local: each cluster trains alone and the clusters sync parameters every cross_cluster_sync_every "
+        "steps (outer optimizer); gradients: plain data parallelism across clusters (every step)",
+        CROSS_CLUSTER_SYNCS,
+    )
+    cross_cluster_sync_every: int = _opt(16, "with cross_cluster_sync local: optimizer steps between syncs")
+    cross_cluster_outer: str = _opt(
+        "average",
+        "outer optimizer on the averaged change since the last sync: average (parameter averaging) or "
+        "nesterov (DiLoCo's outer Nesterov SGD)",
+        CROSS_CLUSTER_OUTERS,
+    )
+    cross_cluster_outer_lr: float = _opt(0.7, "with cross_cluster_outer nesterov: outer learning rate")
+    cross_cluster_outer_momentum: float = _opt(0.9, "with cross_cluster_outer nesterov: outer momentum")
+    cross_cluster_compress: str = _opt(
+        "int8",
+        "what a sync sends: none (float32), int8 (per-row scale), topk (cross_cluster_topk_ratio of each "
+        "row), all with error feedback; adaptive: interval and compression chosen from the measured link",
+        CROSS_CLUSTER_COMPRESSION,
+    )
+    cross_cluster_topk_ratio: float = _opt(0.1, "with cross_cluster_compress topk: fraction of each row sent")
+    cross_cluster_overlap_steps: int = _opt(
+        0, "local steps a sync's exchange runs behind (sent in the background); 0 = wait for it at the sync step"
+    )
+    cross_cluster_max_sync_fraction: float = _opt(
+        0.1, "with cross_cluster_compress adaptive: most of a step's time the visible sync may take"
+    )
+    cross_cluster_key_file: str | None = _opt(
+        None, "file with the shared key that authenticates cross-cluster messages (else env ERNIEKIT_CROSS_CLUSTER_KEY)"
+    )
+    cross_cluster_link_mbit: float = _opt(
+        0.0, "emulate a slow link: bandwidth of the cross-cluster messages in Mbit/s (0 = not emulated)"
+    )
+    cross_cluster_link_latency_ms: float = _opt(0.0, "emulate a slow link: one-way latency of each message in ms")
+    cross_cluster_timeout_s: float = _opt(
+        600.0, "longest wait for a message from the other cluster before the job stops"
     )
 
 
@@ -607,6 +664,25 @@ SECTION_KEYS: dict[str, tuple[str, ...]] = {
         "online_distill_beta",
         "online_distill_temperature",
         "online_distill_alpha",
+        "online_distill_start",
+    ),
+    "cross_cluster": (
+        "cross_cluster_sizes",
+        "cross_cluster_id",
+        "cross_cluster_peers",
+        "cross_cluster_sync",
+        "cross_cluster_sync_every",
+        "cross_cluster_outer",
+        "cross_cluster_outer_lr",
+        "cross_cluster_outer_momentum",
+        "cross_cluster_compress",
+        "cross_cluster_topk_ratio",
+        "cross_cluster_overlap_steps",
+        "cross_cluster_max_sync_fraction",
+        "cross_cluster_key_file",
+        "cross_cluster_link_mbit",
+        "cross_cluster_link_latency_ms",
+        "cross_cluster_timeout_s",
     ),
 }
 
