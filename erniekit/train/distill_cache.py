@@ -13,6 +13,9 @@ batch. The directory holds
 A cache built from another teacher, other data rows, another k or temperature is refused, never
 silently reused: the fingerprint names the teacher's files by size and modification time (a
 retrained teacher in the same directory counts as another) and hashes the rows' tokens.
+Rank 0 of a launched job builds it, the teacher in memory for the build only, outside the job's
+batch placement (plain tensors, no collective), and every other rank waits for the finished
+directory (`wait_for_cache`); the directory must be one every process of the job sees.
 Disk: positions x k x 8 bytes (the tiny default: 20000 rows x ~4 positions x 64 -> ~40 MB).
 """
 
@@ -22,6 +25,7 @@ import hashlib
 import json
 import os
 import shutil
+import time
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -32,6 +36,7 @@ from erniekit.train.losses import shifted_valid
 
 FORMAT = 1
 MANIFEST = "manifest.json"
+WAIT_S = 6 * 3600.0  # how long the other ranks wait for rank 0's build of a cache
 
 
 def teacher_files(path: str) -> list[list]:
@@ -114,6 +119,25 @@ def open_cache(directory: str, want: dict) -> TopKCache | None:
             "delete it to rebuild, or point teacher_topk_cache at a new directory"
         )
     return TopKCache(directory)
+
+
+def wait_for_cache(directory: str, want: dict, timeout_s: float = WAIT_S, poll_s: float = 0.2) -> TopKCache:
+    """The cache another process of the job is building (rank 0), once it is in place: the build
+    renames a finished directory into `directory`, so its appearance means complete. No collective:
+    the processes that wait may be any subset of the job (parameter-server workers without the
+    servers), and a long build meets no collective's timeout."""
+    deadline = time.monotonic() + timeout_s
+    while not os.path.exists(directory):
+        if time.monotonic() > deadline:
+            raise ConfigError(
+                f"teacher_topk_cache: {directory} did not appear within {timeout_s:.0f} s of waiting for rank 0 "
+                "to build it; check rank 0's log (launch_logs/ in output_dir), or build the cache first with a "
+                "1-process run of this config (max_steps=1)"
+            )
+        time.sleep(poll_s)
+    cache = open_cache(directory, want)
+    assert cache is not None  # it exists
+    return cache
 
 
 def build_cache(

@@ -97,6 +97,76 @@ def top_k(teacher_logits: paddle.Tensor, k: int, temperature: float = 1.0) -> To
     return TopK(ids.numpy().astype(np.int64), vals.numpy().astype(np.float32))
 
 
+def topk_loss_sum(
+    student_logp: paddle.Tensor,
+    teacher_logp: paddle.Tensor,
+    vocab: int,
+    kind: str = "forward_kl",
+    beta: float = 0.5,
+    temperature: float = 1.0,
+    weight: paddle.Tensor | None = None,
+) -> paddle.Tensor:
+    """T^2 x the divergence over the teacher's k tokens and the rest (k < vocab), summed over
+    positions. student_logp / teacher_logp [..., k]: log-probabilities (at temperature T) of the
+    teacher's top-k tokens; weight [...]: each position's weight (None: 1). Shared by every layout:
+    a plain process, DistTensor batches and the parameter-server head."""
+    s, t = student_logp, teacher_logp
+    if t.shape[-1] < vocab:  # the tokens outside the k: one bucket, their total mass
+        s, t = _with_tail(s), _with_tail(t)
+    # at k = V there is no rest: its float32 round-off (1 - sum ~ 1e-7) would weigh
+    # log(1e-7 / 1e-12) per position, ~1e-4 of a typical loss
+    d = divergence(s, t, kind, beta)
+    if weight is not None:
+        d = d * weight
+    return d.sum() * (temperature * temperature)
+
+
+def aligned_topk(top: TopK, labels: np.ndarray, segment_ids: np.ndarray | None = None) -> TopK:
+    """A TopK at the trained positions -> the same per position of the batch ([B, S, k]); the
+    positions that are not trained hold the first k ids at probability 1/k (finite, weighed 0)."""
+    B, S = labels.shape
+    k = top.ids.shape[1]
+    ids = np.broadcast_to(np.arange(k, dtype=np.int64), (B * S, k)).copy()
+    logp = np.full((B * S, k), -math.log(k), np.float32)
+    flat = trained_positions(labels, segment_ids)
+    if top.ids.shape[0] != len(flat):
+        raise ValueError(
+            f"the teacher's top-k cache has {top.ids.shape[0]} positions for a batch with {len(flat)} "
+            "trained positions; rebuild the cache for this data and max_seq_len"
+        )
+    ids[flat], logp[flat] = top.ids, top.logp
+    return TopK(ids.reshape(B, S, k), logp.reshape(B, S, k))
+
+
+def aligned_distill_loss_sum(
+    student_logits: paddle.Tensor,
+    teacher_ids: paddle.Tensor,
+    teacher_logp: paddle.Tensor,
+    weight: paddle.Tensor,
+    kind: str = "forward_kl",
+    beta: float = 0.5,
+    temperature: float = 1.0,
+) -> paddle.Tensor:
+    """`distill_loss_sum` against a top-k teacher given per position ([B, S, k], `aligned_topk`)
+    and the positions' weights [B, S] (1: trained): no gather of positions, only ops along the
+    vocabulary, so it runs on DistTensors split by rows (data ranks) and vocabulary (tp) alike."""
+    s = log_probs(_whole_last_axis(student_logits).astype("float32"), temperature)
+    s = paddle.take_along_axis(s, teacher_ids, axis=-1)
+    return topk_loss_sum(s, teacher_logp, student_logits.shape[-1], kind, beta, temperature, weight)
+
+
+def _whole_last_axis(t: paddle.Tensor) -> paddle.Tensor:
+    """A DistTensor split along its last axis (tensor parallelism's vocabulary-parallel logits)
+    gathered along it: Paddle 3.3's log-sum-exp and take_along_axis over a split axis compute each
+    rank's slice alone (measured: wrong values, no error)."""
+    if not t.is_dist() or not any(p.is_shard(t.ndim - 1) for p in t.placements):
+        return t
+    import paddle.distributed as dist
+
+    whole = [dist.Replicate() if p.is_shard(t.ndim - 1) else p for p in t.placements]
+    return dist.reshard(t, t.process_mesh, whole)
+
+
 def distill_loss_sum(
     student_logits: paddle.Tensor,
     labels: np.ndarray,
@@ -121,11 +191,6 @@ def distill_loss_sum(
             )
         V = s.shape[-1]
         s = paddle.take_along_axis(s, paddle.to_tensor(teacher.ids), axis=-1)
-        t = paddle.to_tensor(teacher.logp)
-        if teacher.ids.shape[1] < V:  # the tokens outside the k: one bucket, their total mass
-            s, t = _with_tail(s), _with_tail(t)
-        # at k = V there is no rest: its float32 round-off (1 - sum ~ 1e-7) would weigh
-        # log(1e-7 / 1e-12) per position, ~1e-4 of a typical loss
-    else:
-        t = log_probs(gather_positions(teacher.detach(), flat), temperature)
+        return topk_loss_sum(s, paddle.to_tensor(teacher.logp), V, kind, beta, temperature)
+    t = log_probs(gather_positions(teacher.detach(), flat), temperature)
     return divergence(s, t, kind, beta).sum() * (temperature * temperature)

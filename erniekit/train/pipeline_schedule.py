@@ -87,6 +87,7 @@ class PipelineStep:
     def __init__(self, topo: PipelineTopology, model, token_balance: bool = False):
         self.topo, self.model = topo, model
         self.loss_fn = token_balanced_loss_sum if token_balance else causal_lm_loss_sum
+        self.batch_loss = None  # (logits, batch) -> loss sum: a stage's own loss on the last stage (None: loss_fn)
         self.dtype = model.parameters()[0].dtype
         self.hidden = model.config.hidden_size
 
@@ -141,7 +142,10 @@ class PipelineStep:
             if aux is not None:
                 aux_sum += float(aux) * aw / m
             if topo.last:
-                ls = self.loss_fn(out, batch["labels"], batch["segment_ids"])
+                if self.batch_loss is not None:
+                    ls = self.batch_loss(out, batch)
+                else:
+                    ls = self.loss_fn(out, batch["labels"], batch["segment_ids"])
                 loss_sum += float(ls) * w
                 loss = ls * (w / max(n_units, 1))
                 out = loss + scaled_aux if scaled_aux is not None else loss

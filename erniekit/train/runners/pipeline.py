@@ -16,6 +16,11 @@ class PipelineRunner(LocalRunner):
         super().__init__(ctx, precision)
         self.pipe = PipelineStep(ctx.pipeline, model, token_balance)
 
+    def bind(self, trainer) -> None:
+        """A stage whose loss is not the LM loss gives it from the last stage's logits (`logits_loss`)."""
+        super().bind(trainer)
+        self.pipe.batch_loss = getattr(trainer.stage, "logits_loss", None)
+
     def forward_backward(self, trainer, micro: list[dict], n_units: int, specs: list) -> StepSums:
         loss_sum, aux_sum = self.pipe.run(
             micro,

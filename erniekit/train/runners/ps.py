@@ -22,6 +22,13 @@ class PSRunner(StepRunner):
         self.worker = worker
         self.token_balance = token_balance
         self.data_ranks = worker.data_ranks
+        self.token_terms = None  # the stage's loss as token log-probability terms (bind), None: the LM loss
+
+    def bind(self, trainer) -> None:
+        """A stage whose loss is not the LM loss gives it as terms of token log-probabilities
+        (`token_logp_terms`: the Distill stage), which the servers' head blocks compute."""
+        super().bind(trainer)
+        self.token_terms = getattr(trainer.stage, "token_logp_terms", None)
 
     def forward_backward(self, trainer, micro: list[dict], n_units: int, specs: list) -> StepSums:
         loss_sum, aux_sum = self.run(
@@ -93,9 +100,34 @@ class PSRunner(StepRunner):
         target = np.zeros(B * S, dtype="int64")
         target[:-1] = batch["labels"].reshape(-1)[1:]  # position t predicts labels[t+1] (row ends weigh 0)
         sel = paddle.gather(h, paddle.to_tensor(pos))
+        if self.token_terms is not None:
+            return self._terms_loss_and_grad(sel, self.token_terms(batch), w / max(n_units, 1), w)
         nll, lse = wk.head_loss(sel.detach(), target[pos])
         gh = wk.head_backward(lse, weight[pos] * w / max(n_units, 1))
         return float((nll * weight[pos]).sum()) * w, [sel], [gh]
+
+    def _terms_loss_and_grad(self, sel: paddle.Tensor, terms: list, scale: float, w: float) -> tuple[float, list, list]:
+        """A loss given as terms (T, ids [N, m], f: log softmax(z / T) at ids -> loss sum) of the
+        trained positions' states sel [N, H], through the servers' head blocks: each position's
+        state, divided by T, is sent once per id, so the servers' log-sum-exp and target logit give
+        the log-probability of every id. With g = df / d logp, the gradient of f in the logits is
+        sum_j g_j (e_j - p) = sum_j (-g_j) (p - e_j): the cross-entropy's gradient (p - e_target)
+        weighted by -g_j per (position, id) row, what the servers' head backward computes."""
+        wk = self.worker
+        total, tensors, grads = 0.0, [], []
+        for temperature, ids, f in terms:
+            n, m = ids.shape
+            if n != sel.shape[0]:
+                raise ValueError(f"a loss term names tokens for {n} positions, the batch trains {sel.shape[0]}")
+            rows = paddle.repeat_interleave(sel / temperature if temperature != 1.0 else sel, m, axis=0)
+            nll, lse = wk.head_loss(rows.detach(), ids.reshape(-1))
+            logp = paddle.to_tensor((-nll).reshape(n, m).astype("float32"), stop_gradient=False)
+            loss = f(logp)
+            (g,) = paddle.grad(loss, logp)
+            total += float(loss) * w
+            tensors.append(rows)
+            grads.append(wk.head_backward(lse, -g.numpy().reshape(-1) * scale))
+        return total, tensors, grads
 
     def _run_pipeline(self, micro: list[dict[str, np.ndarray]], n_units: int, on_forward=None) -> tuple[float, float]:
         """This segment's share of a step in the 1F1B order: F (pull or receive, its layers; on the

@@ -20,9 +20,13 @@ The teacher's logits come from a forward pass per batch, or from `teacher_topk_c
 log-probabilities on the training rows, computed once: erniekit/train/distill_cache.py); the
 cache serves the dataset's rows, so on-policy steps still need the teacher in memory.
 
-Parallel layouts: one process, or plain data parallelism (whole-model replicas, each rank scoring
-its rows with its own copy of the teacher); tensor / pipeline / expert parallelism, sharding and
-the parameter-server mode are refused at config validation (`Supports.data_parallel_only`).
+Parallel layouts (docs/distillation.md): one process and plain data parallelism (whole-model
+replicas) may keep the teacher in memory. Every other layout SFT runs (tensor / expert parallelism
+and sharding on DistTensors, pipeline stages, the parameter-server mode) reads the teacher from
+its cache only (config validation asks for `teacher_topk_cache` and refuses on-policy steps there),
+and the loss reaches the student's logits in that layout's own form: per-position teacher arrays
+placed like the labels (`aligned_distill_loss_sum`), the pipeline's last stage (`logits_loss`), or
+the servers' blocks of the LM head (`token_logp_terms`).
 """
 
 from __future__ import annotations
@@ -33,12 +37,21 @@ import paddle
 from erniekit.data.encode import encode_conversations
 from erniekit.data.formats import Conversation, load_sft_examples
 from erniekit.errors import ConfigError, DataError
-from erniekit.train.distill_losses import TopK, distill_loss_sum, gather_positions, top_k, trained_positions
+from erniekit.train.distill_losses import (
+    TopK,
+    aligned_distill_loss_sum,
+    aligned_topk,
+    distill_loss_sum,
+    gather_positions,
+    top_k,
+    topk_loss_sum,
+    trained_positions,
+)
 from erniekit.train.evaluation import baseline_exact_match, exact_match_eval, majority_reply
 from erniekit.train.losses import IGNORE_INDEX, causal_lm_loss_sum, count_target_tokens
 from erniekit.train.stage import LossOutput, Stage, Supports, lm_loss, model_inputs
 from erniekit.train.stages import register_stage
-from erniekit.utils.dtensor import barrier, is_main_process, scalar
+from erniekit.utils.dtensor import is_dist, is_main_process, scalar
 
 _ON_POLICY_STREAM = 0x6B64  # keeps the per-step on-policy draw apart from other uses of the seed
 
@@ -87,7 +100,7 @@ def prompts_of(batch: dict[str, np.ndarray]) -> list[list[int]]:
 class DistillStage(Stage):
     name = "Distill"
     aliases = ("KD", "GKD")
-    supports = Supports(row_losses=True, data_parallel_only=True)
+    supports = Supports(row_losses=True, pipeline=True, parameter_server=True)
     progress_keys = {"kd": "train/distill_loss"}
 
     # ---- data (the SFT stage's: chat-template rows, loss on the replies) --------------------
@@ -115,6 +128,7 @@ class DistillStage(Stage):
         from erniekit.models import registry
 
         self.cfg, self.tokenizer = cfg, tokenizer
+        self.vocab = model.config.vocab_size
         self.on_policy = False  # the current step's kind (step_batches sets it)
         self._stats: dict[str, float] = {}
         path = cfg.teacher_name_or_path
@@ -152,28 +166,33 @@ class DistillStage(Stage):
         return self.teacher(**model_inputs(batch)).logits
 
     def _open_or_build_cache(self, train_rows, cfg):
+        """Rank 0 opens or builds the cache (the teacher loaded for the build only); the other ranks
+        wait for it to be in place (distill_cache.wait_for_cache: no collective)."""
+        from erniekit.distributed.collective.runtime import placing_batches
         from erniekit.models import registry
-        from erniekit.train.distill_cache import build_cache, fingerprint, open_cache
+        from erniekit.train.distill_cache import build_cache, fingerprint, open_cache, wait_for_cache
 
         k = min(cfg.teacher_topk, registry.model_config(cfg.teacher_name_or_path).vocab_size)
         want = fingerprint(cfg.teacher_name_or_path, train_rows, k, cfg.distill_temperature)
         directory = cfg.teacher_topk_cache
-        if is_main_process():
-            cache = open_cache(directory, want)
-            if cache is None:
-                self.teacher = self._load_teacher()
-                pad = self.tokenizer.pad_token_id
+        if not is_main_process():
+            return wait_for_cache(directory, want)
+        cache = open_cache(directory, want)
+        if cache is not None:
+            return cache
+        self.teacher = self._load_teacher()
+        pad = self.tokenizer.pad_token_id
 
-                def batch_topk(rows):
-                    b = self.collate(rows, pad)
-                    logits = self.teacher_logits(b)
-                    flat = trained_positions(b["labels"], b["segment_ids"])
-                    return top_k(gather_positions(logits, flat), k, cfg.distill_temperature)
+        def batch_topk(rows):
+            b = self.collate(rows, pad)
+            logits = self.teacher_logits(b)
+            flat = trained_positions(b["labels"], b["segment_ids"])
+            return top_k(gather_positions(logits, flat), k, cfg.distill_temperature)
 
-                build_cache(directory, want, train_rows, batch_topk, cfg.per_device_eval_batch_size)
-                self.teacher = None  # loaded again below only if on-policy steps need it
-        barrier()  # rank 0 built it: every rank reads the same files
-        return open_cache(directory, want)
+        with placing_batches(None):  # plain tensors on rank 0 alone: the other ranks are not in this
+            cache = build_cache(directory, want, train_rows, batch_topk, cfg.per_device_eval_batch_size)
+        self.teacher = None  # loaded again by `prepare` only if on-policy steps need it
+        return cache
 
     # ---- one step's batches ---------------------------------------------------------------------
     def step_batches(self, model, micro, step):
@@ -227,24 +246,94 @@ class DistillStage(Stage):
         return self.teacher_logits(batch)
 
     def loss(self, model, batch) -> LossOutput:
-        cfg = self.cfg
-        teacher = self.teacher_for(batch)
         res = lm_loss(model, batch)  # the student's forward, its hard-label loss and router losses
-        kd = distill_loss_sum(
-            res.logits,
-            batch["labels"],
-            teacher,
+        kd = self._kd_sum(res.logits, batch)
+        res.metrics.update(distill_loss=scalar(kd), hard_loss=scalar(res.loss_sum))
+        res.loss_sum = self._mix(kd, res.loss_sum)
+        return res
+
+    def _mix(self, kd, hard):
+        a = self.cfg.distill_alpha
+        return kd if a == 1.0 else hard if a == 0.0 else a * kd + (1.0 - a) * hard
+
+    def _kd_sum(self, logits: paddle.Tensor, batch: dict[str, np.ndarray]) -> paddle.Tensor:
+        """T^2 x the divergence over the batch's trained positions. DistTensor logits (tensor /
+        expert parallelism, sharding) meet the cached teacher as per-position arrays placed like the
+        labels; plain logits the gathered positions."""
+        cfg = self.cfg
+        if not is_dist(logits):
+            teacher = self.teacher_for(batch)
+            return distill_loss_sum(
+                logits,
+                batch["labels"],
+                teacher,
+                cfg.distill_loss,
+                cfg.distill_beta,
+                cfg.distill_temperature,
+                batch["segment_ids"],
+            )
+        from erniekit.train.losses import batch_tensor
+
+        top = aligned_topk(self._cached(batch), batch["labels"], batch["segment_ids"])
+        weight = np.zeros(batch["labels"].shape, np.float32)
+        weight.reshape(-1)[trained_positions(batch["labels"], batch["segment_ids"])] = 1.0
+        return aligned_distill_loss_sum(
+            logits,
+            batch_tensor(top.ids),
+            batch_tensor(top.logp),
+            batch_tensor(weight),
             cfg.distill_loss,
             cfg.distill_beta,
             cfg.distill_temperature,
-            batch["segment_ids"],
         )
-        a = cfg.distill_alpha
-        hard = res.loss_sum
-        total = kd if a == 1.0 else hard if a == 0.0 else a * kd + (1.0 - a) * hard
-        res.metrics.update(distill_loss=scalar(kd), hard_loss=scalar(hard))
-        res.loss_sum = total
-        return res
+
+    def _cached(self, batch: dict[str, np.ndarray]) -> TopK:
+        """The cached teacher of a batch of dataset rows (the layouts without a teacher in memory)."""
+        if self.cache is None or not (batch["row_index"] >= 0).all():
+            raise ConfigError(
+                "stage Distill in this parallel layout reads the teacher from teacher_topk_cache only; set "
+                "teacher_topk_cache: DIR and on_policy_ratio: 0"
+            )
+        return self.cache.batch(batch["row_index"])
+
+    # ---- the loss where another runner owns the forward ----------------------------------------
+    def logits_loss(self, logits: paddle.Tensor, batch: dict[str, np.ndarray]) -> paddle.Tensor:
+        """The loss sum from the student's logits [B, S, V] of `batch` (a pipeline's last stage,
+        erniekit/train/runners/pipeline.py): the cached teacher, mixed with the labels' loss."""
+        hard = causal_lm_loss_sum(logits, batch["labels"], batch["segment_ids"])
+        return self._mix(self._kd_sum(logits, batch), hard)
+
+    def token_logp_terms(self, batch: dict[str, np.ndarray]) -> list[tuple[float, np.ndarray, object]]:
+        """The loss as terms of the student's log-probabilities of given tokens, for a runner that
+        never holds the whole LM head (the parameter-server workers, erniekit/train/runners/ps.py).
+        Each term: (temperature T, ids [N, m] at the N trained positions in order, f) with f mapping
+        log softmax(z / T) at those ids [N, m] to the term's loss sum; the loss is the terms' sum."""
+        cfg = self.cfg
+        a, T = cfg.distill_alpha, cfg.distill_temperature
+        flat = trained_positions(batch["labels"], batch["segment_ids"])
+        target = batch["labels"].reshape(-1)[flat + 1][:, None]  # position t's next token
+        top = self._cached(batch) if a > 0 else None
+        if top is not None and top.ids.shape[0] != len(flat):
+            raise ValueError(
+                f"the teacher's top-k cache has {top.ids.shape[0]} positions for a batch with {len(flat)} "
+                "trained positions; rebuild the cache for this data and max_seq_len"
+            )
+
+        def kd(s: paddle.Tensor) -> paddle.Tensor:
+            t = paddle.to_tensor(top.logp)
+            return a * topk_loss_sum(s, t, self.vocab, cfg.distill_loss, cfg.distill_beta, T)
+
+        def hard(s: paddle.Tensor) -> paddle.Tensor:
+            return -(1.0 - a) * s.sum()
+
+        if a == 0.0:
+            return [(1.0, target, hard)]
+        if a == 1.0:
+            return [(T, top.ids, kd)]
+        if T == 1.0:  # one request: the teacher's k tokens and the label side by side
+            k = top.ids.shape[1]
+            return [(1.0, np.concatenate([top.ids, target], 1), lambda s: kd(s[:, :k]) + hard(s[:, k:]))]
+        return [(T, top.ids, kd), (1.0, target, hard)]
 
     def step_metrics(self) -> dict[str, float]:
         out = {"train/on_policy": float(self.on_policy)}

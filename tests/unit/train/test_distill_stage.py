@@ -328,11 +328,15 @@ def test_vocabulary_mismatch_names_the_first_differing_id():
         (["distill_loss=tvd"], "distill_loss='tvd' is not supported; set distill_loss to one of: forward_kl"),
         (["packing=true"], "packing applies to the .* stages, not Distill"),
         (["loss_token_balance=true"], "loss_token_balance applies to the .* stages, not Distill"),
-        (["nproc_per_node=2", "tensor_parallel_degree=2"], "plain data parallelism only"),
-        (["nproc_per_node=2", "pipeline_parallel_degree=2"], "plain data parallelism only"),
-        (["nproc_per_node=2", "sharding=stage1"], "plain data parallelism only"),
-        (["nproc_per_node=2", "model_name_or_path=tiny-moe", "expert_parallel_degree=2"], "plain data parallelism"),
-        (["nproc_per_node=2", "distributed_mode=ps", "do_eval=false"], "distributed_mode=ps trains the"),
+        # layouts that split the student read the teacher's cache (tests/e2e/test_distill_layouts.py)
+        (["nproc_per_node=2", "tensor_parallel_degree=2"], "with tp=2 reads the teacher from its top-k cache"),
+        (
+            ["nproc_per_node=2", "pipeline_parallel_degree=2", "eval_generation=false"],
+            "with pp=2 reads the teacher from its top-k cache",
+        ),
+        (["nproc_per_node=2", "sharding=stage1"], "with sharding=2 sharding stage1 reads the teacher"),
+        (["nproc_per_node=2", "model_name_or_path=tiny-moe", "expert_parallel_degree=2"], "ep=2 reads the teacher"),
+        (["nproc_per_node=2", "distributed_mode=ps", "do_eval=false"], "with distributed_mode=ps reads the teacher"),
         (["elastic_depth=[1]"], "elastic_\\* sub-model training applies to"),
     ],
 )
