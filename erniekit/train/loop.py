@@ -113,9 +113,11 @@ class Trainer:
 
     def maybe_resume(self) -> None:
         path = resolve_resume(self.cfg.resume_from_checkpoint, self.cfg.output_dir)
+        path = self.runner.agree_resume(path)  # clusters over a slow link: a checkpoint all of them hold
         if path is None:
             return
         st = load_checkpoint(path, self.model, self.optimizer, partial=self.runner.partial)
+        self.runner.load_state(path)
         self.step, self.consumed = st["global_step"], st["consumed_micro_batches"]
         self.stage.load_checkpoint_tensors(path)
         ema_file = os.path.join(path, EMA_NAME)
@@ -132,6 +134,7 @@ class Trainer:
 
     def save(self) -> str:
         path = os.path.join(self.cfg.output_dir, f"checkpoint-{self.step}")
+        self.runner.save_state(path)  # this process's own state beside the checkpoint (cross-cluster sync)
         self.logger.flush()  # every step up to this checkpoint on disk: a kill leaves no hole before it
         extra = dict(self.stage.checkpoint_tensors())
         if self.ema is not None:
@@ -160,6 +163,7 @@ class Trainer:
         micro = [self.batches.get(self.consumed + i) for i in range(cfg.gradient_accumulation_steps)]
         micro = self.stage.step_batches(self.model, micro, self.step)  # RL: rollouts from the current policy
         n_units = sum(self.stage.normalizer(b) for b in micro)  # trained tokens (LM) or pairs (DPO)
+        micro, n_units = self.runner.cluster_share(micro, n_units, self.stage.normalizer)  # across clusters
         lr = lr_at(
             self.step,
             self.total_steps,

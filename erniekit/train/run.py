@@ -177,6 +177,10 @@ def _run_joined(cfg, topology, device: str, log) -> dict:
         from erniekit.train.runners import collective_runner
 
         runner = collective_runner(ctx, model, stage, cfg.precision, cfg.elastic_distill_weight)
+    if cfg.cross_cluster_id >= 0:  # this cluster's runner, joined to the others over the link
+        from erniekit.train.runners.cross_cluster import CrossClusterRunner
+
+        runner = CrossClusterRunner(runner, cfg, ctx)
     trainer = Trainer(cfg, model, tokenizer, stage, train_rows, eval_data, log=log, runner=runner)
     results = _train_and_evaluate(cfg, trainer, eval_data, ctx is not None, log)
     _save_final(cfg, trainer)

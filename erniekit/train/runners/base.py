@@ -48,6 +48,21 @@ class StepRunner:
     def after_update(self, step: int, final: bool = False) -> None:
         """After the optimizer update of `step` (1-based), before the next step."""
 
+    def cluster_share(self, micro: list[dict], n_units: int, normalizer) -> tuple[list[dict], int]:
+        """This cluster's rows of a step's global micro-batches and the count its loss is divided by
+        (training across clusters: erniekit/train/runners/cross_cluster.py); one cluster: all of them."""
+        return micro, n_units
+
+    def agree_resume(self, path: str | None) -> str | None:
+        """The checkpoint to resume from, agreed with whoever must resume from the same step."""
+        return path
+
+    def save_state(self, path: str) -> None:
+        """Before checkpoint `path` is written: state this process keeps beside it."""
+
+    def load_state(self, path: str) -> None:
+        """After the loop resumed from checkpoint `path`."""
+
     def agree_stop(self, local: int) -> int:
         """The stop signal of any process of the job, the same on every rank (0: go on)."""
         return local

@@ -1,0 +1,204 @@
+"""Training across clusters over a link (docs/cross_cluster.md) through the CLI: two clusters on this
+machine, each its own `erniekit train` job, joined by the authenticated cross-cluster link."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from launched_jobs import concurrently, free_port, head_of
+from safetensors.numpy import load_file
+
+from erniekit.distributed.cross_cluster.compress import payload_nbytes
+from erniekit.distributed.cross_cluster.link import frame_bytes
+
+pytestmark = pytest.mark.e2e
+
+ROOT = str(Path(__file__).resolve().parents[2])
+DATA = os.path.join(ROOT, "examples", "data", "arithmetic", "train.jsonl")
+
+
+def _args(out, steps=8, batch=8, **extra):
+    args = [
+        "model_name_or_path=tiny-dense",
+        "model_overrides.num_hidden_layers=2",
+        f"train_dataset_path={head_of(DATA, 2000)}",
+        "max_seq_len=32",
+        f"per_device_train_batch_size={batch}",
+        f"max_steps={steps}",
+        "learning_rate=3e-3",
+        "warmup_steps=2",
+        "logging_steps=1",
+        "do_eval=false",
+        "save_steps=4",
+        "disable_tqdm=true",
+        f"output_dir={out}",
+    ]
+    return args + [f"{k}={v}" for k, v in extra.items()]
+
+
+def _run(args, env=None, **kw):
+    env = dict(os.environ, OMP_NUM_THREADS="1", **(env or {}))
+    return subprocess.run(
+        [sys.executable, "-m", "erniekit", "train", *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        **kw,
+    )
+
+
+def _ok(r):
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    return r
+
+
+def _losses(out):
+    rows = [json.loads(line) for line in open(os.path.join(out, "vdl_log", "scalars.jsonl"))]
+    by_step = {r["step"]: r["train/loss"] for r in rows if "train/loss" in r}
+    return np.array([by_step[s] for s in sorted(by_step)])
+
+
+def _weights(out):
+    return load_file(os.path.join(out, "model.safetensors"))
+
+
+def _n_params(out):
+    return sum(v.size for v in _weights(out).values())
+
+
+def test_gradients_mode_is_one_data_parallel_job(tmp_path):
+    """Two clusters summing gradients over the link train exactly as one process on their global batch."""
+    one, two = tmp_path / "one", tmp_path / "two"
+    concurrently(
+        lambda: _ok(_run(_args(one, batch=8))),
+        lambda: _ok(_run(_args(two, batch=4, cross_cluster_sizes="[1,1]", cross_cluster_sync="gradients"))),
+    )
+    np.testing.assert_allclose(_losses(two), _losses(one), rtol=0, atol=2e-5)
+    np.testing.assert_allclose(_losses(two / "cluster-1"), _losses(one), rtol=0, atol=2e-5)
+    a, b = _weights(one), _weights(two)
+    for k in a:
+        np.testing.assert_allclose(b[k], a[k], rtol=0, atol=1e-5, err_msg=k)
+    res = json.loads((two / "train_results.json").read_text())["cross_cluster"]
+    gradient = frame_bytes("grad/1", 4 * (_n_params(one) + 2))  # every gradient and the two loss sums
+    assert res["sync"] == "gradients" and res["steps"] == 8
+    assert gradient <= res["bytes_sent_per_step"] < gradient * 1.02  # + the handshake, once
+
+
+def test_local_sync_keeps_the_clusters_identical_and_resumes_from_a_common_checkpoint(tmp_path):
+    out = tmp_path / "local"
+    sync = dict(cross_cluster_sizes="[1,1]", cross_cluster_sync_every=4, cross_cluster_compress="int8")
+    r = _ok(_run(_args(out, steps=12, **sync)))
+    a, b = _weights(out), _weights(out / "cluster-1")
+    assert all(np.array_equal(a[k], b[k]) for k in a)  # the final sync: bit-identical models
+    assert not np.array_equal(_losses(out), _losses(out / "cluster-1"))  # different rows between syncs
+    res = json.loads((out / "train_results.json").read_text())["cross_cluster"]
+    per_sync = frame_bytes("outer/4", payload_nbytes("int8", _n_params(out), 0.1))
+    assert res["syncs"] == 3 and per_sync * 3 / 12 <= res["bytes_sent_per_step"] < per_sync * 3 / 12 * 1.05
+    for d in (out, out / "cluster-1"):  # the sync state of each checkpoint (written at a sync)
+        assert sorted(os.listdir(d / "cross_cluster_state")) == ["checkpoint-12", "checkpoint-4", "checkpoint-8"]
+    assert "emulated link" not in r.stdout
+    # cluster 1 lost its newest checkpoint: both resume from the newest one they both hold
+    import shutil
+
+    shutil.rmtree(out / "cluster-1" / "checkpoint-12")
+    r = _ok(_run(_args(out, steps=16, resume_from_checkpoint="auto", **sync)))
+    assert r.stdout.count("resumed from") == 2 and "checkpoint-8 at step 8" in r.stdout
+    a, b = _weights(out), _weights(out / "cluster-1")
+    assert all(np.array_equal(a[k], b[k]) for k in a)
+
+
+def _site(out, cid, peers, key_file, steps, **extra):
+    args = _args(
+        out,
+        steps=steps,
+        batch=4,
+        cross_cluster_id=cid,
+        cross_cluster_peers=f"[{','.join(peers)}]",
+        cross_cluster_key_file=key_file,
+        cross_cluster_sync_every=2,
+        **extra,
+    )
+    return [sys.executable, "-m", "erniekit", "train", *args]
+
+
+def _key(path, text):
+    path.write_text(text)
+    path.chmod(0o600)
+    return str(path)
+
+
+def test_a_lost_cluster_stops_the_other_with_one_line_and_both_resume(tmp_path):
+    """Two sites started by hand (cross_cluster_id / peers, a key file): killing one stops the other
+    at its next sync, naming the peer; started again, both resume from the checkpoint both hold."""
+    key = _key(tmp_path / "cc.key", "k" * 40)
+    peers = [f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"]
+    outs = [tmp_path / "site0", tmp_path / "site1"]
+    slow = dict(cross_cluster_link_latency_ms=150)  # each sync waits: the kill lands mid-run
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    procs = [
+        subprocess.Popen(
+            _site(outs[c], c, peers, key, 40, **slow),
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for c in (0, 1)
+    ]
+    deadline = time.time() + 120
+    while not (outs[1] / "checkpoint-4").is_dir():
+        assert time.time() < deadline and procs[1].poll() is None, procs[1].communicate()[0][-3000:]
+        time.sleep(0.1)
+    procs[1].send_signal(signal.SIGKILL)
+    out0 = procs[0].communicate(timeout=120)[0]
+    procs[1].wait()
+    assert procs[0].returncode != 0
+    last = [line for line in out0.splitlines() if line.strip()][-1]
+    assert "cluster 1 rank 0" in last and "resume_from_checkpoint=auto" in last, out0[-2000:]
+    assert "k" * 40 not in out0
+    held = [
+        {int(p.name.split("-")[1]) for p in o.glob("checkpoint-*") if (o / "cross_cluster_state" / p.name).is_dir()}
+        for o in outs
+    ]
+    common = max(held[0] & held[1])
+    rs = concurrently(
+        *(lambda c=c: _run(_site(outs[c], c, peers, key, 40, resume_from_checkpoint="auto")[4:]) for c in (0, 1))
+    )
+    for r in rs:
+        _ok(r)
+        step = int(r.stdout.split("checkpoint-")[1].split(" at step")[0]) if "resumed from" in r.stdout else 0
+        assert step == common and step >= 4
+    a, b = _weights(outs[0]), _weights(outs[1])
+    assert all(np.array_equal(a[k], b[k]) for k in a)
+
+
+def test_a_cluster_with_another_key_is_refused_in_one_line(tmp_path):
+    peers = [f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"]
+    keys = [_key(tmp_path / "a.key", "a" * 32), _key(tmp_path / "b.key", "b" * 32)]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    procs = [
+        subprocess.Popen(
+            _site(tmp_path / f"s{c}", c, peers, keys[c], 4),
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for c in (0, 1)
+    ]
+    outs = [p.communicate(timeout=120)[0] for p in procs]
+    lasts = [[line for line in out.splitlines() if line.strip()][-1] for out in outs]
+    assert any("failed its HMAC check" in last for last in lasts), lasts  # whoever checks first says why;
+    for p, out, last in zip(procs, outs, lasts):  # the other may only see the link close under it
+        assert p.returncode != 0 and last.startswith("error: ") and "127.0.0.1:" in last, out[-2000:]
+        assert "a" * 32 not in out and "b" * 32 not in out
