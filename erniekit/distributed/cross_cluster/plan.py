@@ -463,8 +463,8 @@ def recommend(
     else:
         target = f"visible sync at most {max_sync_fraction:.0%} of the step"
         meets = [r for r in table[1:] if r.sync_fraction <= max_sync_fraction]
-    if meets:
-        return Recommendation(target, meets[0], table)
+    if meets:  # as the adaptive run chooses: a dense codec at any interval before top-k
+        return Recommendation(target, min(meets, key=lambda r: r.compress == "topk"), table)
     best = max(table, key=lambda r: r.tokens_per_s)
     why = (
         f"no interval up to {max(intervals)} meets {target} on {sites.name} (best: {best.describe()}, "

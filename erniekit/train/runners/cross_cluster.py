@@ -104,7 +104,8 @@ class CrossClusterRunner(StepRunner):
         self.adaptive = cfg.cross_cluster_compress == "adaptive" and self.mode == "local"
         self.meter = None  # LinkMeter (adaptive)
         self._compute = [0.0, 0]  # seconds of local work and steps since the last sync
-        self._clock = (time.perf_counter(), 0.0)  # (time, t_link) at the last step's end
+        self._clock: tuple[float, float] | None = None  # (time, t_link) at the last step's end
+        self._compute_total = 0.0
         self._headers: dict[int, tuple[float, float, float]] = {}  # cluster -> its measurements (adaptive)
 
     # ---- the wrapped runner ------------------------------------------------------------------
@@ -241,12 +242,7 @@ class CrossClusterRunner(StepRunner):
         intervals = tuple(i for i in INTERVALS if i > self.overlap)
         measured = (max(x[0] for x in h), self.chunk, min(x[1] for x in h), max(x[2] for x in h))
         kw = dict(intervals=intervals, topk_ratio=self.cfg.cross_cluster_topk_ratio, n_clusters=self.n)
-        frac = self.cfg.cross_cluster_max_sync_fraction
-        # top-k leaves most of each delta in the error feedback, so every sync pulls the clusters back
-        # toward an anchor that moved little: a longer interval with int8 first, top-k only if that fails
-        pick = choose(*measured, frac, self.overlap, kinds=("none", "int8"), **kw)
-        if not pick.meets:
-            pick = choose(*measured, frac, self.overlap, **kw)
+        pick = choose(*measured, self.cfg.cross_cluster_max_sync_fraction, self.overlap, **kw)
         code = INTERVALS.index(pick.interval) * len(KINDS) + KINDS.index(pick.kind)
         if self.world > 1:
             t = paddle.to_tensor([code], dtype="int64")
@@ -284,6 +280,8 @@ class CrossClusterRunner(StepRunner):
         return mine, sum(normalizer(b) for b in mine)
 
     def forward_backward(self, trainer, micro, n_units: int, specs: list) -> StepSums:
+        if self._clock is None:  # the first step of this run (resumed or not) starts the clock
+            self._clock = (time.perf_counter(), self.t_link)
         sums = self.inner.forward_backward(trainer, micro, n_units, specs)
         if self.mode == "gradients":
             self._sum_gradients(trainer, sums)
@@ -331,8 +329,10 @@ class CrossClusterRunner(StepRunner):
         self.inner.after_update(step, final)
         self.step = step
         now, t_link = time.perf_counter(), self.t_link
-        self._compute[0] += (now - self._clock[0]) - (t_link - self._clock[1])  # this step's own work
+        own = (now - self._clock[0]) - (t_link - self._clock[1])  # this step's own work, link waits excluded
+        self._compute[0] += own
         self._compute[1] += 1
+        self._compute_total += own
         if self.mode != "local":
             self.synced_at = step
         else:
@@ -392,6 +392,7 @@ class CrossClusterRunner(StepRunner):
                 "bytes_received": st.bytes_received,
                 "bytes_sent_per_step": st.bytes_sent / steps,
                 "link_wait_s_per_step": self.t_link / steps,
+                "compute_s_per_step": self._compute_total / steps,
                 "syncs": len(self.outer_sync.history) if self.outer_sync is not None else self.step,
             }
             self.links.close()

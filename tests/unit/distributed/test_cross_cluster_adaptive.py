@@ -18,14 +18,21 @@ NONE_B, INT8_B, TOPK_B = 13 + 4 * N, 13 + N + 4 * 977, 13 + 977 * 11 * 6  # topk
 
 def test_choose_hand_computed_cases():
     # interval 1: none 0.05 + 4e6/12.5e6 = 0.37 s, int8 0.05 + 0.0803 = 0.130 s, topk 0.05 + 0.00516 = 0.0552 s
+    # a dense codec at any interval comes before top-k: interval 1 int8 13% misses 10%, interval 2 int8 6.5% meets
     c = choose(1.0, N, BW, LAT, max_fraction=0.1, overlap_steps=0)
-    assert (c.interval, c.kind, c.payload_bytes, c.meets) == (1, "topk", TOPK_B, True)
-    assert c.sync_s == pytest.approx(LAT + TOPK_B / BW, rel=1e-12)
+    assert (c.interval, c.kind, c.payload_bytes, c.meets) == (2, "int8", INT8_B, True)
+    assert c.sync_s == pytest.approx(LAT + INT8_B / BW, rel=1e-12)
+    assert c.fraction == pytest.approx((LAT + INT8_B / BW) / 2, rel=1e-12)
+    # top-k only as the last resort: with top-k alone, interval 1 (5.5%) meets 10%
+    c = choose(1.0, N, BW, LAT, max_fraction=0.1, overlap_steps=0, kinds=("topk",))
+    assert (c.interval, c.kind, c.payload_bytes) == (1, "topk", TOPK_B)
     assert c.fraction == pytest.approx(LAT + TOPK_B / BW, rel=1e-12)
-    # a 5% target: interval 1 topk (5.5%) misses; interval 2: none 18.5%, int8 6.5%, topk 2.76% -> (2, topk)
+    # no interval up to 4 meets 0.5% densely (int8 at 4: 3.3%); top-k at interval 4 does (1.4%)
+    c = choose(1.0, N, BW, LAT, max_fraction=0.015, overlap_steps=0, intervals=(1, 2, 4))
+    assert (c.interval, c.kind) == (4, "topk")
+    # a 5% target: int8 at interval 4 (3.3%) before top-k at interval 2 (2.76%)
     c = choose(1.0, N, BW, LAT, max_fraction=0.05, overlap_steps=0)
-    assert (c.interval, c.kind) == (2, "topk")
-    assert c.fraction == pytest.approx((LAT + TOPK_B / BW) / 2, rel=1e-12)
+    assert (c.interval, c.kind) == (4, "int8")
     # without topk the same target needs int8 at interval 4: 0.1303 / 4 = 3.3% (interval 2: 6.5%)
     c = choose(1.0, N, BW, LAT, max_fraction=0.05, overlap_steps=0, kinds=("int8", "none"))
     assert (c.interval, c.kind) == (4, "int8")

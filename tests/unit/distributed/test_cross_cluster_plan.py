@@ -88,16 +88,23 @@ def _meets_fraction(r, f):
     return r.sync_fraction <= f
 
 
+def _before(r, c) -> bool:
+    """r comes before c in the recommendation's order: dense codecs (none < int8) at every interval, smallest
+    interval first, then top-k (adaptive.DENSE)."""
+    return (r.compress == "topk", r.sync_every, X.KINDS.index(r.compress)) < (
+        c.compress == "topk",
+        c.sync_every,
+        X.KINDS.index(c.compress),
+    )
+
+
 @pytest.mark.parametrize("fraction", [0.3, 0.1, 0.02])
 def test_recommendation_is_the_smallest_interval_then_least_lossy_compression_meeting_the_fraction(fraction):
     rec = X.recommend(JOB, _sites(), fraction, measured_step_s=0.5)
     c = rec.choice
     assert c is not None and c.sync_fraction <= fraction and c.mode == "local"
     for r in rec.table[1:]:
-        earlier = r.sync_every < c.sync_every or (
-            r.sync_every == c.sync_every and X.KINDS.index(r.compress) < X.KINDS.index(c.compress)
-        )
-        if earlier:
+        if _before(r, c):
             assert r.sync_fraction > fraction, r.describe()
     assert rec.table[0].mode == "gradients" and len(rec.table) == 1 + len(X.INTERVALS) * len(X.KINDS)
 
@@ -107,7 +114,7 @@ def test_recommendation_for_a_tokens_per_s_target_and_when_nothing_meets_it():
     want = 1.3 * gradients.tokens_per_s  # of at most 0.72 / 0.5 = 1.44 without any sync
     rec = X.recommend(JOB, _sites(), None, want, measured_step_s=0.5)
     assert rec.choice.tokens_per_s >= want
-    assert all(r.tokens_per_s < want for r in rec.table[1:] if r.sync_every < rec.choice.sync_every)
+    assert all(r.tokens_per_s < want for r in rec.table[1:] if _before(r, rec.choice))
     ceiling = 2 * 16 * 32 / 0.5  # no sync at all
     rec = X.recommend(JOB, _sites(), None, ceiling * 1.01, measured_step_s=0.5)
     assert rec.choice is None and "no interval up to 256" in rec.why and "\n" not in rec.why
