@@ -82,7 +82,7 @@ def test_row_ranges_and_owners():
             r"splits the batch over its workers \(and pipeline stages\) only; drop tensor_parallel_degree=2",
         ),
         ({"do_eval": True}, "does not evaluate in this version"),
-        ({"stage": "DPO"}, "trains the pretrain and SFT stages, not stage=DPO"),
+        ({"stage": "DPO"}, "trains the Distill, pretrain and SFT stages, not stage=DPO"),
     ],
 )
 def test_ps_config_errors_are_one_line(kw, match):
