@@ -105,7 +105,7 @@ def check(cfg: TrainConfig) -> None:
     _check_online_distill(cfg)
     _check_distill(cfg)
     _check_control(cfg)
-    check_cross_cluster(cfg, _supports(cfg), None if cfg.distributed_mode == "ps" else layout_of(cfg))
+    check_cross_cluster(cfg, _supports(cfg))
     _flush_warnings()
 
 
@@ -591,12 +591,6 @@ def _check_parallel(cfg: TrainConfig) -> None:
         )
     if lay.pp > 1:
         _check_pipeline(cfg, lay)
-
-
-def layout_of(cfg: TrainConfig):
-    from erniekit.distributed.collective.layout import layout_from_config
-
-    return layout_from_config(cfg.parallelism)
 
 
 def _check_distill(cfg: TrainConfig) -> None:

@@ -26,8 +26,8 @@ def normalise_cross_cluster(cfg) -> dict:
     return {"nproc_per_node": sizes[0]}
 
 
-def check_cross_cluster(cfg, supports, layout) -> None:
-    """supports: the stage's Supports; layout: a cluster's resolved Layout (None in ps mode)."""
+def check_cross_cluster(cfg, supports) -> None:
+    """supports: the stage's Supports. Every collective layout runs inside a cluster unchanged."""
     sites = cfg.cross_cluster_id >= 0 or bool(cfg.cross_cluster_peers)
     if not cfg.cross_cluster_sizes and not sites:
         return
@@ -83,12 +83,6 @@ def check_cross_cluster(cfg, supports, layout) -> None:
         raise ConfigError(
             f"stage {cfg.stage} with cross-cluster training: RL stages sample rollouts per step, not run across "
             "clusters in this version; use an SFT, pretrain, DPO or Distill stage"
-        )
-    if layout is not None and (layout.tp > 1 or layout.ep > 1 or layout.sharding_stage):
-        raise ConfigError(
-            f"cross-cluster training with {layout.describe()} inside a cluster: this version syncs clusters of one "
-            "process, data-parallel replicas or pipeline stages; set tensor_parallel_degree and "
-            "expert_parallel_degree to 1 and no sharding"
         )
     if cfg.online_distill_students or cfg.fp16:
         raise ConfigError(

@@ -202,3 +202,23 @@ def test_a_cluster_with_another_key_is_refused_in_one_line(tmp_path):
     for p, out, last in zip(procs, outs, lasts):  # the other may only see the link close under it
         assert p.returncode != 0 and last.startswith("error: ") and "127.0.0.1:" in last, out[-2000:]
         assert "a" * 32 not in out and "b" * 32 not in out
+
+
+def test_layouts_inside_the_clusters(tmp_path):
+    """Each cluster runs its own layout unchanged: tensor parallel clusters summing gradients over the link
+    train as one process on the global batch; expert-parallel MoE clusters end bit-identical after a sync."""
+    one, tp, ep = tmp_path / "one", tmp_path / "tp", tmp_path / "ep"
+    both = dict(cross_cluster_sizes="[2,2]")
+    concurrently(
+        lambda: _ok(_run(_args(one, steps=4, batch=16))),
+        lambda: _ok(_run(_args(tp, steps=4, tensor_parallel_degree=2, cross_cluster_sync="gradients", **both))),
+        lambda: _ok(
+            _run(
+                _args(ep, steps=4, expert_parallel_degree=2, cross_cluster_sync_every=2, **both)
+                + ["model_name_or_path=tiny-moe"]
+            )
+        ),
+    )
+    np.testing.assert_allclose(_losses(tp), _losses(one), rtol=0, atol=2e-5)
+    a, b = _weights(ep), _weights(ep / "cluster-1")
+    assert all(np.array_equal(a[k], b[k]) for k in a) and any("experts" in k for k in a)

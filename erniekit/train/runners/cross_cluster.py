@@ -52,8 +52,9 @@ class FlatParams:
     """A rank's trainable tensors as one float32 vector, read and written in place."""
 
     def __init__(self, tensors: list[paddle.Tensor]):
-        self.tensors = tensors
-        self.sizes = [int(np.prod(t.shape)) if t.shape else 1 for t in tensors]
+        # a DistTensor's own shard (tensor / expert parallel, sharding): rank r of every cluster holds the same one
+        self.tensors = [t._local_value() if t.is_dist() else t for t in tensors]
+        self.sizes = [int(np.prod(t.shape)) if t.shape else 1 for t in self.tensors]
         self.n = sum(self.sizes)
 
     def read(self) -> np.ndarray:
