@@ -156,14 +156,18 @@ def aligned_distill_loss_sum(
 
 
 def _whole_last_axis(t: paddle.Tensor) -> paddle.Tensor:
-    """A DistTensor split along its last axis (tensor parallelism's vocabulary-parallel logits)
-    gathered along it: Paddle 3.3's log-sum-exp and take_along_axis over a split axis compute each
-    rank's slice alone (measured: wrong values, no error)."""
-    if not t.is_dist() or not any(p.is_shard(t.ndim - 1) for p in t.placements):
+    """A DistTensor split along its last axis (tensor parallelism's vocabulary-parallel logits), or
+    held as partial sums, made whole along it: Paddle 3.3's log-sum-exp and take_along_axis over a
+    split axis compute each rank's slice alone (measured: wrong values, no error)."""
+
+    def split(p) -> bool:
+        return p.is_shard(t.ndim - 1) or p.is_partial()
+
+    if not t.is_dist() or not any(split(p) for p in t.placements):
         return t
     import paddle.distributed as dist
 
-    whole = [dist.Replicate() if p.is_shard(t.ndim - 1) else p for p in t.placements]
+    whole = [dist.Replicate() if split(p) else p for p in t.placements]
     return dist.reshard(t, t.process_mesh, whole)
 
 
