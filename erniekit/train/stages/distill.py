@@ -31,6 +31,8 @@ the servers' blocks of the LM head (`token_logp_terms`).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import paddle
 
@@ -303,7 +305,7 @@ class DistillStage(Stage):
         hard = causal_lm_loss_sum(logits, batch["labels"], batch["segment_ids"])
         return self._mix(self._kd_sum(logits, batch), hard)
 
-    def token_logp_terms(self, batch: dict[str, np.ndarray]) -> list[tuple[float, np.ndarray, object]]:
+    def token_logp_terms(self, batch: dict[str, np.ndarray]) -> list[tuple[float, np.ndarray, Callable]]:
         """The loss as terms of the student's log-probabilities of given tokens, for a runner that
         never holds the whole LM head (the parameter-server workers, erniekit/train/runners/ps.py).
         Each term: (temperature T, ids [N, m] at the N trained positions in order, f) with f mapping
