@@ -88,6 +88,8 @@ class OnlineDistill:
         self.kind, self.beta = cfg.online_distill_loss, cfg.online_distill_beta
         self.temperature = cfg.online_distill_temperature
         self.alpha = cfg.online_distill_alpha
+        self.start = cfg.online_distill_start
+        self.distilling = True  # the current step is past online_distill_start: soft labels count
         self.students: dict[str, paddle.nn.Layer] = {}
         self.aux: dict[str, AuxiliaryLayer] = {}
         self.active = True  # the students learn in the current step
@@ -117,6 +119,7 @@ class OnlineDistill:
     # ---- the loss ---------------------------------------------------------------------------------
     def step_batches(self, model, micro, step: int):
         self.active = step % self.every == 0
+        self.distilling = step >= self.start
         return super().step_batches(model, micro, step)
 
     def loss(self, model, batch) -> LossOutput:
@@ -131,19 +134,22 @@ class OnlineDistill:
         total, aux_losses = res.loss_sum, [res.aux_loss] if res.aux_loss is not None else []
         for spec in self.specs:
             out = self.students[spec.name](**inputs)
-            kd = distill_loss_sum(
-                out.logits,
-                batch["labels"],
-                logits[spec.teacher],
-                self.kind,
-                self.beta,
-                self.temperature,
-                batch["segment_ids"],
-            )
-            res.metrics[f"{spec.name}_distill"] = scalar(kd)
-            if self.alpha < 1.0:  # the data's own labels beside the soft ones
+            alpha = self.alpha if self.distilling else 0.0  # before online_distill_start: labels only
+            kd = None
+            if alpha > 0.0:
+                kd = distill_loss_sum(
+                    out.logits,
+                    batch["labels"],
+                    logits[spec.teacher],
+                    self.kind,
+                    self.beta,
+                    self.temperature,
+                    batch["segment_ids"],
+                )
+                res.metrics[f"{spec.name}_distill"] = scalar(kd)
+            if alpha < 1.0:  # the data's own labels beside the soft ones
                 ce = causal_lm_loss_sum(out.logits, batch["labels"], batch["segment_ids"])
-                kd = self.alpha * kd + (1.0 - self.alpha) * ce
+                kd = ce if kd is None else alpha * kd + (1.0 - alpha) * ce
                 res.metrics[f"{spec.name}_lm"] = scalar(ce)
             total = total + kd
             if spec.name in self.aux:

@@ -313,3 +313,26 @@ def test_a_student_on_labels_only_is_its_solo_run(tmp_path):
     online = {r["step"]: r for r in _scalars(tmp_path / "online") if "train/loss" in r}
     for s in solo:
         assert online[s]["train/s_lm"] == pytest.approx(solo[s], rel=1e-6)
+
+
+def test_students_learn_labels_only_until_the_start_step(tmp_path):
+    """online_distill_start=2: steps 0 and 1 train each student on the labels alone (its solo run's loss,
+    no divergence term), from step 2 on the soft labels count with their weight."""
+    common = ["max_steps=4", "do_eval=false", "save_steps=100"]
+    _run(
+        tmp_path,
+        "online",
+        "online_distill_students=[{name: s, num_hidden_layers: 1}]",
+        "online_distill_alpha=0.5",
+        "online_distill_start=2",
+        *common,
+    )
+    _run(tmp_path, "solo", "model_overrides.num_hidden_layers=1", *common)
+    solo = {r["step"]: r["train/loss"] for r in _scalars(tmp_path / "solo") if "train/loss" in r}
+    online = {r["step"]: r for r in _scalars(tmp_path / "online") if "train/loss" in r}
+    for s in (1, 2):  # logged after the update of 0-based step s - 1
+        assert online[s]["train/s_lm"] == pytest.approx(solo[s], rel=1e-6)
+        assert "train/s_distill" not in online[s]
+    for s in (3, 4):
+        assert online[s]["train/s_distill"] > 0
+    assert online[4]["train/s_lm"] != pytest.approx(solo[4], rel=1e-6)  # the soft labels changed its path
