@@ -568,12 +568,6 @@ def _check_parallel(cfg: TrainConfig) -> None:
         _check_ps(cfg)
         return
     lay = layout_from_config(cfg.parallelism)
-    if _supports(cfg).data_parallel_only and (lay.tp > 1 or lay.pp > 1 or lay.ep > 1 or lay.sharding_stage):
-        raise ConfigError(
-            f"stage {cfg.stage} holds a whole second model (the teacher) in each process: it runs on several "
-            f"processes with plain data parallelism only ({lay.describe()} asked); set tensor_parallel_degree, "
-            "pipeline_parallel_degree and expert_parallel_degree to 1 and no sharding"
-        )
     if _supports(cfg).images and (lay.tp > 1 or lay.pp > 1 or lay.sharding_stage):
         raise ConfigError(
             f"stage {cfg.stage} runs on several processes with data and expert parallelism only in this version "
@@ -588,6 +582,12 @@ def _check_parallel(cfg: TrainConfig) -> None:
         raise ConfigError(
             "sharding=stage3 needs reduce-scatter, which Paddle's CPU build does not have "
             "(Unimplemented cpu kernel for CReduceScatterOp); use sharding=stage1 on CPU"
+        )
+    if lay.tp > 1 and cfg.fine_tuning == "LoRA" and not _has_cuda():
+        raise ConfigError(
+            f"fine_tuning=LoRA with tensor_parallel_degree={lay.tp}: the adapters' tensor-parallel backward needs "
+            "reduce-scatter, which Paddle's CPU build does not have (Unimplemented cpu kernel for CReduceScatterOp); "
+            "on CPU train LoRA with data or pipeline parallelism (tensor_parallel_degree=1)"
         )
     if lay.pp > 1:
         _check_pipeline(cfg, lay)

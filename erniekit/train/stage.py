@@ -34,7 +34,6 @@ class Supports:
     row_losses: bool = False  # its loss is a sum over batch rows: data-parallel ranks run whole-model replicas
     images: bool = False  # trains on pictures: synthetic picture datasets; plain data parallelism only (this version)
     online_distill: bool = False  # online_distill_students: students trained beside it (docs/online_distillation.md)
-    data_parallel_only: bool = False  # holds a second whole model (a teacher): plain data parallelism only
     min_generations: int = 1  # num_generations below this is refused
 
 

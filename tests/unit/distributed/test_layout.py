@@ -90,6 +90,8 @@ def test_config_validation_of_launch_keys():
     assert validate(cfg(nproc_per_node=2, expert_parallel_degree=2, fp8=True)).fp8  # expert slices are local
     with pytest.raises(ConfigError, match="sharding=stage3 needs reduce-scatter"):
         validate(cfg(nproc_per_node=2, sharding="stage3"))
+    with pytest.raises(ConfigError, match="LoRA with tensor_parallel_degree=2: .* CReduceScatterOp"):
+        validate(cfg(nproc_per_node=2, tensor_parallel_degree=2, fine_tuning="LoRA"))
     with pytest.raises(ConfigError, match="max_restart=-1 is invalid"):
         validate(cfg(max_restart=-1))
     with pytest.raises(ConfigError, match="nnodes=2 needs master=HOST:PORT"):
