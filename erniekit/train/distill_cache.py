@@ -169,5 +169,13 @@ def build_cache(
     np.save(os.path.join(tmp, "offsets.npy"), offsets)
     with open(os.path.join(tmp, MANIFEST), "w") as f:
         json.dump({"fingerprint": want, "positions": int(offsets[-1])}, f, indent=1)
-    os.replace(tmp, directory)
+    try:
+        os.replace(tmp, directory)
+    except OSError:  # another job built the same cache meanwhile (clusters of one machine): keep theirs
+        if not os.path.isdir(directory):
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)
+        cache = open_cache(directory, want)  # a ConfigError if theirs was built from something else
+        assert cache is not None
+        return cache
     return TopKCache(directory)

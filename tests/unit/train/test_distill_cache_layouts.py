@@ -176,6 +176,19 @@ def test_other_ranks_wait_for_the_cache_rank_0_renames_into_place(tmp_path):
     assert "\n" not in str(e.value)
 
 
+def test_a_cache_another_job_finished_first_is_kept(tmp_path):
+    """Two jobs building the same cache (clusters on one machine): the second's rename finds the first's
+    directory; it keeps that one (same fingerprint) and refuses one built from something else."""
+    rows = [{"input_ids": np.arange(6), "labels": np.array([-100, -100, 3, 4, 5, 6])}]
+    target = str(tmp_path / "cache")
+    first = build_cache(target, {"k": 2}, rows, lambda part: top_k(paddle.ones([4, V]), 2), 1)
+    second = build_cache(target, {"k": 2}, rows, lambda part: top_k(paddle.zeros([4, V]), 2), 1)
+    np.testing.assert_array_equal(second.offsets, first.offsets)
+    assert sorted(os.listdir(tmp_path)) == ["cache"]  # the loser's temporary directory is gone
+    with pytest.raises(ConfigError, match="stale"):
+        build_cache(target, {"k": 3}, rows, lambda part: top_k(paddle.ones([4, V]), 3), 1)
+
+
 @pytest.fixture(scope="module")
 def teacher_dir(tmp_path_factory) -> str:
     from erniekit.models import registry
