@@ -475,6 +475,11 @@ class TrainConfig:
         0.0, "emulate a slow link: bandwidth of the cross-cluster messages in Mbit/s (0 = not emulated)"
     )
     cross_cluster_link_latency_ms: float = _opt(0.0, "emulate a slow link: one-way latency of each message in ms")
+    cross_cluster_link_shared: bool = _opt(
+        True,
+        "emulated link: the processes of a cluster on this machine share one link to each other cluster (a "
+        "site's uplink); false: every rank pair gets the whole bandwidth",
+    )
     cross_cluster_timeout_s: float = _opt(
         600.0, "longest wait for a message from the other cluster before the job stops"
     )
@@ -682,6 +687,7 @@ SECTION_KEYS: dict[str, tuple[str, ...]] = {
         "cross_cluster_key_file",
         "cross_cluster_link_mbit",
         "cross_cluster_link_latency_ms",
+        "cross_cluster_link_shared",
         "cross_cluster_timeout_s",
     ),
 }

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import queue
 import secrets
 import socket
@@ -59,6 +60,10 @@ class LinkShape:
 
     bandwidth_mbit: float | None = None
     latency_ms: float = 0.0
+    # a directory where every process of this machine that sends from cluster a to cluster b keeps one
+    # shared "link busy until" clock: a cluster's ranks then share one emulated link, as a site's ranks
+    # share its uplink (None: each rank pair has a link of its own)
+    shared_dir: str | None = None
 
     def __post_init__(self) -> None:
         for name, key in (
@@ -97,6 +102,29 @@ class LinkStats:
 
     def __add__(self, other: LinkStats) -> LinkStats:
         return LinkStats(**{f.name: getattr(self, f.name) + getattr(other, f.name) for f in fields(self)})
+
+
+def _shared_pipe(shape: LinkShape, src: int, dst: int, queued_at: float, nbytes: int) -> float:
+    """When a message of nbytes queued at `queued_at` has crossed the emulated link src -> dst that every
+    process of this machine sending that way shares (time.monotonic() is one clock for all of them):
+    it starts once the link is free, and the link is then busy until it is through."""
+    import fcntl
+
+    path = os.path.join(shape.shared_dir, f"link-{src}-to-{dst}")
+    with open(path, "a+b") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            f.seek(0)
+            raw = f.read(8)
+            free_at = struct.unpack("<d", raw)[0] if len(raw) == 8 else 0.0
+            done = max(queued_at, free_at) + shape.transmit_seconds(nbytes)
+            f.seek(0)
+            f.truncate()
+            f.write(struct.pack("<d", done))
+            f.flush()
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+    return done
 
 
 def frame_bytes(tag: str, nbytes: int) -> int:
@@ -443,8 +471,11 @@ class PeerLink:
         parts = _frame(self._skey, self.cluster_id, self._send_seq, tag, payload)  # the MACs overlap the emulated wait
         n = _HEAD.size + 2 * auth.MAC_BYTES + len(payload)
         if self.shape.emulated:  # one message at a time on the emulated pipe, then the latency
-            done = max(queued_at, self._link_free_at) + self.shape.transmit_seconds(n)
-            self._link_free_at = done
+            if self.shape.shared_dir:
+                done = _shared_pipe(self.shape, self.cluster_id, self.peer_cluster_id, queued_at, n)
+            else:
+                done = max(queued_at, self._link_free_at) + self.shape.transmit_seconds(n)
+                self._link_free_at = done
             pause = done + self.shape.latency_ms / 1000.0 - time.monotonic()
             if pause > 0:
                 time.sleep(pause)

@@ -48,6 +48,23 @@ def cluster_rows(batch: dict[str, np.ndarray], n: int, c: int) -> dict[str, np.n
     return {k: (v[lo:hi] if isinstance(v, np.ndarray) and v.ndim > 0 and len(v) == b else v) for k, v in batch.items()}
 
 
+def link_shape(cfg):
+    """The emulated link of the config (none unless cross_cluster_link_mbit / _latency_ms are set); shared
+    by a cluster's processes through one clock file per direction, named after the job's addresses."""
+    import hashlib
+    import tempfile
+
+    from erniekit.distributed.cross_cluster.link import LinkShape
+
+    mbit = cfg.cross_cluster_link_mbit
+    shared = None
+    if cfg.cross_cluster_link_shared and (mbit > 0 or cfg.cross_cluster_link_latency_ms > 0):
+        job = hashlib.sha1("|".join(cfg.cross_cluster_peers).encode()).hexdigest()[:16]
+        shared = os.path.join(tempfile.gettempdir(), f"erniekit-links-{job}")
+        os.makedirs(shared, exist_ok=True)
+    return LinkShape(mbit if mbit > 0 else None, cfg.cross_cluster_link_latency_ms, shared)
+
+
 class FlatParams:
     """A rank's trainable tensors as one float32 vector, read and written in place."""
 
@@ -141,7 +158,7 @@ class CrossClusterRunner(StepRunner):
     # ---- joining the other clusters -------------------------------------------------------------
     def bind(self, trainer) -> None:
         from erniekit.distributed.cross_cluster.auth import load_key
-        from erniekit.distributed.cross_cluster.link import CrossClusterLinks, LinkShape
+        from erniekit.distributed.cross_cluster.link import CrossClusterLinks
 
         self.inner.bind(trainer)
         self.trainer = trainer
@@ -167,13 +184,12 @@ class CrossClusterRunner(StepRunner):
             "checkpoints": self._own_checkpoints(),
             "start_crc": zlib.crc32(start.tobytes()),
         }
-        mbit = cfg.cross_cluster_link_mbit
         self.links = CrossClusterLinks.open(
             self.cid,
             self.rank,
             list(cfg.cross_cluster_peers),
             load_key(cfg.cross_cluster_key_file),
-            LinkShape(mbit if mbit > 0 else None, cfg.cross_cluster_link_latency_ms),
+            link_shape(cfg),
             hello=hello,
             timeout_s=cfg.cross_cluster_timeout_s,
         )

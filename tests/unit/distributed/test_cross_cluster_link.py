@@ -78,9 +78,9 @@ def open_all(addresses_of, n, rank=0, keys=None, shape=None, connect_timeout_s=1
     return out
 
 
-def pair(shape=None, timeout_s=10.0):
+def pair(shape=None, timeout_s=10.0, rank=0):
     bases = free_base_ports(2)
-    links = open_all(lambda c: [f"127.0.0.1:{b}" for b in bases], 2, shape=shape, timeout_s=timeout_s)
+    links = open_all(lambda c: [f"127.0.0.1:{b}" for b in bases], 2, rank=rank, shape=shape, timeout_s=timeout_s)
     for x in links:
         if isinstance(x, Exception):
             raise x
@@ -451,3 +451,33 @@ def test_hmac_helpers_match_the_standard_library():
     assert auth.mac(KEY, *parts) == ref
     assert auth.verify(KEY, ref, b"abcdef") and not auth.verify(KEY, ref, b"abcdeg")
     assert auth.session_key(KEY, b"c", b"1" * 32, b"2" * 32) != auth.session_key(KEY, b"c", b"1" * 32, b"3" * 32)
+
+
+def test_a_shared_emulated_link_carries_one_message_at_a_time_for_every_rank(tmp_path):
+    """Ranks 0 and 1 of cluster 1 (two link pairs, as two processes would hold them) send 1.25 MB each at
+    once over a shared 100 Mbit/s link: the second message waits for the first (0.1 s each on the wire),
+    so the later arrival is ~0.25 s; over links of their own both arrive at ~0.15 s."""
+    n = 1_250_000
+    wire = frame_bytes("m", n)
+
+    def both(shape):
+        ranks = [pair(shape=shape, rank=r) for r in (0, 1)]
+        t0 = time.monotonic()
+        for _a, b in ranks:
+            b.peer(0).send("m", bytes(n))
+        arrivals = []
+        for a, _b in ranks:
+            a.peer(1).recv(5.0)
+            arrivals.append(time.monotonic() - t0)
+        for a, b in ranks:
+            a.close(), b.close()
+        return max(arrivals)
+
+    shared = LinkShape(100, 50, shared_dir=str(tmp_path))
+    own = LinkShape(100, 50)
+    t_shared = min(both(shared) for _ in range(2))
+    t_own = min(both(own) for _ in range(2))
+    two = 0.05 + 2 * own.transmit_seconds(wire)
+    assert t_shared >= two and t_shared == pytest.approx(0.25, rel=0.2)
+    assert t_own < two and t_own == pytest.approx(0.15, rel=0.25)
+    assert sorted(os.listdir(tmp_path)) == ["link-1-to-0"]  # one clock per direction

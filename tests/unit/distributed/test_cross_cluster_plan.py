@@ -141,7 +141,7 @@ def test_adaptive_predicts_what_the_runs_adaptive_choice_picks(n, shared, bandwi
 def test_example_sites_files_load():
     local = X.load_sites(os.path.join(ROOT, "examples/clusters/two_sites.yaml"))
     assert [s.name for s in local.sites] == ["site-a", "site-b"] and local.world == 2
-    assert local.link == X.Link(100.0, 50.0, True)
+    assert local.link == X.Link(100.0, 50.0, False)  # the emulation shares a link per direction
     assert local.sites[0].cluster == P.load_cluster(os.path.join(ROOT, "examples/clusters/cpu-2core.yaml"))
     gpu = X.load_sites(os.path.join(ROOT, "examples/clusters/two_sites_gpu.yaml"))
     assert gpu.world == 8 and gpu.link.bandwidth_bytes_s == 1.25e8 and gpu.sites[1].cluster.device_flops == 1.5e14
