@@ -162,7 +162,16 @@ class CrossClusterRunner(StepRunner):
 
         self.inner.bind(trainer)
         self.trainer = trainer
-        self.flat = FlatParams(list(trainer.params))
+        tensors = list(trainer.params)
+        if getattr(trainer.model.config, "moe_bias_update_rate", 0.0) > 0:  # routing biases each cluster moves
+            if self.mode == "gradients":
+                raise ConfigError(
+                    "moe_bias_update_rate > 0 with cross_cluster_sync=gradients: each cluster would move its router "
+                    "biases by its own rows' loads; use cross_cluster_sync=local (they are averaged at each sync) "
+                    "or model_overrides.moe_bias_update_rate=0"
+                )
+            tensors += [p for n, p in trainer.model.named_parameters() if n.endswith("e_score_correction_bias")]
+        self.flat = FlatParams(tensors)
         self.chunk = -(-self.flat.n // self.dp)  # this replica's share of the vector (padded)
         tail = len(trainer.batches.rows) % trainer.batches.batch_size
         if 0 < tail < self.n:
@@ -281,7 +290,7 @@ class CrossClusterRunner(StepRunner):
                 if other.get(key) != mine[key]:
                     raise ConfigError(
                         f"cluster {c} runs with {key}={other.get(key)} but cluster {self.cid} with {mine[key]} "
-                        "(rank {self.rank}); every cluster needs the same cross_cluster_* keys, layout and model"
+                        f"(rank {self.rank}); every cluster needs the same cross_cluster_* keys, layout and model"
                     )
             if not mine["resume"] and other["start_crc"] != mine["start_crc"]:
                 raise ConfigError(
