@@ -123,8 +123,7 @@ def _site(out, cid, peers, key_file, steps, **extra):
         cross_cluster_id=cid,
         cross_cluster_peers=f"[{','.join(peers)}]",
         cross_cluster_key_file=key_file,
-        cross_cluster_sync_every=2,
-        **extra,
+        **{"cross_cluster_sync_every": 2, **extra},
     )
     return [sys.executable, "-m", "erniekit", "train", *args]
 
@@ -206,7 +205,8 @@ def test_a_cluster_with_another_key_is_refused_in_one_line(tmp_path):
 
 def test_layouts_inside_the_clusters(tmp_path):
     """Each cluster runs its own layout unchanged: tensor parallel clusters summing gradients over the link
-    train as one process on the global batch; expert-parallel MoE clusters end bit-identical after a sync."""
+    train as one process on the global batch; expert-parallel MoE clusters end bit-identical after a sync,
+    their router correction biases included."""
     one, tp, ep = tmp_path / "one", tmp_path / "tp", tmp_path / "ep"
     both = dict(cross_cluster_sizes="[2,2]")
     concurrently(
@@ -215,10 +215,35 @@ def test_layouts_inside_the_clusters(tmp_path):
         lambda: _ok(
             _run(
                 _args(ep, steps=4, expert_parallel_degree=2, cross_cluster_sync_every=2, **both)
-                + ["model_name_or_path=tiny-moe"]
+                + ["model_name_or_path=tiny-moe", "model_overrides.moe_bias_update_rate=0.01"]
             )
         ),
     )
     np.testing.assert_allclose(_losses(tp), _losses(one), rtol=0, atol=2e-5)
     a, b = _weights(ep), _weights(ep / "cluster-1")
     assert all(np.array_equal(a[k], b[k]) for k in a) and any("experts" in k for k in a)
+    biases = [k for k in a if k.endswith("e_score_correction_bias")]  # moved by each cluster, averaged by the sync
+    assert biases and any(np.abs(a[k]).max() > 0 for k in biases)
+
+
+def test_clusters_with_other_settings_or_weights_are_refused_in_one_line(tmp_path):
+    key = _key(tmp_path / "cc.key", "k" * 40)
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    cases = (({"cross_cluster_sync_every": 4}, "runs with every="), ({"seed": 7}, "starts from other weights"))
+    for case, (extra, message) in enumerate(cases):
+        peers = [f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"]
+        procs = [
+            subprocess.Popen(
+                _site(tmp_path / f"case{case}-{c}", c, peers, key, 4, **(extra if c == 1 else {})),
+                cwd=ROOT,
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+            for c in (0, 1)
+        ]
+        outs = [p.communicate(timeout=120)[0] for p in procs]
+        for p, out in zip(procs, outs):
+            last = [line for line in out.splitlines() if line.strip()][-1]
+            assert p.returncode != 0 and last.startswith("error: ") and message in last, out[-2000:]
