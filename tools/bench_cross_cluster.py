@@ -9,8 +9,9 @@ processes over a 100 Mbit/s, 50 ms link (docs/cross_cluster.md), against
 - `local`: local SGD across the clusters, synced every --sync-every steps with --compress.
 
 Records cross-cluster bytes per step (per rank), tokens/s (both clusters together), held-out exact
-match, and `erniekit plan`'s predicted step time for the local and gradients runs given the measured
-compute time of a step (the link is what it predicts). Runs go one at a time (each takes both cores);
+match, and `erniekit plan`'s predicted step time for the local and gradients runs, given either the
+run's own measured compute time of a step (only the link predicted) or the one-cluster run's step time
+(the calibration a user makes before going to two sites). Runs go one at a time (each takes both cores);
 results are written to bench_results/cross_cluster.json after every run.
 
     python tools/bench_cross_cluster.py                  # seed 42
@@ -98,6 +99,7 @@ def main() -> None:
     ap.add_argument("--gradient-steps", type=int, default=150)
     ap.add_argument("--methods", nargs="+", default=["gradients", "local", "single"])
     ap.add_argument("--out", default=str(ROOT / "bench_results" / "cross_cluster.json"))
+    ap.add_argument("--summary-only", action="store_true", help="recompute predictions and summary of the record")
     a = ap.parse_args()
     path = Path(a.out)
     record = json.loads(path.read_text()) if path.exists() else {"runs": []}
@@ -112,7 +114,7 @@ def main() -> None:
         methods={m: " ".join(v) for m, v in methods(a.sync_every, a.compress, a.gradient_steps).items()},
     )
     table = methods(a.sync_every, a.compress, a.gradient_steps)
-    for seed in a.seeds:
+    for seed in [] if a.summary_only else a.seeds:
         for m in a.methods:
             out = ROOT / "output" / f"bench_cc_{m}_{seed}"
             subprocess.run(["rm", "-rf", str(out)], check=True)
@@ -122,9 +124,21 @@ def main() -> None:
             print(json.dumps({k: v for k, v in rec.items() if k != "cross_cluster"}), flush=True)
             record["runs"] = [r for r in record["runs"] if (r["method"], r["seed"]) != (m, seed)] + [rec]
             path.write_text(json.dumps(record, indent=1) + "\n")
+    predict_from_single(record["runs"], table)
     record["summary"] = summary(record["runs"])
     path.write_text(json.dumps(record, indent=1) + "\n")
     print(json.dumps(record["summary"], indent=1))
+
+
+def predict_from_single(runs: list[dict], table: dict[str, list[str]]) -> None:
+    """The planner's step time of each cross-cluster run with the compute measured in another run: the
+    one-cluster run of the same seed (2 processes, no link), as a user calibrates before going to two sites."""
+    single = {r["seed"]: r for r in runs if r["method"] == "single" and r.get("returncode") == 0}
+    for r in runs:
+        if r["method"] in ("local", "gradients") and r.get("returncode") == 0 and r["seed"] in single:
+            r["predicted_step_s_from_single"] = predicted_step_s(
+                r["method"], table[r["method"]], single[r["seed"]]["step_s"]
+            )
 
 
 def summary(runs: list[dict]) -> dict:
@@ -143,6 +157,10 @@ def summary(runs: list[dict]) -> dict:
         for m, r in (("local", loc), ("gradients", g)):
             if r and "predicted_step_s" in r:
                 row[f"{m}_predicted_over_measured_step"] = round(r["predicted_step_s"] / r["step_s"], 3)
+            if r and "predicted_step_s_from_single" in r:
+                row[f"{m}_predicted_from_single_over_measured_step"] = round(
+                    r["predicted_step_s_from_single"] / r["step_s"], 3
+                )
         out[str(seed)] = row
     return out
 

@@ -32,5 +32,9 @@ def test_fewer_bytes_faster_and_as_accurate_as_one_cluster():
 
 
 def test_the_planner_predicts_the_step_over_the_link_within_30_percent():
-    for r in [*_runs("local").values(), *_runs("gradients").values()]:
+    """From the run's own compute time (the link alone predicted) and from the one-cluster run's step time
+    (compute calibrated elsewhere, as before going to two sites)."""
+    runs = [*_runs("local").values(), *_runs("gradients").values()]
+    for r in runs:
         assert abs(r["predicted_step_s"] / r["step_s"] - 1) <= 0.3
+        assert abs(r["predicted_step_s_from_single"] / r["step_s"] - 1) <= 0.3
