@@ -205,8 +205,8 @@ def test_a_cluster_with_another_key_is_refused_in_one_line(tmp_path):
 
 def test_layouts_inside_the_clusters(tmp_path):
     """Each cluster runs its own layout unchanged: tensor parallel clusters summing gradients over the link
-    train as one process on the global batch; expert-parallel MoE clusters end bit-identical after a sync,
-    their router correction biases included."""
+    train as one process on the global batch; expert-parallel MoE clusters with overlapped, adaptive syncs
+    end bit-identical after the final sync, their router correction biases included."""
     one, tp, ep = tmp_path / "one", tmp_path / "tp", tmp_path / "ep"
     both = dict(cross_cluster_sizes="[2,2]")
     concurrently(
@@ -214,7 +214,15 @@ def test_layouts_inside_the_clusters(tmp_path):
         lambda: _ok(_run(_args(tp, steps=4, tensor_parallel_degree=2, cross_cluster_sync="gradients", **both))),
         lambda: _ok(
             _run(
-                _args(ep, steps=4, expert_parallel_degree=2, cross_cluster_sync_every=2, **both)
+                _args(
+                    ep,
+                    steps=6,
+                    expert_parallel_degree=2,
+                    cross_cluster_sync_every=2,
+                    cross_cluster_overlap_steps=1,  # each exchange lands one step later, in the background
+                    cross_cluster_compress="adaptive",  # interval and codec agreed from the measured link
+                    **both,
+                )
                 + ["model_name_or_path=tiny-moe", "model_overrides.moe_bias_update_rate=0.01"]
             )
         ),
@@ -224,6 +232,8 @@ def test_layouts_inside_the_clusters(tmp_path):
     assert all(np.array_equal(a[k], b[k]) for k in a) and any("experts" in k for k in a)
     biases = [k for k in a if k.endswith("e_score_correction_bias")]  # moved by each cluster, averaged by the sync
     assert biases and any(np.abs(a[k]).max() > 0 for k in biases)
+    res = json.loads((ep / "train_results.json").read_text())["cross_cluster"]
+    assert res["syncs"] >= 2 and res["compress"] in ("none", "int8")  # adaptive: a dense codec meets 10% here
 
 
 def test_clusters_with_other_settings_or_weights_are_refused_in_one_line(tmp_path):

@@ -105,7 +105,9 @@ def test_one_left_padded_prefill_scores_each_prompt_as_a_forward_over_it_alone(m
         e.close()
     for p, lps in zip(prompts, scored):
         ref = _direct(model, p)
-        np.testing.assert_allclose([x.logprob for x in lps], ref[np.arange(len(p) - 1), p[1:]], atol=1e-4)
+        # float32 GEMMs of another batch shape (left-padded rows): ~1e-5 of a log-probability's size
+        # (measured 1.15e-4 at -14.26 under a 3-process load, AVX-512 kernels)
+        np.testing.assert_allclose([x.logprob for x in lps], ref[np.arange(len(p) - 1), p[1:]], rtol=2e-5, atol=1e-4)
         assert [x.top[0][0] for x in lps] == list(ref[:-1].argmax(-1))
 
 
