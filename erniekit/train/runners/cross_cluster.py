@@ -162,16 +162,7 @@ class CrossClusterRunner(StepRunner):
 
         self.inner.bind(trainer)
         self.trainer = trainer
-        tensors = list(trainer.params)
-        if getattr(trainer.model.config, "moe_bias_update_rate", 0.0) > 0:  # routing biases each cluster moves
-            if self.mode == "gradients":
-                raise ConfigError(
-                    "moe_bias_update_rate > 0 with cross_cluster_sync=gradients: each cluster would move its router "
-                    "biases by its own rows' loads; use cross_cluster_sync=local (they are averaged at each sync) "
-                    "or model_overrides.moe_bias_update_rate=0"
-                )
-            tensors += [p for n, p in trainer.model.named_parameters() if n.endswith("e_score_correction_bias")]
-        self.flat = FlatParams(tensors)
+        self.flat = FlatParams(self._synced_tensors(trainer))
         self.chunk = -(-self.flat.n // self.dp)  # this replica's share of the vector (padded)
         tail = len(trainer.batches.rows) % trainer.batches.batch_size
         if 0 < tail < self.n:
@@ -204,24 +195,40 @@ class CrossClusterRunner(StepRunner):
         )
         self._check_hellos(hello)
         if self.mode == "local":
-            from erniekit.distributed.cross_cluster.outer import OuterSync
+            self._start_outer_sync(start)
 
-            lr = cfg.cross_cluster_outer_lr if cfg.cross_cluster_outer == "nesterov" else 1.0
-            mom = cfg.cross_cluster_outer_momentum if cfg.cross_cluster_outer == "nesterov" else 0.0
-            if self.adaptive:
-                self._probe_link()
-            self.outer_sync = OuterSync(
-                self._my_chunk(start),
-                self._all_gather_measured if self.adaptive else self.links.all_gather,
-                self.n,
-                self.cid,
-                compress=self._compression(),
-                topk_ratio=cfg.cross_cluster_topk_ratio,
-                outer=cfg.cross_cluster_outer,
-                outer_lr=lr,
-                outer_momentum=mom,
-                timeout_s=cfg.cross_cluster_timeout_s,
-            )
+    def _synced_tensors(self, trainer) -> list:
+        """The trainable parameters, and the router correction biases each cluster moves on its own."""
+        tensors = list(trainer.params)
+        if getattr(trainer.model.config, "moe_bias_update_rate", 0.0) > 0:
+            if self.mode == "gradients":
+                raise ConfigError(
+                    "moe_bias_update_rate > 0 with cross_cluster_sync=gradients: each cluster would move its router "
+                    "biases by its own rows' loads; use cross_cluster_sync=local (they are averaged at each sync) "
+                    "or model_overrides.moe_bias_update_rate=0"
+                )
+            tensors += [p for n, p in trainer.model.named_parameters() if n.endswith("e_score_correction_bias")]
+        return tensors
+
+    def _start_outer_sync(self, start: np.ndarray) -> None:
+        from erniekit.distributed.cross_cluster.outer import OuterSync
+
+        cfg = self.cfg
+        nesterov = cfg.cross_cluster_outer == "nesterov"
+        if self.adaptive:
+            self._probe_link()
+        self.outer_sync = OuterSync(
+            self._my_chunk(start),
+            self._all_gather_measured if self.adaptive else self.links.all_gather,
+            self.n,
+            self.cid,
+            compress=self._compression(),
+            topk_ratio=cfg.cross_cluster_topk_ratio,
+            outer=cfg.cross_cluster_outer,
+            outer_lr=cfg.cross_cluster_outer_lr if nesterov else 1.0,
+            outer_momentum=cfg.cross_cluster_outer_momentum if nesterov else 0.0,
+            timeout_s=cfg.cross_cluster_timeout_s,
+        )
 
     def _compression(self) -> str:
         if self.outer_sync is not None:
