@@ -59,21 +59,25 @@ class Cluster:
         return self.nodes * self.devices_per_node
 
 
-def load_cluster(path: str) -> Cluster:
-    """A cluster YAML (keys as the Cluster fields) -> Cluster; one-line errors name file and key."""
+def read_yaml(path: str, kind: str, hint: str):
+    """A planner YAML file's content; one-line errors name the file (and line): kind 'cluster' or 'sites',
+    hint what to give instead of a missing file."""
     import yaml
 
     try:
         with open(path, encoding="utf-8") as f:
-            raw = yaml.safe_load(f) or {}
+            return yaml.safe_load(f)
     except OSError as e:
-        raise ConfigError(
-            f"cluster file {path}: {e.strerror}; give the path of a cluster YAML (examples/clusters/)"
-        ) from None
+        raise ConfigError(f"{kind} file {path}: {e.strerror}; {hint}") from None
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f"{path}:{mark.line + 1}" if mark else path
-        raise ConfigError(f"{where}: not valid YAML ({getattr(e, 'problem', e)}); fix the cluster file") from None
+        raise ConfigError(f"{where}: not valid YAML ({getattr(e, 'problem', e)}); fix the {kind} file") from None
+
+
+def load_cluster(path: str) -> Cluster:
+    """A cluster YAML (keys as the Cluster fields) -> Cluster; one-line errors name file and key."""
+    raw = read_yaml(path, "cluster", "give the path of a cluster YAML (examples/clusters/)") or {}
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: a cluster file is a mapping of keys (nodes, devices_per_node, device_flops, ...)")
     known = {f: type(v) for f, v in asdict(Cluster()).items()}

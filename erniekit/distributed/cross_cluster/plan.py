@@ -123,19 +123,7 @@ def load_sites(path: str) -> Sites:
       - name: b
         cluster: {nodes: 1, devices_per_node: 2, device_flops: 4.8e10, ...}   # or inline
     """
-    import yaml
-
-    try:
-        with open(path, encoding="utf-8") as f:
-            raw = yaml.safe_load(f)
-    except OSError as e:
-        raise ConfigError(
-            f"sites file {path}: {e.strerror}; give a sites YAML (examples/clusters/two_sites.yaml)"
-        ) from None
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        where = f"{path}:{mark.line + 1}" if mark else path
-        raise ConfigError(f"{where}: not valid YAML ({getattr(e, 'problem', e)}); fix the sites file") from None
+    raw = planner.read_yaml(path, "sites", "give a sites YAML (examples/clusters/two_sites.yaml)")
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: a sites file is a mapping with link: and sites: (examples/clusters/two_sites.yaml)")
     _unknown(raw, ("name", "link", "sites"), path)
