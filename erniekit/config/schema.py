@@ -297,7 +297,8 @@ class TrainConfig:
         [],
         "pretrain/SFT: students trained in the same run from the model's current soft labels; each a preset, a "
         "checkpoint directory or {name, teacher (the main model or a student: teacher assistant), model, "
-        "auxiliary_layer, auxiliary_weight, model config fields such as num_hidden_layers}; saved in "
+        "auxiliary_layer, auxiliary_weight, lr_ratio (its learning rate over the run's), model config fields such "
+        "as num_hidden_layers}; saved in "
         "output_dir/students/<name>",
     )
     online_distill_every: int = _opt(1, "with online_distill_students: the students learn every N optimizer steps")

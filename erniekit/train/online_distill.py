@@ -174,6 +174,12 @@ class OnlineDistill:
     def extra_named_parameters(self):
         return list(super().extra_named_parameters()) + [x for s in self.specs for x in self._named(s.name)]
 
+    def lr_ratios(self, cfg) -> dict[str, float]:
+        """A student's `lr_ratio` over its parameters (auxiliary layer included): a teacher that
+        already knows its task may go on at a small learning rate while its students learn fast."""
+        own = {f"{STUDENTS_DIR}.{s.name}.": s.lr_ratio for s in self.specs if s.lr_ratio != 1.0}
+        return {**super().lr_ratios(cfg), **own}
+
     def grad_groups(self) -> dict[str, list[paddle.Tensor]]:
         return {**super().grad_groups(), **{s.name: [p for _, p in self._named(s.name)] for s in self.specs}}
 

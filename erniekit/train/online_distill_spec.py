@@ -2,7 +2,7 @@
 
 An entry is a preset name or checkpoint directory (the student's model), or a mapping with
 `name`, `teacher` (the main model, `teacher`, or another student's name: Titan's teacher
-assistant), `model`, `auxiliary_layer`, `auxiliary_weight` and any model config field
+assistant), `model`, `auxiliary_layer`, `auxiliary_weight`, `lr_ratio` and any model config field
 (num_hidden_layers, hidden_size, intermediate_size, moe_num_experts, ...) overriding the
 shape. Kept free of paddle so config validation reads it before anything loads.
 """
@@ -18,7 +18,7 @@ from typing import Any
 from erniekit.errors import ConfigError
 
 MAIN_TEACHER = "teacher"  # the run's own model, taught by its data
-SPEC_KEYS = ("name", "teacher", "model", "auxiliary_layer", "auxiliary_weight")
+SPEC_KEYS = ("name", "teacher", "model", "auxiliary_layer", "auxiliary_weight", "lr_ratio")
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")  # a directory name under output_dir/students/
 KEY = "online_distill_students"
 
@@ -31,6 +31,7 @@ class StudentSpec:
     overrides: dict[str, Any] = field(default_factory=dict)  # model config fields
     auxiliary_layer: bool = False  # a temporary extra decoder layer distilling the teacher's hidden states
     auxiliary_weight: float = 1.0  # weight of that hidden-state loss
+    lr_ratio: float = 1.0  # its learning rate over the run's (the main model's) at every step
 
 
 def parse_students(value: Any) -> list[StudentSpec]:
@@ -72,13 +73,16 @@ def _parse_one(i: int, entry: Any) -> StudentSpec:
     weight = entry.get("auxiliary_weight", 1.0)
     if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not weight > 0:
         raise ConfigError(f"{where}: auxiliary_weight={weight!r} must be a number > 0")
+    lr_ratio = entry.get("lr_ratio", 1.0)
+    if isinstance(lr_ratio, bool) or not isinstance(lr_ratio, (int, float)) or not lr_ratio > 0:
+        raise ConfigError(f"{where}: lr_ratio={lr_ratio!r} must be a number > 0 (its learning rate over the run's)")
     overrides = {str(k): v for k, v in entry.items() if k not in SPEC_KEYS}  # checked by student_config
     if model is not None and os.path.isdir(model) and overrides:
         raise ConfigError(
             f"{where}: model={model} is a checkpoint directory and keeps its own shape; drop "
             f"{next(iter(overrides))} (or start from a preset)"
         )
-    return StudentSpec(name, teacher, model, overrides, aux, float(weight))
+    return StudentSpec(name, teacher, model, overrides, aux, float(weight), float(lr_ratio))
 
 
 def check_teachers(specs: list[StudentSpec]) -> None:

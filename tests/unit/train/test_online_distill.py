@@ -251,6 +251,8 @@ def test_resume_restores_teacher_students_and_their_optimizer_state(tmp_path):
         ("[{name: 'a b'}]", "must be letters, digits"),
         ("[no-such-preset]", "neither a checkpoint directory nor a model preset"),
         ("[{auxiliary_weight: 0}]", "auxiliary_weight=0 must be a number > 0"),
+        ("[{lr_ratio: 0}]", "lr_ratio=0 must be a number > 0"),
+        ("[{lr_ratio: fast}]", "lr_ratio='fast' must be a number > 0"),
         ("3", "must be a list of students"),
     ],
 )
@@ -313,6 +315,32 @@ def test_a_student_on_labels_only_is_its_solo_run(tmp_path):
     online = {r["step"]: r for r in _scalars(tmp_path / "online") if "train/loss" in r}
     for s in solo:
         assert online[s]["train/s_lm"] == pytest.approx(solo[s], rel=1e-6)
+
+
+def test_a_students_lr_ratio_scales_its_learning_rate_and_not_the_teachers(tmp_path):
+    """lr_ratio: 4 on a labels-only student at the run's learning rate 1e-3 is a solo run at 4e-3
+    (weights to 1e-6), and the teacher stays its own solo run at 1e-3: the ratio reaches the
+    student's parameters only, at every step of the schedule."""
+    common = ["max_steps=4", "do_eval=false", "save_steps=100", "warmup_steps=2"]
+    _run(
+        tmp_path,
+        "online",
+        "online_distill_students=[{name: s, num_hidden_layers: 1, lr_ratio: 4}]",
+        "online_distill_alpha=0",
+        "learning_rate=1e-3",
+        "min_lr=1e-4",
+        *common,
+    )
+    _run(tmp_path, "solo", "model_overrides.num_hidden_layers=1", "learning_rate=4e-3", "min_lr=4e-4", *common)
+    _run(tmp_path, "teacher", "learning_rate=1e-3", "min_lr=1e-4", *common)
+    from safetensors.numpy import load_file
+
+    for online, solo in (("online/students/s", "solo"), ("online", "teacher")):
+        a = load_file(str(tmp_path / online / "model.safetensors"))
+        b = load_file(str(tmp_path / solo / "model.safetensors"))
+        assert a.keys() == b.keys()
+        for k in a:
+            np.testing.assert_allclose(a[k], b[k], rtol=0, atol=1e-6, err_msg=f"{online}: {k}")
 
 
 def test_students_learn_labels_only_until_the_start_step(tmp_path):
