@@ -80,11 +80,17 @@ def load_cluster(path: str) -> Cluster:
     raw = read_yaml(path, "cluster", "give the path of a cluster YAML (examples/clusters/)") or {}
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: a cluster file is a mapping of keys (nodes, devices_per_node, device_flops, ...)")
+    return cluster_from_mapping(raw, path)
+
+
+def cluster_from_mapping(raw: dict, where: str) -> Cluster:
+    """Cluster keys (a cluster file's, or a cluster written inline in a sites file) -> Cluster;
+    one-line errors name `where` and the key. Integers may be written as 2.0, numbers as 1.5e14."""
     known = {f: type(v) for f, v in asdict(Cluster()).items()}
     values = {}
     for key, value in raw.items():
         if key not in known:
-            raise ConfigError(f"{path}: unknown key {key!r}; known keys: {', '.join(known)}")
+            raise ConfigError(f"{where}: unknown key {key!r}; known keys: {', '.join(known)}")
         kind = known[key]
         try:
             if kind is str:
@@ -94,11 +100,14 @@ def load_cluster(path: str) -> Cluster:
                     raise ValueError
                 values[key] = int(float(value))
             else:
+                if isinstance(value, bool):
+                    raise ValueError
                 values[key] = float(value)
         except (TypeError, ValueError):
-            raise ConfigError(f"{path}: {key}={value!r} must be a {kind.__name__}") from None
-        if kind is not str and values[key] <= 0:
-            raise ConfigError(f"{path}: {key}={value!r} must be > 0")
+            what = "an integer" if kind is int else "a number"
+            raise ConfigError(f"{where}: {key}={value!r} must be {what}") from None
+        if kind is not str and not values[key] > 0:
+            raise ConfigError(f"{where}: {key}={value!r} must be > 0")
     return Cluster(**values)
 
 

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 
 from erniekit.distributed import planner
 from erniekit.distributed.cross_cluster import adaptive
@@ -93,25 +93,6 @@ def _unknown(raw: dict, known: tuple[str, ...], where: str) -> None:
             raise ConfigError(f"{where}: unknown key {key!r}; known keys: {', '.join(known)}")
 
 
-def cluster_from_mapping(raw: dict, where: str) -> planner.Cluster:
-    """An inline cluster (the keys of an examples/clusters/*.yaml file) -> Cluster; errors name `where`."""
-    values = {}
-    for f in fields(planner.Cluster):
-        if f.name not in raw:
-            continue
-        value, at = raw[f.name], f"{where}.{f.name}"
-        if f.type == "str":
-            values[f.name] = str(value)
-        elif f.type == "int":
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ConfigError(f"{at}={value!r} must be an integer > 0")
-            values[f.name] = value
-        else:
-            values[f.name] = _number(value, at, 0, strict=True)
-    _unknown(raw, tuple(f.name for f in fields(planner.Cluster)), where)
-    return planner.Cluster(**values)
-
-
 def load_sites(path: str) -> Sites:
     """A sites YAML -> Sites. Format:
 
@@ -170,7 +151,7 @@ def _site(entry, where: str, base: str, before: list[Site]) -> Site:
         except ConfigError as e:
             raise ConfigError(f"{where}.cluster: {e}") from None
     elif isinstance(cluster, dict):
-        c = cluster_from_mapping(cluster, f"{where}.cluster")
+        c = planner.cluster_from_mapping(cluster, f"{where}.cluster")
     else:
         raise ConfigError(f"{where}.cluster must be a cluster file path or an inline cluster mapping")
     if before and c.world != before[0].cluster.world:
