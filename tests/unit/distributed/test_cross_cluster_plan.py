@@ -167,7 +167,10 @@ LINK = "link: {bandwidth_mbit: 100, latency_ms: 50}\n"
             LINK + "sites:\n" + GOOD_SITE + "  - name: c\n    cluster: {gpus: 2}\n",
             "sites[2].cluster: unknown key 'gpus'",
         ),
-        (LINK + "sites:\n" + GOOD_SITE + "  - name: c\n    cluster: {nodes: 1.5}\n", "sites[2].cluster: nodes=1.5 must be an integer"),
+        (
+            LINK + "sites:\n" + GOOD_SITE + "  - name: c\n    cluster: {nodes: 1.5}\n",
+            "sites[2].cluster: nodes=1.5 must be an integer",
+        ),
         (LINK + "sites:\n" + GOOD_SITE + "  - name: c\n    cluster: nowhere.yaml\n", "nowhere.yaml"),
         (LINK + "sites:\n" + GOOD_SITE + "  - name: c\n    where: x\n", "sites[2]: unknown key 'where'"),
         (LINK + "sites: [a, b", "sites.yaml:2: not valid YAML"),
