@@ -70,19 +70,23 @@ def _parse_one(i: int, entry: Any) -> StudentSpec:
     aux = entry.get("auxiliary_layer", False)
     if not isinstance(aux, bool):
         raise ConfigError(f"{where}: auxiliary_layer={aux!r} must be true or false")
-    weight = entry.get("auxiliary_weight", 1.0)
-    if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not weight > 0:
-        raise ConfigError(f"{where}: auxiliary_weight={weight!r} must be a number > 0")
-    lr_ratio = entry.get("lr_ratio", 1.0)
-    if isinstance(lr_ratio, bool) or not isinstance(lr_ratio, (int, float)) or not lr_ratio > 0:
-        raise ConfigError(f"{where}: lr_ratio={lr_ratio!r} must be a number > 0 (its learning rate over the run's)")
+    weight = _positive_number(entry, "auxiliary_weight", where)
+    lr_ratio = _positive_number(entry, "lr_ratio", where, " (its learning rate over the run's)")
     overrides = {str(k): v for k, v in entry.items() if k not in SPEC_KEYS}  # checked by student_config
     if model is not None and os.path.isdir(model) and overrides:
         raise ConfigError(
             f"{where}: model={model} is a checkpoint directory and keeps its own shape; drop "
             f"{next(iter(overrides))} (or start from a preset)"
         )
-    return StudentSpec(name, teacher, model, overrides, aux, float(weight), float(lr_ratio))
+    return StudentSpec(name, teacher, model, overrides, aux, weight, lr_ratio)
+
+
+def _positive_number(entry: dict, key: str, where: str, meaning: str = "") -> float:
+    """entry[key] (default 1.0) as a float > 0; booleans and strings are refused in one line."""
+    value = entry.get(key, 1.0)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ConfigError(f"{where}: {key}={value!r} must be a number > 0{meaning}")
+    return float(value)
 
 
 def check_teachers(specs: list[StudentSpec]) -> None:
