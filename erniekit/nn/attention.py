@@ -5,6 +5,8 @@ from __future__ import annotations
 import paddle
 import paddle.nn.functional as F
 
+from erniekit.nn import masked_softmax
+
 
 def rope_cos_sin(position_ids: paddle.Tensor, head_dim: int, theta: float) -> tuple[paddle.Tensor, paddle.Tensor]:
     """cos/sin of shape [B, S, 1, head_dim], each angle repeated for its interleaved pair,
@@ -122,19 +124,27 @@ def math_attention(
     """Softmax attention with GQA by grouping query heads per kv head (no k/v repeat).
 
     q [B, Sq, H, D], k/v [B, Sk, KVH, D], bias [B|1, 1, Sq, Sk] additive -> [B, Sq, H, D].
+
+    The scale multiplies q, not the scores: Sk / D times fewer elements, forward and backward
+    (the same bits when it is a power of two: head_dim 16, 64, 256). Float32 scores on the CPU
+    take the fused masked softmax (erniekit/nn/masked_softmax.py), which reads the mask as it is.
     """
     B, Sq, H, D = q.shape
     Sk, KVH = k.shape[1], k.shape[2]
     rep = H // KVH
-    qh = q.reshape([B, Sq, KVH, rep, D]).transpose([0, 2, 3, 1, 4]).reshape([B, KVH, rep * Sq, D])
+    qh = (q * scale).reshape([B, Sq, KVH, rep, D]).transpose([0, 2, 3, 1, 4]).reshape([B, KVH, rep * Sq, D])
     kh, vh = k.transpose([0, 2, 1, 3]), v.transpose([0, 2, 1, 3])
-    s = paddle.matmul(qh, kh, transpose_y=True).reshape([B, KVH, rep, Sq, Sk]) * scale
-    # the bias expanded to s's shape first: a broadcasting add is ~60x slower on CPU (2.3 ms vs
-    # 0.04 + 0.05 ms for the expand, embedded default's shapes)
-    bias = bias.unsqueeze(2)
-    s = s + (bias.expand(s.shape).contiguous() if paddle.in_dynamic_mode() else bias)
-    p = F.softmax(s.astype("float32"), axis=-1).astype(q.dtype).reshape([B, KVH, rep * Sq, Sk])
-    o = paddle.matmul(p, vh).reshape([B, KVH, rep, Sq, D])
+    s = paddle.matmul(qh, kh, transpose_y=True).reshape([B, KVH * rep, Sq, Sk])
+    if masked_softmax.usable(s, bias):
+        p = masked_softmax.masked_softmax(s, bias)
+    else:
+        s = s.reshape([B, KVH, rep, Sq, Sk])
+        # the bias expanded to s's shape first: a broadcasting add is ~60x slower on CPU (2.3 ms vs
+        # 0.04 + 0.05 ms for the expand, embedded default's shapes)
+        bias = bias.unsqueeze(2)
+        s = s + (bias.expand(s.shape).contiguous() if paddle.in_dynamic_mode() else bias)
+        p = F.softmax(s.astype("float32"), axis=-1).astype(q.dtype)
+    o = paddle.matmul(p.reshape([B, KVH, rep * Sq, Sk]), vh).reshape([B, KVH, rep, Sq, D])
     return o.transpose([0, 3, 1, 2, 4]).reshape([B, Sq, H, D])
 
 

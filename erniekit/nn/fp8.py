@@ -21,9 +21,6 @@ No bf16/fp8 matmul exists in the CPU wheel, hence the emulation. Formulas and nu
 
 from __future__ import annotations
 
-import os
-from concurrent.futures import ThreadPoolExecutor
-
 import numpy as np
 import paddle
 from paddle.autograd import PyLayer
@@ -208,35 +205,6 @@ def _run_amax(bits: np.ndarray, starts: np.ndarray) -> np.ndarray:
 # whole tiles per thread (measured at tiny-moe sizes: 1 MB rowwise 0.55 -> 0.38 ms on 2 threads;
 # smaller chunks lose more to hand-offs than they gain in cache)
 _PARALLEL_BYTES = 1 << 18
-_pool: ThreadPoolExecutor | None = None
-
-
-def _threads() -> int:
-    """As many threads as Paddle's kernels use (OMP_NUM_THREADS), so the two never oversubscribe."""
-    try:
-        return max(1, int(os.environ.get("OMP_NUM_THREADS", "1")))
-    except ValueError:
-        return 1
-
-
-def _in_parallel(jobs: list) -> None:
-    """Run (fn, *args) jobs on the pool (the first in this thread); each writes its own slice."""
-    global _pool
-    if len(jobs) == 1:
-        jobs[0][0](*jobs[0][1:])
-        return
-    if _pool is None or _pool._max_workers < len(jobs) - 1:
-        _pool = ThreadPoolExecutor(len(jobs) - 1, thread_name_prefix="erniekit-fp8")
-    futures = [_pool.submit(*job) for job in jobs[1:]]
-    jobs[0][0](*jobs[0][1:])
-    for f in futures:
-        f.result()
-
-
-def _cuts(n: int, nbytes: int) -> list[int]:
-    """Boundaries cutting n tiles into one chunk per thread (one chunk for a small operand)."""
-    k = min(_threads(), n) if nbytes >= _PARALLEL_BYTES else 1
-    return [n * i // k for i in range(k + 1)] if k > 1 else [0, n]
 
 
 def _native_runs(a: np.ndarray, starts: np.ndarray, cols: int, fmt: str) -> np.ndarray | None:
@@ -266,8 +234,8 @@ def _native_runs(a: np.ndarray, starts: np.ndarray, cols: int, fmt: str) -> np.n
             scale.ctypes.data,
         )
 
-    c = _cuts(len(starts) - 1, a.nbytes)
-    _in_parallel([(run, i, j) for i, j in zip(c[:-1], c[1:])])
+    c = native.cuts(len(starts) - 1, a.nbytes, _PARALLEL_BYTES)
+    native.in_parallel([(run, i, j) for i, j in zip(c[:-1], c[1:])])
     return out
 
 
@@ -285,8 +253,8 @@ def fake_quant_np(a: np.ndarray, rows: int, cols: int, fmt: str = "e4m3") -> np.
     v = _tiles_np(a, rows, cols)
     out = np.empty_like(v)
     axes = _tile_axes(rows, cols)
-    c = _cuts(v.shape[0], v.nbytes)
-    _in_parallel([(_fake_quant_tiles, v[i:j], out[i:j], axes, fmt) for i, j in zip(c[:-1], c[1:])])
+    c = native.cuts(v.shape[0], v.nbytes, _PARALLEL_BYTES)
+    native.in_parallel([(_fake_quant_tiles, v[i:j], out[i:j], axes, fmt) for i, j in zip(c[:-1], c[1:])])
     return out.reshape(a.shape)
 
 
@@ -308,8 +276,8 @@ def fake_quant_token_runs_np(a: np.ndarray, sizes: list[int], block: int, fmt: s
         return got
     bits = np.bitwise_and(a.view(np.uint32), _ABS_BITS)
     scale = np.repeat(_scale_of(_run_amax(bits, starts), fmt), np.diff(starts), axis=0)  # each row its run's
-    c = _cuts(a.shape[0], a.nbytes)
-    _in_parallel([(_round_scaled, a[i:j], scale[i:j], out[i:j], bits[i:j], fmt) for i, j in zip(c[:-1], c[1:])])
+    c = native.cuts(a.shape[0], a.nbytes, _PARALLEL_BYTES)
+    native.in_parallel([(_round_scaled, a[i:j], scale[i:j], out[i:j], bits[i:j], fmt) for i, j in zip(c[:-1], c[1:])])
     return out
 
 

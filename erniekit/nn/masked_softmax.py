@@ -1,0 +1,156 @@
+"""softmax(scores + additive mask) for the CPU attention, forward and backward in one pass each.
+
+Why: at 320 tokens the attention's expand + add + softmax and their backward were about half of a
+layer's attention time (the tool-calling demo's step was ~80% attention); kernels/masked_softmax.c
+does each direction in one pass per row and reads the mask unexpanded. Without a C compiler (or
+with ERNIEKIT_NATIVE_KERNELS=0) the numpy path below computes the same arithmetic, operation for
+operation, so a run gets the same bits either way, only slower. Paddle's own softmax rounds its
+exponential differently: the two agree to ~1e-7, not bit for bit.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import numpy as np
+import paddle
+from paddle.autograd import PyLayer
+
+from erniekit.nn import native
+from erniekit.utils.dtensor import host_view, is_dist
+
+LANES = 16  # the C kernel's sum lanes: element j is added into lane j % 16
+_PARALLEL_BYTES = 1 << 20  # below this a score tensor is one chunk (the hand-off costs more)
+_F32 = np.float32
+
+
+def _f32(hex_literal: str) -> np.float32:
+    return _F32(float.fromhex(hex_literal))  # exact: each is a float32 value
+
+
+# Cephes' expf constants as kernels/masked_softmax.c writes them
+_LOG2E, _LN2_HI, _LN2_LO = _f32("0x1.715476p+0"), _f32("0x1.63p-1"), _f32("-0x1.bd0106p-13")
+_POLY = [
+    _f32(h) for h in ("0x1.a0d2cep-13", "0x1.6e879cp-10", "0x1.11121p-7", "0x1.555382p-5", "0x1.555554p-3", "0x1p-1")
+]
+_LOW = _F32(-87.0)
+
+
+def _exp_neg_np(x: np.ndarray) -> np.ndarray:
+    """exp(x) for x <= 0 as kernels/masked_softmax.c's exp_neg computes it (0 below -87)."""
+    c = np.maximum(x, _LOW)
+    n = np.floor(c * _LOG2E + _F32(0.5))
+    r = c - n * _LN2_HI
+    r = r - n * _LN2_LO
+    p = np.full_like(r, _POLY[0])
+    for coef in _POLY[1:]:
+        p = p * r + coef
+    p = p * (r * r) + r
+    p = p + _F32(1.0)
+    two_n = ((n.astype(np.int32) + 127).astype(np.uint32) << 23).view(np.float32)
+    return np.where(x < _LOW, _F32(0.0), p * two_n)
+
+
+def _sum16(x: np.ndarray) -> np.ndarray:
+    """Row sums over the last axis in the C kernel's order: lane j % 16 in order, then the lanes."""
+    pad = (-x.shape[-1]) % LANES
+    if pad:
+        x = np.concatenate([x, np.zeros(x.shape[:-1] + (pad,), _F32)], axis=-1)  # + 0.0 changes no lane
+    lanes = np.cumsum(x.reshape(x.shape[:-1] + (-1, LANES)), axis=-2)[..., -1, :]
+    return np.cumsum(lanes, axis=-1)[..., -1]
+
+
+def forward_np(s: np.ndarray, bias: np.ndarray) -> np.ndarray:
+    """s [B, G, Sq, Sk], bias [1|B, 1, Sq, Sk] -> softmax(s + bias) over the last axis."""
+    z = s + bias
+    m = np.fmax.reduce(z, axis=-1, keepdims=True)  # a NaN is skipped, as the kernel's compare does
+    e = _exp_neg_np(z - m)
+    return e * (_F32(1.0) / _sum16(e))[..., None]
+
+
+def backward_np(p: np.ndarray, dp: np.ndarray) -> np.ndarray:
+    """The scores' gradient p * (dp - sum(p * dp)) (rows over the last axis)."""
+    return p * (dp - _sum16(p * dp)[..., None])
+
+
+def _kernels():
+    lib = native.load("masked_softmax")
+    if lib is None:
+        return None
+    fwd, bwd = lib.erniekit_masked_softmax_fwd, lib.erniekit_masked_softmax_bwd
+    if fwd.argtypes is None:
+        ptr, i64 = ctypes.c_void_p, ctypes.c_int64
+        fwd.argtypes, fwd.restype = [ptr, ptr, ptr] + [i64] * 6, None
+        bwd.argtypes, bwd.restype = [ptr, ptr, ptr] + [i64] * 3, None
+    return fwd, bwd
+
+
+def forward(s: np.ndarray, bias: np.ndarray) -> np.ndarray:
+    """`forward_np` by the C kernel when there is one, its planes cut over the threads."""
+    k = _kernels()
+    if k is None:
+        return forward_np(s, bias)
+    B, G, Sq, Sk = s.shape
+    p = np.empty_like(s)
+    c = native.cuts(B * G, s.nbytes, _PARALLEL_BYTES)
+    args = (s.ctypes.data, bias.ctypes.data, p.ctypes.data, G, Sq, Sk, int(bias.shape[0] > 1))
+    native.in_parallel([(k[0], *args, a, b) for a, b in zip(c[:-1], c[1:])])
+    return p
+
+
+def backward(p: np.ndarray, dp: np.ndarray) -> np.ndarray:
+    """`backward_np` by the C kernel when there is one, its rows cut over the threads."""
+    k = _kernels()
+    if k is None:
+        return backward_np(p, dp)
+    Sk = p.shape[-1]
+    rows = p.size // Sk
+    ds = np.empty_like(p)
+    c = native.cuts(rows, p.nbytes, _PARALLEL_BYTES)
+    native.in_parallel([(k[1], p.ctypes.data, dp.ctypes.data, ds.ctypes.data, Sk, a, b) for a, b in zip(c[:-1], c[1:])])
+    return ds
+
+
+def _host(t: paddle.Tensor) -> np.ndarray:
+    view = host_view(t)
+    return view if view is not None else np.ascontiguousarray(t.numpy())
+
+
+class _MaskedSoftmax(PyLayer):
+    @staticmethod
+    def forward(ctx, s, bias):
+        p = paddle.from_dlpack(forward(_host(s), _host(bias)))
+        ctx.save_for_backward(p)
+        return p
+
+    @staticmethod
+    def backward(ctx, dp):
+        (p,) = ctx.saved_tensor()
+        return paddle.from_dlpack(backward(_host(p), _host(dp.contiguous()))), None
+
+
+def usable(s: paddle.Tensor, bias: paddle.Tensor) -> bool:
+    """Dense float32 CPU scores [B, G, Sq, Sk] and mask [1|B, 1, Sq, Sk] in dynamic mode; anything
+    else (GPU, static graphs, half precision, distributed tensors) keeps Paddle's ops."""
+    return (
+        paddle.in_dynamic_mode()
+        and s.ndim == 4
+        and bias.ndim == 4
+        and s.dtype == paddle.float32
+        and bias.dtype == paddle.float32
+        and s.place.is_cpu_place()
+        and not is_dist(s)
+        and not is_dist(bias)
+        and bias.shape[1] == 1
+        and bias.shape[0] in (1, s.shape[0])
+        and list(bias.shape[2:]) == list(s.shape[2:])
+        and s.size > 0
+    )
+
+
+def masked_softmax(s: paddle.Tensor, bias: paddle.Tensor) -> paddle.Tensor:
+    """softmax(s + bias, axis=-1), s [B, G, Sq, Sk] float32 on the CPU, bias [1|B, 1, Sq, Sk]
+    (no gradient: an attention mask). Callers check `usable` first."""
+    if not paddle.is_grad_enabled() or s.stop_gradient:
+        return paddle.from_dlpack(forward(_host(s), _host(bias)))
+    return _MaskedSoftmax.apply(s, bias)
