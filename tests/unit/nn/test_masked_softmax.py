@@ -22,7 +22,13 @@ def _case(rng, shape, batched_bias: bool, masked: float = 0.3):
     return s, bias
 
 
-SHAPES = [((2, 3, 5, 37), True), ((1, 4, 3, 16), False), ((3, 2, 4, 7), True), ((2, 2, 6, 50), False), ((1, 1, 1, 1), False)]
+SHAPES = [
+    ((2, 3, 5, 37), True),
+    ((1, 4, 3, 16), False),
+    ((3, 2, 4, 7), True),
+    ((2, 2, 6, 50), False),
+    ((1, 1, 1, 1), False),
+]
 
 
 @pytest.fixture
