@@ -26,9 +26,11 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 _KERNELS = Path(__file__).resolve().parent / "kernels"
-# -fno-trapping-math changes no value (only whether FP exceptions may trap); without it GCC keeps
-# floorf scalar and masked_softmax.c's exponential stays unvectorised (65 -> ~10 ms a forward)
-_FLAGS = ["-O3", "-march=native", "-fno-fast-math", "-ffp-contract=off", "-fno-trapping-math", "-fPIC", "-shared"]
+# -fno-trapping-math and -fno-math-errno change no value (only whether FP exceptions may trap and
+# errno is set); without them GCC keeps floorf and sqrtf scalar (masked_softmax.c's exponential:
+# 65 -> ~15 ms a forward)
+_FLAGS = ["-O3", "-march=native", "-fno-fast-math", "-ffp-contract=off", "-fno-trapping-math", "-fno-math-errno"]
+_FLAGS += ["-fPIC", "-shared"]
 _loaded: dict[str, ctypes.CDLL | None] = {}
 why_not: dict[str, str] = {}  # kernel -> why it is not in use (for `erniekit env` and tests)
 
@@ -98,6 +100,19 @@ def fake_quant_runs():
     if fn.argtypes is None:
         p, i64, u32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_uint32
         fn.argtypes = [p, p, i64, p, i64, i64, ctypes.c_float, u32, u32, p, p]
+        fn.restype = None
+    return fn
+
+
+def adamw():
+    """erniekit_adamw from kernels/adamw.c with its argument types, or None."""
+    lib = load("adamw")
+    if lib is None:
+        return None
+    fn = lib.erniekit_adamw
+    if fn.argtypes is None:
+        p, i64, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+        fn.argtypes = [p, p, p, p, f32, f32, f32, f32, i64, f32, f32, f32, f32, i64, i64]
         fn.restype = None
     return fn
 

@@ -20,6 +20,7 @@ import numpy as np
 import paddle
 import paddle.distributed as dist
 
+from erniekit.nn import native
 from erniekit.utils.dtensor import host_view, is_dist, replicated_local, to_dense
 
 
@@ -46,6 +47,8 @@ def _numpy_step(p, g, m, v, b1, b2, lr_bc1, bc2, eps, decay) -> bool:
     if any(a is None for a in views):
         return False
     P, G, M, V = views
+    if _native_adamw(P, G, M, V, b1, b2, lr_bc1, bc2, eps, decay):
+        return True
     f = np.float32
     M *= f(b1)
     M += G * f(1 - b1)
@@ -59,6 +62,26 @@ def _numpy_step(p, g, m, v, b1, b2, lr_bc1, bc2, eps, decay) -> bool:
     upd = M * f(-lr_bc1)
     upd /= den
     P += upd
+    return True
+
+
+# below this many bytes a parameter is updated in one chunk (the hand-off costs more than it saves)
+_PARALLEL_BYTES = 1 << 20
+
+
+def _native_adamw(P, G, M, V, b1, b2, lr_bc1, bc2, eps, decay) -> bool:
+    """`_numpy_step`'s update by kernels/adamw.c (one pass instead of ~12, cut over the threads,
+    the same bits: tests); False without the compiled kernel. numpy's passes run on one core and
+    took 0.66 s of the 3.5 s dense-1024 step at 2 threads (80M parameters)."""
+    fn = native.adamw()
+    if fn is None or not all(a.flags.c_contiguous for a in (P, G, M, V)):
+        return False
+    f = np.float32
+    consts = (f(b1), f(1 - b1), f(b2), f(1 - b2), int(decay is not None), f(decay if decay is not None else 1.0))
+    consts += (f(bc2), f(eps), f(-lr_bc1))
+    ptrs = (P.ctypes.data, G.ctypes.data, M.ctypes.data, V.ctypes.data)
+    c = native.cuts(P.size, P.nbytes, _PARALLEL_BYTES)
+    native.in_parallel([(fn, *ptrs, *consts, i, j) for i, j in zip(c[:-1], c[1:])])
     return True
 
 

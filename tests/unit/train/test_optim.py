@@ -5,6 +5,7 @@ import numpy as np
 import paddle
 import pytest
 
+from erniekit.nn import native
 from erniekit.train import optim
 from erniekit.utils.dtensor import host_view
 
@@ -22,9 +23,11 @@ def _reference(p0, grads, lr, b1, b2, eps, wd, mult, decay):
     return p
 
 
-@pytest.mark.parametrize("numpy_path", [True, False])
-def test_adamw_follows_the_formula(monkeypatch, numpy_path):
-    if not numpy_path:
+@pytest.mark.parametrize("path", ["c", "numpy", "paddle"])
+def test_adamw_follows_the_formula(monkeypatch, path):
+    if path == "numpy":
+        monkeypatch.setattr(optim, "_native_adamw", lambda *a: False)
+    if path == "paddle":
         monkeypatch.setattr(optim, "_numpy_step", lambda *a: False)
     rng = np.random.default_rng(0)
     shapes = {"w": (5, 7), "norm": (7,), "lora_B": (3, 4)}
@@ -46,6 +49,36 @@ def test_adamw_follows_the_formula(monkeypatch, numpy_path):
         np.testing.assert_allclose(p.numpy(), want, rtol=2e-6, atol=1e-7)
         assert not np.allclose(p.numpy(), init[n])
     assert opt.state_dict()["w::exp_avg"].shape == [5, 7]
+
+
+@pytest.mark.parametrize("decay", [None, 0.999])
+def test_the_c_kernel_gives_numpys_bits_on_any_thread_count(monkeypatch, decay):
+    """kernels/adamw.c against the numpy passes it replaces: the same bits, cut over 1 or 3 threads."""
+    if native.adamw() is None:
+        pytest.skip(f"no C kernel here: {native.why_not.get('adamw')}")
+    rng = np.random.default_rng(1)
+    n = 10007  # not a multiple of any vector width
+    start = [rng.standard_normal(n).astype(np.float32) for _ in range(3)]
+    start[2] = np.abs(start[2])  # v >= 0
+    g = (rng.standard_normal(n) * 10.0 ** rng.integers(-8, 2, n)).astype(np.float32)  # tiny to large
+    args = (0.9, 0.999, 3e-3 / (1 - 0.9**3), 1 - 0.999**3, 1e-8, decay)
+
+    def run(use_c: bool, threads: str) -> list[np.ndarray]:
+        monkeypatch.setenv("OMP_NUM_THREADS", threads)
+        p, m, v = (paddle.to_tensor(a.copy()) for a in start)
+        if not use_c:
+            monkeypatch.setattr(optim, "_native_adamw", lambda *a: False)
+        assert optim._numpy_step(p, paddle.to_tensor(g), m, v, *args)
+        monkeypatch.undo()
+        return [t.numpy().view(np.uint32) for t in (p, m, v)]
+
+    monkeypatch.setattr(optim, "_PARALLEL_BYTES", 1)
+    want = run(False, "1")
+    for threads in ("1", "3"):
+        monkeypatch.setattr(optim, "_PARALLEL_BYTES", 1)
+        for got, exp in zip(run(True, threads), want):
+            np.testing.assert_array_equal(got, exp)
+    assert not np.array_equal(want[0], start[0].view(np.uint32))
 
 
 def test_numpy_path_only_takes_dense_float32_cpu_tensors():
