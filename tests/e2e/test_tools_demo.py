@@ -1,10 +1,11 @@
 """The tool-calling demo (examples/configs/tiny/sft_tools.yaml), shortened to 300 steps of batch 8
 (~4.5 min in the suite on 2 Intel cores) and trained once, then driven as a user would: the run
 ends with its held-out tool-call and final-answer lines, and the `openai` client's tools API
-against `erniekit server` on the trained model, whole and streamed, gives a tool call with its reasoning, takes the result back and answers. 300 steps
-learn the format and when to call, not the copying of numbers: the assertions are about what the
-format and the API promise (the full config's accuracy over seeds is recorded in
-bench_results/tools_default_matrix.json, held to docs/tools.md's floor below)."""
+against `erniekit server` on the trained model, whole and streamed, gives a tool call with its
+reasoning, takes the result back and answers. 300 steps learn the format and when to call, not the
+copying of numbers: the assertions are about what the format and the API promise (the full config's
+accuracy over seeds is recorded in bench_results/tools_default_matrix.json, held to docs/tools.md's
+floor below)."""
 
 from __future__ import annotations
 
