@@ -28,7 +28,7 @@ from paddle.autograd import PyLayer
 from erniekit.errors import ConfigError
 from erniekit.nn import native
 from erniekit.nn.rows import concat_rows, split_rows
-from erniekit.utils.dtensor import host_view
+from erniekit.utils.dtensor import host_array
 
 E4M3_MAX = 448.0  # largest finite float8_e4m3fn
 E4M3_MANTISSA_BITS = 3
@@ -281,13 +281,6 @@ def fake_quant_token_runs_np(a: np.ndarray, sizes: list[int], block: int, fmt: s
     return out
 
 
-def _host(t: paddle.Tensor) -> np.ndarray:
-    """t's values as a float32 numpy array to read: a view of a dense float32 CPU tensor's memory
-    (no copy; ~20x cheaper than .numpy() at expert sizes), else a converted copy."""
-    view = host_view(t)
-    return view if view is not None else t.astype("float32").numpy()
-
-
 def _tensor(a: np.ndarray) -> paddle.Tensor:
     """A fresh numpy result as a CPU tensor sharing its memory (the tensor keeps the array alive);
     an empty one is copied (its DLPack strides are not the contiguous ones Paddle checks for)."""
@@ -301,7 +294,7 @@ def _fake_quant(x: paddle.Tensor, rows: int, cols: int, fmt: str = "e4m3") -> pa
     cast above all) are 5-30x slower than numpy's at expert sizes. Bit-identical to
     `_fake_quant_cast` (same division, rounding and multiplication).
     """
-    return _tensor(fake_quant_np(_host(x), rows, cols, fmt))
+    return _tensor(fake_quant_np(host_array(x), rows, cols, fmt))
 
 
 def _scale_2d(scale: paddle.Tensor, shape: list[int], rows: int, cols: int) -> paddle.Tensor:
@@ -514,11 +507,11 @@ class _FP8GroupedMatMuls(PyLayer):
         ctx.sizes, ctx.experts, ctx.block, ctx.fmt = sizes, experts, block, grad_format
         ctx.dtypes = (x.dtype, ws[0].dtype)
         ctx.need = (not x.stop_gradient, [not w.stop_gradient for w in ws])
-        xq = _tensor(fake_quant_np(_host(x), 1, block))
+        xq = _tensor(fake_quant_np(host_array(x), 1, block))
         wqs = []
         for w in ws:
             E, K, N = w.shape
-            wqs.append(_tensor(fake_quant_np(_host(w).reshape(E * K, N), block, block)).reshape([E, K, N]))
+            wqs.append(_tensor(fake_quant_np(host_array(w).reshape(E * K, N), block, block)).reshape([E, K, N]))
         ctx.save_for_backward(x, *wqs)
         ys = tuple(_per_group(xq, sizes, paddle.unbind(wq), experts).astype(x.dtype) for wq in wqs)
         return ys if len(ys) > 1 else ys[0]
@@ -527,7 +520,7 @@ class _FP8GroupedMatMuls(PyLayer):
     def backward(ctx, *dys):
         x, *wqs = ctx.saved_tensor()
         sizes, experts, block, fmt = ctx.sizes, ctx.experts, ctx.block, ctx.fmt
-        dys_np = [None if dy is None else _host(dy) for dy in dys]
+        dys_np = [None if dy is None else host_array(dy) for dy in dys]
         dx = None
         if ctx.need[0]:
             for dy, wq in zip(dys_np, wqs):
@@ -544,7 +537,7 @@ class _FP8GroupedMatMuls(PyLayer):
             dx = (paddle.zeros(x.shape, "float32") if dx is None else dx).astype(ctx.dtypes[0])
         dws = []
         if any(ctx.need[1]):
-            xs = _tensor(fake_quant_token_runs_np(_host(x), sizes, block))
+            xs = _tensor(fake_quant_token_runs_np(host_array(x), sizes, block))
         for need, dy, wq in zip(ctx.need[1], dys_np, wqs):
             if not need:
                 dws.append(None)

@@ -17,7 +17,7 @@ import paddle
 from paddle.autograd import PyLayer
 
 from erniekit.nn import native
-from erniekit.utils.dtensor import host_view, is_dist
+from erniekit.utils.dtensor import host_array, is_dist
 
 LANES = 16  # the C kernel's sum lanes: element j is added into lane j % 16
 _PARALLEL_BYTES = 1 << 20  # below this a score tensor is one chunk (the hand-off costs more)
@@ -74,15 +74,12 @@ def backward_np(p: np.ndarray, dp: np.ndarray) -> np.ndarray:
 
 
 def _kernels():
-    lib = native.load("masked_softmax")
-    if lib is None:
+    fwd = native.function("masked_softmax", "erniekit_masked_softmax_fwd", [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 6)
+    if fwd is None:
         return None
-    fwd, bwd = lib.erniekit_masked_softmax_fwd, lib.erniekit_masked_softmax_bwd
-    if fwd.argtypes is None:
-        ptr, i64 = ctypes.c_void_p, ctypes.c_int64
-        fwd.argtypes, fwd.restype = [ptr, ptr, ptr] + [i64] * 6, None
-        bwd.argtypes, bwd.restype = [ptr, ptr, ptr] + [i64] * 3, None
-    return fwd, bwd
+    return fwd, native.function(
+        "masked_softmax", "erniekit_masked_softmax_bwd", [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3
+    )
 
 
 def forward(s: np.ndarray, bias: np.ndarray) -> np.ndarray:
@@ -111,22 +108,17 @@ def backward(p: np.ndarray, dp: np.ndarray) -> np.ndarray:
     return ds
 
 
-def _host(t: paddle.Tensor) -> np.ndarray:
-    view = host_view(t)
-    return view if view is not None else np.ascontiguousarray(t.numpy())
-
-
 class _MaskedSoftmax(PyLayer):
     @staticmethod
     def forward(ctx, s, bias):
-        p = paddle.from_dlpack(forward(_host(s), _host(bias)))
+        p = paddle.from_dlpack(forward(host_array(s), host_array(bias)))
         ctx.save_for_backward(p)
         return p
 
     @staticmethod
     def backward(ctx, dp):
         (p,) = ctx.saved_tensor()
-        return paddle.from_dlpack(backward(_host(p), _host(dp.contiguous()))), None
+        return paddle.from_dlpack(backward(host_array(p), host_array(dp.contiguous()))), None
 
 
 def usable(s: paddle.Tensor, bias: paddle.Tensor) -> bool:
@@ -152,5 +144,5 @@ def masked_softmax(s: paddle.Tensor, bias: paddle.Tensor) -> paddle.Tensor:
     """softmax(s + bias, axis=-1), s [B, G, Sq, Sk] float32 on the CPU, bias [1|B, 1, Sq, Sk]
     (no gradient: an attention mask). Callers check `usable` first."""
     if not paddle.is_grad_enabled() or s.stop_gradient:
-        return paddle.from_dlpack(forward(_host(s), _host(bias)))
+        return paddle.from_dlpack(forward(host_array(s), host_array(bias)))
     return _MaskedSoftmax.apply(s, bias)

@@ -91,30 +91,29 @@ def load(name: str) -> ctypes.CDLL | None:
     return lib
 
 
-def fake_quant_runs():
-    """erniekit_fake_quant_runs from kernels/fake_quant.c with its argument types, or None."""
-    lib = load("fake_quant")
+def function(name: str, symbol: str, argtypes: list):
+    """`symbol` of kernels/<name>.c with its argument types set (once), or None without the build."""
+    lib = load(name)
     if lib is None:
         return None
-    fn = lib.erniekit_fake_quant_runs
+    fn = getattr(lib, symbol)
     if fn.argtypes is None:
-        p, i64, u32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_uint32
-        fn.argtypes = [p, p, i64, p, i64, i64, ctypes.c_float, u32, u32, p, p]
-        fn.restype = None
+        fn.argtypes, fn.restype = argtypes, None
     return fn
+
+
+_P, _I64, _U32, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_uint32, ctypes.c_float
+
+
+def fake_quant_runs():
+    """erniekit_fake_quant_runs from kernels/fake_quant.c, or None."""
+    return function("fake_quant", "erniekit_fake_quant_runs", [_P, _P, _I64, _P, _I64, _I64, _F32, _U32, _U32, _P, _P])
 
 
 def adamw():
-    """erniekit_adamw from kernels/adamw.c with its argument types, or None."""
-    lib = load("adamw")
-    if lib is None:
-        return None
-    fn = lib.erniekit_adamw
-    if fn.argtypes is None:
-        p, i64, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
-        fn.argtypes = [p, p, p, p, f32, f32, f32, f32, i64, f32, f32, f32, f32, i64, i64]
-        fn.restype = None
-    return fn
+    """erniekit_adamw from kernels/adamw.c, or None."""
+    args = [_P, _P, _P, _P, _F32, _F32, _F32, _F32, _I64, _F32, _F32, _F32, _F32, _I64, _I64]
+    return function("adamw", "erniekit_adamw", args)
 
 
 _pool: ThreadPoolExecutor | None = None

@@ -47,6 +47,13 @@ def host_view(t: paddle.Tensor) -> np.ndarray | None:
     return np.from_dlpack(t.detach())
 
 
+def host_array(t: paddle.Tensor) -> np.ndarray:
+    """t's values as a float32 numpy array to read: `host_view` where it can (no copy; ~20x cheaper
+    than .numpy() at expert sizes), else a converted contiguous copy."""
+    view = host_view(t)
+    return view if view is not None else np.ascontiguousarray(t.astype("float32").numpy())
+
+
 def to_dense(t: paddle.Tensor) -> paddle.Tensor:
     """The full (unsharded, reduced) value as a plain tensor on this rank; collective for DistTensors."""
     if not is_dist(t):
