@@ -223,13 +223,17 @@ def _handshake(
         "(cross_cluster_key_file / $ERNIEKIT_CROSS_CLUSTER_KEY) or the traffic was tampered with; the job stops"
     )
     their_head = bytes(conn.read(_HELLO.size))
-    if not auth.verify(key, conn.read(auth.MAC_BYTES), b"hello-head", their_head):
-        raise failed
+    head_mac = conn.read(auth.MAC_BYTES)
     magic, cid, their_rank, their_nonce, nbody = _HELLO.unpack(their_head)
-    if magic != _MAGIC or nbody > _MAX_HELLO_JSON:
+    ours = magic == _MAGIC and nbody <= _MAX_HELLO_JSON
+    # read the whole hello before judging it: closing with its body unread would send a reset, and
+    # the peer would report a broken pipe instead of the key mismatch it is about to find itself
+    their_body, body_mac = (bytes(conn.read(nbody)), conn.read(auth.MAC_BYTES)) if ours else (b"", b"")
+    if not auth.verify(key, head_mac, b"hello-head", their_head):
+        raise failed
+    if not ours:
         raise LinkError(f"{conn.name} speaks another protocol version ({magic!r}): use the same erniekit everywhere")
-    their_body = bytes(conn.read(nbody))
-    if not auth.verify(key, conn.read(auth.MAC_BYTES), b"hello", their_head, their_body):
+    if not auth.verify(key, body_mac, b"hello", their_head, their_body):
         raise failed
     expected = {peer} if peer is not None else accept
     if their_rank != rank or cid not in expected:
