@@ -406,7 +406,9 @@ def test_emulated_link_delays_and_queues_messages():
     two = 0.05 + 2 * shape.transmit_seconds(wire)
     assert min(seconds) >= two and min(seconds) == pytest.approx(0.25, rel=0.5)
     busy = tx.stats().send_seconds  # each burst counted once (not per message): busy from send() to its last byte
-    assert 3 * shape.seconds(wire) + 3 * two <= busy <= sum(ones) + sum(seconds)
+    # the lower bound allows 10%: a message's end is stamped after sendall returns, so a sender thread
+    # descheduled there (a loaded machine) stamps it late and the next burst's overlap is not counted
+    assert 0.9 * (3 * shape.seconds(wire) + 3 * two) <= busy <= sum(ones) + sum(seconds)
     a.close(), b.close()
 
 
