@@ -19,7 +19,6 @@ from paddle.autograd import PyLayer
 from erniekit.nn import native
 from erniekit.utils.dtensor import host_array, is_dist
 
-LANES = 16  # the C kernel's sum lanes: element j is added into lane j % 16
 _PARALLEL_BYTES = 1 << 20  # below this a score tensor is one chunk (the hand-off costs more)
 _F32 = np.float32
 
@@ -51,26 +50,17 @@ def _exp_neg_np(x: np.ndarray) -> np.ndarray:
     return np.where(x < _LOW, _F32(0.0), p * two_n)
 
 
-def _sum16(x: np.ndarray) -> np.ndarray:
-    """Row sums over the last axis in the C kernel's order: lane j % 16 in order, then the lanes."""
-    pad = (-x.shape[-1]) % LANES
-    if pad:
-        x = np.concatenate([x, np.zeros(x.shape[:-1] + (pad,), _F32)], axis=-1)  # + 0.0 changes no lane
-    lanes = np.cumsum(x.reshape(x.shape[:-1] + (-1, LANES)), axis=-2)[..., -1, :]
-    return np.cumsum(lanes, axis=-1)[..., -1]
-
-
 def forward_np(s: np.ndarray, bias: np.ndarray) -> np.ndarray:
     """s [B, G, Sq, Sk], bias [1|B, 1, Sq, Sk] -> softmax(s + bias) over the last axis."""
     z = s + bias
     m = np.fmax.reduce(z, axis=-1, keepdims=True)  # a NaN is skipped, as the kernel's compare does
     e = _exp_neg_np(z - m)
-    return e * (_F32(1.0) / _sum16(e))[..., None]
+    return e * (_F32(1.0) / native.sum16(e))[..., None]
 
 
 def backward_np(p: np.ndarray, dp: np.ndarray) -> np.ndarray:
     """The scores' gradient p * (dp - sum(p * dp)) (rows over the last axis)."""
-    return p * (dp - _sum16(p * dp)[..., None])
+    return p * (dp - native.sum16(p * dp)[..., None])
 
 
 def _kernels():

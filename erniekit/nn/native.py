@@ -25,6 +25,8 @@ import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import numpy as np
+
 _KERNELS = Path(__file__).resolve().parent / "kernels"
 # -fno-trapping-math and -fno-math-errno change no value (only whether FP exceptions may trap and
 # errno is set); without them GCC keeps floorf and sqrtf scalar (masked_softmax.c's exponential:
@@ -114,6 +116,19 @@ def adamw():
     """erniekit_adamw from kernels/adamw.c, or None."""
     args = [_P, _P, _P, _P, _F32, _F32, _F32, _F32, _I64, _F32, _F32, _F32, _F32, _I64, _I64]
     return function("adamw", "erniekit_adamw", args)
+
+
+LANES = 16  # the kernels' sum lanes: element j of a row is added into lane j % 16
+
+
+def sum16(x: np.ndarray) -> np.ndarray:
+    """Row sums over the last axis in the kernels' order: lane j % 16 in order, then the lanes in
+    order (what their numpy twins use to give the same bits)."""
+    pad = (-x.shape[-1]) % LANES
+    if pad:
+        x = np.concatenate([x, np.zeros(x.shape[:-1] + (pad,), x.dtype)], axis=-1)  # + 0.0 changes no lane
+    lanes = np.cumsum(x.reshape(x.shape[:-1] + (-1, LANES)), axis=-2)[..., -1, :]
+    return np.cumsum(lanes, axis=-1)[..., -1]
 
 
 _pool: ThreadPoolExecutor | None = None

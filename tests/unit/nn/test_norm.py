@@ -1,10 +1,13 @@
-"""rms_norm's hand-written backward (erniekit/nn/norm.py) against the formula, differentiated in
-float64 by hand, and against Paddle's autograd through the plain formula."""
+"""rms_norm's hand-written backward (erniekit/nn/norm.py, kernels/rms_norm.c) against the formula,
+differentiated in float64 by hand, and against Paddle's autograd through the plain formula; the C
+kernel and its numpy twin give the same bits, at any thread count."""
 
 import numpy as np
 import paddle
 import pytest
 
+from erniekit.nn import native
+from erniekit.nn import norm as nm
 from erniekit.nn.norm import rms_norm
 
 
@@ -20,8 +23,17 @@ def _reference(x, w, dy, eps):
     return y, dx, dw
 
 
-@pytest.mark.parametrize("shape", [(3, 5, 16), (7, 32)])
-def test_rms_norm_forward_and_backward_match_the_formula(shape):
+@pytest.fixture(params=["native", "eager"])
+def path(request, monkeypatch):
+    """Each test runs through the float32 CPU kernel path and through the eager PyLayer (what other
+    dtypes and devices take)."""
+    if request.param == "eager":
+        monkeypatch.setattr(nm, "usable", lambda *_: False)
+    return request.param
+
+
+@pytest.mark.parametrize("shape", [(3, 5, 16), (7, 32), (4, 37)])
+def test_rms_norm_forward_and_backward_match_the_formula(shape, path):
     rng = np.random.default_rng(0)
     x_np = (rng.standard_normal(shape) * 3).astype(np.float32)
     w_np = rng.standard_normal(shape[-1]).astype(np.float32)
@@ -38,12 +50,14 @@ def test_rms_norm_forward_and_backward_match_the_formula(shape):
     x2, w2 = paddle.to_tensor(x_np, stop_gradient=False), paddle.to_tensor(w_np, stop_gradient=False)
     y2 = w2 * (x2 * paddle.rsqrt((x2 * x2).mean(-1, keepdim=True) + 1e-5))
     y2.backward(paddle.to_tensor(dy_np))
-    np.testing.assert_array_equal(y.numpy(), y2.numpy())
+    if path == "eager":  # the same ops as the plain formula; the kernel sums in another order
+        np.testing.assert_array_equal(y.numpy(), y2.numpy())
+    np.testing.assert_allclose(y.numpy(), y2.numpy(), rtol=1e-6, atol=1e-6)
     np.testing.assert_allclose(x.grad.numpy(), x2.grad.numpy(), rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(w.grad.numpy(), w2.grad.numpy(), rtol=1e-5, atol=1e-5)
 
 
-def test_rms_norm_with_a_frozen_weight_or_input():
+def test_rms_norm_with_a_frozen_weight_or_input(path):
     x = paddle.randn([4, 8])
     x.stop_gradient = False
     w = paddle.ones([8])  # frozen (a LoRA run's norms)
@@ -54,7 +68,7 @@ def test_rms_norm_with_a_frozen_weight_or_input():
     assert w2.grad is not None
 
 
-def test_an_overflowing_norm_gives_a_nan_gradient_as_autograd_does():
+def test_an_overflowing_norm_gives_a_nan_gradient_as_autograd_does(path):
     """mean(x^2) = inf makes r = 0 and the output 0; the gradient is undefined and must show as nan
     (the trainer stops on a nan gradient norm) rather than a quiet 0."""
     x = paddle.to_tensor(np.full((2, 4), 1e30, np.float32), stop_gradient=False)
@@ -63,3 +77,79 @@ def test_an_overflowing_norm_gives_a_nan_gradient_as_autograd_does():
     assert (y.numpy() == 0).all()
     y.sum().backward()
     assert np.isnan(x.grad.numpy()).all()
+
+
+@pytest.fixture
+def kernel():
+    k = nm._kernels()
+    if k is None:
+        pytest.skip(f"no C kernel here: {native.why_not.get('rms_norm')}")
+    return k
+
+
+def _bits(a):
+    return a.view(np.uint32)
+
+
+@pytest.mark.parametrize("rows,H", [(5, 16), (3, 37), (8, 128), (1, 1), (2, 1000)])
+def test_the_c_kernel_and_numpy_give_the_same_bits(kernel, rows, H):
+    rng = np.random.default_rng(rows * H)
+    x = (rng.standard_normal((rows, H)) * 3).astype(np.float32)
+    w, dy = rng.standard_normal(H).astype(np.float32), rng.standard_normal((rows, H)).astype(np.float32)
+    (y, r), (y_np, r_np) = nm.forward(x, w, 1e-5), nm.forward_np(x, w, 1e-5)
+    np.testing.assert_array_equal(_bits(y), _bits(y_np))
+    np.testing.assert_array_equal(_bits(r), _bits(r_np))
+    for need in [(True, True), (True, False), (False, True)]:
+        got, want = nm.backward(x, w, r, dy, *need), nm.backward_np(x, w, r, dy, *need)
+        for a, b in zip(got, want):
+            assert (a is None) == (b is None)
+            if a is not None:
+                np.testing.assert_array_equal(_bits(a), _bits(b))
+
+
+def test_the_numpy_path_is_the_kernel_when_it_is_off(monkeypatch):
+    """ERNIEKIT_NATIVE_KERNELS=0 or no compiler: the same numbers from numpy, through the layer."""
+    rng = np.random.default_rng(3)
+    x_np, w_np = rng.standard_normal((6, 4, 48)).astype(np.float32), rng.standard_normal(48).astype(np.float32)
+
+    def run():
+        x, w = paddle.to_tensor(x_np, stop_gradient=False), paddle.to_tensor(w_np, stop_gradient=False)
+        y = rms_norm(x, w, 1e-6)
+        (y * y).sum().backward()
+        return y.numpy(), x.grad.numpy(), w.grad.numpy()
+
+    with_kernel = run()
+    monkeypatch.setattr(nm, "_kernels", lambda: None)
+    for a, b in zip(run(), with_kernel):
+        np.testing.assert_array_equal(_bits(a), _bits(b))
+
+
+def test_threads_do_not_change_the_bits(kernel, monkeypatch):
+    rng = np.random.default_rng(4)
+    x, w = rng.standard_normal((300, 96)).astype(np.float32), rng.standard_normal(96).astype(np.float32)
+    monkeypatch.setattr(nm, "_PARALLEL_BYTES", 1)
+    outs = []
+    for threads in ("1", "3"):
+        monkeypatch.setenv("OMP_NUM_THREADS", threads)
+        y, r = nm.forward(x, w, 1e-5)
+        outs.append((y, r, *nm.backward(x, w, r, x, True, True)))
+    for a, b in zip(*outs):
+        np.testing.assert_array_equal(_bits(a), _bits(b))
+
+
+def test_the_no_grad_forward_is_the_training_forward():
+    """Evaluation and decoding (no_grad) normalise exactly as the training forward does."""
+    x = paddle.randn([3, 7, 40])
+    w = paddle.create_parameter([40], "float32")
+    x.stop_gradient = False
+    train = rms_norm(x, w, 1e-6).numpy()
+    with paddle.no_grad():
+        np.testing.assert_array_equal(rms_norm(x, w, 1e-6).numpy(), train)
+
+
+def test_only_dense_float32_cpu_tensors_take_the_kernel():
+    w = paddle.ones([8])
+    assert nm.usable(paddle.randn([2, 8]), w)
+    assert not nm.usable(paddle.randn([2, 8]).astype("bfloat16"), w)
+    assert not nm.usable(paddle.randn([2, 8]), w.astype("bfloat16"))
+    assert not nm.usable(paddle.randn([2, 4]), w)

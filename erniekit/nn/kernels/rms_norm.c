@@ -1,0 +1,73 @@
+/* RMSNorm over the last axis, forward and backward, one pass per row (erniekit/nn/norm.py).
+ *
+ * Paddle's eager ops make ~5 passes forward and ~12 backward over the activation, each a separate
+ * kernel; these do each direction in one. The arithmetic is erniekit/nn/norm.py's numpy path
+ * operation for operation, so the two give the same bits:
+ *   forward:  r = 1 / sqrt(sum16(x * x) / H + eps);  y = (x * r) * w
+ *   backward: n = x * r;  dn = dy * w;  t = sum16(dn * n) / H
+ *             dx = (dn - n * t) * (r * (r / r));  p = dy * n   (dw = the column sums of p)
+ * r * (r / r) is r, or NaN where mean(x^2) overflowed (r = 0), as autograd's rsqrt gives.
+ * sum16 adds element j into lane j % 16 in order, then the 16 lanes in order (the compiler
+ * vectorises the lanes; numpy repeats it with two cumsums). Build without -ffast-math and with
+ * -ffp-contract=off: every operation rounds as written.
+ *
+ * Layout: x, y, dy, dx, p [N, H] contiguous, w [H], r [N]. A call handles the rows [r0, r1).
+ * dx or p may be NULL (the input or the weight needs no gradient).
+ */
+#include <math.h>
+#include <stdint.h>
+
+#define LANES 16
+
+static inline float lane_total(const float *acc) {
+    float t = acc[0];
+    for (int l = 1; l < LANES; l++) t += acc[l];
+    return t;
+}
+
+void erniekit_rms_norm_fwd(const float *x, const float *w, float *y, float *r, int64_t H, float eps, int64_t r0,
+                           int64_t r1) {
+    const int64_t full = H - H % LANES;
+    const float fh = (float)H;
+    for (int64_t i = r0; i < r1; i++) {
+        const float *xr = x + i * H;
+        float *yr = y + i * H;
+        float acc[LANES] = {0};
+        int64_t j = 0;
+        for (; j < full; j += LANES)
+            for (int l = 0; l < LANES; l++) acc[l] += xr[j + l] * xr[j + l];
+        for (int l = 0; j + l < H; l++) acc[l] += xr[j + l] * xr[j + l];
+        float m = lane_total(acc) / fh;
+        m = m + eps;
+        const float ri = 1.0f / sqrtf(m);
+        r[i] = ri;
+        for (j = 0; j < H; j++) yr[j] = (xr[j] * ri) * w[j];
+    }
+}
+
+void erniekit_rms_norm_bwd(const float *x, const float *w, const float *r, const float *dy, float *dx, float *p,
+                           int64_t H, int64_t r0, int64_t r1) {
+    const int64_t full = H - H % LANES;
+    const float fh = (float)H;
+    for (int64_t i = r0; i < r1; i++) {
+        const float *xr = x + i * H, *dyr = dy + i * H;
+        const float ri = r[i];
+        if (p) {
+            float *pr = p + i * H;
+            for (int64_t j = 0; j < H; j++) pr[j] = dyr[j] * (xr[j] * ri);
+        }
+        if (!dx) continue;
+        float acc[LANES] = {0};
+        int64_t j = 0;
+        for (; j < full; j += LANES)
+            for (int l = 0; l < LANES; l++) acc[l] += (dyr[j + l] * w[j + l]) * (xr[j + l] * ri);
+        for (int l = 0; j + l < H; l++) acc[l] += (dyr[j + l] * w[j + l]) * (xr[j + l] * ri);
+        const float t = lane_total(acc) / fh;
+        const float rr = ri * (ri / ri);
+        float *dxr = dx + i * H;
+        for (j = 0; j < H; j++) {
+            const float n = xr[j] * ri;
+            dxr[j] = ((dyr[j] * w[j]) - n * t) * rr;
+        }
+    }
+}
