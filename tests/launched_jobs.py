@@ -35,6 +35,17 @@ def train(args: list[str], cwd: str, timeout: float = 600.0):
     return r
 
 
+def tiny_teacher(root: str, out, steps: int, *extra: str) -> str:
+    """The embedded default trained `steps` steps on the first 2000 rows of its data, as a teacher
+    for the distillation tests (they check mechanics; the gains are measured by tools/*_demo.py);
+    its output directory."""
+    data = os.path.join(root, "examples", "data", "arithmetic", "train.jsonl")
+    args = [os.path.join(root, "examples", "configs", "tiny", "sft.yaml"), f"output_dir={out}", f"max_steps={steps}"]
+    args += [f"train_dataset_path={head_of(data, 2000)}", "do_eval=false", "save_steps=1000", "disable_tqdm=true"]
+    train([*args, *extra], root)
+    return str(out)
+
+
 def concurrently(*calls):
     """Call the zero-argument callables `calls` at the same time, one thread each, and return their
     results in order (the first exception is raised, after every call has ended). For independent

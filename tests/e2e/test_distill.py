@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from launched_jobs import head_of
+from launched_jobs import head_of, tiny_teacher
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = "examples/configs/tiny/distill.yaml"
@@ -50,18 +50,9 @@ def teacher(tmp_path_factory) -> Path:
     """A teacher of the embedded default's shape, cut to 30 steps: these tests check the mechanics
     (the distilled student's gain over plain SFT needs a trained teacher and minutes per run: it is
     measured by tools/distill_demo.py into bench_results/distill_demo.json, checked below)."""
-    out = tmp_path_factory.mktemp("distill") / "teacher"
-    _train(
-        "examples/configs/tiny/sft.yaml",
-        f"train_dataset_path={head_of(str(DATA / 'train.jsonl'), 2000)}",
-        "max_steps=30",
-        "fp8=false",
-        "do_eval=false",
-        "save_steps=1000",
-        "logging_steps=10",
-        f"output_dir={out}",
+    return Path(
+        tiny_teacher(str(ROOT), tmp_path_factory.mktemp("distill") / "teacher", 30, "fp8=false", "logging_steps=10")
     )
-    return out
 
 
 def _student(teacher, out, *extra) -> list[str]:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from launched_jobs import head_of
+from launched_jobs import head_of, tiny_teacher
 
 ROOT = str(Path(__file__).resolve().parents[2])
 DATA = os.path.join(ROOT, "examples", "data", "arithmetic")
@@ -45,19 +45,7 @@ FLOORS = {"assistant3": 2.3, "student2": 2.4}
 def teacher(tmp_path_factory):
     """The config's teacher is the embedded default's output; here the default cut to 100 steps of
     the same data (the mechanics, not the gain: that is bench_results/online_distill_demo.json)."""
-    out = tmp_path_factory.mktemp("online") / "teacher"
-    _train(
-        [
-            os.path.join(ROOT, "examples", "configs", "tiny", "sft.yaml"),
-            f"output_dir={out}",
-            "max_steps=100",
-            f"train_dataset_path={head_of(os.path.join(DATA, 'train.jsonl'), 2000)}",
-            "do_eval=false",
-            "save_steps=1000",
-            "disable_tqdm=true",
-        ]
-    )
-    return str(out)
+    return tiny_teacher(ROOT, tmp_path_factory.mktemp("online") / "teacher", 100)
 
 
 def test_example_config_cut_short_trains_students_that_chat_loads(tmp_path, teacher):

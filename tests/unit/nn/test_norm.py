@@ -153,3 +153,37 @@ def test_only_dense_float32_cpu_tensors_take_the_kernel():
     assert not nm.usable(paddle.randn([2, 8]).astype("bfloat16"), w)
     assert not nm.usable(paddle.randn([2, 8]), w.astype("bfloat16"))
     assert not nm.usable(paddle.randn([2, 4]), w)
+
+
+def test_an_input_modified_in_place_after_the_forward_is_refused():
+    """The PyLayer saves x itself: a later in-place change would give a wrong gradient silently."""
+    x = paddle.randn([4, 16])
+    x.stop_gradient = False
+    h = x * 1
+    y = rms_norm(h, paddle.create_parameter([16], "float32"), 1e-6)
+    h.scale_(3.0)
+    with pytest.raises((RuntimeError, OSError), match=r"rms_norm: an input was modified in place after the forward"):
+        y.sum().backward()
+
+
+def test_a_layer_using_it_converts_with_to_static():
+    """SOT (to_static's default) breaks the graph at the dispatch; full-graph takes the plain formula."""
+    from erniekit.models.ernie4_5.modeling import RMSNorm
+
+    layer = RMSNorm(16, 1e-6)
+    x = paddle.randn([2, 3, 16])
+    want = layer(x).numpy()
+    for full_graph in (False, True):
+        got = paddle.jit.to_static(RMSNorm(16, 1e-6), full_graph=full_graph)
+        got.set_state_dict(layer.state_dict())
+        np.testing.assert_allclose(got(x).numpy(), want, rtol=1e-6, atol=1e-6)
+
+
+def test_a_row_of_negative_zeros_sums_as_the_kernel_sums_it(kernel):
+    """The kernels' lanes start at +0.0, so a row of -0.0 sums to +0.0; native.sum16 does too."""
+    assert _bits(native.sum16(np.full((2, 19), -0.0, np.float32))).tolist() == [0, 0]
+    x, w, dy = np.ones((1, 16), np.float32), -np.ones(16, np.float32), np.zeros((1, 16), np.float32)
+    _, r = nm.forward(x, w, 1e-6)
+    np.testing.assert_array_equal(
+        _bits(nm.backward(x, w, r, dy, True, False)[0]), _bits(nm.backward_np(x, w, r, dy, True, False)[0])
+    )
