@@ -23,38 +23,11 @@ _PARALLEL_BYTES = 1 << 20  # below this a score tensor is one chunk (the hand-of
 _F32 = np.float32
 
 
-def _f32(hex_literal: str) -> np.float32:
-    return _F32(float.fromhex(hex_literal))  # exact: each is a float32 value
-
-
-# Cephes' expf constants as kernels/masked_softmax.c writes them
-_LOG2E, _LN2_HI, _LN2_LO = _f32("0x1.715476p+0"), _f32("0x1.63p-1"), _f32("-0x1.bd0106p-13")
-_POLY = [
-    _f32(h) for h in ("0x1.a0d2cep-13", "0x1.6e879cp-10", "0x1.11121p-7", "0x1.555382p-5", "0x1.555554p-3", "0x1p-1")
-]
-_LOW = _F32(-87.0)
-
-
-def _exp_neg_np(x: np.ndarray) -> np.ndarray:
-    """exp(x) for x <= 0 as kernels/masked_softmax.c's exp_neg computes it (0 below -87)."""
-    c = np.maximum(x, _LOW)
-    n = np.floor(c * _LOG2E + _F32(0.5))
-    r = c - n * _LN2_HI
-    r = r - n * _LN2_LO
-    p = np.full_like(r, _POLY[0])
-    for coef in _POLY[1:]:
-        p = p * r + coef
-    p = p * (r * r) + r
-    p = p + _F32(1.0)
-    two_n = ((n.astype(np.int32) + 127).astype(np.uint32) << 23).view(np.float32)
-    return np.where(x < _LOW, _F32(0.0), p * two_n)
-
-
 def forward_np(s: np.ndarray, bias: np.ndarray) -> np.ndarray:
     """s [B, G, Sq, Sk], bias [1|B, 1, Sq, Sk] -> softmax(s + bias) over the last axis."""
     z = s + bias
     m = np.fmax.reduce(z, axis=-1, keepdims=True)  # a NaN is skipped, as the kernel's compare does
-    e = _exp_neg_np(z - m)
+    e = native.exp_neg(z - m)
     return e * (_F32(1.0) / native.sum16(e))[..., None]
 
 
@@ -111,6 +84,7 @@ class _MaskedSoftmax(PyLayer):
         return paddle.from_dlpack(backward(host_array(p), host_array(dp.contiguous()))), None
 
 
+@native.eager_only
 def usable(s: paddle.Tensor, bias: paddle.Tensor) -> bool:
     """Dense float32 CPU scores [B, G, Sq, Sk] and mask [1|B, 1, Sq, Sk] in dynamic mode; anything
     else (GPU, static graphs, half precision, distributed tensors) keeps Paddle's ops."""
@@ -130,6 +104,7 @@ def usable(s: paddle.Tensor, bias: paddle.Tensor) -> bool:
     )
 
 
+@native.eager_only
 def masked_softmax(s: paddle.Tensor, bias: paddle.Tensor) -> paddle.Tensor:
     """softmax(s + bias, axis=-1), s [B, G, Sq, Sk] float32 on the CPU, bias [1|B, 1, Sq, Sk]
     (no gradient: an attention mask). Callers check `usable` first."""

@@ -31,6 +31,7 @@ from erniekit.errors import DataError
 from erniekit.nn.fp8 import fp8_grouped_matmuls
 from erniekit.nn.recompute import recomputing
 from erniekit.nn.rows import concat_rows, split_rows
+from erniekit.nn.swiglu import swiglu
 
 
 class ExpertExchange(Protocol):
@@ -309,8 +310,7 @@ class StackedExperts(nn.Layer):
         sizes = [c for c in counts if c > 0]
         used = [e for e, c in enumerate(counts) if c > 0]
         gate, up = self.grouped_many(("gate_proj", "up_proj"), xs, sizes, used)
-        h = F.silu(gate) * up
-        return self.grouped("down_proj", h, sizes, used)
+        return self.grouped("down_proj", swiglu(gate, up), sizes, used)
 
     def expert_params(self) -> dict[str, paddle.Tensor]:
         """Parameters indexed by expert (leading dim E): split with the experts under expert parallelism."""

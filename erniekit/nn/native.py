@@ -58,7 +58,7 @@ def _build(name: str, src: Path) -> Path:
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if not cc:
         raise OSError("no C compiler (cc / gcc) on PATH")
-    code = src.read_bytes()
+    code = src.read_bytes() + b"".join(h.read_bytes() for h in sorted(src.parent.glob("*.h")))  # lanes.h
     key = hashlib.sha256(code + " ".join(_FLAGS).encode() + _cpu_flags().encode() + platform.machine().encode())
     out = _cache_dir() / f"{name}-{key.hexdigest()[:16]}.so"
     if out.exists():
@@ -118,7 +118,35 @@ def adamw():
     return function("adamw", "erniekit_adamw", args)
 
 
-LANES = 16  # the kernels' sum lanes: element j of a row is added into lane j % 16
+LANES = 16  # the kernels' sum lanes (kernels/lanes.h): element j of a row is added into lane j % 16
+_NP32 = np.float32
+
+
+def _f32(hex_literal: str) -> np.float32:
+    return _NP32(float.fromhex(hex_literal))  # exact: each is a float32 value
+
+
+# Cephes' expf constants as kernels/lanes.h writes them
+_LOG2E, _LN2_HI, _LN2_LO = _f32("0x1.715476p+0"), _f32("0x1.63p-1"), _f32("-0x1.bd0106p-13")
+_POLY = [
+    _f32(h) for h in ("0x1.a0d2cep-13", "0x1.6e879cp-10", "0x1.11121p-7", "0x1.555382p-5", "0x1.555554p-3", "0x1p-1")
+]
+_LOW = _NP32(-87.0)
+
+
+def exp_neg(x: np.ndarray) -> np.ndarray:
+    """exp(x) for float32 x <= 0 as kernels/lanes.h's exp_neg computes it (0 below -87)."""
+    c = np.maximum(x, _LOW)
+    n = np.floor(c * _LOG2E + _NP32(0.5))
+    r = c - n * _LN2_HI
+    r = r - n * _LN2_LO
+    p = np.full_like(r, _POLY[0])
+    for coef in _POLY[1:]:
+        p = p * r + coef
+    p = p * (r * r) + r
+    p = p + _NP32(1.0)
+    two_n = ((n.astype(np.int32) + 127).astype(np.uint32) << 23).view(np.float32)
+    return np.where(x < _LOW, _NP32(0.0), p * two_n)
 
 
 def sum16(x: np.ndarray) -> np.ndarray:
@@ -127,8 +155,39 @@ def sum16(x: np.ndarray) -> np.ndarray:
     pad = (-x.shape[-1]) % LANES
     if pad:
         x = np.concatenate([x, np.zeros(x.shape[:-1] + (pad,), x.dtype)], axis=-1)  # + 0.0 changes no lane
-    lanes = np.cumsum(x.reshape(x.shape[:-1] + (-1, LANES)), axis=-2)[..., -1, :]
+    blocks = x.reshape(x.shape[:-1] + (-1, LANES))
+    # the kernels' lanes start at +0.0: a row of -0.0 sums to +0.0 there, and must here too
+    zero = np.zeros(blocks.shape[:-2] + (1, LANES), x.dtype)
+    lanes = np.cumsum(np.concatenate([zero, blocks], axis=-2), axis=-2)[..., -1, :]
     return np.cumsum(lanes, axis=-1)[..., -1]
+
+
+def eager_only(fn):
+    """Keep a kernel dispatch out of to_static conversion: full-graph (AST) programs call it
+    unconverted, in static mode, so it takes Paddle's ops; SOT (to_static's default) leaves it
+    untranslated too (tracing into it fails: `usable` reads tensor places). `marker.unified` covers
+    both modes; Paddle versions without it get the AST-only `not_to_static`."""
+    import paddle
+
+    unified = getattr(getattr(paddle.jit, "marker", None), "unified", None)
+    if unified is None:
+        return paddle.jit.not_to_static(fn)
+    return unified(fn, for_sot=True, for_ast=True)
+
+
+def versions(*tensors) -> tuple[int, ...]:
+    """The in-place versions of tensors a kernel's PyLayer saves (its own inputs, not copies)."""
+    return tuple(t._inplace_version() for t in tensors)
+
+
+def check_versions(op: str, saved: tuple[int, ...], *tensors) -> None:
+    """Refuse a backward whose saved inputs were modified in place after the forward (Paddle's
+    autograd refuses that too): the gradient would be computed from the new values."""
+    if versions(*tensors) != saved:
+        raise RuntimeError(
+            f"{op}: an input was modified in place after the forward (versions {saved} -> "
+            f"{versions(*tensors)}), so its gradient would be wrong; modify a copy (x.clone()) instead"
+        )
 
 
 _pool: ThreadPoolExecutor | None = None

@@ -12,7 +12,6 @@ from dataclasses import dataclass
 
 import paddle
 import paddle.nn as nn
-import paddle.nn.functional as F
 
 from erniekit.errors import CheckpointError
 from erniekit.models.ernie4_5.configuration import Ernie4_5Config
@@ -32,6 +31,7 @@ from erniekit.nn.moe import MoEBlock
 from erniekit.nn.mtp import MultiTokenPredictor
 from erniekit.nn.norm import rms_norm
 from erniekit.nn.recompute import GRANULARITIES, checkpoint
+from erniekit.nn.swiglu import swiglu
 
 
 class RMSNorm(nn.Layer):
@@ -56,7 +56,7 @@ class MLP(nn.Layer):
         self.down_proj = nn.Linear(inter, config.hidden_size, bias_attr=None if b else False)
 
     def forward(self, x: paddle.Tensor) -> paddle.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))
 
 
 class Attention(nn.Layer):

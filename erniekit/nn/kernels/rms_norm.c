@@ -7,23 +7,14 @@
  *   backward: n = x * r;  dn = dy * w;  t = sum16(dn * n) / H
  *             dx = (dn - n * t) * (r * (r / r));  p = dy * n   (dw = the column sums of p)
  * r * (r / r) is r, or NaN where mean(x^2) overflowed (r = 0), as autograd's rsqrt gives.
- * sum16 adds element j into lane j % 16 in order, then the 16 lanes in order (the compiler
- * vectorises the lanes; numpy repeats it with two cumsums). Build without -ffast-math and with
- * -ffp-contract=off: every operation rounds as written.
+ * sum16 is lanes.h's (16 lanes, then the lanes in order).
  *
  * Layout: x, y, dy, dx, p [N, H] contiguous, w [H], r [N]. A call handles the rows [r0, r1).
  * dx or p may be NULL (the input or the weight needs no gradient).
  */
 #include <math.h>
-#include <stdint.h>
 
-#define LANES 16
-
-static inline float lane_total(const float *acc) {
-    float t = acc[0];
-    for (int l = 1; l < LANES; l++) t += acc[l];
-    return t;
-}
+#include "lanes.h"
 
 void erniekit_rms_norm_fwd(const float *x, const float *w, float *y, float *r, int64_t H, float eps, int64_t r0,
                            int64_t r1) {
