@@ -13,7 +13,7 @@ setup(
     description="PaddlePaddle-native toolkit for ERNIE 4.5: pretrain, SFT, chat, HF-layout checkpoints",
     # the bundled tokenizer is data in a directory without __init__.py: listed so wheels carry it
     packages=find_packages(include=["erniekit", "erniekit.*"]) + ["erniekit.resources", "erniekit.resources.tokenizer"],
-    package_data={"erniekit.resources.tokenizer": ["*"], "erniekit.nn": ["kernels/*.c"]},
+    package_data={"erniekit.resources.tokenizer": ["*"], "erniekit.nn": ["kernels/*.c", "kernels/*.h"]},
     include_package_data=True,
     python_requires=">=3.10",
     install_requires=[line.strip() for line in open("requirements.txt") if line.strip() and not line.startswith("#")],

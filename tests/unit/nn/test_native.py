@@ -40,3 +40,21 @@ def test_switched_off_or_without_a_compiler_numpy_gives_the_same_values(fresh, m
     native._loaded.clear()
     assert native.fake_quant_runs() is None and "/bin/false failed" in native.why_not["fake_quant"]
     np.testing.assert_array_equal(fp8.fake_quant_np(x, 1, 64, "e5m2"), with_kernel)
+
+
+def test_the_package_ships_every_kernel_source_and_header():
+    """Kernels compile at first use from the installed package, so setup.py's package data must
+    hold every .c file and every header they include (kernels/lanes.h)."""
+    import fnmatch
+    import re
+    from pathlib import Path
+
+    kernels = Path(native.__file__).parent / "kernels"
+    setup = (kernels.parents[2] / "setup.py").read_text()
+    patterns = re.findall(r'"(kernels/[^"]+)"', re.search(r'"erniekit\.nn": \[([^\]]*)\]', setup)[1])
+    sources = sorted(kernels.glob("*.c"))
+    included = {inc for c in sources for inc in re.findall(r'#include "([^"]+)"', c.read_text())}
+    assert "lanes.h" in included
+    for name in [c.name for c in sources] + sorted(included):
+        assert (kernels / name).exists(), name
+        assert any(fnmatch.fnmatch(f"kernels/{name}", p) for p in patterns), (name, patterns)
