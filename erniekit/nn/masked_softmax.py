@@ -17,7 +17,7 @@ import paddle
 from paddle.autograd import PyLayer
 
 from erniekit.nn import native
-from erniekit.utils.dtensor import host_array, is_dist
+from erniekit.utils.dtensor import host_array
 
 _PARALLEL_BYTES = 1 << 20  # below this a score tensor is one chunk (the hand-off costs more)
 _F32 = np.float32
@@ -89,14 +89,9 @@ def usable(s: paddle.Tensor, bias: paddle.Tensor) -> bool:
     """Dense float32 CPU scores [B, G, Sq, Sk] and mask [1|B, 1, Sq, Sk] in dynamic mode; anything
     else (GPU, static graphs, half precision, distributed tensors) keeps Paddle's ops."""
     return (
-        paddle.in_dynamic_mode()
+        native.dense_cpu_float32(s, bias)
         and s.ndim == 4
         and bias.ndim == 4
-        and s.dtype == paddle.float32
-        and bias.dtype == paddle.float32
-        and s.place.is_cpu_place()
-        and not is_dist(s)
-        and not is_dist(bias)
         and bias.shape[1] == 1
         and bias.shape[0] in (1, s.shape[0])
         and list(bias.shape[2:]) == list(s.shape[2:])

@@ -175,6 +175,18 @@ def eager_only(fn):
     return unified(fn, for_sot=True, for_ast=True)
 
 
+def dense_cpu_float32(*tensors) -> bool:
+    """Whether a kernel can take these tensors: dynamic mode, dense (not distributed) float32 on the
+    CPU; anything else (GPU, static graphs, half precision, DistTensors) keeps Paddle's ops."""
+    import paddle
+
+    from erniekit.utils.dtensor import is_dist
+
+    return paddle.in_dynamic_mode() and all(
+        t.dtype == paddle.float32 and t.place.is_cpu_place() and not is_dist(t) for t in tensors
+    )
+
+
 def versions(*tensors) -> tuple[int, ...]:
     """The in-place versions of tensors a kernel's PyLayer saves (its own inputs, not copies)."""
     return tuple(t._inplace_version() for t in tensors)

@@ -147,12 +147,7 @@ def usable(x: paddle.Tensor, weight: paddle.Tensor) -> bool:
     """Dense float32 CPU tensors in dynamic mode; anything else (GPU, static graphs, half
     precision, distributed tensors) keeps Paddle's ops."""
     return (
-        paddle.in_dynamic_mode()
-        and x.dtype == paddle.float32
-        and weight.dtype == paddle.float32
-        and x.place.is_cpu_place()
-        and not is_dist(x)
-        and not is_dist(weight)
+        native.dense_cpu_float32(x, weight)
         and weight.is_contiguous()
         and len(weight.shape) == 1
         and len(x.shape) >= 1

@@ -20,7 +20,7 @@ import paddle.nn.functional as F
 from paddle.autograd import PyLayer
 
 from erniekit.nn import native
-from erniekit.utils.dtensor import host_array, is_dist
+from erniekit.utils.dtensor import host_array
 
 _PARALLEL_BYTES = 1 << 20  # below this an activation is one chunk (the hand-off costs more)
 _F32 = np.float32
@@ -101,17 +101,7 @@ class _NativeSwiGLU(PyLayer):
 
 def usable(g: paddle.Tensor, u: paddle.Tensor) -> bool:
     """Dense float32 CPU tensors of one shape in dynamic mode."""
-    return (
-        paddle.in_dynamic_mode()
-        and g.dtype == paddle.float32
-        and u.dtype == paddle.float32
-        and g.place.is_cpu_place()
-        and u.place.is_cpu_place()
-        and not is_dist(g)
-        and not is_dist(u)
-        and list(g.shape) == list(u.shape)
-        and 0 not in g.shape
-    )
+    return native.dense_cpu_float32(g, u) and list(g.shape) == list(u.shape) and 0 not in g.shape
 
 
 @native.eager_only  # full-graph programs take Paddle's ops
