@@ -234,8 +234,7 @@ def _native_runs(a: np.ndarray, starts: np.ndarray, cols: int, fmt: str) -> np.n
             scale.ctypes.data,
         )
 
-    c = native.cuts(len(starts) - 1, a.nbytes, _PARALLEL_BYTES)
-    native.in_parallel([(run, i, j) for i, j in zip(c[:-1], c[1:])])
+    native.over_chunks(run, len(starts) - 1, a.nbytes, min_bytes=_PARALLEL_BYTES)
     return out
 
 
@@ -253,8 +252,9 @@ def fake_quant_np(a: np.ndarray, rows: int, cols: int, fmt: str = "e4m3") -> np.
     v = _tiles_np(a, rows, cols)
     out = np.empty_like(v)
     axes = _tile_axes(rows, cols)
-    c = native.cuts(v.shape[0], v.nbytes, _PARALLEL_BYTES)
-    native.in_parallel([(_fake_quant_tiles, v[i:j], out[i:j], axes, fmt) for i, j in zip(c[:-1], c[1:])])
+    native.over_chunks(
+        lambda i, j: _fake_quant_tiles(v[i:j], out[i:j], axes, fmt), v.shape[0], v.nbytes, min_bytes=_PARALLEL_BYTES
+    )
     return out.reshape(a.shape)
 
 
@@ -276,8 +276,12 @@ def fake_quant_token_runs_np(a: np.ndarray, sizes: list[int], block: int, fmt: s
         return got
     bits = np.bitwise_and(a.view(np.uint32), _ABS_BITS)
     scale = np.repeat(_scale_of(_run_amax(bits, starts), fmt), np.diff(starts), axis=0)  # each row its run's
-    c = native.cuts(a.shape[0], a.nbytes, _PARALLEL_BYTES)
-    native.in_parallel([(_round_scaled, a[i:j], scale[i:j], out[i:j], bits[i:j], fmt) for i, j in zip(c[:-1], c[1:])])
+    native.over_chunks(
+        lambda i, j: _round_scaled(a[i:j], scale[i:j], out[i:j], bits[i:j], fmt),
+        a.shape[0],
+        a.nbytes,
+        min_bytes=_PARALLEL_BYTES,
+    )
     return out
 
 

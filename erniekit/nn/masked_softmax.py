@@ -19,7 +19,6 @@ from paddle.autograd import PyLayer
 from erniekit.nn import native
 from erniekit.utils.dtensor import host_array
 
-_PARALLEL_BYTES = 1 << 20  # below this a score tensor is one chunk (the hand-off costs more)
 _F32 = np.float32
 
 
@@ -52,9 +51,8 @@ def forward(s: np.ndarray, bias: np.ndarray) -> np.ndarray:
         return forward_np(s, bias)
     B, G, Sq, Sk = s.shape
     p = np.empty_like(s)
-    c = native.cuts(B * G, s.nbytes, _PARALLEL_BYTES)
     args = (s.ctypes.data, bias.ctypes.data, p.ctypes.data, G, Sq, Sk, int(bias.shape[0] > 1))
-    native.in_parallel([(k[0], *args, a, b) for a, b in zip(c[:-1], c[1:])])
+    native.over_chunks(k[0], B * G, s.nbytes, *args)
     return p
 
 
@@ -66,8 +64,7 @@ def backward(p: np.ndarray, dp: np.ndarray) -> np.ndarray:
     Sk = p.shape[-1]
     rows = p.size // Sk
     ds = np.empty_like(p)
-    c = native.cuts(rows, p.nbytes, _PARALLEL_BYTES)
-    native.in_parallel([(k[1], p.ctypes.data, dp.ctypes.data, ds.ctypes.data, Sk, a, b) for a, b in zip(c[:-1], c[1:])])
+    native.over_chunks(k[1], rows, p.nbytes, p.ctypes.data, dp.ctypes.data, ds.ctypes.data, Sk)
     return ds
 
 

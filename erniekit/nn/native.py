@@ -228,6 +228,21 @@ def in_parallel(jobs: list) -> None:
         f.result()
 
 
+PARALLEL_BYTES = 1 << 20  # an activation under this is one chunk: the hand-off costs more than a core gains
+
+
+def over_chunks(fn, n: int, nbytes: int, *args, min_bytes: int | None = None) -> None:
+    """fn(*args, start, end) over [0, n) cut into one chunk per thread (`cuts`; `min_bytes`
+    defaults to PARALLEL_BYTES): the kernels take their range last, so each writes only its own rows."""
+    c = cuts(n, nbytes, PARALLEL_BYTES if min_bytes is None else min_bytes)
+    in_parallel([(fn, *args, a, b) for a, b in zip(c[:-1], c[1:])])
+
+
+def address(t) -> int | None:
+    """A tensor's buffer address for a kernel, None for an output it need not write."""
+    return None if t is None else t.data_ptr()
+
+
 def cuts(n: int, nbytes: int, min_bytes: int) -> list[int]:
     """Boundaries cutting n independent units into one chunk per thread; one chunk when the data
     is under `min_bytes` (smaller chunks lose more to hand-offs than they gain in cache)."""

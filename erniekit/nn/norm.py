@@ -22,7 +22,6 @@ from paddle.autograd import PyLayer
 from erniekit.nn import native
 from erniekit.utils.dtensor import host_array, is_dist
 
-_PARALLEL_BYTES = 1 << 20  # below this an activation is one chunk (the hand-off costs more)
 _F32 = np.float32
 
 
@@ -55,36 +54,6 @@ def _kernels():
     return fwd, native.function("rms_norm", "erniekit_rms_norm_bwd", [P] * 6 + [I64] * 3)
 
 
-def forward(x: np.ndarray, w: np.ndarray, eps: float) -> tuple[np.ndarray, np.ndarray]:
-    """`forward_np` by the C kernel when there is one, its rows cut over the threads."""
-    k = _kernels()
-    if k is None:
-        return forward_np(x, w, eps)
-    N, H = x.shape
-    y, r = np.empty_like(x), np.empty(N, _F32)
-    c = native.cuts(N, x.nbytes, _PARALLEL_BYTES)
-    args = (x.ctypes.data, w.ctypes.data, y.ctypes.data, r.ctypes.data, H, eps)
-    native.in_parallel([(k[0], *args, a, b) for a, b in zip(c[:-1], c[1:])])
-    return y, r
-
-
-def backward(
-    x: np.ndarray, w: np.ndarray, r: np.ndarray, dy: np.ndarray, need_dx: bool, need_p: bool
-) -> tuple[np.ndarray | None, np.ndarray | None]:
-    """`backward_np` by the C kernel when there is one, its rows cut over the threads."""
-    k = _kernels()
-    if k is None:
-        return backward_np(x, w, r, dy, need_dx, need_p)
-    N, H = x.shape
-    dx = np.empty_like(x) if need_dx else None
-    p = np.empty_like(x) if need_p else None
-    c = native.cuts(N, x.nbytes, _PARALLEL_BYTES)
-    ptrs = (x.ctypes.data, w.ctypes.data, r.ctypes.data, dy.ctypes.data)
-    ptrs += (dx.ctypes.data if need_dx else None, p.ctypes.data if need_p else None)
-    native.in_parallel([(k[1], *ptrs, H, a, b) for a, b in zip(c[:-1], c[1:])])
-    return dx, p
-
-
 def _rows(t: paddle.Tensor) -> np.ndarray:
     a = host_array(t)
     return a.reshape(-1, a.shape[-1])
@@ -101,9 +70,7 @@ def _forward(x: paddle.Tensor, w: paddle.Tensor, eps: float) -> tuple[paddle.Ten
     H = x.shape[-1]
     N = math.prod(x.shape[:-1])
     y, r = paddle.empty_like(x), np.empty(N, _F32)
-    c = native.cuts(N, N * H * 4, _PARALLEL_BYTES)
-    args = (x.data_ptr(), w.data_ptr(), y.data_ptr(), r.ctypes.data, H, eps)
-    native.in_parallel([(k[0], *args, a, b) for a, b in zip(c[:-1], c[1:])])
+    native.over_chunks(k[0], N, N * H * 4, x.data_ptr(), w.data_ptr(), y.data_ptr(), r.ctypes.data, H, eps)
     return y, r
 
 
@@ -115,10 +82,8 @@ def _backward(x, w, r, dy, need_dx: bool, need_p: bool) -> tuple[paddle.Tensor |
     N, H = r.shape[0], x.shape[-1]
     dx = paddle.empty_like(x) if need_dx else None
     p = paddle.empty_like(x) if need_p else None
-    c = native.cuts(N, N * H * 4, _PARALLEL_BYTES)
-    ptrs = (x.data_ptr(), w.data_ptr(), r.ctypes.data, dy.data_ptr())
-    ptrs += (dx.data_ptr() if need_dx else None, p.data_ptr() if need_p else None)
-    native.in_parallel([(k[1], *ptrs, H, a, b) for a, b in zip(c[:-1], c[1:])])
+    ptrs = (x.data_ptr(), w.data_ptr(), r.ctypes.data, dy.data_ptr(), native.address(dx), native.address(p))
+    native.over_chunks(k[1], N, N * H * 4, *ptrs, H)
     return dx, p
 
 

@@ -22,7 +22,6 @@ from paddle.autograd import PyLayer
 from erniekit.nn import native
 from erniekit.utils.dtensor import host_array
 
-_PARALLEL_BYTES = 1 << 20  # below this an activation is one chunk (the hand-off costs more)
 _F32 = np.float32
 
 
@@ -56,17 +55,12 @@ def _kernels():
     return fwd, native.function("swiglu", "erniekit_swiglu_bwd", [P] * 5 + [I64, I64])
 
 
-def _cuts(n: int) -> list[int]:
-    return native.cuts(n, 4 * n, _PARALLEL_BYTES)
-
-
 def _forward(g: paddle.Tensor, u: paddle.Tensor) -> paddle.Tensor:
     k = _kernels()
     if k is None:
         return paddle.from_dlpack(forward_np(host_array(g), host_array(u))).reshape(g.shape)
     h = paddle.empty_like(g)
-    c = _cuts(g.size)
-    native.in_parallel([(k[0], g.data_ptr(), u.data_ptr(), h.data_ptr(), a, b) for a, b in zip(c[:-1], c[1:])])
+    native.over_chunks(k[0], g.size, 4 * g.size, g.data_ptr(), u.data_ptr(), h.data_ptr())
     return h
 
 
@@ -77,10 +71,8 @@ def _backward(g, u, dh, need_dg: bool, need_du: bool) -> tuple[paddle.Tensor | N
         return tuple(paddle.from_dlpack(a).reshape(g.shape) if a is not None else None for a in grads)
     dg = paddle.empty_like(g) if need_dg else None
     du = paddle.empty_like(g) if need_du else None
-    ptrs = (g.data_ptr(), u.data_ptr(), dh.data_ptr(), dg.data_ptr() if need_dg else None)
-    ptrs += (du.data_ptr() if need_du else None,)
-    c = _cuts(g.size)
-    native.in_parallel([(k[1], *ptrs, a, b) for a, b in zip(c[:-1], c[1:])])
+    ptrs = (g.data_ptr(), u.data_ptr(), dh.data_ptr(), native.address(dg), native.address(du))
+    native.over_chunks(k[1], g.size, 4 * g.size, *ptrs)
     return dg, du
 
 

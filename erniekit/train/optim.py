@@ -65,10 +65,6 @@ def _numpy_step(p, g, m, v, b1, b2, lr_bc1, bc2, eps, decay) -> bool:
     return True
 
 
-# below this many bytes a parameter is updated in one chunk (the hand-off costs more than it saves)
-_PARALLEL_BYTES = 1 << 20
-
-
 def _native_adamw(P, G, M, V, b1, b2, lr_bc1, bc2, eps, decay) -> bool:
     """`_numpy_step`'s update by kernels/adamw.c (one pass instead of ~12, cut over the threads,
     the same bits: tests); False without the compiled kernel. numpy's passes run on one core and
@@ -80,8 +76,7 @@ def _native_adamw(P, G, M, V, b1, b2, lr_bc1, bc2, eps, decay) -> bool:
     consts = (f(b1), f(1 - b1), f(b2), f(1 - b2), int(decay is not None), f(decay if decay is not None else 1.0))
     consts += (f(bc2), f(eps), f(-lr_bc1))
     ptrs = (P.ctypes.data, G.ctypes.data, M.ctypes.data, V.ctypes.data)
-    c = native.cuts(P.size, P.nbytes, _PARALLEL_BYTES)
-    native.in_parallel([(fn, *ptrs, *consts, i, j) for i, j in zip(c[:-1], c[1:])])
+    native.over_chunks(fn, P.size, P.nbytes, *ptrs, *consts)  # a parameter under 1 MB: one chunk
     return True
 
 

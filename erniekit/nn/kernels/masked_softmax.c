@@ -15,7 +15,6 @@
 
 void erniekit_masked_softmax_fwd(const float *s, const float *bias, float *p, int64_t G, int64_t Sq, int64_t Sk,
                                  int64_t bias_batched, int64_t p0, int64_t p1) {
-    const int64_t full = Sk - Sk % LANES;
     for (int64_t plane = p0; plane < p1; plane++) {
         const int64_t b = plane / G;
         for (int64_t i = 0; i < Sq; i++) {
@@ -25,49 +24,32 @@ void erniekit_masked_softmax_fwd(const float *s, const float *bias, float *p, in
             float *prow = p + off;
             float mx[LANES];
             for (int l = 0; l < LANES; l++) mx[l] = -__builtin_inff();
-            int64_t j = 0;
-            for (; j < full; j += LANES)
-                for (int l = 0; l < LANES; l++) {
-                    float z = srow[j + l] + brow[j + l];
-                    prow[j + l] = z;
-                    mx[l] = z > mx[l] ? z : mx[l];
-                }
-            for (int l = 0; j + l < Sk; l++) {
-                float z = srow[j + l] + brow[j + l];
-                prow[j + l] = z;
+            FOR_LANES(Sk, j, l, {
+                const float z = srow[j] + brow[j];
+                prow[j] = z;
                 mx[l] = z > mx[l] ? z : mx[l];
-            }
+            });
             float m = mx[0];
             for (int l = 1; l < LANES; l++) m = mx[l] > m ? mx[l] : m;
             float acc[LANES] = {0};
-            for (j = 0; j < full; j += LANES)
-                for (int l = 0; l < LANES; l++) {
-                    float e = exp_neg(prow[j + l] - m);
-                    prow[j + l] = e;
-                    acc[l] += e;
-                }
-            for (int l = 0; j + l < Sk; l++) {
-                float e = exp_neg(prow[j + l] - m);
-                prow[j + l] = e;
+            FOR_LANES(Sk, j, l, {
+                const float e = exp_neg(prow[j] - m);
+                prow[j] = e;
                 acc[l] += e;
-            }
+            });
             const float inv = 1.0f / lane_total(acc);
-            for (j = 0; j < Sk; j++) prow[j] = prow[j] * inv;
+            for (int64_t j = 0; j < Sk; j++) prow[j] = prow[j] * inv;
         }
     }
 }
 
 void erniekit_masked_softmax_bwd(const float *p, const float *dp, float *ds, int64_t Sk, int64_t r0, int64_t r1) {
-    const int64_t full = Sk - Sk % LANES;
     for (int64_t row = r0; row < r1; row++) {
         const float *prow = p + row * Sk, *drow = dp + row * Sk;
         float *out = ds + row * Sk;
         float acc[LANES] = {0};
-        int64_t j = 0;
-        for (; j < full; j += LANES)
-            for (int l = 0; l < LANES; l++) acc[l] += prow[j + l] * drow[j + l];
-        for (int l = 0; j + l < Sk; l++) acc[l] += prow[j + l] * drow[j + l];
+        FOR_LANES(Sk, j, l, acc[l] += prow[j] * drow[j]);
         const float dot = lane_total(acc);
-        for (j = 0; j < Sk; j++) out[j] = prow[j] * (drow[j] - dot);
+        for (int64_t j = 0; j < Sk; j++) out[j] = prow[j] * (drow[j] - dot);
     }
 }

@@ -18,27 +18,22 @@
 
 void erniekit_rms_norm_fwd(const float *x, const float *w, float *y, float *r, int64_t H, float eps, int64_t r0,
                            int64_t r1) {
-    const int64_t full = H - H % LANES;
     const float fh = (float)H;
     for (int64_t i = r0; i < r1; i++) {
         const float *xr = x + i * H;
         float *yr = y + i * H;
         float acc[LANES] = {0};
-        int64_t j = 0;
-        for (; j < full; j += LANES)
-            for (int l = 0; l < LANES; l++) acc[l] += xr[j + l] * xr[j + l];
-        for (int l = 0; j + l < H; l++) acc[l] += xr[j + l] * xr[j + l];
+        FOR_LANES(H, j, l, acc[l] += xr[j] * xr[j]);
         float m = lane_total(acc) / fh;
         m = m + eps;
         const float ri = 1.0f / sqrtf(m);
         r[i] = ri;
-        for (j = 0; j < H; j++) yr[j] = (xr[j] * ri) * w[j];
+        for (int64_t j = 0; j < H; j++) yr[j] = (xr[j] * ri) * w[j];
     }
 }
 
 void erniekit_rms_norm_bwd(const float *x, const float *w, const float *r, const float *dy, float *dx, float *p,
                            int64_t H, int64_t r0, int64_t r1) {
-    const int64_t full = H - H % LANES;
     const float fh = (float)H;
     for (int64_t i = r0; i < r1; i++) {
         const float *xr = x + i * H, *dyr = dy + i * H;
@@ -49,14 +44,11 @@ void erniekit_rms_norm_bwd(const float *x, const float *w, const float *r, const
         }
         if (!dx) continue;
         float acc[LANES] = {0};
-        int64_t j = 0;
-        for (; j < full; j += LANES)
-            for (int l = 0; l < LANES; l++) acc[l] += (dyr[j + l] * w[j + l]) * (xr[j + l] * ri);
-        for (int l = 0; j + l < H; l++) acc[l] += (dyr[j + l] * w[j + l]) * (xr[j + l] * ri);
+        FOR_LANES(H, j, l, acc[l] += (dyr[j] * w[j]) * (xr[j] * ri));
         const float t = lane_total(acc) / fh;
         const float rr = ri * (ri / ri);
         float *dxr = dx + i * H;
-        for (j = 0; j < H; j++) {
+        for (int64_t j = 0; j < H; j++) {
             const float n = xr[j] * ri;
             dxr[j] = ((dyr[j] * w[j]) - n * t) * rr;
         }

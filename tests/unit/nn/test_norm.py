@@ -10,6 +10,19 @@ from erniekit.nn import native
 from erniekit.nn import norm as nm
 from erniekit.nn.norm import rms_norm
 
+KERNEL_MODULE = nm
+
+
+def _kernel_forward(x, w, eps):
+    """The C kernel on numpy arrays (copied into tensors), its results as numpy arrays."""
+    y, r = nm._forward(paddle.to_tensor(x), paddle.to_tensor(w), eps)
+    return y.numpy(), r
+
+
+def _kernel_backward(x, w, r, dy, need_dx, need_p):
+    got = nm._backward(*(paddle.to_tensor(a) for a in (x, w)), r, paddle.to_tensor(dy), need_dx, need_p)
+    return tuple(None if t is None else t.numpy() for t in got)
+
 
 def _reference(x, w, dy, eps):
     """y = w * x * r, r = (mean(x^2) + eps)^-1/2; gradients by the chain rule, in float64."""
@@ -79,35 +92,23 @@ def test_an_overflowing_norm_gives_a_nan_gradient_as_autograd_does(path):
     assert np.isnan(x.grad.numpy()).all()
 
 
-@pytest.fixture
-def kernel():
-    k = nm._kernels()
-    if k is None:
-        pytest.skip(f"no C kernel here: {native.why_not.get('rms_norm')}")
-    return k
-
-
-def _bits(a):
-    return a.view(np.uint32)
-
-
 @pytest.mark.parametrize("rows,H", [(5, 16), (3, 37), (8, 128), (1, 1), (2, 1000)])
-def test_the_c_kernel_and_numpy_give_the_same_bits(kernel, rows, H):
+def test_the_c_kernel_and_numpy_give_the_same_bits(kernel, bits, rows, H):
     rng = np.random.default_rng(rows * H)
     x = (rng.standard_normal((rows, H)) * 3).astype(np.float32)
     w, dy = rng.standard_normal(H).astype(np.float32), rng.standard_normal((rows, H)).astype(np.float32)
-    (y, r), (y_np, r_np) = nm.forward(x, w, 1e-5), nm.forward_np(x, w, 1e-5)
-    np.testing.assert_array_equal(_bits(y), _bits(y_np))
-    np.testing.assert_array_equal(_bits(r), _bits(r_np))
+    (y, r), (y_np, r_np) = _kernel_forward(x, w, 1e-5), nm.forward_np(x, w, 1e-5)
+    np.testing.assert_array_equal(bits(y), bits(y_np))
+    np.testing.assert_array_equal(bits(r), bits(r_np))
     for need in [(True, True), (True, False), (False, True)]:
-        got, want = nm.backward(x, w, r, dy, *need), nm.backward_np(x, w, r, dy, *need)
+        got, want = _kernel_backward(x, w, r, dy, *need), nm.backward_np(x, w, r, dy, *need)
         for a, b in zip(got, want):
             assert (a is None) == (b is None)
             if a is not None:
-                np.testing.assert_array_equal(_bits(a), _bits(b))
+                np.testing.assert_array_equal(bits(a), bits(b))
 
 
-def test_the_numpy_path_is_the_kernel_when_it_is_off(monkeypatch):
+def test_the_numpy_path_is_the_kernel_when_it_is_off(bits, monkeypatch):
     """ERNIEKIT_NATIVE_KERNELS=0 or no compiler: the same numbers from numpy, through the layer."""
     rng = np.random.default_rng(3)
     x_np, w_np = rng.standard_normal((6, 4, 48)).astype(np.float32), rng.standard_normal(48).astype(np.float32)
@@ -121,20 +122,20 @@ def test_the_numpy_path_is_the_kernel_when_it_is_off(monkeypatch):
     with_kernel = run()
     monkeypatch.setattr(nm, "_kernels", lambda: None)
     for a, b in zip(run(), with_kernel):
-        np.testing.assert_array_equal(_bits(a), _bits(b))
+        np.testing.assert_array_equal(bits(a), bits(b))
 
 
-def test_threads_do_not_change_the_bits(kernel, monkeypatch):
+def test_threads_do_not_change_the_bits(kernel, bits, monkeypatch):
     rng = np.random.default_rng(4)
     x, w = rng.standard_normal((300, 96)).astype(np.float32), rng.standard_normal(96).astype(np.float32)
-    monkeypatch.setattr(nm, "_PARALLEL_BYTES", 1)
+    monkeypatch.setattr(native, "PARALLEL_BYTES", 1)
     outs = []
     for threads in ("1", "3"):
         monkeypatch.setenv("OMP_NUM_THREADS", threads)
-        y, r = nm.forward(x, w, 1e-5)
-        outs.append((y, r, *nm.backward(x, w, r, x, True, True)))
+        y, r = _kernel_forward(x, w, 1e-5)
+        outs.append((y, r, *_kernel_backward(x, w, r, x, True, True)))
     for a, b in zip(*outs):
-        np.testing.assert_array_equal(_bits(a), _bits(b))
+        np.testing.assert_array_equal(bits(a), bits(b))
 
 
 def test_the_no_grad_forward_is_the_training_forward():
@@ -179,11 +180,11 @@ def test_a_layer_using_it_converts_with_to_static():
         np.testing.assert_allclose(got(x).numpy(), want, rtol=1e-6, atol=1e-6)
 
 
-def test_a_row_of_negative_zeros_sums_as_the_kernel_sums_it(kernel):
+def test_a_row_of_negative_zeros_sums_as_the_kernel_sums_it(kernel, bits):
     """The kernels' lanes start at +0.0, so a row of -0.0 sums to +0.0; native.sum16 does too."""
-    assert _bits(native.sum16(np.full((2, 19), -0.0, np.float32))).tolist() == [0, 0]
+    assert bits(native.sum16(np.full((2, 19), -0.0, np.float32))).tolist() == [0, 0]
     x, w, dy = np.ones((1, 16), np.float32), -np.ones(16, np.float32), np.zeros((1, 16), np.float32)
-    _, r = nm.forward(x, w, 1e-6)
+    _, r = _kernel_forward(x, w, 1e-6)
     np.testing.assert_array_equal(
-        _bits(nm.backward(x, w, r, dy, True, False)[0]), _bits(nm.backward_np(x, w, r, dy, True, False)[0])
+        bits(_kernel_backward(x, w, r, dy, True, False)[0]), bits(nm.backward_np(x, w, r, dy, True, False)[0])
     )

@@ -10,17 +10,7 @@ import pytest
 from erniekit.nn import native
 from erniekit.nn import swiglu as sw
 
-
-@pytest.fixture
-def kernel():
-    k = sw._kernels()
-    if k is None:
-        pytest.skip(f"no C kernel here: {native.why_not.get('swiglu')}")
-    return k
-
-
-def _bits(a):
-    return np.asarray(a).view(np.uint32)
+KERNEL_MODULE = sw
 
 
 def _case(n: int, seed: int = 0):
@@ -32,15 +22,15 @@ def _case(n: int, seed: int = 0):
 
 
 @pytest.mark.parametrize("n", [1, 15, 16, 1000, 40001])
-def test_the_c_kernel_and_numpy_give_the_same_bits(kernel, n):
+def test_the_c_kernel_and_numpy_give_the_same_bits(kernel, bits, n):
     g, u, dh = _case(n, n)
     G, U, DH = (paddle.to_tensor(a) for a in (g, u, dh))
-    np.testing.assert_array_equal(_bits(sw._forward(G, U).numpy()), _bits(sw.forward_np(g, u)))
+    np.testing.assert_array_equal(bits(sw._forward(G, U)), bits(sw.forward_np(g, u)))
     for need in [(True, True), (True, False), (False, True)]:
         for got, want in zip(sw._backward(G, U, DH, *need), sw.backward_np(g, u, dh, *need)):
             assert (got is None) == (want is None)
             if got is not None:
-                np.testing.assert_array_equal(_bits(got.numpy()), _bits(want))
+                np.testing.assert_array_equal(bits(got), bits(want))
 
 
 def test_the_formula_in_float64():
@@ -94,7 +84,7 @@ def test_a_frozen_input_gets_no_gradient_and_no_grad_is_the_training_forward():
         np.testing.assert_array_equal(sw.swiglu(G, U).numpy(), h.numpy())
 
 
-def test_the_numpy_path_is_the_kernel_when_it_is_off(monkeypatch):
+def test_the_numpy_path_is_the_kernel_when_it_is_off(bits, monkeypatch):
     g, u, dh = _case(3000, 5)
 
     def run():
@@ -106,19 +96,19 @@ def test_the_numpy_path_is_the_kernel_when_it_is_off(monkeypatch):
     with_kernel = run()
     monkeypatch.setattr(sw, "_kernels", lambda: None)
     for a, b in zip(run(), with_kernel):
-        np.testing.assert_array_equal(_bits(a), _bits(b))
+        np.testing.assert_array_equal(bits(a), bits(b))
 
 
-def test_threads_do_not_change_the_bits(kernel, monkeypatch):
+def test_threads_do_not_change_the_bits(kernel, bits, monkeypatch):
     g, u, dh = _case(100_000, 6)
     G, U, DH = (paddle.to_tensor(a) for a in (g, u, dh))
-    monkeypatch.setattr(sw, "_PARALLEL_BYTES", 1)
+    monkeypatch.setattr(native, "PARALLEL_BYTES", 1)
     outs = []
     for threads in ("1", "3"):
         monkeypatch.setenv("OMP_NUM_THREADS", threads)
         outs.append([sw._forward(G, U).numpy(), *(t.numpy() for t in sw._backward(G, U, DH, True, True))])
     for a, b in zip(*outs):
-        np.testing.assert_array_equal(_bits(a), _bits(b))
+        np.testing.assert_array_equal(bits(a), bits(b))
 
 
 def test_only_float32_cpu_tensors_of_one_shape_take_the_kernel():

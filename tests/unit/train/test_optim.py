@@ -72,10 +72,10 @@ def test_the_c_kernel_gives_numpys_bits_on_any_thread_count(monkeypatch, decay):
         monkeypatch.undo()
         return [t.numpy().view(np.uint32) for t in (p, m, v)]
 
-    monkeypatch.setattr(optim, "_PARALLEL_BYTES", 1)
+    monkeypatch.setattr(native, "PARALLEL_BYTES", 1)
     want = run(False, "1")
     for threads in ("1", "3"):
-        monkeypatch.setattr(optim, "_PARALLEL_BYTES", 1)
+        monkeypatch.setattr(native, "PARALLEL_BYTES", 1)
         for got, exp in zip(run(True, threads), want):
             np.testing.assert_array_equal(got, exp)
     assert not np.array_equal(want[0], start[0].view(np.uint32))
