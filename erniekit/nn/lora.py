@@ -25,6 +25,7 @@ import paddle.nn.functional as F
 
 from erniekit.errors import CheckpointError, ConfigError
 from erniekit.nn import lora_fused
+from erniekit.nn.linear import linear
 from erniekit.nn.moe import StackedExperts
 from erniekit.nn.rows import concat_rows, split_rows
 from erniekit.utils.io import read_json_object
@@ -119,8 +120,8 @@ def _mm(x: paddle.Tensor, w: paddle.Tensor) -> paddle.Tensor:
 
 
 def _linear(x: paddle.Tensor, w: paddle.Tensor, b: paddle.Tensor | None) -> paddle.Tensor:
-    if w.dtype == x.dtype:  # the exact op of nn.Linear, so disabled adapters give the base bitwise
-        return F.linear(x, w, b)
+    if w.dtype == x.dtype:  # the exact op of the models' Linear, so disabled adapters give the base bitwise
+        return linear(x, w, b)
     y = _mm(x, w)
     return y if b is None else y + b.astype(y.dtype)
 

@@ -18,6 +18,8 @@ from __future__ import annotations
 import paddle
 import paddle.nn as nn
 
+from erniekit.nn.linear import Linear
+
 
 def mtp_block_config(config):
     """Config of one MTP block: a dense (never MoE), single-layer decoder without GPAS, so a
@@ -44,7 +46,7 @@ class MultiTokenPredictor(nn.Layer):
         block = mtp_block_config(config)
         self.mtp_emb_norm = nn.LayerList([norm(hs, eps) for _ in range(d)])
         self.mtp_hidden_norm = nn.LayerList([norm(hs, eps) for _ in range(d)])
-        self.mtp_linear_proj = nn.LayerList([nn.Linear(2 * hs, hs, bias_attr=False) for _ in range(d)])
+        self.mtp_linear_proj = nn.LayerList([Linear(2 * hs, hs, bias_attr=False) for _ in range(d)])
         self.mtp_block = nn.LayerList([decoder_layer(block, 0) for _ in range(d)])
 
     @property

@@ -27,6 +27,7 @@ from erniekit.nn.attention import (
     use_fused_attention,
 )
 from erniekit.nn.gpas import GPAS
+from erniekit.nn.linear import Linear
 from erniekit.nn.moe import MoEBlock
 from erniekit.nn.mtp import MultiTokenPredictor
 from erniekit.nn.norm import rms_norm
@@ -51,9 +52,9 @@ class MLP(nn.Layer):
         super().__init__()
         inter = intermediate_size or config.intermediate_size
         b = config.use_bias
-        self.gate_proj = nn.Linear(config.hidden_size, inter, bias_attr=None if b else False)
-        self.up_proj = nn.Linear(config.hidden_size, inter, bias_attr=None if b else False)
-        self.down_proj = nn.Linear(inter, config.hidden_size, bias_attr=None if b else False)
+        self.gate_proj = Linear(config.hidden_size, inter, bias_attr=None if b else False)
+        self.up_proj = Linear(config.hidden_size, inter, bias_attr=None if b else False)
+        self.down_proj = Linear(inter, config.hidden_size, bias_attr=None if b else False)
 
     def forward(self, x: paddle.Tensor) -> paddle.Tensor:
         return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))
@@ -68,10 +69,10 @@ class Attention(nn.Layer):
         self.head_dim = config.head_dim
         b = None if config.use_bias else False
         h = config.hidden_size
-        self.q_proj = nn.Linear(h, self.num_heads * self.head_dim, bias_attr=b)
-        self.k_proj = nn.Linear(h, self.num_kv_heads * self.head_dim, bias_attr=b)
-        self.v_proj = nn.Linear(h, self.num_kv_heads * self.head_dim, bias_attr=b)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, h, bias_attr=b)
+        self.q_proj = Linear(h, self.num_heads * self.head_dim, bias_attr=b)
+        self.k_proj = Linear(h, self.num_kv_heads * self.head_dim, bias_attr=b)
+        self.v_proj = Linear(h, self.num_kv_heads * self.head_dim, bias_attr=b)
+        self.o_proj = Linear(self.num_heads * self.head_dim, h, bias_attr=b)
         self.recompute_core = False  # core_attn recompute (set by Ernie4_5ForCausalLM.set_recompute)
 
     def forward(self, x, cos, sin, mask, cache: KVCache | None):
@@ -216,7 +217,7 @@ class Ernie4_5ForCausalLM(nn.Layer):
         self.config = config
         self.model = Ernie4_5Model(config)
         if not config.tie_word_embeddings:
-            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias_attr=False)
+            self.lm_head = Linear(config.hidden_size, config.vocab_size, bias_attr=False)
         # multi-token prediction heads (off by default): sharing embedding, final norm and head with the trunk
         self.mtp = MultiTokenPredictor(config, DecoderLayer, RMSNorm) if config.num_nextn_predict_layers > 0 else None
         self.init_weights()

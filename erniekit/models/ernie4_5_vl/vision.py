@@ -17,6 +17,7 @@ from paddle import nn
 
 from erniekit.models.ernie4_5.modeling import RMSNorm
 from erniekit.models.ernie4_5_vl.configuration import Ernie4_5_VLConfig, VisionConfig
+from erniekit.nn.linear import Linear
 
 
 def vision_positions(grid_thw: np.ndarray, merge: int) -> np.ndarray:
@@ -64,8 +65,8 @@ def quick_gelu(x: paddle.Tensor) -> paddle.Tensor:
 class VisionMLP(nn.Layer):
     def __init__(self, config: VisionConfig):
         super().__init__()
-        self.fc1 = nn.Linear(config.hidden_size, config.intermediate_size)
-        self.fc2 = nn.Linear(config.intermediate_size, config.hidden_size)
+        self.fc1 = Linear(config.hidden_size, config.intermediate_size)
+        self.fc2 = Linear(config.intermediate_size, config.hidden_size)
         self.act = quick_gelu if config.hidden_act == "quick_gelu" else F.gelu
 
     def forward(self, x: paddle.Tensor) -> paddle.Tensor:
@@ -76,8 +77,8 @@ class VisionAttention(nn.Layer):
     def __init__(self, config: VisionConfig):
         super().__init__()
         self.num_heads, self.head_dim = config.num_heads, config.head_dim
-        self.qkv = nn.Linear(config.hidden_size, 3 * config.hidden_size)
-        self.proj = nn.Linear(config.hidden_size, config.hidden_size)
+        self.qkv = Linear(config.hidden_size, 3 * config.hidden_size)
+        self.proj = Linear(config.hidden_size, config.hidden_size)
 
     def forward(self, x: paddle.Tensor, cos: paddle.Tensor, sin: paddle.Tensor, bias: paddle.Tensor) -> paddle.Tensor:
         """x [N, hidden]; bias [N, N] additive (0 within a frame, very negative across)."""
@@ -109,7 +110,7 @@ class VisionBlock(nn.Layer):
 class PatchEmbed(nn.Layer):
     def __init__(self, config: VisionConfig):
         super().__init__()
-        self.proj = nn.Linear(config.in_channels * config.patch_size**2, config.hidden_size, bias_attr=False)
+        self.proj = Linear(config.in_channels * config.patch_size**2, config.hidden_size, bias_attr=False)
 
     def forward(self, x: paddle.Tensor) -> paddle.Tensor:
         return self.proj(x.astype(self.proj.weight.dtype))
@@ -144,8 +145,8 @@ class _ResamplerMLP(nn.Layer):
 
     def __init__(self, in_dim: int, out_dim: int, eps: float):
         super().__init__()
-        self.fc1 = nn.Linear(in_dim, out_dim)
-        self.fc2 = nn.Linear(out_dim, out_dim)
+        self.fc1 = Linear(in_dim, out_dim)
+        self.fc2 = Linear(out_dim, out_dim)
         self.ln = nn.LayerNorm(out_dim, epsilon=eps)
 
     def forward(self, x: paddle.Tensor) -> paddle.Tensor:
@@ -163,7 +164,7 @@ class Resampler(nn.Layer):
         spatial = v.hidden_size * self.merge**2
         self.spatial_linear = _ResamplerMLP(spatial, spatial, v.rms_norm_eps)
         self.temporal_linear = _ResamplerMLP(spatial * self.temporal, spatial, v.rms_norm_eps)
-        self.mlp = nn.Linear(spatial, config.hidden_size)
+        self.mlp = Linear(spatial, config.hidden_size)
         self.after_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, x: paddle.Tensor, grid_thw: np.ndarray) -> paddle.Tensor:
