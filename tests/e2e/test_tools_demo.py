@@ -4,11 +4,12 @@ ends with its held-out tool-call and final-answer lines, and the `openai` client
 against `erniekit server` on the trained model, whole and streamed, gives a tool call with its
 reasoning, takes the result back and answers. 300 steps learn the format and when to call, not the
 copying of numbers: the assertions are about what the format and the API promise (the full config's
-accuracy over seeds is recorded in bench_results/tools_default_matrix.json, held to docs/tools.md's
+accuracy over seeds is recorded in bench_results/tools_default_matrix*.json, held to docs/tools.md's
 floor below)."""
 
 from __future__ import annotations
 
+import glob
 import json
 import re
 from pathlib import Path
@@ -31,19 +32,33 @@ FLOOR = 0.85  # docs/tools.md: "final-answer accuracy at least 0.85 on any seed 
 
 
 def test_the_recorded_runs_of_the_full_demo_meet_the_floor_the_docs_state():
-    """The full config is too long for the suite (~9 min); its seeds x threads matrix is recorded
-    (tools/embedded_default_matrix.py) and must be of the shipped config and above the floor."""
+    """The full config is too long for the suite (~20 min); its seeds x threads matrices are
+    recorded (tools/embedded_default_matrix.py), one file per machine. Every one is of the shipped
+    config and finished; those of the shipped step count hold the floor, over seeds {1, 2, 3, 42}
+    at 1 thread and some at 2; a matrix of an earlier recipe names its step count
+    (..._1000_steps.json), so a stale record can never stand in for the shipped one."""
     import yaml
 
     docs = open(f"{ROOT}/docs/tools.md").read()
     assert f"final-answer accuracy\nat least {FLOOR:.2f}" in docs
-    matrix = json.load(open(f"{ROOT}/bench_results/tools_default_matrix.json"))
-    assert matrix["key"] == {"config": "examples/configs/tiny/sft_tools.yaml", "overrides": []}
     steps = yaml.safe_load(open(f"{ROOT}/examples/configs/tiny/sft_tools.yaml"))["max_steps"]
-    runs = matrix["runs"]
-    assert {r["seed"] for r in runs} >= {1, 2, 3, 42} and {r["threads"] for r in runs} == {1, 2}
-    assert all(r["returncode"] == 0 and r["global_step"] == steps for r in runs)
-    assert min(r["final_answer_accuracy"] for r in runs) >= FLOOR, runs
+    current = []
+    for path in sorted(glob.glob(f"{ROOT}/bench_results/tools_default_matrix*.json")):
+        matrix = json.load(open(path))
+        assert matrix["key"] == {"config": "examples/configs/tiny/sft_tools.yaml", "overrides": []}, path
+        runs = matrix["runs"]
+        assert runs and all(r["returncode"] == 0 for r in runs), path
+        (ran,) = {r["global_step"] for r in runs}
+        if ran == steps:
+            current += runs
+        else:
+            assert path.endswith(f"_{ran}_steps.json"), f"{path}: {ran} steps, the config {steps}: re-run or rename it"
+    assert {r["seed"] for r in current if r["threads"] == 1} >= {1, 2, 3, 42}, current
+    assert {r["threads"] for r in current} >= {1, 2}, current
+    assert min(r["final_answer_accuracy"] for r in current) >= FLOOR, current
+    for r in current:  # docs/tools.md's table is these runs
+        row = f"| {r['seed']} | {r['threads']} | {r['tool_call_match']:.3f} | {r['final_answer_accuracy']:.3f} |"
+        assert row in docs, row
 
 
 @pytest.fixture(scope="module")
