@@ -28,6 +28,7 @@ import paddle.nn as nn
 import paddle.nn.functional as F
 
 from erniekit.errors import DataError
+from erniekit.nn import grouped_gemm
 from erniekit.nn.fp8 import fp8_grouped_matmuls
 from erniekit.nn.recompute import recomputing
 from erniekit.nn.rows import concat_rows, split_rows
@@ -217,7 +218,8 @@ class StackedExperts(nn.Layer):
     def grouped(self, p: str, x: paddle.Tensor, sizes: list[int], used: list[int]) -> paddle.Tensor:
         """x [M, in] in expert-sorted groups (sizes) -> each group @ W_p[its expert], as [M, out].
 
-        In FP8 all groups are quantised in one call (fp8_grouped_matmul); otherwise one GEMM per group.
+        In FP8 all groups are quantised in one call (fp8_grouped_matmul); float32 on CPU takes one
+        MKL batched GEMM (nn/grouped_gemm.py); otherwise one GEMM per group.
         """
         return self.grouped_many((p,), x, sizes, used)[0]
 
@@ -225,9 +227,11 @@ class StackedExperts(nn.Layer):
         self, ps: tuple[str, ...], x: paddle.Tensor, sizes: list[int], used: list[int]
     ) -> list[paddle.Tensor]:
         """`grouped` for projections sharing the input x (gate and up): in FP8, x is quantised once for all."""
+        ws = [self.param(p) for p in ps]
         if self.fp8_block:
-            ws = [self.param(p) for p in ps]
             return fp8_grouped_matmuls(x, ws, sizes, used, block=self.fp8_block, grad_format=self.fp8_grad_format)
+        if grouped_gemm.usable(x, ws):  # float32 on CPU: what base_matmul computes, one MKL call for all
+            return grouped_gemm.grouped_matmuls(x, ws, sizes, used)
         xs = split_rows(x, sizes)
         out = []
         for p in ps:
