@@ -6,6 +6,8 @@ import numpy as np
 import paddle
 import paddle.nn.functional as F
 
+from erniekit.nn import cross_entropy
+
 IGNORE_INDEX = -100
 
 
@@ -36,16 +38,17 @@ def causal_lm_loss_sum(
     valid = shifted_valid(labels, segment_ids)
     target = np.full(labels.shape, IGNORE_INDEX, dtype=np.int64)
     target[:, :-1] = np.where(valid, labels[:, 1:], IGNORE_INDEX)  # shift the targets, not the logits
-    V = logits.shape[-1]
-    # fused softmax-cross-entropy over unsliced logits: Paddle's CPU log_softmax and slice
-    # backward are each ~10-30x slower than this kernel (measured)
-    nll = F.cross_entropy(
-        logits.astype("float32").reshape([-1, V]),
-        batch_tensor(target.reshape(-1, 1)),
-        ignore_index=IGNORE_INDEX,
-        reduction="none",
-    )
-    return nll.sum()
+    return token_nll(logits.astype("float32").reshape([-1, logits.shape[-1]]), target).sum()
+
+
+def token_nll(logits: paddle.Tensor, target: np.ndarray) -> paddle.Tensor:
+    """-log p(target) per row of logits [N, V] (0 where target is IGNORE_INDEX), by a fused
+    softmax-cross-entropy over unsliced logits: Paddle's CPU log_softmax and slice backward are
+    each ~10-30x slower than its kernel (measured), and float32 CPU logits take erniekit's, which
+    also skips writing the softmax (nn/cross_entropy.py)."""
+    if cross_entropy.usable(logits):
+        return cross_entropy.softmax_cross_entropy(logits, target, IGNORE_INDEX)
+    return F.cross_entropy(logits, batch_tensor(target.reshape(-1, 1)), ignore_index=IGNORE_INDEX, reduction="none")
 
 
 def token_logps(logits: paddle.Tensor, targets: np.ndarray, temperature: float = 1.0) -> paddle.Tensor:
@@ -56,10 +59,7 @@ def token_logps(logits: paddle.Tensor, targets: np.ndarray, temperature: float =
     x = logits.astype("float32")
     if temperature != 1.0:
         x = x / temperature
-    nll = F.cross_entropy(
-        x.reshape([-1, V]), batch_tensor(targets.reshape(-1, 1)), ignore_index=IGNORE_INDEX, reduction="none"
-    )
-    return -nll.reshape([B, S])
+    return -token_nll(x.reshape([-1, V]), targets).reshape([B, S])
 
 
 def _example_ids(labels: np.ndarray, segment_ids: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
@@ -106,13 +106,7 @@ def token_balanced_loss_sum(
     weight = position_weights(labels, segment_ids, token_balance=True)
     target = np.full(labels.shape, IGNORE_INDEX, dtype=np.int64)
     target[:, :-1] = np.where(weight[:, :-1] > 0, labels[:, 1:], IGNORE_INDEX)
-    V = logits.shape[-1]
-    nll = F.cross_entropy(
-        logits.astype("float32").reshape([-1, V]),
-        batch_tensor(target.reshape(-1, 1)),
-        ignore_index=IGNORE_INDEX,
-        reduction="none",
-    )
+    nll = token_nll(logits.astype("float32").reshape([-1, logits.shape[-1]]), target)
     return (nll.reshape([-1]) * batch_tensor(weight.reshape(-1))).sum()
 
 
