@@ -5,7 +5,7 @@ from __future__ import annotations
 import paddle
 import paddle.nn.functional as F
 
-from erniekit.nn import masked_softmax
+from erniekit.nn import masked_softmax, rope
 
 
 def rope_cos_sin(position_ids: paddle.Tensor, head_dim: int, theta: float) -> tuple[paddle.Tensor, paddle.Tensor]:
@@ -65,6 +65,8 @@ def apply_rope(x: paddle.Tensor, cos: paddle.Tensor, sin: paddle.Tensor) -> padd
     slow (measured 2x on the whole rope). cos/sin [B, S, 1, D] are expanded to x's heads first:
     Paddle's CPU kernels broadcasting over a middle axis are ~20x slower than same-shape ones
     (rope forward + backward 9.4 -> 1.1 ms on the embedded default's shapes, same values)."""
+    if rope.usable(x, cos, sin):  # float32 on the CPU: one C pass each way, the same bits
+        return rope.apply_rope(x, cos, sin)
     dtype = x.dtype
     xf = x if dtype == paddle.float32 else x.astype("float32")
     if paddle.in_dynamic_mode() and cos.shape != xf.shape:  # (a static export keeps the broadcast)
