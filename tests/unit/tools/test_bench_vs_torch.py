@@ -76,3 +76,5 @@ def test_the_intel_tables_in_the_docs_are_the_recorded_runs():
     _check_table(doc.split("## On an Intel Xeon", 1)[1].split("\n## ", 1)[0], "vs_torch_intel_xeon.json", 10)
     fifth = doc.split("### Fifth round", 1)[1].split("\n- ", 1)[0]
     _check_table(fifth, "vs_torch_intel_xeon_round5.json", 7)
+    sixth = doc.split("### Sixth round", 1)[1].split("\n- ", 1)[0]
+    _check_table(sixth, "vs_torch_intel_xeon_round6.json", 7)
