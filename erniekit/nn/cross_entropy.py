@@ -7,7 +7,9 @@ log-sum-exp per row and recomputes the probabilities in the backward from the lo
 input itself: no [N, V] buffer of its own). Without a C compiler (or with
 ERNIEKIT_NATIVE_KERNELS=0) the numpy path below computes the same arithmetic, operation for
 operation, so a run gets the same bits either way, only slower. Paddle's kernel rounds its
-exponential differently: the two agree to ~1e-6, not bit for bit.
+exponential differently: for finite logits of moderate size the two agree to ~1e-6, not bit for
+bit. Non-finite logits propagate: a NaN logit gives a NaN loss and a label on a -inf logit an
+infinite one, where Paddle's kernel returns finite numbers for both.
 """
 
 from __future__ import annotations
@@ -55,7 +57,7 @@ def _forward(x: paddle.Tensor, label: np.ndarray, ignore: int) -> tuple[paddle.T
     k = _kernels()
     if k is None:
         nll, lse = forward_np(host_array(x), label, ignore)
-        return paddle.to_tensor(nll), lse
+        return paddle.from_dlpack(nll), lse  # a CPU tensor, as x
     N, V = x.shape
     nll, lse = paddle.empty([N], dtype="float32"), np.empty(N, _F32)
     native.over_chunks(k[0], N, N * V * 4, x.data_ptr(), label.ctypes.data, nll.data_ptr(), lse.ctypes.data, V, ignore)
@@ -65,7 +67,7 @@ def _forward(x: paddle.Tensor, label: np.ndarray, ignore: int) -> tuple[paddle.T
 def _backward(x: paddle.Tensor, label: np.ndarray, lse: np.ndarray, g: paddle.Tensor, ignore: int) -> paddle.Tensor:
     k = _kernels()
     if k is None:
-        return paddle.to_tensor(backward_np(host_array(x), label, lse, host_array(g), ignore))
+        return paddle.from_dlpack(backward_np(host_array(x), label, lse, host_array(g), ignore))
     N, V = x.shape
     dx = paddle.empty_like(x)
     ptrs = (x.data_ptr(), label.ctypes.data, lse.ctypes.data, g.data_ptr(), dx.data_ptr())
@@ -99,7 +101,10 @@ def usable(logits: paddle.Tensor) -> bool:
 def softmax_cross_entropy(logits: paddle.Tensor, label: np.ndarray, ignore_index: int) -> paddle.Tensor:
     """-log softmax(logits)[label] per row as [N] (0 where label == ignore_index); logits [N, V]
     float32 on the CPU (callers check `usable`), label an int array of N class ids."""
-    label = np.ascontiguousarray(label, dtype=np.int64).reshape(-1)
+    label = np.asarray(label)
+    if label.dtype.kind not in "iu":
+        raise ValueError(f"cross entropy: labels must be integer class ids, got dtype {label.dtype}")
+    label = np.array(label, dtype=np.int64, copy=True).reshape(-1)  # the backward reads it: our own copy
     if label.shape[0] != logits.shape[0]:
         raise ValueError(f"cross entropy: {label.shape[0]} labels for {logits.shape[0]} rows of logits")
     bad = (label != ignore_index) & ((label < 0) | (label >= logits.shape[1]))

@@ -26,7 +26,7 @@ import paddle
 from paddle.autograd import PyLayer
 
 from erniekit.errors import ConfigError
-from erniekit.nn import native
+from erniekit.nn import grouped_gemm, native
 from erniekit.nn.rows import concat_rows, split_rows
 from erniekit.utils.dtensor import host_array
 
@@ -490,8 +490,31 @@ def fp8_matmul(
 
 
 # ---- grouped GEMM: every expert of one or more projections in one call ----------------------------
-def _per_group(a: paddle.Tensor, sizes: list[int], w: list[paddle.Tensor], experts: list[int], **kw) -> paddle.Tensor:
-    return concat_rows([paddle.matmul(g, w[e], **kw) for g, e in zip(split_rows(a, sizes), experts)])
+def _per_group(
+    a: paddle.Tensor, sizes: list[int], w: paddle.Tensor, experts: list[int], transpose_y: bool = False
+) -> paddle.Tensor:
+    """Row group g of a times w[experts[g]] (w [E, K, N]): one MKL batched call where there is one
+    (nn/grouped_gemm.py, the same bits), else a matmul per group."""
+    if grouped_gemm.usable(a, [w]):
+        return grouped_gemm.group_matmul(a, w, sizes, experts, transpose_y)
+    wl = paddle.unbind(w)
+    return concat_rows(
+        [paddle.matmul(g, wl[e], transpose_y=transpose_y) for g, e in zip(split_rows(a, sizes), experts)]
+    )
+
+
+def _per_expert_weight_grads(
+    x: paddle.Tensor, dy: paddle.Tensor, sizes: list[int], experts: list[int], num_experts: int
+) -> paddle.Tensor:
+    """[E, K, N]: x_g^T @ dy_g for each expert's row group, zeros for experts without rows."""
+    if grouped_gemm.usable(x, [dy]):
+        return grouped_gemm.group_weight_grads(x, dy, sizes, experts, num_experts)
+    per = {
+        e: paddle.matmul(a, b, transpose_x=True)
+        for a, b, e in zip(split_rows(x, sizes), split_rows(dy, sizes), experts)
+    }
+    zero = paddle.zeros([x.shape[1], dy.shape[1]], "float32")
+    return paddle.stack([per.get(e, zero) for e in range(num_experts)])
 
 
 class _FP8GroupedMatMuls(PyLayer):
@@ -517,7 +540,7 @@ class _FP8GroupedMatMuls(PyLayer):
             E, K, N = w.shape
             wqs.append(_tensor(fake_quant_np(host_array(w).reshape(E * K, N), block, block)).reshape([E, K, N]))
         ctx.save_for_backward(x, *wqs)
-        ys = tuple(_per_group(xq, sizes, paddle.unbind(wq), experts).astype(x.dtype) for wq in wqs)
+        ys = tuple(_per_group(xq, sizes, wq, experts).astype(x.dtype) for wq in wqs)
         return ys if len(ys) > 1 else ys[0]
 
     @staticmethod
@@ -530,13 +553,7 @@ class _FP8GroupedMatMuls(PyLayer):
             for dy, wq in zip(dys_np, wqs):
                 if dy is None:
                     continue
-                part = _per_group(
-                    _tensor(fake_quant_np(dy, 1, block, fmt)),
-                    sizes,
-                    paddle.unbind(wq),
-                    experts,
-                    transpose_y=True,
-                )
+                part = _per_group(_tensor(fake_quant_np(dy, 1, block, fmt)), sizes, wq, experts, transpose_y=True)
                 dx = part if dx is None else dx + part
             dx = (paddle.zeros(x.shape, "float32") if dx is None else dx).astype(ctx.dtypes[0])
         dws = []
@@ -546,21 +563,11 @@ class _FP8GroupedMatMuls(PyLayer):
             if not need:
                 dws.append(None)
                 continue
-            E, K, N = wq.shape
-            per = {}
-            if dy is not None:
-                ds = _tensor(fake_quant_token_runs_np(dy, sizes, block, fmt))
-                per = dict(
-                    zip(
-                        experts,
-                        (
-                            paddle.matmul(a, b, transpose_x=True)
-                            for a, b in zip(split_rows(xs, sizes), split_rows(ds, sizes))
-                        ),
-                    )
-                )
-            zero = paddle.zeros([K, N], "float32")
-            dws.append(paddle.stack([per.get(e, zero) for e in range(E)]).astype(ctx.dtypes[1]))
+            if dy is None:
+                dws.append(paddle.zeros(wq.shape, ctx.dtypes[1]))
+                continue
+            ds = _tensor(fake_quant_token_runs_np(dy, sizes, block, fmt))
+            dws.append(_per_expert_weight_grads(xs, ds, sizes, experts, wq.shape[0]).astype(ctx.dtypes[1]))
         return (dx, *dws)
 
 

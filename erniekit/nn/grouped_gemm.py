@@ -3,8 +3,11 @@
 Paddle has no grouped GEMM on CPU, so StackedExperts ran one eager matmul per expert, wrapped in a
 split of the rows, an unbind of the weights and a concat of the outputs, and autograd ran the
 mirror image of all of it. Paddle's CPU wheel ships MKL (paddle/libs/libmklml_intel.so), whose
-batched GEMM takes every group in one call and runs the groups over its threads; the per-group
-products are MKL's sgemm as Paddle's matmul calls it, so the bits are the same (tests check them).
+batched GEMM takes every group in one call and runs the groups over its threads. The products
+are MKL's sgemm, as Paddle's matmul calls it, but MKL picks its kernel per call from the shapes and
+the thread count, so a group can round differently in the batch than alone (1-row groups, which
+differ most, are sent alone): the results equal the eager loop's to float32 rounding, most of
+them bit for bit.
 Without that library (other wheels, other CPUs) `usable()` is False and the eager loop runs.
 """
 
@@ -51,8 +54,9 @@ def usable(x: paddle.Tensor, weights: list[paddle.Tensor]) -> bool:
 def _batch(products: list[tuple[int, int, int, int, int, int, int, bool, bool]]) -> None:
     """One cblas_sgemm_batch over (A, B, C, m, n, k, ldb, trans_a, trans_b) products, C = op(A) op(B),
     row-major with lda / ldc implied by the transposes (A [m, k] or [k, m], C [m, n])."""
+    products = [q for q in products if min(q[3:6]) > 0]  # an empty group writes nothing (dW: zeros already)
     single = [q for q in products if min(q[3:6]) == 1]
-    if single:  # MKL's batch computes a 1-row product with other bits than its own sgemm (Paddle's)
+    if single:  # MKL rounds a 1-row product in a batch unlike its sgemm alone (Paddle's): those go alone
         products = [q for q in products if min(q[3:6]) > 1]
         for q in single:
             _batch_call([q])
@@ -90,28 +94,75 @@ def _offsets(sizes: list[int]) -> list[int]:
     return [0, *np.cumsum(sizes).tolist()]
 
 
+def _products(a, w, out, sizes: list[int], used: list[int], transpose_w: bool) -> list[tuple]:
+    """out_g = a_g @ W_e (w [E, K, N], a [M, K], out [M, N]) or a_g @ W_e^T (a [M, N], out [M, K])
+    for row group g of expert e = used[g]."""
+    E, K, N = w.shape
+    width_a, width_out = (N, K) if transpose_w else (K, N)
+    offs = _offsets(sizes)
+    pa, pw, po = a.data_ptr(), w.data_ptr(), out.data_ptr()
+    return [
+        (
+            pa + offs[g] * width_a * 4,
+            pw + e * K * N * 4,
+            po + offs[g] * width_out * 4,
+            sizes[g],
+            width_out,
+            width_a,
+            N,
+            False,
+            transpose_w,
+        )
+        for g, e in enumerate(used)
+    ]
+
+
+def _weight_grad_products(x, dy, dw, sizes: list[int], used: list[int]) -> list[tuple]:
+    """dW_e = x_g^T @ dy_g (x [M, K], dy [M, N], dw [E, K, N]) for row group g of expert e = used[g]."""
+    K, N = x.shape[1], dy.shape[1]
+    offs = _offsets(sizes)
+    px, py, pd = x.data_ptr(), dy.data_ptr(), dw.data_ptr()
+    return [
+        (px + offs[g] * K * 4, py + offs[g] * N * 4, pd + e * K * N * 4, K, N, sizes[g], N, True, False)
+        for g, e in enumerate(used)
+    ]
+
+
+def group_matmul(
+    a: paddle.Tensor, w: paddle.Tensor, sizes: list[int], used: list[int], transpose_w: bool = False
+) -> paddle.Tensor:
+    """Row group g of a times w[used[g]] (transposed with `transpose_w`), outside autograd: for
+    kernels that own their backward (the emulated FP8 experts). Contiguous float32 CPU tensors."""
+    E, K, N = w.shape
+    check_groups(a.shape, [[E, N, K] if transpose_w else [E, K, N]], sizes, used, distinct=False)
+    out = paddle.empty([a.shape[0], w.shape[1] if transpose_w else w.shape[2]], dtype="float32")
+    _batch(_products(a, w, out, sizes, used, transpose_w))
+    return out
+
+
+def group_weight_grads(
+    x: paddle.Tensor, dy: paddle.Tensor, sizes: list[int], used: list[int], num_experts: int
+) -> paddle.Tensor:
+    """[E, K, N]: x_g^T @ dy_g for each expert's row group, zeros for experts without rows."""
+    check_groups(x.shape, [[num_experts, x.shape[1], 0]], sizes, used)
+    if dy.ndim != 2 or dy.shape[0] != x.shape[0]:
+        raise ValueError(f"group_weight_grads: dy {list(dy.shape)} must have x's {x.shape[0]} rows")
+    dw = paddle.zeros([num_experts, x.shape[1], dy.shape[1]], dtype="float32")
+    _batch(_weight_grad_products(x, dy, dw, sizes, used))
+    return dw
+
+
 class _GroupedMatmul(PyLayer):
     """outs[p] = rows of group g of x @ ws[p][used[g]], for every projection p sharing x."""
 
     @staticmethod
     def forward(ctx, x, *args):
         *ws, sizes, used = args
-        M, K = x.shape
-        offs = _offsets(sizes)
-        outs, products = [], []
-        for w in ws:
-            N = w.shape[2]
-            out = paddle.empty([M, N], dtype=x.dtype)
-            for g, e in enumerate(used):
-                a = x.data_ptr() + offs[g] * K * 4
-                products.append(
-                    (a, w.data_ptr() + e * K * N * 4, out.data_ptr() + offs[g] * N * 4, sizes[g], N, K, N, False, False)
-                )
-            outs.append(out)
-        _batch(products)
+        outs = [paddle.empty([x.shape[0], w.shape[2]], dtype=x.dtype) for w in ws]
+        _batch([q for w, out in zip(ws, outs) for q in _products(x, w, out, sizes, used, False)])
         ctx.save_for_backward(x, *ws)
         ctx.versions = native.versions(x, *ws)
-        ctx.groups = (sizes, used, offs)
+        ctx.groups = (sizes, used)
         ctx.need = (not x.stop_gradient, *(not w.stop_gradient for w in ws))
         return tuple(outs) if len(outs) > 1 else outs[0]
 
@@ -119,39 +170,51 @@ class _GroupedMatmul(PyLayer):
     def backward(ctx, *douts):
         x, *ws = ctx.saved_tensor()
         native.check_versions("grouped_matmul", ctx.versions, x, *ws)
-        sizes, used, offs = ctx.groups
-        M, K = x.shape
-        douts = [d.contiguous() for d in douts]
-        dxs = [paddle.empty([M, K], dtype=x.dtype) for _ in ws] if ctx.need[0] else []
+        sizes, used = ctx.groups
+        douts = [None if d is None else d.contiguous() for d in douts]
+        dxs = [paddle.empty(x.shape, dtype=x.dtype) if ctx.need[0] and d is not None else None for d in douts]
         dws = [paddle.zeros(w.shape, dtype=w.dtype) if need else None for w, need in zip(ws, ctx.need[1:])]
         products = []
-        for p, (w, dy) in enumerate(zip(ws, douts)):
-            N = w.shape[2]
-            for g, e in enumerate(used):
-                rows_x, rows_y = x.data_ptr() + offs[g] * K * 4, dy.data_ptr() + offs[g] * N * 4
-                if dxs:  # dx_g = dy_g @ W_e^T
-                    products.append(
-                        (
-                            rows_y,
-                            w.data_ptr() + e * K * N * 4,
-                            dxs[p].data_ptr() + offs[g] * K * 4,
-                            sizes[g],
-                            K,
-                            N,
-                            N,
-                            False,
-                            True,
-                        )
-                    )
-                if dws[p] is not None:  # dW_e = x_g^T @ dy_g
-                    products.append((rows_x, rows_y, dws[p].data_ptr() + e * K * N * 4, K, N, sizes[g], N, True, False))
+        for w, dy, dx, dw in zip(ws, douts, dxs, dws):
+            if dy is None:
+                continue
+            if dx is not None:  # dx_g = dy_g @ W_e^T
+                products += _products(dy, w, dx, sizes, used, True)
+            if dw is not None:
+                products += _weight_grad_products(x, dy, dw, sizes, used)
         _batch(products)
         dx = None
-        if dxs:
-            dx = dxs[0]
-            for d in dxs[1:]:  # the sum autograd forms over the projections sharing x
-                dx = dx + d
+        for d in dxs:  # the sum autograd forms over the projections sharing x
+            if d is not None:
+                dx = d if dx is None else dx + d
+        if dx is None and ctx.need[0]:
+            dx = paddle.zeros(x.shape, dtype=x.dtype)
         return (dx, *dws)
+
+
+def check_groups(
+    x: list[int], weights: list[list[int]], sizes: list[int], used: list[int], distinct: bool = True
+) -> None:
+    """The kernels address memory from these numbers, so they are checked before any call: groups
+    covering x's rows exactly, one in-range expert each (distinct where weight gradients are
+    written: a repeated expert's would be overwritten, not summed), weights [E, K, N] matching x
+    (shapes, as lists)."""
+    E = weights[0][0] if weights else 0
+    ok = (
+        len(x) == 2
+        and len(sizes) == len(used)
+        and all(s >= 0 for s in sizes)
+        and sum(sizes) == x[0]
+        and (not distinct or len(set(used)) == len(used))
+        and all(0 <= e < E for e in used)
+        and all(len(w) == 3 and w[0] == E and w[1] == x[1] for w in weights)
+    )
+    if not ok:
+        raise ValueError(
+            f"grouped GEMM: need x [M, K], weights [E, K, N] and one expert in [0, E) per group "
+            f"({'distinct, ' if distinct else ''}sizes summing to M); got x {list(x)}, weights "
+            f"{[list(w) for w in weights]}, sizes {list(sizes)}, experts {list(used)}"
+        )
 
 
 def grouped_matmuls(
@@ -159,5 +222,6 @@ def grouped_matmuls(
 ) -> list[paddle.Tensor]:
     """x [M, K] in consecutive row groups of `sizes` -> for each weight [E, K, N], group g @ W[used[g]]
     as [M, N]; one batched GEMM each way for all projections and groups."""
+    check_groups(x.shape, [w.shape for w in weights], sizes, used)
     out = _GroupedMatmul.apply(x, *weights, list(sizes), list(used))
     return list(out) if isinstance(out, (tuple, list)) else [out]

@@ -4,7 +4,8 @@ Why: the eager rope (nn/attention.py `apply_rope`) expands cos and sin to the he
 pairs by a 2x2 matmul and takes two products and a sum, and autograd mirrors each: ~1.5 ms per call
 on the embedded default's q at 2 threads, two calls a layer. kernels/rope.c does each direction in
 one pass over x, reading cos and sin unexpanded. The arithmetic is the eager ops' operation for
-operation (the rotation matmul only moves and negates values), so the results are the same bits;
+operation (the rotation matmul only moves and negates values), so finite inputs give the same bits
+(up to the sign of a zero; an infinite input gives inf here where the matmul gives NaN);
 the numpy path below computes the same when there is no C compiler (or with
 ERNIEKIT_NATIVE_KERNELS=0). Other dtypes, devices, static graphs and distributed tensors keep the
 eager ops.
@@ -55,7 +56,7 @@ def _run(which: int, x: paddle.Tensor, cos: paddle.Tensor, sin: paddle.Tensor) -
     if k is None:
         fn = (forward_np, backward_np)[which]
         rows = [host_array(t).reshape(R, -1, D) for t in (x, cos, sin)]
-        return paddle.to_tensor(fn(*rows)).reshape(x.shape)
+        return paddle.from_dlpack(fn(*rows)).reshape(x.shape)  # a CPU tensor, as x
     y = paddle.empty_like(x)
     native.over_chunks(k[which], R, R * H * D * 4, x.data_ptr(), cos.data_ptr(), sin.data_ptr(), y.data_ptr(), H, D)
     return y

@@ -48,7 +48,8 @@ def token_nll(logits: paddle.Tensor, target: np.ndarray) -> paddle.Tensor:
     also skips writing the softmax (nn/cross_entropy.py)."""
     if cross_entropy.usable(logits):
         return cross_entropy.softmax_cross_entropy(logits, target, IGNORE_INDEX)
-    return F.cross_entropy(logits, batch_tensor(target.reshape(-1, 1)), ignore_index=IGNORE_INDEX, reduction="none")
+    nll = F.cross_entropy(logits, batch_tensor(target.reshape(-1, 1)), ignore_index=IGNORE_INDEX, reduction="none")
+    return nll.reshape([-1])  # [N] as the kernel's
 
 
 def token_logps(logits: paddle.Tensor, targets: np.ndarray, temperature: float = 1.0) -> paddle.Tensor:

@@ -86,6 +86,20 @@ def test_a_label_outside_the_vocabulary_is_refused_in_one_line():
         ce.softmax_cross_entropy(x, np.array([1, 5]), IGNORE)
 
 
+def test_labels_are_copied_and_must_be_integers():
+    """The backward reads the labels after the caller may have reused its array."""
+    x, label, g = _case(9, 6, 11)
+    label[:] = np.arange(6)
+    want = _kernel_run(x, label.copy(), g)[1]
+    t = paddle.to_tensor(x, stop_gradient=False)
+    nll = ce.softmax_cross_entropy(t, label, IGNORE)
+    label[:] = IGNORE  # the caller's array changes before the backward
+    (nll * paddle.to_tensor(g)).sum().backward()
+    np.testing.assert_array_equal(t.grad.numpy(), want)
+    with pytest.raises(ValueError, match="labels must be integer class ids, got dtype float64"):
+        ce.softmax_cross_entropy(t, np.array([1.9] * 6), IGNORE)
+
+
 def test_only_dense_float32_cpu_2d_logits_take_it():
     assert ce.usable(paddle.zeros([3, 4]))
     assert not ce.usable(paddle.zeros([2, 3, 4]))
