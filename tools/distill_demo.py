@@ -41,11 +41,15 @@ def config_sha256(config: str) -> str:
     return hashlib.sha256((ROOT / config).read_bytes()).hexdigest()
 
 
-def teacher_record(config: str) -> dict:
-    """The teacher the config names: its directory and its own held-out figures."""
+def teacher_record(config: str, overrides: list[str] = ()) -> dict:
+    """The teacher the config names (or a `teacher_name_or_path=` override): its directory and its
+    own held-out figures."""
     import yaml
 
     path = yaml.safe_load((ROOT / config).read_text())["teacher_name_or_path"]
+    for o in overrides:
+        if o.startswith("teacher_name_or_path="):
+            path = o.split("=", 1)[1]
     res_file = ROOT / path / "train_results.json"
     res = json.loads(res_file.read_text()) if res_file.exists() else {}
     return {
@@ -59,7 +63,9 @@ def teacher_record(config: str) -> dict:
 def run_cell(config: str, overrides: list[str], method: str, seed: int, threads: int, out_dir: Path) -> dict:
     env = dict(os.environ, OMP_NUM_THREADS=str(threads))
     cmd = [sys.executable, "-m", "erniekit", "train", config, f"seed={seed}", f"output_dir={out_dir}"]
-    cmd += ["disable_tqdm=true", *METHODS[method], *overrides]
+    # the method's keys last, so they win: an override naming another teacher must not give the
+    # plain-SFT run a teacher (the CLI refuses teacher_name_or_path outside stage Distill)
+    cmd += ["disable_tqdm=true", *overrides, *METHODS[method]]
     start = time.perf_counter()
     r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
     rec = {
@@ -134,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
     threads = [int(t) for t in args.threads.split(",") if t.strip()]
 
-    teacher = teacher_record(args.config)
+    teacher = teacher_record(args.config, args.overrides)
     if teacher["exact_match"] is None:
         print(f"no trained teacher in {teacher['path']}: run `erniekit train examples/configs/tiny/sft.yaml` first")
         return 1

@@ -1,0 +1,38 @@
+"""tools/distill_demo.py: the plain-SFT leg stays teacherless whatever the overrides, and the
+recorded teacher is the one the run used."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+ROOT = Path(__file__).resolve().parents[3]
+sys.path.insert(0, str(ROOT / "tools"))
+
+import distill_demo  # noqa: E402
+
+
+def test_a_teacher_override_reaches_the_distill_leg_only(monkeypatch, tmp_path):
+    cmds = []
+    monkeypatch.setattr(
+        subprocess, "run", lambda cmd, **kw: cmds.append(cmd) or SimpleNamespace(returncode=1, stdout="", stderr="x")
+    )
+    for method in ("distill", "sft"):
+        distill_demo.run_cell(
+            distill_demo.CONFIG, ["teacher_name_or_path=/t", "max_steps=5"], method, 1, 1, tmp_path / method
+        )
+    distill, sft = cmds
+    assert "teacher_name_or_path=/t" in distill and "stage=SFT" not in distill
+    # later keys win in the CLI: the SFT leg's own keys come after the user's
+    assert sft.index("teacher_name_or_path=null") > sft.index("teacher_name_or_path=/t")
+    assert sft[-2:] == ["stage=SFT", "teacher_name_or_path=null"] and "max_steps=5" in sft
+
+
+def test_the_recorded_teacher_follows_an_override(tmp_path):
+    (tmp_path / "train_results.json").write_text(
+        json.dumps({"eval": {"exact_match": 0.9, "loss": 0.1}, "global_step": 7})
+    )
+    rec = distill_demo.teacher_record(distill_demo.CONFIG, [f"teacher_name_or_path={tmp_path}"])
+    assert rec == {"path": str(tmp_path), "exact_match": 0.9, "eval_loss": 0.1, "global_step": 7}
+    assert distill_demo.teacher_record(distill_demo.CONFIG)["path"] == "output/tiny-sft"
