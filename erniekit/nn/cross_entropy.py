@@ -47,10 +47,9 @@ def backward_np(x: np.ndarray, label: np.ndarray, lse: np.ndarray, g: np.ndarray
 
 def _kernels():
     P, I64 = ctypes.c_void_p, ctypes.c_int64
-    fwd = native.function("cross_entropy", "erniekit_ce_fwd", [P, P, P, P, I64, I64, I64, I64])
-    if fwd is None:
-        return None
-    return fwd, native.function("cross_entropy", "erniekit_ce_bwd", [P] * 5 + [I64] * 4)
+    return native.functions(
+        "cross_entropy", ("erniekit_ce_fwd", [P] * 4 + [I64] * 4), ("erniekit_ce_bwd", [P] * 5 + [I64] * 4)
+    )
 
 
 def _forward(x: paddle.Tensor, label: np.ndarray, ignore: int) -> tuple[paddle.Tensor, np.ndarray]:

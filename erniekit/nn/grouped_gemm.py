@@ -44,7 +44,7 @@ def _mkl() -> ctypes.CDLL | None:
 def usable(x: paddle.Tensor, weights: list[paddle.Tensor]) -> bool:
     """Float32 dense CPU tensors in dynamic mode, contiguous, and MKL's batched GEMM at hand."""
     return (
-        os.environ.get("ERNIEKIT_NATIVE_KERNELS", "1") != "0"
+        native.kernels_enabled()
         and native.dense_cpu_float32(x, *weights)
         and all(t.is_contiguous() for t in (x, *weights))
         and _mkl() is not None

@@ -36,11 +36,11 @@ def backward_np(p: np.ndarray, dp: np.ndarray) -> np.ndarray:
 
 
 def _kernels():
-    fwd = native.function("masked_softmax", "erniekit_masked_softmax_fwd", [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 6)
-    if fwd is None:
-        return None
-    return fwd, native.function(
-        "masked_softmax", "erniekit_masked_softmax_bwd", [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3
+    P, I64 = ctypes.c_void_p, ctypes.c_int64
+    return native.functions(
+        "masked_softmax",
+        ("erniekit_masked_softmax_fwd", [P] * 3 + [I64] * 6),
+        ("erniekit_masked_softmax_bwd", [P] * 3 + [I64] * 3),
     )
 
 

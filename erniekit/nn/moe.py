@@ -234,8 +234,8 @@ class StackedExperts(nn.Layer):
             return grouped_gemm.grouped_matmuls(x, ws, sizes, used)
         xs = split_rows(x, sizes)
         out = []
-        for p in ps:
-            W = paddle.unbind(self.param(p))
+        for w in ws:
+            W = paddle.unbind(w)
             out.append(concat_rows([self.base_matmul(g, W[e]) for g, e in zip(xs, used)]))
         return out
 

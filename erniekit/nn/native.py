@@ -77,12 +77,17 @@ def _build(name: str, src: Path) -> Path:
     return out
 
 
+def kernels_enabled() -> bool:
+    """False with ERNIEKIT_NATIVE_KERNELS=0: every native path (compiled or MKL) is off."""
+    return os.environ.get("ERNIEKIT_NATIVE_KERNELS", "1") != "0"
+
+
 def load(name: str) -> ctypes.CDLL | None:
     """The compiled library of kernels/<name>.c, or None (reason in `why_not[name]`)."""
     if name in _loaded:
         return _loaded[name]
     lib = None
-    if os.environ.get("ERNIEKIT_NATIVE_KERNELS", "1") == "0":
+    if not kernels_enabled():
         why_not[name] = "ERNIEKIT_NATIVE_KERNELS=0"
     else:
         try:
@@ -102,6 +107,13 @@ def function(name: str, symbol: str, argtypes: list):
     if fn.argtypes is None:
         fn.argtypes, fn.restype = argtypes, None
     return fn
+
+
+def functions(name: str, *symbols: tuple[str, list]) -> tuple | None:
+    """`function` for each (symbol, argument types) of kernels/<name>.c, or None without the build."""
+    if load(name) is None:
+        return None
+    return tuple(function(name, symbol, argtypes) for symbol, argtypes in symbols)
 
 
 _P, _I64, _U32, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_uint32, ctypes.c_float

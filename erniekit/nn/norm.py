@@ -48,10 +48,11 @@ def backward_np(
 
 def _kernels():
     P, I64 = ctypes.c_void_p, ctypes.c_int64
-    fwd = native.function("rms_norm", "erniekit_rms_norm_fwd", [P, P, P, P, I64, ctypes.c_float, I64, I64])
-    if fwd is None:
-        return None
-    return fwd, native.function("rms_norm", "erniekit_rms_norm_bwd", [P] * 6 + [I64] * 3)
+    return native.functions(
+        "rms_norm",
+        ("erniekit_rms_norm_fwd", [P, P, P, P, I64, ctypes.c_float, I64, I64]),
+        ("erniekit_rms_norm_bwd", [P] * 6 + [I64] * 3),
+    )
 
 
 def _rows(t: paddle.Tensor) -> np.ndarray:

@@ -44,10 +44,8 @@ def backward_np(g: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
 
 def _kernels():
     P, I64 = ctypes.c_void_p, ctypes.c_int64
-    fwd = native.function("rope", "erniekit_rope_fwd", [P, P, P, P, I64, I64, I64, I64])
-    if fwd is None:
-        return None
-    return fwd, native.function("rope", "erniekit_rope_bwd", [P, P, P, P, I64, I64, I64, I64])
+    args = [P] * 4 + [I64] * 4
+    return native.functions("rope", ("erniekit_rope_fwd", args), ("erniekit_rope_bwd", args))
 
 
 def _run(which: int, x: paddle.Tensor, cos: paddle.Tensor, sin: paddle.Tensor) -> paddle.Tensor:

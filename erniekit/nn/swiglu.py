@@ -49,10 +49,9 @@ def backward_np(
 
 def _kernels():
     P, I64 = ctypes.c_void_p, ctypes.c_int64
-    fwd = native.function("swiglu", "erniekit_swiglu_fwd", [P, P, P, I64, I64])
-    if fwd is None:
-        return None
-    return fwd, native.function("swiglu", "erniekit_swiglu_bwd", [P] * 5 + [I64, I64])
+    return native.functions(
+        "swiglu", ("erniekit_swiglu_fwd", [P, P, P, I64, I64]), ("erniekit_swiglu_bwd", [P] * 5 + [I64, I64])
+    )
 
 
 def _forward(g: paddle.Tensor, u: paddle.Tensor) -> paddle.Tensor:
