@@ -6,11 +6,14 @@ import numpy as np
 import paddle
 import pytest
 
-from erniekit.nn import grouped_gemm
+from erniekit.nn import grouped_gemm, native
 from erniekit.nn.moe import StackedExperts
 from erniekit.nn.rows import concat_rows, split_rows
 
-pytestmark = pytest.mark.skipif(grouped_gemm._mkl() is None, reason="no MKL batched GEMM in this Paddle wheel")
+pytestmark = pytest.mark.skipif(
+    grouped_gemm._mkl() is None or not native.kernels_enabled(),
+    reason="no MKL batched GEMM in this Paddle wheel, or ERNIEKIT_NATIVE_KERNELS=0",
+)
 
 
 def _loop(x, ws, sizes, used):
