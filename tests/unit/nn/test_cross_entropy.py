@@ -84,6 +84,8 @@ def test_a_label_outside_the_vocabulary_is_refused_in_one_line():
     x = paddle.zeros([2, 5])
     with pytest.raises(ValueError, match=r"^cross entropy: label 5 is outside the vocabulary of 5 logits; check"):
         ce.softmax_cross_entropy(x, np.array([1, 5]), IGNORE)
+    with pytest.raises(ValueError, match=r"^cross entropy: 3 labels for 2 rows of logits$"):
+        ce.softmax_cross_entropy(x, np.array([1, 2, 3]), IGNORE)
 
 
 def test_labels_are_copied_and_must_be_integers():
