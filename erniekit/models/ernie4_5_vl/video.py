@@ -212,25 +212,24 @@ def save_video_settings(path: str, settings: VideoSettings) -> None:
         font = os.path.basename(settings.font)
         if os.path.abspath(os.path.join(path, font)) != os.path.abspath(settings.font):
             shutil.copyfile(settings.font, os.path.join(path, font))
-    atomic_write_json(
-        os.path.join(path, VIDEO_PREPROCESSOR_FILE),
-        {
-            "video_processor_type": "Ernie4_5_VLMoeVideoProcessor",
-            "size": {"shortest_edge": settings.min_pixels, "longest_edge": settings.max_pixels},
-            "patch_size": settings.patch_size,
-            "merge_size": settings.merge_size,
-            "temporal_patch_size": settings.temporal_patch_size,
-            "min_frames": settings.min_frames,
-            "max_frames": settings.max_frames,
-            "fps": settings.fps,
-            "do_sample_frames": True,
-            "draw_on_frames": font is not None,
-            "font": font,
-            "image_mean": list(CLIP_MEAN),
-            "image_std": list(CLIP_STD),
-            "rescale_factor": 1 / 255,
-        },
-    )
+    config = {
+        "video_processor_type": "Ernie4_5_VLMoeVideoProcessor",
+        "size": {"shortest_edge": settings.min_pixels, "longest_edge": settings.max_pixels},
+        "patch_size": settings.patch_size,
+        "merge_size": settings.merge_size,
+        "temporal_patch_size": settings.temporal_patch_size,
+        "min_frames": settings.min_frames,
+        "max_frames": settings.max_frames,
+        "fps": settings.fps,
+        "do_sample_frames": True,
+        "draw_on_frames": font is not None,
+        "image_mean": list(CLIP_MEAN),
+        "image_std": list(CLIP_STD),
+        "rescale_factor": 1 / 255,
+    }
+    if font is not None:  # no key without a font: transformers' processor cannot load `"font": null`
+        config["font"] = font
+    atomic_write_json(os.path.join(path, VIDEO_PREPROCESSOR_FILE), config)
 
 
 def load_video_settings(path: str) -> VideoSettings:
