@@ -95,13 +95,21 @@ def load_image_settings(path: str) -> ImageSettings:
     return read_processor_config(path, PREPROCESSOR_FILE, "image", build) or ImageSettings()
 
 
+def check_image_size(width: int, height: int, where: str = "image") -> None:
+    """What the resize cannot take (no pixels, an aspect ratio above 200, as the reference refuses),
+    refused where the source is still known: `where` names it (a data file and line, a request)."""
+    if min(height, width) < 1:
+        raise ImageError(f"{where}: image of size {width}x{height} has no pixels")
+    if max(height, width) / min(height, width) > 200:
+        raise ImageError(
+            f"{where}: image of size {width}x{height}: aspect ratio above 200 is not supported; crop or pad it"
+        )
+
+
 def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
     """(height, width) divisible by `factor`, within [min_pixels, max_pixels], the aspect ratio kept
     as closely as that allows."""
-    if min(height, width) < 1:
-        raise ImageError(f"image of size {width}x{height} has no pixels")
-    if max(height, width) / min(height, width) > 200:
-        raise ImageError(f"image of size {width}x{height}: aspect ratio above 200 is not supported")
+    check_image_size(width, height)
     h = round(height / factor) * factor
     w = round(width / factor) * factor
     if h * w > max_pixels:
@@ -144,6 +152,7 @@ def load_image(source: str, where: str = "image"):
                 raise ImageError(
                     f"{where}: {name} is {w}x{h} pixels, more than {MAX_SOURCE_PIXELS}; downscale it first"
                 )
+            check_image_size(w, h, f"{where}: {name}")
             im.load()
             return to_rgb(im)
     except ImageError:

@@ -23,6 +23,7 @@ from erniekit.models.ernie4_5_vl.processor import (
     CLIP_STD,
     MAX_SOURCE_PIXELS,
     ImageError,
+    check_image_size,
     read_processor_config,
     smart_resize,
 )
@@ -105,6 +106,7 @@ def load_video(source: str, where: str = "video", settings: VideoSettings = Vide
             for i, frame in enumerate(container.decode(stream)):
                 if frame.width * frame.height > MAX_SOURCE_PIXELS:
                     raise ImageError(f"{where}: {source} has {frame.width}x{frame.height} frames; downscale it first")
+                check_image_size(frame.width, frame.height, f"{where}: {source}")
                 if i in wanted:
                     frames[i] = frame.to_ndarray(format="rgb24")
     except ImageError:

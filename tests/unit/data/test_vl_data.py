@@ -142,16 +142,37 @@ def test_images_are_numbered_pictures_across_the_conversation(tmp_path, picture)
         assert default_tokenizer().decode(ids[max(0, i - 6) : i]).endswith(f"Picture {n}:"), text
 
 
-def test_a_bad_image_names_the_file_and_line(tmp_path):
-    (tmp_path / "broken.png").write_text("nope")
+def _bad_image(tmp_path, kind: str) -> str:
+    if kind == "not an image":
+        (tmp_path / "bad.png").write_text("nope")
+    elif kind == "empty":
+        (tmp_path / "bad.png").write_bytes(b"")
+    elif kind == "aspect ratio":
+        Image.new("RGB", (600, 2)).save(tmp_path / "bad.png")
+    elif kind == "huge":
+        Image.new("1", (9000, 9000)).save(tmp_path / "bad.png")  # 1 bit a pixel: a small file
+    return "bad.png"  # "missing": never written
+
+
+@pytest.mark.parametrize(
+    "kind, why",
+    [
+        ("not an image", "not a readable image"),
+        ("missing", "not found"),
+        ("empty", "is empty"),
+        ("aspect ratio", "aspect ratio above 200"),
+        ("huge", "downscale it first"),
+    ],
+)
+def test_a_bad_image_names_the_file_and_line(tmp_path, kind, why):
     rec = {
         "messages": [
-            {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "broken.png"}}]},
+            {"role": "user", "content": [{"type": "image_url", "image_url": {"url": _bad_image(tmp_path, kind)}}]},
             {"role": "assistant", "content": "a"},
         ]
     }
     path = _write(tmp_path, [rec, rec])
     convs = load_sft_examples(path)
-    with pytest.raises(DataError, match="not a readable image") as e:
+    with pytest.raises(DataError, match=why) as e:
         encode_vl_conversation(convs[1], default_tokenizer(), CFG, SMALL, 128)
-    assert str(e.value).startswith(f"{path}:2:")
+    assert str(e.value).startswith(f"{path}:2:") and "\n" not in str(e.value)

@@ -1,6 +1,7 @@
 """ERNIE-4.5-VL against transformers' `ernie4_5_vl_moe` on tiny random checkpoints of random shapes:
 logits of text, one image, images of different sizes and a video, both ways (their checkpoint
-loaded by us, ours loaded by them); the 3-D rope and its positions against their formulas."""
+loaded by us, ours loaded by them); greedy generation token for token on the same kinds of prompt;
+the 3-D rope and its positions against their formulas."""
 
 from __future__ import annotations
 
@@ -160,7 +161,7 @@ def test_our_checkpoint_gives_the_same_logits_in_transformers(theirs, tmp_path):
     ours._init_vision()
     save_model(ours, str(tmp_path))
     back = transformers.Ernie4_5_VLMoeForConditionalGeneration.from_pretrained(tmp_path, dtype=torch.float32).eval()
-    for case in ("one image", "video", "image and video"):
+    for case in CASES:
         ids, vis = _inputs(CASES[case], seed=3)
         want = _our_logits(ours, ids, vis)
         np.testing.assert_allclose(_their_logits(back, ids, vis), want, atol=1e-4 * max(1.0, np.abs(want).max()))
@@ -218,30 +219,47 @@ def test_config_json_round_trips_and_odd_layer_patterns_are_refused(theirs):
         _moe_layers(["sparse", "dense", "sparse", "sparse"])
 
 
-def test_greedy_generation_with_an_image_equals_transformers(theirs):
+GENERATION_CASES = {
+    "text": [("text", 9)],
+    "one image": [("text", 4), ("image", (1, 4, 4)), ("text", 3)],
+    "images of two sizes": [("image", (1, 2, 4)), ("text", 2), ("image", (1, 4, 6)), ("text", 3)],
+    "video": [("text", 2), ("video", (4, 2, 4)), ("text", 3)],
+}
+
+
+@pytest.mark.parametrize("case", list(GENERATION_CASES))
+def test_greedy_generation_equals_transformers(theirs, case):
     from erniekit.infer.vl_generate import generate_vl
 
     model, path = theirs
-    ids, vis = _inputs([("text", 4), ("image", (1, 4, 4)), ("text", 3)], seed=5)
-    ours = load_model(path)
-    got = generate_vl(ours, ids[0].tolist(), (np.concatenate(vis["image"][0]), np.array(vis["image"][1])), 8, [])
+    ids, vis = _inputs(GENERATION_CASES[case], seed=5)
+    media = {k: (np.concatenate(v[0]), np.array(v[1])) if v[0] else None for k, v in vis.items()}
+    got = generate_vl(load_model(path), ids[0].tolist(), media["image"], 8, [], videos=media["video"])
     mm = np.zeros_like(ids)
     mm[ids == IDS["image_token_id"]] = 1
+    mm[ids == IDS["video_token_id"]] = 2
     moe = mm.copy()
     moe[np.isin(ids, [IDS["image_start_token_id"], IDS["image_end_token_id"]])] = 1
+    moe[np.isin(ids, [IDS["video_start_token_id"], IDS["video_end_token_id"]])] = 2
+    kw = {}
+    if media["image"] is not None:
+        kw.update(pixel_values=torch.from_numpy(media["image"][0]), image_grid_thw=torch.tensor(media["image"][1]))
+    if media["video"] is not None:
+        kw.update(
+            pixel_values_videos=torch.from_numpy(media["video"][0]), video_grid_thw=torch.tensor(media["video"][1])
+        )
     with torch.no_grad():
         out = model.generate(
             input_ids=torch.from_numpy(ids),
             attention_mask=torch.ones_like(torch.from_numpy(ids)),
             mm_token_type_ids=torch.from_numpy(mm),
             moe_mm_token_type_ids=torch.from_numpy(moe),
-            pixel_values=torch.from_numpy(np.concatenate(vis["image"][0])),
-            image_grid_thw=torch.tensor(vis["image"][1]),
             do_sample=False,
             max_new_tokens=8,
             min_new_tokens=8,
             eos_token_id=None,
             pad_token_id=0,
+            **kw,
         )
     assert got == out[0, ids.shape[1] :].tolist()
 
