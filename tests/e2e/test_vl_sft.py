@@ -84,19 +84,24 @@ def test_two_expert_parallel_processes_follow_one(one, tmp_path):
     np.testing.assert_allclose(norms, _scalars(out, "train/grad_norm"), rtol=1e-4)
 
 
-def test_frozen_vision_parts_keep_their_initial_weights(tmp_path):
+@pytest.mark.parametrize("encoder, resampler", [(True, True), (True, False), (False, True)])
+def test_frozen_vision_parts_keep_their_initial_weights(tmp_path, encoder, resampler):
+    """Each option freezes its own part and only that one."""
     import paddle
     from safetensors.numpy import load_file
 
     from erniekit.models.ernie4_5_vl.checkpoint import hf_state_dict
     from erniekit.models.registry import load_model
 
-    _train(_args(tmp_path, steps=3) + ["freeze_vision_encoder=true", "freeze_resampler=true", "do_eval=false"])
+    flags = [f"freeze_vision_encoder={str(encoder).lower()}", f"freeze_resampler={str(resampler).lower()}"]
+    _train(_args(tmp_path, steps=3) + flags + ["do_eval=false"])
     paddle.seed(42)
     init = {k: v.numpy() for k, v in hf_state_dict(load_model("tiny-vl")).items()}
     saved = load_file(str(tmp_path / "model.safetensors"))
-    vision = [k for k in saved if ".vision_model." in k or ".resampler_model." in k]
-    assert vision and all(np.array_equal(saved[k], init[k]) for k in vision)
+    for part, frozen in ((".vision_model.", encoder), (".resampler_model.", resampler)):
+        keys = [k for k in saved if part in k]
+        same = [np.array_equal(saved[k], init[k]) for k in keys]
+        assert keys and (all(same) if frozen else not any(same)), part
     text = [k for k in saved if k.startswith("model.layers.")]
     assert any(not np.array_equal(saved[k], init[k]) for k in text)  # the rest trained
 
