@@ -1,7 +1,7 @@
 """The embedded VL default (examples/configs/tiny/vl_sft.yaml), shortened to 300 steps on 3000
 pictures: seed 1 (the seed that sat on the answer priors at 0.38 before `vit_lr_ratio`) must read
-the pictures, well above the majority answer. The full config's claim is the matrix in
-bench_results/vl_default_matrix.json (seeds x thread counts), checked here against the issue's bar.
+the pictures, well above the majority answer. The full config's claim is the matrices in
+bench_results/vl_default_matrix*.json (seeds x thread counts), checked here against the issue's bar.
 """
 
 import json
@@ -9,13 +9,16 @@ import os
 import re
 from pathlib import Path
 
+import pytest
 from launched_jobs import train
 
 ROOT = str(Path(__file__).resolve().parents[2])
 
 
-def test_the_matrix_of_the_full_default_clears_the_bar():
-    matrix = json.load(open(os.path.join(ROOT, "bench_results", "vl_default_matrix.json")))
+@pytest.mark.parametrize("record", ["vl_default_matrix.json", "vl_default_matrix_intel.json"])
+def test_the_matrix_of_the_full_default_clears_the_bar(record):
+    """AMD EPYC, and an Intel Xeon after issue #25's CPU kernels changed the float32 rounding."""
+    matrix = json.load(open(os.path.join(ROOT, "bench_results", record)))
     assert matrix["key"] == {"config": "examples/configs/tiny/vl_sft.yaml", "overrides": []}
     runs = matrix["runs"]
     assert {r["seed"] for r in runs} >= {1, 2, 3, 42} and {r["threads"] for r in runs} == {1, 2}
