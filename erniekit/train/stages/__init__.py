@@ -40,10 +40,19 @@ def _load_builtins() -> None:
     import_modules(__name__, __path__)
 
 
+def _in_order() -> list[type]:
+    """The built-in stages by module name, whichever was imported first (a caller importing one
+    stage module directly must not reorder every message that lists stages), then the others in
+    registration order."""
+    _load_builtins()
+    classes = list(_classes.values())
+    builtin = sorted((c for c in classes if c.__module__.startswith(__name__ + ".")), key=lambda c: c.__module__)
+    return builtin + [c for c in classes if c not in builtin]
+
+
 def stage_names() -> list[str]:
     """Every canonical stage name: the built-in ones (by module name), then any registered later."""
-    _load_builtins()
-    return list(_classes)
+    return [c.name for c in _in_order()]
 
 
 def stage_class(name: str) -> type:
@@ -51,13 +60,12 @@ def stage_class(name: str) -> type:
     _load_builtins()
     canonical = _spellings.get(name.lower())
     if canonical is None:
-        raise KeyError(f"unknown stage {name!r}; choose one of {', '.join(_classes)}")
+        raise KeyError(f"unknown stage {name!r}; choose one of {', '.join(stage_names())}")
     return _classes[canonical]
 
 
 def stage_classes() -> Iterator[type]:
-    _load_builtins()
-    yield from list(_classes.values())
+    yield from _in_order()
 
 
 def get_stage(name: str) -> Stage:

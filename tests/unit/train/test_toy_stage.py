@@ -100,3 +100,19 @@ def test_help_lists_a_registered_stage(toy):
     stage_line = next(line for line in _train_help().splitlines() if line.startswith("      training stage:"))
     listed = stage_line.split("one of: ")[1].split(", ")
     assert "Toy" in listed and "SFT" in listed
+
+
+def test_stage_order_does_not_follow_import_order():
+    """Importing one stage module before the registry loads the others (as a test or a plugin may)
+    leaves the built-in stages in module order, and the messages that list them unchanged."""
+    import subprocess
+    import sys
+
+    code = (
+        "import erniekit.train.stages.vl_sft\n"
+        "from erniekit.train.stages import stage_names\n"
+        "from erniekit.config.checks import _stages_that\n"
+        "print(stage_names().index('VL-SFT') > stage_names().index('SFT'), _stages_that('token_balance'))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "True pretrain, SFT and VL-SFT"
