@@ -144,6 +144,8 @@ def run_cell(config: str, overrides: list[str], seed: int, threads: int, isa: st
             if k in ev:
                 rec[k] = ev[k]
         rec["exact_match"] = ev.get("exact_match", ev.get("final_answer_accuracy"))
+        if "baseline_exact_match" in ev:  # the VL default's majority-answer baseline
+            rec["baseline_exact_match"] = ev["baseline_exact_match"]
         rec["global_step"] = res.get("global_step")
         rec["train_runtime_s"] = round(res.get("train_runtime_s", float("nan")), 1)
     else:
