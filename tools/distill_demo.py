@@ -44,12 +44,9 @@ def config_sha256(config: str) -> str:
 def teacher_record(config: str, overrides: list[str] = ()) -> dict:
     """The teacher the config names (or a `teacher_name_or_path=` override): its directory and its
     own held-out figures."""
-    import yaml
+    from erniekit.config.loader import load_config
 
-    path = yaml.safe_load((ROOT / config).read_text())["teacher_name_or_path"]
-    for o in overrides:
-        if o.startswith("teacher_name_or_path="):
-            path = o.split("=", 1)[1]
+    path = load_config(str(ROOT / config), overrides).teacher_name_or_path
     res_file = ROOT / path / "train_results.json"
     res = json.loads(res_file.read_text()) if res_file.exists() else {}
     return {

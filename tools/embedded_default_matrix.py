@@ -139,13 +139,12 @@ def run_cell(config: str, overrides: list[str], seed: int, threads: int, isa: st
     if r.returncode == 0 and results.exists():
         res = json.loads(results.read_text())
         ev = res.get("eval", {})
-        # a tool-calling config (sft_tools.yaml) reports its two lines; its score is the final answer
-        for k in ("tool_call_match", "final_answer_accuracy"):
+        # a tool-calling config (sft_tools.yaml) reports its two lines, its score being the final
+        # answer; the VL default its majority-answer baseline
+        for k in ("tool_call_match", "final_answer_accuracy", "baseline_exact_match"):
             if k in ev:
                 rec[k] = ev[k]
         rec["exact_match"] = ev.get("exact_match", ev.get("final_answer_accuracy"))
-        if "baseline_exact_match" in ev:  # the VL default's majority-answer baseline
-            rec["baseline_exact_match"] = ev["baseline_exact_match"]
         rec["global_step"] = res.get("global_step")
         rec["train_runtime_s"] = round(res.get("train_runtime_s", float("nan")), 1)
     else:
