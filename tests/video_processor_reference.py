@@ -50,13 +50,11 @@ def _declare_torchvision_ops_if_unloadable() -> torch.library.Library | None:
     spec = importlib.util.find_spec("torchvision")
     if spec is None:
         raise SystemExit("torchvision is not importable: see docs/multimodal.md (the video processor check)")
-    (library,) = glob.glob(os.path.join(os.path.dirname(spec.origin), "_C*.so")) or (None,)
+    libraries = glob.glob(os.path.join(os.path.dirname(spec.origin), "_C*.so"))
     try:
-        if library is None:
-            raise OSError("no _C library")
-        torch.ops.load_library(library)
+        torch.ops.load_library(libraries[0])
         return None
-    except OSError:
+    except (IndexError, OSError):  # none shipped, or one that cannot load beside this torch
         lib = torch.library.Library("torchvision", "DEF")
 
         def refuse(*args, **kwargs):
