@@ -5,7 +5,7 @@ from __future__ import annotations
 import paddle
 import paddle.nn.functional as F
 
-from erniekit.nn import masked_softmax, rope
+from erniekit.nn import fused_attention, masked_softmax, rope
 
 
 def rope_cos_sin(position_ids: paddle.Tensor, head_dim: int, theta: float) -> tuple[paddle.Tensor, paddle.Tensor]:
@@ -128,9 +128,12 @@ def math_attention(
     q [B, Sq, H, D], k/v [B, Sk, KVH, D], bias [B|1, 1, Sq, Sk] additive -> [B, Sq, H, D].
 
     The scale multiplies q, not the scores: Sk / D times fewer elements, forward and backward
-    (the same bits when it is a power of two: head_dim 16, 64, 256). Float32 scores on the CPU
+    (the same bits when it is a power of two: head_dim 16, 64, 256). Float32 on the CPU takes one C
+    kernel each way (erniekit/nn/fused_attention.py) when its shapes fit; otherwise float32 scores
     take the fused masked softmax (erniekit/nn/masked_softmax.py), which reads the mask as it is.
     """
+    if fused_attention.usable(q, k, v, bias):  # float32 on the CPU: one C kernel each way
+        return fused_attention.fused_attention(q, k, v, bias, scale)
     B, Sq, H, D = q.shape
     Sk, KVH = k.shape[1], k.shape[2]
     rep = H // KVH

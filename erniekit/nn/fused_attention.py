@@ -1,0 +1,100 @@
+"""Softmax attention for float32 on the CPU in one C kernel each way (kernels/attention.c).
+
+Why: the math path (nn/attention.py `math_attention`) transposes q, k and v to heads-major, runs two
+batched GEMMs and the masked softmax, transposes back, and autograd mirrors all of it. At the
+embedded default's shapes (64 x 32 tokens, 8 heads of 16) those copies and small GEMMs took more time
+than their arithmetic and none of them used the second thread. The kernel reads the model's
+[B, S, heads, D] layout as it is, one (batch, kv head) per task, with the tasks cut over the
+threads; no sum crosses a task, so every thread count gives the same bits.
+
+The kernel sums in its own order, so it agrees with the math path (MKL's GEMMs) to float32
+rounding, not bit for bit; a machine without a C compiler (or ERNIEKIT_NATIVE_KERNELS=0) takes the
+math path. GPU, other dtypes, static graphs and distributed tensors keep the math path too.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import paddle
+from paddle.autograd import PyLayer
+
+from erniekit.nn import native
+
+
+def _kernels():
+    P, I64, F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+    return native.functions(
+        "attention",
+        ("erniekit_attention_fwd", [P] * 6 + [F32] + [I64] * 8),
+        ("erniekit_attention_bwd", [P] * 8 + [F32] + [I64] * 7),
+    )
+
+
+def _forward(q, k, v, bias, scale: float, keep_p: bool):
+    B, Sq, H, D = q.shape
+    Sk, KVH = k.shape[1], k.shape[2]
+    o = paddle.empty_like(q)
+    p = paddle.empty([B, H, Sq, Sk], dtype=q.dtype) if keep_p else None
+    shape = (scale, Sq, Sk, H, KVH, D, int(bias.shape[0] > 1))
+    ptrs = (q.data_ptr(), k.data_ptr(), v.data_ptr(), bias.data_ptr(), o.data_ptr(), native.address(p))
+    native.over_chunks(_kernels()[0], B * KVH, q.size * 4 + k.size * 8, *ptrs, *shape, min_bytes=1 << 16)
+    return o, p
+
+
+class _FusedAttention(PyLayer):
+    @staticmethod
+    def forward(ctx, q, k, v, bias, scale):
+        o, p = _forward(q, k, v, bias, scale, keep_p=True)
+        ctx.save_for_backward(q, k, v, p)
+        ctx.versions = native.versions(q, k, v)
+        ctx.scale = scale
+        return o
+
+    @staticmethod
+    def backward(ctx, do):
+        q, k, v, p = ctx.saved_tensor()
+        native.check_versions("attention", ctx.versions, q, k, v)
+        do = do.contiguous()
+        B, Sq, H, D = q.shape
+        Sk, KVH = k.shape[1], k.shape[2]
+        dq, dk, dv = paddle.empty_like(q), paddle.empty_like(k), paddle.empty_like(v)
+        ptrs = [t.data_ptr() for t in (q, k, v, p, do, dq, dk, dv)]
+        native.over_chunks(
+            _kernels()[1], B * KVH, q.size * 8 + k.size * 16, *ptrs, ctx.scale, Sq, Sk, H, KVH, D, min_bytes=1 << 16
+        )
+        return dq, dk, dv, None
+
+
+@native.eager_only
+def usable(q: paddle.Tensor, k: paddle.Tensor, v: paddle.Tensor, bias: paddle.Tensor) -> bool:
+    """Dense float32 CPU q [B, Sq, H, D], k / v [B, Sk, KVH, D] (H a multiple of KVH, D of 16) and an
+    additive mask [1|B, 1, Sq, Sk] taking no gradient, in dynamic mode, with the kernel built."""
+    if not (native.dense_cpu_float32(q, k, v, bias) and q.ndim == 4 and k.ndim == 4 and bias.ndim == 4):
+        return False
+    B, Sq, H, D = q.shape
+    Sk, KVH = k.shape[1], k.shape[2]
+    return (
+        list(k.shape) == list(v.shape) == [B, Sk, KVH, D]
+        and KVH > 0
+        and H % KVH == 0
+        and D % 16 == 0
+        and list(bias.shape) in ([1, 1, Sq, Sk], [B, 1, Sq, Sk])
+        and bias.stop_gradient
+        and 0 not in q.shape
+        and Sk > 0
+        and _kernels() is not None
+    )
+
+
+@native.eager_only
+def fused_attention(
+    q: paddle.Tensor, k: paddle.Tensor, v: paddle.Tensor, bias: paddle.Tensor, scale: float
+) -> paddle.Tensor:
+    """softmax((q * scale) k^T + bias) v with GQA, q [B, Sq, H, D], k / v [B, Sk, KVH, D] ->
+    [B, Sq, H, D]; callers check `usable` first."""
+    q, k, v, bias = (t if t.is_contiguous() else t.contiguous() for t in (q, k, v, bias))  # read by address
+    needs_grad = paddle.is_grad_enabled() and not (q.stop_gradient and k.stop_gradient and v.stop_gradient)
+    if not needs_grad:
+        return _forward(q, k, v, bias, scale, keep_p=False)[0]
+    return _FusedAttention.apply(q, k, v, bias, scale)

@@ -1,0 +1,216 @@
+/* Softmax attention for the CPU, forward and backward, one (batch, kv head) at a time
+ * (erniekit/nn/fused_attention.py).
+ *
+ * Why: Paddle's path is three transposes in (q, k, v to heads-major), two batched GEMMs, the
+ * masked softmax and a transpose out, and autograd mirrors each; at the embedded default's shapes
+ * (32 tokens, heads of 16) those copies and small GEMMs cost more than the arithmetic, and none of
+ * them uses a second thread. Here each task reads q, k, v in the model's [B, S, heads, D] layout,
+ * keeps its kv head's keys (transposed) and gradient sums in a scratch buffer, and writes its own
+ * outputs, so tasks run on any thread with the same bits (no sum crosses a task).
+ *
+ * Arithmetic (every operation rounds as written: built without -ffast-math, -ffp-contract=off):
+ *   qs = q * scale; s[j] = sum_d qs[d] * k[j][d] (in order of d)
+ *   z = s + bias; p = exp_neg(z - max z) / sum16(...)     (as kernels/masked_softmax.c)
+ *   o[d] = sum_j p[j] * v[j][d] (in order of j)
+ * backward, with dO the output's gradient:
+ *   dp[j] = sum_d dO[d] * v[j][d]; ds = p * (dp - sum16(p * dp))
+ *   dq = (sum_j ds[j] * k[j]) * scale; dk[j] += ds[j] * qs; dv[j] += p[j] * dO
+ *   (dk, dv summed over the kv head's query heads and rows in order)
+ *
+ * Layout: q, o, dq [B, Sq, H, D]; k, v, dk, dv [B, Sk, KVH, D]; bias [Bb, 1, Sq, Sk] (Bb = 1 or B);
+ * p [B, H, Sq, Sk] (saved for the backward; NULL at inference: rows live in scratch). Query head h
+ * reads kv head h / (H / KVH). D is a multiple of 16. A call handles tasks [t0, t1) of B * KVH.
+ */
+#include <stdlib.h>
+#include <string.h>
+
+#include "lanes.h"
+
+typedef float v16 __attribute__((vector_size(64)));
+#define ROWS 4 /* query rows per block: their 4 x 16 score lanes stay in registers */
+
+static inline v16 load16(const float *p) {
+    v16 v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+static inline void store16(float *p, v16 v) { memcpy(p, &v, sizeof v); }
+
+static inline v16 splat(float x) { return (v16){x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; }
+
+#define INLINE static inline __attribute__((always_inline))
+/* Each helper below takes R (rows in the block) as an argument and is always inlined, with the
+ * common R == ROWS call spelled out by `BY_ROWS`: its loops over rows then unroll and their
+ * accumulators stay in registers. */
+#define BY_ROWS(R, call_) \
+    do {                  \
+        if ((R) == ROWS) {          \
+            const int R_ = ROWS;    \
+            call_;                  \
+        } else {                    \
+            const int R_ = (R);     \
+            call_;                  \
+        }                           \
+    } while (0)
+
+/* out[t][j] = sum_d a[t][d] * bT[d][j] for t < R rows (a: R x D, rows `lda` apart; bT: D x Skp) */
+INLINE void rows_times_t(const float *restrict a, int64_t lda, const int R, const float *restrict bT, int64_t D,
+                         int64_t Skp, float *restrict out) {
+    for (int64_t jb = 0; jb < Skp; jb += 16) {
+        v16 acc[ROWS];
+        for (int t = 0; t < R; t++) acc[t] = splat(0.0f);
+        for (int64_t d = 0; d < D; d++) {
+            const v16 b = load16(bT + d * Skp + jb);
+            for (int t = 0; t < R; t++) acc[t] += splat(a[t * lda + d]) * b;
+        }
+        for (int t = 0; t < R; t++) store16(out + t * Skp + jb, acc[t]);
+    }
+}
+
+/* out[t][:] = sum_j w[t][j] * m[j][:] (in order of j) for t < R (w rows Skp apart; m rows `ldm` apart),
+ * times `scale` when `scaled` */
+INLINE void rows_times(const float *restrict w, int64_t Skp, const int R, const float *restrict m, int64_t ldm,
+                       int64_t Sk, int64_t D, float *restrict out, int64_t ldo, float scale, int scaled) {
+    for (int64_t c = 0; c < D; c += 16) {
+        v16 acc[ROWS];
+        for (int t = 0; t < R; t++) acc[t] = splat(0.0f);
+        for (int64_t j = 0; j < Sk; j++) {
+            const v16 x = load16(m + j * ldm + c);
+            for (int t = 0; t < R; t++) acc[t] += splat(w[t * Skp + j]) * x;
+        }
+        for (int t = 0; t < R; t++) store16(out + t * ldo + c, scaled ? acc[t] * splat(scale) : acc[t]);
+    }
+}
+
+/* acc[j][:] += sum_t w[t][j] * x[t][:] (in order of t) for j < Sk (w rows `ldw` apart, x rows `ldx` apart) */
+INLINE void add_outer(float *restrict acc, const float *restrict w, int64_t ldw, const int R, const float *restrict x,
+                      int64_t ldx, int64_t Sk, int64_t D) {
+    for (int64_t c = 0; c < D; c += 16) {
+        v16 xs[ROWS];
+        for (int t = 0; t < R; t++) xs[t] = load16(x + t * ldx + c);
+        for (int64_t j = 0; j < Sk; j++) {
+            v16 a = load16(acc + j * D + c);
+            for (int t = 0; t < R; t++) a += splat(w[t * ldw + j]) * xs[t];
+            store16(acc + j * D + c, a);
+        }
+    }
+}
+
+/* lane-wise halving: a[0] ends as the tree sum (max) of a[0..15] */
+INLINE float tree_sum(float *a) {
+    for (int w = LANES / 2; w >= 1; w /= 2)
+        for (int l = 0; l < w; l++) a[l] = a[l] + a[l + w];
+    return a[0];
+}
+
+INLINE float tree_max(float *a) {
+    for (int w = LANES / 2; w >= 1; w /= 2)
+        for (int l = 0; l < w; l++) a[l] = a[l + w] > a[l] ? a[l + w] : a[l];
+    return a[0];
+}
+
+/* z[0:Sk] = softmax(z + bias) in place; z has Skp >= Sk slots (the padding is overwritten) */
+static void softmax_row(float *restrict z, const float *restrict brow, int64_t Sk, int64_t Skp) {
+    for (int64_t j = 0; j < Sk; j++) z[j] = z[j] + brow[j];
+    for (int64_t j = Sk; j < Skp; j++) z[j] = -__builtin_inff();
+    float mx[LANES];
+    for (int l = 0; l < LANES; l++) mx[l] = -__builtin_inff();
+    for (int64_t jb = 0; jb < Skp; jb += LANES)
+        for (int l = 0; l < LANES; l++) mx[l] = z[jb + l] > mx[l] ? z[jb + l] : mx[l];
+    const float m = tree_max(mx);
+    float acc[LANES] = {0};
+    for (int64_t jb = 0; jb < Skp; jb += LANES)
+        for (int l = 0; l < LANES; l++) {
+            const float e = exp_neg(z[jb + l] - m);
+            z[jb + l] = e;
+            acc[l] += e;
+        }
+    const float inv = 1.0f / tree_sum(acc);
+    for (int64_t j = 0; j < Sk; j++) z[j] = z[j] * inv;
+}
+
+/* p * dp's row sum over Skp slots (both zero past Sk) */
+INLINE float row_dot(const float *restrict p, const float *restrict dp, int64_t Skp) {
+    float acc[LANES] = {0};
+    for (int64_t jb = 0; jb < Skp; jb += LANES)
+        for (int l = 0; l < LANES; l++) acc[l] += p[jb + l] * dp[jb + l];
+    return tree_sum(acc);
+}
+
+/* kT[d][j] = k[j][d] for one kv head, zero past Sk (rows of k `ldk` apart) */
+static void pack_t(const float *k, int64_t ldk, int64_t Sk, int64_t D, int64_t Skp, float *kT) {
+    memset(kT, 0, sizeof(float) * D * Skp);
+    for (int64_t j = 0; j < Sk; j++)
+        for (int64_t d = 0; d < D; d++) kT[d * Skp + j] = k[j * ldk + d];
+}
+
+static float *scratch(int64_t n) { return aligned_alloc(64, sizeof(float) * (size_t)((n + 15) / 16 * 16)); }
+
+void erniekit_attention_fwd(const float *q, const float *k, const float *v, const float *bias, float *o, float *p,
+                            float scale, int64_t Sq, int64_t Sk, int64_t H, int64_t KVH, int64_t D,
+                            int64_t bias_batched, int64_t t0, int64_t t1) {
+    const int64_t rep = H / KVH, Skp = (Sk + 15) / 16 * 16;
+    float *kT = scratch(D * Skp), *s = scratch(ROWS * Skp), *qs = scratch(ROWS * D);
+    for (int64_t task = t0; task < t1; task++) {
+        const int64_t b = task / KVH, g = task % KVH;
+        pack_t(k + (b * Sk * KVH + g) * D, KVH * D, Sk, D, Skp, kT);
+        const float *vg = v + (b * Sk * KVH + g) * D;
+        for (int64_t h = g * rep; h < (g + 1) * rep; h++)
+            for (int64_t i0 = 0; i0 < Sq; i0 += ROWS) {
+                const int R = (int)(Sq - i0 < ROWS ? Sq - i0 : ROWS);
+                for (int t = 0; t < R; t++) {
+                    const float *qr = q + ((b * Sq + i0 + t) * H + h) * D;
+                    for (int64_t d = 0; d < D; d++) qs[t * D + d] = qr[d] * scale;
+                }
+                BY_ROWS(R, rows_times_t(qs, D, R_, kT, D, Skp, s));
+                for (int t = 0; t < R; t++) {
+                    float *row = s + t * Skp;
+                    softmax_row(row, bias + ((bias_batched ? b : 0) * Sq + i0 + t) * Sk, Sk, Skp);
+                    if (p) memcpy(p + ((b * H + h) * Sq + i0 + t) * Sk, row, sizeof(float) * Sk);
+                }
+                float *out = o + ((b * Sq + i0) * H + h) * D;
+                BY_ROWS(R, rows_times(s, Skp, R_, vg, KVH * D, Sk, D, out, H * D, 0.0f, 0));
+            }
+    }
+    free(kT), free(s), free(qs);
+}
+
+void erniekit_attention_bwd(const float *q, const float *k, const float *v, const float *p, const float *dout,
+                            float *dq, float *dk, float *dv, float scale, int64_t Sq, int64_t Sk, int64_t H,
+                            int64_t KVH, int64_t D, int64_t t0, int64_t t1) {
+    const int64_t rep = H / KVH, Skp = (Sk + 15) / 16 * 16;
+    float *vT = scratch(D * Skp), *dp = scratch(ROWS * Skp), *pr = scratch(ROWS * Skp), *qs = scratch(ROWS * D);
+    float *dka = scratch(Sk * D), *dva = scratch(Sk * D);
+    memset(pr, 0, sizeof(float) * ROWS * Skp); /* the padding stays 0: row_dot reads it */
+    for (int64_t task = t0; task < t1; task++) {
+        const int64_t b = task / KVH, g = task % KVH;
+        const float *kg = k + (b * Sk * KVH + g) * D;
+        pack_t(v + (b * Sk * KVH + g) * D, KVH * D, Sk, D, Skp, vT);
+        memset(dka, 0, sizeof(float) * Sk * D);
+        memset(dva, 0, sizeof(float) * Sk * D);
+        for (int64_t h = g * rep; h < (g + 1) * rep; h++)
+            for (int64_t i0 = 0; i0 < Sq; i0 += ROWS) {
+                const int R = (int)(Sq - i0 < ROWS ? Sq - i0 : ROWS);
+                const float *dor = dout + ((b * Sq + i0) * H + h) * D;
+                BY_ROWS(R, rows_times_t(dor, H * D, R_, vT, D, Skp, dp));
+                for (int t = 0; t < R; t++) {
+                    float *drow = dp + t * Skp, *prt = pr + t * Skp;
+                    memcpy(prt, p + ((b * H + h) * Sq + i0 + t) * Sk, sizeof(float) * Sk);
+                    const float dot = row_dot(prt, drow, Skp);
+                    for (int64_t j = 0; j < Sk; j++) drow[j] = prt[j] * (drow[j] - dot); /* ds */
+                    const float *qr = q + ((b * Sq + i0 + t) * H + h) * D;
+                    for (int64_t d = 0; d < D; d++) qs[t * D + d] = qr[d] * scale;
+                }
+                float *dqr = dq + ((b * Sq + i0) * H + h) * D;
+                BY_ROWS(R, rows_times(dp, Skp, R_, kg, KVH * D, Sk, D, dqr, H * D, scale, 1));
+                BY_ROWS(R, add_outer(dva, pr, Skp, R_, dor, H * D, Sk, D));
+                BY_ROWS(R, add_outer(dka, dp, Skp, R_, qs, D, Sk, D));
+            }
+        for (int64_t j = 0; j < Sk; j++) {
+            memcpy(dk + ((b * Sk + j) * KVH + g) * D, dka + j * D, sizeof(float) * D);
+            memcpy(dv + ((b * Sk + j) * KVH + g) * D, dva + j * D, sizeof(float) * D);
+        }
+    }
+    free(vT), free(dp), free(pr), free(qs), free(dka), free(dva);
+}

@@ -1,0 +1,149 @@
+"""The CPU attention in one C kernel each way (erniekit/nn/fused_attention.py, kernels/attention.c):
+forward and gradients against the formula in float64 and against the math path (Paddle's GEMMs and
+the masked softmax), GQA, masks, KV offsets and row counts that do not fill a block, the same bits
+on any thread count, and which inputs take it."""
+
+import numpy as np
+import paddle
+import pytest
+
+from erniekit.nn import fused_attention as fa
+from erniekit.nn.attention import math_attention
+
+KERNEL_MODULE = fa
+
+NEG = np.float32(-1e30)  # additive_mask's "may not attend"
+
+# B, Sq, Sk, H, KVH, D, bias batched: GQA 2 / 3 / 1 query heads per kv head; Sq not a multiple of
+# the kernel's 4-row blocks; Sk not a multiple of 16; a decode row over a cache; heads of 16-128
+CASES = [
+    (2, 5, 5, 4, 2, 16, False),
+    (3, 7, 37, 6, 2, 32, True),
+    (2, 1, 23, 3, 3, 16, True),
+    (1, 16, 16, 8, 4, 64, False),
+    (2, 9, 40, 2, 1, 128, True),
+]
+
+
+def _inputs(case, seed=0):
+    B, Sq, Sk, H, KVH, D, batched = case
+    rng = np.random.default_rng(seed + Sq + Sk + D)
+    q = rng.standard_normal((B, Sq, H, D)).astype(np.float32)
+    k = rng.standard_normal((B, Sk, KVH, D)).astype(np.float32)
+    v = rng.standard_normal((B, Sk, KVH, D)).astype(np.float32)
+    bias = np.zeros((B if batched else 1, 1, Sq, Sk), np.float32)
+    causal = np.arange(Sq)[:, None] + (Sk - Sq) < np.arange(Sk)[None, :]  # queries are the last Sq
+    bias[:, :, causal] = NEG
+    if batched:
+        bias[0, :, :, : Sk // 3] = NEG  # row 0's first keys are padding
+        bias[0, :, np.arange(Sq), np.arange(Sk - Sq, Sk)] = 0  # each query still sees itself
+    do = rng.standard_normal((B, Sq, H, D)).astype(np.float32)
+    return q, k, v, bias, do
+
+
+def _reference(q, k, v, bias, do, scale):
+    """The formula in float64: o = softmax(q k^T * scale + bias) v, each query head on its kv head."""
+    q, k, v, bias, do = (a.astype(np.float64) for a in (q, k, v, bias, do))
+    rep = q.shape[2] // k.shape[2]
+    kh, vh = np.repeat(k, rep, axis=2), np.repeat(v, rep, axis=2)
+    s = np.einsum("bihd,bjhd->bhij", q * scale, kh) + bias
+    p = np.exp(s - s.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    o = np.einsum("bhij,bjhd->bihd", p, vh)
+    dp = np.einsum("bihd,bjhd->bhij", do, vh)
+    ds = p * (dp - (p * dp).sum(-1, keepdims=True))
+    dq = np.einsum("bhij,bjhd->bihd", ds, kh) * scale
+    dk = np.einsum("bhij,bihd->bjhd", ds, q * scale)
+    dv = np.einsum("bhij,bihd->bjhd", p, do)
+    fold = lambda g: g.reshape(g.shape[0], g.shape[1], -1, rep, g.shape[3]).sum(3)  # noqa: E731
+    return o, dq, fold(dk), fold(dv)
+
+
+def _run(q, k, v, bias, do, scale, fused=True):
+    qt, kt, vt = (paddle.to_tensor(a, stop_gradient=False) for a in (q, k, v))
+    bt = paddle.to_tensor(bias)
+    if fused:
+        assert fa.usable(qt, kt, vt, bt)
+        o = fa.fused_attention(qt, kt, vt, bt, scale)
+    else:
+        o = math_attention(qt, kt, vt, bt, scale)
+    o.backward(paddle.to_tensor(do))
+    return [o.numpy()] + [t.grad.numpy() for t in (qt, kt, vt)]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_forward_and_gradients_follow_the_formula(kernel, case):
+    q, k, v, bias, do = _inputs(case)
+    scale = case[5] ** -0.5
+    got = _run(q, k, v, bias, do, scale)
+    for name, g, w in zip(("o", "dq", "dk", "dv"), got, _reference(q, k, v, bias, do, scale)):
+        np.testing.assert_allclose(g, w, atol=2e-5, rtol=1e-4, err_msg=name)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_it_agrees_with_the_math_path(kernel, monkeypatch, case):
+    q, k, v, bias, do = _inputs(case, seed=1)
+    scale = case[5] ** -0.5
+    fused = _run(q, k, v, bias, do, scale)
+    monkeypatch.setattr(fa, "usable", lambda *_: False)
+    plain = _run(q, k, v, bias, do, scale, fused=False)
+    for name, a, b in zip(("o", "dq", "dk", "dv"), fused, plain):
+        np.testing.assert_allclose(a, b, atol=2e-5, rtol=1e-4, err_msg=name)
+
+
+def test_masked_keys_take_no_part(kernel):
+    """Values behind the mask cannot change the output or receive gradient."""
+    case = (2, 6, 20, 4, 2, 16, True)
+    q, k, v, bias, do = _inputs(case)
+    v2 = v.copy()
+    v2[0, : 20 // 3] = 1e3  # row 0's padded keys
+    a, b = _run(q, k, v, bias, do, 0.25), _run(q, k, v2, bias, do, 0.25)
+    np.testing.assert_array_equal(a[0], b[0])
+    assert (a[3][0, : 20 // 3] == 0).all() and (a[2][0, : 20 // 3] == 0).all()
+
+
+def test_inference_gives_the_training_forward_bits(kernel, bits):
+    """Without gradients the probabilities stay in scratch rows; the output is the same."""
+    q, k, v, bias, _ = _inputs(CASES[1])
+    with paddle.no_grad():
+        infer = fa.fused_attention(*(paddle.to_tensor(a) for a in (q, k, v, bias)), 0.125)
+    qt = paddle.to_tensor(q, stop_gradient=False)
+    train = fa.fused_attention(qt, *(paddle.to_tensor(a) for a in (k, v, bias)), 0.125)
+    np.testing.assert_array_equal(bits(infer), bits(train))
+
+
+def test_threads_do_not_change_the_bits(kernel, bits, monkeypatch):
+    case = (4, 64, 64, 4, 2, 32, True)  # big enough to be cut over the threads
+    q, k, v, bias, do = _inputs(case)
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    one = _run(q, k, v, bias, do, 32**-0.5)
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    three = _run(q, k, v, bias, do, 32**-0.5)
+    for a, b in zip(one, three):
+        np.testing.assert_array_equal(bits(a), bits(b))
+
+
+def test_an_input_changed_in_place_after_the_forward_is_refused(kernel):
+    q, k, v, bias, do = _inputs(CASES[0])
+    qt, kt, vt = (paddle.to_tensor(a, stop_gradient=False) for a in (q, k, v))
+    o = fa.fused_attention(qt, kt, vt, paddle.to_tensor(bias), 0.25)
+    with paddle.no_grad():
+        paddle.assign(kt * 2, output=kt)
+    with pytest.raises((RuntimeError, OSError), match="attention: an input was modified in place"):
+        o.backward(paddle.to_tensor(do))
+
+
+def test_only_shapes_the_kernel_handles_take_it(kernel):
+    q, k, bias = paddle.zeros([2, 3, 4, 16]), paddle.zeros([2, 5, 2, 16]), paddle.zeros([1, 1, 3, 5])
+    assert fa.usable(q, k, k, bias) and fa.usable(q, k, k, paddle.zeros([2, 1, 3, 5]))
+    assert not fa.usable(paddle.zeros([2, 3, 4, 8]), paddle.zeros([2, 5, 2, 8]), paddle.zeros([2, 5, 2, 8]), bias)
+    assert not fa.usable(paddle.zeros([2, 3, 3, 16]), k, k, bias)  # 3 query heads over 2 kv heads
+    assert not fa.usable(q, k, k, paddle.zeros([2, 4, 3, 5]))  # a per-head mask
+    assert not fa.usable(q.astype("bfloat16"), k.astype("bfloat16"), k.astype("bfloat16"), bias)
+
+
+def test_without_the_kernel_the_math_path_runs(monkeypatch):
+    monkeypatch.setattr(fa, "_kernels", lambda: None)
+    q, k, bias = paddle.zeros([2, 3, 4, 16]), paddle.zeros([2, 5, 2, 16]), paddle.zeros([1, 1, 3, 5])
+    assert not fa.usable(q, k, k, bias)
+    assert math_attention(q, k, k, bias, 0.25).shape == [2, 3, 4, 16]
