@@ -54,10 +54,11 @@ static inline v16 splat(float x) { return (v16){x, x, x, x, x, x, x, x, x, x, x,
         }                           \
     } while (0)
 
-/* out[t][j] = sum_d a[t][d] * bT[d][j] for t < R rows (a: R x D, rows `lda` apart; bT: D x Skp) */
+/* out[t][j] = sum_d a[t][d] * bT[d][j] for t < R rows and j in [j0, j1), both multiples of 16
+ * (a: R x D, rows `lda` apart; bT: D x Skp) */
 INLINE void rows_times_t(const float *restrict a, int64_t lda, const int R, const float *restrict bT, int64_t D,
-                         int64_t Skp, float *restrict out) {
-    for (int64_t jb = 0; jb < Skp; jb += 16) {
+                         int64_t Skp, float *restrict out, int64_t j0, int64_t j1) {
+    for (int64_t jb = j0; jb < j1; jb += 16) {
         v16 acc[ROWS];
         for (int t = 0; t < R; t++) acc[t] = splat(0.0f);
         for (int64_t d = 0; d < D; d++) {
@@ -68,14 +69,14 @@ INLINE void rows_times_t(const float *restrict a, int64_t lda, const int R, cons
     }
 }
 
-/* out[t][:] = sum_j w[t][j] * m[j][:] (in order of j) for t < R (w rows Skp apart; m rows `ldm` apart),
+/* out[t][:] = sum_j w[t][j] * m[j][:] (j in [j0, j1) in order) for t < R (w rows Skp apart; m rows `ldm` apart),
  * times `scale` when `scaled` */
 INLINE void rows_times(const float *restrict w, int64_t Skp, const int R, const float *restrict m, int64_t ldm,
-                       int64_t Sk, int64_t D, float *restrict out, int64_t ldo, float scale, int scaled) {
+                       int64_t j0, int64_t j1, int64_t D, float *restrict out, int64_t ldo, float scale, int scaled) {
     for (int64_t c = 0; c < D; c += 16) {
         v16 acc[ROWS];
         for (int t = 0; t < R; t++) acc[t] = splat(0.0f);
-        for (int64_t j = 0; j < Sk; j++) {
+        for (int64_t j = j0; j < j1; j++) {
             const v16 x = load16(m + j * ldm + c);
             for (int t = 0; t < R; t++) acc[t] += splat(w[t * Skp + j]) * x;
         }
@@ -83,13 +84,13 @@ INLINE void rows_times(const float *restrict w, int64_t Skp, const int R, const 
     }
 }
 
-/* acc[j][:] += sum_t w[t][j] * x[t][:] (in order of t) for j < Sk (w rows `ldw` apart, x rows `ldx` apart) */
+/* acc[j][:] += sum_t w[t][j] * x[t][:] (in order of t) for j in [j0, j1) (w rows `ldw` apart, x rows `ldx` apart) */
 INLINE void add_outer(float *restrict acc, const float *restrict w, int64_t ldw, const int R, const float *restrict x,
-                      int64_t ldx, int64_t Sk, int64_t D) {
+                      int64_t ldx, int64_t j0, int64_t j1, int64_t D) {
     for (int64_t c = 0; c < D; c += 16) {
         v16 xs[ROWS];
         for (int t = 0; t < R; t++) xs[t] = load16(x + t * ldx + c);
-        for (int64_t j = 0; j < Sk; j++) {
+        for (int64_t j = j0; j < j1; j++) {
             v16 a = load16(acc + j * D + c);
             for (int t = 0; t < R; t++) a += splat(w[t * ldw + j]) * xs[t];
             store16(acc + j * D + c, a);
@@ -110,30 +111,57 @@ INLINE float tree_max(float *a) {
     return a[0];
 }
 
-/* z[0:Sk] = softmax(z + bias) in place; z has Skp >= Sk slots (the padding is overwritten) */
-static void softmax_row(float *restrict z, const float *restrict brow, int64_t Sk, int64_t Skp) {
-    for (int64_t j = 0; j < Sk; j++) z[j] = z[j] + brow[j];
-    for (int64_t j = Sk; j < Skp; j++) z[j] = -__builtin_inff();
+/* z = softmax(z + bias) in place over the keys [j0, j1) (j0 a multiple of 16, j1 <= Sk): the keys
+ * outside are masked for this row block, and their exact 0 is what the full row would give them.
+ * z's slots up to j1 rounded up to 16 are used (the padding is overwritten). */
+static void softmax_row(float *restrict z, const float *restrict brow, int64_t j0, int64_t j1) {
+    const int64_t j16 = (j1 + 15) / 16 * 16;
+    for (int64_t j = j0; j < j1; j++) z[j] = z[j] + brow[j];
+    for (int64_t j = j1; j < j16; j++) z[j] = -__builtin_inff();
     float mx[LANES];
     for (int l = 0; l < LANES; l++) mx[l] = -__builtin_inff();
-    for (int64_t jb = 0; jb < Skp; jb += LANES)
+    for (int64_t jb = j0; jb < j16; jb += LANES)
         for (int l = 0; l < LANES; l++) mx[l] = z[jb + l] > mx[l] ? z[jb + l] : mx[l];
     const float m = tree_max(mx);
     float acc[LANES] = {0};
-    for (int64_t jb = 0; jb < Skp; jb += LANES)
+    for (int64_t jb = j0; jb < j16; jb += LANES)
         for (int l = 0; l < LANES; l++) {
             const float e = exp_neg(z[jb + l] - m);
             z[jb + l] = e;
             acc[l] += e;
         }
     const float inv = 1.0f / tree_sum(acc);
-    for (int64_t j = 0; j < Sk; j++) z[j] = z[j] * inv;
+    for (int64_t j = j0; j < j1; j++) z[j] = z[j] * inv;
 }
 
-/* p * dp's row sum over Skp slots (both zero past Sk) */
-INLINE float row_dot(const float *restrict p, const float *restrict dp, int64_t Skp) {
+/* The keys [*j0, *j1) that R rows (`ld` apart) may see: outside it every row's entry is `none`
+ * (an additive mask's -1e30 or below, or a probability of exactly 0), so skipping those keys
+ * changes no sum. *j0 is rounded down to a multiple of 16; a row that sees nothing widens the
+ * range to all Sk keys (the full row's arithmetic then decides). */
+static void key_range(const float *rows, int64_t ld, int R, int64_t Sk, int is_mask, int64_t *j0, int64_t *j1) {
+    int64_t lo = Sk, hi = 0;
+    for (int t = 0; t < R; t++) {
+        const float *r = rows + t * ld;
+        int64_t a = 0, b = Sk;
+        if (is_mask) {
+            while (a < Sk && r[a] <= -1e30f) a++;
+            while (b > a && r[b - 1] <= -1e30f) b--;
+        } else {
+            while (a < Sk && r[a] == 0.0f) a++;
+            while (b > a && r[b - 1] == 0.0f) b--;
+        }
+        if (a == b) a = 0, b = Sk;
+        lo = a < lo ? a : lo;
+        hi = b > hi ? b : hi;
+    }
+    *j0 = lo / 16 * 16;
+    *j1 = hi;
+}
+
+/* p * dp's row sum over the slots [j0, j16) (multiples of 16; p is zero past Sk) */
+INLINE float row_dot(const float *restrict p, const float *restrict dp, int64_t j0, int64_t j16) {
     float acc[LANES] = {0};
-    for (int64_t jb = 0; jb < Skp; jb += LANES)
+    for (int64_t jb = j0; jb < j16; jb += LANES)
         for (int l = 0; l < LANES; l++) acc[l] += p[jb + l] * dp[jb + l];
     return tree_sum(acc);
 }
@@ -163,14 +191,23 @@ void erniekit_attention_fwd(const float *q, const float *k, const float *v, cons
                     const float *qr = q + ((b * Sq + i0 + t) * H + h) * D;
                     for (int64_t d = 0; d < D; d++) qs[t * D + d] = qr[d] * scale;
                 }
-                BY_ROWS(R, rows_times_t(qs, D, R_, kT, D, Skp, s));
+                const float *brows = bias + ((bias_batched ? b : 0) * Sq + i0) * Sk;
+                int64_t j0, j1;
+                key_range(brows, Sk, R, Sk, 1, &j0, &j1);
+                const int64_t j16 = (j1 + 15) / 16 * 16;
+                BY_ROWS(R, rows_times_t(qs, D, R_, kT, D, Skp, s, j0, j16));
                 for (int t = 0; t < R; t++) {
                     float *row = s + t * Skp;
-                    softmax_row(row, bias + ((bias_batched ? b : 0) * Sq + i0 + t) * Sk, Sk, Skp);
-                    if (p) memcpy(p + ((b * H + h) * Sq + i0 + t) * Sk, row, sizeof(float) * Sk);
+                    softmax_row(row, brows + t * Sk, j0, j1);
+                    if (p) {
+                        float *pr = p + ((b * H + h) * Sq + i0 + t) * Sk;
+                        memset(pr, 0, sizeof(float) * j0);
+                        memcpy(pr + j0, row + j0, sizeof(float) * (j1 - j0));
+                        memset(pr + j1, 0, sizeof(float) * (Sk - j1));
+                    }
                 }
                 float *out = o + ((b * Sq + i0) * H + h) * D;
-                BY_ROWS(R, rows_times(s, Skp, R_, vg, KVH * D, Sk, D, out, H * D, 0.0f, 0));
+                BY_ROWS(R, rows_times(s, Skp, R_, vg, KVH * D, j0, j1, D, out, H * D, 0.0f, 0));
             }
     }
     free(kT), free(s), free(qs);
@@ -193,19 +230,23 @@ void erniekit_attention_bwd(const float *q, const float *k, const float *v, cons
             for (int64_t i0 = 0; i0 < Sq; i0 += ROWS) {
                 const int R = (int)(Sq - i0 < ROWS ? Sq - i0 : ROWS);
                 const float *dor = dout + ((b * Sq + i0) * H + h) * D;
-                BY_ROWS(R, rows_times_t(dor, H * D, R_, vT, D, Skp, dp));
+                const float *prows = p + ((b * H + h) * Sq + i0) * Sk;
+                int64_t j0, j1;
+                key_range(prows, Sk, R, Sk, 0, &j0, &j1);
+                const int64_t j16 = (j1 + 15) / 16 * 16;
+                BY_ROWS(R, rows_times_t(dor, H * D, R_, vT, D, Skp, dp, j0, j16));
                 for (int t = 0; t < R; t++) {
                     float *drow = dp + t * Skp, *prt = pr + t * Skp;
-                    memcpy(prt, p + ((b * H + h) * Sq + i0 + t) * Sk, sizeof(float) * Sk);
-                    const float dot = row_dot(prt, drow, Skp);
-                    for (int64_t j = 0; j < Sk; j++) drow[j] = prt[j] * (drow[j] - dot); /* ds */
+                    memcpy(prt, prows + t * Sk, sizeof(float) * Sk);
+                    const float dot = row_dot(prt, drow, j0, j16);
+                    for (int64_t j = j0; j < j1; j++) drow[j] = prt[j] * (drow[j] - dot); /* ds */
                     const float *qr = q + ((b * Sq + i0 + t) * H + h) * D;
                     for (int64_t d = 0; d < D; d++) qs[t * D + d] = qr[d] * scale;
                 }
                 float *dqr = dq + ((b * Sq + i0) * H + h) * D;
-                BY_ROWS(R, rows_times(dp, Skp, R_, kg, KVH * D, Sk, D, dqr, H * D, scale, 1));
-                BY_ROWS(R, add_outer(dva, pr, Skp, R_, dor, H * D, Sk, D));
-                BY_ROWS(R, add_outer(dka, dp, Skp, R_, qs, D, Sk, D));
+                BY_ROWS(R, rows_times(dp, Skp, R_, kg, KVH * D, j0, j1, D, dqr, H * D, scale, 1));
+                BY_ROWS(R, add_outer(dva, pr, Skp, R_, dor, H * D, j0, j1, D));
+                BY_ROWS(R, add_outer(dka, dp, Skp, R_, qs, D, j0, j1, D));
             }
         for (int64_t j = 0; j < Sk; j++) {
             memcpy(dk + ((b * Sk + j) * KVH + g) * D, dka + j * D, sizeof(float) * D);

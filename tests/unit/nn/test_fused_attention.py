@@ -102,6 +102,17 @@ def test_masked_keys_take_no_part(kernel):
     assert (a[3][0, : 20 // 3] == 0).all() and (a[2][0, : 20 // 3] == 0).all()
 
 
+def test_skipping_masked_key_blocks_changes_no_bit(kernel, bits):
+    """Key blocks every row of a block masks (-1e30, as additive_mask writes) are skipped; a mask of
+    -1e29 is not recognised, so the same attention then runs over every key: the same bits."""
+    case = (2, 40, 40, 4, 2, 16, True)
+    q, k, v, bias, do = _inputs(case)
+    loose = np.where(bias <= NEG, np.float32(-1e29), bias).astype(np.float32)
+    skipped, full = _run(q, k, v, bias, do, 0.25), _run(q, k, v, loose, do, 0.25)
+    for a, b in zip(skipped, full):
+        np.testing.assert_array_equal(bits(a), bits(b))
+
+
 def test_inference_gives_the_training_forward_bits(kernel, bits):
     """Without gradients the probabilities stay in scratch rows; the output is the same."""
     q, k, v, bias, _ = _inputs(CASES[1])
