@@ -275,3 +275,49 @@ def test_model_overrides_reach_the_vision_config():
     assert PRESETS["tiny-vl"].vision.hidden_size == 64  # the preset itself is untouched
     with pytest.raises(CheckpointError, match="unknown field"):
         PRESETS["tiny-vl"].replace(vision={"widht": 3})
+
+
+def test_the_vision_attention_kernel_gives_the_gemm_paths_values_and_gradients(monkeypatch):
+    """Float32 on the CPU the vision attention takes erniekit/nn/fused_attention.py, visiting each
+    frame's own keys only; Paddle's GEMMs over all N x N scores give the same to float32 rounding,
+    forward and backward, over frames of unequal sizes (the block-diagonal mask)."""
+    from erniekit.models.ernie4_5_vl import vision
+    from erniekit.models.ernie4_5_vl.configuration import VisionConfig
+    from erniekit.nn import fused_attention
+
+    if fused_attention._kernels() is None:
+        pytest.skip("no C kernel here")
+    paddle.seed(0)
+    layer = vision.VisionAttention(VisionConfig(depth=1, hidden_size=64, num_heads=4, intermediate_size=64))
+    rng = np.random.default_rng(0)
+    lengths = [36, 16, 52]  # three frames
+    n = sum(lengths)
+    seg = np.repeat(np.arange(3), lengths)
+    bias = paddle.to_tensor(np.where(seg[:, None] == seg[None, :], 0.0, -1e30).astype(np.float32))
+    angles = rng.uniform(0, 3, (n, 8)).astype(np.float32)  # head_dim 16: two halves of 8
+    cos, sin = (paddle.to_tensor(np.concatenate([f(angles)] * 2, -1)) for f in (np.cos, np.sin))
+    x_np = rng.standard_normal((n, 64)).astype(np.float32)
+    w = paddle.to_tensor(rng.standard_normal((n, 64)).astype(np.float32))
+    taken = []
+    real_usable = fused_attention.usable
+    monkeypatch.setattr(fused_attention, "usable", lambda *a: taken.append(real_usable(*a)) or taken[-1])
+    results = []
+    for fused in (True, False):
+        if not fused:
+            assert taken == [True]  # the first pass went through the kernel
+            monkeypatch.setattr(fused_attention, "usable", lambda *_: False)
+        layer.clear_gradients()
+        x = paddle.to_tensor(x_np, stop_gradient=False)
+        y = layer(x, cos, sin, bias)
+        (y * w).sum().backward()
+        results.append([y.numpy(), x.grad.numpy(), layer.qkv.weight.grad.numpy()])
+    for name, a, b in zip(("output", "input grad", "qkv weight grad"), *results):
+        np.testing.assert_allclose(a, b, atol=3e-5, rtol=1e-4, err_msg=name)
+    # a frame's output depends on its own patches only
+    x2 = x_np.copy()
+    x2[36:52] += 1.0
+    with paddle.no_grad():
+        monkeypatch.undo()
+        a, b = layer(paddle.to_tensor(x_np), cos, sin, bias), layer(paddle.to_tensor(x2), cos, sin, bias)
+    np.testing.assert_array_equal(a.numpy()[:36], b.numpy()[:36])
+    np.testing.assert_array_equal(a.numpy()[52:], b.numpy()[52:])
