@@ -39,6 +39,9 @@ static inline void store16(float *p, v16 v) { memcpy(p, &v, sizeof v); }
 
 static inline v16 splat(float x) { return (v16){x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; }
 
+/* n rounded up to a whole number of 16-float vectors (key rows are padded to it) */
+static inline int64_t up16(int64_t n) { return (n + 15) / 16 * 16; }
+
 #define INLINE static inline __attribute__((always_inline))
 /* Each helper below takes R (rows in the block) as an argument and is always inlined, with the
  * common R == ROWS call spelled out by `BY_ROWS`: its loops over rows then unroll and their
@@ -115,7 +118,7 @@ INLINE float tree_max(float *a) {
  * outside are masked for this row block, and their exact 0 is what the full row would give them.
  * z's slots up to j1 rounded up to 16 are used (the padding is overwritten). */
 static void softmax_row(float *restrict z, const float *restrict brow, int64_t j0, int64_t j1) {
-    const int64_t j16 = (j1 + 15) / 16 * 16;
+    const int64_t j16 = up16(j1);
     for (int64_t j = j0; j < j1; j++) z[j] = z[j] + brow[j];
     for (int64_t j = j1; j < j16; j++) z[j] = -__builtin_inff();
     float mx[LANES];
@@ -173,12 +176,12 @@ static void pack_t(const float *k, int64_t ldk, int64_t Sk, int64_t D, int64_t S
         for (int64_t d = 0; d < D; d++) kT[d * Skp + j] = k[j * ldk + d];
 }
 
-static float *scratch(int64_t n) { return aligned_alloc(64, sizeof(float) * (size_t)((n + 15) / 16 * 16)); }
+static float *scratch(int64_t n) { return aligned_alloc(64, sizeof(float) * (size_t)up16(n)); }
 
 void erniekit_attention_fwd(const float *q, const float *k, const float *v, const float *bias, float *o, float *p,
                             float scale, int64_t Sq, int64_t Sk, int64_t H, int64_t KVH, int64_t D,
                             int64_t bias_batched, int64_t t0, int64_t t1) {
-    const int64_t rep = H / KVH, Skp = (Sk + 15) / 16 * 16;
+    const int64_t rep = H / KVH, Skp = up16(Sk);
     float *kT = scratch(D * Skp), *s = scratch(ROWS * Skp), *qs = scratch(ROWS * D);
     for (int64_t task = t0; task < t1; task++) {
         const int64_t b = task / KVH, g = task % KVH;
@@ -194,7 +197,7 @@ void erniekit_attention_fwd(const float *q, const float *k, const float *v, cons
                 const float *brows = bias + ((bias_batched ? b : 0) * Sq + i0) * Sk;
                 int64_t j0, j1;
                 key_range(brows, Sk, R, Sk, 1, &j0, &j1);
-                const int64_t j16 = (j1 + 15) / 16 * 16;
+                const int64_t j16 = up16(j1);
                 BY_ROWS(R, rows_times_t(qs, D, R_, kT, D, Skp, s, j0, j16));
                 for (int t = 0; t < R; t++) {
                     float *row = s + t * Skp;
@@ -216,7 +219,7 @@ void erniekit_attention_fwd(const float *q, const float *k, const float *v, cons
 void erniekit_attention_bwd(const float *q, const float *k, const float *v, const float *p, const float *dout,
                             float *dq, float *dk, float *dv, float scale, int64_t Sq, int64_t Sk, int64_t H,
                             int64_t KVH, int64_t D, int64_t t0, int64_t t1) {
-    const int64_t rep = H / KVH, Skp = (Sk + 15) / 16 * 16;
+    const int64_t rep = H / KVH, Skp = up16(Sk);
     float *vT = scratch(D * Skp), *dp = scratch(ROWS * Skp), *pr = scratch(ROWS * Skp), *qs = scratch(ROWS * D);
     float *dka = scratch(Sk * D), *dva = scratch(Sk * D);
     memset(pr, 0, sizeof(float) * ROWS * Skp); /* the padding stays 0: row_dot reads it */
@@ -233,7 +236,7 @@ void erniekit_attention_bwd(const float *q, const float *k, const float *v, cons
                 const float *prows = p + ((b * H + h) * Sq + i0) * Sk;
                 int64_t j0, j1;
                 key_range(prows, Sk, R, Sk, 0, &j0, &j1);
-                const int64_t j16 = (j1 + 15) / 16 * 16;
+                const int64_t j16 = up16(j1);
                 BY_ROWS(R, rows_times_t(dor, H * D, R_, vT, D, Skp, dp, j0, j16));
                 for (int t = 0; t < R; t++) {
                     float *drow = dp + t * Skp, *prt = pr + t * Skp;
