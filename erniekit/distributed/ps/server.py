@@ -120,12 +120,14 @@ class ParameterServer:
 
     def _serve_threads(self) -> None:
         """A thread per worker link. Async: each worker's STEP is an update of its own. Sync beside
-        a pipeline: the threads meet at STEP (every worker's gradients are in), thread 0 sums them,
-        each answers its worker with the squared norm, thread 0 applies the update with worker 0's
-        norm and rate, and no thread serves a pull before it is applied; SYNC is a barrier of all."""
+        a pipeline: the threads meet at STEP (every worker's gradients are in), thread 0 sums them
+        and takes their squared norm, each answers its worker with that norm, thread 0 applies the
+        update with worker 0's norm and rate (clipping the sum in place, so no thread reads the sum
+        after the meet), and no thread serves a pull before it is applied; SYNC is a barrier of all."""
         W = self.topo.workers
         errors: list[BaseException] = []
         meet = threading.Barrier(W)
+        step: dict = {}  # sync: this step's summed gradients and answer, written by thread 0 between meets
 
         def serve_one(w: int) -> None:
             link = self.links[w]
@@ -142,13 +144,14 @@ class ParameterServer:
                                 self._update(float(norm), float(lr) / W, self._acc(w))
                     elif op == STEP:
                         meet.wait()
-                        if w == 0:
-                            self.grads["sum"] = self._summed()
+                        if w == 0:  # and the answer, once: the update below clips the sum in place
+                            step["sum"] = self._summed()
+                            step["answer"] = self._step_answer(step["sum"])
                         meet.wait()
-                        link.send_array(self._step_answer(self.grads["sum"]))
+                        link.send_array(step["answer"])
                         if w == 0:
                             norm, lr = link.recv_array([2], "float64")
-                            self._update(float(norm), float(lr), self.grads.pop("sum"))
+                            self._update(float(norm), float(lr), step.pop("sum"))
                         meet.wait()
                     elif op == SYNC:
                         meet.wait()
