@@ -78,3 +78,25 @@ def test_the_intel_tables_in_the_docs_are_the_recorded_runs():
     _check_table(fifth, "vs_torch_intel_xeon_round5.json", 7)
     sixth = doc.split("### Sixth round", 1)[1].split("\n- ", 1)[0]
     _check_table(sixth, "vs_torch_intel_xeon_round6.json", 7)
+
+
+def test_the_second_amd_host_table_quotes_its_record():
+    """docs/performance.md's second-AMD-host table: each case's ratio as bench_results/vs_torch_amd_round7.json
+    has it (the table names cases in words, in the record's order mapped below)."""
+    doc = (ROOT / "docs" / "performance.md").read_text()
+    section = doc.split("### The same benchmark on a second AMD EPYC host", 1)[1].split("\n**", 1)[0]
+    rows = [r.split("|")[1:-1] for r in section.splitlines() if r.startswith("| ") and "---" not in r][1:]
+    got = json.loads((ROOT / "bench_results" / "vs_torch_amd_round7.json").read_text())
+    assert got["cpu"].startswith("AMD") and got["threads"] == 2
+    names = {
+        "train dense-1024": "train:dense-1024",
+        "train tiny-moe": "train:tiny-moe",
+        "greedy decode, batch 1": "decode-b1",
+        "greedy decode, batch 8": "decode-b8",
+        "server, 16 requests": "server-c16",
+        "server, 64 requests": "server-c64",
+    }
+    assert len(rows) == len(got["cases"]) == len(names)
+    for row in rows:
+        case = got["cases"][names[row[0].strip()]]
+        assert row[1].strip() == f"{case['ratio_erniekit_over_torch']:.2f}", row
