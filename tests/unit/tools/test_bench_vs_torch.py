@@ -56,10 +56,15 @@ def test_a_model_whose_logits_differ_from_transformers_is_refused(first_run, tmp
     assert r.returncode != 0 and "logits differ" in r.stderr + r.stdout
 
 
+def _table_rows(section: str) -> list[list[str]]:
+    """The cells of a markdown table's body rows in `section` (header and rule left out)."""
+    return [r.split("|")[1:-1] for r in section.splitlines() if r.startswith("| ") and "---" not in r][1:]
+
+
 def _check_table(section: str, recorded: str, n_cases: int) -> None:
     """The table of `section` quotes bench_results/`recorded`: every case, torch's and erniekit's
     medians and the ratio, as the tool wrote them."""
-    rows = [r.split("|")[1:-1] for r in section.splitlines() if r.startswith("| ") and "---" not in r][1:]
+    rows = _table_rows(section)
     got = json.loads((ROOT / "bench_results" / recorded).read_text())
     assert got["cpu"].startswith("Intel") and got["threads"] == 2
     cases = got["cases"]
@@ -85,7 +90,7 @@ def test_the_second_amd_host_table_quotes_its_record():
     has it (the table names cases in words, in the record's order mapped below)."""
     doc = (ROOT / "docs" / "performance.md").read_text()
     section = doc.split("### The same benchmark on a second AMD EPYC host", 1)[1].split("\n**", 1)[0]
-    rows = [r.split("|")[1:-1] for r in section.splitlines() if r.startswith("| ") and "---" not in r][1:]
+    rows = _table_rows(section)
     got = json.loads((ROOT / "bench_results" / "vs_torch_amd_round7.json").read_text())
     assert got["cpu"].startswith("AMD") and got["threads"] == 2
     names = {
