@@ -14,12 +14,16 @@ import paddle
 import paddle.nn.functional as F
 from paddle import _C_ops, nn
 
+from erniekit.nn import small_gemm
+
 _CPU_BUILD = not paddle.is_compiled_with_cuda()
 
 
 def linear(x: paddle.Tensor, weight: paddle.Tensor, bias: paddle.Tensor | None = None) -> paddle.Tensor:
     """x @ weight + bias, as F.linear computes it."""
     if _CPU_BUILD and paddle.in_dynamic_mode():
+        if small_gemm.takes_kn(x, weight, bias):  # decode steps: a few rows, no gradient
+            return small_gemm.matmul_kn(x, weight, bias)
         return _C_ops.linear(x, weight, bias)
     return F.linear(x, weight, bias)
 

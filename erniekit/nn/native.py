@@ -34,6 +34,7 @@ _KERNELS = Path(__file__).resolve().parent / "kernels"
 _FLAGS = ["-O3", "-march=native", "-fno-fast-math", "-ffp-contract=off", "-fno-trapping-math", "-fno-math-errno"]
 _FLAGS += ["-fPIC", "-shared"]
 _loaded: dict[str, ctypes.CDLL | None] = {}
+_OPENMP = {"small_gemm"}  # kernels that run their own threads (on Paddle's OpenMP team)
 why_not: dict[str, str] = {}  # kernel -> why it is not in use (for `erniekit env` and tests)
 
 
@@ -54,26 +55,54 @@ def _cache_dir() -> Path:
     return Path(base) / "kernels"
 
 
+def openmp_runtime() -> Path | None:
+    """Paddle's libiomp5: the OpenMP runtime its MKL runs on (None without it, e.g. other wheels).
+    Kernels that thread link to it, so they run on the very team MKL uses instead of a second pool of
+    spinning threads on the same cores."""
+    import paddle
+
+    path = Path(paddle.__file__).resolve().parent / "libs" / "libiomp5.so"
+    return path if path.is_file() else None
+
+
+def _link_args(name: str) -> tuple[list[str], list[str]]:
+    """(compile flags, link arguments) beyond _FLAGS: OpenMP kernels compile with -fopenmp and link
+    to libiomp5 (its GOMP entry points) in place of GCC's libgomp."""
+    if name not in _OPENMP:
+        return [], []
+    runtime = openmp_runtime()
+    if runtime is None:
+        raise OSError("Paddle's OpenMP runtime (paddle/libs/libiomp5.so) is missing")
+    return ["-fopenmp"], [str(runtime), f"-Wl,-rpath,{runtime.parent}"]
+
+
 def _build(name: str, src: Path) -> Path:
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if not cc:
         raise OSError("no C compiler (cc / gcc) on PATH")
+    extra, link = _link_args(name)
     code = src.read_bytes() + b"".join(h.read_bytes() for h in sorted(src.parent.glob("*.h")))  # lanes.h
-    key = hashlib.sha256(code + " ".join(_FLAGS).encode() + _cpu_flags().encode() + platform.machine().encode())
+    flags = " ".join(_FLAGS + extra + link).encode()
+    key = hashlib.sha256(code + flags + _cpu_flags().encode() + platform.machine().encode())
     out = _cache_dir() / f"{name}-{key.hexdigest()[:16]}.so"
     if out.exists():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
+    obj = tmp[:-3] + ".o"
     try:
-        r = subprocess.run([cc, *_FLAGS, str(src), "-o", tmp], capture_output=True, text=True, timeout=120)
-        if r.returncode != 0:
-            raise OSError(f"{cc} failed: {r.stderr.strip()[-300:]}")
+        # compiled, then linked: with -fopenmp at the link GCC would add its own libgomp
+        steps = [[cc, *_FLAGS, *extra, "-c", str(src), "-o", obj], [cc, *_FLAGS, obj, *link, "-o", tmp]]
+        for cmd in steps:
+            r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+            if r.returncode != 0:
+                raise OSError(f"{cc} failed: {r.stderr.strip()[-300:]}")
         os.replace(tmp, out)
     finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+        for leftover in (tmp, obj):
+            if os.path.exists(leftover):
+                os.unlink(leftover)
     return out
 
 

@@ -15,6 +15,7 @@ import paddle.nn as nn
 
 from erniekit.errors import CheckpointError
 from erniekit.models.ernie4_5.configuration import Ernie4_5Config
+from erniekit.nn import small_gemm
 from erniekit.nn.attention import (
     KVCache,
     additive_mask,
@@ -302,6 +303,8 @@ class Ernie4_5ForCausalLM(nn.Layer):
         if not self.config.tie_word_embeddings:
             return self.lm_head(h)
         w = self.model.embed_tokens.weight  # [V, H]
+        if small_gemm.takes_nk(h, w):  # decode steps on the CPU: the kernel streams W as stored
+            return small_gemm.matmul_nk(h, w)
         rows = math.prod(h.shape[:-1])
         if rows <= _FEW_ROWS:
             # decoding: (W h^T)^T runs the GEMM on W as stored; h W^T makes the CPU GEMM read W

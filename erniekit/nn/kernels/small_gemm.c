@@ -1,0 +1,124 @@
+/* Decode-sized GEMMs: a few rows of activations against a whole float32 weight, on the OpenMP
+ * team of Paddle's libiomp5 (the threads its MKL already runs, so the two never fight for cores).
+ *
+ * Why: at 1-8 rows a GEMM only streams its weight, and MKL 2019's small-M sgemm streams at well
+ * under the memory's rate (a [1, 1024] x [1024, 1024] product: ~22 GB/s where one contiguous stream
+ * per thread reaches ~27); the tied head reads its [V, H] weight transposed (nn/small_gemm.py has
+ * the measurements).
+ *
+ * The arithmetic is fixed per output element, whatever the thread count or tiling, and uses no
+ * fused multiply-add (built with -ffp-contract=off), so numpy reproduces it bit for bit:
+ *   kn: y[m, n] = (P0 + P1) (+ b[n]), P0 = the in-order float32 sum over k < K / 2 of x[m, k] * w[k, n]
+ *       (each product rounded), P1 the same over K / 2 <= k < K; w is [K, N] (nn.Linear's layout).
+ *   nk: y[m, n] = the 16-lane sum of x[m, k] * w[n, k] (lane k % 16 in order, then the lanes in
+ *       order: native.sum16); w is [N, K] (the tied head's embedding).
+ * The two halves of kn are what lets two threads each stream one contiguous half of w.
+ * K and N must be multiples of 16 (nn/small_gemm.py checks).
+ */
+#include <omp.h>
+#include <stdint.h>
+#include <string.h>
+
+typedef float v16 __attribute__((vector_size(64), aligned(4), may_alias));
+
+#define ACC_FLOATS 4096 /* 16 KB of accumulators per column chunk: they stay in L1 */
+
+static inline v16 load(const float *p) { return *(const v16 *)p; }
+static inline void store(float *p, v16 v) { *(v16 *)p = v; }
+
+/* out[m, n] (row stride N) = in-order sum over k0 <= k < k1 of x[m, k] * w[k, n], n0 <= n < n1 */
+static void kn_part(const float *x, const float *w, float *out, int64_t M, int64_t K, int64_t N, int64_t k0,
+                    int64_t k1, int64_t n0, int64_t n1) {
+    int64_t C = ACC_FLOATS / M;
+    C -= C % 16;
+    if (C < 16) C = 16;
+    for (int64_t c0 = n0; c0 < n1; c0 += C) {
+        int64_t c1 = c0 + C < n1 ? c0 + C : n1;
+        for (int64_t m = 0; m < M; m++) memset(out + m * N + c0, 0, sizeof(float) * (c1 - c0));
+        int64_t k = k0;
+        for (; k + 4 <= k1; k += 4) { /* four rows of w per pass over the accumulators */
+            const float *r0 = w + k * N, *r1 = r0 + N, *r2 = r1 + N, *r3 = r2 + N;
+            for (int64_t j = c0; j < c1; j += 16) {
+                v16 a = load(r0 + j), b = load(r1 + j), c = load(r2 + j), d = load(r3 + j);
+                for (int64_t m = 0; m < M; m++) {
+                    const float *xm = x + m * K + k;
+                    float *o = out + m * N + j;
+                    v16 v = load(o);
+                    v = v + xm[0] * a;
+                    v = v + xm[1] * b;
+                    v = v + xm[2] * c;
+                    v = v + xm[3] * d;
+                    store(o, v);
+                }
+            }
+        }
+        for (; k < k1; k++)
+            for (int64_t j = c0; j < c1; j += 16) {
+                v16 a = load(w + k * N + j);
+                for (int64_t m = 0; m < M; m++) store(out + m * N + j, load(out + m * N + j) + x[m * K + k] * a);
+            }
+    }
+}
+
+/* y [M, N] = x [M, K] @ w [K, N] (+ b); tmp: [M, N] scratch for P1 */
+void erniekit_small_gemm_kn(const float *x, const float *w, const float *b, float *y, float *tmp, int64_t M,
+                            int64_t K, int64_t N, int64_t threads) {
+    int64_t kh = K / 2;
+#pragma omp parallel num_threads(threads)
+    {
+        int64_t t = omp_get_thread_num(), T = omp_get_num_threads();
+        int64_t chunks = T >= 2 ? T / 2 : 1, units = 2 * chunks, vecs = N / 16;
+        for (int64_t u = t; u < units; u += T) { /* unit u: half u % 2 of k, column chunk u / 2 */
+            int64_t h = u % 2, c = u / 2;
+            int64_t n0 = vecs * c / chunks * 16, n1 = vecs * (c + 1) / chunks * 16;
+            kn_part(x, w, h ? tmp : y, M, K, N, h ? kh : 0, h ? K : kh, n0, n1);
+        }
+#pragma omp barrier
+        int64_t a = vecs * t / T * 16, e = vecs * (t + 1) / T * 16;
+        for (int64_t m = 0; m < M; m++) /* P0 + P1 (+ b), each thread its own columns */
+            for (int64_t j = a; j < e; j += 16) {
+                v16 v = load(y + m * N + j) + load(tmp + m * N + j);
+                if (b) v = v + load(b + j);
+                store(y + m * N + j, v);
+            }
+    }
+}
+
+/* the 16 lanes of v summed in order */
+static inline float lanes_sum(v16 v) {
+    float s = v[0];
+    for (int i = 1; i < 16; i++) s += v[i];
+    return s;
+}
+
+/* y[m, n0:n0+R] for R (<= 4) rows of w: x rows in blocks of 4 against those rows */
+static void nk_rows(const float *x, const float *w, float *y, int64_t M, int64_t K, int64_t N, int64_t n0,
+                    int64_t R) {
+    const float *wr[4];
+    for (int64_t r = 0; r < 4; r++) wr[r] = w + (n0 + (r < R ? r : 0)) * K;
+    for (int64_t m0 = 0; m0 < M; m0 += 4) {
+        int64_t mb = M - m0 < 4 ? M - m0 : 4;
+        v16 acc[4][4];
+        memset(acc, 0, sizeof(acc));
+        for (int64_t k = 0; k < K; k += 16) {
+            v16 a0 = load(wr[0] + k), a1 = load(wr[1] + k), a2 = load(wr[2] + k), a3 = load(wr[3] + k);
+            for (int64_t i = 0; i < mb; i++) {
+                v16 xv = load(x + (m0 + i) * K + k);
+                acc[i][0] = acc[i][0] + xv * a0;
+                acc[i][1] = acc[i][1] + xv * a1;
+                acc[i][2] = acc[i][2] + xv * a2;
+                acc[i][3] = acc[i][3] + xv * a3;
+            }
+        }
+        for (int64_t i = 0; i < mb; i++)
+            for (int64_t r = 0; r < R; r++) y[(m0 + i) * N + n0 + r] = lanes_sum(acc[i][r]);
+    }
+}
+
+/* y [M, N] = x [M, K] @ w [N, K]^T */
+void erniekit_small_gemm_nk(const float *x, const float *w, float *y, int64_t M, int64_t K, int64_t N,
+                            int64_t threads) {
+    int64_t groups = (N + 3) / 4;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t g = 0; g < groups; g++) nk_rows(x, w, y, M, K, N, 4 * g, N - 4 * g < 4 ? N - 4 * g : 4);
+}

@@ -1,0 +1,144 @@
+"""Decode-sized products in C (kernels/small_gemm.c): a few rows against a whole float32 weight,
+with no gradient to take.
+
+Why: a decode step multiplies 1-32 rows by every weight of the model, so it only streams weights,
+and MKL 2019's small-M sgemm (Paddle's CPU GEMM) streams them slowly. On an AMD EPYC (2 threads,
+weights out of cache) MKL reached ~22 GB/s on a 1-row [1024, 1024] product where two contiguous
+streams reach ~27, and 6 ms for the dense-1024 tied head ([1, 1024] x [32000, 1024]^T) against
+~4.3 ms here; at 8-16 rows the head took 14-18 ms against 7-11 (docs/performance.md has the
+measured table). The kernels run on Paddle's OpenMP team and fix every output's arithmetic, so a
+thread count never changes a bit, and `numpy_kn` / `numpy_nk` below reproduce them exactly.
+
+The projections (`matmul_kn`, nn.Linear's [K, N] weight) take the kernel up to KN_ROWS rows (beyond,
+MKL's blocked GEMM wins); the tied head (`matmul_nk`, the embedding's [N, K]) up to NK_ROWS.
+Anything that needs a gradient, other dtypes or devices, or shapes that are not multiples of 16
+keep Paddle's ops, as does ERNIEKIT_NATIVE_KERNELS=0 or a machine without a C compiler.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+import threading
+
+import numpy as np
+import paddle
+from paddle import _C_ops
+
+from erniekit.nn import native
+
+KN_ROWS = 8
+NK_ROWS = 8  # at 16-32 rows the head is compute-bound and MKL's blocked GEMM is faster
+KN_MIN_BYTES = 1 << 20  # a smaller projection (a GQA k/v, a tiny model's) is the call's overhead
+THREAD_BYTES = 1 << 18  # a weight under this is one thread's: the team's hand-off costs more
+_P, _I64 = ctypes.c_void_p, ctypes.c_int64
+_CPU_BUILD = not paddle.is_compiled_with_cuda()
+_F32 = paddle.float32
+_CPU = paddle.CPUPlace()
+_scratch = threading.local()  # the kn kernel's P1 buffer, one per thread (the engine decodes in its own)
+
+
+_cached: list = []  # [(kn, nk) | None], filled on first use: the lookup costs more than a decode call
+
+
+def _kernels():
+    if not _cached:
+        _cached.append(_lookup())
+    return _cached[0]
+
+
+def _lookup():
+    return native.functions(
+        "small_gemm",
+        ("erniekit_small_gemm_kn", [_P, _P, _P, _P, _P, _I64, _I64, _I64, _I64]),
+        ("erniekit_small_gemm_nk", [_P, _P, _P, _I64, _I64, _I64, _I64]),
+    )
+
+
+def _eligible(x: paddle.Tensor, w: paddle.Tensor, bias: paddle.Tensor | None, max_rows: int) -> bool:
+    """The checks both kernels share, cheapest first: this runs before every projection (~1 us)."""
+    shape = x.shape
+    rows = math.prod(shape[:-1])
+    return (
+        _CPU_BUILD  # a CPU build's tensors all live on the CPU
+        and 0 < rows <= max_rows
+        and shape[-1] % 16 == 0
+        and w.ndim == 2
+        and (
+            not paddle.is_grad_enabled()
+            or (x.stop_gradient and w.stop_gradient and (bias is None or bias.stop_gradient))
+        )
+        and x.dtype is _F32
+        and w.dtype is _F32
+        and (bias is None or bias.dtype is _F32)
+        and not (x.is_dist() or w.is_dist())
+        and paddle.in_dynamic_mode()
+        and _kernels() is not None
+    )
+
+
+def takes_kn(x: paddle.Tensor, w: paddle.Tensor, bias: paddle.Tensor | None) -> bool:
+    """Whether x @ w (+ bias) runs in the kernel: CPU float32, no gradient, <= KN_ROWS rows, a weight
+    of KN_MIN_BYTES or more."""
+    return (
+        _eligible(x, w, bias, KN_ROWS)
+        and x.shape[-1] == w.shape[0]
+        and w.shape[1] % 16 == 0
+        and 4 * w.shape[0] * w.shape[1] >= KN_MIN_BYTES
+    )
+
+
+def takes_nk(x: paddle.Tensor, w: paddle.Tensor) -> bool:
+    """Whether x @ w^T runs in the kernel: CPU float32, no gradient, <= NK_ROWS rows."""
+    return _eligible(x, w, None, NK_ROWS) and x.shape[-1] == w.shape[1]
+
+
+def _threads(w: paddle.Tensor) -> int:
+    return native.threads() if 4 * w.shape[0] * w.shape[1] >= THREAD_BYTES else 1
+
+
+def _scratch_for(n: int) -> int:
+    buf = getattr(_scratch, "buf", None)
+    if buf is None or buf.size < n:
+        buf = _scratch.buf = np.empty(n, np.float32)
+    return buf.ctypes.data
+
+
+def matmul_kn(x: paddle.Tensor, w: paddle.Tensor, bias: paddle.Tensor | None = None) -> paddle.Tensor:
+    """x [..., K] @ w [K, N] (+ bias [N]) -> [..., N] (`takes_kn` must hold)."""
+    K, N = w.shape
+    x = x.contiguous()
+    rows = math.prod(x.shape[:-1])
+    y = _C_ops.empty([*x.shape[:-1], N], _F32, _CPU)
+    kn = _kernels()[0]
+    b = None if bias is None else bias.data_ptr()
+    kn(x.data_ptr(), w.data_ptr(), b, y.data_ptr(), _scratch_for(rows * N), rows, K, N, _threads(w))
+    return y
+
+
+def matmul_nk(x: paddle.Tensor, w: paddle.Tensor) -> paddle.Tensor:
+    """x [..., K] @ w [N, K]^T -> [..., N] (`takes_nk` must hold)."""
+    N, K = w.shape
+    x = x.contiguous()
+    y = _C_ops.empty([*x.shape[:-1], N], _F32, _CPU)
+    _kernels()[1](x.data_ptr(), w.data_ptr(), y.data_ptr(), math.prod(x.shape[:-1]), K, N, _threads(w))
+    return y
+
+
+def numpy_kn(x: np.ndarray, w: np.ndarray, bias: np.ndarray | None = None) -> np.ndarray:
+    """The kn kernel's arithmetic in numpy (a reference: one pass per k)."""
+    x, w = x.reshape(-1, w.shape[0]).astype(np.float32), w.astype(np.float32)
+    halves = []
+    for k0, k1 in ((0, w.shape[0] // 2), (w.shape[0] // 2, w.shape[0])):
+        acc = np.zeros((x.shape[0], w.shape[1]), np.float32)
+        for k in range(k0, k1):
+            acc = acc + x[:, k : k + 1] * w[k]
+        halves.append(acc)
+    y = halves[0] + halves[1]
+    return y if bias is None else y + bias.astype(np.float32)
+
+
+def numpy_nk(x: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """The nk kernel's arithmetic in numpy (a reference)."""
+    x = x.reshape(-1, w.shape[1]).astype(np.float32)
+    return native.sum16(x[:, None, :] * w.astype(np.float32)[None, :, :])

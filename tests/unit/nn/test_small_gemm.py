@@ -1,0 +1,146 @@
+"""Decode-sized products (erniekit/nn/small_gemm.py, kernels/small_gemm.c): the C kernels give the
+bits of their numpy twins at any thread count and the product in float64 to rounding; only
+gradient-free float32 CPU calls of a few rows take them; a model decodes the same tokens with and
+without them."""
+
+import numpy as np
+import paddle
+import pytest
+
+from erniekit.nn import linear as lin
+from erniekit.nn import small_gemm as sg
+
+KERNEL_MODULE = sg
+
+
+def _arrays(*shapes, seed=0):
+    rng = np.random.default_rng(seed)
+    return [rng.standard_normal(s).astype(np.float32) for s in shapes]
+
+
+@pytest.mark.parametrize("rows,k,n", [(1, 16, 16), (3, 64, 80), (8, 1024, 3072), (5, 96, 4112), (2, 17 * 16, 32)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_kn_gives_its_numpy_twins_bits_and_the_product(kernel, bits, rows, k, n, with_bias):
+    x, w, b = _arrays((rows, k), (k, n), (n,), seed=rows + k + n)
+    b = b if with_bias else None
+    with paddle.no_grad():
+        y = sg.matmul_kn(paddle.to_tensor(x), paddle.to_tensor(w), None if b is None else paddle.to_tensor(b))
+    np.testing.assert_array_equal(bits(y), bits(sg.numpy_kn(x, w, b)))
+    want = x.astype(np.float64) @ w + (0 if b is None else b)
+    np.testing.assert_allclose(y.numpy(), want, rtol=0, atol=4e-6 * np.sqrt(k) * np.abs(want).max())
+
+
+@pytest.mark.parametrize("rows,k,n", [(1, 16, 1), (3, 64, 81), (8, 1024, 1000), (2, 48, 7)])
+def test_nk_gives_its_numpy_twins_bits_and_the_product(kernel, bits, rows, k, n):
+    x, w = _arrays((rows, k), (n, k), seed=rows * k + n)
+    y = sg.matmul_nk(paddle.to_tensor(x), paddle.to_tensor(w))
+    np.testing.assert_array_equal(bits(y), bits(sg.numpy_nk(x, w)))
+    want = x.astype(np.float64) @ w.T.astype(np.float64)
+    np.testing.assert_allclose(y.numpy(), want, rtol=0, atol=4e-6 * np.sqrt(k) * np.abs(want).max())
+
+
+def test_the_numpy_twins_are_the_sums_they_describe():
+    """kn: two in-order halves of k added; nk: 16 lanes (k % 16) in order, then the lanes."""
+    x, w = _arrays((1, 32), (32, 1), seed=3)
+    p = x[0] * w[:, 0]
+    halves = [np.float32(0)] * 2
+    for k in range(32):
+        halves[k // 16] = np.float32(halves[k // 16] + p[k])
+    assert sg.numpy_kn(x, w)[0, 0] == np.float32(halves[0] + halves[1])
+    lanes = [np.float32(0)] * 16
+    for k in range(32):
+        lanes[k % 16] = np.float32(lanes[k % 16] + p[k])
+    total = lanes[0]
+    for lane in lanes[1:]:
+        total = np.float32(total + lane)
+    assert sg.numpy_nk(x, w.T)[0, 0] == total
+
+
+def test_threads_do_not_change_the_bits(kernel, bits):
+    kn, nk = kernel
+    x, w, b = _arrays((6, 512), (512, 1040), (1040,), seed=9)
+    X, W, B = (paddle.to_tensor(a) for a in (x, w, b))
+    Wt = paddle.to_tensor(np.ascontiguousarray(w.T))
+    outs = []
+    for threads in (1, 2, 3, 4):
+        y, tmp, z = (paddle.empty(s) for s in ([6, 1040], [6, 1040], [6, 1040]))
+        kn(X.data_ptr(), W.data_ptr(), B.data_ptr(), y.data_ptr(), tmp.data_ptr(), 6, 512, 1040, threads)
+        nk(X.data_ptr(), Wt.data_ptr(), z.data_ptr(), 6, 512, 1040, threads)
+        outs.append((bits(y).copy(), bits(z).copy()))
+    for got in outs[1:]:
+        np.testing.assert_array_equal(got[0], outs[0][0])
+        np.testing.assert_array_equal(got[1], outs[0][1])
+
+
+def test_only_gradient_free_float32_calls_of_a_few_rows_take_the_kernel(kernel):
+    w = paddle.randn([512, 512])  # 1 MiB: the smallest projection kn takes
+    x = paddle.randn([1, 2, 512])
+    with paddle.no_grad():
+        assert sg.takes_kn(x, w, None) and sg.takes_nk(x, w)
+        assert not sg.takes_kn(paddle.randn([3, 3, 512]), w, None)  # 9 rows > KN_ROWS
+        assert not sg.takes_nk(paddle.randn([9, 512]), w)
+        assert not sg.takes_kn(x, paddle.randn([512, 256]), None)  # under KN_MIN_BYTES
+        assert not sg.takes_kn(x.astype("float64"), w.astype("float64"), None)
+        assert not sg.takes_kn(paddle.randn([1, 520]), paddle.randn([520, 512]), None)  # K % 16
+        assert not sg.takes_kn(paddle.randn([1, 0, 512]), w, None)
+    # with gradients on, a tensor that wants one keeps Paddle's op (autograd records it)
+    trainable = paddle.create_parameter([512, 512], "float32")
+    assert not sg.takes_kn(x, trainable, None) and not sg.takes_nk(x, trainable)
+    assert sg.takes_kn(x, w, None)  # nothing here wants a gradient
+
+
+def test_nothing_takes_it_without_the_build(monkeypatch):
+    monkeypatch.setattr(sg, "_cached", [None])
+    with paddle.no_grad():
+        x, w = paddle.randn([1, 512]), paddle.randn([512, 512])
+        assert not sg.takes_kn(x, w, None) and not sg.takes_nk(x, w)
+        np.testing.assert_allclose(lin.linear(x, w).numpy(), (x @ w).numpy(), rtol=1e-6, atol=1e-6)
+
+
+def test_linear_routes_decode_calls_to_it_and_training_calls_to_paddle(kernel, bits, monkeypatch):
+    monkeypatch.setattr(sg, "KN_MIN_BYTES", 0)
+    layer = lin.Linear(64, 48)
+    x = paddle.randn([1, 1, 64])
+    with paddle.no_grad():
+        y = layer(x)
+    want = sg.numpy_kn(x.numpy(), layer.weight.numpy(), layer.bias.numpy()).reshape(1, 1, 48)
+    np.testing.assert_array_equal(bits(y), bits(want))
+    xg = x.clone()
+    xg.stop_gradient = False
+    y = layer(xg)  # a training forward: Paddle's op, with its gradient
+    y.sum().backward()
+    np.testing.assert_allclose(layer.weight.grad.numpy(), np.repeat(xg.numpy().reshape(64, 1), 48, 1), rtol=1e-6)
+
+
+def test_a_model_decodes_the_same_with_and_without_it(kernel, monkeypatch):
+    from erniekit.infer.generate import generate
+    from erniekit.infer.sampling import SamplingParams
+    from erniekit.models.ernie4_5.configuration import Ernie4_5Config
+    from erniekit.models.ernie4_5.modeling import Ernie4_5ForCausalLM
+
+    monkeypatch.setattr(sg, "KN_MIN_BYTES", 0)
+    paddle.seed(0)
+    cfg = Ernie4_5Config(
+        vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, tie_word_embeddings=True,
+    )  # fmt: skip
+    model = Ernie4_5ForCausalLM(cfg)
+    model.eval()
+    prompts = np.random.default_rng(1).integers(0, 512, (3, 7)).tolist()
+    calls = []
+    kn, nk = sg.matmul_kn, sg.matmul_nk
+    monkeypatch.setattr(sg, "matmul_kn", lambda *a: calls.append("kn") or kn(*a))
+    monkeypatch.setattr(sg, "matmul_nk", lambda *a: calls.append("nk") or nk(*a))
+    with_it = generate(model, prompts, SamplingParams(max_new_tokens=12))
+    assert calls.count("nk") >= 11 and calls.count("kn") >= 11 * 2 * 7  # every decode step
+    calls.clear()
+    monkeypatch.setattr(sg, "KN_ROWS", 0)
+    monkeypatch.setattr(sg, "NK_ROWS", 0)
+    assert generate(model, prompts, SamplingParams(max_new_tokens=12)) == with_it and not calls
+    ids = paddle.to_tensor(prompts)
+    with paddle.no_grad():
+        full = model(ids).logits[:, -1].numpy()  # Paddle's GEMMs: 21 rows
+        monkeypatch.setattr(sg, "KN_ROWS", 8)
+        monkeypatch.setattr(sg, "NK_ROWS", 8)
+        one = model(ids[:1]).logits[:, -1].numpy()  # 7 rows: the kernels
+    np.testing.assert_allclose(one, full[:1], rtol=1e-4, atol=1e-5)
