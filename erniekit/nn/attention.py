@@ -11,12 +11,25 @@ from erniekit.nn import fused_attention, masked_softmax, rope
 def rope_cos_sin(position_ids: paddle.Tensor, head_dim: int, theta: float) -> tuple[paddle.Tensor, paddle.Tensor]:
     """cos/sin of shape [B, S, 1, head_dim], each angle repeated for its interleaved pair,
     computed once per forward in float32 (as the reference does)."""
-    inv_freq = 1.0 / (theta ** (paddle.arange(0, head_dim, 2, dtype="float32") / head_dim))
-    freqs = position_ids.astype("float32").unsqueeze(-1) * inv_freq  # [B, S, D/2]
+    freqs = position_ids.astype("float32").unsqueeze(-1) * _inv_freq(head_dim, theta)  # [B, S, D/2]
     # each angle twice (pair i -> dims 2i, 2i+1); tile + flatten rather than repeat_interleave,
     # which paddle2onnx cannot convert with dynamic shapes (the onnx export)
     freqs = paddle.tile(freqs.unsqueeze(-1), [1, 1, 1, 2]).flatten(start_axis=-2)
     return paddle.cos(freqs).unsqueeze(2), paddle.sin(freqs).unsqueeze(2)
+
+
+_INV_FREQ: dict[tuple, paddle.Tensor] = {}  # (head_dim, theta, device) -> inv_freq: made once, not per step
+
+
+def _inv_freq(head_dim: int, theta: float) -> paddle.Tensor:
+    """1 / theta^(2i / head_dim), i < head_dim / 2; cached in dynamic mode (a decode step would
+    otherwise spend 3 of its ~20 small ops on it), built in the program in static mode."""
+    if not paddle.in_dynamic_mode():
+        return 1.0 / (theta ** (paddle.arange(0, head_dim, 2, dtype="float32") / head_dim))
+    key = (head_dim, float(theta), str(paddle.get_device()))
+    if key not in _INV_FREQ:
+        _INV_FREQ[key] = 1.0 / (theta ** (paddle.arange(0, head_dim, 2, dtype="float32") / head_dim))
+    return _INV_FREQ[key]
 
 
 def rope_cos_sin_3d(

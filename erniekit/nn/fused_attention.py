@@ -15,6 +15,7 @@ math path. GPU, other dtypes, static graphs and distributed tensors keep the mat
 from __future__ import annotations
 
 import ctypes
+import math
 
 import paddle
 from paddle.autograd import PyLayer
@@ -38,7 +39,9 @@ def _forward(q, k, v, bias, scale: float, keep_p: bool):
     p = paddle.empty([B, H, Sq, Sk], dtype=q.dtype) if keep_p else None
     shape = (scale, Sq, Sk, H, KVH, D, int(bias.shape[0] > 1))
     ptrs = (q.data_ptr(), k.data_ptr(), v.data_ptr(), bias.data_ptr(), o.data_ptr(), native.address(p))
-    native.over_chunks(_kernels()[0], B * KVH, q.size * 4 + k.size * 8, *ptrs, *shape, min_bytes=1 << 16)
+    native.over_chunks(
+        _kernels()[0], B * KVH, math.prod(q.shape) * 4 + math.prod(k.shape) * 8, *ptrs, *shape, min_bytes=1 << 16
+    )
     return o, p
 
 
@@ -61,7 +64,17 @@ class _FusedAttention(PyLayer):
         dq, dk, dv = paddle.empty_like(q), paddle.empty_like(k), paddle.empty_like(v)
         ptrs = [t.data_ptr() for t in (q, k, v, p, do, dq, dk, dv)]
         native.over_chunks(
-            _kernels()[1], B * KVH, q.size * 8 + k.size * 16, *ptrs, ctx.scale, Sq, Sk, H, KVH, D, min_bytes=1 << 16
+            _kernels()[1],
+            B * KVH,
+            math.prod(q.shape) * 8 + math.prod(k.shape) * 16,
+            *ptrs,
+            ctx.scale,
+            Sq,
+            Sk,
+            H,
+            KVH,
+            D,
+            min_bytes=1 << 16,
         )
         return dq, dk, dv, None
 

@@ -189,13 +189,16 @@ class Ernie4_5Model(nn.Layer):
                 position_ids = paddle.arange(past, past + S, dtype="int64").unsqueeze(0).expand([B, S])
         if position_ids.ndim == 2:
             cos, sin = rope_cos_sin(position_ids, self.config.head_dim, self.config.rope_theta)
-        mask = None
+        mask, sees_all = None, False
         if segment_ids is not None or attention_mask is not None or (past > 0 and S > 1):
             mask = build_attention_mask(S, past + S, segment_ids, attention_mask)
         elif past > 0:  # one new token attends to the whole cache: no mask needed
-            mask = paddle.ones([1, 1, 1, past + S], dtype="bool")
+            mask, sees_all = paddle.ones([1, 1, 1, past + S], dtype="bool"), True
         if not use_fused_attention():
-            mask = ("bias", additive_mask(mask, S, past + S, dtype or self.embed_tokens.weight.dtype))
+            dtype = dtype or self.embed_tokens.weight.dtype
+            # a decode step's bias is all zeros: one op instead of additive_mask's four
+            bias = paddle.zeros([1, 1, 1, past + S], dtype) if sees_all else additive_mask(mask, S, past + S, dtype)
+            mask = ("bias", bias)
         return cos, sin, mask
 
 

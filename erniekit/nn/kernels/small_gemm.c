@@ -115,10 +115,17 @@ static void nk_rows(const float *x, const float *w, float *y, int64_t M, int64_t
     }
 }
 
+#define NK_BLOCK 64 /* rows of w per block: 256 KB at K = 1024, kept in L2 while every block of x passes */
+
 /* y [M, N] = x [M, K] @ w [N, K]^T */
 void erniekit_small_gemm_nk(const float *x, const float *w, float *y, int64_t M, int64_t K, int64_t N,
                             int64_t threads) {
-    int64_t groups = (N + 3) / 4;
+    int64_t blocks = (N + NK_BLOCK - 1) / NK_BLOCK;
 #pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t g = 0; g < groups; g++) nk_rows(x, w, y, M, K, N, 4 * g, N - 4 * g < 4 ? N - 4 * g : 4);
+    for (int64_t b = 0; b < blocks; b++) {
+        int64_t end = (b + 1) * NK_BLOCK < N ? (b + 1) * NK_BLOCK : N;
+        for (int64_t m0 = 0; m0 < M; m0 += 4) /* 4 rows of x (L1) against the block's rows of w (L2) */
+            for (int64_t n0 = b * NK_BLOCK; n0 < end; n0 += 4)
+                nk_rows(x + m0 * K, w, y + m0 * N, M - m0 < 4 ? M - m0 : 4, K, N, n0, end - n0 < 4 ? end - n0 : 4);
+    }
 }
