@@ -29,7 +29,7 @@ from erniekit.nn import native
 
 KN_ROWS = 8
 NK_ROWS = 8  # at 16-32 rows the head is compute-bound and MKL's blocked GEMM is faster
-KN_MIN_BYTES = 1 << 20  # a smaller projection (a GQA k/v, a tiny model's) is the call's overhead
+KN_MIN_BYTES = 1 << 18  # smaller projections (a tiny model's) keep MKL: no gain measured there
 THREAD_BYTES = 1 << 18  # a weight under this is one thread's: the team's hand-off costs more
 _P, _I64 = ctypes.c_void_p, ctypes.c_int64
 _CPU_BUILD = not paddle.is_compiled_with_cuda()
