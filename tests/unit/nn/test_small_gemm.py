@@ -73,13 +73,13 @@ def test_threads_do_not_change_the_bits(kernel, bits):
 
 
 def test_only_gradient_free_float32_calls_of_a_few_rows_take_the_kernel(kernel):
-    w = paddle.randn([512, 512])  # 1 MiB: the smallest projection kn takes
+    w = paddle.randn([512, 512])
     x = paddle.randn([1, 2, 512])
     with paddle.no_grad():
         assert sg.takes_kn(x, w, None) and sg.takes_nk(x, w)
         assert not sg.takes_kn(paddle.randn([3, 3, 512]), w, None)  # 9 rows > KN_ROWS
         assert not sg.takes_nk(paddle.randn([9, 512]), w)
-        assert not sg.takes_kn(x, paddle.randn([512, 256]), None)  # under KN_MIN_BYTES
+        assert not sg.takes_kn(x, paddle.randn([512, 64]), None)  # 128 KiB: under KN_MIN_BYTES
         assert not sg.takes_kn(x.astype("float64"), w.astype("float64"), None)
         assert not sg.takes_kn(paddle.randn([1, 520]), paddle.randn([520, 512]), None)  # K % 16
         assert not sg.takes_kn(paddle.randn([1, 0, 512]), w, None)
