@@ -1,18 +1,22 @@
 """Decode-sized products in C (kernels/small_gemm.c): a few rows against a whole float32 weight,
 with no gradient to take.
 
-Why: a decode step multiplies 1-32 rows by every weight of the model, so it only streams weights,
-and MKL 2019's small-M sgemm (Paddle's CPU GEMM) streams them slowly. On an AMD EPYC (2 threads,
-weights out of cache) MKL reached ~22 GB/s on a 1-row [1024, 1024] product where two contiguous
-streams reach ~27, and 6 ms for the dense-1024 tied head ([1, 1024] x [32000, 1024]^T) against
-~4.3 ms here; at 8-16 rows the head took 14-18 ms against 7-11 (docs/performance.md has the
-measured table). The kernels run on Paddle's OpenMP team and fix every output's arithmetic, so a
-thread count never changes a bit, and `numpy_kn` / `numpy_nk` below reproduce them exactly.
+Why: a decode step multiplies a handful of rows by every weight of the model, so it only streams
+weights, and MKL 2019's small-M sgemm (Paddle's CPU GEMM) streams them slowly at 1-7 rows. On an AMD
+EPYC (2 threads, weights out of cache) a 1-row [1024, 3072] product took ~550 us in MKL and ~460
+here (~27 GB/s, what two contiguous streams reach), 2-4 rows ~1000 us against ~500; the dense-1024
+tied head ([1, 1024] x [32000, 1024]^T) ~6 ms against ~4.5. A whole dense-1024 decode step
+(in-process A/B, medians of 6 x 30 steps): batch 2 and 4 28.6 / 27.3 ms -> 20.0 / 20.2 ms. The
+kernels run on Paddle's OpenMP team and fix every output's arithmetic, so a thread count never
+changes a bit, and `numpy_kn` / `numpy_nk` below reproduce them exactly.
 
-The projections (`matmul_kn`, nn.Linear's [K, N] weight) take the kernel up to KN_ROWS rows (beyond,
-MKL's blocked GEMM wins); the tied head (`matmul_nk`, the embedding's [N, K]) up to NK_ROWS.
-Anything that needs a gradient, other dtypes or devices, or shapes that are not multiples of 16
-keep Paddle's ops, as does ERNIEKIT_NATIVE_KERNELS=0 or a machine without a C compiler.
+The projections (`matmul_kn`, nn.Linear's [K, N] weight) take the kernel up to KN_ROWS rows: at 8
+MKL's sgemm takes a faster path of its own (batch-8 decode step 27.0 ms with MKL's projections,
+30.2 with the kernel; batch 7: 31.8 against 29.1). The tied head (`matmul_nk`, the embedding's
+[N, K]) takes it up to NK_ROWS (batch 8: 33.6 -> 30.2 ms); at 16-32 rows MKL's blocked GEMM is as
+fast or faster. Anything that needs a gradient, other dtypes or devices, or shapes that are not
+multiples of 16 keep Paddle's ops, as does ERNIEKIT_NATIVE_KERNELS=0 or a machine without a C
+compiler (the results then differ in the last bits: MKL sums in its own order).
 """
 
 from __future__ import annotations
@@ -27,8 +31,8 @@ from paddle import _C_ops
 
 from erniekit.nn import native
 
-KN_ROWS = 8
-NK_ROWS = 8  # at 16-32 rows the head is compute-bound and MKL's blocked GEMM is faster
+KN_ROWS = 7
+NK_ROWS = 8
 KN_MIN_BYTES = 1 << 18  # smaller projections (a tiny model's) keep MKL: no gain measured there
 THREAD_BYTES = 1 << 18  # a weight under this is one thread's: the team's hand-off costs more
 _P, _I64 = ctypes.c_void_p, ctypes.c_int64

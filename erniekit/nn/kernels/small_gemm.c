@@ -1,9 +1,8 @@
 /* Decode-sized GEMMs: a few rows of activations against a whole float32 weight, on the OpenMP
  * team of Paddle's libiomp5 (the threads its MKL already runs, so the two never fight for cores).
  *
- * Why: at 1-8 rows a GEMM only streams its weight, and MKL 2019's small-M sgemm streams at well
- * under the memory's rate (a [1, 1024] x [1024, 1024] product: ~22 GB/s where one contiguous stream
- * per thread reaches ~27); the tied head reads its [V, H] weight transposed (nn/small_gemm.py has
+ * Why: at 1-7 rows a GEMM only streams its weight, and MKL 2019's small-M sgemm streams it well
+ * under the memory's rate; the tied head reads its [V, H] weight transposed (nn/small_gemm.py has
  * the measurements).
  *
  * The arithmetic is fixed per output element, whatever the thread count or tiling, and uses no
