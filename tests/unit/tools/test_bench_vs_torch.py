@@ -61,12 +61,12 @@ def _table_rows(section: str) -> list[list[str]]:
     return [r.split("|")[1:-1] for r in section.splitlines() if r.startswith("| ") and "---" not in r][1:]
 
 
-def _check_table(section: str, recorded: str, n_cases: int) -> None:
+def _check_table(section: str, recorded: str, n_cases: int, cpu: str = "Intel") -> None:
     """The table of `section` quotes bench_results/`recorded`: every case, torch's and erniekit's
     medians and the ratio, as the tool wrote them."""
     rows = _table_rows(section)
     got = json.loads((ROOT / "bench_results" / recorded).read_text())
-    assert got["cpu"].startswith("Intel") and got["threads"] == 2
+    assert got["cpu"].startswith(cpu) and got["threads"] == 2
     cases = got["cases"]
     assert len(rows) == len(cases) == n_cases
     for row, (name, case) in zip(rows, cases.items()):
@@ -105,3 +105,14 @@ def test_the_second_amd_host_table_quotes_its_record():
     for row in rows:
         case = got["cases"][names[row[0].strip()]]
         assert row[1].strip() == f"{case['ratio_erniekit_over_torch']:.2f}", row
+
+
+def test_the_eighth_round_table_quotes_its_record():
+    """The decode kernels' table on the second AMD host: medians and ratios as the tool wrote them,
+    and the 5-repeat batch-1 ratio the text quotes."""
+    doc = (ROOT / "docs" / "performance.md").read_text()
+    eighth = doc.split("### Eighth round", 1)[1].split("\n- ", 1)[0]
+    _check_table(eighth.split("Other runs", 1)[0], "vs_torch_amd_round8.json", 4, cpu="AMD")
+    five = json.loads((ROOT / "bench_results" / "vs_torch_amd_round8_decode_5repeats.json").read_text())
+    ratio = five["cases"]["decode-b1"]["ratio_erniekit_over_torch"]
+    assert five["repeats"] == 5 and f"batch 1 **{ratio:.2f}x** over 5 repeats" in eighth
