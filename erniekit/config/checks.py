@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import os
 import sys
@@ -104,6 +105,7 @@ def check(cfg: TrainConfig) -> None:
     _check_parallel(cfg)
     _check_online_distill(cfg)
     _check_distill(cfg)
+    _check_init_layers(cfg)  # after the teacher's check: a demo naming both reports the teacher first
     _check_control(cfg)
     check_cross_cluster(cfg, _supports(cfg))
     _flush_warnings()
@@ -591,6 +593,35 @@ def _check_parallel(cfg: TrainConfig) -> None:
         )
     if lay.pp > 1:
         _check_pipeline(cfg, lay)
+
+
+def _check_init_layers(cfg: TrainConfig) -> None:
+    """init_layers_from / init_layer_map (erniekit/models/layer_init.py): a checkpoint directory, and
+    a map with a valid layer of it for each layer of the model (shapes are checked when copying)."""
+    src = cfg.init_layers_from
+    if src is None:
+        if cfg.init_layer_map is not None:
+            raise ConfigError(
+                "init_layer_map applies with init_layers_from; set init_layers_from or init_layer_map=null"
+            )
+        return
+    if not os.path.isfile(os.path.join(src, "config.json")):
+        made_by = _config_writing(src)
+        how = f"run `erniekit train {made_by}` first (it writes it there)" if made_by else "train it first"
+        raise ConfigError(
+            f"init_layers_from: {src} is not a checkpoint directory with a config.json (relative paths start at "
+            f"{os.getcwd()}); {how}, or point init_layers_from at a checkpoint in Hugging Face layout"
+        )
+    if cfg.init_layer_map is None:
+        return
+    with open(os.path.join(src, "config.json")) as f:
+        n_src = json.load(f).get("num_hidden_layers")
+    bad = [i for i in cfg.init_layer_map if not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < (n_src or 0)]
+    if bad:
+        raise ConfigError(
+            f"init_layer_map={cfg.init_layer_map}: {bad[0]!r} is not a layer of {src} (it has {n_src}); "
+            f"give indices in [0, {n_src})"
+        )
 
 
 def _check_distill(cfg: TrainConfig) -> None:

@@ -69,6 +69,14 @@ class TrainConfig:
     model_name_or_path: str = _opt("tiny-moe", "checkpoint directory in Hugging Face layout, or a built-in preset name")
     tokenizer_name_or_path: str | None = _opt(None, "tokenizer directory; null uses the one next to the model")
     model_overrides: dict = _opt({}, "model config fields to override, e.g. model_overrides.num_hidden_layers=2")
+    init_layers_from: str | None = _opt(
+        None,
+        "a checkpoint whose weights start the model, layer i from its layer init_layer_map[i] (a DistilBERT-style "
+        "student from its teacher; embeddings, final norm and head as they are)",
+    )
+    init_layer_map: list[int] | None = _opt(
+        None, "init_layers_from: its layer for each of the model's layers (null: evenly spaced, first and last kept)"
+    )
 
     # ### data
     train_dataset_path: str = _opt("examples/data/arithmetic/train.jsonl", "training data file(s), comma-separated")
@@ -518,7 +526,7 @@ def fields() -> tuple[dataclasses.Field, ...]:
 # whole run config, so it cannot come to depend on unrelated keys. Users still write flat keys.
 SECTION_KEYS: dict[str, tuple[str, ...]] = {
     "method": ("stage", "fine_tuning"),
-    "model": ("model_name_or_path", "tokenizer_name_or_path", "model_overrides"),
+    "model": ("model_name_or_path", "tokenizer_name_or_path", "model_overrides", "init_layers_from", "init_layer_map"),
     "data": (
         "train_dataset_path",
         "train_dataset_type",

@@ -53,6 +53,10 @@ def load_model(cfg):
 
     # a preset starts from scratch, seeded by paddle.seed(cfg.seed)
     model = registry.load_model(cfg.model_name_or_path, cfg.model_overrides or None)
+    if cfg.init_layers_from:  # a student started from its teacher's layers (erniekit/models/layer_init.py)
+        from erniekit.models.layer_init import init_from_layers
+
+        init_from_layers(model, registry.load_model(cfg.init_layers_from), cfg.init_layer_map)
     if cfg.fp8:
         model.set_fp8(cfg.fp8_block_size, cfg.fp8_grad_format)
     if cfg.recompute:
