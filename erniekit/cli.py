@@ -197,6 +197,12 @@ def _server_parser() -> argparse.ArgumentParser:
     p.add_argument("--served-model-name", help="the model id clients send (default: the directory's name)")
     p.add_argument("--max-batch", type=int, default=8, help="requests decoded together; more wait in a queue")
     p.add_argument(
+        "--packed-weights",
+        action="store_true",
+        help="built-in engine on the CPU: keep a packed copy of the projections for faster batched decode "
+        "steps (docs/performance.md; costs a second copy of those weights)",
+    )
+    p.add_argument(
         "--max-model-len",
         type=int,
         default=None,

@@ -86,6 +86,9 @@ MODELS = {
 TRAIN_SHAPES = {"dense-1024": (4, 256), "0.3b-2l": (2, 256), "tiny-moe": (64, 32), "moe16-top4": (4, 256)}
 CASES = [f"train:{m}" for m in MODELS] + ["prefill", "decode-b1", "decode-b8", "decode-b32", "server-c16", "server-c64"]
 PROMPT_LEN, DECODE_NEW, SERVER_NEW = 32, 128, 64
+PACKED_WEIGHTS = (
+    False  # --packed-weights: the server cases' engine packs its projections (erniekit server --packed-weights)
+)
 
 
 def _model_of(case: str) -> str:
@@ -242,7 +245,11 @@ def _erniekit_server(model, concurrent: int) -> dict:
     from erniekit.models.ernie4_5.tokenizer import default_tokenizer
 
     engine = Engine(
-        model, _WrappedTokenizer(default_tokenizer()), max_batch=concurrent, max_model_len=PROMPT_LEN + SERVER_NEW + 8
+        model,
+        _WrappedTokenizer(default_tokenizer()),
+        max_batch=concurrent,
+        max_model_len=PROMPT_LEN + SERVER_NEW + 8,
+        pack_weights=PACKED_WEIGHTS,
     )
     prompts = _ids(model.config.vocab_size, concurrent, PROMPT_LEN).tolist()
 
@@ -341,6 +348,8 @@ def torch_case(case: str, ckpt: str, steps: int, threads: int) -> dict:
 
 
 def worker(args: argparse.Namespace) -> None:
+    global PACKED_WEIGHTS
+    PACKED_WEIGHTS = args.packed_weights
     ckpt = os.path.join(args.workdir, _model_of(args.case))
     if args.framework == "torch":
         res = torch_case(args.case, ckpt, args.steps, args.threads)
@@ -359,6 +368,7 @@ def _run_one(framework: str, case: str, args: argparse.Namespace) -> dict:
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), MKL_NUM_THREADS=str(args.threads))
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--framework", framework, "--case", case]
     cmd += ["--workdir", args.workdir, "--threads", str(args.threads), "--steps", str(args.steps)]
+    cmd += ["--packed-weights"] if args.packed_weights else []
     p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=3600)
     line = next((ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")), None)
     if p.returncode or line is None:
@@ -386,6 +396,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     p.add_argument("--workdir", default=os.path.join(ROOT, "output", "bench_vs_torch"))
     p.add_argument("--out", default=os.path.join(ROOT, "bench_results", "vs_torch.json"))
+    p.add_argument(
+        "--packed-weights", action="store_true", help="server cases: the engine keeps packed projections (more memory)"
+    )
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--framework", choices=("erniekit", "torch"), help=argparse.SUPPRESS)
     p.add_argument("--case", help=argparse.SUPPRESS)
@@ -411,6 +424,7 @@ def main(argv: list[str] | None = None) -> None:
         "threads": args.threads,
         "repeats": args.repeats,
         "steps": args.steps,
+        "packed_weights": args.packed_weights,
         "versions": _versions(),
         "cases": {},
     }

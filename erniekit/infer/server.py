@@ -1262,6 +1262,7 @@ def run_server(ns) -> int:
         max_batch=ns.max_batch,
         max_model_len=ns.max_model_len,
         stop_token_ids=stop_ids(model, tokenizer),
+        pack_weights=getattr(ns, "packed_weights", False),
     )
     name = ns.served_model_name or os.path.basename(os.path.normpath(ns.model_dir))
     media = getattr(ns, "allowed_local_media_path", None)

@@ -128,3 +128,67 @@ void erniekit_small_gemm_nk(const float *x, const float *w, float *y, int64_t M,
                 nk_rows(x + m0 * K, w, y + m0 * N, M - m0 < 4 ? M - m0 : 4, K, N, n0, end - n0 < 4 ? end - n0 : 4);
     }
 }
+
+/* Packed projections: w [K, N] copied once into panels [N / 64][K][64], so that 6 rows x 64 columns
+ * of accumulators stay in registers while each panel streams in order. Worth its copy of the weights
+ * at 8-32 rows (the server's batches), where the kernels above are bound by their accumulators'
+ * traffic. The arithmetic is kn's (two halves of k, each in order, added), so both give the same bits. */
+void erniekit_small_gemm_pack(const float *w, float *p, int64_t K, int64_t N) {
+    for (int64_t j = 0; j < N; j += 64)
+        for (int64_t k = 0; k < K; k++) memcpy(p + j * K + k * 64, w + k * N + j, 64 * sizeof(float));
+}
+
+static inline __attribute__((always_inline)) void packed_half(const float *x, const float *panel, v16 acc[6][4],
+                                                              int64_t K, int64_t k0, int64_t k1, int64_t m0,
+                                                              const int MB) {
+    for (int i = 0; i < MB; i++)
+        for (int v = 0; v < 4; v++) acc[i][v] = (v16){0};
+    for (int64_t k = k0; k < k1; k++) {
+        const float *pk = panel + k * 64;
+        v16 a0 = load(pk), a1 = load(pk + 16), a2 = load(pk + 32), a3 = load(pk + 48);
+        for (int i = 0; i < MB; i++) {
+            float xv = x[(m0 + i) * K + k];
+            acc[i][0] = acc[i][0] + xv * a0;
+            acc[i][1] = acc[i][1] + xv * a1;
+            acc[i][2] = acc[i][2] + xv * a2;
+            acc[i][3] = acc[i][3] + xv * a3;
+        }
+    }
+}
+
+static inline __attribute__((always_inline)) void packed_tile(const float *x, const float *panel, const float *b,
+                                                              float *y, int64_t K, int64_t N, int64_t j, int64_t m0,
+                                                              const int MB) {
+    v16 acc[6][4]; /* 24 of the 32 vector registers: P0 waits in y while P1 is summed */
+    packed_half(x, panel, acc, K, 0, K / 2, m0, MB);
+    for (int i = 0; i < MB; i++)
+        for (int v = 0; v < 4; v++) store(y + (m0 + i) * N + j + 16 * v, acc[i][v]);
+    packed_half(x, panel, acc, K, K / 2, K, m0, MB);
+    for (int i = 0; i < MB; i++)
+        for (int v = 0; v < 4; v++) {
+            float *o = y + (m0 + i) * N + j + 16 * v;
+            v16 s = load(o) + acc[i][v];
+            if (b) s = s + load(b + j + 16 * v);
+            store(o, s);
+        }
+}
+
+/* y [M, N] = x [M, K] @ w (+ b), w packed by erniekit_small_gemm_pack; N a multiple of 64 */
+void erniekit_small_gemm_packed(const float *x, const float *p, const float *b, float *y, int64_t M, int64_t K,
+                                int64_t N, int64_t threads) {
+    int64_t panels = N / 64;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t t = 0; t < panels; t++) {
+        const float *panel = p + t * 64 * K;
+        for (int64_t m0 = 0; m0 < M; m0 += 6) {
+            switch (M - m0 < 6 ? M - m0 : 6) {
+            case 6: packed_tile(x, panel, b, y, K, N, t * 64, m0, 6); break;
+            case 5: packed_tile(x, panel, b, y, K, N, t * 64, m0, 5); break;
+            case 4: packed_tile(x, panel, b, y, K, N, t * 64, m0, 4); break;
+            case 3: packed_tile(x, panel, b, y, K, N, t * 64, m0, 3); break;
+            case 2: packed_tile(x, panel, b, y, K, N, t * 64, m0, 2); break;
+            default: packed_tile(x, panel, b, y, K, N, t * 64, m0, 1); break;
+            }
+        }
+    }
+}

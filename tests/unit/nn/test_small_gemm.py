@@ -59,7 +59,7 @@ def test_the_numpy_twins_are_the_sums_they_describe():
 
 
 def test_threads_do_not_change_the_bits(kernel, bits):
-    kn, nk = kernel
+    kn, nk = kernel[:2]
     x, w, b = _arrays((6, 512), (512, 1040), (1040,), seed=9)
     X, W, B = (paddle.to_tensor(a) for a in (x, w, b))
     Wt = paddle.to_tensor(np.ascontiguousarray(w.T))
@@ -146,3 +146,72 @@ def test_a_model_decodes_the_same_with_and_without_it(kernel, monkeypatch):
         monkeypatch.setattr(sg, "NK_ROWS", 8)
         one = model(ids[:1]).logits[:, -1].numpy()  # 7 rows: the kernels
     np.testing.assert_allclose(one, full[:1], rtol=1e-4, atol=1e-5)
+
+
+def _packable(k: int, n: int, seed: int):
+    from erniekit.nn.linear import Linear
+
+    paddle.seed(seed)
+    holder = paddle.nn.Layer()
+    holder.proj = Linear(k, n)
+    return holder
+
+
+@pytest.mark.parametrize("rows", [1, 5, 8, 16, 32])
+def test_packed_weights_give_the_same_bits_up_to_packed_rows(kernel, bits, rows, monkeypatch):
+    monkeypatch.setattr(sg, "KN_MIN_BYTES", 0)
+    holder = _packable(256, 192, seed=rows)
+    w, b = holder.proj.weight, holder.proj.bias
+    x = paddle.to_tensor(_arrays((rows, 256), seed=rows)[0])
+    with paddle.no_grad():
+        assert sg.takes_kn(x, w, b) == (rows <= sg.KN_ROWS)
+        assert sg.pack_weights(holder) == 4 * 256 * 192
+        assert sg.takes_kn(x, w, b)  # packed: up to PACKED_ROWS
+        y = holder.proj(x)
+    np.testing.assert_array_equal(bits(y), bits(sg.numpy_kn(x.numpy(), w.numpy(), b.numpy())))
+    sg.unpack_weights(holder)
+    assert sg._packed_of(w) is None
+
+
+def test_a_weight_changed_in_place_drops_its_packed_copy(kernel, monkeypatch):
+    monkeypatch.setattr(sg, "KN_MIN_BYTES", 0)
+    holder = _packable(64, 64, seed=1)
+    w = holder.proj.weight
+    sg.pack_weights(holder)
+    assert sg._packed_of(w) is not None
+    with paddle.no_grad():
+        w.scale_(2.0)  # what an optimizer's in-place update does to the version
+        x = paddle.randn([12, 64])
+        assert sg._packed_of(w) is None and not sg.takes_kn(x, w, None)  # 12 rows: MKL again
+        np.testing.assert_allclose(holder.proj(x).numpy(), (x @ w + holder.proj.bias).numpy(), rtol=1e-5, atol=1e-5)
+
+
+def test_the_engine_packs_on_request_and_decodes_the_same(kernel, monkeypatch):
+    """One request at a time, so the rows are the same either way: packed and plain kernels agree
+    bit for bit, so the tokens must too."""
+    from erniekit.infer.engine import Engine, complete
+    from erniekit.infer.generate import generate
+    from erniekit.infer.sampling import SamplingParams
+    from erniekit.models.ernie4_5.configuration import Ernie4_5Config
+    from erniekit.models.ernie4_5.modeling import Ernie4_5ForCausalLM
+    from erniekit.models.ernie4_5.tokenizer import default_tokenizer
+
+    monkeypatch.setattr(sg, "KN_MIN_BYTES", 0)
+    paddle.seed(0)
+    cfg = Ernie4_5Config(
+        vocab_size=1024, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, tie_word_embeddings=True,
+    )  # fmt: skip
+    model = Ernie4_5ForCausalLM(cfg)
+    prompts = np.random.default_rng(2).integers(3, 1024, (3, 6)).tolist()
+    params = SamplingParams(max_new_tokens=6)
+    want = [generate(model, [p], params)[0] for p in prompts]  # plain kernels
+    up = model.model.layers[0].mlp.up_proj.weight
+    engine = Engine(model, default_tokenizer(), max_batch=4, pack_weights=True)
+    try:
+        assert engine.packed_bytes > 0 and sg._packed_of(up) is not None
+        got = [complete(engine, p, params)[1] for p in prompts]
+    finally:
+        engine.close()
+    assert sg._packed_of(up) is None  # close() drops the copies
+    assert got == want
