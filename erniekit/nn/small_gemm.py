@@ -33,7 +33,7 @@ from erniekit.nn import native
 
 KN_ROWS = 7
 NK_ROWS = 8
-PACKED_ROWS = 32  # a packed weight (`pack_weights`) takes the kernel up to this many rows
+PACKED_ROWS = 64  # a packed weight (`pack_weights`) takes the kernel up to this many rows
 KN_MIN_BYTES = 1 << 18  # smaller projections (a tiny model's) keep MKL: no gain measured there
 THREAD_BYTES = 1 << 18  # a weight under this is one thread's: the team's hand-off costs more
 _P, _I64 = ctypes.c_void_p, ctypes.c_int64
@@ -59,6 +59,7 @@ def _lookup():
         ("erniekit_small_gemm_nk", [_P, _P, _P, _I64, _I64, _I64, _I64]),
         ("erniekit_small_gemm_pack", [_P, _P, _I64, _I64]),
         ("erniekit_small_gemm_packed", [_P, _P, _P, _P, _I64, _I64, _I64, _I64]),
+        ("erniekit_small_gemm_pack_t", [_P, _P, _I64, _I64]),
     )
 
 
@@ -106,8 +107,10 @@ def takes_kn(x: paddle.Tensor, w: paddle.Tensor, bias: paddle.Tensor | None) -> 
 
 @native.eager_only
 def takes_nk(x: paddle.Tensor, w: paddle.Tensor) -> bool:
-    """Whether x @ w^T runs in the kernel: CPU float32, no gradient, <= NK_ROWS rows."""
-    return _eligible(x, w, None, NK_ROWS) and x.shape[-1] == w.shape[1]
+    """Whether x @ w^T runs in a kernel: CPU float32, no gradient, <= NK_ROWS rows (<= PACKED_ROWS
+    with w packed by `pack_weights`)."""
+    rows = PACKED_ROWS if _packed_of(w) is not None else NK_ROWS
+    return _eligible(x, w, None, rows) and x.shape[-1] == w.shape[1]
 
 
 def _threads(w: paddle.Tensor) -> int:
@@ -159,7 +162,8 @@ def pack_weights(model) -> int:
     Why: at 8-32 rows a projection is bound by how it reads its weight, and panels read in order
     with the accumulators in registers: a [16, 1024] x [1024, 3072] product 1071 -> 699 us, at 8
     rows 1271 -> 448 (AMD EPYC, 2 threads, weights out of cache). The cost is a second copy of
-    those weights: opt in where memory allows (`erniekit server --packed-weights`)."""
+    those weights (and of a tied head's embedding, whose panels hold its transpose): opt in where
+    memory allows (`erniekit server --packed-weights`)."""
     from erniekit.nn.linear import Linear
 
     kernels = _kernels()
@@ -173,11 +177,28 @@ def pack_weights(model) -> int:
         K, N = w.shape
         if N % 64 or K % 16 or 4 * K * N < KN_MIN_BYTES or _packed_of(w) is not None:
             continue
-        packed = _C_ops.empty([K * N], _F32, _CPU)
-        kernels[2](w.contiguous().data_ptr(), packed.data_ptr(), K, N)
-        _PACKED[id(w)] = (w, w._inplace_version(), packed)
-        added += 4 * K * N
+        added += _pack(w, kernels[2], K, N)
+    head = _tied_head(model)
+    if head is not None and head.shape[0] % 64 == 0 and head.shape[1] % 16 == 0 and _packed_of(head) is None:
+        added += _pack(head, kernels[4], head.shape[1], head.shape[0])  # panels of head^T: [H, V]
     return added
+
+
+def _pack(w: paddle.Tensor, pack_fn, K: int, N: int) -> int:
+    packed = _C_ops.empty([K * N], _F32, _CPU)
+    pack_fn(w.contiguous().data_ptr(), packed.data_ptr(), K, N)
+    _PACKED[id(w)] = (w, w._inplace_version(), packed)
+    return 4 * K * N
+
+
+def _tied_head(model) -> paddle.Tensor | None:
+    """The [V, H] embedding a tied causal LM's head multiplies by (None for other models)."""
+    config = getattr(model, "config", None)
+    inner = getattr(model, "model", None)
+    if not getattr(config, "tie_word_embeddings", False) or inner is None or not hasattr(inner, "embed_tokens"):
+        return None
+    w = inner.embed_tokens.weight
+    return w if w.dtype == _F32 and w.ndim == 2 else None
 
 
 def unpack_weights(model) -> None:
@@ -191,7 +212,12 @@ def matmul_nk(x: paddle.Tensor, w: paddle.Tensor) -> paddle.Tensor:
     N, K = w.shape
     x = x.contiguous()
     y = _C_ops.empty([*x.shape[:-1], N], _F32, _CPU)
-    _kernels()[1](x.data_ptr(), w.data_ptr(), y.data_ptr(), math.prod(x.shape[:-1]), K, N, _threads(w))
+    rows = math.prod(x.shape[:-1])
+    packed = _packed_of(w)
+    if packed is not None:  # panels of w^T: kn's arithmetic, not the 16 lanes (docs/deploy.md)
+        _kernels()[3](x.data_ptr(), packed.data_ptr(), None, y.data_ptr(), rows, K, N, native.threads())
+        return y
+    _kernels()[1](x.data_ptr(), w.data_ptr(), y.data_ptr(), rows, K, N, _threads(w))
     return y
 
 

@@ -138,6 +138,13 @@ void erniekit_small_gemm_pack(const float *w, float *p, int64_t K, int64_t N) {
         for (int64_t k = 0; k < K; k++) memcpy(p + j * K + k * 64, w + k * N + j, 64 * sizeof(float));
 }
 
+/* the same panels from w [N, K] (the tied head's embedding): panel j holds w^T's columns j..j+63 */
+void erniekit_small_gemm_pack_t(const float *w, float *p, int64_t K, int64_t N) {
+    for (int64_t j = 0; j < N; j += 64)
+        for (int64_t c = 0; c < 64; c++)
+            for (int64_t k = 0; k < K; k++) p[j * K + k * 64 + c] = w[(j + c) * K + k];
+}
+
 static inline __attribute__((always_inline)) void packed_half(const float *x, const float *panel, v16 acc[6][4],
                                                               int64_t K, int64_t k0, int64_t k1, int64_t m0,
                                                               const int MB) {

@@ -187,8 +187,8 @@ def test_a_weight_changed_in_place_drops_its_packed_copy(kernel, monkeypatch):
 
 
 def test_the_engine_packs_on_request_and_decodes_the_same(kernel, monkeypatch):
-    """One request at a time, so the rows are the same either way: packed and plain kernels agree
-    bit for bit, so the tokens must too."""
+    """One request at a time through the engine against `generate` on the same packed weights: the
+    same kernels on the same rows, so the same tokens."""
     from erniekit.infer.engine import Engine, complete
     from erniekit.infer.generate import generate
     from erniekit.infer.sampling import SamplingParams
@@ -205,13 +205,38 @@ def test_the_engine_packs_on_request_and_decodes_the_same(kernel, monkeypatch):
     model = Ernie4_5ForCausalLM(cfg)
     prompts = np.random.default_rng(2).integers(3, 1024, (3, 6)).tolist()
     params = SamplingParams(max_new_tokens=6)
-    want = [generate(model, [p], params)[0] for p in prompts]  # plain kernels
-    up = model.model.layers[0].mlp.up_proj.weight
+    up, head = model.model.layers[0].mlp.up_proj.weight, model.model.embed_tokens.weight
     engine = Engine(model, default_tokenizer(), max_batch=4, pack_weights=True)
     try:
-        assert engine.packed_bytes > 0 and sg._packed_of(up) is not None
+        assert engine.packed_bytes == 4 * (2 * 3 * 64 * 128 + 2 * 2 * 64 * 64 + 1024 * 64)  # MLPs, q/o, head
+        assert sg._packed_of(up) is not None and sg._packed_of(head) is not None
+        want = [generate(model, [p], params)[0] for p in prompts]  # the packed kernels, one row at a time
         got = [complete(engine, p, params)[1] for p in prompts]
     finally:
         engine.close()
-    assert sg._packed_of(up) is None  # close() drops the copies
+    assert sg._packed_of(up) is None and sg._packed_of(head) is None  # close() drops the copies
     assert got == want
+
+
+def test_a_packed_tied_head_sums_as_kn_does(kernel, bits):
+    from erniekit.models.ernie4_5.configuration import Ernie4_5Config
+    from erniekit.models.ernie4_5.modeling import Ernie4_5ForCausalLM
+
+    paddle.seed(1)
+    cfg = Ernie4_5Config(
+        vocab_size=640, hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, tie_word_embeddings=True,
+    )  # fmt: skip
+    model = Ernie4_5ForCausalLM(cfg)
+    e = model.model.embed_tokens.weight
+    h = paddle.to_tensor(_arrays((1, 20, 64), seed=4)[0])
+    with paddle.no_grad():
+        sg.pack_weights(model)
+        try:
+            assert sg.takes_nk(h, e)  # 20 rows: beyond NK_ROWS, within PACKED_ROWS
+            got = model.head(h)
+        finally:
+            sg.unpack_weights(model)
+        unpacked = model.head(h)
+    np.testing.assert_array_equal(bits(got), bits(sg.numpy_kn(h.numpy(), e.numpy().T).reshape(1, 20, 640)))
+    np.testing.assert_allclose(got.numpy(), unpacked.numpy(), rtol=1e-5, atol=1e-5)
