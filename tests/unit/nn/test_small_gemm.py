@@ -240,3 +240,10 @@ def test_a_packed_tied_head_sums_as_kn_does(kernel, bits):
         unpacked = model.head(h)
     np.testing.assert_array_equal(bits(got), bits(sg.numpy_kn(h.numpy(), e.numpy().T).reshape(1, 20, 640)))
     np.testing.assert_allclose(got.numpy(), unpacked.numpy(), rtol=1e-5, atol=1e-5)
+
+
+def test_the_server_asks_for_packed_weights_by_a_flag():
+    from erniekit.cli import _server_parser
+
+    assert _server_parser().parse_args(["ckpt", "--packed-weights"]).packed_weights is True
+    assert _server_parser().parse_args(["ckpt"]).packed_weights is False  # a second copy of the weights: opt-in

@@ -116,3 +116,10 @@ def test_the_eighth_round_table_quotes_its_record():
     five = json.loads((ROOT / "bench_results" / "vs_torch_amd_round8_decode_5repeats.json").read_text())
     ratio = five["cases"]["decode-b1"]["ratio_erniekit_over_torch"]
     assert five["repeats"] == 5 and f"batch 1 **{ratio:.2f}x** over 5 repeats" in eighth
+
+
+def test_the_packed_server_table_quotes_its_record():
+    doc = (ROOT / "docs" / "performance.md").read_text()
+    part = doc.split("### Eighth round, second part", 1)[1].split("\n- ", 1)[0]
+    _check_table(part, "vs_torch_amd_round8_server_packed.json", 2, cpu="AMD")
+    assert json.loads((ROOT / "bench_results" / "vs_torch_amd_round8_server_packed.json").read_text())["packed_weights"]
