@@ -164,15 +164,13 @@ def pack_weights(model) -> int:
     rows 1271 -> 448 (AMD EPYC, 2 threads, weights out of cache). The cost is a second copy of
     those weights (and of a tied head's embedding, whose panels hold its transpose): opt in where
     memory allows (`erniekit server --packed-weights`)."""
-    from erniekit.nn.linear import Linear
-
     kernels = _kernels()
     if kernels is None:
         return 0
     added = 0
     for layer in model.sublayers():
         w = getattr(layer, "weight", None)
-        if not isinstance(layer, Linear) or w is None or w.dtype != _F32 or w.ndim != 2:
+        if not isinstance(layer, paddle.nn.Linear) or w is None or w.dtype != _F32 or w.ndim != 2:
             continue
         K, N = w.shape
         if N % 64 or K % 16 or 4 * K * N < KN_MIN_BYTES or _packed_of(w) is not None:
