@@ -158,7 +158,7 @@ class Engine:
         pack_weights: bool = False,
     ):
         """pack_weights: keep packed copies of the projections for the CPU's decode kernels
-        (erniekit/nn/small_gemm.py: faster steps at 8-32 rows, for a second copy of those weights)."""
+        (erniekit/nn/small_gemm.py: faster steps at 8-64 rows, for a second copy of those weights)."""
         self.model, self.tokenizer = model, tokenizer
         model.eval()
         self.packed_bytes = small_gemm.pack_weights(model) if pack_weights else 0

@@ -24,11 +24,13 @@ _INV_FREQ: dict[tuple, paddle.Tensor] = {}  # (head_dim, theta, device) -> inv_f
 def _inv_freq(head_dim: int, theta: float) -> paddle.Tensor:
     """1 / theta^(2i / head_dim), i < head_dim / 2; cached in dynamic mode (a decode step would
     otherwise spend 3 of its ~20 small ops on it), built in the program in static mode."""
-    if not paddle.in_dynamic_mode():
-        return 1.0 / (theta ** (paddle.arange(0, head_dim, 2, dtype="float32") / head_dim))
-    key = (head_dim, float(theta), str(paddle.get_device()))
+    dynamic = paddle.in_dynamic_mode()
+    key = (head_dim, float(theta), str(paddle.get_device())) if dynamic else None
     if key not in _INV_FREQ:
-        _INV_FREQ[key] = 1.0 / (theta ** (paddle.arange(0, head_dim, 2, dtype="float32") / head_dim))
+        inv_freq = 1.0 / (theta ** (paddle.arange(0, head_dim, 2, dtype="float32") / head_dim))
+        if not dynamic:
+            return inv_freq
+        _INV_FREQ[key] = inv_freq
     return _INV_FREQ[key]
 
 

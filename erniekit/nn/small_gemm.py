@@ -37,13 +37,12 @@ PACKED_ROWS = 64  # a packed weight (`pack_weights`) takes the kernel up to this
 KN_MIN_BYTES = 1 << 18  # smaller projections (a tiny model's) keep MKL: no gain measured there
 THREAD_BYTES = 1 << 18  # a weight under this is one thread's: the team's hand-off costs more
 _P, _I64 = ctypes.c_void_p, ctypes.c_int64
-_CPU_BUILD = not paddle.is_compiled_with_cuda()
 _F32 = paddle.float32
 _CPU = paddle.CPUPlace()
 _scratch = threading.local()  # the kn kernel's P1 buffer, one per thread (the engine decodes in its own)
 
 
-_cached: list = []  # [(kn, nk) | None], filled on first use: the lookup costs more than a decode call
+_cached: list = []  # [the kernels' functions | None], filled on first use: the lookup costs more than a decode call
 
 
 def _kernels():
@@ -63,15 +62,10 @@ def _lookup():
     )
 
 
-def _float32(t: paddle.Tensor) -> bool:
-    dtype = t.dtype
-    return dtype is _F32 or dtype == _F32  # identity first: ~0.3 us where == costs ~1
-
-
 def _eligible(x: paddle.Tensor, w: paddle.Tensor, bias: paddle.Tensor | None, max_rows: int) -> bool:
     """The checks both kernels share, cheapest first: this runs before every projection (~1 us).
     Dynamic mode before anything reads a shape: a static program's shapes may hold -1 or tensors."""
-    if not (_CPU_BUILD and paddle.in_dynamic_mode()):  # a CPU build's tensors all live on the CPU
+    if not (native.cpu_build() and paddle.in_dynamic_mode()):
         return False
     shape = x.shape
     rows = math.prod(shape[:-1])
@@ -83,11 +77,8 @@ def _eligible(x: paddle.Tensor, w: paddle.Tensor, bias: paddle.Tensor | None, ma
             not paddle.is_grad_enabled()
             or (x.stop_gradient and w.stop_gradient and (bias is None or bias.stop_gradient))
         )
-        and _float32(x)
-        and _float32(w)
-        and (bias is None or _float32(bias))
         and w.is_contiguous()
-        and not (x.is_dist() or w.is_dist())
+        and native.dense_cpu_float32(x, w, *(() if bias is None else (bias,)))
         and _kernels() is not None
     )
 

@@ -13,6 +13,19 @@ from erniekit.nn import small_gemm as sg
 KERNEL_MODULE = sg
 
 
+def _tiny_lm(vocab: int, layers: int, seed: int):
+    """A random tied ERNIE 4.5 causal LM with 64-wide hidden states."""
+    from erniekit.models.ernie4_5.configuration import Ernie4_5Config
+    from erniekit.models.ernie4_5.modeling import Ernie4_5ForCausalLM
+
+    paddle.seed(seed)
+    cfg = Ernie4_5Config(
+        vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=4,
+        num_key_value_heads=2, tie_word_embeddings=True,
+    )  # fmt: skip
+    return Ernie4_5ForCausalLM(cfg)
+
+
 def _arrays(*shapes, seed=0):
     rng = np.random.default_rng(seed)
     return [rng.standard_normal(s).astype(np.float32) for s in shapes]
@@ -117,16 +130,9 @@ def test_linear_routes_decode_calls_to_it_and_training_calls_to_paddle(kernel, b
 def test_a_model_decodes_the_same_with_and_without_it(kernel, monkeypatch):
     from erniekit.infer.generate import generate
     from erniekit.infer.sampling import SamplingParams
-    from erniekit.models.ernie4_5.configuration import Ernie4_5Config
-    from erniekit.models.ernie4_5.modeling import Ernie4_5ForCausalLM
 
     monkeypatch.setattr(sg, "KN_MIN_BYTES", 0)
-    paddle.seed(0)
-    cfg = Ernie4_5Config(
-        vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, tie_word_embeddings=True,
-    )  # fmt: skip
-    model = Ernie4_5ForCausalLM(cfg)
+    model = _tiny_lm(512, 2, seed=0)
     model.eval()
     prompts = np.random.default_rng(1).integers(0, 512, (3, 7)).tolist()
     calls = []
@@ -192,17 +198,10 @@ def test_the_engine_packs_on_request_and_decodes_the_same(kernel, monkeypatch):
     from erniekit.infer.engine import Engine, complete
     from erniekit.infer.generate import generate
     from erniekit.infer.sampling import SamplingParams
-    from erniekit.models.ernie4_5.configuration import Ernie4_5Config
-    from erniekit.models.ernie4_5.modeling import Ernie4_5ForCausalLM
     from erniekit.models.ernie4_5.tokenizer import default_tokenizer
 
     monkeypatch.setattr(sg, "KN_MIN_BYTES", 0)
-    paddle.seed(0)
-    cfg = Ernie4_5Config(
-        vocab_size=1024, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, tie_word_embeddings=True,
-    )  # fmt: skip
-    model = Ernie4_5ForCausalLM(cfg)
+    model = _tiny_lm(1024, 2, seed=0)
     prompts = np.random.default_rng(2).integers(3, 1024, (3, 6)).tolist()
     params = SamplingParams(max_new_tokens=6)
     up, head = model.model.layers[0].mlp.up_proj.weight, model.model.embed_tokens.weight
@@ -219,15 +218,8 @@ def test_the_engine_packs_on_request_and_decodes_the_same(kernel, monkeypatch):
 
 
 def test_a_packed_tied_head_sums_as_kn_does(kernel, bits):
-    from erniekit.models.ernie4_5.configuration import Ernie4_5Config
-    from erniekit.models.ernie4_5.modeling import Ernie4_5ForCausalLM
 
-    paddle.seed(1)
-    cfg = Ernie4_5Config(
-        vocab_size=640, hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
-        num_key_value_heads=2, tie_word_embeddings=True,
-    )  # fmt: skip
-    model = Ernie4_5ForCausalLM(cfg)
+    model = _tiny_lm(640, 1, seed=1)
     e = model.model.embed_tokens.weight
     h = paddle.to_tensor(_arrays((1, 20, 64), seed=4)[0])
     with paddle.no_grad():
