@@ -24,14 +24,16 @@ _INV_FREQ: dict[tuple, paddle.Tensor] = {}  # (head_dim, theta, device) -> inv_f
 def _inv_freq(head_dim: int, theta: float) -> paddle.Tensor:
     """1 / theta^(2i / head_dim), i < head_dim / 2; cached in dynamic mode (a decode step would
     otherwise spend 3 of its ~20 small ops on it), built in the program in static mode."""
-    dynamic = paddle.in_dynamic_mode()
-    key = (head_dim, float(theta), str(paddle.get_device())) if dynamic else None
+    if not paddle.in_dynamic_mode():  # (to_static converts this function: keep its branches plain)
+        return _inv_freq_of(head_dim, theta)
+    key = (head_dim, float(theta), str(paddle.get_device()))
     if key not in _INV_FREQ:
-        inv_freq = 1.0 / (theta ** (paddle.arange(0, head_dim, 2, dtype="float32") / head_dim))
-        if not dynamic:
-            return inv_freq
-        _INV_FREQ[key] = inv_freq
+        _INV_FREQ[key] = _inv_freq_of(head_dim, theta)
     return _INV_FREQ[key]
+
+
+def _inv_freq_of(head_dim: int, theta: float) -> paddle.Tensor:
+    return 1.0 / (theta ** (paddle.arange(0, head_dim, 2, dtype="float32") / head_dim))
 
 
 def rope_cos_sin_3d(
