@@ -33,7 +33,8 @@ from embedded_default_matrix import cpu_flags, cpu_model  # noqa: E402
 CONFIG = "examples/configs/tiny/distill.yaml"
 METHODS = {
     "distill": [],
-    "sft": ["stage=SFT", "teacher_name_or_path=null"],  # the same student, data, steps and schedule
+    # the same student, data, steps and schedule; no teacher and none of the Distill-only keys
+    "sft": ["stage=SFT", "teacher_name_or_path=null", "distill_hidden_weight=0", "distill_hidden_layer_map=null"],
 }
 
 

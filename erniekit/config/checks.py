@@ -633,6 +633,11 @@ def _check_distill(cfg: TrainConfig) -> None:
                 f"teacher_name_or_path applies to stage Distill, not {cfg.stage}; set stage: Distill or "
                 "teacher_name_or_path=null"
             )
+        if cfg.distill_hidden_weight or cfg.distill_hidden_layer_map is not None:
+            raise ConfigError(
+                f"distill_hidden_weight / distill_hidden_layer_map apply to stage Distill, not {cfg.stage}; set "
+                "stage: Distill or remove them"
+            )
         return
     _require(0 <= cfg.distill_beta <= 1, "distill_beta", cfg.distill_beta, "in [0, 1] (0: forward KL, 1: reverse KL)")
     _require(cfg.distill_temperature > 0, "distill_temperature", cfg.distill_temperature, "> 0")
@@ -655,6 +660,7 @@ def _check_distill(cfg: TrainConfig) -> None:
         raise ConfigError(
             "stage Distill needs teacher_name_or_path: a trained checkpoint directory sharing the student's tokenizer"
         )
+    _check_hidden_distill(cfg)
     if not os.path.isdir(teacher):
         made_by = _config_writing(teacher)
         how = f"run `erniekit train {made_by}` first (it writes the teacher there)" if made_by else "train it first"
@@ -666,6 +672,37 @@ def _check_distill(cfg: TrainConfig) -> None:
         raise ConfigError(
             f"teacher_name_or_path: {teacher} has no config.json; give a full checkpoint in Hugging Face layout "
             "(merge a LoRA adapter first: erniekit export)"
+        )
+
+
+def _check_hidden_distill(cfg: TrainConfig) -> None:
+    """distill_hidden_weight / distill_hidden_layer_map (erniekit/train/hidden_distill.py): the loss
+    reads the teacher's layer outputs, so the teacher must run in the process (no top-k cache); the
+    map's length is checked against the student once it is built."""
+    _require(cfg.distill_hidden_weight >= 0, "distill_hidden_weight", cfg.distill_hidden_weight, ">= 0 (0: off)")
+    if cfg.distill_hidden_weight == 0:
+        if cfg.distill_hidden_layer_map is not None:
+            raise ConfigError(
+                "distill_hidden_layer_map applies with distill_hidden_weight > 0; set a weight or "
+                "distill_hidden_layer_map=null"
+            )
+        return
+    if cfg.teacher_topk_cache:
+        raise ConfigError(
+            f"distill_hidden_weight={cfg.distill_hidden_weight}: the hidden-state loss reads the teacher's layer "
+            "outputs, which its top-k cache does not hold; set teacher_topk_cache=null or distill_hidden_weight=0"
+        )
+    layer_map = cfg.distill_hidden_layer_map
+    config = os.path.join(cfg.teacher_name_or_path, "config.json")
+    if layer_map is None or not os.path.isfile(config):
+        return  # a missing teacher is reported next, with its own hint
+    with open(config) as f:
+        n_teacher = json.load(f).get("num_hidden_layers") or 0
+    bad = [i for i in layer_map if not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < n_teacher]
+    if bad:
+        raise ConfigError(
+            f"distill_hidden_layer_map={layer_map}: {bad[0]!r} is not a layer of the teacher "
+            f"{cfg.teacher_name_or_path} (it has {n_teacher}); give indices in [0, {n_teacher})"
         )
 
 

@@ -239,6 +239,17 @@ class TrainConfig:
         "read back (big teachers); null = teacher logits computed on the fly",
     )
     teacher_topk: int = _opt(64, "Distill: k of teacher_topk_cache (tokens kept per position; the rest is one bucket)")
+    distill_hidden_weight: float = _opt(
+        0.0,
+        "Distill: weight of the hidden-state loss per real token (TinyBERT's, scale-free: the squared error of "
+        "RMS-normalised layer outputs, student layer i against teacher layer distill_hidden_layer_map[i]); 0 = off. "
+        "Needs the teacher in memory (no teacher_topk_cache)",
+    )
+    distill_hidden_layer_map: list[int] | None = _opt(
+        None,
+        "Distill: the teacher layer each student layer's output learns; null = (i + 1) * N / M - 1, equal fractions "
+        "of depth ([1, 3] for 2 layers of 4)",
+    )
 
     # ### weight EMA (ERNIE 4.5: a constant LR plus an EMA of the weights instead of LR decay)
     ema_decay: float = _opt(0.0, "keep an EMA of the trainable weights with this decay (0 = off), e.g. 0.999")
@@ -614,6 +625,8 @@ SECTION_KEYS: dict[str, tuple[str, ...]] = {
         "on_policy_ratio",
         "teacher_topk_cache",
         "teacher_topk",
+        "distill_hidden_weight",
+        "distill_hidden_layer_map",
     ),
     "ema": ("ema_decay", "save_ema"),
     "loss": ("loss_token_balance",),

@@ -73,7 +73,7 @@ def _student(teacher, out, *extra) -> list[str]:
 def test_the_cli_trains_a_two_layer_student_that_loads_as_a_normal_checkpoint(teacher, tmp_path):
     kd = _train(*_student(teacher, tmp_path / "kd", "eval_max_samples=20", "per_device_eval_batch_size=20"))
     d = _results(tmp_path / "kd")["eval"]
-    assert {"loss", "exact_match", "teacher_agreement", "distill_loss"} <= set(d), d
+    assert {"loss", "exact_match", "teacher_agreement", "distill_loss", "hidden_loss"} <= set(d), d
     assert any(line.startswith("held-out exact match: ") for line in kd.stdout.splitlines()[-3:]), kd.stdout[-1500:]
     losses = _losses(tmp_path / "kd")
     assert losses[-1] < losses[0]  # 20 steps from a random student: the distillation loss falls

@@ -16,6 +16,10 @@ drawn per step from (seed, step), train on replies the student samples itself to
 prompts (the tokens before each row's first trained token), scored by the teacher. A resumed run
 draws the same steps and, seeded by the loop per step, samples the same replies.
 
+With `distill_hidden_weight` > 0 each student layer's output also learns a teacher layer's
+(erniekit/train/hidden_distill.py, TinyBERT's hidden-state loss): that term, a sum over the batch's
+real tokens, is added with its weight.
+
 The teacher's logits come from a forward pass per batch, or from `teacher_topk_cache` (its top-k
 log-probabilities on the training rows, computed once: erniekit/train/distill_cache.py); the
 cache serves the dataset's rows, so on-policy steps still need the teacher in memory.
@@ -31,6 +35,7 @@ the servers' blocks of the LM head (`token_logp_terms`).
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 
 import numpy as np
@@ -50,12 +55,15 @@ from erniekit.train.distill_losses import (
     trained_positions,
 )
 from erniekit.train.evaluation import baseline_exact_match, exact_match_eval, majority_reply
+from erniekit.train.hidden_distill import real_tokens
 from erniekit.train.losses import IGNORE_INDEX, causal_lm_loss_sum, count_target_tokens
 from erniekit.train.stage import LossOutput, Stage, Supports, lm_loss, model_inputs
 from erniekit.train.stages import register_stage
 from erniekit.utils.dtensor import is_dist, is_main_process, scalar
 
 _ON_POLICY_STREAM = 0x6B64  # keeps the per-step on-policy draw apart from other uses of the seed
+HIDDEN_PROJ_NAME = "hidden_projection"  # the hidden-state loss's W_h, beside the student (never saved in it)
+HIDDEN_PROJ_FILE = f"{HIDDEN_PROJ_NAME}.safetensors"
 
 
 def _rows(convs: list[Conversation], cfg, tokenizer) -> list[dict[str, np.ndarray]]:
@@ -153,6 +161,41 @@ class DistillStage(Stage):
         if self.cache is None or cfg.on_policy_ratio > 0:
             self.teacher = self._load_teacher()
         self.teacher_eval: dict[str, float] | None = None  # the teacher's own held-out figures, once
+        self._prepare_hidden(model, cfg)
+
+    def _prepare_hidden(self, model, cfg) -> None:
+        """The hidden-state loss's layer map and, for a student narrower than the teacher, its W_h."""
+        from erniekit.train.hidden_distill import HiddenProjection, default_hidden_layer_map
+
+        self.hidden_map: list[int] = []
+        self.hidden_proj = None
+        if cfg.distill_hidden_weight == 0:
+            return
+        n_s, n_t = model.config.num_hidden_layers, self.teacher.config.num_hidden_layers
+        self.hidden_map = list(cfg.distill_hidden_layer_map or default_hidden_layer_map(n_s, n_t))
+        if len(self.hidden_map) != n_s:
+            raise ConfigError(
+                f"distill_hidden_layer_map={self.hidden_map}: needs {n_s} teacher layers, one per student layer "
+                f"(the teacher has {n_t}); give {n_s} indices in [0, {n_t}) or null"
+            )
+        w_s, w_t = model.config.hidden_size, self.teacher.config.hidden_size
+        if w_s != w_t:
+            self.hidden_proj = HiddenProjection(w_s, w_t, model.config.initializer_range)
+
+    def extra_named_parameters(self):
+        proj = getattr(self, "hidden_proj", None)
+        return [] if proj is None else [(f"{HIDDEN_PROJ_NAME}.{n}", p) for n, p in proj.named_parameters()]
+
+    def checkpoint_tensors(self) -> dict[str, dict[str, paddle.Tensor]]:
+        proj = getattr(self, "hidden_proj", None)
+        return {} if proj is None else {HIDDEN_PROJ_FILE: dict(proj.state_dict())}
+
+    def load_checkpoint_tensors(self, path: str) -> None:
+        file = os.path.join(path, HIDDEN_PROJ_FILE)
+        if getattr(self, "hidden_proj", None) is not None and os.path.isfile(file):
+            from erniekit.utils.io import load_safetensors
+
+            self.hidden_proj.set_state_dict(load_safetensors(file))
 
     def _load_teacher(self):
         from erniekit.models import registry
@@ -166,6 +209,27 @@ class DistillStage(Stage):
     @paddle.no_grad()
     def teacher_logits(self, batch: dict[str, np.ndarray]) -> paddle.Tensor:
         return self.teacher(**model_inputs(batch)).logits
+
+    def _with_hidden(self, model, batch, forward):
+        """forward() run with the student's and the teacher's mapped layer outputs captured: its
+        result, the teacher's logits and the hidden-state loss (a sum over real tokens)."""
+        from erniekit.train.hidden_distill import hidden_loss_sum, layer_outputs
+
+        students = list(range(len(self.hidden_map)))
+        with layer_outputs(model, students) as s_out:
+            res = forward()
+        with layer_outputs(self.teacher, self.hidden_map) as t_out:
+            t_logits = self.teacher_logits(batch)
+        missing = [i for i in students if i not in s_out]
+        if missing:
+            raise ConfigError(
+                f"distill_hidden_weight: student layer {missing[0]} did not run in this forward (elastic depth or "
+                "a pipeline stage); the hidden-state loss needs every student layer: set distill_hidden_weight=0"
+            )
+        hidden = hidden_loss_sum(
+            [s_out[i] for i in students], [t_out[j] for j in self.hidden_map], batch["segment_ids"], self.hidden_proj
+        )
+        return res, t_logits, hidden
 
     def _open_or_build_cache(self, train_rows, cfg):
         """Rank 0 opens or builds the cache (the teacher loaded for the build only); the other ranks
@@ -248,23 +312,30 @@ class DistillStage(Stage):
         return self.teacher_logits(batch)
 
     def loss(self, model, batch) -> LossOutput:
-        res = lm_loss(model, batch)  # the student's forward, its hard-label loss and router losses
-        kd = self._kd_sum(res.logits, batch)
-        res.metrics.update(distill_loss=scalar(kd), hard_loss=scalar(res.loss_sum))
-        res.loss_sum = self._mix(kd, res.loss_sum)
+        if not self.hidden_map:
+            res = lm_loss(model, batch)  # the student's forward, its hard-label loss and router losses
+            kd = self._kd_sum(res.logits, batch)
+            res.metrics.update(distill_loss=scalar(kd), hard_loss=scalar(res.loss_sum))
+            res.loss_sum = self._mix(kd, res.loss_sum)
+            return res
+        res, t_logits, hidden = self._with_hidden(model, batch, lambda: lm_loss(model, batch))
+        kd = self._kd_sum(res.logits, batch, t_logits)
+        per_token = scalar(hidden) / max(real_tokens(batch["segment_ids"]), 1)
+        res.metrics.update(distill_loss=scalar(kd), hard_loss=scalar(res.loss_sum), hidden_loss=per_token)
+        res.loss_sum = self._mix(kd, res.loss_sum) + self.cfg.distill_hidden_weight * hidden
         return res
 
     def _mix(self, kd, hard):
         a = self.cfg.distill_alpha
         return kd if a == 1.0 else hard if a == 0.0 else a * kd + (1.0 - a) * hard
 
-    def _kd_sum(self, logits: paddle.Tensor, batch: dict[str, np.ndarray]) -> paddle.Tensor:
-        """T^2 x the divergence over the batch's trained positions. DistTensor logits (tensor /
-        expert parallelism, sharding) meet the cached teacher as per-position arrays placed like the
-        labels; plain logits the gathered positions."""
+    def _kd_sum(self, logits: paddle.Tensor, batch: dict[str, np.ndarray], teacher=None) -> paddle.Tensor:
+        """T^2 x the divergence over the batch's trained positions (teacher: its logits, when already
+        computed). DistTensor logits (tensor / expert parallelism, sharding) meet the cached teacher
+        as per-position arrays placed like the labels; plain logits the gathered positions."""
         cfg = self.cfg
         if not is_dist(logits):
-            teacher = self.teacher_for(batch)
+            teacher = self.teacher_for(batch) if teacher is None else teacher
             return distill_loss_sum(
                 logits,
                 batch["labels"],
@@ -373,16 +444,20 @@ class DistillStage(Stage):
     @paddle.no_grad()
     def _eval_passes(self, model, rows, cfg, pad_id: int) -> dict[str, float]:
         model.eval()
-        total = kd = agree = 0.0
-        n = 0
+        total = kd = agree = hidden = 0.0
+        n = n_real = 0
         for i in range(0, len(rows), cfg.per_device_eval_batch_size):
             b = self.collate(rows[i : i + cfg.per_device_eval_batch_size], pad_id)
-            logits = model(**model_inputs(b)).logits
+            if self.hidden_map:
+                logits, t, h = self._with_hidden(model, b, lambda b=b: model(**model_inputs(b)).logits)
+                hidden, n_real = hidden + scalar(h), n_real + real_tokens(b["segment_ids"])
+            else:
+                logits = model(**model_inputs(b)).logits
+                t = self.teacher_logits(b) if self.teacher is not None else None
             total += scalar(causal_lm_loss_sum(logits, b["labels"], b["segment_ids"]))
             n += count_target_tokens(b)
-            if self.teacher is None:
+            if t is None:
                 continue
-            t = self.teacher_logits(b)
             kd += scalar(
                 distill_loss_sum(
                     logits,
@@ -403,4 +478,6 @@ class DistillStage(Stage):
         if self.teacher is not None:
             res["distill_loss"] = kd / max(n, 1)
             res["teacher_agreement"] = agree / max(n, 1)
+        if n_real:
+            res["hidden_loss"] = hidden / n_real
         return res

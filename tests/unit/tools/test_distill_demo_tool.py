@@ -26,7 +26,16 @@ def test_a_teacher_override_reaches_the_distill_leg_only(monkeypatch, tmp_path):
     assert "teacher_name_or_path=/t" in distill and "stage=SFT" not in distill
     # later keys win in the CLI: the SFT leg's own keys come after the user's
     assert sft.index("teacher_name_or_path=null") > sft.index("teacher_name_or_path=/t")
-    assert sft[-2:] == ["stage=SFT", "teacher_name_or_path=null"] and "max_steps=5" in sft
+    assert sft[-4:] == distill_demo.METHODS["sft"] and "max_steps=5" in sft
+
+
+def test_the_plain_sft_leg_of_the_shipped_config_is_a_valid_sft_run():
+    """The comparison drops every Distill-only key (the hidden-state loss included): the CLI refuses
+    them outside stage Distill."""
+    from erniekit.config import load_config, validate
+
+    cfg = validate(load_config(str(distill_demo.ROOT / distill_demo.CONFIG), distill_demo.METHODS["sft"]))
+    assert cfg.stage == "SFT" and cfg.teacher_name_or_path is None and cfg.distill_hidden_weight == 0
 
 
 def test_the_recorded_teacher_follows_an_override(tmp_path):

@@ -141,6 +141,74 @@ def test_loss_is_the_divergence_and_hard_label_mix_computed_by_hand(tmp_path, te
     assert all(p.grad is None and p.stop_gradient for p in stage.teacher.parameters())
 
 
+def _normed(h: np.ndarray) -> np.ndarray:
+    h = h.astype(np.float64)
+    return h / np.sqrt((h * h).mean(-1, keepdims=True) + 1e-6)
+
+
+def test_hidden_state_loss_adds_its_weight_per_trained_token(tmp_path, teacher):
+    """forward KL plus weight x the sum over real tokens of |n(h_s) - n(h_t)|^2 / H, student layer 0
+    against the teacher's last layer (the default map for 1 layer of 2)."""
+    from erniekit.train.hidden_distill import layer_outputs
+
+    cfg = _cfg(tmp_path, teacher, "distill_hidden_weight=0.5")
+    stage, model, tok, rows = _stage(cfg)
+    assert stage.hidden_map == [1] and stage.hidden_proj is None and stage.extra_named_parameters() == []
+    batch = stage.collate(rows[:6], tok.pad_token_id)
+    out = stage.loss(model, batch)
+    ids = paddle.to_tensor(batch["input_ids"])
+    with paddle.no_grad(), layer_outputs(model, [0]) as s_h, layer_outputs(stage.teacher, [1]) as t_h:
+        s = model(input_ids=ids).logits.numpy()
+        t = stage.teacher(input_ids=ids).logits.numpy()
+    d = _normed(s_h[0].numpy()) - _normed(t_h[1].numpy())
+    per_token = (d * d).mean(-1)[batch["segment_ids"] > 0]
+    kd = _by_hand(s, t, batch["labels"], "forward_kl", 0.5, 1.0, 1.0)
+    assert out.metrics["hidden_loss"] == pytest.approx(per_token.mean(), rel=1e-5)  # logged per real token
+    assert float(out.loss_sum) == pytest.approx(kd + 0.5 * per_token.sum(), rel=1e-5)
+    out.loss_sum.backward()
+    assert all(p.grad is None for p in stage.teacher.parameters())
+    # the held-out figures report it too
+    ev = stage._eval_passes(model, rows[:8], cfg, tok.pad_token_id)
+    assert 0 < ev["hidden_loss"] < 4
+
+
+def test_a_hidden_layer_map_of_the_wrong_length_is_refused_at_prepare(tmp_path, teacher):
+    with pytest.raises(ConfigError, match=r"distill_hidden_layer_map=\[0, 1\]: needs 1 teacher layers"):
+        _stage(_cfg(tmp_path, teacher, "distill_hidden_weight=1", "distill_hidden_layer_map=[0,1]"))
+
+
+def test_a_narrower_student_trains_its_hidden_map_and_resumes_it_exactly(tmp_path, teacher):
+    """hidden 32 against the teacher's 64: a learned [32, 64] map (trained, saved in each checkpoint
+    beside the student, never in it) and a resumed run that continues with it bit for bit."""
+    from erniekit.train.run import run_train
+
+    common = [
+        "distill_hidden_weight=1",
+        "model_overrides.hidden_size=32",
+        "model_overrides.num_attention_heads=2",
+        "model_overrides.num_key_value_heads=1",
+        "save_steps=3",
+        "save_total_limit=0",
+        "do_eval=false",
+    ]
+    run_train(_cfg(tmp_path / "a", teacher, *common), log=lambda s: None)
+    out = tmp_path / "a" / "out"
+    full = {r["step"]: r for r in _scalars(out) if "train/loss" in r}
+    assert full[6]["train/hidden_loss"] < full[1]["train/hidden_loss"]
+    assert (out / "checkpoint-3" / "hidden_projection.safetensors").is_file()
+    from safetensors.numpy import load_file
+
+    saved = load_file(str(out / "model.safetensors"))
+    assert not any("hidden_projection" in k for k in saved) and saved["model.embed_tokens.weight"].shape[1] == 32
+    os.makedirs(tmp_path / "b" / "out")
+    os.rename(out / "checkpoint-3", tmp_path / "b" / "out" / "checkpoint-3")
+    run_train(_cfg(tmp_path / "b", teacher, *common, "resume_from_checkpoint=auto"), log=lambda s: None)
+    resumed = {r["step"]: r for r in _scalars(tmp_path / "b" / "out") if "train/loss" in r}
+    for s in (4, 5, 6):
+        assert resumed[s]["train/loss"] == pytest.approx(full[s]["train/loss"], rel=1e-5)
+        assert resumed[s]["train/hidden_loss"] == pytest.approx(full[s]["train/hidden_loss"], rel=1e-5)
+
+
 def test_on_policy_steps_are_a_seeded_fraction():
     from erniekit.train.stages.distill import on_policy_step
 
@@ -338,6 +406,17 @@ def test_vocabulary_mismatch_names_the_first_differing_id():
         (["nproc_per_node=2", "model_name_or_path=tiny-moe", "expert_parallel_degree=2"], "ep=2 reads the teacher"),
         (["nproc_per_node=2", "distributed_mode=ps", "do_eval=false"], "with distributed_mode=ps reads the teacher"),
         (["elastic_depth=[1]"], "elastic_\\* sub-model training applies to"),
+        (["distill_hidden_weight=-1"], "distill_hidden_weight=-1.0 is invalid"),
+        (["distill_hidden_layer_map=[0]"], "distill_hidden_layer_map applies with distill_hidden_weight > 0"),
+        (
+            ["distill_hidden_weight=1", "teacher_topk_cache={tmp}/cache"],
+            "the hidden-state loss reads the teacher's layer outputs, which its top-k cache does not hold",
+        ),
+        (["distill_hidden_weight=1", "distill_hidden_layer_map=[5]"], "5 is not a layer of the teacher .* has 2"),
+        (
+            ["stage=SFT", "teacher_name_or_path=null", "distill_hidden_weight=1"],
+            "distill_hidden_weight / distill_hidden_layer_map apply to stage Distill, not SFT",
+        ),
     ],
 )
 def test_config_refusals_are_one_line(tmp_path, teacher, overrides, message):
