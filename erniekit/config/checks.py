@@ -386,7 +386,13 @@ def _check_online_distill(cfg: TrainConfig) -> None:
         return
     from erniekit.distributed.collective.layout import layout_from_config
     from erniekit.models.registry import model_config
-    from erniekit.train.online_distill_spec import KEY, parse_students, student_config
+    from erniekit.train.online_distill_spec import (
+        KEY,
+        MAIN_TEACHER,
+        hidden_layer_map_error,
+        parse_students,
+        student_config,
+    )
 
     if not _supports(cfg).online_distill:
         raise ConfigError(f"{KEY} applies to the {_stages_that('online_distill')} stages, not {cfg.stage}; clear {KEY}")
@@ -411,9 +417,10 @@ def _check_online_distill(cfg: TrainConfig) -> None:
         raise ConfigError(f"{KEY} {why}")
     specs = parse_students(cfg.online_distill_students)
     teacher = model_config(cfg.model_name_or_path, cfg.model_overrides or None)
+    configs = {MAIN_TEACHER: teacher}
     for i, spec in enumerate(specs):
         where = f"{KEY}[{i}] ({spec.name})"
-        c = student_config(spec, cfg.model_name_or_path, cfg.model_overrides, where)
+        c = configs[spec.name] = student_config(spec, cfg.model_name_or_path, cfg.model_overrides, where)
         if c.vocab_size != teacher.vocab_size:
             raise ConfigError(
                 f"{where}: vocab_size={c.vocab_size} differs from the model's {teacher.vocab_size}; a student "
@@ -432,6 +439,8 @@ def _check_online_distill(cfg: TrainConfig) -> None:
                 f"{where}: a MoE student of a dense model runs in one process in this version (its router "
                 "statistics are summed over the data ranks through the teacher's MoE layers); use moe_num_experts: 0"
             )
+    for i, spec in enumerate(specs):
+        hidden_layer_map_error(spec, configs[spec.name], configs[spec.teacher], f"{KEY}[{i}] ({spec.name})")
 
 
 def _check_length(cfg: TrainConfig) -> None:

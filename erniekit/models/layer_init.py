@@ -27,6 +27,12 @@ def even_layer_map(n_layers: int, n_source: int) -> list[int]:
     return [round(i * (n_source - 1) / (n_layers - 1)) for i in range(n_layers)]
 
 
+def depth_fraction_layer_map(n_layers: int, n_source: int) -> list[int]:
+    """Layer i -> source layer (i + 1) * N / M - 1: the same fraction of depth, the last from the
+    last (TinyBERT's uniform map for layer outputs; [1, 3] for 2 of 4)."""
+    return [(i + 1) * n_source // n_layers - 1 for i in range(n_layers)]
+
+
 def source_name(name: str, layer_map: list[int]) -> str:
     """The source checkpoint's name of this model's parameter `name`."""
     m = _LAYER.match(name)

@@ -30,12 +30,6 @@ import paddle.nn as nn
 _EPS = 1e-6
 
 
-def default_hidden_layer_map(n_student: int, n_teacher: int) -> list[int]:
-    """Student layer i learns teacher layer (i + 1) * N / M - 1: equal fractions of depth, the last
-    layer from the last (TinyBERT's uniform map; [1, 3] for 2 of 4)."""
-    return [(i + 1) * n_teacher // n_student - 1 for i in range(n_student)]
-
-
 @contextmanager
 def layer_outputs(model, indices: list[int]) -> Iterator[dict[int, paddle.Tensor]]:
     """Within the block, the outputs of `model`'s decoder layers `indices` from its last forward."""

@@ -11,8 +11,10 @@ is the one its solo run makes. The step's loss is
 where D is `distill_loss_sum` (forward KL, reverse KL or GKD's JSD, temperature T) against the
 detached logits of s's teacher (the main model, or a teacher-assistant student earlier in the
 chain), a = online_distill_alpha (1: soft labels only), L_LM(s) the student's own loss on the
-data's labels and H_s the auxiliary layer's hidden-state loss (online_distill_aux.py). Students
-learn in the steps where step % online_distill_every == 0 and are left as they are in the others.
+data's labels and H_s the auxiliary layer's hidden-state loss (online_distill_aux.py). A student
+with `hidden_weight` > 0 also adds that weight times the layer-wise hidden-state loss against its
+teacher's layers (erniekit/train/hidden_distill.py, as in stage Distill). Students learn in the
+steps where step % online_distill_every == 0 and are left as they are in the others.
 """
 
 from __future__ import annotations
@@ -23,11 +25,15 @@ import paddle
 
 from erniekit.errors import ConfigError
 from erniekit.train.distill_losses import distill_loss_sum
+from erniekit.train.hidden_distill import HiddenProjection, layer_outputs, real_tokens
+from erniekit.train.hidden_distill import hidden_loss_sum as layer_hidden_loss_sum
 from erniekit.train.losses import causal_lm_loss_sum
 from erniekit.train.online_distill_aux import AuxiliaryLayer, hidden_loss_sum
 from erniekit.train.online_distill_spec import (
     MAIN_TEACHER,
     StudentSpec,
+    hidden_layer_map,
+    hidden_layer_map_error,
     parse_students,
     student_base,
     student_config,
@@ -92,6 +98,9 @@ class OnlineDistill:
         self.distilling = True  # the current step is past online_distill_start: soft labels count
         self.students: dict[str, paddle.nn.Layer] = {}
         self.aux: dict[str, AuxiliaryLayer] = {}
+        self.hidden_maps: dict[str, list[int]] = {}  # student -> its teacher's layer per layer (hidden_weight > 0)
+        self.hidden_proj: dict[str, HiddenProjection] = {}  # a narrower student's map to its teacher's width
+        self.captured: dict[str, list[int]] = {}  # model -> the layers whose outputs a hidden-state loss reads
         self.active = True  # the students learn in the current step
 
     def prepare(self, model, train_rows, eval_data, cfg, tokenizer) -> None:
@@ -114,7 +123,24 @@ class OnlineDistill:
             widths[spec.name] = student.config.hidden_size
             if spec.auxiliary_layer:
                 self.aux[spec.name] = AuxiliaryLayer(student, widths[spec.teacher])
+        self._prepare_hidden(model)
         paddle.seed(cfg.seed)  # the RNG as the solo run leaves it (the loop reseeds every step anyway)
+
+    def _prepare_hidden(self, model) -> None:
+        """Each hidden-state loss's layer map (and W_h for a narrower student), and which layers of
+        which model the losses read."""
+        configs = {MAIN_TEACHER: model.config, **{n: s.config for n, s in self.students.items()}}
+        for spec in self.specs:
+            if not spec.hidden_weight:
+                continue
+            mine, theirs = configs[spec.name], configs[spec.teacher]
+            hidden_layer_map_error(spec, mine, theirs, f"online_distill_students ({spec.name})")
+            self.hidden_maps[spec.name] = hidden_layer_map(spec, mine, theirs)
+            self.captured.setdefault(spec.name, []).extend(range(mine.num_hidden_layers))
+            self.captured.setdefault(spec.teacher, []).extend(self.hidden_maps[spec.name])
+            if mine.hidden_size != theirs.hidden_size:
+                proj = HiddenProjection(mine.hidden_size, theirs.hidden_size, mine.initializer_range)
+                self.hidden_proj[spec.name] = proj
 
     # ---- the loss ---------------------------------------------------------------------------------
     def step_batches(self, model, micro, step: int):
@@ -123,7 +149,8 @@ class OnlineDistill:
         return super().step_batches(model, micro, step)
 
     def loss(self, model, batch) -> LossOutput:
-        res = super().loss(model, batch)
+        with layer_outputs(model, self.captured.get(MAIN_TEACHER, [])) as main_layers:
+            res = super().loss(model, batch)
         if res.logits is None:
             raise ConfigError(f"stage {self.name} gives no logits to distill; online distillation needs an LM stage")
         res.metrics["teacher_loss"] = scalar(res.loss_sum)
@@ -131,9 +158,11 @@ class OnlineDistill:
             return res
         inputs = model_inputs(batch)
         logits, hidden = {MAIN_TEACHER: res.logits.detach()}, {MAIN_TEACHER: res.hidden}
+        layers = {MAIN_TEACHER: main_layers}
         total, aux_losses = res.loss_sum, [res.aux_loss] if res.aux_loss is not None else []
         for spec in self.specs:
-            out = self.students[spec.name](**inputs)
+            with layer_outputs(self.students[spec.name], self.captured.get(spec.name, [])) as layers[spec.name]:
+                out = self.students[spec.name](**inputs)
             alpha = self.alpha if self.distilling else 0.0  # before online_distill_start: labels only
             kd = None
             if alpha > 0.0:
@@ -157,6 +186,10 @@ class OnlineDistill:
                 hl = hidden_loss_sum(h, hidden[spec.teacher], batch["labels"], batch["segment_ids"])
                 total = total + spec.auxiliary_weight * hl
                 res.metrics[f"{spec.name}_aux"] = scalar(hl)
+            if spec.name in self.hidden_maps:
+                hl = self._layer_loss(spec, layers, batch)
+                total = total + spec.hidden_weight * hl
+                res.metrics[f"{spec.name}_hidden"] = scalar(hl) / max(real_tokens(batch["segment_ids"]), 1)
             if out.aux_loss is not None:
                 aux_losses.append(out.aux_loss)
             logits[spec.name], hidden[spec.name] = out.logits.detach(), out.hidden_states.detach()
@@ -164,11 +197,26 @@ class OnlineDistill:
         res.aux_loss = paddle.add_n(aux_losses) if aux_losses else None
         return res
 
+    def _layer_loss(self, spec: StudentSpec, layers: dict[str, dict], batch) -> paddle.Tensor:
+        """The student's layer-wise hidden-state loss (a sum over real tokens) against its teacher's
+        layers, both caught in this step's forwards."""
+        layer_map = self.hidden_maps[spec.name]
+        mine, theirs = layers[spec.name], layers[spec.teacher]
+        return layer_hidden_loss_sum(
+            [mine[i] for i in range(len(layer_map))],
+            [theirs[j] for j in layer_map],
+            batch["segment_ids"],
+            self.hidden_proj.get(spec.name),
+        )
+
     # ---- the students as parameters of the run ----------------------------------------------------
     def _named(self, name: str) -> list[tuple[str, paddle.Tensor]]:
         named = [(f"{STUDENTS_DIR}.{name}.{n}", p) for n, p in self.students[name].named_parameters()]
         if name in self.aux:
             named += [(f"{STUDENTS_DIR}.{name}.auxiliary.{n}", p) for n, p in self.aux[name].named_parameters()]
+        if name in self.hidden_proj:
+            proj = self.hidden_proj[name]
+            named += [(f"{STUDENTS_DIR}.{name}.hidden_projection.{n}", p) for n, p in proj.named_parameters()]
         return [(n, p) for n, p in named if not p.stop_gradient]
 
     def extra_named_parameters(self):
@@ -191,8 +239,8 @@ class OnlineDistill:
         tensors = {}
         for spec in self.specs:
             tensors.update({f"{spec.name}/{k}": v for k, v in self.students[spec.name].state_dict().items()})
-            if spec.name in self.aux:
-                tensors.update({f"{spec.name}/auxiliary/{k}": v for k, v in self.aux[spec.name].state_dict().items()})
+            for sub, layer in self._side_layers(spec.name):
+                tensors.update({f"{spec.name}/{sub}{k}": v for k, v in layer.state_dict().items()})
         return {**super().checkpoint_tensors(), CHECKPOINT_FILE: tensors}
 
     def load_checkpoint_tensors(self, path: str) -> None:
@@ -207,10 +255,7 @@ class OnlineDistill:
 
         saved = load_safetensors(file)
         for spec in self.specs:
-            parts = [("", self.students[spec.name])]
-            if spec.name in self.aux:
-                parts.append(("auxiliary/", self.aux[spec.name]))
-            for sub, layer in parts:
+            for sub, layer in [("", self.students[spec.name]), *self._side_layers(spec.name)]:
                 prefix = f"{spec.name}/{sub}"
                 own = {k[len(prefix) :]: v for k, v in saved.items() if k.startswith(prefix)}
                 own = {k: v for k, v in own.items() if "/" not in k}
@@ -221,6 +266,11 @@ class OnlineDistill:
                         "checkpoint's (online_distill_students changed?)"
                     )
                 layer.set_state_dict(own)
+
+    def _side_layers(self, name: str) -> list[tuple[str, paddle.nn.Layer]]:
+        """(checkpoint prefix, layer) of what trains beside a student and is never saved in it."""
+        out = [("auxiliary/", self.aux[name])] if name in self.aux else []
+        return out + ([("hidden_projection/", self.hidden_proj[name])] if name in self.hidden_proj else [])
 
     # ---- evaluation and the end of the run ----------------------------------------------------------
     def evaluate(self, model, tokenizer, eval_data, cfg) -> dict[str, float]:

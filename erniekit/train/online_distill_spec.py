@@ -2,7 +2,8 @@
 
 An entry is a preset name or checkpoint directory (the student's model), or a mapping with
 `name`, `teacher` (the main model, `teacher`, or another student's name: Titan's teacher
-assistant), `model`, `auxiliary_layer`, `auxiliary_weight`, `lr_ratio` and any model config field
+assistant), `model`, `auxiliary_layer`, `auxiliary_weight`, `hidden_weight`, `hidden_layer_map`
+(the hidden-state loss of erniekit/train/hidden_distill.py), `lr_ratio` and any model config field
 (num_hidden_layers, hidden_size, intermediate_size, moe_num_experts, ...) overriding the
 shape. Kept free of paddle so config validation reads it before anything loads.
 """
@@ -18,7 +19,16 @@ from typing import Any
 from erniekit.errors import ConfigError
 
 MAIN_TEACHER = "teacher"  # the run's own model, taught by its data
-SPEC_KEYS = ("name", "teacher", "model", "auxiliary_layer", "auxiliary_weight", "lr_ratio")
+SPEC_KEYS = (
+    "name",
+    "teacher",
+    "model",
+    "auxiliary_layer",
+    "auxiliary_weight",
+    "hidden_weight",
+    "hidden_layer_map",
+    "lr_ratio",
+)
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")  # a directory name under output_dir/students/
 KEY = "online_distill_students"
 
@@ -32,6 +42,8 @@ class StudentSpec:
     auxiliary_layer: bool = False  # a temporary extra decoder layer distilling the teacher's hidden states
     auxiliary_weight: float = 1.0  # weight of that hidden-state loss
     lr_ratio: float = 1.0  # its learning rate over the run's (the main model's) at every step
+    hidden_weight: float = 0.0  # weight of the layer-wise hidden-state loss per real token (0: off)
+    hidden_layer_map: tuple[int, ...] | None = None  # its teacher's layer for each of its layers
 
 
 def parse_students(value: Any) -> list[StudentSpec]:
@@ -72,13 +84,33 @@ def _parse_one(i: int, entry: Any) -> StudentSpec:
         raise ConfigError(f"{where}: auxiliary_layer={aux!r} must be true or false")
     weight = _positive_number(entry, "auxiliary_weight", where)
     lr_ratio = _positive_number(entry, "lr_ratio", where, " (its learning rate over the run's)")
+    hidden_weight, hidden_map = _hidden(entry, where)
     overrides = {str(k): v for k, v in entry.items() if k not in SPEC_KEYS}  # checked by student_config
     if model is not None and os.path.isdir(model) and overrides:
         raise ConfigError(
             f"{where}: model={model} is a checkpoint directory and keeps its own shape; drop "
             f"{next(iter(overrides))} (or start from a preset)"
         )
-    return StudentSpec(name, teacher, model, overrides, aux, weight, lr_ratio)
+    return StudentSpec(name, teacher, model, overrides, aux, weight, lr_ratio, hidden_weight, hidden_map)
+
+
+def _hidden(entry: dict, where: str) -> tuple[float, tuple[int, ...] | None]:
+    """hidden_weight (a number >= 0, default 0) and hidden_layer_map (null or non-negative layer
+    indices, with a weight only); the map's length and range are checked once the models exist."""
+    weight = entry.get("hidden_weight", 0.0)
+    if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not weight >= 0:
+        raise ConfigError(f"{where}: hidden_weight={weight!r} must be a number >= 0 (0: no hidden-state loss)")
+    layer_map = entry.get("hidden_layer_map")
+    if layer_map is None:
+        return float(weight), None
+    if not weight:
+        raise ConfigError(f"{where}: hidden_layer_map applies with hidden_weight > 0; set a weight or drop it")
+    ok = isinstance(layer_map, list) and all(
+        isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in layer_map
+    )
+    if not ok or not layer_map:
+        raise ConfigError(f"{where}: hidden_layer_map={layer_map!r} must be a list of teacher layer indices (>= 0)")
+    return float(weight), tuple(layer_map)
 
 
 def _positive_number(entry: dict, key: str, where: str, meaning: str = "") -> float:
@@ -157,3 +189,25 @@ def student_config(spec: StudentSpec, model_name_or_path: str, model_overrides: 
         return config.replace(**overrides) if overrides else config
     except (CheckpointError, TypeError, ValueError) as e:
         raise ConfigError(f"{where}: {e}") from None
+
+
+def hidden_layer_map(spec: StudentSpec, student_config: Any, teacher_config: Any) -> list[int]:
+    """The teacher layer each of the student's layers learns: its hidden_layer_map, or the same
+    fraction of depth."""
+    from erniekit.models.layer_init import depth_fraction_layer_map
+
+    m, n = student_config.num_hidden_layers, teacher_config.num_hidden_layers
+    return list(spec.hidden_layer_map) if spec.hidden_layer_map else depth_fraction_layer_map(m, n)
+
+
+def hidden_layer_map_error(spec: StudentSpec, student_config: Any, teacher_config: Any, where: str) -> None:
+    """A ConfigError when the student's hidden_layer_map does not give one teacher layer per layer."""
+    if not spec.hidden_weight:
+        return
+    layer_map = hidden_layer_map(spec, student_config, teacher_config)
+    m, n = student_config.num_hidden_layers, teacher_config.num_hidden_layers
+    if len(layer_map) != m or max(layer_map) >= n:
+        raise ConfigError(
+            f"{where}: hidden_layer_map={layer_map} must give one layer of its teacher {spec.teacher!r} (0 to {n - 1}) "
+            f"for each of its {m} layers"
+        )

@@ -165,14 +165,15 @@ class DistillStage(Stage):
 
     def _prepare_hidden(self, model, cfg) -> None:
         """The hidden-state loss's layer map and, for a student narrower than the teacher, its W_h."""
-        from erniekit.train.hidden_distill import HiddenProjection, default_hidden_layer_map
+        from erniekit.models.layer_init import depth_fraction_layer_map
+        from erniekit.train.hidden_distill import HiddenProjection
 
         self.hidden_map: list[int] = []
         self.hidden_proj = None
         if cfg.distill_hidden_weight == 0:
             return
         n_s, n_t = model.config.num_hidden_layers, self.teacher.config.num_hidden_layers
-        self.hidden_map = list(cfg.distill_hidden_layer_map or default_hidden_layer_map(n_s, n_t))
+        self.hidden_map = list(cfg.distill_hidden_layer_map or depth_fraction_layer_map(n_s, n_t))
         if len(self.hidden_map) != n_s:
             raise ConfigError(
                 f"distill_hidden_layer_map={self.hidden_map}: needs {n_s} teacher layers, one per student layer "

@@ -7,12 +7,8 @@ import numpy as np
 import paddle
 import pytest
 
-from erniekit.train.hidden_distill import (
-    HiddenProjection,
-    default_hidden_layer_map,
-    hidden_loss_sum,
-    layer_outputs,
-)
+from erniekit.models.layer_init import depth_fraction_layer_map
+from erniekit.train.hidden_distill import HiddenProjection, hidden_loss_sum, layer_outputs
 
 
 @pytest.mark.parametrize(
@@ -20,7 +16,7 @@ from erniekit.train.hidden_distill import (
     [(2, 4, [1, 3]), (3, 12, [3, 7, 11]), (4, 4, [0, 1, 2, 3]), (1, 6, [5]), (6, 12, [1, 3, 5, 7, 9, 11])],
 )
 def test_default_map_takes_equal_fractions_of_depth_and_ends_on_the_last_layer(m, n, want):
-    assert default_hidden_layer_map(m, n) == want
+    assert depth_fraction_layer_map(m, n) == want
 
 
 def _normed(h: np.ndarray) -> np.ndarray:

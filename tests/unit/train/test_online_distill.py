@@ -129,6 +129,87 @@ def test_combined_loss_is_teacher_lm_plus_each_students_divergence_from_its_teac
     paddle.seed(cfg.seed)
 
 
+# the same chain with layer-wise hidden-state losses: the assistant's 2 layers learn the model's
+# layers 0 and 2 (of 3), the 32-wide student's one layer the assistant's last through a learned map
+HIDDEN_STUDENTS = (
+    "online_distill_students=[{name: small, num_hidden_layers: 1, hidden_size: 32, moe_num_experts: 0, "
+    "teacher: ta, hidden_weight: 0.5}, {name: ta, num_hidden_layers: 2, hidden_weight: 0.3}]"
+)
+
+
+def _normed(h):
+    h = h.astype(np.float64)
+    return h / np.sqrt((h * h).mean(-1, keepdims=True) + 1e-6)
+
+
+def _layer_loss(students, teachers, segment_ids, w=None):
+    """Sum over real tokens of the mean over layer pairs of |n(h_s W) - n(h_t)|^2 / H, in numpy."""
+    errs = []
+    for hs, ht in zip(students, teachers):
+        hs = hs.astype(np.float64) @ w.astype(np.float64) if w is not None else hs
+        d = _normed(hs) - _normed(ht)
+        errs.append((d * d).mean(-1))
+    return float((np.mean(errs, 0) * (segment_ids > 0)).sum())
+
+
+def test_hidden_state_losses_join_each_students_loss_and_leave_the_teacher_alone(tmp_path):
+    from erniekit.train.distill_losses import distill_loss_sum
+    from erniekit.train.hidden_distill import layer_outputs
+    from erniekit.train.stage import lm_loss, model_inputs
+
+    cfg, model, _, stage, b = _stage_and_batch(tmp_path, HIDDEN_STUDENTS)
+    assert stage.hidden_maps == {"ta": [0, 2], "small": [1]}
+    assert set(stage.hidden_proj) == {"small"} and stage.hidden_proj["small"].linear.weight.shape == [32, 64]
+    stage.step_batches(model, [b], 0)
+    res = stage.loss(model, b)
+
+    inputs = model_inputs(b)
+    with layer_outputs(model, [0, 2]) as t_h:
+        teacher = model(**inputs)
+    with layer_outputs(stage.students["ta"], [0, 1]) as ta_h:
+        ta = stage.students["ta"](**inputs)
+    with layer_outputs(stage.students["small"], [0]) as small_h:
+        small = stage.students["small"](**inputs)
+    seg = b["segment_ids"]
+    kd = lambda s, t: distill_loss_sum(s.logits, b["labels"], t.logits, "forward_kl", 0.5, 1.0, seg)  # noqa: E731
+    ta_hidden = _layer_loss([ta_h[0].numpy(), ta_h[1].numpy()], [t_h[0].numpy(), t_h[2].numpy()], seg)
+    w = stage.hidden_proj["small"].linear.weight.numpy()
+    small_hidden = _layer_loss([small_h[0].numpy()], [ta_h[1].numpy()], seg, w)
+    by_hand = float(lm_loss(model, b).loss_sum + kd(ta, teacher) + kd(small, ta)) + 0.3 * ta_hidden + 0.5 * small_hidden
+    np.testing.assert_allclose(float(res.loss_sum), by_hand, rtol=1e-5)
+    assert res.metrics["ta_hidden"] == pytest.approx(ta_hidden / (seg > 0).sum(), rel=1e-5)
+
+    res.loss_sum.backward()  # the model's gradient is still its LM loss's alone
+    online = {n: p.grad.numpy().copy() for n, p in model.named_parameters() if p.grad is not None}
+    for p in model.parameters():
+        p.clear_gradient(set_to_zero=False)
+    lm_loss(model, b).loss_sum.backward()
+    for n, p in model.named_parameters():
+        if n in online:
+            np.testing.assert_allclose(online[n], p.grad.numpy(), rtol=1e-5, atol=1e-8, err_msg=n)
+    named = dict(stage._named("small"))
+    assert "students.small.hidden_projection.linear.weight" in named
+    assert all(p.grad is not None for p in named.values())
+
+
+def test_a_run_with_hidden_state_losses_resumes_exactly_and_saves_students_alone(tmp_path):
+    common = [HIDDEN_STUDENTS, "max_steps=4", "save_steps=2", "save_total_limit=0", "do_eval=false"]
+    _run(tmp_path, "full", *common)
+    os.makedirs(tmp_path / "resumed")
+    os.rename(tmp_path / "full" / "checkpoint-2", tmp_path / "resumed" / "checkpoint-2")
+    _run(tmp_path, "resumed", *common, "resume_from_checkpoint=auto")
+    full = {r["step"]: r for r in _scalars(tmp_path / "full") if "train/loss" in r}
+    resumed = {r["step"]: r for r in _scalars(tmp_path / "resumed") if "train/loss" in r}
+    assert full[4]["train/small_hidden"] < full[1]["train/small_hidden"]
+    for s in (3, 4):
+        for k in ("train/loss", "train/ta_hidden", "train/small_hidden"):
+            assert resumed[s][k] == pytest.approx(full[s][k], rel=1e-5), (s, k)
+    from safetensors.numpy import load_file
+
+    names = load_file(str(tmp_path / "full" / "students" / "small" / "model.safetensors"))
+    assert not any("hidden_projection" in n for n in names)
+
+
 def test_idle_step_computes_no_student_and_groups_are_the_students(tmp_path):
     _, model, _, stage, b = _stage_and_batch(tmp_path, "online_distill_every=3")
     assert set(stage.grad_groups()) == {"ta", "small"}
@@ -253,6 +334,14 @@ def test_resume_restores_teacher_students_and_their_optimizer_state(tmp_path):
         ("[{auxiliary_weight: 0}]", "auxiliary_weight=0 must be a number > 0"),
         ("[{lr_ratio: 0}]", "lr_ratio=0 must be a number > 0"),
         ("[{lr_ratio: fast}]", "lr_ratio='fast' must be a number > 0"),
+        ("[{hidden_weight: -1}]", "hidden_weight=-1 must be a number >= 0"),
+        ("[{hidden_layer_map: [0]}]", "hidden_layer_map applies with hidden_weight > 0"),
+        ("[{hidden_weight: 1, hidden_layer_map: first}]", "hidden_layer_map='first' must be a list"),
+        (
+            "[{num_hidden_layers: 2, hidden_weight: 1, hidden_layer_map: [0]}]",
+            "hidden_layer_map=[0] must give one layer of its teacher 'teacher' .0 to 2. for each of its 2 layers",
+        ),
+        ("[{num_hidden_layers: 1, hidden_weight: 1, hidden_layer_map: [3]}]", "map=[3] must give one layer .* for each of its 1 layers"),
         ("3", "must be a list of students"),
     ],
 )
