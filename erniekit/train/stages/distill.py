@@ -313,17 +313,14 @@ class DistillStage(Stage):
         return self.teacher_logits(batch)
 
     def loss(self, model, batch) -> LossOutput:
-        if not self.hidden_map:
-            res = lm_loss(model, batch)  # the student's forward, its hard-label loss and router losses
-            kd = self._kd_sum(res.logits, batch)
-            res.metrics.update(distill_loss=scalar(kd), hard_loss=scalar(res.loss_sum))
-            res.loss_sum = self._mix(kd, res.loss_sum)
-            return res
-        res, t_logits, hidden = self._with_hidden(model, batch, lambda: lm_loss(model, batch))
-        kd = self._kd_sum(res.logits, batch, t_logits)
-        per_token = scalar(hidden) / max(real_tokens(batch["segment_ids"]), 1)
-        res.metrics.update(distill_loss=scalar(kd), hard_loss=scalar(res.loss_sum), hidden_loss=per_token)
-        res.loss_sum = self._mix(kd, res.loss_sum) + self.cfg.distill_hidden_weight * hidden
+        forward = lambda: lm_loss(model, batch)  # noqa: E731 (the student's forward, hard-label and router losses)
+        res, teacher, hidden = self._with_hidden(model, batch, forward) if self.hidden_map else (forward(), None, None)
+        kd = self._kd_sum(res.logits, batch, teacher)
+        res.metrics.update(distill_loss=scalar(kd), hard_loss=scalar(res.loss_sum))
+        res.loss_sum = self._mix(kd, res.loss_sum)
+        if hidden is not None:
+            res.metrics["hidden_loss"] = scalar(hidden) / max(real_tokens(batch["segment_ids"]), 1)
+            res.loss_sum = res.loss_sum + self.cfg.distill_hidden_weight * hidden
         return res
 
     def _mix(self, kd, hard):
