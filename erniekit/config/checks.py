@@ -663,13 +663,13 @@ def _check_distill(cfg: TrainConfig) -> None:
         )
         _require(cfg.temperature > 0, "temperature", cfg.temperature, "> 0 (the student samples its replies)")
         _require(0 < cfg.top_p <= 1, "top_p", cfg.top_p, "in (0, 1]")
-    _check_distill_layout(cfg)
     teacher = cfg.teacher_name_or_path
     if not teacher:
         raise ConfigError(
             "stage Distill needs teacher_name_or_path: a trained checkpoint directory sharing the student's tokenizer"
         )
     _check_hidden_distill(cfg)
+    _check_distill_layout(cfg)
     if not os.path.isdir(teacher):
         made_by = _config_writing(teacher)
         how = f"run `erniekit train {made_by}` first (it writes the teacher there)" if made_by else "train it first"
@@ -699,9 +699,14 @@ def _check_hidden_distill(cfg: TrainConfig) -> None:
     if cfg.teacher_topk_cache:
         raise ConfigError(
             f"distill_hidden_weight={cfg.distill_hidden_weight}: the hidden-state loss reads the teacher's layer "
-            "outputs, which its top-k cache does not hold; set teacher_topk_cache=null or distill_hidden_weight=0"
+            "outputs, which its top-k cache does not hold (it runs in one process or plain data parallelism, with "
+            "the teacher in memory); set teacher_topk_cache=null or distill_hidden_weight=0"
         )
     layer_map = cfg.distill_hidden_layer_map
+    if layer_map is not None and not layer_map:
+        raise ConfigError(
+            "distill_hidden_layer_map=[] gives no teacher layer; give one per student layer, or null for the default"
+        )
     config = os.path.join(cfg.teacher_name_or_path, "config.json")
     if layer_map is None or not os.path.isfile(config):
         return  # a missing teacher is reported next, with its own hint
@@ -728,6 +733,12 @@ def _check_distill_layout(cfg: TrainConfig) -> None:
         split = lay.describe() if lay.world > 1 and not lay.data_only else None
     if split is None:
         return
+    if cfg.distill_hidden_weight > 0:
+        raise ConfigError(
+            f"distill_hidden_weight={cfg.distill_hidden_weight}: the hidden-state loss reads the teacher's layer "
+            f"outputs in memory, which runs in one process or plain data parallelism, not {split}; set "
+            "distill_hidden_weight=0"
+        )
     if cfg.on_policy_ratio > 0:
         raise ConfigError(
             f"on_policy_ratio={cfg.on_policy_ratio}: on-policy steps score the student's samples with the teacher in "

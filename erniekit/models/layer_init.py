@@ -29,8 +29,9 @@ def even_layer_map(n_layers: int, n_source: int) -> list[int]:
 
 def depth_fraction_layer_map(n_layers: int, n_source: int) -> list[int]:
     """Layer i -> source layer (i + 1) * N / M - 1: the same fraction of depth, the last from the
-    last (TinyBERT's uniform map for layer outputs; [1, 3] for 2 of 4)."""
-    return [(i + 1) * n_source // n_layers - 1 for i in range(n_layers)]
+    last (TinyBERT's uniform map for layer outputs; [1, 3] for 2 of 4). A model deeper than its
+    source maps its first layers to source layer 0 ([0, 0, 0, 1] for 4 of 2)."""
+    return [max(0, (i + 1) * n_source // n_layers - 1) for i in range(n_layers)]
 
 
 def source_name(name: str, layer_map: list[int]) -> str:

@@ -53,7 +53,7 @@ def _rms_normed(h: paddle.Tensor) -> paddle.Tensor:
     return h * paddle.rsqrt((h * h).mean(-1, keepdim=True) + _EPS)
 
 
-def hidden_loss_sum(
+def layer_loss_sum(
     student: list[paddle.Tensor],
     teacher: list[paddle.Tensor],
     segment_ids: np.ndarray,
@@ -64,15 +64,11 @@ def hidden_loss_sum(
     real = paddle.to_tensor((np.asarray(segment_ids) > 0).astype(np.float32))  # [B, S]
     total = None
     for hs, ht in zip(student, teacher):
-        hs = proj(hs) if proj is not None else hs
-        d = _rms_normed(hs) - _rms_normed(ht.detach().astype(hs.dtype))
+        hs = (proj(hs) if proj is not None else hs).astype("float32")  # float32 under AMP too
+        d = _rms_normed(hs) - _rms_normed(ht.detach().astype("float32"))
         term = ((d * d).mean(-1) * real).sum()
         total = term if total is None else total + term
     return total / len(student)
-
-
-def real_tokens(segment_ids: np.ndarray) -> int:
-    return int((np.asarray(segment_ids) > 0).sum())
 
 
 class HiddenProjection(nn.Layer):

@@ -25,8 +25,7 @@ import paddle
 
 from erniekit.errors import ConfigError
 from erniekit.train.distill_losses import distill_loss_sum
-from erniekit.train.hidden_distill import HiddenProjection, layer_outputs, real_tokens
-from erniekit.train.hidden_distill import hidden_loss_sum as layer_hidden_loss_sum
+from erniekit.train.hidden_distill import HiddenProjection, layer_loss_sum, layer_outputs
 from erniekit.train.losses import causal_lm_loss_sum
 from erniekit.train.online_distill_aux import AuxiliaryLayer, hidden_loss_sum
 from erniekit.train.online_distill_spec import (
@@ -189,7 +188,7 @@ class OnlineDistill:
             if spec.name in self.hidden_maps:
                 hl = self._layer_loss(spec, layers, batch)
                 total = total + spec.hidden_weight * hl
-                res.metrics[f"{spec.name}_hidden"] = scalar(hl) / max(real_tokens(batch["segment_ids"]), 1)
+                res.metrics[f"{spec.name}_hidden"] = scalar(hl)  # logged per trained token, as the loss
             if out.aux_loss is not None:
                 aux_losses.append(out.aux_loss)
             logits[spec.name], hidden[spec.name] = out.logits.detach(), out.hidden_states.detach()
@@ -202,7 +201,7 @@ class OnlineDistill:
         layers, both caught in this step's forwards."""
         layer_map = self.hidden_maps[spec.name]
         mine, theirs = layers[spec.name], layers[spec.teacher]
-        return layer_hidden_loss_sum(
+        return layer_loss_sum(
             [mine[i] for i in range(len(layer_map))],
             [theirs[j] for j in layer_map],
             batch["segment_ids"],

@@ -206,7 +206,7 @@ def hidden_layer_map_error(spec: StudentSpec, student_config: Any, teacher_confi
         return
     layer_map = hidden_layer_map(spec, student_config, teacher_config)
     m, n = student_config.num_hidden_layers, teacher_config.num_hidden_layers
-    if len(layer_map) != m or max(layer_map) >= n:
+    if len(layer_map) != m or not all(0 <= i < n for i in layer_map):
         raise ConfigError(
             f"{where}: hidden_layer_map={layer_map} must give one layer of its teacher {spec.teacher!r} (0 to {n - 1}) "
             f"for each of its {m} layers"

@@ -55,7 +55,6 @@ from erniekit.train.distill_losses import (
     trained_positions,
 )
 from erniekit.train.evaluation import baseline_exact_match, exact_match_eval, majority_reply
-from erniekit.train.hidden_distill import real_tokens
 from erniekit.train.losses import IGNORE_INDEX, causal_lm_loss_sum, count_target_tokens
 from erniekit.train.stage import LossOutput, Stage, Supports, lm_loss, model_inputs
 from erniekit.train.stages import register_stage
@@ -173,8 +172,9 @@ class DistillStage(Stage):
         if cfg.distill_hidden_weight == 0:
             return
         n_s, n_t = model.config.num_hidden_layers, self.teacher.config.num_hidden_layers
-        self.hidden_map = list(cfg.distill_hidden_layer_map or depth_fraction_layer_map(n_s, n_t))
-        if len(self.hidden_map) != n_s:
+        given = cfg.distill_hidden_layer_map
+        self.hidden_map = list(given) if given is not None else depth_fraction_layer_map(n_s, n_t)
+        if len(self.hidden_map) != n_s or not all(0 <= i < n_t for i in self.hidden_map):
             raise ConfigError(
                 f"distill_hidden_layer_map={self.hidden_map}: needs {n_s} teacher layers, one per student layer "
                 f"(the teacher has {n_t}); give {n_s} indices in [0, {n_t}) or null"
@@ -192,11 +192,18 @@ class DistillStage(Stage):
         return {} if proj is None else {HIDDEN_PROJ_FILE: dict(proj.state_dict())}
 
     def load_checkpoint_tensors(self, path: str) -> None:
+        if getattr(self, "hidden_proj", None) is None:
+            return
         file = os.path.join(path, HIDDEN_PROJ_FILE)
-        if getattr(self, "hidden_proj", None) is not None and os.path.isfile(file):
-            from erniekit.utils.io import load_safetensors
+        if not os.path.isfile(file):
+            raise ConfigError(
+                f"resume_from_checkpoint={path}: no {HIDDEN_PROJ_FILE}, the hidden-state loss's map to the teacher's "
+                "width (distill_hidden_weight with a narrower student); resume from a checkpoint of this run's "
+                "config or start a fresh output_dir"
+            )
+        from erniekit.utils.io import load_safetensors
 
-            self.hidden_proj.set_state_dict(load_safetensors(file))
+        self.hidden_proj.set_state_dict(load_safetensors(file))
 
     def _load_teacher(self):
         from erniekit.models import registry
@@ -214,7 +221,7 @@ class DistillStage(Stage):
     def _with_hidden(self, model, batch, forward):
         """forward() run with the student's and the teacher's mapped layer outputs captured: its
         result, the teacher's logits and the hidden-state loss (a sum over real tokens)."""
-        from erniekit.train.hidden_distill import hidden_loss_sum, layer_outputs
+        from erniekit.train.hidden_distill import layer_loss_sum, layer_outputs
 
         students = list(range(len(self.hidden_map)))
         with layer_outputs(model, students) as s_out:
@@ -227,7 +234,7 @@ class DistillStage(Stage):
                 f"distill_hidden_weight: student layer {missing[0]} did not run in this forward (elastic depth or "
                 "a pipeline stage); the hidden-state loss needs every student layer: set distill_hidden_weight=0"
             )
-        hidden = hidden_loss_sum(
+        hidden = layer_loss_sum(
             [s_out[i] for i in students], [t_out[j] for j in self.hidden_map], batch["segment_ids"], self.hidden_proj
         )
         return res, t_logits, hidden
@@ -319,7 +326,7 @@ class DistillStage(Stage):
         res.metrics.update(distill_loss=scalar(kd), hard_loss=scalar(res.loss_sum))
         res.loss_sum = self._mix(kd, res.loss_sum)
         if hidden is not None:
-            res.metrics["hidden_loss"] = scalar(hidden) / max(real_tokens(batch["segment_ids"]), 1)
+            res.metrics["hidden_loss"] = scalar(hidden)  # a sum: the runner logs it per trained token, as the loss
             res.loss_sum = res.loss_sum + self.cfg.distill_hidden_weight * hidden
         return res
 
@@ -443,12 +450,12 @@ class DistillStage(Stage):
     def _eval_passes(self, model, rows, cfg, pad_id: int) -> dict[str, float]:
         model.eval()
         total = kd = agree = hidden = 0.0
-        n = n_real = 0
+        n = 0
         for i in range(0, len(rows), cfg.per_device_eval_batch_size):
             b = self.collate(rows[i : i + cfg.per_device_eval_batch_size], pad_id)
             if self.hidden_map:
                 logits, t, h = self._with_hidden(model, b, lambda b=b: model(**model_inputs(b)).logits)
-                hidden, n_real = hidden + scalar(h), n_real + real_tokens(b["segment_ids"])
+                hidden += scalar(h)
             else:
                 logits = model(**model_inputs(b)).logits
                 t = self.teacher_logits(b) if self.teacher is not None else None
@@ -476,6 +483,6 @@ class DistillStage(Stage):
         if self.teacher is not None:
             res["distill_loss"] = kd / max(n, 1)
             res["teacher_agreement"] = agree / max(n, 1)
-        if n_real:
-            res["hidden_loss"] = hidden / n_real
+        if self.hidden_map:
+            res["hidden_loss"] = hidden / max(n, 1)  # per trained token, as in training
         return res

@@ -146,7 +146,7 @@ def _normed(h: np.ndarray) -> np.ndarray:
     return h / np.sqrt((h * h).mean(-1, keepdims=True) + 1e-6)
 
 
-def test_hidden_state_loss_adds_its_weight_per_trained_token(tmp_path, teacher):
+def test_hidden_state_loss_adds_its_weighted_sum_over_real_tokens(tmp_path, teacher):
     """forward KL plus weight x the sum over real tokens of |n(h_s) - n(h_t)|^2 / H, student layer 0
     against the teacher's last layer (the default map for 1 layer of 2)."""
     from erniekit.train.hidden_distill import layer_outputs
@@ -163,13 +163,41 @@ def test_hidden_state_loss_adds_its_weight_per_trained_token(tmp_path, teacher):
     d = _normed(s_h[0].numpy()) - _normed(t_h[1].numpy())
     per_token = (d * d).mean(-1)[batch["segment_ids"] > 0]
     kd = _by_hand(s, t, batch["labels"], "forward_kl", 0.5, 1.0, 1.0)
-    assert out.metrics["hidden_loss"] == pytest.approx(per_token.mean(), rel=1e-5)  # logged per real token
+    assert out.metrics["hidden_loss"] == pytest.approx(per_token.sum(), rel=1e-5)  # the runner divides, as the loss
     assert float(out.loss_sum) == pytest.approx(kd + 0.5 * per_token.sum(), rel=1e-5)
     out.loss_sum.backward()
     assert all(p.grad is None for p in stage.teacher.parameters())
-    # the held-out figures report it too
-    ev = stage._eval_passes(model, rows[:8], cfg, tok.pad_token_id)
-    assert 0 < ev["hidden_loss"] < 4
+    # the held-out figures report it too, per trained token
+    from erniekit.train.losses import count_target_tokens
+
+    ev = stage._eval_passes(model, rows[:6], cfg, tok.pad_token_id)
+    assert ev["hidden_loss"] == pytest.approx(per_token.sum() / count_target_tokens(batch), rel=1e-4)
+
+
+@pytest.mark.parametrize("recompute", [None, "full"])
+def test_the_hidden_state_term_reaches_the_students_layers(tmp_path, teacher, recompute):
+    """The term's gradient is the gradient with it minus the one without, through the hooked outputs
+    (recomputed layers included): non-zero in the layer's own weights, zero in the final norm (the
+    captured outputs are taken before it)."""
+    extra = [f"recompute_granularity={recompute}", "recompute=true"] if recompute else []
+
+    def grads(weight):
+        cfg = _cfg(tmp_path / str(weight), teacher, f"distill_hidden_weight={weight}", *extra)
+        stage, model, tok, rows = _stage(cfg)
+        stage.loss(model, stage.collate(rows[:6], tok.pad_token_id)).loss_sum.backward()
+        return {n: p.grad.numpy() for n, p in model.named_parameters() if p.grad is not None}
+
+    with_term, without = grads(2.0), grads(0.0)
+    layer = [n for n in with_term if n.startswith("model.layers.0.")]
+    assert layer and max(float(np.abs(with_term[n] - without[n]).max()) for n in layer) > 1e-6
+    np.testing.assert_allclose(with_term["model.norm.weight"], without["model.norm.weight"], rtol=1e-6, atol=1e-9)
+
+
+def test_a_narrower_students_resume_without_its_hidden_map_is_refused(tmp_path, teacher):
+    cfg = _cfg(tmp_path, teacher, "distill_hidden_weight=1", "model_overrides.hidden_size=32")
+    stage, *_ = _stage(cfg)
+    with pytest.raises(ConfigError, match="no hidden_projection.safetensors"):
+        stage.load_checkpoint_tensors(str(tmp_path))
 
 
 def test_a_hidden_layer_map_of_the_wrong_length_is_refused_at_prepare(tmp_path, teacher):
@@ -413,6 +441,14 @@ def test_vocabulary_mismatch_names_the_first_differing_id():
             "the hidden-state loss reads the teacher's layer outputs, which its top-k cache does not hold",
         ),
         (["distill_hidden_weight=1", "distill_hidden_layer_map=[5]"], "5 is not a layer of the teacher .* has 2"),
+        (
+            ["distill_hidden_weight=1", "distill_hidden_layer_map=[]"],
+            "distill_hidden_layer_map=\\[\\] gives no teacher",
+        ),
+        (
+            ["nproc_per_node=2", "tensor_parallel_degree=2", "distill_hidden_weight=1"],
+            "runs in one process or plain data parallelism, not tp=2",
+        ),
         (
             ["stage=SFT", "teacher_name_or_path=null", "distill_hidden_weight=1"],
             "distill_hidden_weight / distill_hidden_layer_map apply to stage Distill, not SFT",

@@ -8,12 +8,19 @@ import paddle
 import pytest
 
 from erniekit.models.layer_init import depth_fraction_layer_map
-from erniekit.train.hidden_distill import HiddenProjection, hidden_loss_sum, layer_outputs
+from erniekit.train.hidden_distill import HiddenProjection, layer_loss_sum, layer_outputs
 
 
 @pytest.mark.parametrize(
     "m,n,want",
-    [(2, 4, [1, 3]), (3, 12, [3, 7, 11]), (4, 4, [0, 1, 2, 3]), (1, 6, [5]), (6, 12, [1, 3, 5, 7, 9, 11])],
+    [
+        (2, 4, [1, 3]),
+        (3, 12, [3, 7, 11]),
+        (4, 4, [0, 1, 2, 3]),
+        (1, 6, [5]),
+        (6, 12, [1, 3, 5, 7, 9, 11]),
+        (4, 2, [0, 0, 0, 1]),  # deeper than its source: never a negative index
+    ],
 )
 def test_default_map_takes_equal_fractions_of_depth_and_ends_on_the_last_layer(m, n, want):
     assert depth_fraction_layer_map(m, n) == want
@@ -43,17 +50,17 @@ def test_loss_is_the_normalised_squared_error_summed_over_real_tokens():
     seg = np.array([[1, 1, 1, 0], [1, 1, 2, 2]])
     s = [rng.normal(size=(2, 4, 8)).astype(np.float32) * k for k in (1.0, 30.0)]
     t = [rng.normal(size=(2, 4, 8)).astype(np.float32) * k for k in (5.0, 0.1)]
-    got = hidden_loss_sum([paddle.to_tensor(x) for x in s], [paddle.to_tensor(x) for x in t], seg)
+    got = layer_loss_sum([paddle.to_tensor(x) for x in s], [paddle.to_tensor(x) for x in t], seg)
     assert float(got) == pytest.approx(_by_hand(s, t, seg), rel=1e-5)
     # scale-free: scaling either side leaves it unchanged; equal directions give 0
-    scaled = hidden_loss_sum([paddle.to_tensor(x * 7.0) for x in s], [paddle.to_tensor(x) for x in t], seg)
+    scaled = layer_loss_sum([paddle.to_tensor(x * 7.0) for x in s], [paddle.to_tensor(x) for x in t], seg)
     assert float(scaled) == pytest.approx(float(got), rel=1e-5)
-    same = hidden_loss_sum([paddle.to_tensor(x * 3.0) for x in t], [paddle.to_tensor(x) for x in t], seg)
+    same = layer_loss_sum([paddle.to_tensor(x * 3.0) for x in t], [paddle.to_tensor(x) for x in t], seg)
     assert float(same) == pytest.approx(0.0, abs=1e-6)
     # a padded position never counts
     t_pad = [x.copy() for x in t]
     t_pad[0][0, 3] = 1e3
-    moved = hidden_loss_sum([paddle.to_tensor(x) for x in s], [paddle.to_tensor(x) for x in t_pad], seg)
+    moved = layer_loss_sum([paddle.to_tensor(x) for x in s], [paddle.to_tensor(x) for x in t_pad], seg)
     assert float(moved) == pytest.approx(float(got), rel=1e-6)
 
 
@@ -66,7 +73,7 @@ def test_a_narrower_student_goes_through_the_learned_map_and_only_it_gets_gradie
     proj = HiddenProjection(4, 8, std=0.5)
     hs = paddle.to_tensor(s, stop_gradient=False)
     ht = paddle.to_tensor(t, stop_gradient=False)
-    got = hidden_loss_sum([hs], [ht], seg, proj)
+    got = layer_loss_sum([hs], [ht], seg, proj)
     assert float(got) == pytest.approx(_by_hand([s], [t], seg, proj.linear.weight.numpy()), rel=1e-5)
     got.backward()
     assert hs.grad is not None and proj.linear.weight.grad is not None
