@@ -198,9 +198,13 @@ def _server_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-batch", type=int, default=8, help="requests decoded together; more wait in a queue")
     p.add_argument(
         "--packed-weights",
-        action="store_true",
+        nargs="?",
+        const="on",
+        default="auto",
+        choices=("auto", "on", "off"),
         help="built-in engine on the CPU: keep a packed copy of the projections for faster batched decode "
-        "steps (docs/performance.md; costs a second copy of those weights)",
+        "steps (docs/deploy.md; costs a second copy of those weights). auto (default): when the copy takes "
+        "at most a quarter of the memory available",
     )
     p.add_argument(
         "--max-model-len",

@@ -86,9 +86,7 @@ MODELS = {
 TRAIN_SHAPES = {"dense-1024": (4, 256), "0.3b-2l": (2, 256), "tiny-moe": (64, 32), "moe16-top4": (4, 256)}
 CASES = [f"train:{m}" for m in MODELS] + ["prefill", "decode-b1", "decode-b8", "decode-b32", "server-c16", "server-c64"]
 PROMPT_LEN, DECODE_NEW, SERVER_NEW = 32, 128, 64
-PACKED_WEIGHTS = (
-    False  # --packed-weights: the server cases' engine packs its projections (erniekit server --packed-weights)
-)
+PACKED_WEIGHTS = "auto"  # --packed-weights: the server cases' engine, as `erniekit server --packed-weights`
 
 
 def _model_of(case: str) -> str:
@@ -242,14 +240,16 @@ def _erniekit_server(model, concurrent: int) -> dict:
 
     from erniekit.infer.engine import Engine, Request
     from erniekit.infer.sampling import SamplingParams
+    from erniekit.infer.weight_packing import packing_choice
     from erniekit.models.ernie4_5.tokenizer import default_tokenizer
 
+    pack, packing = packing_choice(model, PACKED_WEIGHTS)  # the server's own choice
     engine = Engine(
         model,
         _WrappedTokenizer(default_tokenizer()),
         max_batch=concurrent,
         max_model_len=PROMPT_LEN + SERVER_NEW + 8,
-        pack_weights=PACKED_WEIGHTS,
+        pack_weights=pack,
     )
     prompts = _ids(model.config.vocab_size, concurrent, PROMPT_LEN).tolist()
 
@@ -280,7 +280,7 @@ def _erniekit_server(model, concurrent: int) -> dict:
         tokens, wall = run(prompts)
     finally:
         engine.close()
-    return {"tokens_per_s": tokens / wall}
+    return {"tokens_per_s": tokens / wall, "packed_weights": pack, "packing": packing}
 
 
 def torch_case(case: str, ckpt: str, steps: int, threads: int) -> dict:
@@ -368,7 +368,7 @@ def _run_one(framework: str, case: str, args: argparse.Namespace) -> dict:
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), MKL_NUM_THREADS=str(args.threads))
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--framework", framework, "--case", case]
     cmd += ["--workdir", args.workdir, "--threads", str(args.threads), "--steps", str(args.steps)]
-    cmd += ["--packed-weights"] if args.packed_weights else []
+    cmd += ["--packed-weights", args.packed_weights]
     p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=3600)
     line = next((ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")), None)
     if p.returncode or line is None:
@@ -397,7 +397,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--workdir", default=os.path.join(ROOT, "output", "bench_vs_torch"))
     p.add_argument("--out", default=os.path.join(ROOT, "bench_results", "vs_torch.json"))
     p.add_argument(
-        "--packed-weights", action="store_true", help="server cases: the engine keeps packed projections (more memory)"
+        "--packed-weights",
+        nargs="?",
+        const="on",
+        default="auto",
+        choices=("auto", "on", "off"),
+        help="server cases: the engine's packed projections, as `erniekit server --packed-weights` (default auto)",
     )
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--framework", choices=("erniekit", "torch"), help=argparse.SUPPRESS)

@@ -1254,15 +1254,17 @@ def run_server(ns) -> int:
     import uvicorn
 
     from erniekit.infer.chat import load_chat_model, stop_ids
+    from erniekit.infer.weight_packing import packing_choice
 
     model, tokenizer = load_chat_model(ns.model_dir)
+    pack, packing = packing_choice(model, getattr(ns, "packed_weights", None) or "auto")
     engine = Engine(
         model,
         tokenizer,
         max_batch=ns.max_batch,
         max_model_len=ns.max_model_len,
         stop_token_ids=stop_ids(model, tokenizer),
-        pack_weights=getattr(ns, "packed_weights", False),
+        pack_weights=pack,
     )
     name = ns.served_model_name or os.path.basename(os.path.normpath(ns.model_dir))
     media = getattr(ns, "allowed_local_media_path", None)
@@ -1276,7 +1278,8 @@ def run_server(ns) -> int:
     print(
         f"erniekit: serving {name} ({ns.model_dir}) at http://{ns.host}:{ns.port}/v1 (up to {ns.max_batch} "
         f"requests at once, context {engine.max_model_len} tokens, bodies up to {ns.max_body_bytes} bytes, "
-        + (f"API key required, from {key_source})" if api_key else "no API key)"),
+        + (f"API key required, from {key_source})" if api_key else "no API key)")
+        + f"; {packing}",
         flush=True,
     )
     try:

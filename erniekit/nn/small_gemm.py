@@ -156,9 +156,19 @@ def pack_weights(model) -> int:
     those weights (and of a tied head's embedding, whose panels hold its transpose): opt in where
     memory allows (`erniekit server --packed-weights`)."""
     kernels = _kernels()
-    if kernels is None:
-        return 0
-    added = 0
+    return sum(_pack(w, kernels[k], K, N) for w, k, K, N in _pack_plan(model))
+
+
+def packable_bytes(model) -> int:
+    """The bytes `pack_weights(model)` would add (0 where the kernels do not apply)."""
+    return sum(4 * K * N for _, _, K, N in _pack_plan(model))
+
+
+def _pack_plan(model) -> list[tuple[paddle.Tensor, int, int, int]]:
+    """(weight, packing kernel's index, K, N) of each weight not yet packed that the kernels take."""
+    if _kernels() is None:
+        return []
+    plan = []
     for layer in model.sublayers():
         w = getattr(layer, "weight", None)
         if not isinstance(layer, paddle.nn.Linear) or w is None or w.dtype != _F32 or w.ndim != 2:
@@ -166,11 +176,11 @@ def pack_weights(model) -> int:
         K, N = w.shape
         if N % 64 or K % 16 or 4 * K * N < KN_MIN_BYTES or _packed_of(w) is not None:
             continue
-        added += _pack(w, kernels[2], K, N)
+        plan.append((w, 2, K, N))
     head = _tied_head(model)
     if head is not None and head.shape[0] % 64 == 0 and head.shape[1] % 16 == 0 and _packed_of(head) is None:
-        added += _pack(head, kernels[4], head.shape[1], head.shape[0])  # panels of head^T: [H, V]
-    return added
+        plan.append((head, 4, head.shape[1], head.shape[0]))  # panels of head^T: [H, V]
+    return plan
 
 
 def _pack(w: paddle.Tensor, pack_fn, K: int, N: int) -> int:

@@ -234,8 +234,36 @@ def test_a_packed_tied_head_sums_as_kn_does(kernel, bits):
     np.testing.assert_allclose(got.numpy(), unpacked.numpy(), rtol=1e-5, atol=1e-5)
 
 
-def test_the_server_asks_for_packed_weights_by_a_flag():
+def test_the_server_flag_is_auto_unless_told():
     from erniekit.cli import _server_parser
 
-    assert _server_parser().parse_args(["ckpt", "--packed-weights"]).packed_weights is True
-    assert _server_parser().parse_args(["ckpt"]).packed_weights is False  # a second copy of the weights: opt-in
+    parse = _server_parser().parse_args
+    assert parse(["ckpt"]).packed_weights == "auto"
+    assert parse(["ckpt", "--packed-weights"]).packed_weights == "on"  # the flag alone, as before
+    assert parse(["ckpt", "--packed-weights", "off"]).packed_weights == "off"
+
+
+def test_auto_packs_when_the_copy_is_small_against_the_memory_available(kernel, monkeypatch):
+    from erniekit.errors import ErniekitError
+    from erniekit.infer.weight_packing import available_memory, packing_choice
+
+    monkeypatch.setattr(sg, "KN_MIN_BYTES", 0)
+    model = _tiny_lm(1024, 2, seed=0)
+    need = sg.packable_bytes(model)
+    assert need == 4 * (2 * 3 * 64 * 128 + 2 * 2 * 64 * 64 + 1024 * 64)  # what the engine test packs
+    pack, why = packing_choice(model, "auto", available=4 * need)  # exactly a quarter
+    assert pack and why.startswith("packed weights on (+0.5 MiB") and "--packed-weights off saves it" in why
+    pack, why = packing_choice(model, "auto", available=4 * need - 1)
+    assert not pack and "over a quarter" in why and "--packed-weights on" in why
+    assert packing_choice(model, "on", available=1)[0] is True
+    assert packing_choice(model, "off")[0] is False
+    assert sg.packable_bytes(model) == need  # deciding packs nothing
+    with pytest.raises(ErniekitError, match="--packed-weights maybe: choose one of auto, on, off"):
+        packing_choice(model, "maybe")
+    avail = available_memory()
+    assert avail is None or avail > 0
+    monkeypatch.setattr(sg, "_kernels", lambda: None)  # a build without the kernels: nothing to pack
+    assert packing_choice(model, "on") == (
+        False,
+        "packed weights: none to pack (the kernels take float32 CPU projections of >= 256 KiB)",
+    )
