@@ -52,10 +52,24 @@ def train(args: list[str]) -> int:
     return start_training(cfg, path, overrides, user_threads)
 
 
+def _add_packed_weights(p: argparse.ArgumentParser, where: str) -> None:
+    p.add_argument(
+        "--packed-weights",
+        nargs="?",
+        const="on",
+        default="auto",
+        choices=("auto", "on", "off"),
+        help=f"{where}: keep a packed copy of the projections for faster decode steps (docs/deploy.md; costs a "
+        "second copy of those weights). auto (default): when the copy takes at most a quarter of the memory "
+        "available",
+    )
+
+
 def _chat_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="erniekit chat", description="Chat with a checkpoint.")
     p.add_argument("model_dir", help="checkpoint directory (Hugging Face layout) or LoRA adapter directory")
     _add_base_model(p)
+    _add_packed_weights(p, "on the CPU")
     p.add_argument("--prompt", help="answer this one message and exit (no interactive session)")
     p.add_argument("--system", help="system message")
     p.add_argument("--max-new-tokens", type=int, default=256, help="most tokens per reply")
@@ -196,16 +210,7 @@ def _server_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--served-model-name", help="the model id clients send (default: the directory's name)")
     p.add_argument("--max-batch", type=int, default=8, help="requests decoded together; more wait in a queue")
-    p.add_argument(
-        "--packed-weights",
-        nargs="?",
-        const="on",
-        default="auto",
-        choices=("auto", "on", "off"),
-        help="built-in engine on the CPU: keep a packed copy of the projections for faster batched decode "
-        "steps (docs/deploy.md; costs a second copy of those weights). auto (default): when the copy takes "
-        "at most a quarter of the memory available",
-    )
+    _add_packed_weights(p, "built-in engine on the CPU")
     p.add_argument(
         "--max-model-len",
         type=int,

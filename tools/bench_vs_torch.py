@@ -14,7 +14,8 @@ Cases
   train:<model>   forward + mean token cross-entropy (+ the MoE router loss each framework adds
                   in training) + backward + AdamW step; tokens/s over the timed steps
   prefill         dense-1024, one no-grad forward of batch 4 x 256; tokens/s
-  decode-b{1,8,32} dense-1024, greedy, 32-token prompts, 128 new tokens; new tokens/s
+  decode-b{1,8,32} dense-1024, greedy, 32-token prompts, 128 new tokens; new tokens/s (erniekit
+                  packs its weights as `erniekit chat` does: --packed-weights)
   server-c{16,64} dense-1024: the built-in engine (continuous batching) with 16 / 64 concurrent
                   requests of 32-token prompts and 64 new tokens, against transformers batched
                   `generate` of the same prompts; generated tokens/s over the wall time
@@ -86,7 +87,7 @@ MODELS = {
 TRAIN_SHAPES = {"dense-1024": (4, 256), "0.3b-2l": (2, 256), "tiny-moe": (64, 32), "moe16-top4": (4, 256)}
 CASES = [f"train:{m}" for m in MODELS] + ["prefill", "decode-b1", "decode-b8", "decode-b32", "server-c16", "server-c64"]
 PROMPT_LEN, DECODE_NEW, SERVER_NEW = 32, 128, 64
-PACKED_WEIGHTS = "auto"  # --packed-weights: the server cases' engine, as `erniekit server --packed-weights`
+PACKED_WEIGHTS = "auto"  # --packed-weights: decode and server cases, as `erniekit chat` / `server` choose
 
 
 def _model_of(case: str) -> str:
@@ -175,18 +176,20 @@ def erniekit_case(case: str, ckpt: str, steps: int) -> dict:
 
         return {"tokens_per_s": 4 * 256 / _timed(fwd, 1, steps)}
     if case.startswith("decode-b"):
+        from erniekit.infer.chat import pack_for_chat
         from erniekit.infer.generate import generate
         from erniekit.infer.sampling import SamplingParams
 
         b = int(case.split("-b")[1])
         prompts = _ids(model.config.vocab_size, b, PROMPT_LEN).tolist()
         params = SamplingParams(max_new_tokens=DECODE_NEW)  # greedy, no stop ids: fixed lengths
+        packing = pack_for_chat(model, PACKED_WEIGHTS)  # as `erniekit chat` loads a model
         generate(model, prompts, SamplingParams(max_new_tokens=4))
         t0 = time.perf_counter()
         out = generate(model, prompts, params)
         dt = time.perf_counter() - t0
         assert all(len(o) == DECODE_NEW for o in out)
-        return {"tokens_per_s": b * DECODE_NEW / dt}
+        return {"tokens_per_s": b * DECODE_NEW / dt, "packing": packing}
     return _erniekit_server(model, int(case.split("-c")[1]))
 
 
@@ -402,7 +405,8 @@ def main(argv: list[str] | None = None) -> None:
         const="on",
         default="auto",
         choices=("auto", "on", "off"),
-        help="server cases: the engine's packed projections, as `erniekit server --packed-weights` (default auto)",
+        help="decode and server cases: packed projections, as `erniekit chat` / `server --packed-weights` "
+        "(default auto)",
     )
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--framework", choices=("erniekit", "torch"), help=argparse.SUPPRESS)

@@ -262,11 +262,24 @@ class ChatSession:
             self.out.flush()
 
 
+def pack_for_chat(model, mode: str) -> str:
+    """Pack the weights as the server does (erniekit/infer/weight_packing.py): one chat keeps one
+    model for many decode steps. The choice in words."""
+    from erniekit.infer.weight_packing import packing_choice
+    from erniekit.nn import small_gemm
+
+    pack, packing = packing_choice(model, mode)
+    if pack:
+        small_gemm.pack_weights(model)
+    return packing
+
+
 def run_chat(args: Any) -> int:
     """Entry of `erniekit chat` (args from cli._chat_parser): one-shot with --prompt, else a REPL."""
     from erniekit.infer.generate import SamplingParams
 
     model, tokenizer = load_chat_model(args.model_dir)
+    packing = pack_for_chat(model, getattr(args, "packed_weights", None) or "auto")
     rerank, head = getattr(args, "rerank", 1), None
     if rerank > 1:
         from erniekit.nn.credibility import CREDIBILITY_HEAD_NAME, load_credibility_head
@@ -332,7 +345,10 @@ def run_chat(args: Any) -> int:
         return 0
     interactive = sys.stdin.isatty()
     if interactive:
-        print(f"chatting with {args.model_dir}; {CLEAR} resets the history, {EXIT[0]} or Ctrl-D quits", flush=True)
+        print(
+            f"chatting with {args.model_dir} ({packing}); {CLEAR} resets the history, {EXIT[0]} or Ctrl-D quits",
+            flush=True,
+        )
     while True:
         try:
             line = input("User: ")

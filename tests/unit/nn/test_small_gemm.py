@@ -267,3 +267,20 @@ def test_auto_packs_when_the_copy_is_small_against_the_memory_available(kernel, 
         False,
         "packed weights: none to pack (the kernels take float32 CPU projections of >= 256 KiB)",
     )
+
+
+def test_chat_packs_its_model_as_the_server_does(kernel, monkeypatch):
+    from erniekit.cli import _chat_parser
+    from erniekit.infer.chat import pack_for_chat
+
+    assert _chat_parser().parse_args(["ckpt"]).packed_weights == "auto"
+    monkeypatch.setattr(sg, "KN_MIN_BYTES", 0)
+    model = _tiny_lm(1024, 1, seed=0)
+    up = model.model.layers[0].mlp.up_proj.weight
+    assert pack_for_chat(model, "off") == "packed weights off (--packed-weights off)"
+    assert sg._packed_of(up) is None
+    try:
+        assert pack_for_chat(model, "on").startswith("packed weights on (+")
+        assert sg._packed_of(up) is not None
+    finally:
+        sg.unpack_weights(model)
