@@ -123,3 +123,23 @@ def test_the_packed_server_table_quotes_its_record():
     part = doc.split("### Eighth round, second part", 1)[1].split("\n- ", 1)[0]
     _check_table(part, "vs_torch_amd_round8_server_packed.json", 2, cpu="AMD")
     assert json.loads((ROOT / "bench_results" / "vs_torch_amd_round8_server_packed.json").read_text())["packed_weights"]
+
+
+def test_the_ninth_round_table_quotes_its_records_and_their_packing():
+    """The default (auto) packing's decode and server table: each row as its record has it, and each
+    erniekit run recorded the packing it chose."""
+    doc = (ROOT / "docs" / "performance.md").read_text()
+    ninth = doc.split("### Ninth round", 1)[1].split("\n- ", 1)[0]
+    rows = _table_rows(ninth)
+    for recorded, part in (
+        ("vs_torch_amd_round9_decode_auto.json", rows[:2]),
+        ("vs_torch_amd_round9_server_auto.json", rows[2:]),
+    ):
+        got = json.loads((ROOT / "bench_results" / recorded).read_text())
+        assert got["cpu"].startswith("AMD") and got["threads"] == 2 and got["packed_weights"] == "auto"
+        assert len(part) == len(got["cases"]) == 2
+        for row, case in zip(part, got["cases"].values()):
+            assert float(row[1].split("(")[0]) == round(case["torch_tokens_per_s"]["median"], 1), row
+            assert float(row[2].split("(")[0]) == round(case["erniekit_tokens_per_s"]["median"], 1), row
+            assert row[3].strip() == f"**{case['ratio_erniekit_over_torch']:.2f}**", row
+            assert all(r["packing"].startswith("packed weights on") for r in case["runs"]["erniekit"])
