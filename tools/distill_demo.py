@@ -6,8 +6,8 @@ thread count. The teacher is the embedded default's output (run `erniekit train
 examples/configs/tiny/sft.yaml` first); its own held-out figures are recorded beside the runs.
 
 Runs go one at a time (a run takes both cores); every finished run is written to the JSON file at
-once and a rerun skips the (method, seed, threads) cells already there for the same config file
-(by its sha256) and overrides.
+once and a rerun skips the (method, seed, threads) cells already there for the same config values
+(a sha256 of the parsed file) and overrides.
 
     python tools/distill_demo.py                         # seeds 1,2,42 x threads 2
     python tools/distill_demo.py --seeds 42 --threads 1
@@ -39,7 +39,12 @@ METHODS = {
 
 
 def config_sha256(config: str) -> str:
-    return hashlib.sha256((ROOT / config).read_bytes()).hexdigest()
+    """sha256 of the config's values (its YAML parsed, keys sorted): a record stays valid when a
+    comment changes, and is stale when a value does."""
+    import yaml
+
+    values = yaml.safe_load((ROOT / config).read_text())
+    return hashlib.sha256(json.dumps(values, sort_keys=True).encode()).hexdigest()
 
 
 def teacher_record(config: str, overrides: list[str] = ()) -> dict:

@@ -8,7 +8,7 @@ final weights are compared with its solo run's. The teacher is the embedded defa
 `erniekit train examples/configs/tiny/sft.yaml` first).
 
 Runs go one at a time (--threads cores each); every finished run is written to the JSON file at
-once and a rerun skips the (run, seed) cells already there for the same config file (sha256).
+once and a rerun skips the (run, seed) cells already there for the same config values (distill_demo.config_sha256).
 
     python tools/online_distill_demo.py                  # seeds 42, 43 on 2 threads
     python tools/online_distill_demo.py --seeds 44 --threads 1

@@ -45,3 +45,27 @@ def test_the_recorded_teacher_follows_an_override(tmp_path):
     rec = distill_demo.teacher_record(distill_demo.CONFIG, [f"teacher_name_or_path={tmp_path}"])
     assert rec == {"path": str(tmp_path), "exact_match": 0.9, "eval_loss": 0.1, "global_step": 7}
     assert distill_demo.teacher_record(distill_demo.CONFIG)["path"] == "output/tiny-sft"
+
+
+def test_the_config_key_follows_values_not_comments(tmp_path, monkeypatch):
+    monkeypatch.setattr(distill_demo, "ROOT", tmp_path)
+    (tmp_path / "c.yaml").write_text("# a comment\nmax_steps: 600\nseed: 42\n")
+    first = distill_demo.config_sha256("c.yaml")
+    (tmp_path / "c.yaml").write_text("seed: 42   # reordered, commented\nmax_steps: 600\n")
+    assert distill_demo.config_sha256("c.yaml") == first
+    (tmp_path / "c.yaml").write_text("max_steps: 601\nseed: 42\n")
+    assert distill_demo.config_sha256("c.yaml") != first
+
+
+def test_the_comparison_the_shipped_config_documents_is_a_valid_run():
+    """The header's plain-SFT command (the same student by SFT) validates as written."""
+    import shlex
+
+    from erniekit.config import load_config, validate
+
+    text = (distill_demo.ROOT / distill_demo.CONFIG).read_text()
+    line = next(ln for ln in text.splitlines() if "stage=SFT" in ln)
+    args = shlex.split(line.lstrip("#").strip())
+    assert args[:3] == ["erniekit", "train", distill_demo.CONFIG]
+    cfg = validate(load_config(str(distill_demo.ROOT / args[2]), args[3:]))
+    assert cfg.stage == "SFT" and cfg.distill_hidden_weight == 0

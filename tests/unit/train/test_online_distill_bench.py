@@ -2,7 +2,6 @@
 docs/online_distillation.md: the shipped example config over two seeds or more, its teacher exactly
 its solo run, and each student's comparison with plain SFT of its shape stated as measured."""
 
-import hashlib
 import json
 import sys
 from pathlib import Path
@@ -24,10 +23,11 @@ def _by(doc):
 
 
 def test_the_record_is_the_shipped_config_and_the_tools_runs_over_two_seeds():
+    from distill_demo import config_sha256
     from online_distill_demo import CONFIG, plan
 
     doc = _bench()
-    assert doc["key"] == {"config": CONFIG, "config_sha256": hashlib.sha256((ROOT / CONFIG).read_bytes()).hexdigest()}
+    assert doc["key"] == {"config": CONFIG, "config_sha256": config_sha256(CONFIG)}
     config = yaml.safe_load((ROOT / CONFIG).read_text())
     assert doc["students"] == [s["name"] for s in config["online_distill_students"]]
     runs, seeds = _by(doc), {r["seed"] for r in doc["runs"]}
