@@ -143,3 +143,14 @@ def test_the_ninth_round_table_quotes_its_records_and_their_packing():
             assert float(row[2].split("(")[0]) == round(case["erniekit_tokens_per_s"]["median"], 1), row
             assert row[3].strip() == f"**{case['ratio_erniekit_over_torch']:.2f}**", row
             assert all(r["packing"].startswith("packed weights on") for r in case["runs"]["erniekit"])
+
+
+def test_the_ninth_round_quotes_its_five_repeat_batch_1_run():
+    doc = (ROOT / "docs" / "performance.md").read_text()
+    ninth = doc.split("### Ninth round", 1)[1].split("\n### ", 1)[0]
+    five = json.loads((ROOT / "bench_results" / "vs_torch_amd_round9_decode_b1_5repeats.json").read_text())
+    case = five["cases"]["decode-b1"]
+    assert five["repeats"] == 5 and five["packed_weights"] == "auto"
+    assert f"batch 1 **{case['ratio_erniekit_over_torch']:.2f}x** over 5 repeats" in ninth
+    e, t = case["erniekit_tokens_per_s"], case["torch_tokens_per_s"]
+    assert f"erniekit {e['min']:.1f}-{e['max']:.1f} tokens/s, torch {t['min']:.1f}-{t['max']:.1f}" in ninth
