@@ -346,7 +346,7 @@ def run_chat(args: Any) -> int:
     interactive = sys.stdin.isatty()
     if interactive:
         print(
-            f"chatting with {args.model_dir} ({packing}); {CLEAR} resets the history, {EXIT[0]} or Ctrl-D quits",
+            f"chatting with {args.model_dir}; {packing}; {CLEAR} resets the history, {EXIT[0]} or Ctrl-D quits",
             flush=True,
         )
     while True:

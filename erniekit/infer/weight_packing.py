@@ -35,7 +35,7 @@ def packing_choice(model, mode: str, available: int | None = None) -> tuple[bool
     need = small_gemm.packable_bytes(model)
     mib = f"{need / 2**20:.1f} MiB"
     if need == 0:
-        return False, "packed weights: none to pack (the kernels take float32 CPU projections of >= 256 KiB)"
+        return False, "packed weights: none to pack, no float32 CPU projection of 256 KiB or more"
     if mode == "on":
         return True, f"packed weights on (+{mib}, --packed-weights on)"
     available = available_memory() if available is None else available

@@ -265,7 +265,7 @@ def test_auto_packs_when_the_copy_is_small_against_the_memory_available(kernel, 
     monkeypatch.setattr(sg, "_kernels", lambda: None)  # a build without the kernels: nothing to pack
     assert packing_choice(model, "on") == (
         False,
-        "packed weights: none to pack (the kernels take float32 CPU projections of >= 256 KiB)",
+        "packed weights: none to pack, no float32 CPU projection of 256 KiB or more",
     )
 
 
