@@ -52,7 +52,9 @@ def train(args: list[str]) -> int:
     return start_training(cfg, path, overrides, user_threads)
 
 
-def _add_packed_weights(p: argparse.ArgumentParser, where: str) -> None:
+def add_packed_weights_flag(p: argparse.ArgumentParser, where: str) -> None:
+    """`--packed-weights auto|on|off` (erniekit/infer/weight_packing.py): server, chat and
+    tools/bench_vs_torch.py, which makes their choice."""
     p.add_argument(
         "--packed-weights",
         nargs="?",
@@ -69,7 +71,7 @@ def _chat_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="erniekit chat", description="Chat with a checkpoint.")
     p.add_argument("model_dir", help="checkpoint directory (Hugging Face layout) or LoRA adapter directory")
     _add_base_model(p)
-    _add_packed_weights(p, "on the CPU")
+    add_packed_weights_flag(p, "on the CPU")
     p.add_argument("--prompt", help="answer this one message and exit (no interactive session)")
     p.add_argument("--system", help="system message")
     p.add_argument("--max-new-tokens", type=int, default=256, help="most tokens per reply")
@@ -210,7 +212,7 @@ def _server_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--served-model-name", help="the model id clients send (default: the directory's name)")
     p.add_argument("--max-batch", type=int, default=8, help="requests decoded together; more wait in a queue")
-    _add_packed_weights(p, "built-in engine on the CPU")
+    add_packed_weights_flag(p, "built-in engine on the CPU")
     p.add_argument(
         "--max-model-len",
         type=int,

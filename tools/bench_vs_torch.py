@@ -399,15 +399,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     p.add_argument("--workdir", default=os.path.join(ROOT, "output", "bench_vs_torch"))
     p.add_argument("--out", default=os.path.join(ROOT, "bench_results", "vs_torch.json"))
-    p.add_argument(
-        "--packed-weights",
-        nargs="?",
-        const="on",
-        default="auto",
-        choices=("auto", "on", "off"),
-        help="decode and server cases: packed projections, as `erniekit chat` / `server --packed-weights` "
-        "(default auto)",
-    )
+    sys.path.insert(0, ROOT)
+    from erniekit.cli import add_packed_weights_flag  # paddle-free: the flag as chat and the server take it
+
+    add_packed_weights_flag(p, "decode and server cases, as `erniekit chat` / `server`")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--framework", choices=("erniekit", "torch"), help=argparse.SUPPRESS)
     p.add_argument("--case", help=argparse.SUPPRESS)

@@ -621,15 +621,19 @@ def _check_init_layers(cfg: TrainConfig) -> None:
             f"init_layers_from: {src} is not a checkpoint directory with a config.json (relative paths start at "
             f"{os.getcwd()}); {how}, or point init_layers_from at a checkpoint in Hugging Face layout"
         )
-    if cfg.init_layer_map is None:
-        return
-    with open(os.path.join(src, "config.json")) as f:
-        n_src = json.load(f).get("num_hidden_layers")
-    bad = [i for i in cfg.init_layer_map if not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < (n_src or 0)]
+    if cfg.init_layer_map is not None:
+        _check_layer_indices("init_layer_map", cfg.init_layer_map, src)
+
+
+def _check_layer_indices(key: str, layer_map: list, checkpoint: str, whose: str = "") -> None:
+    """Every entry of `layer_map` (config key `key`) is a layer index of `checkpoint`'s config.json."""
+    with open(os.path.join(checkpoint, "config.json")) as f:
+        n = json.load(f).get("num_hidden_layers")
+    bad = [i for i in layer_map if not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < (n or 0)]
     if bad:
         raise ConfigError(
-            f"init_layer_map={cfg.init_layer_map}: {bad[0]!r} is not a layer of {src} (it has {n_src}); "
-            f"give indices in [0, {n_src})"
+            f"{key}={layer_map}: {bad[0]!r} is not a layer of {whose}{checkpoint} (it has {n}); "
+            f"give indices in [0, {n})"
         )
 
 
@@ -707,17 +711,9 @@ def _check_hidden_distill(cfg: TrainConfig) -> None:
         raise ConfigError(
             "distill_hidden_layer_map=[] gives no teacher layer; give one per student layer, or null for the default"
         )
-    config = os.path.join(cfg.teacher_name_or_path, "config.json")
-    if layer_map is None or not os.path.isfile(config):
-        return  # a missing teacher is reported next, with its own hint
-    with open(config) as f:
-        n_teacher = json.load(f).get("num_hidden_layers") or 0
-    bad = [i for i in layer_map if not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < n_teacher]
-    if bad:
-        raise ConfigError(
-            f"distill_hidden_layer_map={layer_map}: {bad[0]!r} is not a layer of the teacher "
-            f"{cfg.teacher_name_or_path} (it has {n_teacher}); give indices in [0, {n_teacher})"
-        )
+    teacher = cfg.teacher_name_or_path
+    if layer_map is not None and os.path.isfile(os.path.join(teacher, "config.json")):  # a missing one: next
+        _check_layer_indices("distill_hidden_layer_map", layer_map, teacher, "the teacher ")
 
 
 def _check_distill_layout(cfg: TrainConfig) -> None:

@@ -153,8 +153,8 @@ def pack_weights(model) -> int:
     Why: at 8-32 rows a projection is bound by how it reads its weight, and panels read in order
     with the accumulators in registers: a [16, 1024] x [1024, 3072] product 1071 -> 699 us, at 8
     rows 1271 -> 448 (AMD EPYC, 2 threads, weights out of cache). The cost is a second copy of
-    those weights (and of a tied head's embedding, whose panels hold its transpose): opt in where
-    memory allows (`erniekit server --packed-weights`)."""
+    those weights (and of a tied head's embedding, whose panels hold its transpose), so the server
+    and chat take it where memory allows (erniekit/infer/weight_packing.py, `--packed-weights`)."""
     kernels = _kernels()
     return sum(_pack(w, kernels[k], K, N) for w, k, K, N in _pack_plan(model))
 

@@ -211,11 +211,8 @@ class OnlineDistill:
     # ---- the students as parameters of the run ----------------------------------------------------
     def _named(self, name: str) -> list[tuple[str, paddle.Tensor]]:
         named = [(f"{STUDENTS_DIR}.{name}.{n}", p) for n, p in self.students[name].named_parameters()]
-        if name in self.aux:
-            named += [(f"{STUDENTS_DIR}.{name}.auxiliary.{n}", p) for n, p in self.aux[name].named_parameters()]
-        if name in self.hidden_proj:
-            proj = self.hidden_proj[name]
-            named += [(f"{STUDENTS_DIR}.{name}.hidden_projection.{n}", p) for n, p in proj.named_parameters()]
+        for sub, layer in self._side_layers(name):  # students.<name>.auxiliary.*, .hidden_projection.*
+            named += [(f"{STUDENTS_DIR}.{name}.{sub.rstrip('/')}.{n}", p) for n, p in layer.named_parameters()]
         return [(n, p) for n, p in named if not p.stop_gradient]
 
     def extra_named_parameters(self):
