@@ -244,7 +244,9 @@ def _place_model(cfg, ctx, model, stage, log) -> None:
 
     check_model_fits(ctx.layout, model.config, stage_layers=cfg.pipeline_stage_layers)
     if stage.supports.row_losses and ctx.use_replicas():  # its losses split by rows
-        log(f"data parallelism: {ctx.layout.world} whole-model replicas, gradients summed by one all-reduce")
+        trained = sum(int(p.size) for p in model.parameters() if not p.stop_gradient)
+        how = ctx.replicas.choose_transport(trained + 1024)  # + the step's loss sums and stop votes
+        log(f"data parallelism: {ctx.layout.world} whole-model replicas, gradients summed by one all-reduce ({how})")
     ctx.init_pipeline(model.config.num_hidden_layers, cfg.pipeline_stage_layers)
     ctx.shard_model(model)
     if ctx.pipeline is not None:

@@ -14,6 +14,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 from launched_jobs import concurrently, head_of, worker_pids
+from safetensors.numpy import load_file
+
+from erniekit.distributed.collective import host_sum
 
 ROOT = str(Path(__file__).resolve().parents[2])
 DATA = os.path.join(ROOT, "examples", "data", "arithmetic", "train.jsonl")
@@ -44,8 +47,8 @@ def _args(out=None, model="tiny-dense", steps=20, batch=8):
     ]
 
 
-def _train(args, **popen):
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+def _train(args, env=None, **popen):
+    env = dict(os.environ, OMP_NUM_THREADS="1", **(env or {}))
     return subprocess.run(
         [sys.executable, "-m", "erniekit", "train", *args],
         cwd=ROOT,
@@ -150,6 +153,8 @@ def test_two_processes_follow_the_one_process_loss_curve(reference, shared_run, 
     if name in ("dp", "dp-moe"):
         assert "replicas" in plan["data_parallel"]
         assert "data parallelism: 2 whole-model replicas" in r.stdout
+        if host_sum._kernel() is not None:  # two ranks on one host: the sums go through shared memory
+            assert "(shared memory on this host)" in r.stdout
     else:
         assert plan["expert_all_to_all"] == ([[0, 1]] if "expert_parallel_degree=2" in extra else [])
     for param, local_shape in sharded.items():
@@ -160,6 +165,22 @@ def test_two_processes_follow_the_one_process_loss_curve(reference, shared_run, 
     if name == "sharding":  # ZeRO-1: each rank holds half of the optimizer state
         m = [line for line in r.stdout.splitlines() if line.startswith("optimizer state on rank 0:")]
         assert m and "(50%)" in m[0], r.stdout[-2000:]
+
+
+def test_shared_memory_sums_give_gloo_s_bits(shared_run, tmp_path):
+    """Two ranks: a + b either way, so the shared-memory sums (gradients and the router losses'
+    whole-batch counts) leave every weight and loss as gloo's do."""
+    if host_sum._kernel() is None:
+        pytest.skip("no C compiler to build kernels/host_sum.c")
+    args = _args(None, "tiny-moe", batch=4) + ["nproc_per_node=2"]
+    shm, _ = shared_run(args)
+    r = _ok(_train([*args, f"output_dir={tmp_path}"], env={"ERNIEKIT_HOST_SUM": "0"}))
+    assert "(gloo; shared memory not used: ERNIEKIT_HOST_SUM=0)" in r.stdout
+    np.testing.assert_array_equal(_losses(tmp_path), _losses(shm))
+    a, b = load_file(str(shm / "model.safetensors")), load_file(str(tmp_path / "model.safetensors"))
+    assert a.keys() == b.keys()
+    for k in a:
+        np.testing.assert_array_equal(a[k], b[k], err_msg=k)
 
 
 def test_checkpoints_move_between_process_counts(reference, shared_run, tmp_path):

@@ -10,13 +10,14 @@ normaliser counts the global batch; router losses see whole-batch statistics thr
 `data_sum`), so the summed gradients are those of the global loss, as with DistTensors.
 
 The gradients go in one flat buffer per dtype with the step's loss sums and stop votes, so a
-step waits for the other ranks once. On CPU the buffer is numpy, filled from and emptied into
-views of the gradients (cheaper than Paddle's concat / split / assign). Overlapping the sum with
-the backward did not pay here: buckets reduced by a background thread as the backward completed
-them gave weak scaling 0.76 (1 MiB buckets) and 0.67 (256 KiB) against 0.87-0.89 for one sum
-after the backward (tiny-dense, 2 processes on 2 cores, tools/bench_scaling.py): gloo's
-"asynchronous" all-reduce runs in the calling thread, and the thread doing it takes a core
-the other process's backward needs.
+step waits for the other ranks once. Ranks on one host sum through shared memory (host_sum.py;
+weak scaling 0.76-0.85 through gloo -> 0.91-1.0 on 2 cores, docs/distributed.md), others through
+gloo, where the buffer is numpy, filled from and emptied into views of the gradients (cheaper than
+Paddle's concat / split / assign). Overlapping the sum with the backward did not pay here: buckets
+reduced by a background thread as the backward completed them gave weak scaling 0.76 (1 MiB
+buckets) and 0.67 (256 KiB) against 0.87-0.89 for one gloo sum after the backward (tiny-dense, 2
+processes on 2 cores, tools/bench_scaling.py): gloo's "asynchronous" all-reduce runs in the
+calling thread, and the thread doing it takes a core the other process's backward needs.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import numpy as np
 import paddle
 import paddle.distributed as dist
 
+from erniekit.distributed.collective.host_sum import HostSum
 from erniekit.distributed.collective.pipeline import data_rank_rows
 from erniekit.utils.dtensor import host_view
 
@@ -33,7 +35,9 @@ class DataReplicas:
     def __init__(self, size: int, rank: int, group=None):
         """size data ranks, this one is `rank`; group: their process group (None: the whole job)."""
         self.size, self.rank, self.group = size, rank, group
-        self._flat: np.ndarray | None = None  # the CPU sum's buffer, kept between steps
+        self._flat: np.ndarray | None = None  # the CPU sum's buffer for gloo, kept between steps
+        # ranks on one host sum through shared memory (decided together at the first sum)
+        self.host = HostSum(size, rank, group) if size > 1 else None
 
     def attach(self, model) -> None:
         """MoE router losses and load counts over the whole global batch."""
@@ -45,9 +49,27 @@ class DataReplicas:
 
     def data_sum(self, t: paddle.Tensor) -> paddle.Tensor:
         """t summed over the data ranks (a copy; no gradient flows through it)."""
-        out = t.detach().clone()
-        dist.all_reduce(out, group=self.group)
-        return out
+        n = int(np.prod(t.shape))
+        buf = self._host_buffer(n) if t.dtype == paddle.float32 and t.place.is_cpu_place() else None
+        if buf is None:
+            out = t.detach().clone()
+            dist.all_reduce(out, group=self.group)
+            return out
+        buf[:] = t.detach().numpy().reshape(-1)
+        self.host.sum(n)
+        return paddle.to_tensor(buf.reshape(t.shape))
+
+    def _host_buffer(self, n: int) -> np.ndarray | None:
+        return None if self.host is None else self.host.buffer(n)
+
+    def choose_transport(self, floats: int) -> str:
+        """Decide (collectively: every rank calls it) how the sums travel, with room for `floats`
+        (the gradients and the step's values) so a small /dev/shm shows now; returns it for the log."""
+        if self.host is None:
+            return "gloo"
+        if self.host.buffer(floats) is None:
+            return f"gloo; shared memory not used: {self.host.why_not}"
+        return "shared memory on this host"
 
     @paddle.no_grad()
     def all_reduce(self, params: list[paddle.Tensor], values: list[float]) -> list[float]:
@@ -76,14 +98,18 @@ class DataReplicas:
     def _sum_views(self, views: list[np.ndarray], values: list[float]) -> list[float]:
         """CPU float32: through a numpy buffer (kept between steps)."""
         n = sum(v.size for v in views)
-        if self._flat is None or self._flat.size != n + len(values):
+        flat = self._host_buffer(n + len(values))
+        if flat is None and (self._flat is None or self._flat.size != n + len(values)):
             self._flat = np.empty(n + len(values), dtype=np.float32)
-        flat, start = self._flat, 0
+        flat, start = (self._flat if flat is None else flat), 0
         for v in views:
             flat[start : start + v.size] = v.reshape(-1)
             start += v.size
         flat[n:] = values
-        dist.all_reduce(paddle.from_dlpack(flat), group=self.group)
+        if self.host is not None and self.host.why_not is None:
+            self.host.sum(n + len(values))
+        else:
+            dist.all_reduce(paddle.from_dlpack(flat), group=self.group)
         start = 0
         for v in views:
             v.reshape(-1)[:] = flat[start : start + v.size]
