@@ -151,6 +151,7 @@ def apply_elastic(model, spec: ElasticSpec) -> None:
         if routers and i not in kept:
             m = layer.mlp
             m.router_loss, m.loss_parts, m.last_topk_idx, m.last_probs = None, {}, None, None
+            m.pending_stats = None
 
 
 @contextlib.contextmanager

@@ -379,21 +379,34 @@ def source_to_expert_order(blocks: np.ndarray) -> np.ndarray:
 
 
 # ---- router losses ---------------------------------------------------------------------------
+def settle_router_losses(layers) -> None:
+    """The router losses of the layers whose last forward ran beside data ranks, from their counts
+    summed over the ranks in one collective (every rank's layers ran the same forward)."""
+    pending = [m for m in layers if m.pending_stats is not None]
+    if not pending:
+        return
+    stats = [m.pending_stats[0] for m in pending]
+    whole = pending[0].data_sum(paddle.concat(stats) if len(stats) > 1 else stats[0])
+    start = 0
+    for m, s in zip(pending, stats):
+        m.finish_router_losses(whole[start : start + s.shape[0]])
+        start += s.shape[0]
+
+
 def load_balancing_loss(
-    probs: paddle.Tensor, topk_idx: paddle.Tensor, num_experts: int, data_sum=None
+    probs: paddle.Tensor, topk_idx: paddle.Tensor, num_experts: int, whole: tuple[paddle.Tensor, float] | None = None
 ) -> paddle.Tensor:
     """Switch-Transformer auxiliary loss: E * sum_e f_e * P_e, where f_e is the fraction of
     assignments routed to expert e and P_e the mean router probability of e (1.0 when uniform).
-    data_sum: sums a tensor over the data ranks that split the batch; f_e and the token count are
-    then the whole batch's, and this rank's term carries its tokens' share of P_e, so the terms
-    (and their gradients) add up over the ranks to the loss of the whole batch."""
+    whole: (assignments per expert, tokens) of the whole batch when data ranks split it; f_e and
+    the token count are then the whole batch's, and this rank's term carries its tokens' share of
+    P_e, so the terms (and their gradients) add up over the ranks to the loss of the whole batch."""
     k = topk_idx.shape[1]
-    counts = paddle.bincount(topk_idx.reshape([-1]), minlength=probs.shape[1]).astype("float32")
-    if data_sum is None:
+    if whole is None:
+        counts = paddle.bincount(topk_idx.reshape([-1]), minlength=probs.shape[1]).astype("float32")
         return num_experts * paddle.sum(counts / (topk_idx.shape[0] * k) * probs.mean(axis=0))
-    both = data_sum(paddle.concat([counts, paddle.to_tensor([float(topk_idx.shape[0])], dtype="float32")]))
-    total = both[-1].item()
-    return num_experts * paddle.sum(both[:-1] / (total * k) * probs.sum(axis=0) / total)
+    counts, total = whole
+    return num_experts * paddle.sum(counts / (total * k) * probs.sum(axis=0) / total)
 
 
 def router_z_loss(logits: paddle.Tensor) -> paddle.Tensor:
@@ -464,6 +477,7 @@ class MoEBlock(nn.Layer):
             mlp_cls(c, c.expert_sizes[0] * c.moe_num_shared_experts) if c.moe_num_shared_experts > 0 else None
         )
         self.router_loss: paddle.Tensor | None = None  # weighted sum of router losses (training only)
+        self.pending_stats: tuple | None = None  # beside data ranks: this forward's counts, until settled
         self.loss_parts: dict[str, paddle.Tensor] = {}  # unweighted, detached, for logging
         # assignments per (global) expert since the last correction-bias update (aux-loss-free balancing)
         self.register_buffer("load_counts", paddle.zeros([self.num_experts], dtype="float32"), persistable=False)
@@ -615,21 +629,60 @@ class MoEBlock(nn.Layer):
         return paddle.concat(pieces, axis=1) if len(pieces) > 1 else probs
 
     def _router_losses(self, parts, routed, topk: paddle.Tensor) -> None:
-        """Each modality's losses on its own tokens and router, summed over modalities (the
-        orthogonal loss covers every router, also one whose modality has no token in the batch)."""
-        terms: dict[str, list[paddle.Tensor]] = {}
+        """Beside data ranks (data_sum set) the losses need the whole batch's counts: this layer's
+        are kept for `settle_router_losses`, which sums every layer's in one collective after the
+        forward (one wait for the other ranks instead of one per layer). A recomputed layer's second
+        run repeats the first's ops (the recompute replays them in order) and changes nothing."""
+        if self.data_sum is None:
+            self._set_losses(parts, routed, [None] * len(parts))
+        else:
+            stats = self._batch_stats(parts, routed)
+            if not recomputing():
+                self.pending_stats = (stats, parts, routed)
+                self.router_loss, self.loss_parts = None, {}
+        if recomputing():  # the backward's second run of a recomputed layer: already counted
+            return
+        with paddle.no_grad():
+            self.load_counts += paddle.bincount(topk.reshape([-1]), minlength=self.num_experts).astype("float32")
+
+    def _batch_stats(self, parts, routed) -> paddle.Tensor:
+        """[total experts + modalities]: assignments per (global) expert, then tokens per modality
+        (zeros for a modality without tokens here: every rank sends the same sizes)."""
+        by_m = {m: r for (_, m), (_, r, _) in zip(parts, routed)}
+        pieces, tokens = [], []
+        for m, n in enumerate(self.experts_per_modality):
+            r = by_m.get(m)
+            counts = None if r is None else paddle.bincount(r.topk_idx.reshape([-1]), minlength=r.probs.shape[1])
+            pieces.append(paddle.zeros([n], "float32") if counts is None else counts.astype("float32"))
+            tokens.append(0.0 if r is None else float(r.topk_idx.shape[0]))
+        return paddle.concat([*pieces, paddle.to_tensor(tokens, dtype="float32")])
+
+    def finish_router_losses(self, whole: paddle.Tensor) -> None:
+        """The pending losses from `whole`, this layer's `_batch_stats` summed over the data ranks."""
+        _, parts, routed = self.pending_stats
+        self.pending_stats = None
+        glob = []
         for (_, m), (_, r, _) in zip(parts, routed):
+            off = self.offsets[m]
+            glob.append((whole[off : off + r.probs.shape[1]], whole[self.num_experts + m].item()))
+        self._set_losses(parts, routed, glob)
+
+    def _set_losses(self, parts, routed, whole: list) -> None:
+        """Each modality's losses on its own tokens and router, summed over modalities (the
+        orthogonal loss covers every router, also one whose modality has no token in the batch).
+        whole: per part, (counts, tokens) of the whole batch over the data ranks, or None."""
+        terms: dict[str, list[paddle.Tensor]] = {}
+        for (_, m), (_, r, _), w in zip(parts, routed, whole):
             gate = self.router(m)
             n = gate.n_active
             if self.coefs["aux"]:
-                terms.setdefault("aux", []).append(load_balancing_loss(r.probs, r.topk_idx, n, self.data_sum))
+                terms.setdefault("aux", []).append(load_balancing_loss(r.probs, r.topk_idx, n, w))
             if self.coefs["z"]:
                 logits = r.logits if n == gate.num_experts else r.logits[:, :n]
-                if self.data_sum is None:
+                if w is None:
                     terms.setdefault("z", []).append(router_z_loss(logits))
                 else:  # this rank's tokens' share of the whole batch's mean
-                    total = self.data_sum(paddle.to_tensor([float(logits.shape[0])], dtype="float32")).item()
-                    terms.setdefault("z", []).append(router_z_loss(logits) * (logits.shape[0] / total))
+                    terms.setdefault("z", []).append(router_z_loss(logits) * (logits.shape[0] / w[1]))
         if self.coefs["orthogonal"]:
             for m in range(self.num_modalities):
                 gate = self.router(m)
@@ -640,10 +693,6 @@ class MoEBlock(nn.Layer):
         losses = {k: (v[0] if len(v) == 1 else paddle.add_n(v)) for k, v in terms.items()}
         self.router_loss = paddle.add_n([self.coefs[k] * v for k, v in losses.items()]) if losses else None
         self.loss_parts = {k: v.detach() for k, v in losses.items()}
-        if recomputing():  # the backward's second run of a recomputed layer: already counted
-            return
-        with paddle.no_grad():
-            self.load_counts += paddle.bincount(topk.reshape([-1]), minlength=self.num_experts).astype("float32")
 
     @paddle.no_grad()
     def update_correction_bias(self, rate: float) -> None:

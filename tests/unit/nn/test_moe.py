@@ -241,8 +241,8 @@ def test_moe_block_without_losses_has_no_router_loss():
 
 
 def test_load_balancing_terms_of_split_batches_add_up_to_the_whole_batch_loss():
-    """Beside data parallelism each rank holds part of the batch: with data_sum (the all-reduce,
-    simulated here by adding the other part's statistics) the two ranks' terms and their gradients
+    """Beside data parallelism each rank holds part of the batch: with the whole batch's counts (the
+    all-reduce of both parts' statistics) the two ranks' terms and their gradients
     add up to the loss of the whole batch."""
     rng = np.random.default_rng(0)
     logits = paddle.to_tensor(rng.normal(size=(10, 6)).astype("float32"), stop_gradient=False)
@@ -260,8 +260,42 @@ def test_load_balancing_terms_of_split_batches_add_up_to_the_whole_batch_loss():
         )
 
     a, b = slice(0, 4), slice(4, 10)
-    ta = load_balancing_loss(probs[a], idx[a], 6, data_sum=lambda t: t + stats(idx[b]))
-    tb = load_balancing_loss(probs[b], idx[b], 6, data_sum=lambda t: t + stats(idx[a]))
+    both = stats(idx[a]) + stats(idx[b])  # what the sum over the ranks gives each of them
+    whole_batch = (both[:-1], float(both[-1]))
+    ta = load_balancing_loss(probs[a], idx[a], 6, whole_batch)
+    tb = load_balancing_loss(probs[b], idx[b], 6, whole_batch)
     np.testing.assert_allclose(float(ta + tb), float(whole), rtol=1e-6)
     (g_split,) = paddle.grad(ta + tb, logits)
     np.testing.assert_allclose(g_split.numpy(), g_whole.numpy(), rtol=1e-5, atol=1e-8)
+
+
+@pytest.mark.parametrize("recompute", [None, "mlp"])
+def test_data_ranks_sum_every_layer_s_counts_in_one_collective_after_the_forward(recompute):
+    """Beside data ranks the router losses need the whole batch's counts; they are summed for all
+    MoE layers at once when the forward ends (one wait for the other ranks a step, not one a layer).
+    Two ranks with the same rows (the sum doubles every count) each carry half of the one-process
+    loss, through the aux and z terms, with and without recompute."""
+    cfg = get_preset("tiny-moe").replace(num_hidden_layers=3, router_z_loss_coef=1e-3)
+    paddle.seed(0)
+    model = Ernie4_5ForCausalLM(cfg)
+    model.set_recompute(recompute)
+    model.train()
+    ids = paddle.to_tensor(np.random.default_rng(0).integers(0, cfg.vocab_size, (2, 16)))
+    one = model(ids).aux_loss
+    parts_one = {k: float(v) for m in model.moe_layers() for k, v in m.loss_parts.items()}
+    calls = []
+
+    def data_sum(t):
+        calls.append(t.shape)
+        return t * 2
+
+    for m in model.moe_layers():
+        m.data_sum, m.data_ranks = data_sum, 2
+    out = model(ids)
+    moe = model.moe_layers()
+    assert len(moe) >= 2 and calls == [[len(moe) * (cfg.total_experts + 1)]]
+    assert all(m.pending_stats is None for m in moe)
+    np.testing.assert_allclose(2 * float(out.aux_loss), float(one), rtol=1e-6)
+    assert set(parts_one) == {k for m in moe for k in m.loss_parts} == {"aux", "z"}
+    out.aux_loss.backward()  # the recomputed second run sums nothing and keeps the settled losses
+    assert len(calls) == 1 and all(m.loss_parts for m in moe)
