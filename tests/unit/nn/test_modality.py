@@ -181,6 +181,32 @@ def test_router_losses_are_per_modality_sums():
     np.testing.assert_array_equal(block.load_counts.numpy(), np.bincount(ids.ravel(), minlength=7))
 
 
+def test_data_ranks_with_different_modalities_send_equal_sizes_and_add_up_to_the_whole_batch():
+    """Beside data ranks each MoE layer sends its counts for every modality, zeros for one it has
+    no token of (a rank with text only): the sums line up on every rank, and the ranks' router
+    losses add up to the whole batch's."""
+    block = _block(router_aux_loss_coef=0.1, router_z_loss_coef=0.01)
+    block.train()
+    xa, ta = paddle.randn([1, 10, 128]), _types(1, 10, seed=3)
+    xb, tb = paddle.randn([1, 6, 128]), np.zeros((1, 6), np.int64)  # the other rank: text only
+    block(paddle.concat([xa, xb], axis=1), paddle.to_tensor(np.concatenate([ta, tb], axis=1)))
+    whole = float(block.router_loss)
+    block.data_sum, block.data_ranks = (lambda t: t), 2
+    pending = []
+    for x, t in ((xa, ta), (xb, tb)):
+        block(x, paddle.to_tensor(t))
+        pending.append(block.pending_stats)
+    sa, sb = pending[0][0], pending[1][0]
+    assert sa.shape == sb.shape == [7 + 2]
+    assert sb.numpy()[4:7].sum() == 0 and sb.numpy()[-2:].tolist() == [6.0, 0.0]  # no modality-1 token
+    losses = []
+    for p in pending:
+        block.pending_stats = p
+        block.finish_router_losses(sa + sb)
+        losses.append(float(block.router_loss))
+    np.testing.assert_allclose(sum(losses), whole, rtol=1e-5)
+
+
 def test_gradients_reach_every_modality_and_bias_update_balances_within_modality():
     block = _block(router_aux_loss_coef=0.1)
     block.train()
