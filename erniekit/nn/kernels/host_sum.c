@@ -17,6 +17,7 @@
 
 #define LINE 8     /* int64 flags per 64-byte line */
 #define BLOCK 1024 /* floats summed at a time, in L1 */
+#define SPIN_S 0.005
 
 static double now_s(void) {
     struct timespec t;
@@ -24,19 +25,24 @@ static double now_s(void) {
     return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
 }
 
-/* 0 once flags[r * LINE] >= seq for every rank r < ranks, 1 after timeout_s seconds */
+/* 0 once flags[r * LINE] >= seq for every rank r < ranks, 1 after timeout_s seconds. Spins for the
+ * first SPIN_S (a step's skew between ranks is ~1 ms), then sleeps 50 us between looks, so a rank
+ * waiting out another's checkpoint or evaluation does not hold a core the other may need. */
 static int64_t wait_all(int64_t *flags, int64_t ranks, int64_t seq, double timeout_s) {
-    double start = -1.0;
+    const struct timespec nap = {0, 50000};
+    double start = now_s();
+    int sleeping = 0;
     for (int64_t spins = 0;; spins++) {
         int64_t r = 0;
         while (r < ranks && __atomic_load_n(&flags[r * LINE], __ATOMIC_ACQUIRE) >= seq) r++;
         if (r == ranks) return 0;
-        if ((spins & 1023) == 0) {
-            double t = now_s();
-            if (start < 0) start = t;
-            else if (t - start > timeout_s) return 1;
+        if ((spins & 255) == 255) {
+            double waited = now_s() - start;
+            if (waited > timeout_s) return 1;
+            sleeping = waited > SPIN_S;
         }
-        sched_yield(); /* gives the core away only when something else wants it */
+        if (sleeping) nanosleep(&nap, NULL);
+        else sched_yield(); /* gives the core away only when something else wants it */
     }
 }
 
