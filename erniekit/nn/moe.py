@@ -632,14 +632,12 @@ class MoEBlock(nn.Layer):
         """Beside data ranks (data_sum set) the losses need the whole batch's counts: this layer's
         are kept for `settle_router_losses`, which sums every layer's in one collective after the
         forward (one wait for the other ranks instead of one per layer). A recomputed layer's second
-        run repeats the first's ops (the recompute replays them in order) and changes nothing."""
-        if self.data_sum is None:
+        run changes nothing: the counts are not differentiable, so the replay needs none of them."""
+        if self.data_sum is None or not (self.coefs["aux"] or self.coefs["z"]):  # no whole-batch count needed
             self._set_losses(parts, routed, [None] * len(parts))
-        else:
-            stats = self._batch_stats(parts, routed)
-            if not recomputing():
-                self.pending_stats = (stats, parts, routed)
-                self.router_loss, self.loss_parts = None, {}
+        elif not recomputing():
+            self.pending_stats = (self._batch_stats(parts, routed), parts, routed)
+            self.router_loss, self.loss_parts = None, {}
         if recomputing():  # the backward's second run of a recomputed layer: already counted
             return
         with paddle.no_grad():

@@ -241,11 +241,11 @@ def _place_model(cfg, ctx, model, stage, log) -> None:
     """A collective job: this rank's share of the model over the mesh (and its pipeline segment);
     a causal-LM stage that only splits the batch runs on whole-model replicas."""
     from erniekit.distributed.collective.layout import check_model_fits
+    from erniekit.distributed.collective.replicas import host_floats
 
     check_model_fits(ctx.layout, model.config, stage_layers=cfg.pipeline_stage_layers)
     if stage.supports.row_losses and ctx.use_replicas():  # its losses split by rows
-        trained = sum(int(p.size) for p in model.parameters() if not p.stop_gradient)
-        how = ctx.replicas.choose_transport(trained + 1024)  # + the step's loss sums and stop votes
+        how = ctx.replicas.choose_transport(host_floats(model.parameters()))
         log(f"data parallelism: {ctx.layout.world} whole-model replicas, gradients summed by one all-reduce ({how})")
     ctx.init_pipeline(model.config.num_hidden_layers, cfg.pipeline_stage_layers)
     ctx.shard_model(model)

@@ -19,6 +19,7 @@ import ctypes
 import mmap
 import os
 import secrets
+import sys
 import tempfile
 
 import numpy as np
@@ -32,10 +33,16 @@ _LINE = 64  # bytes per flag: one cache line each
 _TOKEN = 16  # random bytes rank 0 writes, so a rank that opens a same-named file elsewhere says no
 _PATH = 256  # bytes of the broadcast path
 _MIN_CAP = 1 << 16  # floats: the router losses' small sums and the first gradients fit without regrowing
-TIMEOUT_S = 1800.0  # as NCCL's default: a rank that waits longer gives up with an error
+# as NCCL's default: a rank that waits longer gives up with an error (a rank-0-only phase that runs
+# longer, e.g. a huge export, needs ERNIEKIT_HOST_SUM_TIMEOUT)
+TIMEOUT_S = float(os.environ.get("ERNIEKIT_HOST_SUM_TIMEOUT", "1800"))
 
 
 class HostSumTimeout(ErniekitError):
+    pass
+
+
+class HostSumMismatch(ErniekitError):
     pass
 
 
@@ -74,9 +81,12 @@ class HostSum:
         (`why_not` says why). Growing the mapping is collective; every rank asks for the same n."""
         if self.why_not is not None:
             return None
-        if n > self.cap:
-            self._open(max(n, 2 * self.cap, _MIN_CAP))
+        if self._slots is None or n > self.cap:
+            had = self.cap
+            self._open(-(-max(n, _MIN_CAP) // 16) * 16)  # whole cache lines: chunks never share one
             if self.why_not is not None:
+                if had and self.rank == 0:  # the run's log said shared memory: say it changed
+                    print(f"data-parallel sums now go through gloo: {self.why_not}", file=sys.stderr, flush=True)
                 return None
         return self._slots[self.rank, :n]
 
@@ -93,6 +103,11 @@ class HostSum:
             self._seq,
             self.timeout_s,
         )
+        if err == 2:
+            raise HostSumMismatch(
+                f"data rank {self.rank} summed {n} values while another rank summed a different count: "
+                "the ranks' models or step values differ; check that every rank runs the same config"
+            )
         if err:
             raise HostSumTimeout(
                 f"data rank {self.rank} waited {self.timeout_s:.0f} s for the other ranks at a shared-memory "
@@ -108,24 +123,26 @@ class HostSum:
         self.close()
         nbytes = self.header_bytes + self.size * cap * 4
         why, path, token, fd = self._own_reason(), "", secrets.token_bytes(_TOKEN), -1
-        if self.rank == 0 and why is None:
-            path, fd, why = self._create(nbytes, token)
-        path, token = self._broadcast(path, token)
-        if why is None and not path:
-            why = "rank 0 could not create the shared file"
-        if why is None and self.rank != 0:
-            fd, why = self._attach(path, nbytes, token)
-        agreed = self._all_ok(why is None)
-        if self.rank == 0 and path:
-            os.unlink(path)  # every rank has it open (or gave up): nothing is left behind on exit
-        if agreed and fd >= 0:
-            self._map = mmap.mmap(fd, nbytes)
-            raw = np.frombuffer(self._map, dtype=np.uint8)
-            self._header = raw[: self.header_bytes].view(np.int64)
-            self._slots = raw[self.header_bytes :].view(np.float32).reshape(self.size, cap)
-            self.cap, self._seq = cap, 0
-        if fd >= 0:
-            os.close(fd)
+        try:
+            if self.rank == 0 and why is None:
+                path, fd, why = self._create(nbytes, token)
+            path, token = self._broadcast(path, token)
+            if why is None and not path:
+                why = "rank 0 could not create the shared file"
+            if why is None and self.rank != 0:
+                fd, why = self._attach(path, nbytes, token)
+            agreed = self._all_ok(why is None)
+            if agreed and fd >= 0:
+                self._map = mmap.mmap(fd, nbytes)
+                raw = np.frombuffer(self._map, dtype=np.uint8)
+                self._header = raw[: self.header_bytes].view(np.int64)
+                self._slots = raw[self.header_bytes :].view(np.float32).reshape(self.size, cap)
+                self.cap, self._seq = cap, 0
+        finally:  # also when a peer is gone and the collectives raise: no file outlives the set-up
+            if self.rank == 0 and path:
+                os.unlink(path)  # every rank has it open (or gave up)
+            if fd >= 0:
+                os.close(fd)
         if not agreed:
             self.why_not = why or "another rank could not use it (not on this host, or no kernel)"
 

@@ -30,6 +30,15 @@ from erniekit.distributed.collective.host_sum import HostSum
 from erniekit.distributed.collective.pipeline import data_rank_rows
 from erniekit.utils.dtensor import host_view
 
+_VALUES = 1024  # room for a step's loss sums, metrics and stop votes beside the gradients
+
+
+def host_floats(params) -> int:
+    """Floats a step's shared-memory sum carries: the trainable CPU float32 parameters' gradients
+    (the ones it sums; others go through the process group) and room for the step's values."""
+    n = sum(int(p.size) for p in params if not p.stop_gradient and p.dtype == paddle.float32 and p.place.is_cpu_place())
+    return n + _VALUES if n else 0
+
 
 class DataReplicas:
     def __init__(self, size: int, rank: int, group=None):
@@ -64,7 +73,11 @@ class DataReplicas:
 
     def choose_transport(self, floats: int) -> str:
         """Decide (collectively: every rank calls it) how the sums travel, with room for `floats`
-        (the gradients and the step's values) so a small /dev/shm shows now; returns it for the log."""
+        (the CPU float32 gradients and the step's values) so a small /dev/shm shows now; returns it
+        for the log. Without CPU float32 gradients (a GPU job) the process group sums them."""
+        if self.host is not None and floats <= _VALUES:  # the same model on every rank: the same answer
+            self.host = None
+            return "the process group's all-reduce"
         if self.host is None:
             return "gloo"
         if self.host.buffer(floats) is None:

@@ -46,13 +46,17 @@ static int64_t wait_all(int64_t *flags, int64_t ranks, int64_t seq, double timeo
     }
 }
 
-/* header: `written` flags for ranks at line r, `summed` flags at line ranks + r; slots follow at
- * `slots` (float32, cap each). n <= cap elements are summed. Returns 0, or 1 on a timeout. */
+/* header: `written` flags for ranks at line r (the call's n beside it), `summed` flags at line
+ * ranks + r; slots follow at `slots` (float32, cap each). n <= cap elements are summed. Returns 0,
+ * 1 on a timeout, 2 when the ranks asked for different sizes (every rank sees it; nothing summed). */
 int64_t erniekit_host_sum(int64_t *header, float *slots, int64_t rank, int64_t ranks, int64_t cap, int64_t n,
                           int64_t seq, double timeout_s) {
     int64_t *written = header, *summed = header + ranks * LINE;
+    __atomic_store_n(&written[rank * LINE + 1], n, __ATOMIC_RELAXED); /* published by the release below */
     __atomic_store_n(&written[rank * LINE], seq, __ATOMIC_RELEASE);
     if (wait_all(written, ranks, seq, timeout_s)) return 1;
+    for (int64_t r = 0; r < ranks; r++)
+        if (__atomic_load_n(&written[r * LINE + 1], __ATOMIC_RELAXED) != n) return 2;
     /* chunks of whole 64-byte lines: no two ranks write the same cache line */
     int64_t lines = (n + 15) / 16;
     int64_t lo = lines * rank / ranks * 16, hi = lines * (rank + 1) / ranks * 16;

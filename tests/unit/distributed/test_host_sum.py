@@ -105,7 +105,7 @@ def test_growing_the_buffer_sets_up_a_new_mapping_and_leaves_no_file():
     n = H._MIN_CAP + 3
     for sums, cap in out:
         assert sums == [[7.0, 9.0], [2.0 * (n - 2) + 1, 2.0 * (n - 1) + 1]]
-        assert cap == 2 * H._MIN_CAP
+        assert cap == H._MIN_CAP + 16  # the count asked for, in whole cache lines
     assert {f for f in os.listdir(H._shm_dir()) if f.startswith("erniekit-sum-")} <= before
 
 
@@ -133,3 +133,33 @@ def test_a_missing_rank_times_out_with_a_one_line_error():
         return "timed out"
 
     assert _run(2, work) == ["timed out", "absent"]
+
+
+def test_ranks_that_sum_different_counts_get_an_error_not_garbage():
+    def work(hs):
+        n = 32 if hs.rank == 0 else 48
+        hs.buffer(64)[:] = 1.0
+        with pytest.raises(H.HostSumMismatch, match=f"data rank {hs.rank} summed {n} values"):
+            hs.sum(n)
+        return "refused"
+
+    assert _run(2, work) == ["refused", "refused"]
+
+
+def test_a_set_up_that_fails_midway_leaves_no_file(monkeypatch):
+    made = []
+    create = H.HostSum._create
+
+    def spy(self, nbytes, token):
+        out = create(self, nbytes, token)
+        made.append(out[0])
+        return out
+
+    def gone(self, path, token):
+        raise RuntimeError("the other rank is gone")
+
+    monkeypatch.setattr(H.HostSum, "_create", spy)
+    monkeypatch.setattr(H.HostSum, "_broadcast", gone)
+    with pytest.raises(RuntimeError, match="gone"):
+        H.HostSum(2, 0).buffer(4)
+    assert made and made[0] and not os.path.exists(made[0])

@@ -58,3 +58,12 @@ def test_each_rank_takes_its_rows_and_an_uneven_batch_whole_at_a_share():
     assert w == 1.0 and rows["input_ids"].tolist() == [[4, 5], [6, 7]]
     rows, w = R.DataReplicas(3, 2).local_rows(batch)
     assert w == pytest.approx(1 / 3) and rows["input_ids"].shape == (4, 2)
+
+
+def test_a_job_without_cpu_float32_gradients_keeps_the_process_group_s_sum():
+    frozen = _param([4], 0)
+    frozen.stop_gradient = True
+    assert R.host_floats([frozen, paddle.create_parameter([3], "float64")]) == 0
+    assert R.host_floats([_param([2, 3], 1), frozen]) == 6 + R._VALUES
+    rep = R.DataReplicas(2, 0)
+    assert rep.choose_transport(0) == "the process group's all-reduce" and rep.host is None

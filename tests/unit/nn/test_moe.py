@@ -299,3 +299,20 @@ def test_data_ranks_sum_every_layer_s_counts_in_one_collective_after_the_forward
     assert set(parts_one) == {k for m in moe for k in m.loss_parts} == {"aux", "z"}
     out.aux_loss.backward()  # the recomputed second run sums nothing and keeps the settled losses
     assert len(calls) == 1 and all(m.loss_parts for m in moe)
+
+
+def test_no_whole_batch_sum_when_no_loss_needs_the_counts():
+    """Aux-loss-free routing (or the orthogonal loss alone) needs no counts from the other ranks:
+    no collective a step, and each rank carries its share of the orthogonal loss."""
+    cfg = get_preset("tiny-moe").replace(
+        num_hidden_layers=2, router_aux_loss_coef=0.0, router_z_loss_coef=0.0, router_orthogonal_loss_coef=1.0
+    )
+    model = Ernie4_5ForCausalLM(cfg)
+    model.train()
+    ids = paddle.to_tensor(np.random.default_rng(0).integers(0, cfg.vocab_size, (1, 8)))
+    one = float(model(ids).aux_loss)
+    calls = []
+    for m in model.moe_layers():
+        m.data_sum, m.data_ranks = (lambda t: calls.append(t) or t), 2
+    np.testing.assert_allclose(2 * float(model(ids).aux_loss), one, rtol=1e-6)
+    assert calls == []
