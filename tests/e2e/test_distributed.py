@@ -391,6 +391,16 @@ def test_pipeline_runs_fp8_experts(tmp_path):
     assert np.abs(one - f32).max() > 1e-4  # FP8 really ran
 
 
+def test_four_data_ranks_sum_in_shared_memory_and_follow_the_one_process_curve(reference, tmp_path):
+    """Four replicas on one host: each sums its chunk over four slots in rank order (not gloo's
+    ring order), the router counts too; the curve is the one process's."""
+    out = tmp_path / "dp4"
+    r = _ok(_train(_args(out, "tiny-moe", batch=2) + ["nproc_per_node=4"]))
+    if host_sum._kernel() is not None:
+        assert "4 whole-model replicas, gradients summed by one all-reduce (shared memory on this host)" in r.stdout
+    np.testing.assert_allclose(_losses(out), _losses(reference / "moe"), rtol=1e-5)
+
+
 def test_tensor_and_data_parallel_moe_on_four_processes(reference, tmp_path):
     """tp=2 x dp=2 without expert parallelism: the replicated experts' gradients are summed over
     the data ranks of each tp coordinate ({0, 2} and {1, 3}) by a hook on their own group."""
