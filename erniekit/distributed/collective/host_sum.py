@@ -153,14 +153,22 @@ class HostSum:
         return None if self._fn is not None else f"kernel not built: {native.why_not.get('host_sum', '')}"
 
     def _create(self, nbytes: int, token: bytes) -> tuple[str, int, str | None]:
-        fd, path = tempfile.mkstemp(prefix="erniekit-sum-", dir=_shm_dir())
+        """(path, fd, None), or ("", -1, why): a failure here is a reason to use gloo, not an error."""
+        where = _shm_dir()
         try:
-            os.posix_fallocate(fd, 0, nbytes)  # fails now, not with SIGBUS later, when /dev/shm is small
+            fd, path = tempfile.mkstemp(prefix="erniekit-sum-", dir=where)
+        except OSError as e:
+            return "", -1, f"{where}: {e.strerror}"
+        try:
+            if hasattr(os, "posix_fallocate"):  # fails now, not with SIGBUS later, when /dev/shm is small
+                os.posix_fallocate(fd, 0, nbytes)
+            else:  # no such call (macOS): a plain file of that size in the temporary directory
+                os.ftruncate(fd, nbytes)
+            os.pwrite(fd, token, 2 * self.size * _LINE)
         except OSError as e:
             os.close(fd)
             os.unlink(path)
-            return "", -1, f"{nbytes / 2**20:.0f} MiB in {os.path.dirname(path)}: {e.strerror}"
-        os.pwrite(fd, token, 2 * self.size * _LINE)
+            return "", -1, f"{nbytes / 2**20:.0f} MiB in {where}: {e.strerror}"
         return path, fd, None
 
     def _attach(self, path: str, nbytes: int, token: bytes) -> tuple[int, str | None]:

@@ -163,3 +163,16 @@ def test_a_set_up_that_fails_midway_leaves_no_file(monkeypatch):
     with pytest.raises(RuntimeError, match="gone"):
         H.HostSum(2, 0).buffer(4)
     assert made and made[0] and not os.path.exists(made[0])
+
+
+def test_a_full_dev_shm_is_a_reason_to_use_gloo_said_at_set_up(monkeypatch):
+    import errno
+
+    def full(fd, offset, length):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(H.os, "posix_fallocate", full, raising=False)
+    out = _run(2, lambda hs: (hs.buffer(4), hs.why_not))
+    assert out[0][0] is None and out[1][0] is None
+    assert out[0][1].endswith(f"MiB in {H._shm_dir()}: {os.strerror(errno.ENOSPC)}")
+    assert out[1][1] == "rank 0 could not create the shared file"
