@@ -316,3 +316,23 @@ def test_no_whole_batch_sum_when_no_loss_needs_the_counts():
         m.data_sum, m.data_ranks = (lambda t: calls.append(t) or t), 2
     np.testing.assert_allclose(2 * float(model(ids).aux_loss), one, rtol=1e-6)
     assert calls == []
+
+
+def test_deferred_router_losses_give_the_same_gradients_with_recompute():
+    """The settled losses read router probabilities made inside a recomputed part: the backward
+    replays it and the router gets the gradients it gets without recompute."""
+    cfg = get_preset("tiny-moe").replace(num_hidden_layers=2, router_z_loss_coef=1e-3)
+    ids = paddle.to_tensor(np.random.default_rng(1).integers(0, cfg.vocab_size, (2, 12)))
+    grads = []
+    for recompute in (None, "mlp"):
+        paddle.seed(0)
+        model = Ernie4_5ForCausalLM(cfg)
+        model.set_recompute(recompute)
+        model.train()
+        for m in model.moe_layers():
+            m.data_sum, m.data_ranks = (lambda t: t * 2), 2
+        model(ids).aux_loss.backward()
+        grads.append([m.router(0).weight.grad.numpy().copy() for m in model.moe_layers()])
+    for a, b in zip(*grads):
+        assert np.abs(a).max() > 0
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-8)
