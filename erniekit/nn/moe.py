@@ -393,6 +393,13 @@ def settle_router_losses(layers) -> None:
         start += s.shape[0]
 
 
+def router_loss_sum(layers) -> paddle.Tensor | None:
+    """The weighted router losses of `layers`' last forward (training), summed; None without any."""
+    settle_router_losses(layers)
+    losses = [m.router_loss for m in layers if m.router_loss is not None]
+    return paddle.add_n(losses) if losses else None
+
+
 def load_balancing_loss(
     probs: paddle.Tensor, topk_idx: paddle.Tensor, num_experts: int, whole: tuple[paddle.Tensor, float] | None = None
 ) -> paddle.Tensor:

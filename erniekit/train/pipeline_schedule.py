@@ -20,7 +20,7 @@ import numpy as np
 import paddle
 
 from erniekit.distributed.collective.pipeline import PipelineTopology, data_rank_rows  # noqa: F401  (data_rank_rows: used here)
-from erniekit.nn.moe import settle_router_losses
+from erniekit.nn.moe import router_loss_sum
 from erniekit.train.losses import batch_tensor, causal_lm_loss_sum, count_target_tokens, token_balanced_loss_sum
 
 
@@ -80,9 +80,7 @@ def router_loss(model) -> paddle.Tensor | None:
     """Sum of the weighted router losses of the model's MoE layers in the last forward (training)."""
     if not (model.training and model.config.is_moe):
         return None
-    settle_router_losses(model.moe_layers())
-    losses = [m.router_loss for m in model.moe_layers() if m.router_loss is not None]
-    return paddle.add_n(losses) if losses else None
+    return router_loss_sum(model.moe_layers())
 
 
 class PipelineStep:

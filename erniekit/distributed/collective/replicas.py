@@ -11,8 +11,8 @@ normaliser counts the global batch; router losses see whole-batch statistics thr
 
 The gradients go in one flat buffer per dtype with the step's loss sums and stop votes, so a
 step waits for the other ranks once. Ranks on one host sum through shared memory (host_sum.py;
-weak scaling 0.76-0.85 through gloo -> 0.91-1.0 on 2 cores, docs/distributed.md), others through
-gloo, where the buffer is numpy, filled from and emptied into views of the gradients (cheaper than
+weak scaling 0.82 / 0.74 dense / MoE through gloo -> 0.93 / 0.90 on 2 cores, docs/distributed.md),
+others through gloo, where the buffer is numpy, filled from and emptied into views of the gradients (cheaper than
 Paddle's concat / split / assign). Overlapping the sum with the backward did not pay here: buckets
 reduced by a background thread as the backward completed them gave weak scaling 0.76 (1 MiB
 buckets) and 0.67 (256 KiB) against 0.87-0.89 for one gloo sum after the backward (tiny-dense, 2
@@ -75,7 +75,7 @@ class DataReplicas:
         """Decide (collectively: every rank calls it) how the sums travel, with room for `floats`
         (the CPU float32 gradients and the step's values) so a small /dev/shm shows now; returns it
         for the log. Without CPU float32 gradients (a GPU job) the process group sums them."""
-        if self.host is not None and floats <= _VALUES:  # the same model on every rank: the same answer
+        if self.host is not None and not floats:  # the same model on every rank: the same answer
             self.host = None
             return "the process group's all-reduce"
         if self.host is None:
@@ -111,15 +111,15 @@ class DataReplicas:
     def _sum_views(self, views: list[np.ndarray], values: list[float]) -> list[float]:
         """CPU float32: through a numpy buffer (kept between steps)."""
         n = sum(v.size for v in views)
-        flat = self._host_buffer(n + len(values))
-        if flat is None and (self._flat is None or self._flat.size != n + len(values)):
+        shared = self._host_buffer(n + len(values))  # None: the sum goes through gloo
+        if shared is None and (self._flat is None or self._flat.size != n + len(values)):
             self._flat = np.empty(n + len(values), dtype=np.float32)
-        flat, start = (self._flat if flat is None else flat), 0
+        flat, start = (self._flat if shared is None else shared), 0
         for v in views:
             flat[start : start + v.size] = v.reshape(-1)
             start += v.size
         flat[n:] = values
-        if self.host is not None and self.host.why_not is None:
+        if shared is not None:
             self.host.sum(n + len(values))
         else:
             dist.all_reduce(paddle.from_dlpack(flat), group=self.group)

@@ -29,7 +29,7 @@ from erniekit.nn.attention import (
 )
 from erniekit.nn.gpas import GPAS
 from erniekit.nn.linear import Linear
-from erniekit.nn.moe import MoEBlock, settle_router_losses
+from erniekit.nn.moe import MoEBlock, router_loss_sum
 from erniekit.nn.mtp import MultiTokenPredictor
 from erniekit.nn.norm import rms_norm
 from erniekit.nn.recompute import GRANULARITIES, checkpoint
@@ -297,9 +297,7 @@ class Ernie4_5ForCausalLM(nn.Layer):
         logits = self.head(h)
         aux = None
         if self.training and self.config.is_moe:
-            settle_router_losses(self.moe_layers())
-            losses = [m.router_loss for m in self.moe_layers() if m.router_loss is not None]
-            aux = paddle.add_n(losses) if losses else None
+            aux = router_loss_sum(self.moe_layers())
         return CausalLMOutput(logits=logits, aux_loss=aux, mtp_logits=mtp_logits, hidden_states=h)
 
     def head(self, h: paddle.Tensor) -> paddle.Tensor:

@@ -6,6 +6,7 @@ import threading
 
 import numpy as np
 import pytest
+from launched_jobs import concurrently
 
 from erniekit.distributed.cross_cluster.compress import ROW, FlatCompressor, payload_nbytes
 from erniekit.distributed.cross_cluster.outer import OuterOptimizer, OuterSync, gradient_sum
@@ -111,22 +112,8 @@ class ThreadExchange:
 
 def _run_clusters(n: int, body) -> list:
     """body(cluster_id, all_gather) in one thread per cluster; returns their results, re-raising errors."""
-    ex, results, errors = ThreadExchange(n), [None] * n, []
-
-    def run(c: int) -> None:
-        try:
-            results[c] = body(c, ex.link(c))
-        except Exception as e:  # collected and re-raised in the test thread
-            errors.append(e)
-
-    threads = [threading.Thread(target=run, args=(c,)) for c in range(n)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(30)
-    if errors:
-        raise errors[0]
-    return results
+    ex = ThreadExchange(n)
+    return concurrently(*(lambda c=c: body(c, ex.link(c)) for c in range(n)))
 
 
 def test_outer_nesterov_matches_torch_sgd_formula_in_float64():

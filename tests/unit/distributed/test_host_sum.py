@@ -7,6 +7,7 @@ import threading
 
 import numpy as np
 import pytest
+from launched_jobs import concurrently
 
 from erniekit.distributed.collective import host_sum as H
 
@@ -42,21 +43,15 @@ class _Job:
 
 
 def _run(size, work, fail_attach_rank=None):
-    job, errors, out = _Job(size), [], [None] * size
-
-    def rank(r):
-        try:
-            out[r] = work(job.patch(H.HostSum(size, r), fail_attach=r == fail_attach_rank))
-        except Exception as e:  # noqa: BLE001 - reported by the test below
-            errors.append(e)
-
-    threads = [threading.Thread(target=rank, args=(r,)) for r in range(size)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    assert errors == []
-    return out
+    """work(HostSum of rank r) in one thread per rank; their results in rank order (an error is
+    raised). A kernel wait gives up after 60 s, so a failing rank cannot hang the others."""
+    job = _Job(size)
+    return concurrently(
+        *(
+            lambda r=r: work(job.patch(H.HostSum(size, r, timeout_s=60), fail_attach=r == fail_attach_rank))
+            for r in range(size)
+        )
+    )
 
 
 @pytest.mark.parametrize("size", [2, 3])
