@@ -22,7 +22,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from _train_runs import median_step_time, train  # noqa: E402
+from _train_runs import layout_step  # noqa: E402
 
 from erniekit.distributed import planner as P  # noqa: E402
 from erniekit.models.ernie4_5 import get_preset  # noqa: E402
@@ -44,30 +44,7 @@ LAYOUTS = [
 
 def measure(model: str, procs: int, plan: P.Plan, steps: int, tmp: str) -> dict:
     out = os.path.join(tmp, f"{model}-{procs}-{plan.describe().replace(' ', '_').replace('=', '')}")
-    keys = {**plan.config_overrides(), "nproc_per_node": procs}
-    args = [
-        f"{k}={'true' if v is True else 'false' if v is False else v if v != '' else 'none'}" for k, v in keys.items()
-    ]
-    cmd = [
-        sys.executable,
-        "-m",
-        "erniekit",
-        "train",
-        "examples/configs/tiny/pretrain.yaml",
-        f"model_name_or_path={model}",
-        f"max_seq_len={S}",
-        f"max_steps={steps}",
-        "logging_steps=5",
-        "save_steps=100000",
-        "disable_tqdm=true",
-        f"output_dir={out}",
-        *args,
-    ]
-    env = dict(os.environ, PYTHONWARNINGS="ignore")
-    env.pop("OMP_NUM_THREADS", None)  # the CLI splits the cores between the processes
-    train(cmd, out, env)
-    res = json.loads(Path(out, "train_results.json").read_text())
-    return {"step_s": median_step_time(out), "memory": res["peak_memory_bytes"]}
+    return layout_step(model, procs, plan.config_overrides(), steps, out, seq_len=S)
 
 
 def main(argv: list[str] | None = None) -> int:

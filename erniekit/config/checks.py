@@ -38,7 +38,7 @@ def _flush_warnings() -> None:
     _pending.clear()
 
 
-def _supports(cfg: TrainConfig):
+def stage_supports(cfg: TrainConfig):
     """What cfg's stage declares it can run with (erniekit/train/stage.py: Supports)."""
     from erniekit.train.stages import stage_class
 
@@ -107,7 +107,7 @@ def check(cfg: TrainConfig) -> None:
     _check_distill(cfg)
     _check_init_layers(cfg)  # after the teacher's check: a demo naming both reports the teacher first
     _check_control(cfg)
-    check_cross_cluster(cfg, _supports(cfg))
+    check_cross_cluster(cfg, stage_supports(cfg))
     _flush_warnings()
 
 
@@ -206,7 +206,7 @@ def _check_ranges(cfg: TrainConfig) -> None:
         _require(0 <= getattr(cfg, key) < 1, key, getattr(cfg, key), "in [0, 1)")
     for key in ("warmup_ratio", "decay_ratio"):
         _require(0 <= getattr(cfg, key) <= 1, key, getattr(cfg, key), "in [0, 1]")
-    if _supports(cfg).rollouts:
+    if stage_supports(cfg).rollouts:
         _check_rl(cfg)
     else:
         _require(cfg.beta > 0, "beta", cfg.beta, "> 0")
@@ -236,16 +236,16 @@ def _check_ranges(cfg: TrainConfig) -> None:
     )
     _require(0 <= cfg.label_smoothing < 0.5, "label_smoothing", cfg.label_smoothing, "in [0, 0.5)")
     _require(cfg.sft_loss_ratio >= 0, "sft_loss_ratio", cfg.sft_loss_ratio, ">= 0")
-    if (cfg.elastic_depth or cfg.elastic_experts or cfg.elastic_top_k) and not _supports(cfg).elastic:
+    if (cfg.elastic_depth or cfg.elastic_experts or cfg.elastic_top_k) and not stage_supports(cfg).elastic:
         raise ConfigError(
             f"elastic_* sub-model training applies to the {_stages_that('elastic')} stages, not "
             f"{cfg.stage}; clear elastic_depth, elastic_experts and elastic_top_k"
         )
-    if cfg.packing and not _supports(cfg).packing:
+    if cfg.packing and not stage_supports(cfg).packing:
         raise ConfigError(
             f"packing applies to the {_stages_that('packing')} stages, not {cfg.stage}; set packing=false"
         )
-    if cfg.loss_token_balance and not _supports(cfg).token_balance:
+    if cfg.loss_token_balance and not stage_supports(cfg).token_balance:
         raise ConfigError(
             f"loss_token_balance applies to the {_stages_that('token_balance')} stages, not {cfg.stage}; "
             "set loss_token_balance=false"
@@ -261,7 +261,7 @@ def _check_ranges(cfg: TrainConfig) -> None:
 
 def _check_rl(cfg: TrainConfig) -> None:
     _require(cfg.beta >= 0, "beta", cfg.beta, ">= 0 (0 drops the reference model)")
-    low = _supports(cfg).min_generations
+    low = stage_supports(cfg).min_generations
     _require(
         cfg.num_generations >= low,
         "num_generations",
@@ -366,7 +366,7 @@ def _check_elastic_sandwich(cfg: TrainConfig) -> None:
         raise ConfigError(
             "elastic_sandwich: true needs sub-models to train; set elastic_depth, elastic_experts or elastic_top_k"
         )
-    if not _supports(cfg).elastic_sandwich:
+    if not stage_supports(cfg).elastic_sandwich:
         raise ConfigError(
             f"elastic_sandwich applies to the LM stages ({_stages_that('elastic_sandwich', ', ')}), "
             f"not {cfg.stage}; "
@@ -394,7 +394,7 @@ def _check_online_distill(cfg: TrainConfig) -> None:
         student_config,
     )
 
-    if not _supports(cfg).online_distill:
+    if not stage_supports(cfg).online_distill:
         raise ConfigError(f"{KEY} applies to the {_stages_that('online_distill')} stages, not {cfg.stage}; clear {KEY}")
     why = None
     lay = layout_from_config(cfg.parallelism) if cfg.distributed_mode == "collective" else None
@@ -462,7 +462,7 @@ def _check_paths(cfg: TrainConfig) -> None:
         _require(bool(paths), key, value, "one or more comma-separated file paths")
         for p in paths:
             if p.startswith("synthetic:"):  # generated at run time (erniekit/data/synthetic_vl.py)
-                if not _supports(cfg).images:
+                if not stage_supports(cfg).images:
                     raise ConfigError(
                         f"{key}: {p} is a synthetic picture dataset; it trains with stage: {_stages_that('images', ' or ')}"
                     )
@@ -579,12 +579,16 @@ def _check_parallel(cfg: TrainConfig) -> None:
         _check_ps(cfg)
         return
     lay = layout_from_config(cfg.parallelism)
-    if _supports(cfg).images and (lay.tp > 1 or lay.pp > 1 or lay.sharding_stage):
+    if stage_supports(cfg).images and (lay.tp > 1 or lay.pp > 1 or lay.sharding_stage):
         raise ConfigError(
             f"stage {cfg.stage} runs on several processes with data and expert parallelism only in this version "
             f"({lay.describe()} asked); set tensor_parallel_degree and pipeline_parallel_degree to 1 and no sharding"
         )
-    if _supports(cfg).images and lay.ep > 1 and float((cfg.model_overrides or {}).get("moe_capacity_factor") or 0) > 0:
+    if (
+        stage_supports(cfg).images
+        and lay.ep > 1
+        and float((cfg.model_overrides or {}).get("moe_capacity_factor") or 0) > 0
+    ):
         raise ConfigError(
             "model_overrides.moe_capacity_factor: stage "
             f"{cfg.stage} with expert parallelism routes without a capacity limit in this version; set it to 0"
@@ -793,7 +797,7 @@ def _check_ps(cfg: TrainConfig) -> None:
         )
     _check_ps_pipeline(cfg, world - cfg.ps_servers)
     why = None
-    if not _supports(cfg).parameter_server:
+    if not stage_supports(cfg).parameter_server:
         why = f"trains the {_stages_that('parameter_server')} stages, not stage={cfg.stage}"
     elif cfg.fine_tuning != "Full":
         why = f"trains full models, not fine_tuning={cfg.fine_tuning}"
@@ -866,7 +870,7 @@ def pipeline_refusal(cfg: TrainConfig) -> str | None:
     """Why this config's stage or options cannot run in a pipeline (None: they can); the planner
     leaves pipeline layouts out of `parallel: auto` for such a config."""
     why = None
-    if not _supports(cfg).pipeline:
+    if not stage_supports(cfg).pipeline:
         why = f"runs the {_stages_that('pipeline')} stages, not stage={cfg.stage}; set pipeline_parallel_degree=1"
     elif cfg.fine_tuning != "Full":
         why = f"runs full fine-tuning, not fine_tuning={cfg.fine_tuning}; set pipeline_parallel_degree=1"

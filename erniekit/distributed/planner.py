@@ -8,12 +8,17 @@ gives them with the calibration against measured runs).
 
 Step time = compute + communication, per optimizer step:
   compute   FLOPs / (devices working in parallel x device_flops) + a fixed cost per op launch
-            (op_overhead_s x ops) + the memory-bound ops' traffic / memory_bandwidth, times
-            (m + pp - 1) / m for the pipeline bubble (1F1B over the m micro-batches of a step);
-            FLOPs = 3 x forward (backward = 2 x forward) plus the forward of what recompute runs again.
+            (op_overhead_s x ops, + spmd_op_overhead_s where the parameters are DistTensors) + the
+            memory-bound ops' traffic / memory_bandwidth (what the forward writes, read back by the
+            backward, + what recompute writes again), times (m + pp - 1) / m for the pipeline
+            bubble (1F1B over the m micro-batches of a step); FLOPs = 3 x forward (backward = 2 x
+            forward) plus the forward of what recompute runs again; + the optimizer step (8 passes
+            over this rank's parameters at memory_bandwidth, a launch per tensor).
   comm      each collective costs latency + bytes / bandwidth (ring all-reduce moves
-            2(n-1)/n x the buffer): gradient all-reduce over the data ranks (one call per
-            parameter tensor, as the optimizer issues them; sharding: reduce-scatter + all-gather,
+            2(n-1)/n x the buffer): gradient all-reduce over the data ranks (whole-model replicas:
+            one sum of all gradients, through shared memory on one CPU host when the cluster gives
+            host_sum_*; DistTensors: one call per parameter tensor, as the optimizer issues them;
+            sharding: reduce-scatter + all-gather,
             the same bytes in twice the calls), tp all-reduces of activations (4 per
             layer per micro-batch), expert all-to-all (dispatch + combine, forward and backward),
             stage-3 parameter all-gathers, pipeline send/recv of activations. Links inside a node
@@ -52,6 +57,14 @@ class Cluster:
     intra_node_latency_s: float = 100e-6
     inter_node_bandwidth: float = 1.25e9
     inter_node_latency_s: float = 50e-6
+    # layouts whose parameters are DistTensors (tp, ep, sharding) pay this on top of op_overhead_s
+    # per op: Paddle's dynamic SPMD infers placements and inserts reshards on every op
+    spmd_op_overhead_s: float = 0.0
+    # data-parallel replicas on one CPU host sum their gradients through shared memory
+    # (erniekit/distributed/collective/host_sum.py): one sum of n bytes = latency + n / bandwidth;
+    # 0: not measured, the intra-node all-reduce figures apply
+    host_sum_bandwidth: float = 0.0
+    host_sum_latency_s: float = 0.0
     name: str = "cluster"
 
     @property
@@ -83,6 +96,9 @@ def load_cluster(path: str) -> Cluster:
     return cluster_from_mapping(raw, path)
 
 
+_MAY_BE_ZERO = {"spmd_op_overhead_s", "host_sum_bandwidth", "host_sum_latency_s"}  # 0: not measured / none
+
+
 def cluster_from_mapping(raw: dict, where: str) -> Cluster:
     """Cluster keys (a cluster file's, or a cluster written inline in a sites file) -> Cluster;
     one-line errors name `where` and the key. Integers may be written as 2.0, numbers as 1.5e14."""
@@ -106,7 +122,7 @@ def cluster_from_mapping(raw: dict, where: str) -> Cluster:
         except (TypeError, ValueError):
             what = "an integer" if kind is int else "a number"
             raise ConfigError(f"{where}: {key}={value!r} must be {what}") from None
-        if kind is not str and not values[key] > 0:
+        if kind is not str and not (values[key] > 0 or (key in _MAY_BE_ZERO and values[key] == 0)):
             raise ConfigError(f"{where}: {key}={value!r} must be > 0")
     return Cluster(**values)
 
@@ -118,6 +134,9 @@ class Workload:
     global_batch: int
     seq_len: int
     fused_attention: bool = False  # GPU flash attention keeps no [S, S] scores
+    # the stage's loss sums over rows (pretrain, SFT, Distill, VL-SFT): a layout that only splits
+    # the batch runs as whole-model replicas on plain tensors, with one gradient sum per step
+    replicas: bool = True
 
 
 # ---- the model's costs ----------------------------------------------------------------------
@@ -293,10 +312,17 @@ def predict(c, cluster: Cluster, work: Workload, p: Plan) -> Prediction:
     bubble = (m + p.pp - 1) / m
     ops_per_micro = sum(l.ops for l in layers) / p.pp + 10  # this stage's layers + embedding/head/loss
     ops_again = {"none": 0, "core_attn": 4, "full_attn": 12, "mlp": 20, "full": 30}[p.recompute] * L / p.pp
-    op_time = (3 * ops_per_micro + ops_again) * m * cluster.op_overhead_s
+    replicas = _runs_as_replicas(p, work)
+    # DistTensors: every multi-process layout but replicas and pipeline stages (plain tensors per stage)
+    spmd = workers > 1 and p.pp == 1 and not replicas
+    per_op = cluster.op_overhead_s + (cluster.spmd_op_overhead_s if spmd else 0.0)
+    op_time = (3 * ops_per_micro + ops_again) * m * per_op
     # memory-bound ops (norms, activations, softmax, adds): traffic ~ what the forward writes (the
-    # saved activations, per_token below, without recompute), read back once per backward pass
-    traffic = 3 * BYTES * _saved_per_token(layers, p.pp, p.tp, S, H, work, "none") * p.micro_batch * S * m
+    # saved activations, per_token below, without recompute), read back once per backward pass;
+    # recompute writes again what the forward did not keep
+    written = _saved_per_token(layers, p.pp, p.tp, S, H, work, "none")
+    again_written = written - _saved_per_token(layers, p.pp, p.tp, S, H, work, p.recompute)
+    traffic = BYTES * (3 * written + again_written) * p.micro_batch * S * m
     compute = (flops / (workers * cluster.device_flops) + op_time + traffic / cluster.memory_bandwidth) * bubble
     # ---- communication (per step)
     per_node = cluster.devices_per_node
@@ -312,7 +338,10 @@ def predict(c, cluster: Cluster, work: Workload, p: Plan) -> Prediction:
     tensors = 9 * L + 2 + sum(3 for l in layers if l.is_moe)  # parameter tensors (one all-reduce each)
     bw, lat = _link(cluster, p.dp, dp_span)
     grad_bytes = BYTES * (n_params_dense / (p.tp * p.pp) + n_experts / (p.pp * p.ep))
-    comm_dp = _allreduce_s(grad_bytes, p.dp, bw, lat, calls=math.ceil(tensors / p.pp))
+    if replicas and not dp_span and cluster.host_sum_bandwidth > 0:  # one sum through shared memory
+        comm_dp = cluster.host_sum_latency_s + grad_bytes / cluster.host_sum_bandwidth
+    else:  # replicas: the gradients in one buffer; DistTensors: one all-reduce per parameter tensor
+        comm_dp = _allreduce_s(grad_bytes, p.dp, bw, lat, calls=1 if replicas else math.ceil(tensors / p.pp))
     if p.sharding_stage and p.dp > 1:  # reduce-scatter + all-gather: the same bytes, twice the calls
         comm_dp += math.ceil(tensors / p.pp) * lat
     if p.sharding_stage == 3:  # parameters gathered for the forward and again for the backward
@@ -337,6 +366,11 @@ def predict(c, cluster: Cluster, work: Workload, p: Plan) -> Prediction:
     weights = BYTES * params / (shard if p.sharding_stage == 3 else 1)
     grads = BYTES * params / (shard if p.sharding_stage >= 2 else 1)
     moments = 2 * BYTES * params / shard
+    # the optimizer step (not in the bubble): AdamW reads weight, gradient and both moments and writes
+    # three of them, the clip's norm reads the gradient again: 8 passes over this rank's share, and
+    # one launch per parameter tensor
+    optimizer = 8 * BYTES * params / shard / cluster.memory_bandwidth + math.ceil(tensors / p.pp) * per_op
+    compute += optimizer
     per_token = _saved_per_token(layers, p.pp, p.tp, S, H, work, p.recompute)
     in_flight = min(p.pp, m)
     activations = BYTES * per_token * p.micro_batch * S * in_flight
@@ -348,6 +382,7 @@ def predict(c, cluster: Cluster, work: Workload, p: Plan) -> Prediction:
     memory = weights + grads + moments + activations + transient + logits + cluster.memory_overhead
     parts = {
         "compute_s": compute,
+        "optimizer_s": optimizer,
         "comm_dp_s": comm_dp,
         "comm_tp_s": comm_tp,
         "comm_ep_s": comm_ep,
@@ -364,6 +399,11 @@ def predict(c, cluster: Cluster, work: Workload, p: Plan) -> Prediction:
     if memory > cluster.device_memory:
         pred.fits, pred.why = False, f"needs {memory / 1e9:.2f} GB per device, has {cluster.device_memory / 1e9:.2f}"
     return pred
+
+
+def _runs_as_replicas(p: Plan, work: Workload) -> bool:
+    """Whole-model replicas on plain tensors (`Layout.data_only` for a stage whose loss sums over rows)."""
+    return work.replicas and p.dp > 1 and p.tp == 1 and p.pp == 1 and p.ep == 1 and not p.sharding_stage
 
 
 def _saved_per_token(layers, pp: int, tp: int, S: int, H: int, work: Workload, recompute: str) -> float:
@@ -510,11 +550,14 @@ def format_table(preds: list[Prediction], top: int = 15) -> str:
 
 def workload_from_config(cfg, world: int | None = None) -> Workload:
     """The global batch a training config asks for: per-device batch x accumulation x its data ranks."""
+    from erniekit.config.checks import stage_supports
     from erniekit.distributed.collective.layout import layout_from_config
 
     lay = layout_from_config(cfg.parallelism, world)
     return Workload(
-        cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps * lay.dp * lay.sharding, cfg.max_seq_len
+        cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps * lay.dp * lay.sharding,
+        cfg.max_seq_len,
+        replicas=stage_supports(cfg).row_losses,
     )
 
 

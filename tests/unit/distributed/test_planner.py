@@ -54,12 +54,15 @@ def test_cluster_file_loads_and_errors_name_the_key(tmp_path):
 def test_data_parallel_comm_and_zero_memory_follow_the_formulas():
     c = get_preset("tiny-dense")
     base = P.predict(c, CLUSTER, WORK, P.Plan(4, 1, 1, 1, 0, "none", 4, 1))
+    on_dist = P.predict(c, CLUSTER, dataclasses.replace(WORK, replicas=False), P.Plan(4, 1, 1, 1, 0, "none", 4, 1))
     zero1 = P.predict(c, CLUSTER, WORK, P.Plan(4, 1, 1, 1, 1, "none", 4, 1))
-    # all-reduce of the float32 gradients: one call per parameter tensor + 2(n-1)/n bytes / bandwidth
     n_params = sum(1 for _ in range(9 * c.num_hidden_layers + 2))
     params = base.parts["params_bytes"] / 4
-    want = n_params * 1e-4 + 2 * 3 / 4 * 4 * params / 1e10
-    assert base.parts["comm_dp_s"] == pytest.approx(want, rel=1e-9)
+    ring = 2 * 3 / 4 * 4 * params / 1e10
+    # whole-model replicas: the float32 gradients in one all-reduce: 2(n-1)/n bytes / bandwidth
+    assert base.parts["comm_dp_s"] == pytest.approx(1e-4 + ring, rel=1e-9)
+    # on DistTensors (a stage whose loss is not a sum over rows): one call per parameter tensor
+    assert on_dist.parts["comm_dp_s"] == pytest.approx(n_params * 1e-4 + ring, rel=1e-9)
     # the real tiny-dense parameter count (embedding tied): every weight is counted once
     from erniekit.models.ernie4_5 import Ernie4_5ForCausalLM
 
@@ -68,18 +71,70 @@ def test_data_parallel_comm_and_zero_memory_follow_the_formulas():
     assert zero1.parts["grads_bytes"] == base.parts["grads_bytes"]
     zero2 = P.predict(c, CLUSTER, WORK, P.Plan(4, 1, 1, 1, 2, "none", 4, 1))
     assert zero2.parts["grads_bytes"] == pytest.approx(base.parts["grads_bytes"] / 4)
-    # compute: 3 x forward FLOPs over 4 devices
+    # compute: 3 x forward FLOPs over 4 devices, the op launches, and the optimizer's launch per tensor
     L, H, V, S = c.num_hidden_layers, c.hidden_size, c.vocab_size, 128
     q, kv, I = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim, c.intermediate_size
     fwd_per_token = L * (2 * (H * (q + 2 * kv) + q * H) + 4 * q * S + 6 * H * I) + 2 * H * V
     flops = 3 * fwd_per_token * 16 * S
-    assert base.parts["compute_s"] == pytest.approx(flops / (4 * 1e12) + (3 * (30 * L + 10)) * 1e-5, rel=1e-9)
-    # memory-bound traffic: the saved activations written once and read back by the two backward passes
+    want = flops / (4 * 1e12) + (3 * (30 * L + 10)) * 1e-5 + n_params * 1e-5
+    assert base.parts["compute_s"] == pytest.approx(want, rel=1e-9)
+    # memory-bound traffic: the saved activations written once and read back by the two backward
+    # passes, and the optimizer's 8 passes over the parameters (ZeRO-1: over this rank's quarter)
     saved = L * ((2 * H + 3 * q + 3 * kv + H) + c.num_attention_heads * S + (2 * H + 4 * I) + 2 * H)
-    slow = P.predict(c, dataclasses.replace(CLUSTER, memory_bandwidth=1e10), WORK, P.Plan(4, 1, 1, 1, 0, "none", 4, 1))
-    assert slow.parts["compute_s"] - base.parts["compute_s"] == pytest.approx(3 * 4 * saved * 4 * S / 1e10, rel=1e-6)
+    slow_cluster = dataclasses.replace(CLUSTER, memory_bandwidth=1e10)
+    slow = P.predict(c, slow_cluster, WORK, P.Plan(4, 1, 1, 1, 0, "none", 4, 1))
+    want = (3 * 4 * saved * 4 * S + 8 * 4 * params) / 1e10
+    assert slow.parts["compute_s"] - base.parts["compute_s"] == pytest.approx(want, rel=1e-6)
+    assert slow.parts["optimizer_s"] == pytest.approx(8 * 4 * params / 1e10 + n_params * 1e-5, rel=1e-9)
+    slow1 = P.predict(c, slow_cluster, WORK, P.Plan(4, 1, 1, 1, 1, "none", 4, 1))
+    assert slow1.parts["optimizer_s"] == pytest.approx(8 * 4 * params / 4 / 1e10 + n_params * 1e-5, rel=1e-9)
     # sharding: reduce-scatter + all-gather, the same bytes in twice the calls
-    assert zero1.parts["comm_dp_s"] == pytest.approx(base.parts["comm_dp_s"] + n_params * 1e-4, rel=1e-9)
+    assert zero1.parts["comm_dp_s"] == pytest.approx(on_dist.parts["comm_dp_s"] + n_params * 1e-4, rel=1e-9)
+
+
+def test_replicas_sum_through_shared_memory_on_one_host_and_distensors_pay_per_op():
+    """host_sum_*: the replicas' one sum on a single host; spmd_op_overhead_s: every op of a layout
+    on DistTensors (tp, ep, sharding, or dp for a stage that cannot run replicas), none for a
+    single process, replicas or pipeline stages (plain tensors)."""
+    c = get_preset("tiny-moe")
+    shm = dataclasses.replace(CLUSTER, host_sum_bandwidth=2e10, host_sum_latency_s=5e-6)
+    dp = P.Plan(4, 1, 1, 1, 0, "none", 4, 1)
+    r = P.predict(c, shm, WORK, dp)
+    grads = r.parts["params_bytes"]
+    assert r.parts["comm_dp_s"] == pytest.approx(5e-6 + grads / 2e10, rel=1e-9)
+    # two nodes: the data ranks span them, gloo's one all-reduce over the inter-node link
+    two = dataclasses.replace(shm, nodes=2, devices_per_node=2)
+    r2 = P.predict(c, two, WORK, dp)
+    assert r2.parts["comm_dp_s"] == pytest.approx(5e-5 + 2 * 3 / 4 * grads / 1.25e9, rel=1e-9)
+    spmd = dataclasses.replace(CLUSTER, spmd_op_overhead_s=1e-3)
+    plans = {
+        "single": (P.Plan(1, 1, 1, 1, 0, "none", 16, 1), WORK, False),
+        "replicas": (dp, WORK, False),
+        "pipeline": (P.Plan(1, 1, 4, 1, 0, "none", 1, 16), WORK, False),
+        "tp": (P.Plan(2, 2, 1, 1, 0, "none", 8, 1), WORK, True),
+        "ep": (P.Plan(4, 1, 1, 4, 0, "none", 4, 1), WORK, True),
+        "zero1": (P.Plan(4, 1, 1, 1, 1, "none", 4, 1), WORK, True),
+        "dp, not replicas": (dp, dataclasses.replace(WORK, replicas=False), True),
+    }
+    for name, (plan, work, pays) in plans.items():
+        extra = P.predict(c, spmd, work, plan).step_s - P.predict(c, CLUSTER, work, plan).step_s
+        layers = P.layer_costs(c)
+        ops = 3 * (sum(l.ops for l in layers) + 10) * plan.accumulation
+        tensors = 9 * len(layers) + 2 + 3 * sum(l.is_moe for l in layers)
+        assert extra == (pytest.approx((ops + tensors) * 1e-3, rel=1e-9) if pays else 0.0), name
+    # a cluster file may leave them at 0 (not measured); below 0 is refused
+    assert P.cluster_from_mapping({"spmd_op_overhead_s": 0, "host_sum_bandwidth": 0}, "f").host_sum_bandwidth == 0
+    with pytest.raises(ConfigError, match="spmd_op_overhead_s=-1 must be > 0"):
+        P.cluster_from_mapping({"spmd_op_overhead_s": -1}, "f")
+    with pytest.raises(ConfigError, match="device_flops=0 must be > 0"):
+        P.cluster_from_mapping({"device_flops": 0}, "f")
+
+
+def test_workload_runs_replicas_only_for_stages_whose_loss_sums_over_rows(tmp_path):
+    base = ["model_name_or_path=tiny-dense", f"output_dir={tmp_path / 'o'}", "nproc_per_node=2"]
+    assert P.workload_from_config(validate(load_config(None, base + ["stage=SFT"]))).replicas
+    dpo = validate(load_config(os.path.join(ROOT, "examples/configs/tiny/dpo.yaml"), base))
+    assert not P.workload_from_config(dpo).replicas
 
 
 def test_recompute_trades_memory_for_time_and_pipeline_pays_a_bubble():
