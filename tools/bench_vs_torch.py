@@ -12,7 +12,8 @@ timing, each erniekit process checks that its logits equal transformers' on the 
 
 Cases
   train:<model>   forward + mean token cross-entropy (+ the MoE router loss each framework adds
-                  in training) + backward + AdamW step; tokens/s over the timed steps
+                  in training) + backward + AdamW step; tokens/s over the timed steps (erniekit
+                  takes the head's loss as `erniekit train` does: --fused-head-loss)
   prefill         dense-1024, one no-grad forward of batch 4 x 256; tokens/s
   decode-b{1,8,32} dense-1024, greedy, 32-token prompts, 128 new tokens; new tokens/s (erniekit
                   packs its weights as `erniekit chat` does: --packed-weights)
@@ -86,12 +87,23 @@ MODELS = {
 }
 TRAIN_SHAPES = {"dense-1024": (4, 256), "0.3b-2l": (2, 256), "tiny-moe": (64, 32), "moe16-top4": (4, 256)}
 CASES = [f"train:{m}" for m in MODELS] + ["prefill", "decode-b1", "decode-b8", "decode-b32", "server-c16", "server-c64"]
+# not in `all` (a step of ~10-25 s): where the batch's logits outgrow the model (1 x 4096 tokens x
+# 103,424 ids: 1.7 GB of float32 logits), the memory fused_head_loss saves
+LONG_CASES = {"train:0.3b-2l-4k": ("0.3b-2l", (1, 4096))}
 PROMPT_LEN, DECODE_NEW, SERVER_NEW = 32, 128, 64
 PACKED_WEIGHTS = "auto"  # --packed-weights: decode and server cases, as `erniekit chat` / `server` choose
+FUSED_HEAD_LOSS = "on"  # --fused-head-loss: training cases, as `erniekit train`'s fused_head_loss
 
 
 def _model_of(case: str) -> str:
+    if case in LONG_CASES:
+        return LONG_CASES[case][0]
     return case.split(":", 1)[1] if case.startswith("train:") else "dense-1024"
+
+
+def _train_shape(case: str) -> tuple[int, int]:
+    """(batch, sequence length) of a training case."""
+    return LONG_CASES[case][1] if case in LONG_CASES else TRAIN_SHAPES[_model_of(case)]
 
 
 # ---- the checkpoint ---------------------------------------------------------------------------
@@ -198,10 +210,10 @@ def _erniekit_train(model, case: str, steps: int) -> dict:
 
     import paddle
 
-    from erniekit.train.losses import causal_lm_loss_sum, count_target_tokens
+    from erniekit.train.losses import causal_lm_loss_sum, count_target_tokens, head_fusable, head_loss_sum
     from erniekit.train.optim import build_optimizer
 
-    b, s = TRAIN_SHAPES[_model_of(case)]
+    b, s = _train_shape(case)
     model.train()
     optim = SimpleNamespace(learning_rate=1e-4, adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=1e-8, weight_decay=0.01)
     opt = build_optimizer(model, optim)
@@ -209,10 +221,12 @@ def _erniekit_train(model, case: str, steps: int) -> dict:
     x = paddle.to_tensor(ids)
     n = count_target_tokens({"labels": ids})
     losses = []
+    fused = FUSED_HEAD_LOSS == "on" and head_fusable(model)  # as erniekit train's lm_loss decides
 
     def step():
-        out = model(x)
-        loss = causal_lm_loss_sum(out.logits, ids) / n
+        out = model(x, skip_head=fused)
+        loss_sum = head_loss_sum(model, out.hidden_states, ids)[0] if fused else causal_lm_loss_sum(out.logits, ids)
+        loss = loss_sum / n
         if out.aux_loss is not None:
             loss = loss + out.aux_loss
         loss.backward()
@@ -221,7 +235,7 @@ def _erniekit_train(model, case: str, steps: int) -> dict:
         losses.append(float(loss))
 
     dt = _timed(step, 2, steps)
-    return {"tokens_per_s": b * s / dt, "step_s": dt, "first_loss": losses[0]}
+    return {"tokens_per_s": b * s / dt, "step_s": dt, "first_loss": losses[0], "fused_head_loss": fused}
 
 
 class _WrappedTokenizer:
@@ -300,7 +314,7 @@ def torch_case(case: str, ckpt: str, steps: int, threads: int) -> dict:
         with torch.no_grad():
             np.save(ref, model(torch.from_numpy(_ids(vocab, 1, 16))).logits.numpy())
     if case.startswith("train:"):
-        b, s = TRAIN_SHAPES[_model_of(case)]
+        b, s = _train_shape(case)
         model.train()
         if hasattr(model.config, "output_router_logits"):
             model.config.output_router_logits = True  # the router loss, as erniekit adds it
@@ -351,8 +365,8 @@ def torch_case(case: str, ckpt: str, steps: int, threads: int) -> dict:
 
 
 def worker(args: argparse.Namespace) -> None:
-    global PACKED_WEIGHTS
-    PACKED_WEIGHTS = args.packed_weights
+    global PACKED_WEIGHTS, FUSED_HEAD_LOSS
+    PACKED_WEIGHTS, FUSED_HEAD_LOSS = args.packed_weights, args.fused_head_loss
     ckpt = os.path.join(args.workdir, _model_of(args.case))
     if args.framework == "torch":
         res = torch_case(args.case, ckpt, args.steps, args.threads)
@@ -371,7 +385,7 @@ def _run_one(framework: str, case: str, args: argparse.Namespace) -> dict:
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), MKL_NUM_THREADS=str(args.threads))
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--framework", framework, "--case", case]
     cmd += ["--workdir", args.workdir, "--threads", str(args.threads), "--steps", str(args.steps)]
-    cmd += ["--packed-weights", args.packed_weights]
+    cmd += ["--packed-weights", args.packed_weights, "--fused-head-loss", args.fused_head_loss]
     p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=3600)
     line = next((ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")), None)
     if p.returncode or line is None:
@@ -393,7 +407,11 @@ def _cpu() -> str:
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--cases", default="all", help=f"comma-separated subset of {', '.join(CASES)} (default: all)")
+    p.add_argument(
+        "--cases",
+        default="all",
+        help=f"comma-separated subset of {', '.join(CASES)}, or {', '.join(LONG_CASES)} (default: all but that)",
+    )
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--steps", type=int, default=5, help="timed steps of a training or prefill case")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
@@ -403,6 +421,13 @@ def main(argv: list[str] | None = None) -> None:
     from erniekit.cli import add_packed_weights_flag  # paddle-free: the flag as chat and the server take it
 
     add_packed_weights_flag(p, "decode and server cases, as `erniekit chat` / `server`")
+    p.add_argument(
+        "--fused-head-loss",
+        choices=("on", "off"),
+        default="on",
+        help="training cases: the head and its loss chunk by chunk without the batch's logits, as "
+        "erniekit train does by default (fused_head_loss)",
+    )
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--framework", choices=("erniekit", "torch"), help=argparse.SUPPRESS)
     p.add_argument("--case", help=argparse.SUPPRESS)
@@ -410,9 +435,9 @@ def main(argv: list[str] | None = None) -> None:
     if args.worker:
         return worker(args)
     cases = CASES if args.cases == "all" else args.cases.split(",")
-    unknown = [c for c in cases if c not in CASES]
+    unknown = [c for c in cases if c not in CASES and c not in LONG_CASES]
     if unknown:
-        raise SystemExit(f"--cases: unknown {unknown}; choose from {', '.join(CASES)}")
+        raise SystemExit(f"--cases: unknown {unknown}; choose from {', '.join([*CASES, *LONG_CASES])}")
     for m in sorted({_model_of(c) for c in cases}):
         write_checkpoint(m, os.path.join(args.workdir, m))
     runs: dict[str, dict[str, list[dict]]] = {c: {"erniekit": [], "torch": []} for c in cases}
@@ -429,6 +454,7 @@ def main(argv: list[str] | None = None) -> None:
         "repeats": args.repeats,
         "steps": args.steps,
         "packed_weights": args.packed_weights,
+        "fused_head_loss": args.fused_head_loss,
         "versions": _versions(),
         "cases": {},
     }

@@ -367,6 +367,12 @@ class TrainConfig:
         "only) or mlp (norm + MLP / MoE experts)",
         RECOMPUTE_GRANULARITIES,
     )
+    fused_head_loss: bool = _opt(
+        True,
+        "pretrain / SFT on the CPU: the LM head and its loss chunk by chunk, never the whole batch's logits "
+        "(less memory, the same losses; off where logits are needed: elastic_sandwich, online distillation, "
+        "token-balanced loss, MTP)",
+    )
     disable_tqdm: bool = _opt(False, "hide the terminal progress bar")
 
     # ### parallelism and launch (docs/distributed.md); the degrees' product = nproc_per_node x nnodes
@@ -655,6 +661,7 @@ SECTION_KEYS: dict[str, tuple[str, ...]] = {
         "compute_type",
         "recompute",
         "recompute_granularity",
+        "fused_head_loss",
     ),
     "parallelism": (
         "data_parallel_degree",

@@ -63,12 +63,21 @@ def _forward(x: paddle.Tensor, label: np.ndarray, ignore: int) -> tuple[paddle.T
     return nll, lse
 
 
-def _backward(x: paddle.Tensor, label: np.ndarray, lse: np.ndarray, g: paddle.Tensor, ignore: int) -> paddle.Tensor:
+def _backward(
+    x: paddle.Tensor,
+    label: np.ndarray,
+    lse: np.ndarray,
+    g: paddle.Tensor,
+    ignore: int,
+    out: paddle.Tensor | None = None,
+) -> paddle.Tensor:
+    """out: where the kernel writes the gradient (x itself may be given: each element is read
+    before it is written); the numpy path returns a new tensor."""
     k = _kernels()
     if k is None:
         return paddle.from_dlpack(backward_np(host_array(x), label, lse, host_array(g), ignore))
     N, V = x.shape
-    dx = paddle.empty_like(x)
+    dx = paddle.empty_like(x) if out is None else out
     ptrs = (x.data_ptr(), label.ctypes.data, lse.ctypes.data, g.data_ptr(), dx.data_ptr())
     native.over_chunks(k[1], N, N * V * 4, *ptrs, V, ignore)
     return dx

@@ -6,7 +6,7 @@ import numpy as np
 import paddle
 import paddle.nn.functional as F
 
-from erniekit.nn import cross_entropy
+from erniekit.nn import cross_entropy, linear_cross_entropy, native
 
 IGNORE_INDEX = -100
 
@@ -31,14 +31,42 @@ def count_target_tokens(batch: dict[str, np.ndarray]) -> int:
     return int(shifted_valid(batch["labels"], batch.get("segment_ids")).sum())
 
 
+def next_token_targets(labels: np.ndarray, segment_ids: np.ndarray | None = None) -> np.ndarray:
+    """[B, S] targets aligned with the logits: labels[t+1] where position t trains, else IGNORE_INDEX."""
+    valid = shifted_valid(labels, segment_ids)
+    target = np.full(labels.shape, IGNORE_INDEX, dtype=np.int64)
+    target[:, :-1] = np.where(valid, labels[:, 1:], IGNORE_INDEX)  # shift the targets, not the logits
+    return target
+
+
 def causal_lm_loss_sum(
     logits: paddle.Tensor, labels: np.ndarray, segment_ids: np.ndarray | None = None
 ) -> paddle.Tensor:
     """Sum over trained positions of -log p(labels[t+1] | ..t); logits [B, S, V]."""
-    valid = shifted_valid(labels, segment_ids)
-    target = np.full(labels.shape, IGNORE_INDEX, dtype=np.int64)
-    target[:, :-1] = np.where(valid, labels[:, 1:], IGNORE_INDEX)  # shift the targets, not the logits
+    target = next_token_targets(labels, segment_ids)
     return token_nll(logits.astype("float32").reshape([-1, logits.shape[-1]]), target).sum()
+
+
+def head_fusable(model) -> bool:
+    """Whether `head_loss_sum` can take this model's head: a plain product by a dense float32 CPU
+    weight (the hidden states are checked when they come)."""
+    hw = getattr(model, "head_weight", lambda: None)()
+    return hw is not None and native.dense_cpu_float32(hw[0])
+
+
+def head_loss_sum(
+    model, hidden: paddle.Tensor, labels: np.ndarray, segment_ids: np.ndarray | None = None
+) -> tuple[paddle.Tensor, paddle.Tensor | None]:
+    """(`causal_lm_loss_sum` of the model's head on `hidden` [B, S, H], the logits or None): chunk
+    by chunk without the [B x S, V] logits (erniekit/nn/linear_cross_entropy.py) when the hidden
+    states are dense float32 CPU ones, else through the whole logits, which it then returns."""
+    w, vocab_first = model.head_weight()
+    flat = hidden.reshape([-1, hidden.shape[-1]])
+    if not linear_cross_entropy.usable(flat, w):
+        logits = model.head(hidden)
+        return causal_lm_loss_sum(logits, labels, segment_ids), logits
+    target = next_token_targets(labels, segment_ids).reshape(-1)
+    return linear_cross_entropy.linear_cross_entropy(flat, w, target, IGNORE_INDEX, vocab_first).sum(), None
 
 
 def token_nll(logits: paddle.Tensor, target: np.ndarray) -> paddle.Tensor:

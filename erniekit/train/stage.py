@@ -13,6 +13,8 @@ from erniekit.train.losses import (
     causal_lm_loss_sum,
     count_examples,
     count_target_tokens,
+    head_fusable,
+    head_loss_sum,
     token_balanced_loss_sum,
 )
 from erniekit.train.mtp_loss import add_mtp_loss, wants_mtp
@@ -71,19 +73,23 @@ def model_inputs(batch: dict[str, np.ndarray]) -> dict[str, paddle.Tensor | None
     return inputs
 
 
-def lm_loss(model, batch: dict[str, np.ndarray], token_balance: bool = False) -> LossOutput:
+def lm_loss(model, batch: dict[str, np.ndarray], token_balance: bool = False, fused_head: bool = False) -> LossOutput:
     """Summed next-token loss over trained targets; a target in another document is never trained
     (segment_ids: 0 padding, 1.. documents), matching `count_target_tokens`. token_balance: each
-    example's loss is its mean over its own targets (summed over examples, see `count_examples`)."""
+    example's loss is its mean over its own targets (summed over examples, see `count_examples`).
+    fused_head: the head and its loss chunk by chunk, without logits (`LossOutput.logits` is None),
+    where the head allows it (`head_fusable`); the caller says nothing needs the logits."""
     mtp = wants_mtp(model)  # multi-token prediction heads: docs/mtp.md
-    out = model(**model_inputs(batch), **({"return_mtp": True} if mtp else {}))
-    loss_fn = token_balanced_loss_sum if token_balance else causal_lm_loss_sum
-    res = LossOutput(
-        loss_fn(out.logits, batch["labels"], batch["segment_ids"]),
-        out.aux_loss,
-        logits=out.logits,
-        hidden=out.hidden_states,
+    fused = fused_head and not token_balance and not mtp and head_fusable(model)
+    out = model(
+        **model_inputs(batch), **({"return_mtp": True} if mtp else {}), **({"skip_head": True} if fused else {})
     )
+    if fused:
+        loss_sum, out.logits = head_loss_sum(model, out.hidden_states, batch["labels"], batch["segment_ids"])
+    else:
+        loss_fn = token_balanced_loss_sum if token_balance else causal_lm_loss_sum
+        loss_sum = loss_fn(out.logits, batch["labels"], batch["segment_ids"])
+    res = LossOutput(loss_sum, out.aux_loss, logits=out.logits, hidden=out.hidden_states)
     if mtp:
         add_mtp_loss(res, out.mtp_logits, batch, loss_fn, model.config.multi_token_pred_lambda)
     return res
@@ -96,6 +102,7 @@ class Stage:
     aliases: tuple[str, ...] = ()  # other spellings accepted for `stage:` (pretrain: PT)
     supports = Supports()
     token_balance = False  # loss_token_balance, set in `prepare`: loss averaged per example, then over examples
+    fused_head = False  # fused_head_loss, set in `prepare`: lm_loss without the batch's logits
     progress_keys: dict[str, str] = {}  # extra progress-bar fields: short name -> metric key (RL: reward)
 
     def build_train_rows(self, cfg, tokenizer) -> list[dict[str, np.ndarray]]:
@@ -108,6 +115,13 @@ class Stage:
         """Called once before training, while `model` still holds the starting weights (before a
         resume loads a checkpoint): where a stage computes what depends on the reference model."""
         self.token_balance = bool(getattr(cfg, "loss_token_balance", False))
+        # the head's loss without the batch's logits, unless something reads them: the elastic
+        # sandwich's teacher, online distillation's students
+        self.fused_head = bool(
+            getattr(cfg, "fused_head_loss", False)
+            and not getattr(cfg, "elastic_sandwich", False)
+            and not getattr(cfg, "online_distill_students", None)
+        )
 
     def collate(self, rows: list[dict[str, np.ndarray]], pad_id: int) -> dict[str, np.ndarray]:
         from erniekit.train.batching import collate
@@ -120,7 +134,7 @@ class Stage:
         return count_examples(batch) if self.token_balance else count_target_tokens(batch)
 
     def loss(self, model, batch: dict[str, np.ndarray]) -> LossOutput:
-        return lm_loss(model, batch, self.token_balance)
+        return lm_loss(model, batch, self.token_balance, self.fused_head)
 
     def evaluate(self, model, tokenizer, eval_data, cfg) -> dict[str, float]:
         return {}

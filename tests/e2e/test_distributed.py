@@ -265,8 +265,11 @@ def test_zero1_moe_survives_partial_expert_gradients(tmp_path):
 
 # ---- pipeline parallelism (1F1B over 4 micro-batches of 2 rows, 4 layers split 2 + 2) ------------
 def _pp_args(out, model, batch=2, steps=12):
-    """out=None: no output_dir (a `shared_run` picks it)."""
+    """out=None: no output_dir (a `shared_run` picks it). The pipeline's last stage takes the loss
+    through the whole logits; so does the one-process reference (fused_head_loss sums the head's
+    weight gradient in another order, and the weights are compared element by element)."""
     return [
+        "fused_head_loss=false",
         f"model_name_or_path={model}",
         "model_overrides.num_hidden_layers=4",
         f"train_dataset_path={_data()}",

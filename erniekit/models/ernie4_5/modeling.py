@@ -204,7 +204,7 @@ class Ernie4_5Model(nn.Layer):
 
 @dataclass
 class CausalLMOutput:
-    logits: paddle.Tensor
+    logits: paddle.Tensor | None  # None with skip_head=True (the caller applies the head itself)
     aux_loss: paddle.Tensor | None = None  # sum over MoE layers of the weighted router losses (training only)
     mtp_logits: list[paddle.Tensor] | None = None  # depth j predicts token t+j+1 (return_mtp=True; erniekit/nn/mtp.py)
     hidden_states: paddle.Tensor | None = None  # final normed hidden states at the logits' positions (value heads)
@@ -277,8 +277,11 @@ class Ernie4_5ForCausalLM(nn.Layer):
         logits_to_keep: int = 0,
         token_type_ids=None,
         return_mtp: bool = False,
+        skip_head: bool = False,
     ) -> CausalLMOutput:
-        """return_mtp: also the logits of the MTP heads (training); plain inference never pays for them."""
+        """return_mtp: also the logits of the MTP heads (training); plain inference never pays for them.
+        skip_head: no logits, only the final hidden states, for a loss that multiplies them by
+        `head_weight()` itself (erniekit/nn/linear_cross_entropy.py)."""
         h = self.model(input_ids, position_ids, segment_ids, attention_mask, cache, token_type_ids=token_type_ids)
         mtp_logits = None
         if return_mtp:
@@ -287,18 +290,30 @@ class Ernie4_5ForCausalLM(nn.Layer):
                     "return_mtp=True needs MTP heads: set num_nextn_predict_layers >= 1 in the config"
                 )
             mtp_logits = self.mtp.logits(self, h, input_ids, position_ids, segment_ids, attention_mask)
-        return self.output(h, logits_to_keep, mtp_logits)
+        return self.output(h, logits_to_keep, mtp_logits, skip_head)
 
-    def output(self, h: paddle.Tensor, logits_to_keep: int = 0, mtp_logits=None) -> CausalLMOutput:
+    def output(
+        self, h: paddle.Tensor, logits_to_keep: int = 0, mtp_logits=None, skip_head: bool = False
+    ) -> CausalLMOutput:
         """The final hidden states -> logits of the kept positions, with the router losses of the
         forward just run (training)."""
         if logits_to_keep:
             h = h[:, -logits_to_keep:]
-        logits = self.head(h)
+        logits = None if skip_head else self.head(h)
         aux = None
         if self.training and self.config.is_moe:
             aux = router_loss_sum(self.moe_layers())
         return CausalLMOutput(logits=logits, aux_loss=aux, mtp_logits=mtp_logits, hidden_states=h)
+
+    def head_weight(self) -> tuple[paddle.Tensor, bool] | None:
+        """(W, vocab_first) when the head is the plain product h W^T (tied, W [V, H]) or h W (an
+        unadapted Linear without bias, W [H, V]); None when it is more (an adapter, a quantized layer)."""
+        if self.config.tie_word_embeddings:
+            return self.model.embed_tokens.weight, True
+        head = self.lm_head
+        if type(head) is Linear and head.bias is None:
+            return head.weight, False
+        return None
 
     def head(self, h: paddle.Tensor) -> paddle.Tensor:
         """Final hidden states (after the final norm) -> vocabulary logits, tied or not."""

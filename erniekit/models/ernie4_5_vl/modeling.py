@@ -126,8 +126,9 @@ class Ernie4_5_VLForConditionalGeneration(Ernie4_5ForCausalLM):
         image_grid_thw=None,
         pixel_values_videos=None,
         video_grid_thw=None,
+        skip_head: bool = False,
     ) -> CausalLMOutput:
-        """As the text model's forward; pixel_values / pixel_values_videos [patches, C*p*p] with
+        """As the text model's forward (skip_head too); pixel_values / pixel_values_videos [patches, C*p*p] with
         grid_thw [n, 3] fill the image / video placeholders. token_type_ids: the MoE modality per
         token (default: `moe_modality` of input_ids); position_ids: [3, B, S] (default:
         `rope_index` when there are images or videos, else the text model's own)."""
@@ -170,4 +171,4 @@ class Ernie4_5_VLForConditionalGeneration(Ernie4_5ForCausalLM):
         h = self.model(
             input_ids, position_ids, segment_ids, attention_mask, cache, token_type_ids=token_type_ids, inputs_embeds=x
         )
-        return self.output(h, logits_to_keep)
+        return self.output(h, logits_to_keep, skip_head=skip_head)

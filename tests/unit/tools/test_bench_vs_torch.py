@@ -39,6 +39,7 @@ def test_both_frameworks_train_the_embedded_defaults_model_from_one_checkpoint(f
     e, t = case["runs"]["erniekit"][0], case["runs"]["torch"][0]
     assert e["tokens_per_s"] > 0 and t["tokens_per_s"] > 0 and e["peak_rss_bytes"] > 0 and t["peak_rss_bytes"] > 0
     assert case["ratio_erniekit_over_torch"] == e["tokens_per_s"] / t["tokens_per_s"]
+    assert e["fused_head_loss"] is True  # the head's loss as erniekit train takes it by default
     # the same model: the first losses agree up to the frameworks' router-loss formulas (coef 0.01)
     assert abs(e["first_loss"] - t["first_loss"]) < 0.05, (e["first_loss"], t["first_loss"])
     from erniekit.models.ernie4_5.configuration import Ernie4_5Config
@@ -165,3 +166,32 @@ def test_the_main_table_quotes_the_tenth_round_s_full_run():
     ratio = {k: c["ratio_erniekit_over_torch"] for k, c in cases.items()}
     assert min(v for k, v in ratio.items() if k.startswith("train:")) >= 1.0
     assert ratio["decode-b1"] >= 1.5 and ratio["decode-b8"] >= 1.5 and ratio["server-c16"] >= 2.0
+
+
+def test_the_eleventh_round_table_quotes_its_fused_and_whole_logits_records():
+    """fused_head_loss on / off: each row's ratios and memory as the four records have them, each
+    record run with the setting its column names, and the erniekit runs' first losses the same."""
+    doc = (ROOT / "docs" / "performance.md").read_text()
+    rows = _table_rows(doc.split("### Eleventh round", 1)[1].split("\n### ", 1)[0])
+    records = {
+        "train dense-1024": ("train", "train:dense-1024"),
+        "train 0.3b-2l (2": ("train", "train:0.3b-2l"),
+        "train 0.3b-2l-4k": ("long", "train:0.3b-2l-4k"),
+    }
+    assert len(rows) == 3
+    for row in rows:
+        kind, case = next(v for k, v in records.items() if row[0].strip().startswith(k))
+        got = {
+            f: json.loads((ROOT / "bench_results" / f"vs_torch_amd_round11_{kind}_fused_{f}.json").read_text())
+            for f in ("on", "off")
+        }
+        assert all(got[f]["fused_head_loss"] == f and got[f]["cpu"].startswith("AMD") for f in got)
+        on, off = got["on"]["cases"][case], got["off"]["cases"][case]
+        assert all(r["fused_head_loss"] for r in on["runs"]["erniekit"])
+        assert not any(r["fused_head_loss"] for r in off["runs"]["erniekit"])
+        assert on["runs"]["erniekit"][0]["first_loss"] == off["runs"]["erniekit"][0]["first_loss"]
+        assert row[1].strip().strip("*") == f"{on['ratio_erniekit_over_torch']:.2f}x", row
+        assert row[2].strip() == f"{off['ratio_erniekit_over_torch']:.2f}x", row
+        for cell, c in ((row[3], on), (row[4], off)):
+            mib = round(c["erniekit_peak_rss_bytes"]["median"] / 2**20)
+            assert cell.strip().replace("*", "") == f"{c['memory_ratio']:.2f}x ({mib} MiB)", row

@@ -1,0 +1,163 @@
+"""The LM head and its cross entropy in chunks of rows, without the [N, V] logits of the whole batch.
+
+Why: a training step's logits and their gradient are the largest tensors it makes. ERNIE 4.5's
+vocabulary of 103,424 at 8,192 tokens a step is 3.4 GB of float32 logits and 3.4 GB again for their
+gradient, more than the 0.3B model's weights, gradients and Adam moments together. Here each chunk
+of rows gets its logits, their loss and the loss's gradient (written over the logits, one buffer
+per chunk), and the head's two products of that gradient: into the hidden states' gradient and
+into the weight's, accumulated over the chunks. The forward so does the backward's work while the
+chunk is at hand (as Liger's fused linear cross entropy does), and the backward scales what it
+kept. No GEMM is added; a row-weighted loss (a gradient that is not the same for every row)
+recomputes each chunk's logits in the backward instead.
+
+The loss of every row is what `nn.cross_entropy.softmax_cross_entropy` gives on the full logits
+(the same kernel on the same values); the gradients differ from the unfused path only in the order
+in which the weight's gradient adds up the chunks.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import paddle
+from paddle.autograd import PyLayer
+
+from erniekit.nn import cross_entropy, native
+
+CHUNK_BYTES = 128 << 20  # one chunk's float32 logits at most this, ...
+MIN_CHUNK_ROWS = 1024  # ... but at least this many rows: the weight's gradient is read and written once a chunk
+
+
+def chunk_rows(vocab: int, rows: int) -> int:
+    """Rows per chunk for a vocabulary of `vocab` (all `rows` when they fit in one)."""
+    per = max(MIN_CHUNK_ROWS, CHUNK_BYTES // (4 * max(vocab, 1)))
+    return min(rows, per)
+
+
+@native.eager_only
+def usable(h: paddle.Tensor, w: paddle.Tensor) -> bool:
+    """Dense float32 CPU hidden states [N, H] and weight in dynamic mode (the CPU loss kernel's
+    conditions); anything else computes the logits whole."""
+    return native.dense_cpu_float32(h, w) and h.ndim == 2 and w.ndim == 2 and h.shape[0] > 0
+
+
+def _logits(h: paddle.Tensor, w: paddle.Tensor, w_vocab_first: bool) -> paddle.Tensor:
+    return paddle.matmul(h, w, transpose_y=w_vocab_first)
+
+
+def _check_labels(label: np.ndarray, rows: int, vocab: int, ignore: int) -> np.ndarray:
+    label = np.array(np.asarray(label), dtype=np.int64, copy=True).reshape(-1)  # the backward may read it
+    if label.shape[0] != rows:
+        raise ValueError(f"linear cross entropy: {label.shape[0]} labels for {rows} rows of hidden states")
+    bad = (label != ignore) & ((label < 0) | (label >= vocab))
+    if bad.any():
+        raise ValueError(
+            f"linear cross entropy: label {int(label[bad][0])} is outside the vocabulary of {vocab} "
+            "logits; check the tokenizer matches the model's vocab_size"
+        )
+    return label
+
+
+def _chunk_grads(h_c, w, dlogits, w_vocab_first: bool, want_w: bool):
+    """(d h_c, d w from this chunk) given the logits' gradient of the chunk."""
+    dh = paddle.matmul(dlogits, w, transpose_y=not w_vocab_first)  # [c, V] x W -> [c, H]
+    if not want_w:
+        return dh, None
+    if w_vocab_first:  # W [V, H]: dW = dlogits^T h
+        return dh, paddle.matmul(dlogits, h_c, transpose_x=True)
+    return dh, paddle.matmul(h_c, dlogits, transpose_x=True)  # W [H, V]: dW = h^T dlogits
+
+
+class _LinearCrossEntropy(PyLayer):
+    @staticmethod
+    def forward(ctx, h, w, label: np.ndarray, ignore: int, w_vocab_first: bool, rows: int):
+        want_h, want_w = not h.stop_gradient, not w.stop_gradient
+        N = h.shape[0]
+        nll = paddle.empty([N], dtype="float32")
+        dh = paddle.empty_like(h) if want_h else None
+        dw = None
+        with paddle.no_grad():
+            for s in range(0, N, rows):
+                h_c, lab = h[s : s + rows], label[s : s + rows]
+                logits = _logits(h_c, w, w_vocab_first)
+                nll_c, lse = cross_entropy._forward(logits, lab, ignore)
+                nll[s : s + rows] = nll_c
+                ones = paddle.ones([h_c.shape[0]], dtype="float32")
+                dlogits = cross_entropy._backward(logits, lab, lse, ones, ignore, out=logits)
+                del logits
+                dh_c, dw_c = _chunk_grads(h_c, w, dlogits, w_vocab_first, want_w)
+                if want_h:
+                    dh[s : s + rows] = dh_c
+                if want_w:
+                    dw = dw_c if dw is None else dw.add_(dw_c)
+        ctx.save_for_backward(h, w)
+        ctx.versions = native.versions(h, w)
+        ctx.kept = (dh, dw)
+        ctx.label, ctx.ignore, ctx.w_vocab_first, ctx.rows = label, ignore, w_vocab_first, rows
+        return nll
+
+    @staticmethod
+    def backward(ctx, g):
+        h, w = ctx.saved_tensor()
+        native.check_versions("linear cross entropy", ctx.versions, h, w)
+        dh, dw = ctx.kept  # one backward per forward, as Paddle's PyLayers here (retain_graph: not supported)
+        ctx.kept = None
+        g = g.contiguous()
+        first = g[:1]
+        if bool((g == first).all()):  # a sum of the rows' losses (times a scale): scale what the forward kept
+            scale = float(first.numpy()[0])
+            for t in (dh, dw):
+                if t is not None and scale != 1.0:
+                    t.scale_(scale)  # in place: a second [V, H] would cost what the chunks saved
+            return dh, dw
+        return _weighted_grads(
+            h, w, g, ctx.label, ctx.ignore, ctx.w_vocab_first, ctx.rows, dh is not None, dw is not None
+        )
+
+
+def _weighted_grads(h, w, g, label, ignore, w_vocab_first, rows, want_h, want_w):
+    """Each row's loss has a weight of its own: the chunks' logits again, their gradient times g."""
+    N = h.shape[0]
+    dh = paddle.empty_like(h) if want_h else None
+    dw = None
+    with paddle.no_grad():
+        for s in range(0, N, rows):
+            h_c, lab = h[s : s + rows], label[s : s + rows]
+            logits = _logits(h_c, w, w_vocab_first)
+            _, lse = cross_entropy._forward(logits, lab, ignore)
+            dlogits = cross_entropy._backward(logits, lab, lse, g[s : s + rows], ignore, out=logits)
+            del logits
+            dh_c, dw_c = _chunk_grads(h_c, w, dlogits, w_vocab_first, want_w)
+            if want_h:
+                dh[s : s + rows] = dh_c
+            if want_w:
+                dw = dw_c if dw is None else dw.add_(dw_c)
+    return dh, dw
+
+
+@native.eager_only
+def linear_cross_entropy(
+    h: paddle.Tensor,
+    w: paddle.Tensor,
+    label: np.ndarray,
+    ignore_index: int,
+    w_vocab_first: bool,
+    rows: int | None = None,
+) -> paddle.Tensor:
+    """-log softmax(h W)[label] per row as [N] (0 where label == ignore_index), without the
+    [N, V] logits: h [N, H]; w [V, H] when w_vocab_first (a tied embedding), else [H, V] (a
+    Linear's weight). Callers check `usable`. rows: per chunk (default `chunk_rows`)."""
+    V = w.shape[0] if w_vocab_first else w.shape[1]
+    label = _check_labels(label, h.shape[0], V, ignore_index)
+    rows = rows or chunk_rows(V, h.shape[0])
+    h = h if h.is_contiguous() else h.contiguous()
+    if not paddle.is_grad_enabled() or (h.stop_gradient and w.stop_gradient):
+        with paddle.no_grad():
+            parts = []
+            for s in range(0, h.shape[0], rows):
+                parts.append(
+                    cross_entropy._forward(
+                        _logits(h[s : s + rows], w, w_vocab_first), label[s : s + rows], ignore_index
+                    )[0]
+                )
+            return paddle.concat(parts) if len(parts) > 1 else parts[0]
+    return _LinearCrossEntropy.apply(h, w, label, ignore_index, w_vocab_first, rows)
