@@ -30,19 +30,10 @@ def median_step_time(out: str, after_step: int = 5) -> float:
     return statistics.median(times) if times else float("nan")
 
 
-def layout_step(
-    model: str, procs: int, overrides: dict, steps: int, out: str, seq_len: int = 128, threads=None
-) -> dict:
-    """Train `model` on the packed pretraining corpus (every row seq_len tokens, the planner's
-    workload) for `steps` steps through `erniekit train` with the config keys `overrides` (a
-    planner Plan's `config_overrides()`) on `procs` processes; -> {"step_s": the median logged
-    step time after the first window, "memory": rank 0's peak resident bytes}. threads: OpenMP
-    threads per process (None: the CLI splits the cores between the processes)."""
-    keys = {**overrides, "nproc_per_node": procs}
-    args = [
-        f"{k}={'true' if v is True else 'false' if v is False else v if v != '' else 'none'}" for k, v in keys.items()
-    ]
-    cmd = [
+def pretrain_cmd(model: str, seq_len: int, steps: int, out: str, *overrides: str) -> list[str]:
+    """`erniekit train` of `model` on the packed pretraining corpus (rows of seq_len tokens), logging
+    every 5 steps, no checkpoint, then `overrides` (key=value)."""
+    return [
         sys.executable,
         "-m",
         "erniekit",
@@ -55,8 +46,23 @@ def layout_step(
         "save_steps=100000",
         "disable_tqdm=true",
         f"output_dir={out}",
-        *args,
+        *overrides,
     ]
+
+
+def layout_step(
+    model: str, procs: int, overrides: dict, steps: int, out: str, seq_len: int = 128, threads=None
+) -> dict:
+    """Train `model` on the packed pretraining corpus (every row seq_len tokens, the planner's
+    workload) for `steps` steps through `erniekit train` with the config keys `overrides` (a
+    planner Plan's `config_overrides()`) on `procs` processes; -> {"step_s": the median logged
+    step time after the first window, "memory": rank 0's peak resident bytes}. threads: OpenMP
+    threads per process (None: the CLI splits the cores between the processes)."""
+    keys = {**overrides, "nproc_per_node": procs}
+    args = [
+        f"{k}={'true' if v is True else 'false' if v is False else v if v != '' else 'none'}" for k, v in keys.items()
+    ]
+    cmd = pretrain_cmd(model, seq_len, steps, out, *args)
     env = dict(os.environ, PYTHONWARNINGS="ignore")
     env.pop("OMP_NUM_THREADS", None)
     if threads:

@@ -34,7 +34,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from _train_runs import median_step_time, train  # noqa: E402
+from _train_runs import median_step_time, pretrain_cmd, train  # noqa: E402
 
 from erniekit.distributed import planner as P  # noqa: E402
 from erniekit.models.ernie4_5 import get_preset  # noqa: E402
@@ -82,24 +82,9 @@ def run(
     batch: int = B,
     env: dict | None = None,
 ) -> dict:
-    cmd = [
-        sys.executable,
-        "-m",
-        "erniekit",
-        "train",
-        "examples/configs/tiny/pretrain.yaml",
-        f"model_name_or_path={model}",
-        f"max_seq_len={S}",
-        f"per_device_train_batch_size={batch}",
-        f"max_steps={steps}",
-        "logging_steps=5",
-        "save_steps=100000",
-        "disable_tqdm=true",
-        "fp8=false",
-        f"output_dir={out}",
-        f"nproc_per_node={procs}",
-        *extra,
-    ]
+    cmd = pretrain_cmd(
+        model, S, steps, out, f"per_device_train_batch_size={batch}", "fp8=false", f"nproc_per_node={procs}", *extra
+    )
     env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS=str(threads), **(env or {}))
     before = loopback_tx_bytes()
     train(cmd, out, env)

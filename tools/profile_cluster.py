@@ -140,26 +140,32 @@ def collective() -> dict:
 
     dist.init_parallel_env()
     n = dist.get_world_size()
-    one = paddle.ones([1])
-    for _ in range(10):
-        dist.all_reduce(one)
-    t = time.perf_counter()
-    for _ in range(200):
-        dist.all_reduce(one)
-    lat = (time.perf_counter() - t) / 200
-    big = paddle.ones([4 * 2**20])  # 16 MiB
+    one, big = paddle.ones([1]), paddle.ones([4 * 2**20])  # 16 MiB
     dist.all_reduce(big)
-    best = float("inf")
-    for _ in range(5):
-        dist.barrier()
-        t = time.perf_counter()
-        dist.all_reduce(big)
-        best = min(best, time.perf_counter() - t)
+    lat, best = _latency_and_best(lambda: dist.all_reduce(one), lambda: dist.all_reduce(big), dist.barrier)
     bw = 2 * (n - 1) / n * big.numel().item() * 4 / max(best - lat, 1e-9)
     out = {"intra_node_latency_s": lat, "intra_node_bandwidth": bw, **_host_sum(n, dist.get_rank(), dist)}
     if dist.get_rank() == 0:
         Path(os.environ["PROFILE_OUT"]).write_text(json.dumps(out))
     return out
+
+
+def _latency_and_best(small, big, barrier) -> tuple[float, float]:
+    """(mean seconds of `small` over 200 calls after 10 of warm-up, best of 5 `big` calls started
+    together): a link's latency and its large transfer."""
+    for _ in range(10):
+        small()
+    t = time.perf_counter()
+    for _ in range(200):
+        small()
+    lat = (time.perf_counter() - t) / 200
+    best = float("inf")
+    for _ in range(5):
+        barrier()
+        t = time.perf_counter()
+        big()
+        best = min(best, time.perf_counter() - t)
+    return lat, best
 
 
 def _host_sum(n: int, rank: int, dist) -> dict:
@@ -171,19 +177,8 @@ def _host_sum(n: int, rank: int, dist) -> dict:
     hs = HostSum(n, rank)
     if hs.buffer(floats) is None:
         return {}
-    for _ in range(10):
-        hs.sum(1)
-    t = time.perf_counter()
-    for _ in range(200):
-        hs.sum(1)
-    lat = (time.perf_counter() - t) / 200
     hs.buffer(floats)[:] = 1.0
-    best = float("inf")
-    for _ in range(5):
-        dist.barrier()
-        t = time.perf_counter()
-        hs.sum(floats)
-        best = min(best, time.perf_counter() - t)
+    lat, best = _latency_and_best(lambda: hs.sum(1), lambda: hs.sum(floats), dist.barrier)
     hs.close()
     return {"host_sum_latency_s": lat, "host_sum_bandwidth": floats * 4 / max(best - lat, 1e-9)}
 

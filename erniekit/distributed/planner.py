@@ -401,9 +401,23 @@ def predict(c, cluster: Cluster, work: Workload, p: Plan) -> Prediction:
     return pred
 
 
+def _layout(p: Plan):
+    """The launch's Layout of plan p (its data ranks shard when p has a sharding stage)."""
+    from erniekit.distributed.collective.layout import Layout
+
+    return Layout(
+        pp=p.pp,
+        dp=1 if p.sharding_stage else p.dp,
+        sharding=p.dp if p.sharding_stage else 1,
+        tp=p.tp,
+        ep=p.ep,
+        sharding_stage=p.sharding_stage,
+    )
+
+
 def _runs_as_replicas(p: Plan, work: Workload) -> bool:
-    """Whole-model replicas on plain tensors (`Layout.data_only` for a stage whose loss sums over rows)."""
-    return work.replicas and p.dp > 1 and p.tp == 1 and p.pp == 1 and p.ep == 1 and not p.sharding_stage
+    """Whole-model replicas on plain tensors: `Layout.data_only`, for a stage whose loss sums over rows."""
+    return work.replicas and _layout(p).data_only
 
 
 def _saved_per_token(layers, pp: int, tp: int, S: int, H: int, work: Workload, recompute: str) -> float:
@@ -445,16 +459,9 @@ def why_not(c, p: Plan, work: Workload, runnable_only: bool = False, cpu: bool =
     """'' when plan p splits the model and batch evenly (and, runnable_only, when this erniekit
     version can run it on this device kind), else the reason: the same checks as a launch
     (`layout.check_model_fits`)."""
-    from erniekit.distributed.collective.layout import Layout, check_model_fits
+    from erniekit.distributed.collective.layout import check_model_fits
 
-    lay = Layout(
-        pp=p.pp,
-        dp=1 if p.sharding_stage else p.dp,
-        sharding=p.dp if p.sharding_stage else 1,
-        tp=p.tp,
-        ep=p.ep,
-        sharding_stage=p.sharding_stage,
-    )
+    lay = _layout(p)
     if p.ep not in (1, p.dp):
         return f"ep={p.ep} is neither 1 nor the {p.dp} data ranks"
     try:

@@ -67,32 +67,41 @@ def _chunk_grads(h_c, w, dlogits, w_vocab_first: bool, want_w: bool):
     return dh, paddle.matmul(h_c, dlogits, transpose_x=True)  # W [H, V]: dW = h^T dlogits
 
 
+def _chunk_pass(h, w, label, ignore, w_vocab_first, rows, g=None, nll=None, want_h=False, want_w=False):
+    """Over the chunks of rows: each one's logits, its losses into `nll` (when given) and, when a
+    gradient is wanted, the losses' gradient times g (None: 1 for every row) written over the
+    logits and its products into (d h, d w) accumulated over the chunks."""
+    dh = paddle.empty_like(h) if want_h else None
+    dw = None
+    with paddle.no_grad():
+        for s in range(0, h.shape[0], rows):
+            h_c, lab = h[s : s + rows], label[s : s + rows]
+            logits = _logits(h_c, w, w_vocab_first)
+            nll_c, lse = cross_entropy._forward(logits, lab, ignore)
+            if nll is not None:
+                nll[s : s + rows] = nll_c
+            if not (want_h or want_w):
+                continue
+            g_c = paddle.ones([h_c.shape[0]], dtype="float32") if g is None else g[s : s + rows]
+            dlogits = cross_entropy._backward(logits, lab, lse, g_c, ignore, out=logits)
+            del logits
+            dh_c, dw_c = _chunk_grads(h_c, w, dlogits, w_vocab_first, want_w)
+            if want_h:
+                dh[s : s + rows] = dh_c
+            if want_w:
+                dw = dw_c if dw is None else dw.add_(dw_c)
+    return dh, dw
+
+
 class _LinearCrossEntropy(PyLayer):
     @staticmethod
     def forward(ctx, h, w, label: np.ndarray, ignore: int, w_vocab_first: bool, rows: int):
-        want_h, want_w = not h.stop_gradient, not w.stop_gradient
-        N = h.shape[0]
-        nll = paddle.empty([N], dtype="float32")
-        dh = paddle.empty_like(h) if want_h else None
-        dw = None
-        with paddle.no_grad():
-            for s in range(0, N, rows):
-                h_c, lab = h[s : s + rows], label[s : s + rows]
-                logits = _logits(h_c, w, w_vocab_first)
-                nll_c, lse = cross_entropy._forward(logits, lab, ignore)
-                nll[s : s + rows] = nll_c
-                ones = paddle.ones([h_c.shape[0]], dtype="float32")
-                dlogits = cross_entropy._backward(logits, lab, lse, ones, ignore, out=logits)
-                del logits
-                dh_c, dw_c = _chunk_grads(h_c, w, dlogits, w_vocab_first, want_w)
-                if want_h:
-                    dh[s : s + rows] = dh_c
-                if want_w:
-                    dw = dw_c if dw is None else dw.add_(dw_c)
+        nll = paddle.empty([h.shape[0]], dtype="float32")
+        want = {"want_h": not h.stop_gradient, "want_w": not w.stop_gradient}
+        ctx.kept = _chunk_pass(h, w, label, ignore, w_vocab_first, rows, nll=nll, **want)
         ctx.save_for_backward(h, w)
         ctx.versions = native.versions(h, w)
-        ctx.kept = (dh, dw)
-        ctx.label, ctx.ignore, ctx.w_vocab_first, ctx.rows = label, ignore, w_vocab_first, rows
+        ctx.label, ctx.ignore, ctx.w_vocab_first, ctx.rows, ctx.want = label, ignore, w_vocab_first, rows, want
         return nll
 
     @staticmethod
@@ -109,29 +118,8 @@ class _LinearCrossEntropy(PyLayer):
                 if t is not None and scale != 1.0:
                     t.scale_(scale)  # in place: a second [V, H] would cost what the chunks saved
             return dh, dw
-        return _weighted_grads(
-            h, w, g, ctx.label, ctx.ignore, ctx.w_vocab_first, ctx.rows, dh is not None, dw is not None
-        )
-
-
-def _weighted_grads(h, w, g, label, ignore, w_vocab_first, rows, want_h, want_w):
-    """Each row's loss has a weight of its own: the chunks' logits again, their gradient times g."""
-    N = h.shape[0]
-    dh = paddle.empty_like(h) if want_h else None
-    dw = None
-    with paddle.no_grad():
-        for s in range(0, N, rows):
-            h_c, lab = h[s : s + rows], label[s : s + rows]
-            logits = _logits(h_c, w, w_vocab_first)
-            _, lse = cross_entropy._forward(logits, lab, ignore)
-            dlogits = cross_entropy._backward(logits, lab, lse, g[s : s + rows], ignore, out=logits)
-            del logits
-            dh_c, dw_c = _chunk_grads(h_c, w, dlogits, w_vocab_first, want_w)
-            if want_h:
-                dh[s : s + rows] = dh_c
-            if want_w:
-                dw = dw_c if dw is None else dw.add_(dw_c)
-    return dh, dw
+        # each row's loss has a weight of its own: the chunks' logits again, their gradient times g
+        return _chunk_pass(h, w, ctx.label, ctx.ignore, ctx.w_vocab_first, ctx.rows, g=g, **ctx.want)
 
 
 @native.eager_only
@@ -151,13 +139,7 @@ def linear_cross_entropy(
     rows = rows or chunk_rows(V, h.shape[0])
     h = h if h.is_contiguous() else h.contiguous()
     if not paddle.is_grad_enabled() or (h.stop_gradient and w.stop_gradient):
-        with paddle.no_grad():
-            parts = []
-            for s in range(0, h.shape[0], rows):
-                parts.append(
-                    cross_entropy._forward(
-                        _logits(h[s : s + rows], w, w_vocab_first), label[s : s + rows], ignore_index
-                    )[0]
-                )
-            return paddle.concat(parts) if len(parts) > 1 else parts[0]
+        nll = paddle.empty([h.shape[0]], dtype="float32")
+        _chunk_pass(h, w, label, ignore_index, w_vocab_first, rows, nll=nll)
+        return nll
     return _LinearCrossEntropy.apply(h, w, label, ignore_index, w_vocab_first, rows)
