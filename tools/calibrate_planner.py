@@ -58,7 +58,8 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for model, procs, plan in LAYOUTS:
-            pred = P.predict(get_preset(model), clusters[procs], P.Workload(G, S), plan)
+            # erniekit train's pretrain takes the head's loss chunk by chunk (fused_head_loss)
+            pred = P.predict(get_preset(model), clusters[procs], P.Workload(G, S, fused_head=True), plan)
             got = measure(model, procs, plan, a.steps, tmp)
             row = {
                 "model": model,

@@ -45,6 +45,18 @@ def stage_supports(cfg: TrainConfig):
     return stage_class(cfg.stage).supports
 
 
+def fused_head_wanted(cfg) -> bool:
+    """fused_head_loss is on and nothing reads the batch's logits: the elastic sandwich's teacher,
+    online distillation's students, the token-balanced loss (a stage whose Supports.fused_head is
+    set then takes the head chunk by chunk; the planner counts its memory so)."""
+    return bool(
+        getattr(cfg, "fused_head_loss", False)
+        and not getattr(cfg, "elastic_sandwich", False)
+        and not getattr(cfg, "online_distill_students", None)
+        and not getattr(cfg, "loss_token_balance", False)
+    )
+
+
 def _stages_that(capability: str, sep: str = " and ") -> str:
     """The registered stages declaring `capability`, for an error message: "pretrain and SFT"."""
     from erniekit.train.stages import stage_classes

@@ -36,6 +36,7 @@ import math
 from dataclasses import asdict, dataclass, field, replace
 
 from erniekit.errors import ConfigError
+from erniekit.nn import kernel_memory
 
 RECOMPUTE_MODES = ("none", "core_attn", "full_attn", "mlp", "full")
 BYTES = 4  # float32 on CPU; bf16 runs keep fp32 master weights and moments, counted the same
@@ -137,6 +138,9 @@ class Workload:
     # the stage's loss sums over rows (pretrain, SFT, Distill, VL-SFT): a layout that only splits
     # the batch runs as whole-model replicas on plain tensors, with one gradient sum per step
     replicas: bool = True
+    # the head's loss chunk by chunk without the batch's logits (fused_head_loss: pretrain and SFT on
+    # the CPU, outside DistTensor layouts): one chunk's logits instead of 3 x [mb, S, V]
+    fused_head: bool = False
 
 
 # ---- the model's costs ----------------------------------------------------------------------
@@ -316,12 +320,15 @@ def predict(c, cluster: Cluster, work: Workload, p: Plan) -> Prediction:
     # DistTensors: every multi-process layout but replicas and pipeline stages (plain tensors per stage)
     spmd = workers > 1 and p.pp == 1 and not replicas
     per_op = cluster.op_overhead_s + (cluster.spmd_op_overhead_s if spmd else 0.0)
+    scores = _keeps_scores(c, p, work, spmd, S)
+    if not scores:  # the backward computes q k^T again (the CPU kernel's statistics, flash attention)
+        flops += 0.5 * core * tokens
     op_time = (3 * ops_per_micro + ops_again) * m * per_op
     # memory-bound ops (norms, activations, softmax, adds): traffic ~ what the forward writes (the
     # saved activations, per_token below, without recompute), read back once per backward pass;
     # recompute writes again what the forward did not keep
-    written = _saved_per_token(layers, p.pp, p.tp, S, H, work, "none")
-    again_written = written - _saved_per_token(layers, p.pp, p.tp, S, H, work, p.recompute)
+    written = _saved_per_token(layers, p.pp, p.tp, S, H, scores, "none")
+    again_written = written - _saved_per_token(layers, p.pp, p.tp, S, H, scores, p.recompute)
     traffic = BYTES * (3 * written + again_written) * p.micro_batch * S * m
     compute = (flops / (workers * cluster.device_flops) + op_time + traffic / cluster.memory_bandwidth) * bubble
     # ---- communication (per step)
@@ -371,14 +378,18 @@ def predict(c, cluster: Cluster, work: Workload, p: Plan) -> Prediction:
     # one launch per parameter tensor
     optimizer = 8 * BYTES * params / shard / cluster.memory_bandwidth + math.ceil(tensors / p.pp) * per_op
     compute += optimizer
-    per_token = _saved_per_token(layers, p.pp, p.tp, S, H, work, p.recompute)
+    per_token = _saved_per_token(layers, p.pp, p.tp, S, H, scores, p.recompute)
     in_flight = min(p.pp, m)
     activations = BYTES * per_token * p.micro_batch * S * in_flight
     biggest_layer = max(
-        (l.attn_saved + (0 if work.fused_attention else l.core_saved_per_s * S) + l.mlp_saved) / p.tp for l in layers
+        (l.attn_saved + (l.core_saved_per_s * S if scores else 0.0) + l.mlp_saved) / p.tp for l in layers
     )
     transient = BYTES * biggest_layer * p.micro_batch * S  # the backward's working set of one layer
-    logits = 3 * BYTES * p.micro_batch * S * V / p.tp
+    if work.fused_head and not spmd and not getattr(c, "num_nextn_predict_layers", 0):  # (MTP reads the logits)
+        # one chunk's logits, their gradient written over them
+        logits = BYTES * kernel_memory.chunk_rows(V, p.micro_batch * S) * V
+    else:
+        logits = 3 * BYTES * p.micro_batch * S * V / p.tp
     memory = weights + grads + moments + activations + transient + logits + cluster.memory_overhead
     parts = {
         "compute_s": compute,
@@ -420,11 +431,23 @@ def _runs_as_replicas(p: Plan, work: Workload) -> bool:
     return work.replicas and _layout(p).data_only
 
 
-def _saved_per_token(layers, pp: int, tp: int, S: int, H: int, work: Workload, recompute: str) -> float:
-    """float32 elements per token the first pipeline stage's layers keep for the backward."""
+def _keeps_scores(c, p: Plan, work: Workload, spmd: bool, S: int) -> bool:
+    """Whether the layers keep their [heads, S, S] probabilities for the backward: GPU flash attention
+    (`work.fused_attention`) never does; Paddle's math path (DistTensors, heads not a multiple of 16
+    wide) always; the CPU kernel only while a micro-batch's are small (nn/kernel_memory.py)."""
+    if work.fused_attention:
+        return False
+    if spmd or not kernel_memory.kernel_head_dim(c.head_dim):
+        return True
+    return kernel_memory.keeps_probs(p.micro_batch, c.num_attention_heads, S, S)
+
+
+def _saved_per_token(layers, pp: int, tp: int, S: int, H: int, scores: bool, recompute: str) -> float:
+    """float32 elements per token the first pipeline stage's layers keep for the backward (`scores`:
+    with the attention's [heads, S, S] probabilities)."""
     out = 0.0
     for l in layers[: math.ceil(len(layers) / pp)]:
-        core_s = 0.0 if work.fused_attention else l.core_saved_per_s * S
+        core_s = l.core_saved_per_s * S if scores else 0.0
         attn_s = (l.attn_saved + core_s) / tp
         mlp_s = l.mlp_saved / tp
         out += {
@@ -555,16 +578,18 @@ def format_table(preds: list[Prediction], top: int = 15) -> str:
     return "\n".join(rows)
 
 
-def workload_from_config(cfg, world: int | None = None) -> Workload:
+def workload_from_config(cfg, world: int | None = None, cpu: bool = True) -> Workload:
     """The global batch a training config asks for: per-device batch x accumulation x its data ranks."""
-    from erniekit.config.checks import stage_supports
+    from erniekit.config.checks import fused_head_wanted, stage_supports
     from erniekit.distributed.collective.layout import layout_from_config
 
     lay = layout_from_config(cfg.parallelism, world)
+    supports = stage_supports(cfg)
     return Workload(
         cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps * lay.dp * lay.sharding,
         cfg.max_seq_len,
-        replicas=stage_supports(cfg).row_losses,
+        replicas=supports.row_losses,
+        fused_head=cpu and supports.fused_head and fused_head_wanted(cfg),
     )
 
 
@@ -603,10 +628,11 @@ def auto_plan(cfg) -> Prediction:
 
     from erniekit.config.checks import pipeline_refusal
 
+    cpu = not paddle.device.is_compiled_with_cuda()
     return best_plan(
         model_config_of(cfg),
         cluster,
-        workload_from_config(cfg),
-        cpu=not paddle.device.is_compiled_with_cuda(),
+        workload_from_config(cfg, cpu=cpu),
+        cpu=cpu,
         pipeline=pipeline_refusal(cfg) is None,
     )

@@ -7,6 +7,10 @@ than their arithmetic and none of them used the second thread. The kernel reads 
 [B, S, heads, D] layout as it is, one (batch, kv head) per task, with the tasks cut over the
 threads; no sum crosses a task, so every thread count gives the same bits.
 
+For the backward it keeps the probabilities when they are small, else each row's softmax max and
+reciprocal sum (nn/kernel_memory.py), from which the backward computes them again bit for bit:
+flash attention's trade, so long sequences do not hold [heads, S, S] per layer.
+
 The kernel sums in its own order, so it agrees with the math path (MKL's GEMMs) to float32
 rounding, not bit for bit; a machine without a C compiler (or ERNIEKIT_NATIVE_KERNELS=0) takes the
 math path. GPU, other dtypes, static graphs and distributed tensors keep the math path too.
@@ -20,53 +24,66 @@ import math
 import paddle
 from paddle.autograd import PyLayer
 
-from erniekit.nn import native
+from erniekit.nn import kernel_memory, native
 
 
 def _kernels():
     P, I64, F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
     return native.functions(
         "attention",
-        ("erniekit_attention_fwd", [P] * 6 + [F32] + [I64] * 8),
-        ("erniekit_attention_bwd", [P] * 8 + [F32] + [I64] * 7),
+        ("erniekit_attention_fwd", [P] * 7 + [F32] + [I64] * 8),
+        ("erniekit_attention_bwd", [P] * 10 + [F32] + [I64] * 8),
     )
 
 
-def _forward(q, k, v, bias, scale: float, keep_p: bool):
+def _forward(q, k, v, bias, scale: float, keep: bool):
+    """o, and for a backward (`keep`) either the probabilities or the rows' softmax statistics."""
     B, Sq, H, D = q.shape
     Sk, KVH = k.shape[1], k.shape[2]
     o = paddle.empty_like(q)
-    p = paddle.empty([B, H, Sq, Sk], dtype=q.dtype) if keep_p else None
+    p = stats = None
+    if keep and kernel_memory.keeps_probs(B, H, Sq, Sk):
+        p = paddle.empty([B, H, Sq, Sk], dtype=q.dtype)
+    elif keep:
+        stats = paddle.empty([B, H, Sq, 2], dtype=q.dtype)
     shape = (scale, Sq, Sk, H, KVH, D, int(bias.shape[0] > 1))
-    ptrs = (q.data_ptr(), k.data_ptr(), v.data_ptr(), bias.data_ptr(), o.data_ptr(), native.address(p))
+    ptrs = (q.data_ptr(), k.data_ptr(), v.data_ptr(), bias.data_ptr(), o.data_ptr())
     native.over_chunks(
-        _kernels()[0], B * KVH, math.prod(q.shape) * 4 + math.prod(k.shape) * 8, *ptrs, *shape, min_bytes=1 << 16
+        _kernels()[0],
+        B * KVH,
+        math.prod(q.shape) * 4 + math.prod(k.shape) * 8,
+        *ptrs,
+        native.address(p),
+        native.address(stats),
+        *shape,
+        min_bytes=1 << 16,
     )
-    return o, p
+    return o, p, stats
 
 
 class _FusedAttention(PyLayer):
     @staticmethod
     def forward(ctx, q, k, v, bias, scale):
-        o, p = _forward(q, k, v, bias, scale, keep_p=True)
-        ctx.save_for_backward(q, k, v, p)
-        ctx.versions = native.versions(q, k, v)
-        ctx.scale = scale
+        o, p, stats = _forward(q, k, v, bias, scale, keep=True)
+        ctx.save_for_backward(q, k, v, bias, p if p is not None else stats)
+        ctx.versions = native.versions(q, k, v, bias)
+        ctx.scale, ctx.recompute = scale, p is None
         return o
 
     @staticmethod
     def backward(ctx, do):
-        q, k, v, p = ctx.saved_tensor()
-        native.check_versions("attention", ctx.versions, q, k, v)
+        q, k, v, bias, kept = ctx.saved_tensor()
+        native.check_versions("attention", ctx.versions, q, k, v, bias)
         do = do.contiguous()
         B, Sq, H, D = q.shape
         Sk, KVH = k.shape[1], k.shape[2]
         dq, dk, dv = paddle.empty_like(q), paddle.empty_like(k), paddle.empty_like(v)
-        ptrs = [t.data_ptr() for t in (q, k, v, p, do, dq, dk, dv)]
+        p, stats = (None, kept) if ctx.recompute else (kept, None)
+        ptrs = [native.address(t) for t in (q, k, v, bias, p, stats, do, dq, dk, dv)]
         native.over_chunks(
             _kernels()[1],
             B * KVH,
-            math.prod(q.shape) * 8 + math.prod(k.shape) * 16,
+            math.prod(q.shape) * (12 if ctx.recompute else 8) + math.prod(k.shape) * 16,
             *ptrs,
             ctx.scale,
             Sq,
@@ -74,6 +91,7 @@ class _FusedAttention(PyLayer):
             H,
             KVH,
             D,
+            int(bias.shape[0] > 1),
             min_bytes=1 << 16,
         )
         return dq, dk, dv, None
@@ -91,7 +109,7 @@ def usable(q: paddle.Tensor, k: paddle.Tensor, v: paddle.Tensor, bias: paddle.Te
         list(k.shape) == list(v.shape) == [B, Sk, KVH, D]
         and KVH > 0
         and H % KVH == 0
-        and D % 16 == 0
+        and kernel_memory.kernel_head_dim(D)
         and list(bias.shape) in ([1, 1, Sq, Sk], [B, 1, Sq, Sk])
         and bias.stop_gradient
         and 0 not in q.shape
@@ -109,5 +127,5 @@ def fused_attention(
     q, k, v, bias = (t if t.is_contiguous() else t.contiguous() for t in (q, k, v, bias))  # read by address
     needs_grad = paddle.is_grad_enabled() and not (q.stop_gradient and k.stop_gradient and v.stop_gradient)
     if not needs_grad:
-        return _forward(q, k, v, bias, scale, keep_p=False)[0]
+        return _forward(q, k, v, bias, scale, keep=False)[0]
     return _FusedAttention.apply(q, k, v, bias, scale)

@@ -90,6 +90,35 @@ def _batch_call(products: list) -> None:
     )
 
 
+def gemm_into(
+    a: paddle.Tensor, b: paddle.Tensor, out: paddle.Tensor, trans_a: bool, trans_b: bool, beta: float
+) -> None:
+    """out = op(a) op(b) + beta * out in place, one MKL cblas_sgemm (contiguous float32 CPU tensors,
+    2-D, checked by the caller; `_mkl()` not None): a sum of products without a temporary per term."""
+    m, k = (a.shape[1], a.shape[0]) if trans_a else (a.shape[0], a.shape[1])
+    n = b.shape[0] if trans_b else b.shape[1]
+    if list(out.shape) != [m, n] or (b.shape[1] if trans_b else b.shape[0]) != k:
+        raise ValueError(
+            f"gemm_into: {list(a.shape)} x {list(b.shape)} (trans {trans_a}, {trans_b}) into {list(out.shape)}"
+        )
+    _mkl().cblas_sgemm(
+        ctypes.c_int(_ROW_MAJOR),
+        ctypes.c_int(_TRANS if trans_a else _NO_TRANS),
+        ctypes.c_int(_TRANS if trans_b else _NO_TRANS),
+        ctypes.c_int(m),
+        ctypes.c_int(n),
+        ctypes.c_int(k),
+        ctypes.c_float(1.0),
+        ctypes.c_void_p(a.data_ptr()),
+        ctypes.c_int(a.shape[1]),
+        ctypes.c_void_p(b.data_ptr()),
+        ctypes.c_int(b.shape[1]),
+        ctypes.c_float(beta),
+        ctypes.c_void_p(out.data_ptr()),
+        ctypes.c_int(n),
+    )
+
+
 def _offsets(sizes: list[int]) -> list[int]:
     return [0, *np.cumsum(sizes).tolist()]
 

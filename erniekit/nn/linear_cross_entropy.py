@@ -12,7 +12,8 @@ recomputes each chunk's logits in the backward instead.
 
 The loss of every row is what `nn.cross_entropy.softmax_cross_entropy` gives on the full logits
 (the same kernel on the same values); the gradients differ from the unfused path only in the order
-in which the weight's gradient adds up the chunks.
+in which the weight's gradient adds up the chunks (MKL's GEMM adds each chunk's product into it in
+place, so dW needs no second [V, H] buffer).
 """
 
 from __future__ import annotations
@@ -21,16 +22,8 @@ import numpy as np
 import paddle
 from paddle.autograd import PyLayer
 
-from erniekit.nn import cross_entropy, native
-
-CHUNK_BYTES = 128 << 20  # one chunk's float32 logits at most this, ...
-MIN_CHUNK_ROWS = 1024  # ... but at least this many rows: the weight's gradient is read and written once a chunk
-
-
-def chunk_rows(vocab: int, rows: int) -> int:
-    """Rows per chunk for a vocabulary of `vocab` (all `rows` when they fit in one)."""
-    per = max(MIN_CHUNK_ROWS, CHUNK_BYTES // (4 * max(vocab, 1)))
-    return min(rows, per)
+from erniekit.nn import cross_entropy, grouped_gemm, native
+from erniekit.nn.kernel_memory import chunk_rows
 
 
 @native.eager_only
@@ -57,14 +50,18 @@ def _check_labels(label: np.ndarray, rows: int, vocab: int, ignore: int) -> np.n
     return label
 
 
-def _chunk_grads(h_c, w, dlogits, w_vocab_first: bool, want_w: bool):
-    """(d h_c, d w from this chunk) given the logits' gradient of the chunk."""
-    dh = paddle.matmul(dlogits, w, transpose_y=not w_vocab_first)  # [c, V] x W -> [c, H]
-    if not want_w:
-        return dh, None
-    if w_vocab_first:  # W [V, H]: dW = dlogits^T h
-        return dh, paddle.matmul(dlogits, h_c, transpose_x=True)
-    return dh, paddle.matmul(h_c, dlogits, transpose_x=True)  # W [H, V]: dW = h^T dlogits
+def _add_chunk_dw(dw, h_c, dlogits, w_vocab_first: bool):
+    """dW (None before the first chunk) plus this chunk's product: W [V, H] takes dlogits^T h, W [H, V]
+    h^T dlogits. With MKL at hand the product adds into dW in place (no [V, H] temporary per chunk)."""
+    a, b = (dlogits, h_c) if w_vocab_first else (h_c, dlogits)
+    if not grouped_gemm.usable(a, [b]):
+        dw_c = paddle.matmul(a, b, transpose_x=True)
+        return dw_c if dw is None else dw.add_(dw_c)
+    first = dw is None
+    if first:
+        dw = paddle.empty([a.shape[1], b.shape[1]], dtype="float32")
+    grouped_gemm.gemm_into(a, b, dw, trans_a=True, trans_b=False, beta=0.0 if first else 1.0)
+    return dw
 
 
 def _chunk_pass(h, w, label, ignore, w_vocab_first, rows, g=None, nll=None, want_h=False, want_w=False):
@@ -85,11 +82,10 @@ def _chunk_pass(h, w, label, ignore, w_vocab_first, rows, g=None, nll=None, want
             g_c = paddle.ones([h_c.shape[0]], dtype="float32") if g is None else g[s : s + rows]
             dlogits = cross_entropy._backward(logits, lab, lse, g_c, ignore, out=logits)
             del logits
-            dh_c, dw_c = _chunk_grads(h_c, w, dlogits, w_vocab_first, want_w)
-            if want_h:
-                dh[s : s + rows] = dh_c
+            if want_h:  # [c, V] x W -> [c, H]
+                dh[s : s + rows] = paddle.matmul(dlogits, w, transpose_y=not w_vocab_first)
             if want_w:
-                dw = dw_c if dw is None else dw.add_(dw_c)
+                dw = _add_chunk_dw(dw, h_c, dlogits, w_vocab_first)
     return dh, dw
 
 

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import paddle
 
+from erniekit.config.checks import fused_head_wanted
 from erniekit.train.losses import (
     batch_tensor,
     causal_lm_loss_sum,
@@ -36,6 +38,7 @@ class Supports:
     row_losses: bool = False  # its loss is a sum over batch rows: data-parallel ranks run whole-model replicas
     images: bool = False  # trains on pictures: synthetic picture datasets; plain data parallelism only (this version)
     online_distill: bool = False  # online_distill_students: students trained beside it (docs/online_distillation.md)
+    fused_head: bool = False  # fused_head_loss: its LM loss takes the head chunk by chunk (lm_loss)
     min_generations: int = 1  # num_generations below this is refused
 
 
@@ -48,6 +51,7 @@ LM = Supports(
     token_balance=True,
     row_losses=True,
     online_distill=True,
+    fused_head=True,
 )  # the causal-LM stages (pretrain, SFT)
 
 
@@ -115,13 +119,7 @@ class Stage:
         """Called once before training, while `model` still holds the starting weights (before a
         resume loads a checkpoint): where a stage computes what depends on the reference model."""
         self.token_balance = bool(getattr(cfg, "loss_token_balance", False))
-        # the head's loss without the batch's logits, unless something reads them: the elastic
-        # sandwich's teacher, online distillation's students
-        self.fused_head = bool(
-            getattr(cfg, "fused_head_loss", False)
-            and not getattr(cfg, "elastic_sandwich", False)
-            and not getattr(cfg, "online_distill_students", None)
-        )
+        self.fused_head = self.supports.fused_head and fused_head_wanted(cfg)
 
     def collate(self, rows: list[dict[str, np.ndarray]], pad_id: int) -> dict[str, np.ndarray]:
         from erniekit.train.batching import collate
@@ -138,6 +136,18 @@ class Stage:
 
     def evaluate(self, model, tokenizer, eval_data, cfg) -> dict[str, float]:
         return {}
+
+    def eval_lm_loss(self, model, rows: list[dict[str, np.ndarray]], cfg, tokenizer) -> dict[str, float]:
+        """`eval_loss` of LM rows with the head's loss chunked as in training (`fused_head_loss`): an
+        eval batch's whole logits can outgrow the training step's (8 x 4096 tokens of a 103,424-id
+        vocabulary: 13.5 GB)."""
+        return eval_loss(
+            model,
+            rows,
+            cfg.per_device_eval_batch_size,
+            tokenizer.pad_token_id,
+            loss=functools.partial(lm_loss, fused_head=self.fused_head),
+        )
 
     # ---- hooks the loop calls; RL stages use them (erniekit/train/rl_stage.py) ----------------------
     def step_batches(self, model, micro: list[dict[str, np.ndarray]], step: int) -> list[dict[str, np.ndarray]]:

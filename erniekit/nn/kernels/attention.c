@@ -17,9 +17,13 @@
  *   dq = (sum_j ds[j] * k[j]) * scale; dk[j] += ds[j] * qs; dv[j] += p[j] * dO
  *   (dk, dv summed over the kv head's query heads and rows in order)
  *
- * Layout: q, o, dq [B, Sq, H, D]; k, v, dk, dv [B, Sk, KVH, D]; bias [Bb, 1, Sq, Sk] (Bb = 1 or B);
- * p [B, H, Sq, Sk] (saved for the backward; NULL at inference: rows live in scratch). Query head h
- * reads kv head h / (H / KVH). D is a multiple of 16. A call handles tasks [t0, t1) of B * KVH.
+ * Layout: q, o, dq [B, Sq, H, D]; k, v, dk, dv [B, Sk, KVH, D]; bias [Bb, 1, Sq, Sk] (Bb = 1 or B).
+ * For the backward the forward keeps either p [B, H, Sq, Sk] or, per row, the softmax's max and
+ * reciprocal sum, stats [B, H, Sq, 2] (8 bytes a row instead of 4 * Sk): the backward then computes
+ * s and p again with the forward's operations in the forward's order, so p has the same bits either
+ * way and so do the gradients (long sequences: p is 1 GiB a layer at 4096 tokens and 16 heads).
+ * Both NULL at inference: rows live in scratch. Query head h reads kv head h / (H / KVH). D is a
+ * multiple of 16. A call handles tasks [t0, t1) of B * KVH.
  */
 #include <stdlib.h>
 #include <string.h>
@@ -117,7 +121,7 @@ INLINE float tree_max(float *a) {
 /* z = softmax(z + bias) in place over the keys [j0, j1) (j0 a multiple of 16, j1 <= Sk): the keys
  * outside are masked for this row block, and their exact 0 is what the full row would give them.
  * z's slots up to j1 rounded up to 16 are used (the padding is overwritten). */
-static void softmax_row(float *restrict z, const float *restrict brow, int64_t j0, int64_t j1) {
+static void softmax_row(float *restrict z, const float *restrict brow, int64_t j0, int64_t j1, float *stats) {
     const int64_t j16 = up16(j1);
     for (int64_t j = j0; j < j1; j++) z[j] = z[j] + brow[j];
     for (int64_t j = j1; j < j16; j++) z[j] = -__builtin_inff();
@@ -135,6 +139,20 @@ static void softmax_row(float *restrict z, const float *restrict brow, int64_t j
         }
     const float inv = 1.0f / tree_sum(acc);
     for (int64_t j = j0; j < j1; j++) z[j] = z[j] * inv;
+    if (stats) stats[0] = m, stats[1] = inv;
+}
+
+/* softmax_row's p again from its max and reciprocal sum, with its operations in its order (the
+ * same bits); every slot of z outside [j0, j1) up to Skp becomes 0, as in a saved p row */
+static void softmax_row_again(float *restrict z, const float *restrict brow, int64_t j0, int64_t j1, int64_t Skp,
+                              const float *stats) {
+    const float m = stats[0], inv = stats[1];
+    memset(z, 0, sizeof(float) * j0);
+    for (int64_t j = j0; j < j1; j++) {
+        const float e = exp_neg((z[j] + brow[j]) - m);
+        z[j] = e * inv;
+    }
+    memset(z + j1, 0, sizeof(float) * (Skp - j1));
 }
 
 /* The keys [*j0, *j1) that R rows (`ld` apart) may see: outside it every row's entry is `none`
@@ -179,7 +197,7 @@ static void pack_t(const float *k, int64_t ldk, int64_t Sk, int64_t D, int64_t S
 static float *scratch(int64_t n) { return aligned_alloc(64, sizeof(float) * (size_t)up16(n)); }
 
 void erniekit_attention_fwd(const float *q, const float *k, const float *v, const float *bias, float *o, float *p,
-                            float scale, int64_t Sq, int64_t Sk, int64_t H, int64_t KVH, int64_t D,
+                            float *stats, float scale, int64_t Sq, int64_t Sk, int64_t H, int64_t KVH, int64_t D,
                             int64_t bias_batched, int64_t t0, int64_t t1) {
     const int64_t rep = H / KVH, Skp = up16(Sk);
     float *kT = scratch(D * Skp), *s = scratch(ROWS * Skp), *qs = scratch(ROWS * D);
@@ -201,9 +219,10 @@ void erniekit_attention_fwd(const float *q, const float *k, const float *v, cons
                 BY_ROWS(R, rows_times_t(qs, D, R_, kT, D, Skp, s, j0, j16));
                 for (int t = 0; t < R; t++) {
                     float *row = s + t * Skp;
-                    softmax_row(row, brows + t * Sk, j0, j1);
+                    const int64_t r = (b * H + h) * Sq + i0 + t;
+                    softmax_row(row, brows + t * Sk, j0, j1, stats ? stats + 2 * r : NULL);
                     if (p) {
-                        float *pr = p + ((b * H + h) * Sq + i0 + t) * Sk;
+                        float *pr = p + r * Sk;
                         memset(pr, 0, sizeof(float) * j0);
                         memcpy(pr + j0, row + j0, sizeof(float) * (j1 - j0));
                         memset(pr + j1, 0, sizeof(float) * (Sk - j1));
@@ -216,35 +235,47 @@ void erniekit_attention_fwd(const float *q, const float *k, const float *v, cons
     free(kT), free(s), free(qs);
 }
 
-void erniekit_attention_bwd(const float *q, const float *k, const float *v, const float *p, const float *dout,
-                            float *dq, float *dk, float *dv, float scale, int64_t Sq, int64_t Sk, int64_t H,
-                            int64_t KVH, int64_t D, int64_t t0, int64_t t1) {
+void erniekit_attention_bwd(const float *q, const float *k, const float *v, const float *bias, const float *p,
+                            const float *stats, const float *dout, float *dq, float *dk, float *dv, float scale,
+                            int64_t Sq, int64_t Sk, int64_t H, int64_t KVH, int64_t D, int64_t bias_batched,
+                            int64_t t0, int64_t t1) {
     const int64_t rep = H / KVH, Skp = up16(Sk);
     float *vT = scratch(D * Skp), *dp = scratch(ROWS * Skp), *pr = scratch(ROWS * Skp), *qs = scratch(ROWS * D);
-    float *dka = scratch(Sk * D), *dva = scratch(Sk * D);
+    float *dka = scratch(Sk * D), *dva = scratch(Sk * D), *kT = p ? NULL : scratch(D * Skp);
     memset(pr, 0, sizeof(float) * ROWS * Skp); /* the padding stays 0: row_dot reads it */
     for (int64_t task = t0; task < t1; task++) {
         const int64_t b = task / KVH, g = task % KVH;
         const float *kg = k + (b * Sk * KVH + g) * D;
         pack_t(v + (b * Sk * KVH + g) * D, KVH * D, Sk, D, Skp, vT);
+        if (kT) pack_t(kg, KVH * D, Sk, D, Skp, kT);
         memset(dka, 0, sizeof(float) * Sk * D);
         memset(dva, 0, sizeof(float) * Sk * D);
         for (int64_t h = g * rep; h < (g + 1) * rep; h++)
             for (int64_t i0 = 0; i0 < Sq; i0 += ROWS) {
                 const int R = (int)(Sq - i0 < ROWS ? Sq - i0 : ROWS);
                 const float *dor = dout + ((b * Sq + i0) * H + h) * D;
-                const float *prows = p + ((b * H + h) * Sq + i0) * Sk;
+                const int64_t r0 = (b * H + h) * Sq + i0;
+                for (int t = 0; t < R; t++) {
+                    const float *qr = q + ((b * Sq + i0 + t) * H + h) * D;
+                    for (int64_t d = 0; d < D; d++) qs[t * D + d] = qr[d] * scale;
+                }
                 int64_t j0, j1;
-                key_range(prows, Sk, R, Sk, 0, &j0, &j1);
+                if (p) {
+                    key_range(p + r0 * Sk, Sk, R, Sk, 0, &j0, &j1);
+                    for (int t = 0; t < R; t++) memcpy(pr + t * Skp, p + (r0 + t) * Sk, sizeof(float) * Sk);
+                } else { /* the forward's scores and probabilities over the forward's key range */
+                    const float *brows = bias + ((bias_batched ? b : 0) * Sq + i0) * Sk;
+                    key_range(brows, Sk, R, Sk, 1, &j0, &j1);
+                    BY_ROWS(R, rows_times_t(qs, D, R_, kT, D, Skp, pr, j0, up16(j1)));
+                    for (int t = 0; t < R; t++)
+                        softmax_row_again(pr + t * Skp, brows + t * Sk, j0, j1, Skp, stats + 2 * (r0 + t));
+                }
                 const int64_t j16 = up16(j1);
                 BY_ROWS(R, rows_times_t(dor, H * D, R_, vT, D, Skp, dp, j0, j16));
                 for (int t = 0; t < R; t++) {
                     float *drow = dp + t * Skp, *prt = pr + t * Skp;
-                    memcpy(prt, prows + t * Sk, sizeof(float) * Sk);
                     const float dot = row_dot(prt, drow, j0, j16);
                     for (int64_t j = j0; j < j1; j++) drow[j] = prt[j] * (drow[j] - dot); /* ds */
-                    const float *qr = q + ((b * Sq + i0 + t) * H + h) * D;
-                    for (int64_t d = 0; d < D; d++) qs[t * D + d] = qr[d] * scale;
                 }
                 float *dqr = dq + ((b * Sq + i0) * H + h) * D;
                 BY_ROWS(R, rows_times(dp, Skp, R_, kg, KVH * D, j0, j1, D, dqr, H * D, scale, 1));
@@ -256,5 +287,5 @@ void erniekit_attention_bwd(const float *q, const float *k, const float *v, cons
             memcpy(dv + ((b * Sk + j) * KVH + g) * D, dva + j * D, sizeof(float) * D);
         }
     }
-    free(vT), free(dp), free(pr), free(qs), free(dka), free(dva);
+    free(vT), free(dp), free(pr), free(qs), free(dka), free(dva), free(kT);
 }

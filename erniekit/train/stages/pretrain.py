@@ -6,7 +6,7 @@ from __future__ import annotations
 from erniekit.data.encode import encode_pretrain, pack
 from erniekit.data.formats import load_pretrain_texts
 from erniekit.errors import DataError
-from erniekit.train.stage import LM, Stage, eval_loss
+from erniekit.train.stage import LM, Stage
 from erniekit.train.stages import register_stage
 
 
@@ -30,4 +30,4 @@ class PretrainStage(Stage):
         return self._rows(cfg.eval_dataset_path, cfg, tokenizer) if cfg.eval_dataset_path else None
 
     def evaluate(self, model, tokenizer, eval_data, cfg):
-        return eval_loss(model, eval_data, cfg.per_device_eval_batch_size, tokenizer.pad_token_id)
+        return self.eval_lm_loss(model, eval_data, cfg, tokenizer)

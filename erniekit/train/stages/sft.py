@@ -12,7 +12,7 @@ from erniekit.data.control import drop_controls
 from erniekit.data.encode import encode_conversations, pack
 from erniekit.data.formats import Conversation, load_sft_examples
 from erniekit.train.evaluation import baseline_exact_match, exact_match_eval, majority_reply
-from erniekit.train.stage import LM, Stage, eval_loss
+from erniekit.train.stage import LM, Stage
 from erniekit.train.stages import register_stage
 
 
@@ -82,7 +82,7 @@ class SFTStage(Stage):
         return {"convs": convs, "rows": _rows(convs, cfg, tokenizer, packing=False)}
 
     def evaluate(self, model, tokenizer, eval_data, cfg):
-        res = eval_loss(model, eval_data["rows"], cfg.per_device_eval_batch_size, tokenizer.pad_token_id)
+        res = self.eval_lm_loss(model, eval_data["rows"], cfg, tokenizer)
         if cfg.eval_generation and any(c.dialog is not None for c in eval_data["convs"]):
             from erniekit.train.tool_eval import tool_eval
 

@@ -137,6 +137,31 @@ def test_workload_runs_replicas_only_for_stages_whose_loss_sums_over_rows(tmp_pa
     assert not P.workload_from_config(dpo).replicas
 
 
+def test_workload_takes_the_chunked_head_where_the_stage_does(tmp_path):
+    base = ["model_name_or_path=tiny-dense", f"output_dir={tmp_path / 'o'}", "stage=SFT"]
+    sft = validate(load_config(None, base))
+    assert P.workload_from_config(sft).fused_head and not P.workload_from_config(sft, cpu=False).fused_head
+    for off in ("fused_head_loss=false", "loss_token_balance=true"):
+        assert not P.workload_from_config(validate(load_config(None, base + [off]))).fused_head, off
+    dpo = validate(load_config(os.path.join(ROOT, "examples/configs/tiny/dpo.yaml"), base[:2]))
+    assert not P.workload_from_config(dpo).fused_head
+
+
+def test_the_chunked_head_counts_one_chunk_of_logits_instead_of_three_whole():
+    c = get_preset("ERNIE-4.5-0.3B")
+    V, rows = c.vocab_size, 2 * 4096
+    one = P.Plan(dp=1, tp=1, pp=1, ep=1, sharding_stage=0, recompute="full", micro_batch=2, accumulation=1)
+    work = P.Workload(global_batch=2, seq_len=4096)
+    whole = P.predict(c, CLUSTER, work, one).memory
+    chunked = P.predict(c, CLUSTER, dataclasses.replace(work, fused_head=True), one).memory
+    assert whole - chunked == pytest.approx(4 * V * (3 * rows - 1024))  # 1024 rows a chunk at this vocabulary
+    tp = dataclasses.replace(one, tp=2)  # DistTensors: the whole logits
+    assert (
+        P.predict(c, CLUSTER, work, tp).memory
+        == P.predict(c, CLUSTER, dataclasses.replace(work, fused_head=True), tp).memory
+    )
+
+
 def test_recompute_trades_memory_for_time_and_pipeline_pays_a_bubble():
     c = get_preset("tiny-moe")
     preds = {rc: P.predict(c, CLUSTER, WORK, P.Plan(1, 1, 4, 1, 0, rc, 1, 4)) for rc in P.RECOMPUTE_MODES}
@@ -253,3 +278,34 @@ def test_vl_424b_preset_has_its_published_size():
 
     pred = P.predict(model_config("ERNIE-4.5-VL-424B-A47B"), CLUSTER, WORK, P.Plan(1, 1, 1, 1, 0, "none", 16, 1))
     assert pred.parts["params_bytes"] / 4 == pytest.approx(424e9, rel=0.01)
+
+
+def test_the_attention_probabilities_count_where_the_layers_keep_them():
+    """The CPU kernel keeps [heads, S, S] only while a micro-batch's are small (nn/kernel_memory.py),
+    Paddle's math path on DistTensors always, GPU flash attention never."""
+    c = get_preset("ERNIE-4.5-0.3B")
+
+    def acts(seq_len, fused=False, **plan):
+        p = P.Plan(**{"dp": 1, "tp": 1, "pp": 1, "ep": 1, "sharding_stage": 0, "recompute": "none"} | plan)
+        work = P.Workload(global_batch=p.dp * p.micro_batch, seq_len=seq_len, fused_attention=fused)
+        return P.predict(c, CLUSTER, work, p).parts["activations_bytes"]
+
+    one = {"micro_batch": 1, "accumulation": 1}
+    long_probs = 4 * c.num_attention_heads * 4096 * 4096 * c.num_hidden_layers  # 1 GiB a layer
+    assert acts(4096, **one) == acts(4096, fused=True, **one)  # the kernel keeps 2 floats a row
+    assert acts(32, **one) - acts(32, fused=True, **one) == pytest.approx(
+        4 * c.num_attention_heads * 32 * 32 * c.num_hidden_layers
+    )
+    tp = acts(4096, tp=2, **one) - acts(4096, fused=True, tp=2, **one)
+    assert tp == pytest.approx(long_probs / 2)  # DistTensors: the math path keeps each tp rank's heads
+
+
+def test_attention_that_keeps_no_probabilities_computes_q_k_again(monkeypatch):
+    c = get_preset("ERNIE-4.5-0.3B")
+    p = P.Plan(dp=1, tp=1, pp=1, ep=1, sharding_stage=0, recompute="none", micro_batch=1, accumulation=1)
+    work = P.Workload(global_batch=1, seq_len=4096)
+    again = P.predict(c, CLUSTER, work, p).parts["compute_s"]
+    monkeypatch.setattr(P.kernel_memory, "KEEP_PROBS_BYTES", 1 << 40)  # the kernel keeps them
+    kept = P.predict(c, CLUSTER, work, p).parts["compute_s"]
+    qk = 2.0 * c.num_attention_heads * c.head_dim * 4096 * 4096 * c.num_hidden_layers  # q k^T, every layer
+    assert again - kept == pytest.approx(qk / CLUSTER.device_flops)

@@ -8,6 +8,7 @@ import paddle
 import pytest
 
 from erniekit.nn import fused_attention as fa
+from erniekit.nn import kernel_memory
 from erniekit.nn.attention import math_attention
 
 KERNEL_MODULE = fa
@@ -158,3 +159,48 @@ def test_without_the_kernel_the_math_path_runs(monkeypatch):
     q, k, bias = paddle.zeros([2, 3, 4, 16]), paddle.zeros([2, 5, 2, 16]), paddle.zeros([1, 1, 3, 5])
     assert not fa.usable(q, k, k, bias)
     assert math_attention(q, k, k, bias, 0.25).shape == [2, 3, 4, 16]
+
+
+@pytest.mark.parametrize("case", CASES + [(2, 33, 70, 4, 2, 16, True)])
+def test_long_rows_keep_softmax_statistics_and_give_the_same_bits(kernel, bits, monkeypatch, case):
+    """Above kernel_memory.KEEP_PROBS_BYTES the forward keeps 2 floats a row instead of the
+    probabilities and the backward computes them again: the same output and gradients, bit for bit."""
+    q, k, v, bias, do = _inputs(case)
+    kept, forward = [], fa._forward
+
+    def spy(*a, **kw):
+        out = forward(*a, **kw)
+        kept.append(out[1:])
+        return out
+
+    monkeypatch.setattr(fa, "_forward", spy)
+    saved = _run(q, k, v, bias, do, 0.25)
+    monkeypatch.setattr(kernel_memory, "KEEP_PROBS_BYTES", 0)
+    again = _run(q, k, v, bias, do, 0.25)
+    B, Sq, H = case[0], case[1], case[3]
+    (p, none), (none2, stats) = kept[0], kept[-1]
+    assert none is None and none2 is None
+    assert p.shape == [B, H, Sq, case[2]] and stats.shape == [B, H, Sq, 2]
+    for name, a, b in zip(("o", "dq", "dk", "dv"), saved, again):
+        np.testing.assert_array_equal(bits(a), bits(b), err_msg=name)
+
+
+def test_which_calls_keep_the_probabilities():
+    limit = kernel_memory.KEEP_PROBS_BYTES
+    assert kernel_memory.keeps_probs(1, 1, 1, limit // 4)
+    assert not kernel_memory.keeps_probs(1, 1, 1, limit // 4 + 1)
+    assert kernel_memory.keeps_probs(64, 8, 32, 32)  # the embedded default: 2 MiB a layer
+    assert not kernel_memory.keeps_probs(1, 16, 4096, 4096)  # 1 GiB a layer
+
+
+def test_the_statistics_path_refuses_a_mask_changed_in_place(kernel, monkeypatch):
+    """The backward reads the mask again to find the forward's keys; a changed mask is refused."""
+    monkeypatch.setattr(kernel_memory, "KEEP_PROBS_BYTES", 0)
+    q, k, v, bias, do = _inputs(CASES[1])
+    qt, kt, vt = (paddle.to_tensor(a, stop_gradient=False) for a in (q, k, v))
+    bt = paddle.to_tensor(bias)
+    o = fa.fused_attention(qt, kt, vt, bt, 0.25)
+    with paddle.no_grad():
+        paddle.assign(bt * 0, output=bt)
+    with pytest.raises((RuntimeError, OSError), match="attention: an input was modified in place"):
+        o.backward(paddle.to_tensor(do))

@@ -141,3 +141,23 @@ def test_the_no_autograd_helpers_handle_empty_and_repeated_groups():
     np.testing.assert_allclose(dw[2], a.numpy()[:4].T @ y[:4], rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(dw[0], a.numpy()[4:].T @ y[4:], rtol=1e-5, atol=1e-5)
     assert not dw[1].any()
+
+
+@pytest.mark.parametrize("trans_a", [False, True])
+@pytest.mark.parametrize("trans_b", [False, True])
+@pytest.mark.parametrize("beta", [0.0, 1.0])
+def test_gemm_into_adds_a_product_into_its_output_in_place(trans_a, trans_b, beta):
+    if grouped_gemm._mkl() is None:
+        pytest.skip(native.why_not.get("grouped_gemm", "no MKL"))
+    rng = np.random.default_rng(1)
+    a = rng.standard_normal((7, 5) if trans_a else (5, 7)).astype(np.float32)
+    b = rng.standard_normal((3, 7) if trans_b else (7, 3)).astype(np.float32)
+    c = rng.standard_normal((5, 3)).astype(np.float32)
+    out = paddle.to_tensor(c)
+    where = out.data_ptr()
+    grouped_gemm.gemm_into(paddle.to_tensor(a), paddle.to_tensor(b), out, trans_a, trans_b, beta)
+    want = (a.T if trans_a else a).astype(np.float64) @ (b.T if trans_b else b) + beta * c
+    assert out.data_ptr() == where
+    np.testing.assert_allclose(out.numpy(), want, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match=r"gemm_into: \[5, 7\] x \[5, 3\]"):
+        grouped_gemm.gemm_into(paddle.to_tensor(a if not trans_a else a.T), paddle.to_tensor(c), out, False, False, 0.0)

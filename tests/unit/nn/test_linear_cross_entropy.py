@@ -9,6 +9,7 @@ import paddle
 import pytest
 
 from erniekit.nn import cross_entropy as ce
+from erniekit.nn import kernel_memory
 from erniekit.nn import linear_cross_entropy as lce
 
 IGNORE = -100
@@ -86,6 +87,30 @@ def test_no_chunk_holds_more_rows_than_asked(monkeypatch):
     assert seen == [16, 16, 16, 2]
 
 
+@pytest.mark.parametrize("vocab_first", [True, False])
+def test_the_chunks_add_into_one_weight_gradient_in_place(monkeypatch, vocab_first):
+    """With MKL at hand each chunk's dW product adds into the same buffer (beta 0, then 1): no [V, H]
+    temporary per chunk; one chunk gives Paddle's matmul bit for bit."""
+    from erniekit.nn import grouped_gemm
+
+    if not grouped_gemm.usable(paddle.zeros([2, 2]), [paddle.zeros([2, 2])]):
+        pytest.skip("no MKL sgemm here")
+    calls, real = [], grouped_gemm.gemm_into
+    monkeypatch.setattr(
+        grouped_gemm,
+        "gemm_into",
+        lambda a, b, out, **kw: calls.append((out.data_ptr(), kw["beta"])) or real(a, b, out, **kw),
+    )
+    h, w, label = _case(9, N=50, vocab_first=vocab_first)
+    got = _fused(h, w, label, vocab_first, rows=16)
+    assert [b for _, b in calls] == [0.0, 1.0, 1.0, 1.0] and len({p for p, _ in calls}) == 1
+    np.testing.assert_allclose(got[2], _unfused(h, w, label, vocab_first)[2], rtol=2e-5, atol=2e-6)
+    calls.clear()
+    one = _fused(h, w, label, vocab_first)
+    monkeypatch.setattr(grouped_gemm, "usable", lambda *_: False)  # Paddle's matmul
+    np.testing.assert_array_equal(one[2], _fused(h, w, label, vocab_first)[2])
+
+
 def test_a_frozen_weight_gets_no_gradient_and_the_hidden_states_still_do():
     h, w, label = _case(7)
     got = _fused(h, w, label, True, w_frozen=True)
@@ -113,7 +138,7 @@ def test_labels_outside_the_vocabulary_or_miscounted_are_refused():
 
 def test_chunks_are_bounded_by_bytes_but_never_below_the_minimum():
     assert lce.chunk_rows(1024, 100) == 100  # one chunk when the rows fit
-    assert lce.chunk_rows(1024, 10**6) == lce.CHUNK_BYTES // (4 * 1024)
-    assert lce.chunk_rows(103424, 10**6) == lce.MIN_CHUNK_ROWS
+    assert lce.chunk_rows(1024, 10**6) == kernel_memory.CHUNK_BYTES // (4 * 1024)
+    assert lce.chunk_rows(103424, 10**6) == kernel_memory.MIN_CHUNK_ROWS
     assert lce.usable(paddle.zeros([4, 8]), paddle.zeros([16, 8]))
     assert not lce.usable(paddle.zeros([4, 8], dtype="float16"), paddle.zeros([16, 8]))

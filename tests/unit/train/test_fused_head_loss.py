@@ -75,9 +75,15 @@ def test_it_steps_aside_for_token_balance_and_for_a_head_that_is_more_than_a_pro
     ],
 )
 def test_the_stage_fuses_unless_something_reads_the_logits(keys, fused):
-    stage = Stage()
+    from erniekit.train.stages.dpo import DPOStage
+    from erniekit.train.stages.pretrain import PretrainStage
+
+    stage = PretrainStage()
     stage.prepare(None, [], None, SimpleNamespace(loss_token_balance=False, **keys), None)
     assert stage.fused_head is fused
+    base = Stage()  # a stage that does not declare Supports.fused_head never takes it
+    base.prepare(None, [], None, SimpleNamespace(loss_token_balance=False, **keys), None)
+    assert base.fused_head is False and DPOStage.supports.fused_head is False
 
 
 def test_a_vision_language_model_trained_on_text_takes_it_too():
@@ -94,3 +100,31 @@ def test_a_vision_language_model_trained_on_text_takes_it_too():
     assert float(fused.loss_sum) == pytest.approx(float(whole.loss_sum), rel=1e-6)
     for n in g_whole:
         np.testing.assert_allclose(g_fused[n], g_whole[n], rtol=1e-4, atol=1e-7, err_msg=n)
+
+
+def test_the_stages_eval_loss_takes_the_chunked_head_as_training_does(monkeypatch):
+    """Pretrain and SFT evaluate through `Stage.eval_lm_loss`: the head chunked when fused_head_loss
+    is on (an eval batch's whole logits can outgrow training's), the same held-out loss."""
+    from erniekit.nn import linear_cross_entropy
+    from erniekit.train.stages.pretrain import PretrainStage
+
+    c = get_preset("tiny-dense")
+    paddle.seed(0)
+    model = Ernie4_5ForCausalLM(c)
+    rng = np.random.default_rng(1)
+    rows = []
+    for n in (20, 31, 12):
+        ids = rng.integers(3, c.vocab_size, n)
+        rows.append({"input_ids": ids, "labels": ids.copy()})
+    cfg, tok = SimpleNamespace(per_device_eval_batch_size=2), SimpleNamespace(pad_token_id=0)
+    chunked, real = [], linear_cross_entropy.linear_cross_entropy
+    monkeypatch.setattr(
+        linear_cross_entropy, "linear_cross_entropy", lambda *a, **k: chunked.append(1) or real(*a, **k)
+    )
+    stage = PretrainStage()
+    whole = stage.evaluate(model, tok, rows, cfg)
+    assert not chunked
+    stage.fused_head = True
+    fused = stage.evaluate(model, tok, rows, cfg)
+    assert len(chunked) == 2  # one per eval batch
+    assert fused["loss"] == pytest.approx(whole["loss"], rel=1e-6) and fused.keys() == whole.keys()
