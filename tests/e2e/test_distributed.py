@@ -87,9 +87,9 @@ def shared_run(tmp_path_factory):
     return run
 
 
-def _losses(out):
+def _losses(out, key="train/loss"):
     rows = [json.loads(line) for line in open(os.path.join(out, "vdl_log", "scalars.jsonl"))]
-    by_step = {r["step"]: r["train/loss"] for r in rows if "train/loss" in r}  # a resumed run re-logs steps
+    by_step = {r["step"]: r[key] for r in rows if key in r}  # a resumed run re-logs steps
     return np.array([by_step[s] for s in sorted(by_step)])
 
 
@@ -149,6 +149,9 @@ def test_two_processes_follow_the_one_process_loss_curve(reference, shared_run, 
     got = _losses(out)
     assert len(got) == 20
     np.testing.assert_allclose(got, ref, rtol=1e-5)
+    # the clip's norm: sharded gradients' squares summed over their shards (one collective per sharding)
+    ref_norm = _losses(reference / ("moe" if model == "tiny-moe" else "dense"), "train/grad_norm")
+    np.testing.assert_allclose(_losses(out, "train/grad_norm"), ref_norm, rtol=1e-4)
     plan = json.load(open(out / "parallel_plan.json"))
     if name in ("dp", "dp-moe"):
         assert "replicas" in plan["data_parallel"]
