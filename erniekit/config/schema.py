@@ -369,7 +369,7 @@ class TrainConfig:
     )
     fused_head_loss: bool = _opt(
         True,
-        "pretrain / SFT on the CPU: the LM head and its loss chunk by chunk, never the whole batch's logits "
+        "pretrain / SFT / VL-SFT on the CPU: the LM head and its loss chunk by chunk (training and eval), never the whole batch's logits "
         "(less memory, the same losses; off where logits are needed: elastic_sandwich, online distillation, "
         "token-balanced loss, MTP)",
     )

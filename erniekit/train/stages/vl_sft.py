@@ -10,6 +10,8 @@ images (erniekit/infer/vl_generate.py), against the most common training answer 
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import paddle
 
@@ -17,7 +19,13 @@ from erniekit.data.formats import load_sft_examples
 from erniekit.data.vl import collate_images, encode_vl_conversation
 from erniekit.errors import ConfigError
 from erniekit.train.evaluation import baseline_exact_match, majority_reply
-from erniekit.train.losses import batch_tensor, causal_lm_loss_sum, token_balanced_loss_sum
+from erniekit.train.losses import (
+    batch_tensor,
+    causal_lm_loss_sum,
+    head_fusable,
+    head_loss_sum,
+    token_balanced_loss_sum,
+)
 from erniekit.train.stage import LossOutput, Stage, Supports, eval_loss
 from erniekit.train.stages import register_stage
 
@@ -28,7 +36,10 @@ def _settings(cfg):
     return ImageSettings(min_pixels=cfg.image_min_pixels, max_pixels=cfg.image_max_pixels)
 
 
-def vl_loss(model, batch: dict[str, np.ndarray], token_balance: bool = False) -> LossOutput:
+def vl_loss(model, batch: dict[str, np.ndarray], token_balance: bool = False, fused_head: bool = False) -> LossOutput:
+    """The summed next-token loss of a picture batch; fused_head: the head and its loss chunk by
+    chunk without the batch's logits (as `lm_loss`; `LossOutput.logits` is then None)."""
+    fused = fused_head and not token_balance and head_fusable(model)
     pixels, grids = collate_images(batch["images"])
     vpixels, vgrids = collate_images(batch["videos"]) if "videos" in batch else (None, None)
     out = model(
@@ -37,7 +48,11 @@ def vl_loss(model, batch: dict[str, np.ndarray], token_balance: bool = False) ->
         image_grid_thw=grids,
         pixel_values_videos=None if vpixels is None else paddle.to_tensor(vpixels),
         video_grid_thw=vgrids,
+        **({"skip_head": True} if fused else {}),
     )
+    if fused:
+        loss_sum, logits = head_loss_sum(model, out.hidden_states, batch["labels"], batch["segment_ids"])
+        return LossOutput(loss_sum, out.aux_loss, logits=logits)
     loss_fn = token_balanced_loss_sum if token_balance else causal_lm_loss_sum
     return LossOutput(loss_fn(out.logits, batch["labels"], batch["segment_ids"]), out.aux_loss, logits=out.logits)
 
@@ -46,7 +61,7 @@ def vl_loss(model, batch: dict[str, np.ndarray], token_balance: bool = False) ->
 class VLSFTStage(Stage):
     name = "VL-SFT"
     aliases = ("vl_sft", "VLSFT")
-    supports = Supports(token_balance=True, row_losses=True, images=True)
+    supports = Supports(token_balance=True, row_losses=True, images=True, fused_head=True)
 
     def _rows(self, path: str, fmt: str, cfg, tokenizer) -> tuple[list, list]:
         model_cfg = self._model_config(cfg)
@@ -108,14 +123,19 @@ class VLSFTStage(Stage):
         return batch
 
     def loss(self, model, batch):
-        return vl_loss(model, batch, self.token_balance)
+        return vl_loss(model, batch, self.token_balance, self.fused_head)
 
     @paddle.no_grad()
     def evaluate(self, model, tokenizer, eval_data, cfg):
         from erniekit.infer.vl_generate import answer
 
         res = eval_loss(
-            model, eval_data["rows"], cfg.per_device_eval_batch_size, tokenizer.pad_token_id, self.collate, vl_loss
+            model,
+            eval_data["rows"],
+            cfg.per_device_eval_batch_size,
+            tokenizer.pad_token_id,
+            self.collate,
+            functools.partial(vl_loss, fused_head=self.fused_head),
         )
         if cfg.eval_generation:
             convs = eval_data["convs"][: cfg.eval_max_samples]

@@ -152,3 +152,27 @@ def test_recompute_gives_the_plain_gradients_with_pictures(fp8):
         assert g.keys() == g0.keys(), mode
         for n in g0:
             np.testing.assert_allclose(g[n], g0[n], rtol=1e-6, atol=1e-9, err_msg=f"{mode} {n}")
+
+
+def test_the_chunked_head_gives_the_whole_logits_loss_and_gradients_on_pictures():
+    """fused_head_loss on VL-SFT: the head and its loss chunk by chunk (no logits), the same loss and
+    gradients as the whole logits on a batch with pictures; the token-balanced loss keeps the logits."""
+    paddle.seed(4)
+    cfg = model_config("tiny-vl")
+    model = Ernie4_5_VLForConditionalGeneration(cfg)
+    model.train()
+    batch = _batch(cfg, n=2)
+
+    def run(fused):
+        model.clear_gradients(set_to_zero=False)
+        out = vl_loss(model, batch, fused_head=fused)
+        (out.loss_sum * 0.01).backward()
+        return out, {n: p.grad.numpy().copy() for n, p in model.named_parameters() if p.grad is not None}
+
+    (whole, g_whole), (fused, g_fused) = run(False), run(True)
+    assert fused.logits is None and whole.logits is not None
+    assert float(fused.loss_sum) == pytest.approx(float(whole.loss_sum), rel=1e-6)
+    assert g_fused.keys() == g_whole.keys()
+    for n in g_whole:
+        np.testing.assert_allclose(g_fused[n], g_whole[n], rtol=1e-4, atol=1e-7, err_msg=n)
+    assert vl_loss(model, batch, token_balance=True, fused_head=True).logits is not None
