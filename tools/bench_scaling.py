@@ -166,7 +166,9 @@ def main(argv: list[str] | None = None) -> int:
             short = run(model, procs, extra, a.short, tag + "-s", env=GLOO)
             long = run(model, procs, extra, a.long, tag + "-l", env=GLOO)
             per_step = (long["bytes"] - short["bytes"]) / (a.long - a.short)
-            pred = P.predict(get_preset(model), cluster, P.Workload(plan.dp * B * plan.accumulation, S), plan)
+            pred = P.predict(
+                get_preset(model), cluster, P.Workload(plan.dp * B * plan.accumulation, S, fused_head=True), plan
+            )
             row = {
                 "model": model,
                 "layout": name,

@@ -90,7 +90,7 @@ def fit_step_costs(cluster, devices: int, threads: int | None, steps: int, tmp: 
     def run(plan):
         out = os.path.join(tmp, plan.describe().replace(" ", "_").replace("=", ""))
         got = layout_step(FIT_MODEL, devices, plan.config_overrides(), steps, out, FIT_SEQ, threads)["step_s"]
-        return got, P.Workload(plan.micro_batch * plan.accumulation * plan.dp, FIT_SEQ)
+        return got, P.Workload(plan.micro_batch * plan.accumulation * plan.dp, FIT_SEQ, fused_head=True)
 
     def step(cl, work, plan):
         return P.predict(c, cl, work, plan).step_s

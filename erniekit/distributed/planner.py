@@ -138,8 +138,9 @@ class Workload:
     # the stage's loss sums over rows (pretrain, SFT, Distill, VL-SFT): a layout that only splits
     # the batch runs as whole-model replicas on plain tensors, with one gradient sum per step
     replicas: bool = True
-    # the head's loss chunk by chunk without the batch's logits (fused_head_loss: pretrain and SFT on
-    # the CPU, outside DistTensor layouts): one chunk's logits instead of 3 x [mb, S, V]
+    # the head's loss chunk by chunk without the batch's logits (fused_head_loss: pretrain, SFT and
+    # VL-SFT on the CPU, outside DistTensor and pipeline layouts): one chunk's logits instead of
+    # 3 x [mb, S, V]
     fused_head: bool = False
 
 
@@ -385,9 +386,11 @@ def predict(c, cluster: Cluster, work: Workload, p: Plan) -> Prediction:
         (l.attn_saved + (l.core_saved_per_s * S if scores else 0.0) + l.mlp_saved) / p.tp for l in layers
     )
     transient = BYTES * biggest_layer * p.micro_batch * S  # the backward's working set of one layer
-    if work.fused_head and not spmd and not getattr(c, "num_nextn_predict_layers", 0):  # (MTP reads the logits)
-        # one chunk's logits, their gradient written over them
-        logits = BYTES * kernel_memory.chunk_rows(V, p.micro_batch * S) * V
+    # (a pipeline's last stage and MTP read the whole logits)
+    if work.fused_head and not spmd and p.pp == 1 and not getattr(c, "num_nextn_predict_layers", 0):
+        # one chunk's logits, their gradient written over them; the head's dW, made in the forward,
+        # waits beside an accumulated gradient for the backward
+        logits = BYTES * kernel_memory.chunk_rows(V, p.micro_batch * S) * V + (BYTES * V * H if m > 1 else 0.0)
     else:
         logits = 3 * BYTES * p.micro_batch * S * V / p.tp
     memory = weights + grads + moments + activations + transient + logits + cluster.memory_overhead

@@ -66,14 +66,14 @@ class _FusedAttention(PyLayer):
     def forward(ctx, q, k, v, bias, scale):
         o, p, stats = _forward(q, k, v, bias, scale, keep=True)
         ctx.save_for_backward(q, k, v, bias, p if p is not None else stats)
-        ctx.versions = native.versions(q, k, v, bias)
         ctx.scale, ctx.recompute = scale, p is None
+        ctx.versions = native.versions(q, k, v, *([bias] if ctx.recompute else []))  # the mask: read again
         return o
 
     @staticmethod
     def backward(ctx, do):
         q, k, v, bias, kept = ctx.saved_tensor()
-        native.check_versions("attention", ctx.versions, q, k, v, bias)
+        native.check_versions("attention", ctx.versions, q, k, v, *([bias] if ctx.recompute else []))
         do = do.contiguous()
         B, Sq, H, D = q.shape
         Sk, KVH = k.shape[1], k.shape[2]

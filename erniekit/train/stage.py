@@ -137,6 +137,11 @@ class Stage:
     def evaluate(self, model, tokenizer, eval_data, cfg) -> dict[str, float]:
         return {}
 
+    def eval_fused_head(self, cfg) -> bool:
+        """Whether held-out losses take the head chunk by chunk: fused_head_loss on a stage that
+        takes it; what keeps training's logits (the sandwich, students, token balance) reads none here."""
+        return self.supports.fused_head and bool(getattr(cfg, "fused_head_loss", False))
+
     def eval_lm_loss(self, model, rows: list[dict[str, np.ndarray]], cfg, tokenizer) -> dict[str, float]:
         """`eval_loss` of LM rows with the head's loss chunked as in training (`fused_head_loss`): an
         eval batch's whole logits can outgrow the training step's (8 x 4096 tokens of a 103,424-id
@@ -146,7 +151,7 @@ class Stage:
             rows,
             cfg.per_device_eval_batch_size,
             tokenizer.pad_token_id,
-            loss=functools.partial(lm_loss, fused_head=self.fused_head),
+            loss=functools.partial(lm_loss, fused_head=self.eval_fused_head(cfg)),
         )
 
     # ---- hooks the loop calls; RL stages use them (erniekit/train/rl_stage.py) ----------------------

@@ -135,7 +135,7 @@ class VLSFTStage(Stage):
             cfg.per_device_eval_batch_size,
             tokenizer.pad_token_id,
             self.collate,
-            functools.partial(vl_loss, fused_head=self.fused_head),
+            functools.partial(vl_loss, fused_head=self.eval_fused_head(cfg)),
         )
         if cfg.eval_generation:
             convs = eval_data["convs"][: cfg.eval_max_samples]

@@ -153,10 +153,10 @@ def test_gemm_into_adds_a_product_into_its_output_in_place(trans_a, trans_b, bet
     a = rng.standard_normal((7, 5) if trans_a else (5, 7)).astype(np.float32)
     b = rng.standard_normal((3, 7) if trans_b else (7, 3)).astype(np.float32)
     c = rng.standard_normal((5, 3)).astype(np.float32)
-    out = paddle.to_tensor(c)
+    out = paddle.to_tensor(c if beta else np.full_like(c, np.nan))  # beta 0 never reads the output
     where = out.data_ptr()
     grouped_gemm.gemm_into(paddle.to_tensor(a), paddle.to_tensor(b), out, trans_a, trans_b, beta)
-    want = (a.T if trans_a else a).astype(np.float64) @ (b.T if trans_b else b) + beta * c
+    want = (a.T if trans_a else a).astype(np.float64) @ (b.T if trans_b else b) + (beta * c if beta else 0.0)
     assert out.data_ptr() == where
     np.testing.assert_allclose(out.numpy(), want, rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match=r"gemm_into: \[5, 7\] x \[5, 3\]"):

@@ -104,7 +104,8 @@ def test_a_vision_language_model_trained_on_text_takes_it_too():
 
 def test_the_stages_eval_loss_takes_the_chunked_head_as_training_does(monkeypatch):
     """Pretrain and SFT evaluate through `Stage.eval_lm_loss`: the head chunked when fused_head_loss
-    is on (an eval batch's whole logits can outgrow training's), the same held-out loss."""
+    is on (an eval batch's whole logits can outgrow training's), the same held-out loss; also where
+    training keeps its logits for the token-balanced loss (evaluation reads none)."""
     from erniekit.nn import linear_cross_entropy
     from erniekit.train.stages.pretrain import PretrainStage
 
@@ -116,15 +117,22 @@ def test_the_stages_eval_loss_takes_the_chunked_head_as_training_does(monkeypatc
     for n in (20, 31, 12):
         ids = rng.integers(3, c.vocab_size, n)
         rows.append({"input_ids": ids, "labels": ids.copy()})
-    cfg, tok = SimpleNamespace(per_device_eval_batch_size=2), SimpleNamespace(pad_token_id=0)
+    tok = SimpleNamespace(pad_token_id=0)
+    cfg = lambda **kw: SimpleNamespace(per_device_eval_batch_size=2, **kw)  # noqa: E731
     chunked, real = [], linear_cross_entropy.linear_cross_entropy
     monkeypatch.setattr(
         linear_cross_entropy, "linear_cross_entropy", lambda *a, **k: chunked.append(1) or real(*a, **k)
     )
     stage = PretrainStage()
-    whole = stage.evaluate(model, tok, rows, cfg)
+    whole = stage.evaluate(model, tok, rows, cfg(fused_head_loss=False))
     assert not chunked
-    stage.fused_head = True
-    fused = stage.evaluate(model, tok, rows, cfg)
+    fused = stage.evaluate(model, tok, rows, cfg(fused_head_loss=True))
     assert len(chunked) == 2  # one per eval batch
     assert fused["loss"] == pytest.approx(whole["loss"], rel=1e-6) and fused.keys() == whole.keys()
+    stage.prepare(None, [], None, cfg(fused_head_loss=True, loss_token_balance=True), None)
+    assert not stage.fused_head  # training keeps the logits for the token-balanced loss ...
+    stage.evaluate(model, tok, rows, cfg(fused_head_loss=True, loss_token_balance=True))
+    assert len(chunked) == 4  # ... its evaluation does not
+    from erniekit.train.stages.dpo import DPOStage
+
+    assert not DPOStage().eval_fused_head(cfg(fused_head_loss=True))
