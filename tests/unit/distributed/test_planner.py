@@ -155,11 +155,12 @@ def test_the_chunked_head_counts_one_chunk_of_logits_instead_of_three_whole():
     whole = P.predict(c, CLUSTER, work, one).memory
     chunked = P.predict(c, CLUSTER, dataclasses.replace(work, fused_head=True), one).memory
     assert whole - chunked == pytest.approx(4 * V * (3 * rows - 1024))  # 1024 rows a chunk at this vocabulary
-    tp = dataclasses.replace(one, tp=2)  # DistTensors: the whole logits
-    assert (
-        P.predict(c, CLUSTER, work, tp).memory
-        == P.predict(c, CLUSTER, dataclasses.replace(work, fused_head=True), tp).memory
-    )
+    fused = dataclasses.replace(work, fused_head=True)
+    for whole_logits in (dataclasses.replace(one, tp=2), dataclasses.replace(one, pp=2)):  # DistTensors; last stage
+        assert P.predict(c, CLUSTER, work, whole_logits).memory == P.predict(c, CLUSTER, fused, whole_logits).memory
+    acc = dataclasses.replace(one, micro_batch=1, accumulation=2)  # the forward's dW waits beside .grad
+    acc_whole, acc_fused = P.predict(c, CLUSTER, work, acc).memory, P.predict(c, CLUSTER, fused, acc).memory
+    assert acc_whole - acc_fused == pytest.approx(4 * V * (3 * 4096 - 1024) - 4 * V * c.hidden_size)
 
 
 def test_recompute_trades_memory_for_time_and_pipeline_pays_a_bubble():
