@@ -8,7 +8,7 @@ from __future__ import annotations
 # Above this many bytes of probabilities per call the kernel's forward keeps each row's softmax max
 # and reciprocal sum instead, and its backward computes the scores again (same bits). Measured by
 # tools/bench_attention_recompute.py (docs/performance.md, twelfth round), recomputed / saved time:
-# 0.88-0.96x at 256-512 tokens of 64-wide heads, 1.04-1.08x with 128-wide ones, 1.09-1.21x at
+# 0.88-0.96x at 256-512 tokens of 64-wide heads, 1.03-1.08x with 128-wide ones, 1.09-1.21x at
 # 1024-2048 tokens, 0.91x at 4096; at the embedded default's 32 tokens (2 MiB) 1.15-1.22x, so small
 # calls keep the probabilities.
 KEEP_PROBS_BYTES = 4 << 20

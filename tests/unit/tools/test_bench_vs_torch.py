@@ -195,3 +195,33 @@ def test_the_eleventh_round_table_quotes_its_fused_and_whole_logits_records():
         for cell, c in ((row[3], on), (row[4], off)):
             mib = round(c["erniekit_peak_rss_bytes"]["median"] / 2**20)
             assert cell.strip().replace("*", "") == f"{c['memory_ratio']:.2f}x ({mib} MiB)", row
+
+
+def test_the_twelfth_round_tables_quote_their_records():
+    """The twelfth round's two tables: the training ratios and memory as vs_torch_amd_round12_train.json
+    has them (fused_head_loss on), and the attention kernel's recomputed / saved ratios as
+    attention_recompute.json has them, per thread count."""
+    section = (ROOT / "docs" / "performance.md").read_text().split("### Twelfth round", 1)[1].split("\n## ", 1)[0]
+    attention, training = section.split("| shape (B x S", 1)[1], section.split("| case | erniekit / torch", 1)[1]
+    rec = json.loads((ROOT / "bench_results" / "vs_torch_amd_round12_train.json").read_text())
+    assert rec["cpu"].startswith("AMD") and rec["fused_head_loss"] == "on"
+    rows = _table_rows("| case |\n" + training.split("\n\n", 1)[0])
+    assert len(rows) == 5
+    for row in rows:
+        case = "train:" + row[0].split()[1]
+        c = rec["cases"][case]
+        assert row[1].strip().split()[0] == f"{c['ratio_erniekit_over_torch']:.2f}x", row
+        mib = round(c["erniekit_peak_rss_bytes"]["median"] / 2**20)
+        assert row[3].strip().replace("*", "") == f"{c['memory_ratio']:.2f}x ({mib} MiB)", row
+    runs = {
+        r["threads"]: r["rows"]
+        for r in json.loads((ROOT / "bench_results" / "attention_recompute.json").read_text())["runs"]
+    }
+    rows = _table_rows("| shape |\n" + attention.split("\n\n", 1)[0])
+    assert len(rows) == len(runs["2"]) == 8
+    for row, two in zip(rows, runs["2"]):
+        s = two["shape"]
+        assert row[0].strip().startswith(f"{s['batch']} x {s['seq']}, {s['heads']} of {s['head_dim']}"), row
+        assert row[2].strip().split()[0] == f"{two['ratio']:.2f}x", row
+        one = next((r for r in runs["1"] if r["shape"] == s), None)
+        assert row[3].strip() == (f"{one['ratio']:.2f}x" if one else ""), row
