@@ -65,25 +65,24 @@ class _FusedAttention(PyLayer):
     @staticmethod
     def forward(ctx, q, k, v, bias, scale):
         o, p, stats = _forward(q, k, v, bias, scale, keep=True)
-        ctx.save_for_backward(q, k, v, bias, p if p is not None else stats)
-        ctx.scale, ctx.recompute = scale, p is None
-        ctx.versions = native.versions(q, k, v, *([bias] if ctx.recompute else []))  # the mask: read again
+        ctx.save_for_backward(q, k, v, bias, p, stats)
+        ctx.scale = scale
+        ctx.versions = native.versions(q, k, v, *([bias] if p is None else []))  # the mask: read again
         return o
 
     @staticmethod
     def backward(ctx, do):
-        q, k, v, bias, kept = ctx.saved_tensor()
-        native.check_versions("attention", ctx.versions, q, k, v, *([bias] if ctx.recompute else []))
+        q, k, v, bias, p, stats = ctx.saved_tensor()
+        native.check_versions("attention", ctx.versions, q, k, v, *([bias] if p is None else []))
         do = do.contiguous()
         B, Sq, H, D = q.shape
         Sk, KVH = k.shape[1], k.shape[2]
         dq, dk, dv = paddle.empty_like(q), paddle.empty_like(k), paddle.empty_like(v)
-        p, stats = (None, kept) if ctx.recompute else (kept, None)
         ptrs = [native.address(t) for t in (q, k, v, bias, p, stats, do, dq, dk, dv)]
         native.over_chunks(
             _kernels()[1],
             B * KVH,
-            math.prod(q.shape) * (12 if ctx.recompute else 8) + math.prod(k.shape) * 16,
+            math.prod(q.shape) * (8 if p is not None else 12) + math.prod(k.shape) * 16,
             *ptrs,
             ctx.scale,
             Sq,

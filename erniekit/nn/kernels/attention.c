@@ -194,6 +194,22 @@ static void pack_t(const float *k, int64_t ldk, int64_t Sk, int64_t D, int64_t S
         for (int64_t d = 0; d < D; d++) kT[d * Skp + j] = k[j * ldk + d];
 }
 
+/* qs = q * scale for the R rows of a block (rows `ldq` apart): the forward and the backward scale alike */
+INLINE void scaled_rows(const float *restrict q0, int64_t ldq, const int R, int64_t D, float scale, float *restrict qs) {
+    for (int t = 0; t < R; t++)
+        for (int64_t d = 0; d < D; d++) qs[t * D + d] = q0[t * ldq + d] * scale;
+}
+
+/* A row block's keys and scores: the range [*j0, *j1) its mask lets it see, and s = qs kT over it (to
+ * *j1 rounded up to 16). The forward and the backward that recomputes take this one path, so the
+ * backward's scores are the forward's bits. */
+static void block_scores(const float *restrict qs, const int R, const float *restrict brows, int64_t Sk,
+                         const float *restrict kT, int64_t D, int64_t Skp, float *restrict s, int64_t *j0,
+                         int64_t *j1) {
+    key_range(brows, Sk, R, Sk, 1, j0, j1);
+    BY_ROWS(R, rows_times_t(qs, D, R_, kT, D, Skp, s, *j0, up16(*j1)));
+}
+
 static float *scratch(int64_t n) { return aligned_alloc(64, sizeof(float) * (size_t)up16(n)); }
 
 void erniekit_attention_fwd(const float *q, const float *k, const float *v, const float *bias, float *o, float *p,
@@ -208,15 +224,10 @@ void erniekit_attention_fwd(const float *q, const float *k, const float *v, cons
         for (int64_t h = g * rep; h < (g + 1) * rep; h++)
             for (int64_t i0 = 0; i0 < Sq; i0 += ROWS) {
                 const int R = (int)(Sq - i0 < ROWS ? Sq - i0 : ROWS);
-                for (int t = 0; t < R; t++) {
-                    const float *qr = q + ((b * Sq + i0 + t) * H + h) * D;
-                    for (int64_t d = 0; d < D; d++) qs[t * D + d] = qr[d] * scale;
-                }
+                BY_ROWS(R, scaled_rows(q + ((b * Sq + i0) * H + h) * D, H * D, R_, D, scale, qs));
                 const float *brows = bias + ((bias_batched ? b : 0) * Sq + i0) * Sk;
                 int64_t j0, j1;
-                key_range(brows, Sk, R, Sk, 1, &j0, &j1);
-                const int64_t j16 = up16(j1);
-                BY_ROWS(R, rows_times_t(qs, D, R_, kT, D, Skp, s, j0, j16));
+                block_scores(qs, R, brows, Sk, kT, D, Skp, s, &j0, &j1);
                 for (int t = 0; t < R; t++) {
                     float *row = s + t * Skp;
                     const int64_t r = (b * H + h) * Sq + i0 + t;
@@ -255,18 +266,14 @@ void erniekit_attention_bwd(const float *q, const float *k, const float *v, cons
                 const int R = (int)(Sq - i0 < ROWS ? Sq - i0 : ROWS);
                 const float *dor = dout + ((b * Sq + i0) * H + h) * D;
                 const int64_t r0 = (b * H + h) * Sq + i0;
-                for (int t = 0; t < R; t++) {
-                    const float *qr = q + ((b * Sq + i0 + t) * H + h) * D;
-                    for (int64_t d = 0; d < D; d++) qs[t * D + d] = qr[d] * scale;
-                }
+                BY_ROWS(R, scaled_rows(q + ((b * Sq + i0) * H + h) * D, H * D, R_, D, scale, qs));
                 int64_t j0, j1;
                 if (p) {
                     key_range(p + r0 * Sk, Sk, R, Sk, 0, &j0, &j1);
                     for (int t = 0; t < R; t++) memcpy(pr + t * Skp, p + (r0 + t) * Sk, sizeof(float) * Sk);
                 } else { /* the forward's scores and probabilities over the forward's key range */
                     const float *brows = bias + ((bias_batched ? b : 0) * Sq + i0) * Sk;
-                    key_range(brows, Sk, R, Sk, 1, &j0, &j1);
-                    BY_ROWS(R, rows_times_t(qs, D, R_, kT, D, Skp, pr, j0, up16(j1)));
+                    block_scores(qs, R, brows, Sk, kT, D, Skp, pr, &j0, &j1);
                     for (int t = 0; t < R; t++)
                         softmax_row_again(pr + t * Skp, brows + t * Sk, j0, j1, Skp, stats + 2 * (r0 + t));
                 }
