@@ -83,20 +83,31 @@ def lm_loss(model, batch: dict[str, np.ndarray], token_balance: bool = False, fu
     example's loss is its mean over its own targets (summed over examples, see `count_examples`).
     fused_head: the head and its loss chunk by chunk, without logits (`LossOutput.logits` is None),
     where the head allows it (`head_fusable`); the caller says nothing needs the logits."""
-    mtp = wants_mtp(model)  # multi-token prediction heads: docs/mtp.md
-    fused = fused_head and not token_balance and not mtp and head_fusable(model)
+    mtp = wants_mtp(model)  # multi-token prediction heads: docs/mtp.md (they read the logits)
+    fused = not mtp and takes_fused_head(model, fused_head, token_balance)
     out = model(
         **model_inputs(batch), **({"return_mtp": True} if mtp else {}), **({"skip_head": True} if fused else {})
     )
-    if fused:
-        loss_sum, out.logits = head_loss_sum(model, out.hidden_states, batch["labels"], batch["segment_ids"])
-    else:
-        loss_fn = token_balanced_loss_sum if token_balance else causal_lm_loss_sum
-        loss_sum = loss_fn(out.logits, batch["labels"], batch["segment_ids"])
+    loss_fn = token_balanced_loss_sum if token_balance else causal_lm_loss_sum
+    loss_sum, out.logits = next_token_loss_sum(model, out, batch, loss_fn, fused)
     res = LossOutput(loss_sum, out.aux_loss, logits=out.logits, hidden=out.hidden_states)
     if mtp:
         add_mtp_loss(res, out.mtp_logits, batch, loss_fn, model.config.multi_token_pred_lambda)
     return res
+
+
+def takes_fused_head(model, fused_head: bool, token_balance: bool) -> bool:
+    """Whether a loss takes the head chunk by chunk: asked for, without the token-balanced loss (it
+    reads each example's logits), on a head `head_loss_sum` can take (`head_fusable`)."""
+    return fused_head and not token_balance and head_fusable(model)
+
+
+def next_token_loss_sum(model, out, batch: dict[str, np.ndarray], loss_fn, fused: bool):
+    """(summed loss, logits or None) of a forward `out` made with skip_head=`fused`: the head chunk
+    by chunk (`head_loss_sum`), else `loss_fn` on the logits."""
+    if fused:
+        return head_loss_sum(model, out.hidden_states, batch["labels"], batch["segment_ids"])
+    return loss_fn(out.logits, batch["labels"], batch["segment_ids"]), out.logits
 
 
 class Stage:

@@ -19,14 +19,8 @@ from erniekit.data.formats import load_sft_examples
 from erniekit.data.vl import collate_images, encode_vl_conversation
 from erniekit.errors import ConfigError
 from erniekit.train.evaluation import baseline_exact_match, majority_reply
-from erniekit.train.losses import (
-    batch_tensor,
-    causal_lm_loss_sum,
-    head_fusable,
-    head_loss_sum,
-    token_balanced_loss_sum,
-)
-from erniekit.train.stage import LossOutput, Stage, Supports, eval_loss
+from erniekit.train.losses import batch_tensor, causal_lm_loss_sum, token_balanced_loss_sum
+from erniekit.train.stage import LossOutput, Stage, Supports, eval_loss, next_token_loss_sum, takes_fused_head
 from erniekit.train.stages import register_stage
 
 
@@ -39,7 +33,7 @@ def _settings(cfg):
 def vl_loss(model, batch: dict[str, np.ndarray], token_balance: bool = False, fused_head: bool = False) -> LossOutput:
     """The summed next-token loss of a picture batch; fused_head: the head and its loss chunk by
     chunk without the batch's logits (as `lm_loss`; `LossOutput.logits` is then None)."""
-    fused = fused_head and not token_balance and head_fusable(model)
+    fused = takes_fused_head(model, fused_head, token_balance)
     pixels, grids = collate_images(batch["images"])
     vpixels, vgrids = collate_images(batch["videos"]) if "videos" in batch else (None, None)
     out = model(
@@ -50,11 +44,9 @@ def vl_loss(model, batch: dict[str, np.ndarray], token_balance: bool = False, fu
         video_grid_thw=vgrids,
         **({"skip_head": True} if fused else {}),
     )
-    if fused:
-        loss_sum, logits = head_loss_sum(model, out.hidden_states, batch["labels"], batch["segment_ids"])
-        return LossOutput(loss_sum, out.aux_loss, logits=logits)
     loss_fn = token_balanced_loss_sum if token_balance else causal_lm_loss_sum
-    return LossOutput(loss_fn(out.logits, batch["labels"], batch["segment_ids"]), out.aux_loss, logits=out.logits)
+    loss_sum, logits = next_token_loss_sum(model, out, batch, loss_fn, fused)
+    return LossOutput(loss_sum, out.aux_loss, logits=logits)
 
 
 @register_stage
