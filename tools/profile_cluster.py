@@ -248,6 +248,7 @@ def main(argv: list[str] | None = None) -> int:
         f"# ({os.cpu_count()} cores; one device = one process with {threads} OpenMP thread(s))",
         f"# fitted to {FIT_MODEL} steps of erniekit train ({FIT_SEQ}-token rows): " + "; ".join(runs),
         f"name: {name}",
+        "device: cpu",
         "nodes: 1",
         f"devices_per_node: {a.devices}",
         f"device_flops: {facts['device_flops']:.4g}      # float32 GEMM FLOP/s of one process",

@@ -21,13 +21,14 @@ def collective_plan(path: str | None, overrides: list[str], top: int, include_al
         raise ErniekitError("plan needs cluster=FILE, a cluster description (see examples/clusters/)")
     cluster = planner.load_cluster(cfg.cluster)
     c = planner.model_config_of(cfg)
-    work = planner.workload_from_config(cfg, cluster.world)  # the config's global batch on the cluster's devices
+    # the config's global batch on the cluster's devices, as their kind runs it
+    work = planner.workload_from_config(cfg, cluster.world, cpu=cluster.device == "cpu")
     preds = planner.plan(c, cluster, work, runnable_only=not include_all)
     print(
         f"model {cfg.model_name_or_path}: {c.num_hidden_layers} layers, hidden {c.hidden_size}"
         f"{f', {c.moe_num_experts} experts top-{c.moe_k}' if c.is_moe else ''}; global batch {work.global_batch} x "
         f"{work.seq_len} tokens; cluster {cluster.name}: {cluster.nodes} x {cluster.devices_per_node} devices, "
-        f"{cluster.device_memory / 1e9:.1f} GB each"
+        f"{cluster.device} devices, {cluster.device_memory / 1e9:.1f} GB each"
     )
     print(planner.format_table(preds, top))
     if json_path:

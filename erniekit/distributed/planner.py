@@ -67,6 +67,9 @@ class Cluster:
     host_sum_bandwidth: float = 0.0
     host_sum_latency_s: float = 0.0
     name: str = "cluster"
+    # what the devices are: "cpu" (Paddle's CPU kernels: the attention kernel, the chunked head, no
+    # stage 3) or "gpu" (flash attention keeps no [S, S] scores; the head makes whole logits)
+    device: str = "cpu"
 
     @property
     def world(self) -> int:
@@ -97,6 +100,7 @@ def load_cluster(path: str) -> Cluster:
     return cluster_from_mapping(raw, path)
 
 
+DEVICES = ("cpu", "gpu")
 _MAY_BE_ZERO = {"spmd_op_overhead_s", "host_sum_bandwidth", "host_sum_latency_s"}  # 0: not measured / none
 
 
@@ -108,6 +112,8 @@ def cluster_from_mapping(raw: dict, where: str) -> Cluster:
     for key, value in raw.items():
         if key not in known:
             raise ConfigError(f"{where}: unknown key {key!r}; known keys: {', '.join(known)}")
+        if key == "device" and value not in DEVICES:
+            raise ConfigError(f"{where}: device={value!r} must be one of {', '.join(DEVICES)}")
         kind = known[key]
         try:
             if kind is str:
@@ -407,6 +413,7 @@ def predict(c, cluster: Cluster, work: Workload, p: Plan) -> Prediction:
         "grads_bytes": grads,
         "moments_bytes": moments,
         "activations_bytes": activations,
+        "logits_bytes": logits,
         "comm_bytes": _comm_bytes(grad_bytes, act_bytes, p, L, layers, m, S, H),
     }
     pred = Prediction(p, compute + comm, memory, parts)
@@ -536,8 +543,10 @@ def enumerate_plans(
     return plans
 
 
-def plan(c, cluster: Cluster, work: Workload, runnable_only: bool = False, cpu: bool = True, **kw) -> list[Prediction]:
-    """Predictions for every plan, fitting ones first, fastest first (ties: less memory)."""
+def plan(c, cluster: Cluster, work: Workload, runnable_only: bool = False, **kw) -> list[Prediction]:
+    """Predictions for every plan, fitting ones first, fastest first (ties: less memory); what runs
+    follows the cluster's `device`."""
+    cpu = cluster.device == "cpu"
     preds = [
         predict(c, cluster, work, p)
         for p in enumerate_plans(c, cluster.world, work, runnable_only=runnable_only, cpu=cpu, **kw)
@@ -546,11 +555,9 @@ def plan(c, cluster: Cluster, work: Workload, runnable_only: bool = False, cpu: 
     return preds
 
 
-def best_plan(
-    c, cluster: Cluster, work: Workload, runnable_only: bool = True, cpu: bool = True, pipeline: bool = True
-) -> Prediction:
+def best_plan(c, cluster: Cluster, work: Workload, runnable_only: bool = True, pipeline: bool = True) -> Prediction:
     """The fastest plan that fits; ConfigError naming the smallest need when none does."""
-    preds = plan(c, cluster, work, runnable_only=runnable_only, cpu=cpu, pipeline=pipeline)
+    preds = plan(c, cluster, work, runnable_only=runnable_only, pipeline=pipeline)
     if not preds:
         raise ConfigError(
             f"no layout of {cluster.world} devices splits this model and a global batch of "
@@ -582,7 +589,9 @@ def format_table(preds: list[Prediction], top: int = 15) -> str:
 
 
 def workload_from_config(cfg, world: int | None = None, cpu: bool = True) -> Workload:
-    """The global batch a training config asks for: per-device batch x accumulation x its data ranks."""
+    """The global batch a training config asks for (per-device batch x accumulation x its data
+    ranks), and what its stage runs on CPU devices or on GPUs (`cpu=False`: flash attention, whole
+    logits)."""
     from erniekit.config.checks import fused_head_wanted, stage_supports
     from erniekit.distributed.collective.layout import layout_from_config
 
@@ -591,6 +600,7 @@ def workload_from_config(cfg, world: int | None = None, cpu: bool = True) -> Wor
     return Workload(
         cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps * lay.dp * lay.sharding,
         cfg.max_seq_len,
+        fused_attention=not cpu,
         replicas=supports.row_losses,
         fused_head=cpu and supports.fused_head and fused_head_wanted(cfg),
     )
@@ -631,11 +641,16 @@ def auto_plan(cfg) -> Prediction:
 
     from erniekit.config.checks import pipeline_refusal
 
-    cpu = not paddle.device.is_compiled_with_cuda()
+    runs_on = "gpu" if paddle.device.is_compiled_with_cuda() and paddle.device.cuda.device_count() > 0 else "cpu"
+    if cluster.device != runs_on:  # the plan's attention, head and stage-3 rules would be the other kind's
+        raise ConfigError(
+            f"cluster {cfg.cluster} describes {cluster.device.upper()} devices (device: {cluster.device}) but this "
+            f"run trains on the {runs_on.upper()}; describe this machine (device: {runs_on}, figures from "
+            "tools/profile_cluster.py) or run where the file's devices are"
+        )
     return best_plan(
         model_config_of(cfg),
         cluster,
-        workload_from_config(cfg, cpu=cpu),
-        cpu=cpu,
+        workload_from_config(cfg, cpu=runs_on == "cpu"),
         pipeline=pipeline_refusal(cfg) is None,
     )

@@ -1,6 +1,7 @@
 """Cross-cluster planner: the sites file and its errors, the step-time formulas on hand-computed
 cases, the recommendation, the trainable-parameter counts and `erniekit plan CONFIG sites=FILE`."""
 
+import dataclasses
 import json
 import math
 import os
@@ -215,7 +216,13 @@ def test_job_from_config_syncs_the_rank_parameters_or_only_the_adapters():
     full = X.job_from_config(load_config(None, base), sites.sites[0].cluster)
     c = get_preset("tiny-moe")
     held = P.predict(c, sites.sites[0].cluster, full.work, full.plan).parts["params_bytes"] / 4
-    assert full.plan.dp == 2 and full.work == P.Workload(8, 64) and full.rank_trainable == held
+    assert full.plan.dp == 2 and full.rank_trainable == held
+    # the site's workload is the stage's, on the site's device kind: SFT on CPUs takes the chunked head
+    assert full.work == P.Workload(8, 64, replicas=True, fused_head=True)
+    gpu_site = dataclasses.replace(sites.sites[0].cluster, device="gpu")
+    assert X.job_from_config(load_config(None, base), gpu_site).work == P.Workload(8, 64, fused_attention=True)
+    dpo = X.job_from_config(load_config(None, base + ["stage=DPO"]), sites.sites[0].cluster)
+    assert not dpo.work.replicas and not dpo.work.fused_head
     lora = X.job_from_config(load_config(None, base + ["fine_tuning=LoRA", "lora_rank=4"]), sites.sites[0].cluster)
     assert lora.rank_trainable == X.lora_params(c, 4) < full.rank_trainable / 10
     with pytest.raises(ConfigError, match="lora_target_modules="):

@@ -26,6 +26,7 @@ CLUSTER = P.Cluster(
     intra_node_latency_s=1e-4,
     memory_bandwidth=1e30,
 )
+GPU_CLUSTER = dataclasses.replace(CLUSTER, device="gpu")
 WORK = P.Workload(global_batch=16, seq_len=128)
 
 
@@ -49,6 +50,10 @@ def test_cluster_file_loads_and_errors_name_the_key(tmp_path):
         assert "\n" not in str(e.value)
     with pytest.raises(ConfigError, match="cluster file"):
         P.load_cluster(str(tmp_path / "missing.yaml"))
+    assert c.device == "cpu"  # files written before the key describe CPU devices
+    assert P.load_cluster(_write(tmp_path, "device: gpu\n")).device == "gpu"
+    with pytest.raises(ConfigError, match=r"cluster.yaml: device='tpu' must be one of cpu, gpu"):
+        P.load_cluster(_write(tmp_path, "device: tpu\n"))
 
 
 def test_data_parallel_comm_and_zero_memory_follow_the_formulas():
@@ -141,6 +146,8 @@ def test_workload_takes_the_chunked_head_where_the_stage_does(tmp_path):
     base = ["model_name_or_path=tiny-dense", f"output_dir={tmp_path / 'o'}", "stage=SFT"]
     sft = validate(load_config(None, base))
     assert P.workload_from_config(sft).fused_head and not P.workload_from_config(sft, cpu=False).fused_head
+    # GPUs take Paddle's flash attention, which keeps no [S, S] probabilities
+    assert P.workload_from_config(sft, cpu=False).fused_attention and not P.workload_from_config(sft).fused_attention
     for off in ("fused_head_loss=false", "loss_token_balance=true"):
         assert not P.workload_from_config(validate(load_config(None, base + [off]))).fused_head, off
     dpo = validate(load_config(os.path.join(ROOT, "examples/configs/tiny/dpo.yaml"), base[:2]))
@@ -197,8 +204,8 @@ def test_enumeration_splits_model_and_batch_evenly():
 def test_best_plan_prefers_fast_plans_that_fit_and_explains_when_none_fits():
     c = get_preset("ERNIE-4.5-0.3B")
     work = P.Workload(global_batch=32, seq_len=4096)
-    best = P.best_plan(c, CLUSTER, work, runnable_only=False, cpu=False)
-    preds = P.plan(c, CLUSTER, work, cpu=False)
+    best = P.best_plan(c, GPU_CLUSTER, work, runnable_only=False)
+    preds = P.plan(c, GPU_CLUSTER, work)
     assert best.fits and best.step_s == min(r.step_s for r in preds if r.fits)
     assert any(not r.fits for r in preds)  # the full batch without recompute does not fit in 8 GB
     tiny = dataclasses.replace(CLUSTER, device_memory=1e8)
@@ -226,6 +233,36 @@ def test_plan_cli_prints_a_ranked_table(tmp_path, capsys):
     rows = json.loads(out.read_text())
     assert [r["step_s"] for r in rows] == sorted(r["step_s"] for r in rows)
     assert all(r["plan"]["sharding_stage"] != 3 for r in rows)  # runnable on CPU only, unless --all
+
+
+def test_plan_cli_plans_what_the_clusters_device_kind_runs(tmp_path, capsys):
+    """A GPU cluster file (`device: gpu`) gets GPU rules: stage 3 is runnable, flash attention keeps
+    no [S, S] probabilities and the head makes whole logits; a CPU one the CPU's."""
+    body = "devices_per_node: 2\ndevice_flops: 2.5e10\ndevice_memory: 1.2e10\n"
+    sft = os.path.join(ROOT, "examples/configs/tiny/sft.yaml")
+    rows = {}
+    for device in ("cpu", "gpu"):
+        cluster = _write(tmp_path, body + f"device: {device}\n")
+        out = tmp_path / f"{device}.json"
+        assert main(["plan", sft, f"cluster={cluster}", "--top", "1", "--json", str(out)]) == 0
+        assert f"{device} devices" in capsys.readouterr().out
+        rows[device] = {r["layout"]: r for r in json.loads(out.read_text())}
+    assert not any("zero3" in k for k in rows["cpu"]) and any("zero3" in k for k in rows["gpu"])
+    replicas = "dp=2 tp=1 pp=1 ep=1 rc=none mb=64x1"
+    cpu, gpu = rows["cpu"][replicas]["parts"], rows["gpu"][replicas]["parts"]
+    c = P.model_config_of(load_config(sft, []))  # tiny-moe with the config's model_overrides
+    # 64 rows of 32 tokens: the CPU kernel keeps the (small) probabilities, flash attention does not
+    probs = 4 * 64 * c.num_attention_heads * 32 * 32 * c.num_hidden_layers
+    assert cpu["activations_bytes"] - gpu["activations_bytes"] == pytest.approx(probs)
+    assert gpu["logits_bytes"] == 3 * 4 * 64 * 32 * c.vocab_size > cpu["logits_bytes"]
+
+
+def test_parallel_auto_refuses_a_cluster_file_of_the_other_device_kind(tmp_path):
+    cluster = _write(tmp_path, "devices_per_node: 2\ndevice_flops: 2.5e10\ndevice_memory: 1.2e10\ndevice: gpu\n")
+    args = ["model_name_or_path=tiny-dense", f"output_dir={tmp_path / 'o'}", "parallel=auto", f"cluster={cluster}"]
+    with pytest.raises(ConfigError, match=r"describes GPU devices \(device: gpu\) but this run trains on the CPU") as e:
+        validate(load_config(None, args + ["nproc_per_node=2"]))
+    assert "\n" not in str(e.value)
 
 
 def test_parallel_auto_applies_the_best_plan_keeping_the_global_batch(tmp_path):
