@@ -1,5 +1,6 @@
 """AdamW (erniekit/train/optim.py) against the formula in float64, on both of its paths: the numpy
-update for dense float32 CPU tensors and the Paddle-op update every other tensor takes."""
+update for dense float32 CPU tensors and the Paddle-op update every other tensor takes; and how
+the gradient clip groups sharded gradients."""
 
 import numpy as np
 import paddle
@@ -107,3 +108,46 @@ def test_vit_lr_ratio_scales_the_vision_side_of_a_vl_model_only():
     assert set(opt.lr_mult) == set(vision)
     with pytest.raises(ConfigError, match="vit_lr_ratio"):
         validate(load_config(None, ["stage=VL-SFT", "model_name_or_path=tiny-vl", "vit_lr_ratio=0"]))
+
+
+def test_clip_sums_squares_once_per_sharding_pattern_and_gives_the_dense_norm(monkeypatch):
+    """clip_grad_norm_ adds the local squares of gradients sharded over the same mesh dims and
+    reduces each such group once (the e2e distributed test checks the reduction on 2 processes);
+    here, on one process, which gradients share a group and that the norm and the scaling are the
+    plain ones."""
+    import paddle.distributed as dist
+
+    rng = np.random.default_rng(0)
+    mesh = dist.ProcessMesh([[0]], dim_names=["dp", "tp"])
+    other = dist.ProcessMesh([0], dim_names=["ep"])
+    values = [rng.standard_normal(s).astype(np.float32) for s in ([4, 6], [6, 4], [5], [3, 2], [2, 2], [7])]
+
+    def dist_grad(v, mesh, placements):
+        return dist.shard_tensor(paddle.to_tensor(v), mesh, placements)
+
+    grads = [
+        dist_grad(values[0], mesh, [dist.Replicate(), dist.Shard(1)]),  # tp column
+        dist_grad(values[1], mesh, [dist.Replicate(), dist.Shard(0)]),  # tp row: same dims, same group
+        dist_grad(values[2], mesh, [dist.Replicate(), dist.Replicate()]),  # replicated: on its own
+        dist_grad(values[3], mesh, [dist.Shard(0), dist.Replicate()]),  # over dp: another group
+        dist_grad(values[4], other, [dist.Shard(0)]),  # another mesh: another group
+        paddle.to_tensor(values[5]),  # a plain tensor
+    ]
+    assert [optim._shard_dims(g) for g in grads] == [(1,), (1,), None, (0,), (0,), None]
+    partial = dist.shard_tensor(paddle.to_tensor(values[2]), mesh, [dist.Partial(), dist.Replicate()])
+    assert optim._shard_dims(partial) is None  # a partial sum is reduced before it is squared
+
+    groups = []
+    real = optim._sum_over_shards
+    monkeypatch.setattr(optim, "_sum_over_shards", lambda g, d: groups.append(([id(x) for x in g], d)) or real(g, d))
+    want = float(np.sqrt(sum((v.astype(np.float64) ** 2).sum() for v in values)))
+    params = [object() for _ in grads]
+    norm = optim.clip_grad_norm_(params, want / 2, {id(p): g for p, g in zip(params, grads)})
+    assert sorted(groups, key=str) == sorted(
+        [([id(grads[0]), id(grads[1])], (1,)), ([id(grads[3])], (0,)), ([id(grads[4])], (0,))], key=str
+    )
+    assert norm == pytest.approx(want, rel=1e-6)
+    coef = (want / 2) / (norm + 1e-6)
+    for v, g in zip(values, grads):
+        local = g._local_value() if g.is_dist() else g
+        np.testing.assert_allclose(local.numpy(), v * coef, rtol=1e-6)
