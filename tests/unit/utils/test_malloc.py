@@ -1,0 +1,60 @@
+"""erniekit/utils/malloc.py: freed blocks stay in the heap for reuse, and ERNIEKIT_MALLOC_MMAP_MB
+maps blocks from a size on their own (returned to the OS on free) for a lower peak."""
+
+import ctypes
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from erniekit.errors import ErniekitError
+from erniekit.utils.malloc import MMAP_ENV, mmap_threshold
+
+
+def _has_mallinfo2() -> bool:
+    try:
+        return hasattr(ctypes.CDLL("libc.so.6"), "mallinfo2")
+    except OSError:
+        return False
+
+
+pytestmark = pytest.mark.skipif(not _has_mallinfo2(), reason="glibc >= 2.33 (mallopt, mallinfo2)")
+
+
+def test_the_threshold_reads_whole_mib_and_refuses_the_rest_in_one_line():
+    assert mmap_threshold({}) == 1 << 30 == mmap_threshold({MMAP_ENV: " "})
+    assert mmap_threshold({MMAP_ENV: "64"}) == 64 << 20
+    assert mmap_threshold({MMAP_ENV: "4096"}) == 1 << 30  # nothing above the kept heap's own cap
+    for bad in ("0", "-3", "1.5", "lots"):
+        with pytest.raises(ErniekitError, match=f"{MMAP_ENV}='{bad}': give a whole number of MiB") as e:
+            mmap_threshold({MMAP_ENV: bad})
+        assert "\n" not in str(e.value)
+
+
+_PROBE = textwrap.dedent(
+    """
+    import ctypes
+    import numpy as np
+    from erniekit.utils.malloc import keep_freed_memory
+
+    class Info(ctypes.Structure):
+        _fields_ = [(n, ctypes.c_size_t) for n in
+                    "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost".split()]
+
+    libc = ctypes.CDLL("libc.so.6")
+    libc.mallinfo2.restype = Info
+    assert keep_freed_memory()
+    before = libc.mallinfo2().hblkhd
+    block = np.ones(24 << 18, np.float32)  # 24 MiB through malloc
+    print(libc.mallinfo2().hblkhd - before)
+    """
+)
+
+
+@pytest.mark.parametrize("mb, mapped", [(None, False), ("16", True), ("32", False)])
+def test_blocks_from_the_threshold_are_mapped_on_their_own(mb, mapped):
+    env = {"PATH": "/usr/bin:/bin"} | ({MMAP_ENV: mb} if mb else {})
+    r = subprocess.run([sys.executable, "-c", _PROBE], env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert (int(r.stdout) >= 24 << 20) is mapped, r.stdout
