@@ -29,6 +29,14 @@ Models
   moe16-top4   hidden 512, 4 layers (MoE from layer 1), 16 experts of 512 top-4 + 1 shared,
                vocab 8192; batch 4 x 256
 
+Devices (--device): on a machine where both Paddle (paddlepaddle-gpu) and torch see a CUDA GPU,
+`auto` runs every case there: the training cases in bf16 autocast on both sides (erniekit as
+`erniekit train bf16=true` runs it), memory = each framework's peak allocated device memory, and
+each training run reports its model TFLOP/s and MFU against the GPU's dense bf16 peak (the
+datasheet's, by name, or --peak-tflops) next to the 47% ERNIE 4.5 reports. A GPU only one of the
+two frameworks sees is refused (the comparison would be a GPU against a CPU). Model FLOPs per
+token are tools/bench_train.py's (6 N_active + 12 L A S) plus the LM head (6 H V).
+
 The JSON has every run, min / median / max per case and framework, and erniekit / torch of the
 medians (> 1: erniekit faster; for memory < 1: erniekit smaller).
 """
@@ -93,6 +101,57 @@ LONG_CASES = {"train:0.3b-2l-4k": ("0.3b-2l", (1, 4096))}
 PROMPT_LEN, DECODE_NEW, SERVER_NEW = 32, 128, 64
 PACKED_WEIGHTS = "auto"  # --packed-weights: decode and server cases, as `erniekit chat` / `server` choose
 FUSED_HEAD_LOSS = "on"  # --fused-head-loss: training cases, as `erniekit train`'s fused_head_loss
+DEVICE, PRECISION = "cpu", "fp32"  # --device (resolved) and --precision of the training cases
+# dense bf16 tensor-core peaks (TFLOP/s, no sparsity) from the vendors' datasheets; the first entry
+# a device's name contains wins, so the longer names come first (H200 before H20, A100 before A10)
+GPU_PEAK_BF16_TFLOPS = (
+    ("H100 PCIe", 756.0),
+    ("H100", 989.4),
+    ("H200", 989.4),
+    ("H800", 989.4),
+    ("H20", 148.0),
+    ("A100", 312.0),
+    ("A800", 312.0),
+    ("L40S", 362.1),
+    ("L40", 181.0),
+    ("RTX 4090", 165.2),
+    ("A10", 125.0),
+)
+ERNIE45_MFU = 0.47  # the pre-training MFU the ERNIE 4.5 technical report gives
+
+
+def gpu_peak_tflops(name: str | None) -> float | None:
+    """The dense bf16 peak of a GPU by its name (None: not in GPU_PEAK_BF16_TFLOPS)."""
+    return next((peak for key, peak in GPU_PEAK_BF16_TFLOPS if name and key in name), None)
+
+
+def resolve_device(requested: str, paddle_gpu: bool, torch_gpu: bool) -> str:
+    """cpu or gpu for every case: both frameworks on the same kind of device, or a one-line refusal."""
+    if requested == "cpu":
+        return "cpu"
+    if paddle_gpu and torch_gpu:
+        return "gpu"
+    if requested == "gpu" or paddle_gpu != torch_gpu:
+        missing = [name for name, seen in (("Paddle", paddle_gpu), ("torch", torch_gpu)) if not seen]
+        hint = {
+            "Paddle": "install paddlepaddle-gpu from PaddlePaddle's index (README.md, Installing on GPU)",
+            "torch": "install a CUDA build of torch",
+        }
+        raise SystemExit(
+            f"--device {requested}: {' and '.join(missing)} {'sees' if len(missing) == 1 else 'see'} no CUDA GPU here; "
+            f"{'; '.join(hint[m] for m in missing)}, or pass --device cpu"
+        )
+    return "cpu"
+
+
+def train_flops_per_token(model: str, seq: int) -> float:
+    """Model FLOPs of one trained token (forward + backward): tools/bench_train.py's count
+    (6 N_active + 12 L A S) plus the LM head's 6 H V."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from bench_train import flops_per_token
+
+    f = flops_per_token(model_config(model), seq)
+    return f["model"] + f["lm_head"]
 
 
 def _model_of(case: str) -> str:
@@ -151,12 +210,16 @@ def _ids(vocab: int, b: int, s: int, seed: int = 0):
     return np.random.default_rng(seed).integers(3, vocab, size=(b, s), dtype=np.int64)
 
 
-def _timed(step, warmup: int, steps: int) -> float:
+def _timed(step, warmup: int, steps: int, sync=None) -> float:
+    """Seconds per call of `step`; `sync` waits for the device's queued work (GPU) around the clock."""
+    sync = sync or (lambda: None)
     for _ in range(warmup):
         step()
+    sync()
     t0 = time.perf_counter()
     for _ in range(steps):
         step()
+    sync()
     return (time.perf_counter() - t0) / steps
 
 
@@ -166,6 +229,8 @@ def erniekit_case(case: str, ckpt: str, steps: int) -> dict:
 
     from erniekit.models.registry import load_model
 
+    if DEVICE == "gpu":
+        paddle.set_device("gpu")
     model = load_model(ckpt)
     ref = os.path.join(ckpt, "torch_logits.npy")
     if os.path.isfile(ref):  # the same model as the torch process timed
@@ -174,7 +239,8 @@ def erniekit_case(case: str, ckpt: str, steps: int) -> dict:
         with paddle.no_grad():
             got = model(paddle.to_tensor(ids)).logits.numpy()
         want = np.load(ref)
-        if not np.allclose(got, want, rtol=1e-3, atol=1e-3 * max(1.0, float(np.abs(want).max()))):
+        tol = 1e-3 if DEVICE == "cpu" else 1e-2  # GPUs may take float32 products in TF32
+        if not np.allclose(got, want, rtol=tol, atol=tol * max(1.0, float(np.abs(want).max()))):
             raise SystemExit(f"{ckpt}: erniekit and transformers logits differ by {np.abs(got - want).max():.3g}")
     if case.startswith("train:"):
         return _erniekit_train(model, case, steps)
@@ -186,7 +252,7 @@ def erniekit_case(case: str, ckpt: str, steps: int) -> dict:
             with paddle.no_grad():
                 model(ids).logits.numpy()
 
-        return {"tokens_per_s": 4 * 256 / _timed(fwd, 1, steps)}
+        return {"tokens_per_s": 4 * 256 / _timed(fwd, 1, steps, _paddle_sync())}
     if case.startswith("decode-b"):
         from erniekit.infer.chat import pack_for_chat
         from erniekit.infer.generate import generate
@@ -205,6 +271,12 @@ def erniekit_case(case: str, ckpt: str, steps: int) -> dict:
     return _erniekit_server(model, int(case.split("-c")[1]))
 
 
+def _paddle_sync():
+    import paddle
+
+    return paddle.device.synchronize if DEVICE == "gpu" else None
+
+
 def _erniekit_train(model, case: str, steps: int) -> dict:
     from types import SimpleNamespace
 
@@ -212,6 +284,7 @@ def _erniekit_train(model, case: str, steps: int) -> dict:
 
     from erniekit.train.losses import causal_lm_loss_sum, count_target_tokens, head_fusable, head_loss_sum
     from erniekit.train.optim import build_optimizer
+    from erniekit.train.runners.local import amp_context
 
     b, s = _train_shape(case)
     model.train()
@@ -223,18 +296,21 @@ def _erniekit_train(model, case: str, steps: int) -> dict:
     losses = []
     fused = FUSED_HEAD_LOSS == "on" and head_fusable(model)  # as erniekit train's lm_loss decides
 
+    precision = SimpleNamespace(bf16=PRECISION == "bf16", fp16=False)  # as erniekit train's bf16=true
+
     def step():
-        out = model(x, skip_head=fused)
-        loss_sum = head_loss_sum(model, out.hidden_states, ids)[0] if fused else causal_lm_loss_sum(out.logits, ids)
-        loss = loss_sum / n
-        if out.aux_loss is not None:
-            loss = loss + out.aux_loss
+        with amp_context(precision):
+            out = model(x, skip_head=fused)
+            loss_sum = head_loss_sum(model, out.hidden_states, ids)[0] if fused else causal_lm_loss_sum(out.logits, ids)
+            loss = loss_sum / n
+            if out.aux_loss is not None:
+                loss = loss + out.aux_loss
         loss.backward()
         opt.step()
         opt.clear_grad()
         losses.append(float(loss))
 
-    dt = _timed(step, 2, steps)
+    dt = _timed(step, 2, steps, _paddle_sync())
     return {"tokens_per_s": b * s / dt, "step_s": dt, "first_loss": losses[0], "fused_head_loss": fused}
 
 
@@ -309,40 +385,49 @@ def torch_case(case: str, ckpt: str, steps: int, threads: int) -> dict:
     model = transformers.AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32)
     vocab = model.config.vocab_size
     ref = os.path.join(ckpt, "torch_logits.npy")
-    if not os.path.isfile(ref):
+    if not os.path.isfile(ref):  # the reference is always the CPU's float32 logits
         model.eval()
         with torch.no_grad():
             np.save(ref, model(torch.from_numpy(_ids(vocab, 1, 16))).logits.numpy())
+    dev = "cuda" if DEVICE == "gpu" else "cpu"
+    model.to(dev)
+    sync = torch.cuda.synchronize if DEVICE == "gpu" else None
+
+    def tensor(a):
+        return torch.from_numpy(a).to(dev)
+
     if case.startswith("train:"):
         b, s = _train_shape(case)
         model.train()
         if hasattr(model.config, "output_router_logits"):
             model.config.output_router_logits = True  # the router loss, as erniekit adds it
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01)
-        x = torch.from_numpy(_ids(vocab, b, s))
+        x = tensor(_ids(vocab, b, s))
         losses = []
+        autocast = torch.autocast(dev, dtype=torch.bfloat16, enabled=PRECISION == "bf16")
 
         def step():
-            loss = model(input_ids=x, labels=x).loss
+            with autocast:
+                loss = model(input_ids=x, labels=x).loss
             loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
             losses.append(float(loss))
 
-        dt = _timed(step, 2, steps)
+        dt = _timed(step, 2, steps, sync)
         return {"tokens_per_s": b * s / dt, "step_s": dt, "first_loss": losses[0]}
     model.eval()
     if case == "prefill":
-        x = torch.from_numpy(_ids(vocab, 4, 256))
+        x = tensor(_ids(vocab, 4, 256))
 
         def fwd():
             with torch.no_grad():
-                model(x, logits_to_keep=0).logits.numpy()
+                model(x, logits_to_keep=0).logits.cpu().numpy()
 
-        return {"tokens_per_s": 4 * 256 / _timed(fwd, 1, steps)}
+        return {"tokens_per_s": 4 * 256 / _timed(fwd, 1, steps, sync)}
     n_new = DECODE_NEW if case.startswith("decode-b") else SERVER_NEW
     b = int(case.split("-b")[1]) if case.startswith("decode-b") else int(case.split("-c")[1])
-    x = torch.from_numpy(_ids(vocab, b, PROMPT_LEN))
+    x = tensor(_ids(vocab, b, PROMPT_LEN))
 
     def gen(n):
         with torch.no_grad():
@@ -364,28 +449,58 @@ def torch_case(case: str, ckpt: str, steps: int, threads: int) -> dict:
     return {"tokens_per_s": b * n_new / dt}
 
 
+def probe(framework: str) -> dict:
+    """Whether this framework sees a CUDA GPU here, and the GPU's name."""
+    if framework == "torch":
+        import torch
+
+        gpu = torch.cuda.is_available() and torch.cuda.device_count() > 0
+        return {"gpu": gpu, "name": torch.cuda.get_device_name(0) if gpu else None}
+    sys.path.insert(0, ROOT)
+    from erniekit.utils.paddle_import import import_paddle
+
+    import_paddle()
+    import paddle
+
+    gpu = paddle.device.is_compiled_with_cuda() and paddle.device.cuda.device_count() > 0
+    return {"gpu": gpu, "name": paddle.device.cuda.get_device_name(0) if gpu else None}
+
+
 def worker(args: argparse.Namespace) -> None:
-    global PACKED_WEIGHTS, FUSED_HEAD_LOSS
+    global PACKED_WEIGHTS, FUSED_HEAD_LOSS, DEVICE, PRECISION
+    if args.probe:
+        print("RESULT " + json.dumps(probe(args.framework)), flush=True)
+        return
     PACKED_WEIGHTS, FUSED_HEAD_LOSS = args.packed_weights, args.fused_head_loss
+    DEVICE, PRECISION = args.device, args.precision
     ckpt = os.path.join(args.workdir, _model_of(args.case))
     if args.framework == "torch":
         res = torch_case(args.case, ckpt, args.steps, args.threads)
+        if DEVICE == "gpu":
+            import torch
+
+            res["peak_device_bytes"] = int(torch.cuda.max_memory_allocated())
     else:
         sys.path.insert(0, ROOT)
         from erniekit.utils.paddle_import import import_paddle
 
         import_paddle()
         res = erniekit_case(args.case, ckpt, args.steps)
+        if DEVICE == "gpu":
+            import paddle
+
+            res["peak_device_bytes"] = int(paddle.device.cuda.max_memory_allocated())
     res["peak_rss_bytes"] = _peak_rss()
     print("RESULT " + json.dumps(res), flush=True)
 
 
 # ---- orchestration ------------------------------------------------------------------------------
-def _run_one(framework: str, case: str, args: argparse.Namespace) -> dict:
+def _run_one(framework: str, case: str, args: argparse.Namespace, extra: tuple[str, ...] = ()) -> dict:
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), MKL_NUM_THREADS=str(args.threads))
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--framework", framework, "--case", case]
     cmd += ["--workdir", args.workdir, "--threads", str(args.threads), "--steps", str(args.steps)]
     cmd += ["--packed-weights", args.packed_weights, "--fused-head-loss", args.fused_head_loss]
+    cmd += ["--device", args.device, "--precision", args.precision, *extra]
     p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=3600)
     line = next((ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")), None)
     if p.returncode or line is None:
@@ -428,7 +543,25 @@ def main(argv: list[str] | None = None) -> None:
         help="training cases: the head and its loss chunk by chunk without the batch's logits, as "
         "erniekit train does by default (fused_head_loss)",
     )
+    p.add_argument(
+        "--device",
+        choices=("auto", "cpu", "gpu"),
+        default="auto",
+        help="auto (default): the GPU when Paddle and torch both see one, else the CPU",
+    )
+    p.add_argument(
+        "--precision",
+        choices=("auto", "fp32", "bf16"),
+        default="auto",
+        help="training cases: bf16 autocast (GPU only) or float32; auto: bf16 on a GPU, fp32 on the CPU",
+    )
+    p.add_argument(
+        "--peak-tflops",
+        type=float,
+        help="the device's peak for MFU (default: a GPU's datasheet dense bf16 peak by name; none on CPU)",
+    )
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--probe", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--framework", choices=("erniekit", "torch"), help=argparse.SUPPRESS)
     p.add_argument("--case", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -438,6 +571,20 @@ def main(argv: list[str] | None = None) -> None:
     unknown = [c for c in cases if c not in CASES and c not in LONG_CASES]
     if unknown:
         raise SystemExit(f"--cases: unknown {unknown}; choose from {', '.join([*CASES, *LONG_CASES])}")
+    if args.peak_tflops is not None and args.peak_tflops <= 0:
+        raise SystemExit(f"--peak-tflops {args.peak_tflops}: give the device's peak in TFLOP/s (> 0)")
+    seen = {"erniekit": {"gpu": False, "name": None}, "torch": {"gpu": False, "name": None}}
+    if args.device != "cpu":
+        seen = {fw: _run_one(fw, "probe", args, ("--probe",)) for fw in seen}
+    args.device = resolve_device(args.device, seen["erniekit"]["gpu"], seen["torch"]["gpu"])
+    if args.precision == "auto":
+        args.precision = "bf16" if args.device == "gpu" else "fp32"
+    if args.precision == "bf16" and args.device == "cpu":
+        raise SystemExit("--precision bf16 needs a GPU (erniekit trains in float32 on the CPU); pass fp32 or auto")
+    gpu_name = seen["torch"]["name"] if args.device == "gpu" else None
+    peak = args.peak_tflops or (gpu_peak_tflops(gpu_name) if args.precision == "bf16" else None)
+    if args.device == "gpu" and peak is None:
+        print(f"no known peak for {gpu_name} in {args.precision}: pass --peak-tflops for MFU", flush=True)
     for m in sorted({_model_of(c) for c in cases}):
         write_checkpoint(m, os.path.join(args.workdir, m))
     runs: dict[str, dict[str, list[dict]]] = {c: {"erniekit": [], "torch": []} for c in cases}
@@ -450,6 +597,11 @@ def main(argv: list[str] | None = None) -> None:
                 print(f"repeat {r + 1} {c:14s} {fw:8s} {res['tokens_per_s']:9.1f} tokens/s", flush=True)
     out = {
         "cpu": _cpu(),
+        "device": args.device,
+        "gpu": gpu_name,
+        "precision": args.precision,
+        "peak_tflops": peak,
+        "reference_mfu": ERNIE45_MFU,
         "threads": args.threads,
         "repeats": args.repeats,
         "steps": args.steps,
@@ -458,21 +610,34 @@ def main(argv: list[str] | None = None) -> None:
         "versions": _versions(),
         "cases": {},
     }
+    memory = "peak_device_bytes" if args.device == "gpu" else "peak_rss_bytes"  # what the ratio compares
     for c in cases:
         e = _summary([x["tokens_per_s"] for x in runs[c]["erniekit"]])
         t = _summary([x["tokens_per_s"] for x in runs[c]["torch"]])
-        me = _summary([x["peak_rss_bytes"] for x in runs[c]["erniekit"]])
-        mt = _summary([x["peak_rss_bytes"] for x in runs[c]["torch"]])
-        out["cases"][c] = {
+        row = {
             "erniekit_tokens_per_s": e,
             "torch_tokens_per_s": t,
             "ratio_erniekit_over_torch": e["median"] / t["median"],
-            "erniekit_peak_rss_bytes": me,
-            "torch_peak_rss_bytes": mt,
-            "memory_ratio": me["median"] / mt["median"],
-            "runs": runs[c],
         }
-        print(f"{c:14s} erniekit/torch {e['median'] / t['median']:.2f}x  memory {me['median'] / mt['median']:.2f}x")
+        for key in ("peak_rss_bytes", memory):
+            for fw in ("erniekit", "torch"):
+                row[f"{fw}_{key}"] = _summary([x[key] for x in runs[c][fw]])
+        row["memory_ratio"] = row[f"erniekit_{memory}"]["median"] / row[f"torch_{memory}"]["median"]
+        line = f"{c:14s} erniekit/torch {row['ratio_erniekit_over_torch']:.2f}x  memory {row['memory_ratio']:.2f}x"
+        if c.startswith("train:"):
+            row["model_flops_per_token"] = flops = train_flops_per_token(_model_of(c), _train_shape(c)[1])
+            for fw in ("erniekit", "torch"):
+                for r in runs[c][fw]:
+                    r["model_tflops"] = r["tokens_per_s"] * flops / 1e12
+                    if peak:
+                        r["mfu"] = r["model_tflops"] / peak
+                if peak:
+                    row[f"{fw}_mfu"] = _summary([r["mfu"] for r in runs[c][fw]])
+            if peak:
+                line += f"  MFU {row['erniekit_mfu']['median']:.1%} / {row['torch_mfu']['median']:.1%}"
+        row["runs"] = runs[c]
+        out["cases"][c] = row
+        print(line)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w", encoding="utf-8") as f:
         json.dump(out, f, indent=1)

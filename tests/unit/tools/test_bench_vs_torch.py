@@ -15,11 +15,16 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[3]
 TOOL = str(ROOT / "tools" / "bench_vs_torch.py")
+PEAK_TFLOPS = 0.5  # a made-up peak: the runs' MFU against it
+sys.path.insert(0, str(ROOT / "tools"))
+
+import bench_vs_torch as B  # noqa: E402
 
 
 def _run(tmp_path, *args: str) -> subprocess.CompletedProcess:
     cmd = [sys.executable, TOOL, "--cases", "train:tiny-moe", "--repeats", "1", "--steps", "1", "--threads", "1"]
-    cmd += ["--workdir", str(tmp_path / "work"), "--out", str(tmp_path / "vs.json"), *args]
+    cmd += ["--workdir", str(tmp_path / "work"), "--out", str(tmp_path / "vs.json"), "--peak-tflops", str(PEAK_TFLOPS)]
+    cmd += args
     return subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=600)
 
 
@@ -35,8 +40,16 @@ def first_run(tmp_path_factory):
 
 def test_both_frameworks_train_the_embedded_defaults_model_from_one_checkpoint(first_run):
     tmp_path = first_run
-    case = json.loads((tmp_path / "vs.json").read_text())["cases"]["train:tiny-moe"]
+    record = json.loads((tmp_path / "vs.json").read_text())
+    assert (record["device"], record["precision"], record["gpu"]) == ("cpu", "fp32", None)  # auto on a CPU host
+    case = record["cases"]["train:tiny-moe"]
     e, t = case["runs"]["erniekit"][0], case["runs"]["torch"][0]
+    # model FLOPs of each run against the given peak
+    assert case["model_flops_per_token"] == B.train_flops_per_token("tiny-moe", 32)
+    for r in (e, t):
+        assert r["model_tflops"] == r["tokens_per_s"] * case["model_flops_per_token"] / 1e12
+        assert r["mfu"] == r["model_tflops"] / PEAK_TFLOPS
+    assert case["erniekit_mfu"]["median"] == e["mfu"] and record["reference_mfu"] == 0.47
     assert e["tokens_per_s"] > 0 and t["tokens_per_s"] > 0 and e["peak_rss_bytes"] > 0 and t["peak_rss_bytes"] > 0
     assert case["ratio_erniekit_over_torch"] == e["tokens_per_s"] / t["tokens_per_s"]
     assert e["fused_head_loss"] is True  # the head's loss as erniekit train takes it by default
@@ -55,6 +68,52 @@ def test_a_model_whose_logits_differ_from_transformers_is_refused(first_run, tmp
     np.save(ref, np.load(ref) + 1.0)
     r = _run(tmp_path, "--repeats", "2")  # repeat 2 runs erniekit first: it reads the damaged reference
     assert r.returncode != 0 and "logits differ" in r.stderr + r.stdout
+
+
+def test_both_frameworks_run_on_the_same_kind_of_device():
+    assert B.resolve_device("auto", False, False) == "cpu"
+    assert B.resolve_device("auto", True, True) == "gpu" == B.resolve_device("gpu", True, True)
+    assert B.resolve_device("cpu", True, True) == "cpu"
+    for paddle_gpu, torch_gpu, words in (
+        (False, True, "Paddle sees no CUDA GPU here; install paddlepaddle-gpu"),
+        (True, False, "torch sees no CUDA GPU here; install a CUDA build of torch"),
+    ):
+        with pytest.raises(SystemExit, match=words):
+            B.resolve_device("auto", paddle_gpu, torch_gpu)
+    with pytest.raises(SystemExit, match="--device gpu: Paddle and torch see no"):
+        B.resolve_device("gpu", False, False)
+
+
+def test_the_cli_asks_both_frameworks_before_it_runs_on_a_gpu(tmp_path):
+    """--device gpu probes Paddle and torch in processes of their own (none sees a GPU here), and
+    bf16 is refused on the CPU, each in one line before any checkpoint is written."""
+    for args, words in (
+        (["--device", "gpu"], "--device gpu: Paddle and torch see no CUDA GPU here"),
+        (["--device", "cpu", "--precision", "bf16"], "--precision bf16 needs a GPU"),
+    ):
+        r = _run(tmp_path, *args)
+        assert r.returncode != 0 and words in r.stderr, r.stderr[-2000:]
+        assert len(r.stderr.strip().splitlines()) == 1 and not (tmp_path / "work").exists()
+
+
+def test_gpu_peaks_are_found_by_name():
+    assert B.gpu_peak_tflops("NVIDIA H200") == B.gpu_peak_tflops("NVIDIA H100 80GB HBM3") == 989.4
+    assert B.gpu_peak_tflops("NVIDIA H20") == 148.0 and B.gpu_peak_tflops("NVIDIA H100 PCIe") == 756.0
+    assert B.gpu_peak_tflops("NVIDIA A100-SXM4-80GB") == 312.0 and B.gpu_peak_tflops("NVIDIA A10") == 125.0
+    assert B.gpu_peak_tflops("NVIDIA L40S") == 362.1 and B.gpu_peak_tflops("NVIDIA L40") == 181.0
+    assert B.gpu_peak_tflops("Tesla T4") is None and B.gpu_peak_tflops(None) is None
+
+
+def test_model_flops_of_a_trained_token_count_every_product():
+    """6 x the active parameters (a MoE layer: attention, norms, router, shared and k routed
+    experts), 12 L A S for the attention's two products, 6 H V for the head; by hand."""
+    H, L, V, q, kv, S = 1024, 4, 32000, 16 * 64, 2 * 64, 256
+    layer = H * q + 2 * H * kv + q * H + 3 * H * 3072 + 2 * H
+    assert B.train_flops_per_token("dense-1024", S) == 6 * (L * layer + H) + 12 * L * q * S + 6 * H * V
+    H, V, q, kv = 512, 8192, 8 * 64, 2 * 64
+    attn = H * q + 2 * H * kv + q * H + 2 * H
+    dense, moe = attn + 3 * H * 1536, attn + H * 16 + 3 * H * 512 * (1 + 4)
+    assert B.train_flops_per_token("moe16-top4", S) == 6 * (dense + 3 * moe + H) + 12 * L * q * S + 6 * H * V
 
 
 def _table_rows(section: str) -> list[list[str]]:
