@@ -20,11 +20,10 @@ def mmap_threshold(env=os.environ) -> int:
     ($ERNIEKIT_MALLOC_MMAP_MB, default 1 GiB: everything is kept).
 
     Why a knob: the kept heap fragments. A training step allocates and frees its few largest
-    buffers (the head's [vocabulary, hidden] gradient and logits chunk, the embedding's dense
-    gradient) between smaller ones, which split the freed holes, so the heap grows past the peak of
-    live memory. Measured on dense-1024 (4 x 256 tokens, 2 threads): live memory peaks within
-    ~60 MiB of torch's, resident memory ~300-400 MiB above it; 64 gives ~500 MiB back at 5-9% more
-    step time (each such buffer then pays its page faults every step). docs/performance.md."""
+    buffers (the head's logits chunk and dW, the embedding's dense gradient) between smaller ones,
+    which split the freed holes, so the heap grows past the peak of live memory. 64 gave back
+    48 MiB at 5% more step time on dense-1024 and 368 MiB at 21% on ERNIE-4.5-0.3B's shapes (each
+    such block then pays its page faults every step): docs/performance.md, thirteenth round."""
     raw = env.get(MMAP_ENV, "").strip()
     if not raw:
         return _KEEP

@@ -284,3 +284,55 @@ def test_the_twelfth_round_tables_quote_their_records():
         assert row[2].strip().split()[0] == f"{two['ratio']:.2f}x", row
         one = next((r for r in runs["1"] if r["shape"] == s), None)
         assert row[3].strip() == (f"{one['ratio']:.2f}x" if one else ""), row
+
+
+def test_the_thirteenth_round_tables_quote_their_records():
+    """The memory split before the gradient change (bench_heap records), the mmap threshold's two
+    runs and the training table after it: every cell as its record has it."""
+    section = (ROOT / "docs" / "performance.md").read_text().split("### Thirteenth round", 1)[1].split("\n## ", 1)[0]
+    heap, mmap, training = (
+        section.split(head, 1)[1].split("\n\n", 1)[0]
+        for head in ("| case | framework |", "  | case | speed, default |", "| case | erniekit / torch |")
+    )
+    rows = _table_rows("| h |\n" + heap)
+    assert len(rows) == 4
+    for row, (model, fw) in zip(rows, [(m, f) for m in ("dense-1024", "0.3b-2l") for f in ("torch", "erniekit")]):
+        got = json.loads((ROOT / "bench_results" / f"heap_{model}_grads_kept.json").read_text())["mib"][fw]
+        assert row[1].strip() == fw, row
+        keys = ("peak_rss", "import_rss", "live_growth", "beyond_live")
+        assert [int(c) for c in row[2:]] == [round(got[k]) for k in keys], row
+    rows = _table_rows("| h |\n" + "\n".join(line.strip() for line in mmap.splitlines()))
+    runs = {
+        k: json.loads((ROOT / "bench_results" / f"vs_torch_amd_round13_grads_kept{k}.json").read_text())["cases"]
+        for k in ("", "_mmap64")
+    }
+    assert len(rows) == 2
+    for row in rows:
+        case = "train:" + row[0].split()[1]
+        default, mapped = runs[""][case], runs["_mmap64"][case]
+        assert row[1].strip() == f"{default['erniekit_tokens_per_s']['median']:.1f} tokens/s", row
+        assert row[2].strip().split()[0] == f"{mapped['erniekit_tokens_per_s']['median']:.1f}", row
+        for cell, c in ((row[3], default), (row[4], mapped)):
+            assert cell.strip() == f"{round(c['erniekit_peak_rss_bytes']['median'] / 2**20)} MiB", row
+    # the threshold after the gradient change: its record against the training table's
+    after = json.loads((ROOT / "bench_results" / "vs_torch_amd_round13_mmap64.json").read_text())["cases"]
+    base = json.loads((ROOT / "bench_results" / "vs_torch_amd_round13_train.json").read_text())["cases"]
+    for name, case in (("dense-1024", "train:dense-1024"), ("0.3b-2l", "train:0.3b-2l")):
+        d, m = base[case], after[case]
+        speed = f"{d['erniekit_tokens_per_s']['median']:.1f} -> {m['erniekit_tokens_per_s']['median']:.1f} tokens/s"
+        mib = [round(c["erniekit_peak_rss_bytes"]["median"] / 2**20) for c in (d, m)]
+        change = round(100 * (m["erniekit_tokens_per_s"]["median"] / d["erniekit_tokens_per_s"]["median"] - 1))
+        text = " ".join(section.split())
+        assert f"{name} {speed} ({change}%) for {mib[0]} -> {mib[1]} MiB" in text, (name, speed, change, mib)
+    cases = {}
+    for name in ("train", "long"):
+        rec = json.loads((ROOT / "bench_results" / f"vs_torch_amd_round13_{name}.json").read_text())
+        assert rec["cpu"].startswith("AMD") and rec["threads"] == 2 and rec["fused_head_loss"] == "on"
+        cases |= rec["cases"]
+    rows = _table_rows("| h |\n" + training)
+    assert len(rows) == len(cases) == 5
+    for row in rows:
+        c = cases["train:" + row[0].split()[1]]
+        assert row[1].strip() == f"{c['ratio_erniekit_over_torch']:.2f}x", row
+        mib = round(c["erniekit_peak_rss_bytes"]["median"] / 2**20)
+        assert row[3].strip().replace("*", "") == f"{c['memory_ratio']:.2f}x ({mib} MiB)", row
