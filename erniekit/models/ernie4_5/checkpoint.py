@@ -70,6 +70,9 @@ def _specs(model: Ernie4_5ForCausalLM) -> dict[str, _Spec]:
     return specs
 
 
+REMAP_BYTES = 64 << 20  # a shard's pages kept mapped while loading, about (_ShardReader._read)
+
+
 class _ShardReader:
     """Opens each shard once; tensors are read lazily by name."""
 
@@ -89,6 +92,7 @@ class _ShardReader:
             hint = f" (found {found[0]}: convert it to safetensors; pickle files are not loaded)" if found else ""
             raise CheckpointError(f"{path}: no {WEIGHTS_NAME} or {INDEX_NAME}{hint}")
         self._files: dict[str, object] = {}
+        self._read_bytes: dict[str, int] = {}  # read through each shard's current mapping
         if weight_map is None:
             h = self._open(single)
             self.where = {k: single for k in h.keys()}
@@ -128,12 +132,25 @@ class _ShardReader:
             return logical_shape(stored, list(self._slice(scale).get_shape()))
         return stored
 
+    def _read(self, name: str) -> paddle.Tensor:
+        """One tensor's values. A shard is memory-mapped, and the pages read stay in the process's
+        resident set while the mapping lives: kept open, the whole file would sit beside the loaded
+        weights (305 MiB more at dense-1024's peak). So a shard's mapping is dropped, and opened
+        again on the next read, once REMAP_BYTES have been read through it."""
+        file = self.where[name]
+        t = self._open(file).get_tensor(name)
+        self._read_bytes[file] = self._read_bytes.get(file, 0) + int(t.numel()) * t.element_size()
+        if self._read_bytes[file] >= REMAP_BYTES:
+            self._files.pop(file).__exit__(None, None, None)
+            self._read_bytes[file] = 0
+        return t
+
     def get(self, name: str) -> paddle.Tensor:
         try:
-            t = self._open(self.where[name]).get_tensor(name)
+            t = self._read(name)
             scale = name + SCALE_SUFFIX
             if scale in self.where:  # dequantized on load: the engine computes with what the export kept
-                t = paddle.to_tensor(dequantize(t.numpy(), self._open(self.where[scale]).get_tensor(scale).numpy()))
+                t = paddle.to_tensor(dequantize(t.numpy(), self._read(scale).numpy()))
         except SafetensorError as e:
             raise CheckpointError(
                 f"{self.where[name]}: cannot read tensor {name} ({e}); the file is damaged: re-save the checkpoint"

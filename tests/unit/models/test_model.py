@@ -95,6 +95,38 @@ def test_sharded_save_round_trip(tmp_path):
         np.testing.assert_array_equal(a.numpy(), b.numpy(), err_msg=n)
 
 
+@pytest.mark.parametrize("sharded", [False, True])
+def test_loading_drops_a_shards_mapping_once_enough_is_read_and_loads_the_same_values(tmp_path, monkeypatch, sharded):
+    """A shard's memory map is dropped once REMAP_BYTES were read through it (its pages then leave
+    the resident set) and opened again for the next tensor; the values are the same."""
+    from erniekit.models.ernie4_5 import checkpoint
+
+    m = _tiny()
+    save_pretrained(m, str(tmp_path), **({"max_shard_size": 4096} if sharded else {}))
+    kept = from_pretrained(str(tmp_path))
+    opened, dropped = [], []
+    real_open = checkpoint.open_safetensors
+
+    def counting_open(file):
+        h = real_open(file)
+        opened.append(file)
+        real_exit = h.__exit__
+        h.__exit__ = lambda *exc: dropped.append(file) or real_exit(*exc)
+        return h
+
+    monkeypatch.setattr(checkpoint, "open_safetensors", counting_open)
+    monkeypatch.setattr(checkpoint, "REMAP_BYTES", 1)  # every read drops its mapping
+    remapped = from_pretrained(str(tmp_path))
+    n = len(list(m.named_parameters()))
+    assert len(dropped) >= n and len(opened) == len(dropped)  # each read's mapping dropped, opened anew
+    for (name, a), (_, b) in zip(kept.named_parameters(), remapped.named_parameters()):
+        np.testing.assert_array_equal(a.numpy(), b.numpy(), err_msg=name)
+    opened.clear(), dropped.clear()
+    monkeypatch.setattr(checkpoint, "REMAP_BYTES", 1 << 40)  # never: one open per shard
+    from_pretrained(str(tmp_path))
+    assert not dropped and len(opened) == len(set(opened))
+
+
 def test_missing_and_misshaped_tensors_are_named(tmp_path):
     save_pretrained(_tiny(), str(tmp_path))
     f = str(tmp_path / "model.safetensors")
