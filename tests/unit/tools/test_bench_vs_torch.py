@@ -324,6 +324,15 @@ def test_the_thirteenth_round_tables_quote_their_records():
         change = round(100 * (m["erniekit_tokens_per_s"]["median"] / d["erniekit_tokens_per_s"]["median"] - 1))
         text = " ".join(section.split())
         assert f"{name} {speed} ({change}%) for {mib[0]} -> {mib[1]} MiB" in text, (name, speed, change, mib)
+    # decode and the server before and after the loading change
+    text = " ".join(section.split())
+    for recorded, names in (("decode", ("decode-b1", "decode-b8", "server-c16")), ("infer", None)):
+        got = json.loads((ROOT / "bench_results" / f"vs_torch_amd_round13_{recorded}.json").read_text())["cases"]
+        names = names or ("prefill", "decode-b1", "decode-b8", "server-c16")
+        peaks = " / ".join(str(round(got[c]["erniekit_peak_rss_bytes"]["median"] / 2**20)) for c in names)
+        assert f"peaks {peaks} MiB" in text, (recorded, peaks)
+        for c in names:
+            assert f"{got[c]['ratio_erniekit_over_torch']:.2f}x" in text, (recorded, c)
     cases = {}
     for name in ("train", "long"):
         rec = json.loads((ROOT / "bench_results" / f"vs_torch_amd_round13_{name}.json").read_text())
