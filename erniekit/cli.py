@@ -406,6 +406,7 @@ def plan(args: list[str]) -> int:
         "--measured-step-s", type=float, help="with sites: a measured step time of one site in place of the predicted"
     )
     ns = p.parse_intermixed_args(args)
+    _import_paddle()  # quietly: the stages' workloads (stage_supports) import it
     from erniekit.distributed import plan_report
 
     if ns.mode == "ps":

@@ -2,12 +2,13 @@
 """Where a training step's resident memory goes, erniekit and transformers + torch side by side
 (issue #25: erniekit's peak is above torch's at 256 tokens while it is below at 4096).
 
-    python tools/bench_heap.py [--model dense-1024] [--steps 6] [--threads 2] [--out bench_results/heap_dense-1024.json]
+    python tools/bench_heap.py [--model dense-1024] [--steps 5] [--threads 2] [--out bench_results/heap_dense-1024.json]
 
 One process per framework on the checkpoint tools/bench_vs_torch.py writes (same model, same
 batch, the same training steps as its train: cases). Each reports, in MiB:
   import_rss, loaded_rss, peak_rss   resident after the import, after loading, and the peak (VmHWM,
                                      what tools/bench_vs_torch.py compares)
+  load_peak_rss                      the resident peak while loading (VmHWM, reset before the load)
   live_import, live_peak             bytes malloc has handed out and not had back (glibc's
                                      mallinfo2) after the import, and their peak during the steps
                                      (sampled every 0.5 ms: a short-lived peak can be missed)
@@ -62,6 +63,7 @@ class LivePeak:
         libc.mallinfo2.restype = _MallInfo2
         self._info = libc.mallinfo2
         self.peak = 0
+        self._lock = threading.Lock()  # the sampler's read-modify-write against `restart`
         self._on = True
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
@@ -72,8 +74,14 @@ class LivePeak:
 
     def _run(self) -> None:
         while self._on:
-            self.peak = max(self.peak, self.live())
+            with self._lock:
+                self.peak = max(self.peak, self.live())
             time.sleep(0.0005)
+
+    def restart(self) -> None:
+        """The peak from now on."""
+        with self._lock:
+            self.peak = self.live()
 
     def stop(self) -> int:
         self._on = False
@@ -125,10 +133,12 @@ def measure(framework: str, ckpt: str, case: str, steps: int, threads: int) -> d
     for phase, params in phases:
         if phase == "import":
             out["import_rss"], out["live_import"] = _status("VmRSS"), sampler.live()
+            with open("/proc/self/clear_refs", "w") as f:  # VmHWM from here: the load's peak
+                f.write("5")
         elif phase == "loaded":
-            out["loaded_rss"], out["params"] = _status("VmRSS"), params
+            out["loaded_rss"], out["load_peak_rss"], out["params"] = _status("VmRSS"), _status("VmHWM"), params
             out["weights_in_malloc"] = sampler.live() - out["live_import"] >= 0.9 * params
-            sampler.peak = 0  # the steps' peak from here
+            sampler.restart()  # the steps' peak from here
         else:
             out["live_peak"], out["peak_rss"] = sampler.stop(), _status("VmHWM")
     outside = 0 if out["weights_in_malloc"] else out["params"]

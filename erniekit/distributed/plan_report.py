@@ -27,7 +27,7 @@ def collective_plan(path: str | None, overrides: list[str], top: int, include_al
     print(
         f"model {cfg.model_name_or_path}: {c.num_hidden_layers} layers, hidden {c.hidden_size}"
         f"{f', {c.moe_num_experts} experts top-{c.moe_k}' if c.is_moe else ''}; global batch {work.global_batch} x "
-        f"{work.seq_len} tokens; cluster {cluster.name}: {cluster.nodes} x {cluster.devices_per_node} devices, "
+        f"{work.seq_len} tokens; cluster {cluster.name}: {cluster.nodes} x {cluster.devices_per_node} "
         f"{cluster.device} devices, {cluster.device_memory / 1e9:.1f} GB each"
     )
     print(planner.format_table(preds, top))
@@ -127,6 +127,12 @@ def cross_cluster_plan(
         raise ErniekitError(
             f"cross_cluster_sizes={sizes} but {sites_path or given[-1]} has {len(sites.sites)} sites of "
             f"{sites.world} devices; make them agree"
+        )
+    kinds = {s.cluster.device for s in sites.sites}
+    if len(kinds) > 1:  # one job (workload, layout) is predicted on every site
+        raise ErniekitError(
+            f"{sites_path or given[-1]}: the sites' clusters mix device kinds ({', '.join(sorted(kinds))}); "
+            "the cross-cluster planner predicts one job on every site, so plan sites of one kind"
         )
     job = cc.job_from_config(cfg, sites.sites[0].cluster)
     sync = cc.config_sync(cfg)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import paddle
 import paddle.nn.functional as F
 
@@ -183,8 +185,11 @@ def attention(
         v = paddle.repeat_interleave(v, rep, axis=2)
     if mask is not None and mask.shape[0] != q.shape[0]:
         mask = mask.expand([q.shape[0]] + mask.shape[1:])
+    # SDPA's own default scale is 1/sqrt(head_dim); naming it rules flash attention out (Paddle 3.3's
+    # check_scale_is_None), so the default is left unnamed
+    default = math.isclose(scale, q.shape[-1] ** -0.5, rel_tol=1e-12)
     return F.scaled_dot_product_attention(
-        q, k, v, attn_mask=mask, is_causal=causal and mask is None, training=False, scale=scale
+        q, k, v, attn_mask=mask, is_causal=causal and mask is None, training=False, scale=None if default else scale
     )
 
 

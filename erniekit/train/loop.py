@@ -175,6 +175,7 @@ class Trainer:
         )
         self.optimizer.set_lr(lr)
         sums = self.runner.forward_backward(self, micro, n_units, specs)
+        self.optimizer.restore_unused_grads()
         if cfg.fp16:
             self._unscale()
         grad_norm, grads = self.runner.clip(self, cfg.max_grad_norm, lr)

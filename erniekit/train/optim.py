@@ -106,6 +106,7 @@ class AdamW:
         self.m: dict[str, paddle.Tensor] = {}
         self.v: dict[str, paddle.Tensor] = {}
         self.state_placements = None  # callable(param) -> placements of its moments (multi-process runs)
+        self._cleared: list[paddle.Tensor] = []  # plain parameters whose gradient clear_grad dropped
 
     def _zeros_for(self, p: paddle.Tensor) -> paddle.Tensor:
         return self._place(p, paddle.zeros(p.shape, "float32"))
@@ -160,12 +161,27 @@ class AdamW:
             p.add_(update)
 
     def clear_grad(self) -> None:
-        """Drop the gradients, as torch's zero_grad(set_to_none=True): the next forward's activations
-        reuse their memory. Paddle's clear_gradient(set_to_zero=False) keeps each buffer allocated
-        (Paddle 3.3: a model's worth of float32 held through the next forward, 305 MiB on
-        dense-1024; docs/performance.md, thirteenth round)."""
+        """Give the gradients' memory back before the next forward, as torch's
+        zero_grad(set_to_none=True) does: Paddle's clear_gradient(set_to_zero=False) keeps each buffer
+        allocated (Paddle 3.3: a model's worth of float32 held through the next forward, 305 MiB on
+        dense-1024; docs/performance.md, thirteenth round). A DistTensor parameter keeps Paddle's
+        clear: `grad = None` there leaves an undefined tensor the next step cannot read."""
+        self._cleared = []
         for _, p in self.params:
-            p.grad = None
+            if is_dist(p):
+                p.clear_gradient(set_to_zero=False)
+            elif p.grad is not None:
+                p.grad = None
+                self._cleared.append(p)
+
+    def restore_unused_grads(self) -> None:
+        """After the step's backward: zeros for a parameter whose gradient `clear_grad` dropped and
+        that got none this step, which is what Paddle's clear left it, so it still takes AdamW's step
+        on zeros (momentum, decay) as before and as data-parallel replicas (zero-filled) do."""
+        for p in self._cleared:
+            if p.grad is None:
+                p.grad = paddle.zeros_like(p)
+        self._cleared = []
 
     def state_dict(self) -> dict[str, paddle.Tensor]:
         sd = {"__step__": paddle.to_tensor([self.t], dtype="int64")}

@@ -22,8 +22,8 @@ def mmap_threshold(env=os.environ) -> int:
     Why a knob: the kept heap fragments. A training step allocates and frees its few largest
     buffers (the head's logits chunk and dW, the embedding's dense gradient) between smaller ones,
     which split the freed holes, so the heap grows past the peak of live memory. 64 gave back
-    48 MiB at 5% more step time on dense-1024 and 368 MiB at 21% on ERNIE-4.5-0.3B's shapes (each
-    such block then pays its page faults every step): docs/performance.md, thirteenth round."""
+    48 MiB for 5% more step time on dense-1024 and 368 MiB for 27% more on ERNIE-4.5-0.3B's shapes
+    (each such block then pays its page faults every step): docs/performance.md, thirteenth round."""
     raw = env.get(MMAP_ENV, "").strip()
     if not raw:
         return _KEEP

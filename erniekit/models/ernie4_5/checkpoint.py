@@ -136,7 +136,10 @@ class _ShardReader:
         """One tensor's values. A shard is memory-mapped, and the pages read stay in the process's
         resident set while the mapping lives: kept open, the whole file would sit beside the loaded
         weights (305 MiB more at dense-1024's peak). So a shard's mapping is dropped, and opened
-        again on the next read, once REMAP_BYTES have been read through it."""
+        again on the next read, once REMAP_BYTES have been read through it. The tensor returned
+        can be a view of the map (no copy for a float32 weight): safetensors keeps a map alive while
+        a tensor read through it lives, so the caller copying it into the parameter and dropping it
+        is what lets the pages go (tests/unit/models/test_model.py reads every tensor after a drop)."""
         file = self.where[name]
         t = self._open(file).get_tensor(name)
         self._read_bytes[file] = self._read_bytes.get(file, 0) + int(t.numel()) * t.element_size()

@@ -252,3 +252,16 @@ def test_plan_cli_prints_the_config_prediction_and_the_recommendation_table(tmp_
     assert rc == 1 and "recommended: none; no interval up to 256" in text and "gradients every step" in text
     assert main(["plan", sft, "sites=nowhere.yaml"]) == 2
     assert "sites file nowhere.yaml" in capsys.readouterr().err
+
+
+def test_plan_refuses_sites_of_different_device_kinds_in_one_line(tmp_path, capsys):
+    """One job is predicted on every site, so a CPU site beside a GPU site is refused, not planned
+    with the first site's rules."""
+    (tmp_path / "cpu.yaml").write_text("devices_per_node: 2\ndevice_flops: 1.0e11\ndevice: cpu\n")
+    (tmp_path / "gpu.yaml").write_text("devices_per_node: 2\ndevice_flops: 1.0e14\ndevice: gpu\n")
+    sites = tmp_path / "sites.yaml"
+    sites.write_text(LINK + "sites:\n  - {name: a, cluster: cpu.yaml}\n  - {name: b, cluster: gpu.yaml}\n")
+    sft = os.path.join(ROOT, "examples/configs/tiny/sft.yaml")
+    assert main(["plan", sft, f"sites={sites}"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "mix device kinds (cpu, gpu)" in err and len(err.splitlines()) == 1

@@ -245,7 +245,7 @@ def test_plan_cli_plans_what_the_clusters_device_kind_runs(tmp_path, capsys):
         cluster = _write(tmp_path, body + f"device: {device}\n")
         out = tmp_path / f"{device}.json"
         assert main(["plan", sft, f"cluster={cluster}", "--top", "1", "--json", str(out)]) == 0
-        assert f"{device} devices" in capsys.readouterr().out
+        assert f"1 x 2 {device} devices, 12.0 GB each" in capsys.readouterr().out
         rows[device] = {r["layout"]: r for r in json.loads(out.read_text())}
     assert not any("zero3" in k for k in rows["cpu"]) and any("zero3" in k for k in rows["gpu"])
     replicas = "dp=2 tp=1 pp=1 ep=1 rc=none mb=64x1"
@@ -257,16 +257,28 @@ def test_plan_cli_plans_what_the_clusters_device_kind_runs(tmp_path, capsys):
     assert gpu["logits_bytes"] == 3 * 4 * 64 * 32 * c.vocab_size > cpu["logits_bytes"]
 
 
+def _runs_on() -> str:
+    """The device kind a run trains on here (as auto_plan and select_device decide)."""
+    import paddle
+
+    return "gpu" if paddle.device.is_compiled_with_cuda() and paddle.device.cuda.device_count() > 0 else "cpu"
+
+
 def test_parallel_auto_refuses_a_cluster_file_of_the_other_device_kind(tmp_path):
-    cluster = _write(tmp_path, "devices_per_node: 2\ndevice_flops: 2.5e10\ndevice_memory: 1.2e10\ndevice: gpu\n")
+    here = _runs_on()
+    other = {"cpu": "gpu", "gpu": "cpu"}[here]
+    body = f"devices_per_node: 2\ndevice_flops: 2.5e10\ndevice_memory: 1.2e10\ndevice: {other}\n"
+    cluster = _write(tmp_path, body)
     args = ["model_name_or_path=tiny-dense", f"output_dir={tmp_path / 'o'}", "parallel=auto", f"cluster={cluster}"]
-    with pytest.raises(ConfigError, match=r"describes GPU devices \(device: gpu\) but this run trains on the CPU") as e:
+    words = rf"describes {other.upper()} devices \(device: {other}\) but this run trains on the {here.upper()}"
+    with pytest.raises(ConfigError, match=words) as e:
         validate(load_config(None, args + ["nproc_per_node=2"]))
     assert "\n" not in str(e.value)
 
 
 def test_parallel_auto_applies_the_best_plan_keeping_the_global_batch(tmp_path):
-    cluster = _write(tmp_path, "devices_per_node: 2\ndevice_flops: 2.5e10\ndevice_memory: 1.2e10\n")
+    body = f"devices_per_node: 2\ndevice_flops: 2.5e10\ndevice_memory: 1.2e10\ndevice: {_runs_on()}\n"
+    cluster = _write(tmp_path, body)
     base = [
         "model_name_or_path=tiny-dense",
         "per_device_train_batch_size=32",

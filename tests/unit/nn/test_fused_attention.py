@@ -209,3 +209,25 @@ def test_the_statistics_path_refuses_a_mask_changed_in_place(kernel, monkeypatch
         paddle.assign(bt * 0, output=bt)
     with pytest.raises((RuntimeError, OSError), match="attention: an input was modified in place"):
         o.backward(paddle.to_tensor(do))
+
+
+@pytest.mark.parametrize("scale_of", ["default", "other"])
+def test_sdpa_path_leaves_the_default_scale_unnamed_and_matches_the_math(monkeypatch, scale_of):
+    """The GPU path (nn/attention.attention, Paddle's SDPA): naming the default 1/sqrt(D) would rule
+    flash attention out, so it is passed as None; another scale is passed as it is. Either way the
+    output is softmax(q k^T * scale) v, checked here on the CPU against math_attention."""
+    import paddle.nn.functional as F
+
+    from erniekit.nn import attention as A
+
+    rng = np.random.default_rng(0)
+    q, k, v = (paddle.to_tensor(rng.standard_normal((2, 5, h, 16)).astype("float32")) for h in (4, 2, 2))
+    scale = 0.25 if scale_of == "default" else 0.1
+    seen = []
+    real = F.scaled_dot_product_attention
+    monkeypatch.setattr(F, "scaled_dot_product_attention", lambda *a, **kw: seen.append(kw["scale"]) or real(*a, **kw))
+    got = A.attention(q, k, v, None, True, scale)
+    assert seen == [None if scale_of == "default" else 0.1]
+    bias = A.additive_mask(None, 5, 5, paddle.float32)
+    want = math_attention(q, k, v, bias, scale)
+    np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-5, atol=1e-5)

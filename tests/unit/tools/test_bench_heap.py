@@ -24,6 +24,7 @@ pytestmark = pytest.mark.skipif(not hasattr(ctypes.CDLL("libc.so.6"), "mallinfo2
 def test_the_sampler_sees_a_block_while_it_lives():
     sampler = bench_heap.LivePeak()
     base = sampler.live()
+    sampler.restart()
     block = np.ones(48 << 18, np.float32)  # 48 MiB through malloc
     time.sleep(0.05)
     del block
@@ -42,7 +43,8 @@ def test_one_run_reports_both_frameworks(tmp_path):
     assert rec["mib"]["erniekit"]["weights_in_malloc"]  # erniekit copies the weights into malloc'd memory
     for fw in ("torch", "erniekit"):
         m = rec["mib"][fw]
-        assert 0 < m["import_rss"] <= m["loaded_rss"] <= m["peak_rss"] and m["live_peak"] > m["live_import"], (fw, m)
+        assert 0 < m["import_rss"] <= m["loaded_rss"] <= m["load_peak_rss"] <= m["peak_rss"], (fw, m)
+        assert m["live_peak"] > m["live_import"], (fw, m)
         growth = m["live_peak"] - m["live_import"] + (0 if m["weights_in_malloc"] else m["params"])
         assert (
             abs(m["live_growth"] - growth) < 0.5

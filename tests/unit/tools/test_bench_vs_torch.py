@@ -102,6 +102,7 @@ def test_gpu_peaks_are_found_by_name():
     assert B.gpu_peak_tflops("NVIDIA A100-SXM4-80GB") == 312.0 and B.gpu_peak_tflops("NVIDIA A10") == 125.0
     assert B.gpu_peak_tflops("NVIDIA L40S") == 362.1 and B.gpu_peak_tflops("NVIDIA L40") == 181.0
     assert B.gpu_peak_tflops("Tesla T4") is None and B.gpu_peak_tflops(None) is None
+    assert B.gpu_peak_tflops("NVIDIA A10G") is None and B.gpu_peak_tflops("NVIDIA H100 NVL") is None  # other peaks
 
 
 def test_model_flops_of_a_trained_token_count_every_product():
@@ -324,8 +325,15 @@ def test_the_thirteenth_round_tables_quote_their_records():
         change = round(100 * (m["erniekit_tokens_per_s"]["median"] / d["erniekit_tokens_per_s"]["median"] - 1))
         text = " ".join(section.split())
         assert f"{name} {speed} ({change}%) for {mib[0]} -> {mib[1]} MiB" in text, (name, speed, change, mib)
-    # decode and the server before and after the loading change
+    # decode and the server before and after the loading change, and the load's own peak
     text = " ".join(section.split())
+    load = {
+        k: json.loads((ROOT / "bench_results" / f"heap_dense-1024_load{k}.json").read_text())["mib"]["erniekit"]
+        for k in ("_before", "")
+    }
+    assert f"peaked at {round(load['_before']['load_peak_rss'])} MiB resident against " in text
+    assert f"{round(load['_before']['loaded_rss'])} after it" in text
+    assert f"tensor: {round(load['']['load_peak_rss'])} MiB" in text
     for recorded, names in (("decode", ("decode-b1", "decode-b8", "server-c16")), ("infer", None)):
         got = json.loads((ROOT / "bench_results" / f"vs_torch_amd_round13_{recorded}.json").read_text())["cases"]
         names = names or ("prefill", "decode-b1", "decode-b8", "server-c16")

@@ -183,3 +183,59 @@ def test_clear_grad_gives_the_gradients_memory_back_and_the_next_step_starts_fro
     assert model.weight.grad is None and before - live() >= 16 << 20
     (model(x) * 3).sum().backward()
     np.testing.assert_array_equal(model.weight.grad.numpy(), np.full([2048, 2048], 3, np.float32))
+
+
+def _two_layer_steps(clear, steps=3):
+    """Step 1 trains both layers; later steps only the first (the second gets no gradient), with
+    `clear(opt)` between steps and `restore_unused_grads` after each backward, as the trainer does."""
+    from types import SimpleNamespace
+
+    paddle.seed(0)
+    a, b = paddle.nn.Linear(4, 4), paddle.nn.Linear(4, 4)
+    hp = SimpleNamespace(learning_rate=0.1, adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=1e-8, weight_decay=0.1)
+    opt = optim.build_optimizer(paddle.nn.LayerList([a, b]), hp)
+    x = paddle.ones([2, 4])
+    for i in range(steps):
+        (b(a(x)) if i == 0 else a(x)).sum().backward()
+        opt.restore_unused_grads()
+        opt.step()
+        clear(opt)
+    return [p.numpy().copy() for p in (*a.parameters(), *b.parameters())]
+
+
+def test_a_parameter_without_a_gradient_still_steps_on_zeros_as_before():
+    """Paddle's clear_gradient(set_to_zero=False) left zeros that AdamW stepped on (momentum and
+    decay keep moving an unused parameter); dropping the gradient must not change that."""
+
+    def paddle_clear(opt):
+        for _, p in opt.params:
+            p.clear_gradient(set_to_zero=False)
+
+    ours, before = _two_layer_steps(lambda opt: opt.clear_grad()), _two_layer_steps(paddle_clear)
+    for x, y in zip(ours, before):
+        np.testing.assert_array_equal(x, y)
+    once = _two_layer_steps(lambda opt: opt.clear_grad(), steps=1)
+    assert not np.array_equal(ours[2], once[2])  # the unused layer moved after step 1
+
+
+def test_clear_grad_keeps_a_dist_tensors_gradient_readable():
+    """`grad = None` on a DistTensor parameter leaves an undefined tensor the next step crashes on;
+    clear_grad keeps Paddle's clear there, so a step in which it gets no gradient still runs."""
+    from types import SimpleNamespace
+
+    import paddle.distributed as dist
+
+    mesh = dist.ProcessMesh([0], dim_names=["dp"])
+    layer = paddle.nn.Linear(4, 4)
+    layer.weight = dist.shard_tensor(layer.weight, mesh, [dist.Replicate()])
+    hp = SimpleNamespace(learning_rate=0.1, adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=1e-8, weight_decay=0.0)
+    opt = optim.build_optimizer(layer, hp)
+    x = dist.shard_tensor(paddle.ones([2, 4]), mesh, [dist.Replicate()])
+    layer(x).sum().backward()
+    opt.step()
+    opt.clear_grad()
+    assert layer.weight.grad is not None and layer.weight.grad._is_initialized()
+    opt.restore_unused_grads()
+    grads = optim.reduced_grads([p for _, p in opt.params])
+    optim.clip_grad_norm_([p for _, p in opt.params], 1.0, grads)
+    opt.step(grads)
