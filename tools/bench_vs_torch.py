@@ -314,6 +314,7 @@ def _erniekit_train(model, case: str, steps: int) -> dict:
             if out.aux_loss is not None:
                 loss = loss + out.aux_loss
         loss.backward()
+        opt.restore_unused_grads()  # as the trainer's step
         opt.step()
         opt.clear_grad()
         losses.append(float(loss))
