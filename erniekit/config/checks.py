@@ -546,9 +546,9 @@ def _check_precision(cfg: TrainConfig) -> None:
     if not (cfg.bf16 or cfg.fp16):
         return
     key = "bf16" if cfg.bf16 else "fp16"
-    import paddle
+    from erniekit.utils.device import cuda_visible
 
-    if not paddle.device.is_compiled_with_cuda() or paddle.device.cuda.device_count() == 0:
+    if not cuda_visible():
         raise ConfigError(
             f"{key}=true needs a CUDA GPU, but this paddlepaddle has none (the CPU build trains in "
             f"float32); set {key}=false"

@@ -637,11 +637,10 @@ def auto_plan(cfg) -> Prediction:
             f"launch has {world} processes (nproc_per_node {cfg.nproc_per_node} x nnodes {cfg.nnodes}); "
             "make them equal"
         )
-    import paddle
-
     from erniekit.config.checks import pipeline_refusal
+    from erniekit.utils.device import cuda_visible
 
-    runs_on = "gpu" if paddle.device.is_compiled_with_cuda() and paddle.device.cuda.device_count() > 0 else "cpu"
+    runs_on = "gpu" if cuda_visible() else "cpu"
     if cluster.device != runs_on:  # the plan's attention, head and stage-3 rules would be the other kind's
         raise ConfigError(
             f"cluster {cfg.cluster} describes {cluster.device.upper()} devices (device: {cluster.device}) but this "

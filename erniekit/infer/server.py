@@ -1176,9 +1176,9 @@ def fastdeploy_command(
             "--backend fastdeploy needs FastDeploy (pip install fastdeploy-gpu from PaddlePaddle's "
             "index, on a CUDA machine); the built-in engine (--backend builtin) runs anywhere"
         )
-    import paddle
+    from erniekit.utils.device import cuda_visible
 
-    if not paddle.device.is_compiled_with_cuda() or paddle.device.cuda.device_count() < 1:
+    if not cuda_visible():
         raise ErniekitError("--backend fastdeploy needs a GPU and paddlepaddle-gpu; use --backend builtin here")
     info_path = os.path.join(model_dir, "export_info.json")
     fmt = None

@@ -28,6 +28,7 @@ from paddle.autograd import PyLayer
 from erniekit.errors import ConfigError
 from erniekit.nn import grouped_gemm, native
 from erniekit.nn.rows import concat_rows, split_rows
+from erniekit.utils.device import cuda_visible
 from erniekit.utils.dtensor import host_array
 
 E4M3_MAX = 448.0  # largest finite float8_e4m3fn
@@ -364,7 +365,7 @@ def _gpu_gemm_op():
 
 def fp8_backend() -> str:
     """'gpu' if CUDA build + visible GPU with compute capability >= 8.9 + a blockwise FP8 GEMM op, else 'emulated'."""
-    if not paddle.is_compiled_with_cuda() or paddle.device.cuda.device_count() == 0:
+    if not cuda_visible():
         return "emulated"
     if tuple(paddle.device.cuda.get_device_capability()) < _GPU_MIN_CAPABILITY:
         return "emulated"

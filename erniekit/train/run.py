@@ -11,13 +11,14 @@ from erniekit.config import dump_config
 from erniekit.errors import ConfigError
 from erniekit.train.loop import Trainer
 from erniekit.train.stages import get_stage
+from erniekit.utils.device import cuda_visible
 from erniekit.utils.dtensor import is_main_process, launched_world
 from erniekit.utils.io import atomic_write_json
 
 
 def select_device() -> str:
     """GPU when this Paddle build has CUDA and a device is visible, else CPU (float32)."""
-    if paddle.device.is_compiled_with_cuda() and paddle.device.cuda.device_count() > 0:
+    if cuda_visible():
         return paddle.set_device("gpu")
     return paddle.set_device("cpu")
 
@@ -25,7 +26,7 @@ def select_device() -> str:
 def peak_memory_bytes() -> int:
     """This process's peak: allocated device memory on GPU, resident set on CPU (the planner's
     calibration compares it with its prediction)."""
-    if paddle.device.is_compiled_with_cuda() and paddle.device.cuda.device_count() > 0:
+    if cuda_visible():
         return int(paddle.device.cuda.max_memory_allocated())
     import resource
 

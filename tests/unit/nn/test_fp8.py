@@ -279,7 +279,7 @@ def test_cpu_uses_emulation_and_never_touches_the_gpu_op(monkeypatch):
     [((9, 0), True, "gpu"), ((8, 9), True, "gpu"), ((8, 6), True, "emulated"), ((9, 0), False, "emulated")],
 )
 def test_backend_selection_rules(monkeypatch, cap, has_op, want):
-    monkeypatch.setattr(paddle, "is_compiled_with_cuda", lambda: True)
+    monkeypatch.setattr(paddle.device, "is_compiled_with_cuda", lambda: True)  # what cuda_visible reads
     monkeypatch.setattr(paddle.device.cuda, "device_count", lambda: 1)
     monkeypatch.setattr(paddle.device.cuda, "get_device_capability", lambda *a: cap)
     monkeypatch.setattr(fp8_mod, "_gpu_gemm_op", lambda: (lambda *a, **k: None) if has_op else None)
