@@ -27,7 +27,6 @@ ERNIEKIT_MALLOC_MMAP_MB (erniekit/utils/malloc.py) changes erniekit's beyond_liv
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import os
 import subprocess
@@ -37,17 +36,13 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
 
 import bench_vs_torch as B  # noqa: E402  (the models, checkpoints and training shapes)
 
+from erniekit.utils.malloc import live_bytes  # noqa: E402  (paddle-free)
+
 MIB = 1 << 20
-
-
-class _MallInfo2(ctypes.Structure):
-    _fields_ = [
-        (n, ctypes.c_size_t)
-        for n in "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost".split()
-    ]
 
 
 def _status(key: str) -> int:
@@ -59,9 +54,8 @@ class LivePeak:
     """The peak of malloc's in-use bytes (main and thread arenas, plus mapped blocks), sampled."""
 
     def __init__(self) -> None:
-        libc = ctypes.CDLL("libc.so.6")
-        libc.mallinfo2.restype = _MallInfo2
-        self._info = libc.mallinfo2
+        if live_bytes() is None:
+            raise SystemExit("bench_heap needs glibc >= 2.33 (mallinfo2)")
         self.peak = 0
         self._lock = threading.Lock()  # the sampler's read-modify-write against `restart`
         self._on = True
@@ -69,8 +63,7 @@ class LivePeak:
         self._thread.start()
 
     def live(self) -> int:
-        m = self._info()
-        return m.uordblks + m.hblkhd
+        return live_bytes()
 
     def _run(self) -> None:
         while self._on:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import os
 import sys
 
@@ -37,6 +38,38 @@ def mmap_threshold(env=os.environ) -> int:
             "to the OS when freed), or unset it"
         )
     return min(mb << 20, _KEEP)
+
+
+class MallInfo(ctypes.Structure):
+    """glibc's struct mallinfo2: uordblks = bytes in use in the arenas, hblkhd = bytes in blocks
+    mapped on their own (the rest is what the allocator keeps)."""
+
+    _fields_ = [
+        (n, ctypes.c_size_t)
+        for n in "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost".split()
+    ]
+
+
+@functools.cache
+def _mallinfo2():
+    try:
+        fn = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").mallinfo2
+    except (OSError, AttributeError):  # glibc before 2.33, musl, other platforms
+        return None
+    fn.restype = MallInfo
+    return fn
+
+
+def mallinfo() -> MallInfo | None:
+    """The allocator's counters now (glibc's mallinfo2, every arena), or None without it."""
+    fn = _mallinfo2()
+    return fn() if fn is not None else None
+
+
+def live_bytes() -> int | None:
+    """Bytes malloc has handed out and not had back (tools/bench_heap.py, the memory tests)."""
+    m = mallinfo()
+    return m.uordblks + m.hblkhd if m is not None else None
 
 
 def keep_freed_memory() -> bool:

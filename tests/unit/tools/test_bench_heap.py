@@ -3,7 +3,6 @@ tool reports each framework's figures and what lies beyond the live peak."""
 
 from __future__ import annotations
 
-import ctypes
 import json
 import subprocess
 import sys
@@ -18,7 +17,9 @@ sys.path.insert(0, str(ROOT / "tools"))
 
 import bench_heap  # noqa: E402
 
-pytestmark = pytest.mark.skipif(not hasattr(ctypes.CDLL("libc.so.6"), "mallinfo2"), reason="glibc >= 2.33 (mallinfo2)")
+from erniekit.utils.malloc import mallinfo  # noqa: E402
+
+pytestmark = pytest.mark.skipif(mallinfo() is None, reason="glibc >= 2.33 (mallinfo2)")
 
 
 def test_the_sampler_sees_a_block_while_it_lives():

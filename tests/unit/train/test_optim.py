@@ -156,21 +156,12 @@ def test_clip_sums_squares_once_per_sharding_pattern_and_gives_the_dense_norm(mo
 def test_clear_grad_gives_the_gradients_memory_back_and_the_next_step_starts_from_zero():
     """As torch's zero_grad(set_to_none=True): Paddle's clear_gradient(set_to_zero=False) kept every
     buffer allocated through the next forward; the next backward's gradient is its own, not a sum."""
-    import ctypes
     from types import SimpleNamespace
 
-    libc = ctypes.CDLL("libc.so.6")
-    if not hasattr(libc, "mallinfo2"):
+    from erniekit.utils.malloc import live_bytes as live
+
+    if live() is None:
         pytest.skip("glibc >= 2.33 (mallinfo2)")
-
-    class Info(ctypes.Structure):
-        _fields_ = [(n, ctypes.c_size_t) for n in "a b c d hblkhd e f uordblks g h".split()]
-
-    libc.mallinfo2.restype = Info
-
-    def live() -> int:
-        m = libc.mallinfo2()
-        return m.uordblks + m.hblkhd
 
     model = paddle.nn.Linear(2048, 2048, bias_attr=False)  # a 16 MiB weight
     hp = SimpleNamespace(learning_rate=0.0, adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=1e-8, weight_decay=0.0)

@@ -1,7 +1,6 @@
 """erniekit/utils/malloc.py: freed blocks stay in the heap for reuse, and ERNIEKIT_MALLOC_MMAP_MB
 maps blocks from a size on their own (returned to the OS on free) for a lower peak."""
 
-import ctypes
 import subprocess
 import sys
 import textwrap
@@ -9,17 +8,9 @@ import textwrap
 import pytest
 
 from erniekit.errors import ErniekitError
-from erniekit.utils.malloc import MMAP_ENV, mmap_threshold
+from erniekit.utils.malloc import MMAP_ENV, mallinfo, mmap_threshold
 
-
-def _has_mallinfo2() -> bool:
-    try:
-        return hasattr(ctypes.CDLL("libc.so.6"), "mallinfo2")
-    except OSError:
-        return False
-
-
-pytestmark = pytest.mark.skipif(not _has_mallinfo2(), reason="glibc >= 2.33 (mallopt, mallinfo2)")
+pytestmark = pytest.mark.skipif(mallinfo() is None, reason="glibc >= 2.33 (mallopt, mallinfo2)")
 
 
 def test_the_threshold_reads_whole_mib_and_refuses_the_rest_in_one_line():
@@ -34,20 +25,13 @@ def test_the_threshold_reads_whole_mib_and_refuses_the_rest_in_one_line():
 
 _PROBE = textwrap.dedent(
     """
-    import ctypes
     import numpy as np
-    from erniekit.utils.malloc import keep_freed_memory
+    from erniekit.utils.malloc import keep_freed_memory, mallinfo
 
-    class Info(ctypes.Structure):
-        _fields_ = [(n, ctypes.c_size_t) for n in
-                    "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost".split()]
-
-    libc = ctypes.CDLL("libc.so.6")
-    libc.mallinfo2.restype = Info
     assert keep_freed_memory()
-    before = libc.mallinfo2().hblkhd
+    before = mallinfo().hblkhd
     block = np.ones(24 << 18, np.float32)  # 24 MiB through malloc
-    print(libc.mallinfo2().hblkhd - before)
+    print(mallinfo().hblkhd - before)
     """
 )
 
