@@ -22,7 +22,7 @@ def collective_plan(path: str | None, overrides: list[str], top: int, include_al
     cluster = planner.load_cluster(cfg.cluster)
     c = planner.model_config_of(cfg)
     # the config's global batch on the cluster's devices, as their kind runs it
-    work = planner.workload_from_config(cfg, cluster.world, cpu=cluster.device == "cpu")
+    work = planner.workload_from_config(cfg, cluster.world, cluster.device)
     preds = planner.plan(c, cluster, work, runnable_only=not include_all)
     print(
         f"model {cfg.model_name_or_path}: {c.num_hidden_layers} layers, hidden {c.hidden_size}"

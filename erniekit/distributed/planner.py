@@ -588,9 +588,9 @@ def format_table(preds: list[Prediction], top: int = 15) -> str:
     return "\n".join(rows)
 
 
-def workload_from_config(cfg, world: int | None = None, cpu: bool = True) -> Workload:
+def workload_from_config(cfg, world: int | None = None, device: str = "cpu") -> Workload:
     """The global batch a training config asks for (per-device batch x accumulation x its data
-    ranks), and what its stage runs on CPU devices or on GPUs (`cpu=False`: flash attention, whole
+    ranks), and what its stage runs on `device` (a Cluster's: on "gpu" flash attention, whole
     logits)."""
     from erniekit.config.checks import fused_head_wanted, stage_supports
     from erniekit.distributed.collective.layout import layout_from_config
@@ -600,9 +600,9 @@ def workload_from_config(cfg, world: int | None = None, cpu: bool = True) -> Wor
     return Workload(
         cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps * lay.dp * lay.sharding,
         cfg.max_seq_len,
-        fused_attention=not cpu,
+        fused_attention=device == "gpu",
         replicas=supports.row_losses,
-        fused_head=cpu and supports.fused_head and fused_head_wanted(cfg),
+        fused_head=device == "cpu" and supports.fused_head and fused_head_wanted(cfg),
     )
 
 
@@ -650,6 +650,6 @@ def auto_plan(cfg) -> Prediction:
     return best_plan(
         model_config_of(cfg),
         cluster,
-        workload_from_config(cfg, cpu=runs_on == "cpu"),
+        workload_from_config(cfg, device=runs_on),
         pipeline=pipeline_refusal(cfg) is None,
     )

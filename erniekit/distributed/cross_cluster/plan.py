@@ -223,7 +223,7 @@ def job_from_config(cfg, cluster: planner.Cluster) -> Job:
         cfg.per_device_train_batch_size,
         cfg.gradient_accumulation_steps,
     )
-    work = planner.workload_from_config(cfg, cluster.world, cpu=cluster.device == "cpu")
+    work = planner.workload_from_config(cfg, cluster.world, cluster.device)
     if cfg.fine_tuning == "LoRA":
         if cfg.lora_target_modules:
             raise ConfigError(

@@ -145,9 +145,9 @@ def test_workload_runs_replicas_only_for_stages_whose_loss_sums_over_rows(tmp_pa
 def test_workload_takes_the_chunked_head_where_the_stage_does(tmp_path):
     base = ["model_name_or_path=tiny-dense", f"output_dir={tmp_path / 'o'}", "stage=SFT"]
     sft = validate(load_config(None, base))
-    assert P.workload_from_config(sft).fused_head and not P.workload_from_config(sft, cpu=False).fused_head
+    assert P.workload_from_config(sft).fused_head and not P.workload_from_config(sft, device="gpu").fused_head
     # GPUs take Paddle's flash attention, which keeps no [S, S] probabilities
-    assert P.workload_from_config(sft, cpu=False).fused_attention and not P.workload_from_config(sft).fused_attention
+    assert P.workload_from_config(sft, device="gpu").fused_attention and not P.workload_from_config(sft).fused_attention
     for off in ("fused_head_loss=false", "loss_token_balance=true"):
         assert not P.workload_from_config(validate(load_config(None, base + [off]))).fused_head, off
     dpo = validate(load_config(os.path.join(ROOT, "examples/configs/tiny/dpo.yaml"), base[:2]))
