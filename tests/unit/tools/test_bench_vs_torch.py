@@ -86,10 +86,11 @@ def test_both_frameworks_run_on_the_same_kind_of_device():
 
 def test_the_cli_asks_both_frameworks_before_it_runs_on_a_gpu(tmp_path):
     """--device gpu probes Paddle and torch in processes of their own (none sees a GPU here), and
-    bf16 is refused on the CPU, each in one line before any checkpoint is written."""
+    bf16 on the CPU and a peak of 0 are refused, each in one line before any checkpoint is written."""
     for args, words in (
         (["--device", "gpu"], "--device gpu: Paddle and torch see no CUDA GPU here"),
         (["--device", "cpu", "--precision", "bf16"], "--precision bf16 needs a GPU"),
+        (["--peak-tflops", "0"], "--peak-tflops 0.0: give the device's peak in TFLOP/s (> 0)"),
     ):
         r = _run(tmp_path, *args)
         assert r.returncode != 0 and words in r.stderr, r.stderr[-2000:]
