@@ -38,7 +38,9 @@ two frameworks sees is refused (the comparison would be a GPU against a CPU). Mo
 token are tools/bench_train.py's (6 N_active + 12 L A S) plus the LM head (6 H V).
 
 The JSON has every run, min / median / max per case and framework, and erniekit / torch of the
-medians (> 1: erniekit faster; for memory < 1: erniekit smaller).
+medians (> 1: erniekit faster; for memory < 1: erniekit smaller). Every run also times its
+checkpoint load after the imports (load_s: erniekit's load_model, transformers' from_pretrained);
+load_speedup is torch's median over erniekit's (> 1: erniekit loads faster).
 """
 
 from __future__ import annotations
@@ -102,6 +104,7 @@ PROMPT_LEN, DECODE_NEW, SERVER_NEW = 32, 128, 64
 PACKED_WEIGHTS = "auto"  # --packed-weights: decode and server cases, as `erniekit chat` / `server` choose
 FUSED_HEAD_LOSS = "on"  # --fused-head-loss: training cases, as `erniekit train`'s fused_head_loss
 DEVICE, PRECISION = "cpu", "fp32"  # --device (resolved) and --precision of the training cases
+LOAD_S = 0.0  # a worker's checkpoint load: erniekit's load_model, transformers' from_pretrained (s)
 # dense bf16 tensor-core peaks (TFLOP/s, no sparsity) from the vendors' datasheets; the first entry
 # a device's name contains wins, so the longer names come first (H200 before H20, A100 before A10)
 GPU_PEAK_BF16_TFLOPS = (
@@ -237,7 +240,10 @@ def erniekit_case(case: str, ckpt: str, steps: int) -> dict:
 
     if DEVICE == "gpu":
         paddle.set_device("gpu")
+    t0 = time.perf_counter()
     model = load_model(ckpt)
+    global LOAD_S
+    LOAD_S = time.perf_counter() - t0
     ref = os.path.join(ckpt, "torch_logits.npy")
     if os.path.isfile(ref):  # the same model as the torch process timed
         ids = _ids(model.config.vocab_size, 1, 16)
@@ -391,7 +397,10 @@ def torch_case(case: str, ckpt: str, steps: int, threads: int) -> dict:
     import transformers
 
     torch.set_num_threads(threads)
+    t0 = time.perf_counter()
     model = transformers.AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32)
+    global LOAD_S
+    LOAD_S = time.perf_counter() - t0
     vocab = model.config.vocab_size
     ref = os.path.join(ckpt, "torch_logits.npy")
     if not os.path.isfile(ref):  # the reference is always the CPU's float32 logits
@@ -506,6 +515,7 @@ def worker(args: argparse.Namespace) -> None:
 
             res["peak_device_bytes"] = int(paddle.device.cuda.max_memory_allocated())
     res["peak_rss_bytes"] = _peak_rss()
+    res["load_s"] = LOAD_S
     print("RESULT " + json.dumps(res), flush=True)
 
 
@@ -639,7 +649,13 @@ def main(argv: list[str] | None = None) -> None:
             for fw in ("erniekit", "torch"):
                 row[f"{fw}_{key}"] = _summary([x[key] for x in runs[c][fw]])
         row["memory_ratio"] = row[f"erniekit_{memory}"]["median"] / row[f"torch_{memory}"]["median"]
+        if all("load_s" in x for fw in ("erniekit", "torch") for x in runs[c][fw]):  # older records lack it
+            for fw in ("erniekit", "torch"):
+                row[f"{fw}_load_s"] = _summary([x["load_s"] for x in runs[c][fw]])
+            row["load_speedup"] = row["torch_load_s"]["median"] / row["erniekit_load_s"]["median"]
         line = f"{c:14s} erniekit/torch {row['ratio_erniekit_over_torch']:.2f}x  memory {row['memory_ratio']:.2f}x"
+        if "load_speedup" in row:
+            line += f"  load {row['load_speedup']:.2f}x faster"
         if c.startswith("train:"):
             row["model_flops_per_token"] = flops = train_flops_per_token(_model_of(c), _train_shape(c)[1])
             for fw in ("erniekit", "torch"):

@@ -235,6 +235,7 @@ def extract_submodel(model, spec: ElasticSpec):
     import paddle
 
     from erniekit.models.registry import family_of_model
+    from erniekit.nn.deferred_init import skip_random_init
 
     sub_cfg = submodel_config(model.config, spec)
     keep = layer_subset(model.config.num_hidden_layers, spec.depth)
@@ -243,7 +244,8 @@ def extract_submodel(model, spec: ElasticSpec):
     prev = paddle.get_default_dtype()
     paddle.set_default_dtype(str(model.model.embed_tokens.weight.dtype).replace("paddle.", ""))
     try:
-        sub = family_of_model(model).build(sub_cfg)
+        with skip_random_init():  # every parameter is copied from the parent below, or refused
+            sub = family_of_model(model).build(sub_cfg)
     finally:
         paddle.set_default_dtype(prev)
     with paddle.no_grad():

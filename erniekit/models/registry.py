@@ -14,7 +14,7 @@ from __future__ import annotations
 import copy
 import os
 from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -143,15 +143,20 @@ def load_model(name_or_path: str, overrides: Mapping[str, Any] | None = None, dt
     """A checkpoint's model with its weights, or a preset's with fresh ones (seeded by paddle.seed)."""
     import paddle
 
+    from erniekit.nn.deferred_init import skip_random_init
+
     f = family_of(name_or_path)
     config = model_config(name_or_path, overrides, f)
+    from_checkpoint = os.path.isdir(name_or_path)
     prev = paddle.get_default_dtype()
     paddle.set_default_dtype(dtype)
     try:
-        model = f.build(config)
+        # a checkpoint's load assigns every parameter or refuses, so no random draws first
+        with skip_random_init() if from_checkpoint else nullcontext():
+            model = f.build(config)
     finally:
         paddle.set_default_dtype(prev)
-    if os.path.isdir(name_or_path):
+    if from_checkpoint:
         f.load_weights(model, name_or_path)
         remember_source(model, name_or_path)  # its generation_config.json goes into the model's next save
     return model

@@ -20,6 +20,7 @@ from erniekit.models.ernie4_5.configuration import Ernie4_5Config
 from erniekit.models.ernie4_5.modeling import Ernie4_5ForCausalLM
 from erniekit.models.generation_config import GENERATION_CONFIG_NAME, generation_config
 from erniekit.models.hf_files import INDEX_NAME, STAGING_NAME, WEIGHTS_NAME, publish_model_files, start_staging
+from erniekit.nn.deferred_init import skip_random_init
 from erniekit.nn.weight_only import SCALE_SUFFIX, dequantize, logical_shape
 from erniekit.utils.dtensor import assign_full, is_main_process, to_dense
 from erniekit.utils.io import atomic_write_json, open_safetensors, read_json_object, write_errors
@@ -335,7 +336,8 @@ def from_pretrained(path: str, dtype: str = "float32", config_overrides: dict | 
     prev = paddle.get_default_dtype()
     paddle.set_default_dtype(dtype)
     try:
-        model = Ernie4_5ForCausalLM(config)
+        with skip_random_init():  # load_state_into assigns every parameter or refuses
+            model = Ernie4_5ForCausalLM(config)
     finally:
         paddle.set_default_dtype(prev)
     load_state_into(model, path)

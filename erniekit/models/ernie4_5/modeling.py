@@ -27,6 +27,7 @@ from erniekit.nn.attention import (
     rope_cos_sin_3d,
     use_fused_attention,
 )
+from erniekit.nn.deferred_init import random_init_skipped
 from erniekit.nn.gpas import GPAS
 from erniekit.nn.linear import Linear
 from erniekit.nn.moe import MoEBlock, router_loss_sum
@@ -227,7 +228,10 @@ class Ernie4_5ForCausalLM(nn.Layer):
         self.init_weights()
 
     def init_weights(self) -> None:
-        """Normal(0, initializer_range) for matrices, as the reference's `_init_weights`."""
+        """Normal(0, initializer_range) for matrices, as the reference's `_init_weights`; nothing when
+        a checkpoint's weights are about to replace them (erniekit/nn/deferred_init.py)."""
+        if random_init_skipped():
+            return
         std = self.config.initializer_range
         init = nn.initializer.Normal(0.0, std)
         for name, p in self.named_parameters():

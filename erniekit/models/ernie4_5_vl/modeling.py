@@ -20,6 +20,7 @@ from erniekit.models.ernie4_5_vl.configuration import Ernie4_5_VLConfig
 from erniekit.models.ernie4_5_vl.processor import ImageSettings, save_image_settings
 from erniekit.models.ernie4_5_vl.video import VideoSettings, save_video_settings
 from erniekit.models.ernie4_5_vl.vision import Resampler, VisionTransformer
+from erniekit.nn.deferred_init import random_init_skipped
 
 
 def mm_token_types(input_ids: np.ndarray, config: Ernie4_5_VLConfig) -> np.ndarray:
@@ -99,6 +100,8 @@ class Ernie4_5_VLForConditionalGeneration(Ernie4_5ForCausalLM):
         self.video_settings = VideoSettings()
 
     def _init_vision(self) -> None:
+        if random_init_skipped():  # a checkpoint's weights replace them (erniekit/nn/deferred_init.py)
+            return
         std = self.config.vision.initializer_range
         for p in self.vision_model.parameters() + self.resampler_model.parameters():
             if p.ndim >= 2:

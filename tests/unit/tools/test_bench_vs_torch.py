@@ -52,6 +52,7 @@ def test_both_frameworks_train_the_embedded_defaults_model_from_one_checkpoint(f
     assert case["erniekit_mfu"]["median"] == e["mfu"] and record["reference_mfu"] == 0.47
     assert e["tokens_per_s"] > 0 and t["tokens_per_s"] > 0 and e["peak_rss_bytes"] > 0 and t["peak_rss_bytes"] > 0
     assert case["ratio_erniekit_over_torch"] == e["tokens_per_s"] / t["tokens_per_s"]
+    assert e["load_s"] > 0 and t["load_s"] > 0 and case["load_speedup"] == t["load_s"] / e["load_s"]
     assert e["fused_head_loss"] is True  # the head's loss as erniekit train takes it by default
     # the same model: the first losses agree up to the frameworks' router-loss formulas (coef 0.01)
     assert abs(e["first_loss"] - t["first_loss"]) < 0.05, (e["first_loss"], t["first_loss"])
@@ -354,3 +355,25 @@ def test_the_thirteenth_round_tables_quote_their_records():
         assert row[1].strip() == f"{c['ratio_erniekit_over_torch']:.2f}x", row
         mib = round(c["erniekit_peak_rss_bytes"]["median"] / 2**20)
         assert row[3].strip().replace("*", "") == f"{c['memory_ratio']:.2f}x ({mib} MiB)", row
+
+
+def test_the_fourteenth_round_load_table_quotes_its_records():
+    """Load times before and after loading stopped drawing random weights, as the records have them."""
+    section = (ROOT / "docs" / "performance.md").read_text().split("### Fourteenth round", 1)[1].split("\n## ", 1)[0]
+    rows = _table_rows(section)
+    runs = {
+        k: json.loads((ROOT / "bench_results" / f"vs_torch_amd_round14_load{k}.json").read_text())["cases"]
+        for k in ("_before", "")
+    }
+    assert len(rows) == 2
+    for row in rows:
+        case = row[0].split("(")[1].rstrip(") ")
+        before, now = runs["_before"][case], runs[""][case]
+        cells = [c.strip().replace("*", "") for c in row[1:]]
+        assert cells == [
+            f"{before['erniekit_load_s']['median']:.2f} s",
+            f"{now['erniekit_load_s']['median']:.2f} s",
+            f"{now['torch_load_s']['median']:.2f} s",
+            f"{before['load_speedup']:.2f}x",
+            f"{now['load_speedup']:.2f}x",
+        ], row
