@@ -26,7 +26,8 @@ Step time = compute + communication, per optimizer step:
 Memory (per device, float32 training) = params + grads + Adam moments (split by the sharding
 stage) + the activations the forward keeps for the backward (per layer and token, counted from
 the tensors this model's forward saves; recompute keeps only the recomputed part's input) x the
-micro-batches in flight (1F1B: pp on the first stage) + the logits + runtime overhead.
+micro-batches in flight (1F1B: pp on the first stage) + the logits + the buffer whole-model
+replicas sum their gradients through + the CPU heap's holes + runtime overhead.
 """
 
 from __future__ import annotations
@@ -391,7 +392,10 @@ def predict(c, cluster: Cluster, work: Workload, p: Plan) -> Prediction:
     biggest_layer = max(
         (l.attn_saved + (l.core_saved_per_s * S if scores else 0.0) + l.mlp_saved) / p.tp for l in layers
     )
-    transient = BYTES * biggest_layer * p.micro_batch * S  # the backward's working set of one layer
+    # the backward's working set: one layer's, or at its end the embedding's dense [V, H] gradient,
+    # made whole and then added into the weight's (the tied head's dW, or an accumulated gradient)
+    embedding_grad = BYTES * V * H / p.tp if c.tie_word_embeddings or m > 1 else 0.0
+    transient = max(BYTES * biggest_layer * p.micro_batch * S, embedding_grad)
     # (a pipeline's last stage and MTP read the whole logits)
     if work.fused_head and not spmd and p.pp == 1 and not getattr(c, "num_nextn_predict_layers", 0):
         # one chunk's logits, their gradient written over them; the head's dW, made in the forward,
@@ -399,7 +403,14 @@ def predict(c, cluster: Cluster, work: Workload, p: Plan) -> Prediction:
         logits = BYTES * kernel_memory.chunk_rows(V, p.micro_batch * S) * V + (BYTES * V * H if m > 1 else 0.0)
     else:
         logits = 3 * BYTES * p.micro_batch * S * V / p.tp
-    memory = weights + grads + moments + activations + transient + logits + cluster.memory_overhead
+    sum_buffer = _sum_buffer(cluster, p, replicas, dp_span, grads)
+    # the CPU heap's holes (glibc keeps freed blocks: erniekit/utils/malloc.py): a step's activations
+    # and logits are freed during the backward and the holes they leave are split by the next
+    # allocations, so a later step may need fresh heap for its own. Measured on dense-1024 at 1-32
+    # rows, the resident peak exceeded the other terms by up to 0.98x the activations + logits; the
+    # bound taken is 1x (docs/planner.md). GPU allocators were not measured
+    slack = activations + logits if cluster.device == "cpu" else 0.0
+    memory = weights + grads + moments + activations + transient + logits + sum_buffer + slack + cluster.memory_overhead
     parts = {
         "compute_s": compute,
         "optimizer_s": optimizer,
@@ -414,6 +425,8 @@ def predict(c, cluster: Cluster, work: Workload, p: Plan) -> Prediction:
         "moments_bytes": moments,
         "activations_bytes": activations,
         "logits_bytes": logits,
+        "sum_buffer_bytes": sum_buffer,
+        "heap_slack_bytes": slack,
         "comm_bytes": _comm_bytes(grad_bytes, act_bytes, p, L, layers, m, S, H),
     }
     pred = Prediction(p, compute + comm, memory, parts)
@@ -439,6 +452,21 @@ def _layout(p: Plan):
 def _runs_as_replicas(p: Plan, work: Workload) -> bool:
     """Whole-model replicas on plain tensors: `Layout.data_only`, for a stage whose loss sums over rows."""
     return work.replicas and _layout(p).data_only
+
+
+def _sum_buffer(cluster: Cluster, p: Plan, replicas: bool, dp_span: bool, grads: float) -> float:
+    """What whole-model replicas hold to sum their gradients (erniekit/distributed/collective/replicas.py),
+    beside the gradients themselves. On one CPU host: this rank's slot of the shared mapping, which it
+    fills, and its chunk of every other slot, which it sums and writes back (host_sum.py): (2 - 1/dp)
+    x the gradients, kept between steps. CPU ranks on several hosts: gloo's buffer, a numpy copy of the
+    gradients kept between steps. GPU: Paddle's concat of the gradients and the split back, for the
+    length of the sum. All three counted from the code; on 2 CPU ranks sharing memory (dense-1024)
+    the measured peaks agree (docs/planner.md), gloo and GPUs were not measured."""
+    if not replicas or p.dp == 1:
+        return 0.0
+    if cluster.device == "gpu":
+        return 2.0 * grads
+    return grads * (1.0 if dp_span else 2.0 - 1.0 / p.dp)
 
 
 def _keeps_scores(c, p: Plan, work: Workload, spmd: bool, S: int) -> bool:

@@ -135,6 +135,29 @@ def test_replicas_sum_through_shared_memory_on_one_host_and_distensors_pay_per_o
         P.cluster_from_mapping({"device_flops": 0}, "f")
 
 
+def test_replicas_count_the_buffer_they_sum_their_gradients_through():
+    """Whole-model replicas keep a gradient-sized buffer for the sum (replicas.py / host_sum.py):
+    on one CPU host this rank's slot plus its chunk of the others', (2 - 1/dp) x the gradients;
+    across hosts gloo's numpy copy, 1x; on GPUs the concat and split, 2x. Layouts that are not
+    replicas, and one process, have none."""
+    c = get_preset("tiny-dense")
+    grads = P.predict(c, CLUSTER, WORK, P.Plan(1, 1, 1, 1, 0, "none", 16, 1)).parts["grads_bytes"]
+    cases = [
+        (CLUSTER, P.Plan(4, 1, 1, 1, 0, "none", 4, 1), WORK, (2 - 1 / 4) * grads),
+        (CLUSTER, P.Plan(2, 1, 1, 1, 0, "none", 8, 1), WORK, 1.5 * grads),
+        (dataclasses.replace(CLUSTER, nodes=2, devices_per_node=2), P.Plan(4, 1, 1, 1, 0, "none", 4, 1), WORK, grads),
+        (GPU_CLUSTER, P.Plan(4, 1, 1, 1, 0, "none", 4, 1), WORK, 2 * grads),
+        (CLUSTER, P.Plan(1, 1, 1, 1, 0, "none", 16, 1), WORK, 0.0),
+        (CLUSTER, P.Plan(4, 1, 1, 1, 1, "none", 4, 1), WORK, 0.0),  # ZeRO-1: DistTensors
+        (CLUSTER, P.Plan(4, 1, 1, 1, 0, "none", 4, 1), dataclasses.replace(WORK, replicas=False), 0.0),
+    ]
+    for cluster, plan, work, want in cases:
+        r = P.predict(c, cluster, work, plan)
+        assert r.parts["sum_buffer_bytes"] == pytest.approx(want, rel=1e-12), plan.describe()
+        rest = sum(r.parts[k] for k in ("params_bytes", "grads_bytes", "moments_bytes", "activations_bytes"))
+        assert r.memory > rest + r.parts["logits_bytes"] + want + cluster.memory_overhead  # + one layer's backward
+
+
 def test_workload_runs_replicas_only_for_stages_whose_loss_sums_over_rows(tmp_path):
     base = ["model_name_or_path=tiny-dense", f"output_dir={tmp_path / 'o'}", "nproc_per_node=2"]
     assert P.workload_from_config(validate(load_config(None, base + ["stage=SFT"]))).replicas
@@ -154,19 +177,59 @@ def test_workload_takes_the_chunked_head_where_the_stage_does(tmp_path):
     assert not P.workload_from_config(dpo).fused_head
 
 
+def _tensors(r: P.Prediction) -> float:
+    """A prediction's memory without the heap's holes (which depend on the tensors counted)."""
+    return r.memory - r.parts["heap_slack_bytes"]
+
+
+def test_the_cpu_heap_may_hold_another_steps_activations_and_logits():
+    """A step's freed activations and logits leave holes the next allocations split: on CPU the
+    prediction adds their size once more (the measured bound, docs/planner.md); GPUs add nothing."""
+    c = get_preset("tiny-dense")
+    for plan, work in (
+        (P.Plan(1, 1, 1, 1, 0, "none", 1, 1), P.Workload(1, 128)),
+        (P.Plan(1, 1, 1, 1, 0, "full", 16, 2), P.Workload(32, 128)),
+        (P.Plan(4, 1, 1, 1, 1, "none", 4, 1), WORK),  # ZeRO-1 (DistTensors)
+    ):
+        r = P.predict(c, CLUSTER, work, plan)
+        want = r.parts["activations_bytes"] + r.parts["logits_bytes"]
+        assert want > 0 and r.parts["heap_slack_bytes"] == pytest.approx(want), plan.describe()
+        gpu = P.predict(c, GPU_CLUSTER, work, plan)
+        assert gpu.parts["heap_slack_bytes"] == 0 and gpu.memory == pytest.approx(_tensors(gpu))
+
+
+def test_the_backward_working_set_is_a_layers_or_the_embeddings_dense_gradient():
+    """At its end the backward makes the embedding's [V, H] gradient whole before adding it into the
+    tied head's dW: where that is bigger than one layer's working set, it is the one counted."""
+    c = get_preset("ERNIE-4.5-0.3B")
+    cluster = dataclasses.replace(CLUSTER, device_memory=1e12)
+
+    def working_set(c, mb, acc=1):
+        r = P.predict(c, cluster, P.Workload(mb * acc, 128), P.Plan(1, 1, 1, 1, 0, "none", mb, acc))
+        counted = ("params", "grads", "moments", "activations", "logits", "sum_buffer", "heap_slack")
+        return r.memory - sum(r.parts[f"{k}_bytes"] for k in counted) - cluster.memory_overhead
+
+    assert working_set(c, 1) == pytest.approx(4 * c.vocab_size * c.hidden_size)
+    untied = c.replace(tie_word_embeddings=False)  # its gradient is the weight's own: one layer's set
+    assert working_set(untied, 1) < working_set(c, 1) / 10
+    # accumulating, an untied embedding's new gradient is added into the one kept from before
+    assert working_set(untied, 1, acc=2) == pytest.approx(4 * c.vocab_size * c.hidden_size)
+    assert working_set(c, 64) > 4 * c.vocab_size * c.hidden_size  # a long batch: one layer's is bigger
+
+
 def test_the_chunked_head_counts_one_chunk_of_logits_instead_of_three_whole():
     c = get_preset("ERNIE-4.5-0.3B")
     V, rows = c.vocab_size, 2 * 4096
     one = P.Plan(dp=1, tp=1, pp=1, ep=1, sharding_stage=0, recompute="full", micro_batch=2, accumulation=1)
     work = P.Workload(global_batch=2, seq_len=4096)
-    whole = P.predict(c, CLUSTER, work, one).memory
-    chunked = P.predict(c, CLUSTER, dataclasses.replace(work, fused_head=True), one).memory
+    whole = _tensors(P.predict(c, CLUSTER, work, one))
+    chunked = _tensors(P.predict(c, CLUSTER, dataclasses.replace(work, fused_head=True), one))
     assert whole - chunked == pytest.approx(4 * V * (3 * rows - 1024))  # 1024 rows a chunk at this vocabulary
     fused = dataclasses.replace(work, fused_head=True)
     for whole_logits in (dataclasses.replace(one, tp=2), dataclasses.replace(one, pp=2)):  # DistTensors; last stage
         assert P.predict(c, CLUSTER, work, whole_logits).memory == P.predict(c, CLUSTER, fused, whole_logits).memory
     acc = dataclasses.replace(one, micro_batch=1, accumulation=2)  # the forward's dW waits beside .grad
-    acc_whole, acc_fused = P.predict(c, CLUSTER, work, acc).memory, P.predict(c, CLUSTER, fused, acc).memory
+    acc_whole, acc_fused = _tensors(P.predict(c, CLUSTER, work, acc)), _tensors(P.predict(c, CLUSTER, fused, acc))
     assert acc_whole - acc_fused == pytest.approx(4 * V * (3 * 4096 - 1024) - 4 * V * c.hidden_size)
 
 
