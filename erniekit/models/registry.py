@@ -46,6 +46,9 @@ class ModelFamily:
     # model -> {parameter name: (kind, checkpoint tensor names)} without reading a weight (how a
     # writer plans a file: GGUF); None: the family does not say
     checkpoint_names: Callable[[Any], dict] | None = None
+    # load_weights assigns every parameter or raises: a checkpoint's model is then built without
+    # random weights first (erniekit/nn/deferred_init.py; any parameter left alone would be zero)
+    loads_every_parameter: bool = False
 
 
 _families: dict[str, ModelFamily] = {}
@@ -151,8 +154,8 @@ def load_model(name_or_path: str, overrides: Mapping[str, Any] | None = None, dt
     prev = paddle.get_default_dtype()
     paddle.set_default_dtype(dtype)
     try:
-        # a checkpoint's load assigns every parameter or refuses, so no random draws first
-        with skip_random_init() if from_checkpoint else nullcontext():
+        # a family whose load assigns every parameter or refuses: no random draws first
+        with skip_random_init() if from_checkpoint and f.loads_every_parameter else nullcontext():
             model = f.build(config)
     finally:
         paddle.set_default_dtype(prev)

@@ -23,7 +23,7 @@ from erniekit.models.hf_files import INDEX_NAME, STAGING_NAME, WEIGHTS_NAME, pub
 from erniekit.nn.deferred_init import skip_random_init
 from erniekit.nn.weight_only import SCALE_SUFFIX, dequantize, logical_shape
 from erniekit.utils.dtensor import assign_full, is_main_process, to_dense
-from erniekit.utils.io import atomic_write_json, open_safetensors, read_json_object, write_errors
+from erniekit.utils.io import atomic_write_json, open_safetensors, read_json_object, strided_views, write_errors
 
 _IGNORED_UNEXPECTED = re.compile(r"^(mtp|model\.mtp)|rotary_emb\.inv_freq$|_scale$")
 # safetensors dtype names a weight may be stored in; int8 / uint8 only beside a weight-only scale
@@ -142,7 +142,24 @@ class _ShardReader:
         a tensor read through it lives, so the caller copying it into the parameter and dropping it
         is what lets the pages go (tests/unit/models/test_model.py reads every tensor after a drop)."""
         file = self.where[name]
-        t = self._open(file).get_tensor(name)
+        return self._counted(file, self._open(file).get_tensor(name))
+
+    def columns(self, name: str, a: int, b: int) -> paddle.Tensor:
+        """Columns a:b of a 2-D tensor (elements a:b of a 1-D one), copied out of the file: a fused
+        tensor's block (paddle_layout.py), read without holding the whole; counted as `_read`."""
+        view = self._slice(name)
+        try:
+            with strided_views():  # safetensors returns the block as a dtype view of its bytes
+                t = (view[:, a:b] if len(view.get_shape()) == 2 else view[a:b]).contiguous()
+        except SafetensorError as e:
+            raise CheckpointError(
+                f"{self.where[name]}: cannot read columns {a}:{b} of tensor {name} ({e}); the file is "
+                "damaged or truncated: re-download or re-save the checkpoint"
+            ) from None
+        return self._counted(self.where[name], t)
+
+    def _counted(self, file: str, t: paddle.Tensor) -> paddle.Tensor:
+        """t, read through `file`'s mapping, which is dropped once REMAP_BYTES went through it."""
         self._read_bytes[file] = self._read_bytes.get(file, 0) + int(t.numel()) * t.element_size()
         if self._read_bytes[file] >= REMAP_BYTES:
             self._files.pop(file).__exit__(None, None, None)

@@ -59,6 +59,7 @@ ERNIE4_5 = register_model_family(
         read_config=Ernie4_5Config.from_pretrained,
         build=_build,
         load_weights=_load_weights,
+        loads_every_parameter=True,  # load_state_into raises on a missing tensor
         state_dict=_state_dict,
         save=_save,
         load_tokenizer=_load_tokenizer,

@@ -30,7 +30,6 @@ from erniekit.errors import CheckpointError
 from erniekit.models.ernie4_5.configuration import Ernie4_5Config
 from erniekit.models.hf_files import INDEX_NAME, WEIGHTS_NAME
 from erniekit.utils.dtensor import assign_full, to_dense
-from erniekit.utils.io import strided_views
 
 PREFIX = "ernie"  # the base model's name in ERNIEKit / PaddleFormers / FastDeploy checkpoints
 # config.json `architectures` FastDeploy registers for the Paddle layout (fastdeploy/config.py ErnieArchitectures)
@@ -199,9 +198,7 @@ def load_paddle_layout(model, path: str, reader) -> None:
             if part.cols is None:
                 values.append(reader.get(part.name))
             else:
-                view, (a, b) = reader._slice(part.name), part.cols
-                with strided_views():  # safetensors returns the block as a dtype view of its bytes
-                    values.append((view[:, a:b] if len(shapes[part.name]) == 2 else view[a:b]).contiguous())
+                values.append(reader.columns(part.name, *part.cols))
         value = paddle.stack(values) if spec.stacked else values[0]
         assign_full(p, value.astype(p.dtype))
     extra = [n for n in reader.where if n not in checked and not _IGNORED_UNEXPECTED.search(n)]

@@ -46,6 +46,7 @@ ERNIE4_5_VL = register_model_family(
         read_config=Ernie4_5_VLConfig.from_pretrained,
         build=_build,
         load_weights=_load_weights,
+        loads_every_parameter=True,  # load_state_into raises on a missing tensor
         state_dict=_state_dict,
         save=_save,
         load_tokenizer=ERNIE4_5.load_tokenizer,

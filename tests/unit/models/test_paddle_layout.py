@@ -118,6 +118,37 @@ def test_our_checkpoint_round_trips_through_the_paddle_layout(tmp_path, variant)
     np.testing.assert_allclose(_logits(load_model(str(tmp_path / "pt"))), _logits(model), rtol=0, atol=1e-5)
 
 
+def test_fused_blocks_count_toward_dropping_a_shards_mapping(tmp_path, monkeypatch):
+    """The fused tensors' column blocks are read through the shard's mapping like whole tensors, so
+    they count toward REMAP_BYTES (the file's pages do not pile up beside the weights); the values
+    are the same."""
+    from erniekit.models.ernie4_5 import checkpoint
+
+    model = _model("dense")
+    state = {k: v.numpy() for k, v in paddle_state_dict(model).items()}
+    path = _write(
+        tmp_path / "pd", state, paddle_config_dict(model.config.to_dict(), model.config.model_type, "float32")
+    )
+    kept = load_model(path)
+    dropped = []
+    real_open = checkpoint.open_safetensors
+
+    def counting_open(file):
+        h = real_open(file)
+        real_exit = h.__exit__
+        h.__exit__ = lambda *exc: dropped.append(file) or real_exit(*exc)
+        return h
+
+    monkeypatch.setattr(checkpoint, "open_safetensors", counting_open)
+    monkeypatch.setattr(checkpoint, "REMAP_BYTES", 1)  # every read drops its mapping
+    remapped = load_model(path)
+    fused_blocks = sum(2 for k in state if k.endswith(("qkv_proj.weight", "up_gate_proj.weight")))
+    whole = sum(1 for k in state if not k.endswith(("qkv_proj.weight", "up_gate_proj.weight")))
+    assert len(dropped) >= whole + fused_blocks  # q|k|v: 3 blocks, gate|up: 2; at least 2 each
+    for (name, a), (_, b) in zip(kept.named_parameters(), remapped.named_parameters()):
+        np.testing.assert_array_equal(a.numpy(), b.numpy(), err_msg=name)
+
+
 @pytest.mark.parametrize("variant", ["dense", "moe-untied-bias-mtp"])
 def test_a_hand_written_paddle_checkpoint_gives_the_pt_logits(tmp_path, variant):
     model = _model(variant)
