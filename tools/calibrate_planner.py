@@ -26,6 +26,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+import bench_vs_torch  # noqa: E402  (stdlib imports only)
 from _train_runs import layout_step  # noqa: E402
 
 from erniekit.distributed import planner as P  # noqa: E402
@@ -37,19 +38,7 @@ G, S = 16, 128
 MODELS = {
     "tiny-moe": ("tiny-moe", {}),
     "tiny-dense": ("tiny-dense", {}),
-    "dense-1024": (
-        "tiny-dense",
-        dict(
-            hidden_size=1024,
-            intermediate_size=3072,
-            num_hidden_layers=4,
-            num_attention_heads=16,
-            num_key_value_heads=2,
-            head_dim=64,
-            vocab_size=32000,
-            tie_word_embeddings=True,
-        ),
-    ),
+    "dense-1024": ("tiny-dense", bench_vs_torch.MODELS["dense-1024"]),  # the speed benchmark's dense model
 }
 # (model, processes, plan); plan.dp x tp = processes, micro_batch x accumulation x dp = G
 LAYOUTS = [

@@ -96,7 +96,9 @@ def test_sharded_save_round_trip(tmp_path):
 
 
 @pytest.mark.parametrize("sharded", [False, True])
-def test_loading_drops_a_shards_mapping_once_enough_is_read_and_loads_the_same_values(tmp_path, monkeypatch, sharded):
+def test_loading_drops_a_shards_mapping_once_enough_is_read_and_loads_the_same_values(
+    tmp_path, monkeypatch, shard_maps, sharded
+):
     """A shard's memory map is dropped once REMAP_BYTES were read through it (its pages then leave
     the resident set) and opened again for the next tensor; the values are the same."""
     from erniekit.models.ernie4_5 import checkpoint
@@ -104,17 +106,8 @@ def test_loading_drops_a_shards_mapping_once_enough_is_read_and_loads_the_same_v
     m = _tiny()
     save_pretrained(m, str(tmp_path), **({"max_shard_size": 4096} if sharded else {}))
     kept = from_pretrained(str(tmp_path))
-    opened, dropped = [], []
-    real_open = checkpoint.open_safetensors
-
-    def counting_open(file):
-        h = real_open(file)
-        opened.append(file)
-        real_exit = h.__exit__
-        h.__exit__ = lambda *exc: dropped.append(file) or real_exit(*exc)
-        return h
-
-    monkeypatch.setattr(checkpoint, "open_safetensors", counting_open)
+    opened, dropped = shard_maps.opened, shard_maps.dropped
+    opened.clear(), dropped.clear()  # that load's
     monkeypatch.setattr(checkpoint, "REMAP_BYTES", 1)  # every read drops its mapping
     remapped = from_pretrained(str(tmp_path))
     n = len(list(m.named_parameters()))

@@ -118,7 +118,7 @@ def test_our_checkpoint_round_trips_through_the_paddle_layout(tmp_path, variant)
     np.testing.assert_allclose(_logits(load_model(str(tmp_path / "pt"))), _logits(model), rtol=0, atol=1e-5)
 
 
-def test_fused_blocks_count_toward_dropping_a_shards_mapping(tmp_path, monkeypatch):
+def test_fused_blocks_count_toward_dropping_a_shards_mapping(tmp_path, monkeypatch, shard_maps):
     """The fused tensors' column blocks are read through the shard's mapping like whole tensors, so
     they count toward REMAP_BYTES (the file's pages do not pile up beside the weights); the values
     are the same."""
@@ -130,16 +130,8 @@ def test_fused_blocks_count_toward_dropping_a_shards_mapping(tmp_path, monkeypat
         tmp_path / "pd", state, paddle_config_dict(model.config.to_dict(), model.config.model_type, "float32")
     )
     kept = load_model(path)
-    dropped = []
-    real_open = checkpoint.open_safetensors
-
-    def counting_open(file):
-        h = real_open(file)
-        real_exit = h.__exit__
-        h.__exit__ = lambda *exc: dropped.append(file) or real_exit(*exc)
-        return h
-
-    monkeypatch.setattr(checkpoint, "open_safetensors", counting_open)
+    dropped = shard_maps.dropped
+    dropped.clear()  # that load's
     monkeypatch.setattr(checkpoint, "REMAP_BYTES", 1)  # every read drops its mapping
     remapped = load_model(path)
     fused_blocks = sum(2 for k in state if k.endswith(("qkv_proj.weight", "up_gate_proj.weight")))
