@@ -141,6 +141,40 @@ def test_fused_blocks_count_toward_dropping_a_shards_mapping(tmp_path, monkeypat
         np.testing.assert_array_equal(a.numpy(), b.numpy(), err_msg=name)
 
 
+def test_a_fused_block_that_cannot_be_read_is_one_line_naming_the_file(tmp_path, monkeypatch):
+    from safetensors import SafetensorError
+
+    from erniekit.models.ernie4_5 import checkpoint
+
+    model = _model("dense")
+    state = {k: v.numpy() for k, v in paddle_state_dict(model).items()}
+    path = _write(
+        tmp_path / "pd", state, paddle_config_dict(model.config.to_dict(), model.config.model_type, "float32")
+    )
+    real_slice = checkpoint._ShardReader._slice
+
+    class Damaged:  # a view whose bytes cannot be read (a file cut short after its header was read)
+        def __init__(self, view):
+            self.view = view
+
+        def __getattr__(self, name):  # shape and dtype still read from the header
+            return getattr(self.view, name)
+
+        def __getitem__(self, key):
+            raise SafetensorError("incomplete metadata, file not fully covered")
+
+    def slice_(self, name):
+        view = real_slice(self, name)
+        return Damaged(view) if name.endswith("qkv_proj.weight") else view
+
+    monkeypatch.setattr(checkpoint._ShardReader, "_slice", slice_)
+    with pytest.raises(
+        CheckpointError, match=r"model\.safetensors: cannot read columns 0:\d+ of tensor .*qkv_proj"
+    ) as e:
+        load_model(path)
+    assert "\n" not in str(e.value) and "re-download or re-save" in str(e.value)
+
+
 @pytest.mark.parametrize("variant", ["dense", "moe-untied-bias-mtp"])
 def test_a_hand_written_paddle_checkpoint_gives_the_pt_logits(tmp_path, variant):
     model = _model(variant)
