@@ -74,7 +74,7 @@ def _chat_parser() -> argparse.ArgumentParser:
     add_packed_weights_flag(p, "on the CPU")
     p.add_argument("--prompt", help="answer this one message and exit (no interactive session)")
     p.add_argument("--system", help="system message")
-    p.add_argument("--max-new-tokens", type=int, default=256, help="most tokens per reply")
+    p.add_argument("--max-new-tokens", type=int, default=256, help="most tokens per reply (capped at what the model's context leaves)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
     p.add_argument("--seed", type=int, default=None, help="random seed for sampling")
@@ -166,6 +166,27 @@ def _check_base_model(model_dir: str | None, base: str | None, verb: str) -> Non
         )
 
 
+def _escaped_bytes(s: str) -> bool:
+    """Every character is a PEP 383 escape of one undecodable byte (U+DC80..U+DCFF)."""
+    return all("\udc80" <= c <= "\udcff" for c in s)
+
+
+def _check_text(flag: str, text: str | None, verb: str) -> None:
+    """An argument that is not UTF-8 arrives with surrogate escapes (PEP 383): refuse it here, in
+    one line, rather than in the tokenizer."""
+    if text is None:
+        return
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        bad = text[e.start : e.end].encode(
+            "utf-8", "surrogateescape" if _escaped_bytes(text[e.start : e.end]) else "backslashreplace"
+        )
+        raise ErniekitError(
+            f"{verb}: {flag} is not UTF-8 text ({bad!r} at character {e.start}); set a UTF-8 locale or pass UTF-8 text"
+        ) from None
+
+
 def chat(args: list[str]) -> int:
     """Interactive or one-shot chat with a checkpoint."""
     ns = _chat_parser().parse_args(args)
@@ -173,9 +194,11 @@ def chat(args: list[str]) -> int:
     from erniekit.infer.sampling import SamplingParams
 
     try:  # the same checks generation applies, before paddle's slow import
-        SamplingParams(max_new_tokens=ns.max_new_tokens, temperature=ns.temperature, top_p=ns.top_p)
+        SamplingParams(max_new_tokens=ns.max_new_tokens, temperature=ns.temperature, top_p=ns.top_p, seed=ns.seed)
     except ValueError as e:
         raise ErniekitError(f"chat: {e}") from None
+    for flag, text in (("--prompt", ns.prompt), ("--system", ns.system)):
+        _check_text(flag, text, "chat")
     if (ns.image or ns.video) and (ns.temperature > 0 or ns.speculative):
         raise ErniekitError(
             "chat: --image / --video replies are greedy in this version: drop --temperature / --speculative"

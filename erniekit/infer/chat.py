@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import os
 import sys
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any, TextIO
 
-from erniekit.errors import CheckpointError
+from erniekit.errors import CheckpointError, ErniekitError
 from erniekit.infer.stops import stop_ids  # noqa: F401 - where chat, server and WebUI take it from
 
 if TYPE_CHECKING:  # paddle is imported only when chat runs
@@ -132,7 +133,16 @@ class ChatSession:
         return text
 
     def reply(self, user: str) -> str:
-        """Add a user turn, stream the assistant's answer to `out`, keep it in the history."""
+        """Add a user turn, stream the assistant's answer to `out`, keep it in the history; a turn
+        that fails (an overlong history, text that is not Unicode) leaves the history as it was."""
+        saved = (list(self.messages), self._text, self._ids)
+        try:
+            return self._reply(user)
+        except ErniekitError:
+            self.messages, self._text, self._ids = saved
+            raise
+
+    def _reply(self, user: str) -> str:
         if self.images or self.videos:
             return self._reply_with_images(user)
         self.messages.append({"role": "user", "content": user})
@@ -202,8 +212,8 @@ class ChatSession:
         (erniekit/infer/credibility.py); not streamed: the choice needs every whole answer."""
         from erniekit.infer.credibility import rerank, sample_replies
 
-        p = self.params
         ids = self.prompt_ids()
+        p = self._within_context(ids)
         answers = sample_replies(
             self.model,
             self.tokenizer,
@@ -218,6 +228,20 @@ class ChatSession:
         self._write(answers[best])
         return answers[best]
 
+    def _within_context(self, ids: list[int]) -> SamplingParams:
+        """The sampling parameters with max_new_tokens capped at what the model's context leaves
+        after the prompt; an error when the prompt alone fills it."""
+        if self.model is None:  # a session driven by a stand-in generator (tests)
+            return self.params
+        context = int(self.model.config.max_position_embeddings)
+        room = context - len(ids)
+        if room < 1:
+            raise ErniekitError(
+                f"chat: the conversation is {len(ids)} tokens, the model's context is {context}; "
+                f"start over ({CLEAR} in a session) or send a shorter message"
+            )
+        return replace(self.params, max_new_tokens=min(self.params.max_new_tokens, room))
+
     def _remember(self) -> None:
         # the reply chunk as training encodes it, so the next turn reuses these ids
         self._extend(self.tokenizer.apply_chat_template(self.messages, add_generation_prompt=False, tools=self.tools))
@@ -230,11 +254,12 @@ class ChatSession:
         if self.speculative:  # same tokens as greedy generate_stream, fewer trunk forwards
             from erniekit.infer.speculative import speculative_stream as stream
         ids = self.prompt_ids()
-        stops = set(self.params.stop_token_ids)
+        params = self._within_context(ids)
+        stops = set(params.stop_token_ids)
         new: list[int] = []
         shown = ""
         write = on_text or self._write
-        for step in stream(self.model, [ids], self.params, pad_id=self.tokenizer.pad_token_id or 0):
+        for step in stream(self.model, [ids], params, pad_id=self.tokenizer.pad_token_id or 0):
             tok = int(step[0])
             if tok < 0 or tok in stops:
                 break
@@ -260,6 +285,14 @@ class ChatSession:
         if s and self.out is not None:
             self.out.write(s)
             self.out.flush()
+
+
+def _is_text(s: str) -> bool:
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def pack_for_chat(model, mode: str) -> str:
@@ -344,6 +377,8 @@ def run_chat(args: Any) -> int:
         print(flush=True)
         return 0
     interactive = sys.stdin.isatty()
+    if hasattr(sys.stdin, "reconfigure"):  # a line that is not UTF-8 is refused below, not a traceback here
+        sys.stdin.reconfigure(errors="surrogateescape")
     if interactive:
         print(
             f"chatting with {args.model_dir}; {packing}; {CLEAR} resets the history, {EXIT[0]} or Ctrl-D quits",
@@ -355,6 +390,9 @@ def run_chat(args: Any) -> int:
         except EOFError:
             print()
             return 0
+        if not _is_text(line):  # bytes that were not UTF-8 (stdin reads them as surrogate escapes)
+            print("error: that line is not UTF-8 text; type it again", file=sys.stderr, flush=True)
+            continue
         if not interactive:  # a piped line is not echoed: write it so the transcript reads as a dialogue
             print(line, flush=True)
         line = line.strip()
@@ -367,5 +405,9 @@ def run_chat(args: Any) -> int:
             print("(history cleared)", flush=True)
             continue
         sys.stdout.write("Assistant: ")
-        session.reply(line)
+        try:
+            session.reply(line)
+        except ErniekitError as e:  # this turn is dropped; the session goes on
+            print(f"\nerror: {e}", file=sys.stderr, flush=True)
+            continue
         print(flush=True)

@@ -29,6 +29,7 @@ from typing import Callable
 import numpy as np
 import paddle
 
+from erniekit.errors import ErniekitError
 from erniekit.infer.sampling import SamplingParams
 from erniekit.nn import small_gemm
 from erniekit.nn.attention import KVCache
@@ -106,6 +107,7 @@ class Request:
     text: str = ""
     sent: int = 0  # characters of `text` already emitted
     error: str | None = None
+    ended_on_stop_token: bool = False  # the reply ended on a stop token: generated, not in `completion`
     cancelled: bool = False  # set by the caller (a client that went away): finishes at the next step
 
 
@@ -147,6 +149,28 @@ class SlotCache:
         self.length = T + by
 
 
+def check_cache_fits(config, max_batch: int, max_model_len: int, dtype) -> None:
+    """Refuse, in one line, a context longer than the model's positions or a KV cache (allocated
+    whole when the engine starts) larger than the memory available."""
+    from erniekit.infer.weight_packing import available_memory
+
+    positions = int(config.max_position_embeddings)
+    if max_model_len > positions:
+        raise ErniekitError(
+            f"--max-model-len {max_model_len} is longer than the model's context "
+            f"(max_position_embeddings={positions}); use at most {positions}"
+        )
+    itemsize = paddle.zeros([1], dtype=dtype).element_size()
+    need = 2 * config.num_hidden_layers * max_batch * max_model_len * config.num_key_value_heads * config.head_dim
+    need = need * itemsize + max_batch * max_model_len * 8  # keys, values and the int64 mask
+    free = available_memory()
+    if free is not None and need > free:
+        raise ErniekitError(
+            f"the KV cache for --max-batch {max_batch} x --max-model-len {max_model_len} needs "
+            f"{need / 2**20:,.0f} MiB, {free / 2**20:,.0f} MiB is available; lower either"
+        )
+
+
 class Engine:
     def __init__(
         self,
@@ -166,6 +190,7 @@ class Engine:
         self.max_model_len = int(max_model_len or min(int(c.max_position_embeddings), 4096))
         self.max_batch = max_batch
         self.dtype = model.model.embed_tokens.weight.dtype
+        check_cache_fits(c, max_batch, self.max_model_len, self.dtype)
         self.cache = SlotCache(c, max_batch, self.max_model_len, self.dtype)
         self.mask = np.zeros((max_batch, self.max_model_len), dtype=np.int64)
         self.rows: list[Request] = []  # running requests, row i = rows[i]
@@ -452,8 +477,8 @@ class Engine:
             raise FloatingPointError("logits are not finite after biases and penalties")
         if p.temperature == 0:
             return int(z.argmax())
-        z = z / p.temperature
-        prob = np.exp(z - z.max())
+        # the shift before the division: z / T overflows to inf at a tiny T (1e-308), and inf - inf is NaN
+        prob = np.exp((z - z.max()) / p.temperature)
         prob /= prob.sum()
         order = np.argsort(-prob, kind="stable")
         sp = prob[order]
@@ -475,6 +500,7 @@ class Engine:
             return self._finish(req, "cancelled")
         stops = req.params.stop_token_ids or self.default_stops
         if tok in stops:
+            req.ended_on_stop_token = True
             return self._finish(req, "stop")
         req.completion.append(tok)
         text = self.tokenizer.decode(req.completion)

@@ -23,7 +23,11 @@ def sample_next(logits: paddle.Tensor, temperature: float, top_p: float) -> padd
     """logits [B, V] float32 -> next ids [B] (int64)."""
     if temperature == 0:
         return paddle.argmax(logits, axis=-1)
-    probs = F.softmax(logits / temperature, axis=-1)
+    # shifted before the division: logits / T overflows to inf at a tiny T (1e-308), and softmax
+    # then takes inf - inf = NaN. A T that rounds to 0 in the logits' dtype makes the argmax's 0 / 0
+    # NaN: it stays 0 (its probability 1), the rest go to -inf, as the limit T -> 0 has it
+    shift = logits - logits.max(axis=-1, keepdim=True)
+    probs = F.softmax(paddle.where(shift == 0, shift, shift / temperature), axis=-1)
     if top_p < 1.0:
         sorted_idx = paddle.argsort(probs, axis=-1, descending=True)
         sorted_p = paddle.take_along_axis(probs, sorted_idx, axis=-1)

@@ -41,6 +41,7 @@ Prompt = tuple  # (token ids, images and videos as (patches, grid_thw) or None)
 DEFAULT_MAX_IMAGES = 8  # per request: each image is a vision-encoder pass on the engine thread
 MAX_VIDEOS = 2  # per request: a video is up to max_frames frames
 ROLES = ("system", "user", "assistant", "developer", "tool")
+MAX_MESSAGES = 2048  # per chat request, as OpenAI's API allows
 MAX_PROMPTS = 64  # prompts in one /v1/completions request (a choice each), all decoded side by side
 MAX_LOGPROBS = 20  # alternatives per token (OpenAI: 5 for completions, 20 for chat; vLLM: 20)
 # log-probabilities one request may ask for: tokens scored x (1 + alternatives), ~130 bytes each while
@@ -200,6 +201,38 @@ def _depth(obj: Any) -> int:
     return deepest
 
 
+def _is_text(s: str) -> bool:
+    """s encodes to UTF-8: no unpaired UTF-16 surrogate (which JSON's \\ud800 escapes can spell)."""
+    if s.isascii():
+        return True
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _not_unicode(obj: Any) -> str | None:
+    """Where parsed JSON holds a string that is not Unicode text, as `messages[0].content`
+    (a key that is not text written with backslash escapes); None when every string is text."""
+    todo: list[tuple[Any, str]] = [(obj, "")]
+    while todo:
+        o, path = todo.pop()
+        if isinstance(o, str):
+            if not _is_text(o):
+                return path or "the body"
+        elif isinstance(o, dict):
+            for k, v in o.items():
+                name = k if _is_text(k) else k.encode("utf-8", "backslashreplace").decode("utf-8")
+                here = f"{path}.{name}" if path else name
+                if not _is_text(k):
+                    return here
+                todo.append((v, here))
+        elif isinstance(o, list):
+            todo.extend((v, f"{path}[{i}]") for i, v in enumerate(o))
+    return None
+
+
 def parse_json(raw: bytes) -> Any:
     """The body as JSON, or a 400 saying why not (empty, not UTF-8, malformed, too deep)."""
     if not raw.strip():
@@ -225,6 +258,13 @@ def parse_json(raw: bytes) -> Any:
     if _depth(body) > MAX_JSON_DEPTH:
         raise BadRequest(
             f"the request body nests deeper than {MAX_JSON_DEPTH} levels; flatten it", code="json_too_deep"
+        )
+    where = _not_unicode(body)
+    if where is not None:
+        raise BadRequest(
+            f"{where} holds an unpaired UTF-16 surrogate (a lone \\ud800-\\udfff escape), which is not "
+            "Unicode text; send valid text",
+            where,
         )
     return body
 
@@ -352,6 +392,8 @@ class OpenAIServer:
         opts = body.get("stream_options")
         if opts is not None and not isinstance(opts, dict):
             raise BadRequest(f"stream_options={_short(opts)} must be an object", "stream_options")
+        if opts is not None and not stream:  # as OpenAI's API answers it
+            raise BadRequest("stream_options is only allowed with stream: true", "stream_options")
         include_usage = _flag(opts or {}, "include_usage", "stream_options.include_usage")
         if body.get("user") is not None and not isinstance(body.get("user"), str):
             raise BadRequest(f"user={_short(body.get('user'))} must be a string", "user")
@@ -384,6 +426,12 @@ class OpenAIServer:
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
             raise BadRequest("messages must be a non-empty list of {role, content}", "messages")
+        if len(messages) > MAX_MESSAGES:  # the prompt's chunk-by-chunk encoding renders each turn's prefix
+            raise BadRequest(
+                f"messages has {len(messages)} entries, more than the {MAX_MESSAGES} a request may carry; "
+                "drop or merge old turns",
+                "messages",
+            )
         msgs, chars, images, videos = [], 0, [], []
         for i, m in enumerate(messages):
             if not isinstance(m, dict):
@@ -400,9 +448,12 @@ class OpenAIServer:
                 raise BadRequest(
                     f"messages[{i}].content must be a string or a list of text parts", f"messages[{i}].content"
                 )
-            chars += (
-                len(content or "") + len(json.dumps(m.get("tool_calls") or "")) + len(m.get("reasoning_content") or "")
-            )
+            reasoning = m.get("reasoning_content")
+            if reasoning is not None and not isinstance(reasoning, str):
+                raise BadRequest(
+                    f"messages[{i}].reasoning_content must be a string", f"messages[{i}].reasoning_content"
+                )
+            chars += len(content or "") + len(json.dumps(m.get("tool_calls") or "")) + len(reasoning or "")
             msgs.append({**m, "role": "system" if role == "developer" else role, "content": content})
         msgs = with_control(msgs, self._control(body))  # extra_body.control: the prefix SFT trained on
         self._fits(chars + len(json.dumps(body.get("tools") or "")), "messages")
@@ -779,7 +830,8 @@ class OpenAIServer:
     @staticmethod
     def usage(reqs: list[Request]) -> dict:
         p = sum(len(r.prompt) for r in reqs)
-        n = sum(len(r.completion) for r in reqs)
+        # the stop token that ended a reply was generated (and has a log-probability entry), as vLLM counts it
+        n = sum(len(r.completion) + r.ended_on_stop_token for r in reqs)
         return {"prompt_tokens": p, "completion_tokens": n, "total_tokens": p + n}
 
     def _echo(self, q: Parsed, i: int) -> str:

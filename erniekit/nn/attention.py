@@ -194,20 +194,41 @@ def attention(
 
 
 class KVCache:
-    """Preallocated per-layer key/value buffers [B, max_len, KVH, D]; `length` tokens are valid.
+    """Per-layer key/value buffers [B, capacity, KVH, D]; `length` tokens are valid, at most `max_len`.
+    The buffers start at the first update's length plus `GROW` columns and double as tokens come:
+    a generous max_new_tokens costs memory only for the tokens actually generated.
     `config`: any model config with num_hidden_layers, num_key_value_heads and head_dim."""
 
+    GROW = 256  # columns past the first update's (the prompt's) that the first buffers hold
+
     def __init__(self, config, batch_size: int, max_len: int, dtype: str = "float32"):
-        shape = [batch_size, max_len, config.num_key_value_heads, config.head_dim]
-        self.k = [paddle.zeros(shape, dtype=dtype) for _ in range(config.num_hidden_layers)]
-        self.v = [paddle.zeros(shape, dtype=dtype) for _ in range(config.num_hidden_layers)]
+        self._shape = [batch_size, 0, config.num_key_value_heads, config.head_dim]
+        self._dtype = dtype
+        self.k = [paddle.zeros(self._shape, dtype=dtype) for _ in range(config.num_hidden_layers)]
+        self.v = [paddle.zeros(self._shape, dtype=dtype) for _ in range(config.num_hidden_layers)]
         self.length = 0
         self.max_len = max_len
+
+    @property
+    def capacity(self) -> int:
+        return int(self.k[0].shape[1]) if self.k else 0
+
+    def _grow(self, end: int) -> None:
+        cap = min(self.max_len, max(end + (self.GROW if self.capacity == 0 else 0), 2 * self.capacity))
+        shape = [self._shape[0], cap, *self._shape[2:]]
+        for bufs in (self.k, self.v):
+            for i, old in enumerate(bufs):
+                new = paddle.zeros(shape, dtype=self._dtype)
+                if self.length:
+                    new[:, : self.length] = old[:, : self.length]
+                bufs[i] = new
 
     def update(self, layer: int, k: paddle.Tensor, v: paddle.Tensor) -> tuple[paddle.Tensor, paddle.Tensor]:
         start, end = self.length, self.length + k.shape[1]
         if end > self.max_len:
             raise ValueError(f"KV cache full: {end} tokens > max_len={self.max_len}")
+        if end > self.capacity:  # every layer's buffers at once, before layer 0 writes its tokens
+            self._grow(end)
         self.k[layer][:, start:end] = k
         self.v[layer][:, start:end] = v
         return self.k[layer][:, :end], self.v[layer][:, :end]

@@ -192,6 +192,50 @@ BAD = [
         None,
     ),
     ("message not an object", C, {"model": MODEL, "messages": ["hi"]}, 400, "messages[0]", None),
+    (
+        "reasoning_content a number",
+        C,
+        {
+            "model": MODEL,
+            "messages": [{"role": "assistant", "content": "x", "reasoning_content": 5}, *chat("y")["messages"]],
+        },
+        400,
+        "messages[0].reasoning_content",
+        None,
+    ),
+    (
+        "more messages than OpenAI allows",
+        C,
+        {"model": MODEL, "messages": [{"role": "user", "content": ""}, {"role": "assistant", "content": ""}] * 1025},
+        400,
+        "messages",
+        None,
+    ),
+    # a lone surrogate is valid JSON (an escape) but not text: the tokenizer could not take it
+    (
+        "unpaired surrogate in a message",
+        C,
+        b'{"model": "tiny-test", "messages": [{"role": "user", "content": "\\ud800 hi"}]}',
+        400,
+        "messages[0].content",
+        None,
+    ),
+    (
+        "unpaired surrogate in a prompt",
+        P,
+        b'{"model": "tiny-test", "prompt": ["ok", "x\\udfff"]}',
+        400,
+        "prompt[1]",
+        None,
+    ),
+    (
+        "stream_options without stream",
+        C,
+        chat("hi", stream_options={"include_usage": True}),
+        400,
+        "stream_options",
+        None,
+    ),
     ("prompt token id out of vocabulary", P, {**OKP, "prompt": [5, 10**9]}, 400, "prompt", None),
     ("prompt negative token id", P, {**OKP, "prompt": [-1]}, 400, "prompt", None),
     ("prompt empty list", P, {**OKP, "prompt": []}, 400, "prompt", None),
@@ -232,6 +276,17 @@ def test_each_bad_request_gets_one_openai_shaped_line_naming_its_parameter(live,
     got_status, got = post(live["port"], path, enc(body))
     assert got_status == status, got
     assert_openai_error(got_status, got, param, code)
+
+
+def test_a_vanishing_temperature_samples_the_greedy_reply(live):
+    """temperature 1e-308 is in range: z / T overflowed to inf and the softmax to NaN (a 500);
+    now the distribution is the argmax's, so the reply is the greedy one."""
+    replies = []
+    for t in (0, 1e-308, 5e-324):
+        status, got = post(live["port"], P, enc({**OKP, "max_tokens": 6, "temperature": t, "seed": 1}))
+        assert status == 200, got
+        replies.append(got["choices"][0]["text"])
+    assert replies[1] == replies[2] == replies[0]
 
 
 def test_routes_methods_and_the_key_answer_in_the_same_shape(live):

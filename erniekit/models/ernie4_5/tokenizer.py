@@ -310,6 +310,14 @@ class ErnieTokenizer:
         add_special_tokens adds BOS/EOS only when the config says so (add_bos_token /
         add_eos_token); ERNIE 4.5 sets both False, like transformers does for it.
         """
+        if not text.isascii():
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError as e:  # sentencepiece would raise a bare RuntimeError
+                raise DataError(
+                    f"text to encode is not valid Unicode: {text[e.start : e.end]!r} at character {e.start} "
+                    "(an unpaired surrogate, e.g. from bytes that were not UTF-8); pass UTF-8 text"
+                ) from None
         parts = self._split_re.split(text) if self._split_re else [text]
         ids: list[int] = []
         for i, part in enumerate(parts):

@@ -165,3 +165,62 @@ def test_streaming_writes_pieces_and_holds_back_partial_characters(ckpt, monkeyp
     assert "".join(out.writes) == text
     assert len(out.writes) >= 8 and not any("\ufffd" in w for w in out.writes)
     assert "你" in out.writes and "😀" in out.writes[-1]
+
+
+def _cli_bytes(args: list[bytes], stdin: bytes | None = None) -> subprocess.CompletedProcess:
+    """_cli with raw bytes: arguments and input that are not UTF-8."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT), LC_ALL="C.UTF-8")
+    return subprocess.run(
+        [os.fsencode(sys.executable), b"-m", b"erniekit", b"chat", *args],
+        cwd=ROOT,
+        env=env,
+        input=stdin,
+        capture_output=True,
+        timeout=120,
+    )
+
+
+def test_text_that_is_not_utf8_and_a_bad_seed_are_one_line_errors(ckpt):
+    for args in ([b"--prompt", b"\xff\xfe x"], [b"--prompt", b"hi", b"--system", b"\xc3("], [b"--seed", b"-1"]):
+        proc = _cli_bytes([os.fsencode(ckpt), *args])
+        lines = proc.stderr.decode().strip().splitlines()
+        assert proc.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: chat: "), proc.stderr
+        assert ("not UTF-8" in lines[0]) != (args[0] == b"--seed")
+
+
+def test_a_line_that_is_not_utf8_is_refused_and_the_session_goes_on(ckpt):
+    proc = _cli_bytes([os.fsencode(ckpt), b"--max-new-tokens", b"4"], stdin=b"\xff\xfe\n1+2=\n")
+    assert proc.returncode == 0, proc.stderr
+    err = proc.stderr.decode().strip().splitlines()
+    assert err == ["error: that line is not UTF-8 text; type it again"]
+    out = proc.stdout.decode()  # the bad line is not echoed: stdout stays UTF-8
+    assert out.count("Assistant: ") == 1 and out.startswith("User: User: 1+2=\nAssistant: ")
+
+
+def test_replies_stop_at_the_context_and_an_overlong_history_leaves_it_as_it_was(ckpt, monkeypatch):
+    """max_new_tokens is capped at what the model's positions leave after the prompt (it sized the
+    KV cache: --max-new-tokens 10**6 took GBs); a prompt that fills them is one error, and the
+    turn it belonged to is dropped."""
+    from erniekit.errors import ErniekitError
+    from erniekit.infer.chat import ChatSession, load_chat_model
+
+    model, tok = load_chat_model(ckpt)
+    asked: list[int] = []
+    real_stream = gen.generate_stream
+
+    def stream_spy(model, ps, params, pad_id=0):
+        asked.append(params.max_new_tokens)
+        return real_stream(model, ps, params, pad_id)
+
+    monkeypatch.setattr(gen, "generate_stream", stream_spy)
+    session = ChatSession(model, tok, SamplingParams(max_new_tokens=10**6), out=io.StringIO())
+    taken: list[int] = []
+    monkeypatch.setattr(session, "_emit", lambda new, shown, write: (taken.append(len(new)), shown)[1])
+    first = len(tok.encode(tok.apply_chat_template([{"role": "user", "content": "1+2="}], add_generation_prompt=True)))
+    model.config = model.config.replace(max_position_embeddings=first + 3)
+    session.reply("1+2=")
+    assert asked == [3] and 1 <= max(taken) <= 3
+    before = ([dict(m) for m in session.messages], session._text, list(session._ids))
+    with pytest.raises(ErniekitError, match=rf"conversation is \d+ tokens, the model's context is {first + 3}"):
+        session.reply("4+5=")
+    assert (session.messages, session._text, session._ids) == before

@@ -10,6 +10,8 @@ import numpy as np
 import paddle
 import pytest
 
+from erniekit.errors import ErniekitError
+from erniekit.infer import weight_packing
 from erniekit.infer.engine import Engine, Request, complete
 from erniekit.infer.generate import generate
 from erniekit.infer.sampling import SamplingParams
@@ -266,3 +268,41 @@ def test_logit_bias_and_penalties_steer_only_their_own_row(model, tokenizer):
     assert got[1][1][0] != plain[0]  # -100 removes the greedy choice
     assert len(set(got[2][1])) >= len(set(plain))  # penalties never repeat more than plain greedy
     assert got[3][1] == plain  # the neighbours' biases did not leak into this row
+
+
+def test_a_context_beyond_the_model_or_a_cache_beyond_the_memory_is_refused_at_start(model, tokenizer, monkeypatch):
+    positions = model.config.max_position_embeddings
+    with pytest.raises(
+        ErniekitError, match=rf"--max-model-len {positions + 1} is longer than .*use at most {positions}"
+    ):
+        Engine(model, tokenizer, max_batch=1, max_model_len=positions + 1)
+    # 4 layers x (k + v) x 64 rows x 2048 x 2 heads x 32 x 4 bytes + the int64 mask = 257 MiB
+    monkeypatch.setattr(weight_packing, "available_memory", lambda: 2**27)
+    with pytest.raises(
+        ErniekitError, match=r"--max-batch 64 x --max-model-len 2048 needs 257 MiB, 128 MiB is available"
+    ):
+        Engine(model, tokenizer, max_batch=64, max_model_len=2048)
+    engine = Engine(model, tokenizer, max_batch=2, max_model_len=64)  # 4 MiB: fits
+    engine.close()
+
+
+def test_a_reply_ended_by_a_stop_token_counts_it_among_the_tokens_taken(model, tokenizer):
+    """The stop token was generated and scored (its log-probability entry), so the usage the server
+    reports counts it; `completion` (the text's ids) leaves it out."""
+    engine = Engine(model, tokenizer, max_batch=2, max_model_len=64)
+    try:
+        free = complete(engine, [5, 6, 7], SamplingParams(max_new_tokens=6))[1]
+        stop = next(t for i, t in enumerate(free) if i and t not in free[:i])
+        ended = threading.Event()
+        req = Request(
+            [5, 6, 7],
+            SamplingParams(max_new_tokens=6, stop_token_ids=[stop]),
+            lambda d, f: ended.set() if f else None,
+            logprobs=0,
+        )
+        engine.submit(req)
+        assert ended.wait(60)
+    finally:
+        engine.close()
+    assert req.completion == free[: free.index(stop)] and req.ended_on_stop_token
+    assert len(req.token_logprobs) == len(req.completion) + 1

@@ -6,8 +6,9 @@ import numpy as np
 import paddle
 import pytest
 
-from erniekit.infer.generate import SamplingParams, generate, generate_stream
+from erniekit.infer.generate import SamplingParams, generate, generate_stream, sample_next
 from erniekit.models.ernie4_5 import Ernie4_5ForCausalLM, get_preset
+from erniekit.nn.attention import KVCache
 
 PROMPTS = [[5, 17, 300, 42, 9], [7, 8, 900, 11, 12, 250, 33, 64, 100, 3, 77]]  # different lengths -> left padding
 
@@ -66,3 +67,34 @@ def test_seeded_sampling_is_reproducible_and_top_p_tiny_is_greedy(model):
     greedy = generate(model, PROMPTS, SamplingParams(max_new_tokens=10))
     assert a != greedy
     assert generate(model, PROMPTS, SamplingParams(max_new_tokens=10, temperature=1.0, top_p=1e-6, seed=5)) == greedy
+
+
+def test_the_kv_cache_grows_with_the_tokens_not_with_max_new_tokens(model, monkeypatch):
+    """A generous max_new_tokens allocates nothing up front: the buffers hold the prompt plus
+    GROW columns and double as tokens come, and growing (here every 3 tokens) changes no id."""
+    n = 10
+    want = generate(model, PROMPTS, SamplingParams(max_new_tokens=n), pad_id=0)
+    caches: list[KVCache] = []
+    real = KVCache.__init__
+
+    def spy(self, *a, **kw):
+        real(self, *a, **kw)
+        caches.append(self)
+
+    monkeypatch.setattr(KVCache, "__init__", spy)
+    monkeypatch.setattr(KVCache, "GROW", 3)
+    stream = generate_stream(model, PROMPTS, SamplingParams(max_new_tokens=10**9), pad_id=0)
+    got = np.stack([next(stream) for _ in range(n)], axis=1)
+    assert got.tolist() == want
+    cache = caches[-1]
+    L = max(map(len, PROMPTS))
+    assert cache.max_len == L + 10**9 and cache.length == L + n - 1
+    assert L + n - 1 <= cache.capacity <= 2 * (L + n) and cache.k[0].shape == cache.v[-1].shape
+
+
+def test_a_vanishing_temperature_draws_the_argmax_not_nan():
+    """logits / 1e-308 overflowed to inf, and the softmax of inf - inf is NaN."""
+    logits = paddle.to_tensor([[0.5, 3.0, -1.0, 2.9], [1.0, -2.0, 0.0, 4.0]], dtype="float32")
+    for t in (1e-308, 5e-324, 1e-30):
+        for top_p in (1.0, 0.9):
+            assert sample_next(logits, t, top_p).numpy().tolist() == [1, 3]

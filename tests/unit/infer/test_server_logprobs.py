@@ -215,8 +215,38 @@ def test_chat_logprobs_through_the_openai_client(client, model, tok):
     assert content[0].logprob == pytest.approx(first.max(), abs=1e-4)
     assert content[0].top_logprobs[0].logprob == content[0].logprob
     assert bytes(content[0].bytes).decode() == content[0].token
+    assert r.usage.completion_tokens == len(content)  # a stop token that ended the reply: in both
     plain = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=5, temperature=0)
     assert plain.choices[0].logprobs is None
+
+
+def test_usage_counts_the_stop_token_its_logprobs_show(model, tok):
+    """A reply that ends on a stop token: that token has a log-probability entry, so
+    completion_tokens counts it too (vLLM's convention), whole and streamed."""
+    from erniekit.infer.stops import stop_ids
+
+    stops = stop_ids(model, tok)
+    engine = Engine(model, tok, max_batch=2, max_model_len=64, stop_token_ids=stops)
+    try:
+        with TestClient(build_app(OpenAIServer(engine, tok, MODEL))) as http:
+            body = {
+                "model": MODEL,
+                "messages": [{"role": "user", "content": "1+2="}],
+                "max_tokens": 5,
+                "logprobs": True,
+                "logit_bias": {str(stops[0]): 100},  # the first token taken ends the reply
+            }
+            r = http.post("/v1/chat/completions", json=body).json()
+            choice = r["choices"][0]
+            assert choice["finish_reason"] == "stop" and choice["message"]["content"] == ""
+            assert len(choice["logprobs"]["content"]) == r["usage"]["completion_tokens"] == 1
+            lines = http.post(
+                "/v1/chat/completions", json={**body, "stream": True, "stream_options": {"include_usage": True}}
+            ).text.splitlines()
+            chunks = [json.loads(x[6:]) for x in lines if x.startswith("data: {")]
+            assert chunks[-1]["usage"]["completion_tokens"] == 1
+    finally:
+        engine.close()
 
 
 def test_byte_pieces_report_their_own_byte_in_chat_logprobs(tok):

@@ -6,7 +6,7 @@ import shutil
 
 import pytest
 
-from erniekit.errors import CheckpointError
+from erniekit.errors import CheckpointError, DataError
 from erniekit.models.ernie4_5.tokenizer import ERNIE_CHAT_TEMPLATE, RESOURCE_DIR, ErnieTokenizer, default_tokenizer
 
 TEXTS = [
@@ -58,6 +58,15 @@ def test_decode_encode_round_trip(tok):
     for text in TEXTS:
         assert tok.decode(tok.encode(text), skip_special_tokens=False) == text
     assert tok.decode(tok.encode("x\ny"), skip_special_tokens=True) == "x\ny"
+
+
+def test_text_that_is_not_unicode_is_a_data_error(tok):
+    """A lone surrogate (a JSON \\ud800 escape, bytes decoded with surrogateescape) made
+    sentencepiece raise a bare RuntimeError; it is one DataError naming the place."""
+    assert tok.encode("caf\u00e9 \U0001f600")  # text beyond ASCII still encodes
+    for text, at in (("\ud800 hi", 0), ("ok \udcff", 3), ("1+2=<|end_of_sentence|>x\udfff", 24)):
+        with pytest.raises(DataError, match=rf"not valid Unicode: .* at character {at} "):
+            tok.encode(text)
 
 
 def test_digits_are_single_tokens(tok):
