@@ -121,28 +121,50 @@ def encode_conversation(
     return ids, labels
 
 
+def _sources(convs: Sequence[Conversation]) -> str:
+    """The files the conversations came from (their "file:line" sources), for a message."""
+    files = dict.fromkeys(c.source.rsplit(":", 1)[0] for c in convs if c.source)
+    return ",".join(files) or "conversations"
+
+
 def encode_conversations(
     convs: Sequence[Conversation],
     tokenizer: ErnieTokenizer,
     max_seq_len: int,
     truncation: str = "error",
     train_on_reasoning: bool = True,
+    where: str = "",
 ) -> list[tuple[list[int], list[int]]]:
-    """Encode many conversations; warn once for truncated ones, drop those with no trained token."""
+    """Encode many conversations; warn once for truncated ones, drop those with no trained token.
+    All of them dropped is a DataError naming `where` (the dataset path; default: the conversations'
+    files) and why, here: otherwise the run fails at its first batch, with no word about the data."""
     if truncation not in ("error", "truncate"):
         raise DataError(f"truncation='{truncation}'; use 'error' or 'truncate'")
-    out, truncated, dropped = [], 0, 0
+    out, truncated, dropped, dropped_cut = [], 0, 0, 0
     for i, conv in enumerate(convs):
         ids, labels = _encode_full(conv, tokenizer, train_on_reasoning)
-        if len(ids) > max_seq_len:
+        cut = len(ids) > max_seq_len
+        if cut:
             if truncation == "error":
                 raise _too_long(conv, len(ids), max_seq_len, i)
             ids, labels = ids[:max_seq_len], labels[:max_seq_len]
             truncated += 1
         if all(label == IGNORE_INDEX for label in labels):
             dropped += 1
+            dropped_cut += cut
             continue
         out.append((ids, labels))
+    if convs and not out:
+        why, fix = [], []
+        if dropped_cut:
+            why.append(f"{dropped_cut} with a prompt longer than max_seq_len={max_seq_len}")
+            fix.append("raise max_seq_len")
+        if dropped > dropped_cut:
+            why.append(f"{dropped - dropped_cut} with no trained reply (every label 0)")
+            fix.append("check the labels")
+        raise DataError(
+            f"{where or _sources(convs)}: all {len(convs)} examples were dropped ({', '.join(why)}); {' or '.join(fix)}"
+        )
     if truncated:
         warnings.warn(f"{truncated} of {len(convs)} conversations truncated to max_seq_len={max_seq_len}", stacklevel=2)
     if dropped:

@@ -1,9 +1,10 @@
 """Dataset readers: validate every record up front and normalise to one internal form.
 
 SFT formats (one record per line in .jsonl, or a JSON list in .json):
-- erniekit: {"system"?: str, "src": [str, ...], "tgt": [str, ...], "label"?: [0|1, ...]}
+- erniekit: {"system"?: str, "src": [str, ...], "tgt": [str, ...], "label"?: [0|1, ...], "is_system"?: 0|1}
   src[i] is user turn i, tgt[i] the assistant reply; label[i] = 0 means "do not train on
-  reply i". A bare string src/tgt is read as a one-turn list.
+  reply i". A bare string src/tgt is read as a one-turn list. "is_system": 1 (ERNIEKit) takes
+  src[0] as the system prompt, dropping src[0], tgt[0] and label[0].
 - alpaca:   {"instruction": str, "input"?: str, "output": str, "system"?: str,
              "history"?: [[query, reply], ...]}; the user turn is instruction + "\\n" + input.
 - messages: {"messages": [{"role": "system"|"user"|"assistant", "content": str}, ...]}
@@ -27,14 +28,20 @@ Pretrain: .jsonl/.json records {"text": str}, or a plain-text file with one docu
 non-empty line (use jsonl for documents that contain newlines).
 LLaMA-Factory datasets: a path entry DIR/dataset_info.json:NAME (erniekit/data/dataset_info.py).
 
-Every problem raises DataError naming the file and line.
+Every problem raises DataError naming the file and line. A record key its format does not read is
+checked (`check_fields`): a near-miss of a field the record lacks ("inputs" for "input") is a
+DataError, other keys (ids, metadata) are named in one warning per file and ignored.
 """
 
 from __future__ import annotations
 
+import difflib
+import functools
 import json
 import os
-from collections.abc import Callable, Iterator
+import re
+import warnings
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
 from erniekit.data.control import check_control, with_control
@@ -179,6 +186,46 @@ def _records(path: str) -> Iterator[tuple[int, object]]:
             ) from e
 
 
+_TYPO_CUTOFF = 0.8  # difflib ratio: "inputs"/"input" 0.91, "sytem"/"system" 0.91, "lable"/"label" 0.8
+
+
+@functools.lru_cache(maxsize=1024)
+def _misspelled(keys: frozenset[str], known: frozenset[str]) -> tuple[str, str] | None:
+    """(key, field): a key of a record that looks like a misspelling of a field the record lacks. A key
+    holding the field as a word ("prompt_id", "is_system") names something else, as does any key
+    beside a record's own copy of the field."""
+    missing = sorted(known - keys)
+    for key in sorted(keys - known):
+        words = set(re.split(r"[^a-z0-9]+", key.lower()))
+        for near in difflib.get_close_matches(key.lower(), missing, n=3, cutoff=_TYPO_CUTOFF):
+            if len(words) == 1 or near not in words:
+                return key, near
+    return None
+
+
+def check_fields(rec: dict, known: frozenset[str] | None, where: str, ignored: set[str]) -> None:
+    """Raise on a misspelled field of `rec` (a typo silently changes what trains: alpaca "inputs"
+    drops the input, erniekit "lable" trains a masked reply); add its other unread keys (ids,
+    metadata) to `ignored`, for one `warn_ignored` per file. known=None: not checked."""
+    if known is None:
+        return
+    extra = rec.keys() - known  # the common case, every key known, costs this set difference
+    if not extra:
+        return
+    typo = _misspelled(frozenset(rec), known)
+    if typo is not None:
+        raise DataError(f"{where}: unknown field '{typo[0]}'; did you mean '{typo[1]}'?")
+    ignored.update(extra)
+
+
+def warn_ignored(path: str, fmt: str, ignored: set[str]) -> None:
+    """One warning per file naming the keys no reader of its format reads."""
+    if ignored:
+        warnings.warn(
+            f"{path}: fields {sorted(ignored)} are not read by the {fmt} format and are ignored", stacklevel=3
+        )
+
+
 def _str(rec: dict, key: str, where: str, required: bool = True) -> str | None:
     value = rec.get(key)
     if value is None and not required:
@@ -214,7 +261,17 @@ def _from_erniekit(rec: dict, where: str) -> Conversation:
         train_on = [bool(v) for v in label]
     else:
         raise DataError(f"{where}: field 'label' must be a list of {len(tgt)} values 0/1 (one per tgt turn)")
-    return Conversation(_str(rec, "system", where, required=False), list(zip(src, tgt)), train_on, where)
+    system = _str(rec, "system", where, required=False)
+    is_system = rec.get("is_system", 0)
+    if is_system not in (0, 1) or isinstance(is_system, (bool, float)):
+        raise DataError(f"{where}: field 'is_system' must be 0 or 1, got {is_system!r}")
+    if is_system == 1:  # ERNIEKit: src[0] is the system prompt, tgt[0] its placeholder reply
+        if len(src) < 2:
+            raise DataError(f"{where}: 'is_system': 1 needs src[0] as the system prompt plus at least one user turn")
+        if system:
+            raise DataError(f"{where}: 'system' and 'is_system': 1 both give a system prompt; keep one")
+        system, src, tgt, train_on = src[0] or None, src[1:], tgt[1:], train_on[1:]
+    return Conversation(system, list(zip(src, tgt)), train_on, where)
 
 
 def _from_alpaca(rec: dict, where: str) -> Conversation:
@@ -325,14 +382,20 @@ _READERS: dict[str, Callable[[dict, str], Conversation]] = {}
 _DETECTORS: dict[str, Callable[[dict], bool]] = {}
 
 
-def register_sft_format(name: str, detect: Callable[[dict], bool]):
+_FIELDS: dict[str, frozenset[str] | None] = {}  # format -> the record keys its reader reads (None: unchecked)
+
+
+def register_sft_format(name: str, detect: Callable[[dict], bool], fields: Iterable[str] | None = None):
     """Decorator: `reader(record, "file:line") -> Conversation` reads SFT format `name`, a valid
     `train_dataset_type` / `eval_dataset_type` from then on; `detect(record)` says whether a record
-    is in it (auto-detection asks the formats in registration order). CONTRIBUTING.md: adding a format."""
+    is in it (auto-detection asks the formats in registration order). `fields`: every record key the
+    reader reads ("control" is added), so that a misspelled one is an error (`check_fields`); None
+    leaves the format's keys unchecked. CONTRIBUTING.md: adding a format."""
 
     def add(reader: Callable[[dict, str], Conversation]) -> Callable[[dict, str], Conversation]:
         _READERS[name] = _reading_control(reader)
         _DETECTORS[name] = detect
+        _FIELDS[name] = None if fields is None else frozenset(fields) | {"control"}
         return reader
 
     return add
@@ -352,6 +415,7 @@ def _reading_control(reader: Callable[[dict, str], Conversation]) -> Callable[[d
 def unregister_sft_format(name: str) -> None:
     _READERS.pop(name, None)
     _DETECTORS.pop(name, None)
+    _FIELDS.pop(name, None)
 
 
 def sft_format_names() -> list[str]:
@@ -398,11 +462,19 @@ def _from_sharegpt(rec: dict, where: str) -> Conversation:
     return dialog_conversation(msgs, rec.get("tools"), where)
 
 
-register_sft_format("messages", lambda rec: "messages" in rec)(_from_messages)
-register_sft_format("sharegpt", lambda rec: "conversations" in rec)(_from_sharegpt)
-register_sft_format("alpaca", lambda rec: "instruction" in rec)(_from_alpaca)
-register_sft_format("erniekit", lambda rec: "src" in rec or "tgt" in rec)(_from_erniekit)
-register_sft_format("erniekit_vl", lambda rec: "text_info" in rec or "image_info" in rec)(_from_erniekit_vl)
+register_sft_format("messages", lambda rec: "messages" in rec, ("messages", "tools"))(_from_messages)
+register_sft_format("sharegpt", lambda rec: "conversations" in rec, ("conversations", "system", "tools"))(
+    _from_sharegpt
+)
+register_sft_format(
+    "alpaca", lambda rec: "instruction" in rec, ("instruction", "input", "output", "system", "history")
+)(_from_alpaca)
+register_sft_format(
+    "erniekit", lambda rec: "src" in rec or "tgt" in rec, ("src", "tgt", "label", "system", "is_system")
+)(_from_erniekit)
+register_sft_format("erniekit_vl", lambda rec: "text_info" in rec or "image_info" in rec, ("text_info", "image_info"))(
+    _from_erniekit_vl
+)
 
 
 def detect_format(rec: object, where: str) -> str:
@@ -420,11 +492,20 @@ def detect_format(rec: object, where: str) -> str:
 
 
 def load_records(
-    path: str, fmt: str, readers: dict, detect, label: str = "data", kind: str = "examples", ranking: bool = False
+    path: str,
+    fmt: str,
+    readers: dict,
+    detect,
+    label: str = "data",
+    kind: str = "examples",
+    ranking: bool = False,
+    fields: dict[str, frozenset[str] | None] | None = None,
 ) -> list:
     """Read every JSON record of the (comma-separated) files at `path` through `readers[fmt]`,
     detecting the format per file when fmt == "auto"; shared by SFT, preference (`ranking`) and
-    prompt data. A dataset_info.json entry's records are mapped onto `readers`' own keys first."""
+    prompt data. A dataset_info.json entry's records are mapped onto `readers`' own keys first.
+    `fields`: format -> the keys its reader reads, for `check_fields` (None: keys unchecked, as RL
+    prompt data, whose other keys are reward fields)."""
     if fmt != "auto" and fmt not in readers:
         raise DataError(f"unknown {label} format '{fmt}'; use one of {', '.join(['auto', *readers])}")
     out: list = []
@@ -434,6 +515,7 @@ def load_records(
             out += _entry_records(load_entry(*ref), fmt, readers, label, kind, ranking)
             continue
         file_fmt = None if fmt == "auto" else fmt
+        ignored: set[str] = set()
         before = len(out)
         for lineno, rec in _records(p):
             where = f"{p}:{lineno}"
@@ -441,9 +523,11 @@ def load_records(
                 file_fmt = detect(rec, where)
             if not isinstance(rec, dict):
                 raise DataError(f"{where}: expected a JSON object, got {type(rec).__name__}")
+            check_fields(rec, fields.get(file_fmt) if fields else None, where, ignored)
             out.append(readers[file_fmt](rec, where))
         if len(out) == before:
             raise DataError(f"{p}: no {kind}; the file is empty or has only blank lines")
+        warn_ignored(p, file_fmt, ignored)
     return out
 
 
@@ -486,7 +570,10 @@ def _entry_records(entry: DatasetEntry, fmt: str, readers: dict, label: str, kin
 
 def load_sft_examples(path: str, fmt: str = "auto") -> list[Conversation]:
     """Read and validate SFT files (comma-separated list allowed); auto-detects per file."""
-    return load_records(path, fmt, _READERS, detect_format)
+    return load_records(path, fmt, _READERS, detect_format, fields=_FIELDS)
+
+
+_PRETRAIN_FIELDS = frozenset({"text"})
 
 
 def load_pretrain_texts(path: str) -> list[str]:
@@ -505,11 +592,14 @@ def load_pretrain_texts(path: str) -> list[str]:
             for file in entry.files:
                 texts += [entry.text(rec if isinstance(rec, dict) else {}, f"{file}:{n}") for n, rec in _records(file)]
         elif p.endswith((".jsonl", ".json")):
+            ignored: set[str] = set()
             for lineno, rec in _records(p):
                 where = f"{p}:{lineno}"
                 if not isinstance(rec, dict):
                     raise DataError(f"{where}: expected a JSON object with a 'text' field, got {type(rec).__name__}")
+                check_fields(rec, _PRETRAIN_FIELDS, where, ignored)
                 texts.append(_str(rec, "text", where))
+            warn_ignored(p, "pretraining text", ignored)
         else:
             texts.extend(line.rstrip("\r") for line in read_text(p).split("\n") if line.strip())
         if len(texts) == before:

@@ -16,7 +16,8 @@ Formats (one record per line in .jsonl, or a JSON list in .json; auto-detected p
 - alpaca (LLaMA-Factory / ERNIEKit alpaca DPO): {"instruction" | "question": str, "input"?: str,
   "chosen": R, "rejected": R, "system"?: str, "history"?: [[query, reply], ...]}
 where a reply R is a string, {"role": "assistant", "content": str} or a list holding one
-such message. Every problem raises DataError naming file and line.
+such message. Every problem raises DataError naming file and line; a misspelled field too, and
+other keys a format does not read get one warning per file (erniekit/data/formats.py: check_fields).
 """
 
 from __future__ import annotations
@@ -219,6 +220,12 @@ def _from_alpaca(rec: dict, where: str) -> PreferencePair:
 
 
 _READERS = {"erniekit": _from_erniekit, "prompt": _from_prompt, "messages": _from_messages, "alpaca": _from_alpaca}
+_FIELDS = {  # the record keys each reader reads (formats.check_fields: a misspelled one is an error)
+    "erniekit": frozenset({"src", "tgt", "response", "sort", "system", "is_system"}),
+    "prompt": frozenset({"prompt", "chosen", "rejected", "system"}),
+    "messages": frozenset({"messages", "chosen", "rejected"}),
+    "alpaca": frozenset({"instruction", "question", "input", "chosen", "rejected", "system", "history"}),
+}
 
 
 def detect_preference_format(rec: object, where: str) -> str:
@@ -242,7 +249,14 @@ def detect_preference_format(rec: object, where: str) -> str:
 def load_preference_pairs(path: str, fmt: str = "auto") -> list[PreferencePair]:
     """Read and validate preference files (comma-separated list allowed); auto-detects per file."""
     return load_records(
-        path, fmt, _READERS, detect_preference_format, "preference data", "preference examples", ranking=True
+        path,
+        fmt,
+        _READERS,
+        detect_preference_format,
+        "preference data",
+        "preference examples",
+        ranking=True,
+        fields=_FIELDS,
     )
 
 

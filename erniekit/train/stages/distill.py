@@ -65,8 +65,8 @@ HIDDEN_PROJ_NAME = "hidden_projection"  # the hidden-state loss's W_h, beside th
 HIDDEN_PROJ_FILE = f"{HIDDEN_PROJ_NAME}.safetensors"
 
 
-def _rows(convs: list[Conversation], cfg, tokenizer) -> list[dict[str, np.ndarray]]:
-    pairs = encode_conversations(convs, tokenizer, cfg.max_seq_len, cfg.truncation, cfg.train_on_reasoning)
+def _rows(convs: list[Conversation], cfg, tokenizer, path: str) -> list[dict[str, np.ndarray]]:
+    pairs = encode_conversations(convs, tokenizer, cfg.max_seq_len, cfg.truncation, cfg.train_on_reasoning, path)
     return [
         {"input_ids": np.asarray(i, np.int64), "labels": np.asarray(l, np.int64), "row_index": np.array(n)}
         for n, (i, l) in enumerate(pairs)
@@ -116,13 +116,13 @@ class DistillStage(Stage):
     def build_train_rows(self, cfg, tokenizer):
         convs = load_sft_examples(cfg.train_dataset_path, cfg.train_dataset_type)
         self.majority_reply = majority_reply(convs)
-        return _rows(convs, cfg, tokenizer)
+        return _rows(convs, cfg, tokenizer, cfg.train_dataset_path)
 
     def build_eval_data(self, cfg, tokenizer):
         if not cfg.eval_dataset_path:
             return None
         convs = load_sft_examples(cfg.eval_dataset_path, cfg.eval_dataset_type)
-        return {"convs": convs, "rows": _rows(convs, cfg, tokenizer)}
+        return {"convs": convs, "rows": _rows(convs, cfg, tokenizer, cfg.eval_dataset_path)}
 
     def collate(self, rows, pad_id):
         from erniekit.train.batching import collate

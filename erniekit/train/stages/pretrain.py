@@ -3,7 +3,7 @@ attention isolation (position ids restart and attention stops at document bounda
 
 from __future__ import annotations
 
-from erniekit.data.encode import encode_pretrain, pack
+from erniekit.data.encode import IGNORE_INDEX, encode_pretrain, pack
 from erniekit.data.formats import load_pretrain_texts
 from erniekit.errors import DataError
 from erniekit.train.stage import LM, Stage
@@ -21,6 +21,8 @@ class PretrainStage(Stage):
         rows = pack([(d, d) for d in docs], cfg.max_seq_len, pad_id=tokenizer.pad_token_id)
         if not rows:
             raise DataError(f"{path}: no tokens after encoding; check the text field")
+        if not any((r["labels"] != IGNORE_INDEX).any() for r in rows):  # every document empty: only its end token
+            raise DataError(f"{path}: all {len(docs)} documents are empty (no token to train on); check the text field")
         return rows
 
     def build_train_rows(self, cfg, tokenizer):

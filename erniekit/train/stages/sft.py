@@ -16,8 +16,8 @@ from erniekit.train.stage import LM, Stage
 from erniekit.train.stages import register_stage
 
 
-def _rows(convs: list[Conversation], cfg, tokenizer, packing: bool):
-    pairs = encode_conversations(convs, tokenizer, cfg.max_seq_len, cfg.truncation, cfg.train_on_reasoning)
+def _rows(convs: list[Conversation], cfg, tokenizer, packing: bool, path: str):
+    pairs = encode_conversations(convs, tokenizer, cfg.max_seq_len, cfg.truncation, cfg.train_on_reasoning, path)
     if packing:
         return pack(pairs, cfg.max_seq_len, pad_id=tokenizer.pad_token_id)
     import numpy as np
@@ -37,7 +37,7 @@ class SFTStage(Stage):
         convs = drop_controls(convs, cfg.control_drop_prob, cfg.seed)  # docs/control.md
         self.majority_reply = majority_reply(convs)
         self.train_convs = convs
-        return _rows(convs, cfg, tokenizer, cfg.packing)
+        return _rows(convs, cfg, tokenizer, cfg.packing, cfg.train_dataset_path)
 
     # ---- the credibility loss (docs/control.md): a scoring head beside the model ----------------------
     def prepare(self, model, train_rows, eval_data, cfg, tokenizer) -> None:
@@ -79,7 +79,7 @@ class SFTStage(Stage):
         if not cfg.eval_dataset_path:
             return None
         convs = load_sft_examples(cfg.eval_dataset_path, cfg.eval_dataset_type)
-        return {"convs": convs, "rows": _rows(convs, cfg, tokenizer, packing=False)}
+        return {"convs": convs, "rows": _rows(convs, cfg, tokenizer, False, cfg.eval_dataset_path)}
 
     def evaluate(self, model, tokenizer, eval_data, cfg):
         res = self.eval_lm_loss(model, eval_data["rows"], cfg, tokenizer)

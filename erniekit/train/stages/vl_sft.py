@@ -15,9 +15,10 @@ import functools
 import numpy as np
 import paddle
 
+from erniekit.data.encode import IGNORE_INDEX
 from erniekit.data.formats import load_sft_examples
 from erniekit.data.vl import collate_images, encode_vl_conversation
-from erniekit.errors import ConfigError
+from erniekit.errors import ConfigError, DataError
 from erniekit.train.evaluation import baseline_exact_match, majority_reply
 from erniekit.train.losses import batch_tensor, causal_lm_loss_sum, token_balanced_loss_sum
 from erniekit.train.stage import LossOutput, Stage, Supports, eval_loss, next_token_loss_sum, takes_fused_head
@@ -64,7 +65,12 @@ class VLSFTStage(Stage):
         else:
             convs = load_sft_examples(path, fmt)
         settings = _settings(cfg)
-        return convs, [encode_vl_conversation(c, tokenizer, model_cfg, settings, cfg.max_seq_len) for c in convs]
+        rows = [encode_vl_conversation(c, tokenizer, model_cfg, settings, cfg.max_seq_len) for c in convs]
+        if not any((r["labels"] != IGNORE_INDEX).any() for r in rows):  # the loop would fail at the first batch
+            raise DataError(
+                f"{path}: none of the {len(rows)} examples has a trained token (every label 0); check the labels"
+            )
+        return convs, rows
 
     @staticmethod
     def _model_config(cfg):
