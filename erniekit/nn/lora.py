@@ -41,6 +41,15 @@ _STATE_ATTR = "_erniekit_lora_state"
 DEFAULT_TARGET_MODULES = [r".*\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj|experts)"]
 
 
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v) -> bool:
+    """A finite int or float (not a bool, a string or NaN: they would pass or break `> 0` later)."""
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
 @dataclass
 class LoraConfig:
     """Adapter hyper-parameters (PEFT names). `target_modules` are regexes, re.fullmatch'ed against
@@ -64,10 +73,19 @@ class LoraConfig:
         if isinstance(self.target_modules, str):
             self.target_modules = [self.target_modules]
         checks = [
-            (isinstance(self.r, int) and self.r > 0, f"r={self.r!r} must be a positive integer"),
-            (self.lora_alpha > 0, f"lora_alpha={self.lora_alpha!r} must be > 0"),
-            (0.0 <= self.lora_dropout < 1.0, f"lora_dropout={self.lora_dropout!r} must be in [0, 1)"),
-            (self.lora_plus_scale > 0, f"lora_plus_scale={self.lora_plus_scale!r} must be > 0"),
+            (_is_int(self.r) and self.r > 0, f"r={self.r!r} must be a positive integer"),
+            (
+                _is_number(self.lora_alpha) and self.lora_alpha > 0,
+                f"lora_alpha={self.lora_alpha!r} must be a number > 0",
+            ),
+            (
+                _is_number(self.lora_dropout) and 0.0 <= self.lora_dropout < 1.0,
+                f"lora_dropout={self.lora_dropout!r} must be in [0, 1)",
+            ),
+            (
+                _is_number(self.lora_plus_scale) and self.lora_plus_scale > 0,
+                f"lora_plus_scale={self.lora_plus_scale!r} must be > 0",
+            ),
             (bool(self.target_modules), "target_modules is empty: give at least one module-name regex"),
             (
                 self.base_dtype in (None, "float32", "bfloat16", "float16"),
@@ -747,14 +765,29 @@ def _read_adapter_config(path: str) -> dict:
         (bool(tp) and bool(d.get("use_dora")), "use_dora with target_parameters (PEFT's ParamWrapper has no DoRA)"),
         (
             not all(isinstance(p, dict) for p in patterns)
-            or not all(isinstance(v, int) and v > 0 for v in patterns[0].values())
-            or not all(isinstance(v, (int, float)) and v > 0 for v in patterns[1].values()),
+            or not all(_is_int(v) and v > 0 for v in patterns[0].values())
+            or not all(_is_number(v) and v > 0 for v in patterns[1].values()),
             "rank_pattern/alpha_pattern (expected {pattern: positive number})",
         ),
     ]
     for bad, what in unsupported:
         if bad:
             raise CheckpointError(f"{file}: {what}")
+    # the numbers every adapter tensor's shape and scaling come from (also where no LoraConfig checks them)
+    r, alpha = d.get("r", 8), d.get("lora_alpha", 8)
+    if not _is_int(r) or r < 1:
+        raise CheckpointError(f"{file}: r={r!r} must be a positive integer; fix adapter_config.json")
+    if not _is_number(alpha) or alpha <= 0:
+        raise CheckpointError(f"{file}: lora_alpha={alpha!r} must be a finite number > 0; fix adapter_config.json")
+    for key, pats in zip(("rank_pattern", "alpha_pattern"), patterns):
+        for pat in pats:
+            try:
+                re.compile(pat)  # the position an error names is then the key's own
+                lora_fused.pattern_regex(pat)
+            except re.error as e:
+                raise CheckpointError(
+                    f"{file}: {key} key {pat!r} is not a valid regex ({e}); fix adapter_config.json"
+                ) from None
     return d
 
 

@@ -98,11 +98,17 @@ def split_gate_up(
     return (a_t, top), (a_t, bottom)
 
 
+def pattern_regex(pat: str) -> re.Pattern:
+    """A rank_pattern / alpha_pattern key as PEFT matches it: the end of a name at a '.' boundary
+    (re.error for a key that is no regex: the adapter config's reader names it)."""
+    return re.compile(rf"(.*\.)?({pat})$")
+
+
 def pattern_value(patterns: dict | None, key: str, default: float) -> float:
     """PEFT's rank_pattern / alpha_pattern lookup (peft.utils.other.get_pattern_key): the first
     pattern that matches the end of `key` at a '.' boundary, else the default."""
     for pat, value in (patterns or {}).items():
-        if re.match(rf"(.*\.)?({pat})$", key):
+        if pattern_regex(pat).match(key):
             return value
     return default
 

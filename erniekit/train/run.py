@@ -205,6 +205,11 @@ def _ps_role(cfg, model, ps):
             "distributed_mode=ps does not train MTP heads (they need the embedding and head on the "
             "worker); set model_overrides.num_nextn_predict_layers=0"
         )
+    if getattr(model.config, "lm_head_bias", False):
+        raise ConfigError(
+            "distributed_mode=ps does not train the head's bias of an MoE model with use_bias (the servers "
+            "hold the head as rows of weights); train it with data or tensor parallelism"
+        )
     from erniekit.distributed.ps.topology import with_pipeline
 
     return with_pipeline(ps, cfg.pipeline_parallel_degree, model.config.num_hidden_layers, cfg.pipeline_stage_layers)

@@ -107,6 +107,12 @@ def read_json_object(path: str, hint: str = "fix or regenerate the file") -> dic
             data = json.load(f)
     except json.JSONDecodeError as e:
         raise CheckpointError(f"{path}:{e.lineno}: invalid JSON ({e.msg}); {hint}") from None
+    except UnicodeDecodeError as e:
+        raise CheckpointError(f"{path}: not UTF-8 text (byte {e.start}); {hint}") from None
+    except ValueError as e:  # an integer past Python's digit limit (sys.get_int_max_str_digits)
+        raise CheckpointError(f"{path}: invalid JSON ({str(e).split(';')[0]}); {hint}") from None
+    except RecursionError:
+        raise CheckpointError(f"{path}: invalid JSON (arrays or objects nested too deeply to read); {hint}") from None
     if not isinstance(data, dict):
         raise CheckpointError(f"{path}: expected a JSON object at top level; {hint}")
     return data

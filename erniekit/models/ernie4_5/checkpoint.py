@@ -6,6 +6,7 @@ Tensor names are those of the public ERNIE-4.5 PT checkpoints (per-expert MoE te
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import warnings
@@ -71,34 +72,80 @@ def _specs(model: Ernie4_5ForCausalLM) -> dict[str, _Spec]:
     return specs
 
 
+def _check_inside(index: str, name: str, file: str) -> None:
+    """A weight_map entry names a file of the checkpoint directory: an absolute path or one climbing
+    out of it would make a downloaded index read any file. The entry as written is judged, not
+    where it resolves: shards that are symlinks into a cache (Hugging Face snapshots) stay loadable."""
+    norm = os.path.normpath(file) if file else ""
+    if not norm or os.path.isabs(file) or norm == ".." or norm.startswith(".." + os.sep) or "\0" in file:
+        raise CheckpointError(
+            f"{index}: weight_map[{name!r}] = {file!r} is not a file name inside the checkpoint directory; "
+            "fix the index (shard names are relative to it) or re-save the checkpoint"
+        )
+
+
 REMAP_BYTES = 64 << 20  # a shard's pages kept mapped while loading, about (_ShardReader._read)
+
+
+def _weight_map(path: str) -> dict[str, str] | None:
+    """Tensor name -> shard file from the index (each entry checked), None for a single
+    model.safetensors; neither is one CheckpointError."""
+    index = os.path.join(path, INDEX_NAME)
+    if os.path.isfile(index):
+        weight_map = read_json_object(index, f"fix {INDEX_NAME}").get("weight_map")
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise CheckpointError(
+                f"{index}: no 'weight_map' object of tensor name -> file name; rewrite the index or re-save the checkpoint"
+            )
+        for name, file in weight_map.items():
+            _check_inside(index, name, file)
+        return {k: os.path.join(path, v) for k, v in weight_map.items()}
+    if os.path.isfile(os.path.join(path, WEIGHTS_NAME)):
+        return None
+    found = [f for f in os.listdir(path) if f.endswith((".bin", ".pdparams", ".pt"))]
+    hint = f" (found {found[0]}: convert it to safetensors; pickle files are not loaded)" if found else ""
+    raise CheckpointError(f"{path}: no {WEIGHTS_NAME} or {INDEX_NAME}{hint}")
+
+
+def _header_shapes(path: str) -> dict[str, tuple[str, list[int]]]:
+    """Tensor name -> (file, stored shape) from the headers of the checkpoint's weight files: each
+    file opened once and closed again, no tensor read."""
+    # not the module's open_safetensors: these handles only read headers and are closed at once,
+    # they are no part of the load's mappings (REMAP_BYTES)
+    from erniekit.utils.io import open_safetensors as open_headers
+
+    weight_map = _weight_map(path)
+    files = dict.fromkeys(weight_map.values()) if weight_map else [os.path.join(path, WEIGHTS_NAME)]
+    out: dict[str, tuple[str, list[int]]] = {}
+    for file in files:
+        if not os.path.isfile(file):
+            raise CheckpointError(f"{file}: shard listed in {INDEX_NAME} is missing")
+        with open_headers(file, "numpy") as f:
+            for name in f.keys():
+                if weight_map is None or weight_map.get(name) == file:
+                    out[name] = (file, list(f.get_slice(name).get_shape()))
+    if weight_map is not None and len(out) < len(weight_map):
+        name = next(n for n in weight_map if n not in out)
+        raise CheckpointError(
+            f"{weight_map[name]}: has no tensor {name}, which {INDEX_NAME} puts there; the index and the "
+            "shards disagree: re-save the checkpoint"
+        )
+    return out
 
 
 class _ShardReader:
     """Opens each shard once; tensors are read lazily by name."""
 
     def __init__(self, path: str):
-        index = os.path.join(path, INDEX_NAME)
-        single = os.path.join(path, WEIGHTS_NAME)
-        if os.path.isfile(index):
-            weight_map = read_json_object(index, f"fix {INDEX_NAME}").get("weight_map")
-            if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
-                raise CheckpointError(
-                    f"{index}: no 'weight_map' object of tensor name -> file name; rewrite the index or re-save the checkpoint"
-                )
-        elif os.path.isfile(single):
-            weight_map = None
-        else:
-            found = [f for f in os.listdir(path) if f.endswith((".bin", ".pdparams", ".pt"))]
-            hint = f" (found {found[0]}: convert it to safetensors; pickle files are not loaded)" if found else ""
-            raise CheckpointError(f"{path}: no {WEIGHTS_NAME} or {INDEX_NAME}{hint}")
+        weight_map = _weight_map(path)
         self._files: dict[str, object] = {}
         self._read_bytes: dict[str, int] = {}  # read through each shard's current mapping
         if weight_map is None:
+            single = os.path.join(path, WEIGHTS_NAME)
             h = self._open(single)
             self.where = {k: single for k in h.keys()}
         else:
-            self.where = {k: os.path.join(path, v) for k, v in weight_map.items()}
+            self.where = weight_map
 
     def _open(self, file: str):
         if file not in self._files:
@@ -177,6 +224,70 @@ class _ShardReader:
                 f"{self.where[name]}: cannot read tensor {name} ({e}); the file is damaged: re-save the checkpoint"
             ) from None
         return t
+
+
+def check_config_against_weights(config: Ernie4_5Config, path: str) -> None:
+    """Compare config.json with the shapes in the weight files' headers, before a model is built
+    from it: a config that disagrees with its weights (vocab_size 1e10, a million layers) would
+    otherwise allocate gigabytes, or die in Paddle, before load_state_into compares a shape. Reads
+    headers only. Either layout (`model.` or the Paddle layout's `ernie.` names)."""
+    paddle_layout.refuse_pickle_only(path)
+    shapes = _header_shapes(path)
+    cfg = os.path.join(path, "config.json")
+    prefix = "ernie" if "ernie.embed_tokens.weight" in shapes else "model"
+    hint = "use the config.json the weights were saved with"
+
+    embed = f"{prefix}.embed_tokens.weight"
+    if embed not in shapes:
+        raise CheckpointError(
+            f"{path}: tensor {embed} is missing from the checkpoint; the weights are incomplete or belong to "
+            "another model: re-save them"
+        )
+    (file, got), want = shapes[embed], [config.vocab_size, config.hidden_size]
+    if got != want:
+        raise CheckpointError(
+            f"{cfg}: vocab_size={config.vocab_size}, hidden_size={config.hidden_size} but tensor {embed} in "
+            f"{file} has shape {got}; {hint}"
+        )
+
+    def numbered(pattern: str, count: int, what: str, key: str, value) -> None:
+        """The indices N in the names matching `pattern` must be exactly 0..count-1 (compared
+        without building a range: count may be absurd)."""
+        rx = re.compile(rf"{re.escape(prefix)}\.{pattern}")
+        found = {int(m[1]) for n in shapes if (m := rx.match(n))}
+        if len(found) != count or (found and (min(found) != 0 or max(found) != count - 1)):
+            held = f"{len(found)} {what}" + (f" (numbered {min(found)}-{max(found)})" if found else "")
+            raise CheckpointError(f"{cfg}: {key}={value} but the weights hold {held}; {hint}")
+
+    numbered(
+        r"layers\.(\d+)\.", config.num_hidden_layers, "decoder layers", "num_hidden_layers", config.num_hidden_layers
+    )
+    if config.num_moe_layers():
+        numbered(
+            r"layers\.\d+\.mlp\.experts\.(\d+)\.",
+            config.total_experts,
+            "routed experts",
+            "moe_num_experts",
+            config.moe_num_experts,
+        )
+    depth = config.num_nextn_predict_layers
+    if depth:
+        blocks = {int(m[1]) for n in shapes if (m := re.match(rf"{re.escape(prefix)}\.mtp_block\.(\d+)\.", n))}
+        if len(blocks) < depth or any(j not in blocks for j in range(depth)):
+            raise CheckpointError(
+                f"{cfg}: num_nextn_predict_layers={depth} but the weights hold {len(blocks)} MTP blocks "
+                f"({prefix}.mtp_block.N.*); set it to {len(blocks)} (0 loads without MTP heads)"
+            )
+    # every other size (intermediate_size, head_dim, the experts' widths...): the parameters the
+    # config describes against the values the headers hold, with room for the estimate and for
+    # storage (packed quantized weights); an absurd size is off by orders of magnitude
+    held = sum(math.prod(shape) for _, shape in shapes.values())
+    described = config.num_parameters_estimate(mtp=False)
+    if described > 4 * held + (1 << 20):
+        raise CheckpointError(
+            f"{cfg}: the config describes about {described:.3g} parameters but the weights hold "
+            f"{held:.3g} values; {hint}"
+        )
 
 
 def load_state_into(model: Ernie4_5ForCausalLM, path: str, specs: dict[str, _Spec] | None = None) -> None:
@@ -348,6 +459,7 @@ def from_pretrained(path: str, dtype: str = "float32", config_overrides: dict | 
     if not os.path.isdir(path):
         raise CheckpointError(f"{path}: checkpoint directory not found")
     config = Ernie4_5Config.from_pretrained(path)
+    check_config_against_weights(config, path)  # before anything is allocated
     if config_overrides:
         config = config.replace(**config_overrides)
     prev = paddle.get_default_dtype()

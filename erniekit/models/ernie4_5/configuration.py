@@ -30,6 +30,30 @@ _PASSTHROUGH_KEYS = {
     "initializer_range",
 }
 
+# Upper bounds of config.json sizes, checked before anything is built from them. Paddle passes
+# shapes and indices as int32 in places (head_dim=1e9 dies in an op attribute with IndexError), so
+# every dimension, count and token id must fit one.
+MAX_SIZE = 2**31 - 1
+# About 4.4e12 parameters: ten times the largest ERNIE 4.5 (ERNIE-4.5-VL-424B-A47B). A config past
+# it is a typo or a hostile file, and building it would exhaust memory before any weight is compared.
+MAX_PARAMETERS = 2**42
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _check_rope(key: str, rope: Any) -> None:
+    """`rope_parameters` (transformers 5) or the legacy `rope_scaling` (4.x, type or rope_type):
+    only the default rope is computed, so a scaled one is refused, not silently dropped."""
+    if rope is None:
+        return
+    if not isinstance(rope, dict):
+        raise CheckpointError(f"{key}={rope!r} is invalid: it must be an object or null")
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind != "default":
+        raise CheckpointError(f"{key}: rope_type={kind!r} is not supported (only 'default')")
+
 
 @dataclass
 class Ernie4_5Config:
@@ -98,6 +122,7 @@ class Ernie4_5Config:
         if self.moe_capacity_factor < 0:
             raise CheckpointError(f"moe_capacity_factor={self.moe_capacity_factor} must be >= 0 (0 = no limit)")
         self._check_mtp()
+        self._check_products()
 
     def _check_types(self) -> None:
         """A config.json (or model_overrides) value of the wrong type or range is one CheckpointError here,
@@ -118,12 +143,17 @@ class Ernie4_5Config:
             "moe_layer_interval",
         ):
             v = getattr(self, key)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise bad(key, "a positive integer")
-        if self.head_dim is not None and (
-            isinstance(self.head_dim, bool) or not isinstance(self.head_dim, int) or self.head_dim < 1
-        ):
-            raise bad("head_dim", "a positive integer or null")
+            if not _is_int(v) or not 1 <= v <= MAX_SIZE:
+                raise bad(key, f"an integer in [1, {MAX_SIZE}]")
+        if self.head_dim is not None and (not _is_int(self.head_dim) or not 1 <= self.head_dim <= MAX_SIZE):
+            raise bad("head_dim", f"an integer in [1, {MAX_SIZE}] or null")
+        if not _is_int(self.moe_num_shared_experts) or not 0 <= self.moe_num_shared_experts <= MAX_SIZE:
+            raise bad("moe_num_shared_experts", f"an integer in [0, {MAX_SIZE}]")
+        for key in ("moe_num_experts", "moe_intermediate_size"):  # lists: _check_modalities
+            v = getattr(self, key)
+            if not all(_is_int(n) and 0 <= n <= MAX_SIZE for n in (v if isinstance(v, (list, tuple)) else [v])):
+                raise bad(key, f"an integer in [0, {MAX_SIZE}] or a list of them (one per modality)")
+        self._check_token_ids(bad)
         for key in ("rms_norm_eps", "rope_theta"):
             v = getattr(self, key)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < float("inf"):
@@ -134,10 +164,76 @@ class Ernie4_5Config:
         if self.hidden_act != "silu":
             raise bad("hidden_act", "'silu' (the only activation of ERNIE 4.5)")
 
+    def _check_token_ids(self, bad) -> None:
+        """eos / bos / pad ids are written into generation_config.json and compared with sampled
+        tokens: a string here would pass the load and fail at the first save."""
+        eos = self.eos_token_id
+        ids = list(eos) if isinstance(eos, (list, tuple)) else [eos]
+        if not ids or not all(_is_int(i) and 0 <= i <= MAX_SIZE for i in ids):
+            raise bad("eos_token_id", "a token id (an integer >= 0) or a non-empty list of them")
+        for key in ("bos_token_id", "pad_token_id"):
+            v = getattr(self, key)
+            if v is not None and not (_is_int(v) and 0 <= v <= MAX_SIZE):
+                raise bad(key, "a token id (an integer >= 0) or null")
+
+    def _check_products(self) -> None:
+        """Sizes that are each in range can still multiply past what can be built: the projection
+        widths must fit int32 and the whole model MAX_PARAMETERS."""
+        for heads in ("num_attention_heads", "num_key_value_heads"):
+            width = getattr(self, heads) * self.head_dim
+            if width > MAX_SIZE:
+                raise CheckpointError(
+                    f"{heads}={getattr(self, heads)} x head_dim={self.head_dim} = {width} exceeds {MAX_SIZE}"
+                )
+        shared = self.expert_sizes[0] * self.moe_num_shared_experts if self.is_moe else 0
+        if shared > MAX_SIZE:
+            raise CheckpointError(
+                f"moe_intermediate_size={self.expert_sizes[0]} x moe_num_shared_experts={self.moe_num_shared_experts} "
+                f"exceeds {MAX_SIZE}"
+            )
+        n = self.num_parameters_estimate()
+        if n > MAX_PARAMETERS:
+            raise CheckpointError(
+                f"the config describes about {n:.3g} parameters, more than the {MAX_PARAMETERS:.3g} erniekit builds "
+                "(ten times the largest ERNIE 4.5): lower the sizes"
+            )
+
+    def num_moe_layers(self) -> int:
+        """Decoder layers with routed experts (is_moe_layer counted without visiting every layer)."""
+        if not self.is_moe:
+            return 0
+        lo, hi, k = (
+            max(self.moe_layer_start_index, 0),
+            min(self.moe_layer_end_index, self.num_hidden_layers - 1),
+            self.moe_layer_interval,
+        )
+        return max(0, (hi + 1) // k - lo // k) if hi >= lo else 0
+
+    def num_parameters_estimate(self, mtp: bool = True) -> int:
+        """Parameters the model built from this config holds (biases and norms approximately):
+        what the size limits and the comparison with a checkpoint's headers are measured in."""
+        h, hd = self.hidden_size, self.head_dim
+        attn = h * hd * 2 * (self.num_attention_heads + self.num_key_value_heads) + 2 * h
+        dense = attn + 3 * h * self.intermediate_size
+        n_moe = self.num_moe_layers()
+        moe = (
+            attn
+            + h * self.total_experts
+            + 3 * h * sum(e * i for e, i in zip(self.experts_per_modality, self.expert_sizes))
+        )
+        if self.is_moe:
+            moe += 3 * h * self.expert_sizes[0] * self.moe_num_shared_experts
+        embed = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
+        depth = self.num_nextn_predict_layers if mtp and _is_int(self.num_nextn_predict_layers) else 0
+        mtp_params = depth * (dense + 2 * h * h + 2 * h)
+        return embed + h + n_moe * moe + (self.num_hidden_layers - n_moe) * dense + mtp_params
+
     def _check_mtp(self) -> None:
         n = self.num_nextn_predict_layers
-        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
-            raise CheckpointError(f"num_nextn_predict_layers={n!r} must be an integer >= 0 (0 = no MTP heads)")
+        if not _is_int(n) or not 0 <= n <= MAX_SIZE:
+            raise CheckpointError(
+                f"num_nextn_predict_layers={n!r} must be an integer in [0, {MAX_SIZE}] (0 = no MTP heads)"
+            )
         if not self.multi_token_pred_lambda >= 0:
             raise CheckpointError(
                 f"multi_token_pred_lambda={self.multi_token_pred_lambda} must be >= 0 (the weight of the MTP loss)"
@@ -195,6 +291,12 @@ class Ernie4_5Config:
     def model_type(self) -> str:
         return "ernie4_5_moe" if self.is_moe else "ernie4_5"
 
+    @property
+    def lm_head_bias(self) -> bool:
+        """Whether the LM head adds a bias: transformers' Ernie4_5_MoeForCausalLM builds lm_head with
+        bias=use_bias (tied or not: only its weight is tied); the dense and VL models never do."""
+        return self.model_type == "ernie4_5_moe" and self.use_bias
+
     def is_moe_layer(self, layer_idx: int) -> bool:
         """Same rule as the reference implementation (transformers' Ernie4_5_MoeDecoderLayer)."""
         return (
@@ -211,11 +313,11 @@ class Ernie4_5Config:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "Ernie4_5Config":
         d = dict(d)
+        for key in ("rope_parameters", "rope_scaling"):
+            _check_rope(key, d.get(key))
         rope = d.get("rope_parameters") or {}
-        if "rope_theta" not in d and isinstance(rope, dict) and "rope_theta" in rope:
+        if "rope_theta" not in d and "rope_theta" in rope:
             d["rope_theta"] = rope["rope_theta"]  # transformers 5 writes it nested
-        if isinstance(rope, dict) and rope.get("rope_type", "default") != "default":
-            raise CheckpointError(f"rope_type={rope['rope_type']!r} is not supported (only 'default')")
         names = {f.name for f in dataclasses.fields(cls)} - {"extra"}
         known = {k: v for k, v in d.items() if k in names}
         extra = {k: v for k, v in d.items() if k not in names and k not in _PASSTHROUGH_KEYS}

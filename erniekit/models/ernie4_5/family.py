@@ -21,6 +21,12 @@ def _load_weights(model: Any, path: str) -> None:
     load_state_into(model, path)
 
 
+def _check_weights(config: Ernie4_5Config, path: str) -> None:
+    from erniekit.models.ernie4_5.checkpoint import check_config_against_weights
+
+    check_config_against_weights(config, path)
+
+
 def _state_dict(model: Any, dtype: str | None = None) -> dict:
     from erniekit.models.ernie4_5.checkpoint import hf_state_dict
 
@@ -60,6 +66,7 @@ ERNIE4_5 = register_model_family(
         build=_build,
         load_weights=_load_weights,
         loads_every_parameter=True,  # load_state_into raises on a missing tensor
+        check_weights=_check_weights,  # the safetensors headers' shapes, before the model is built
         state_dict=_state_dict,
         save=_save,
         load_tokenizer=_load_tokenizer,

@@ -203,6 +203,15 @@ class Ernie4_5Model(nn.Layer):
         return cos, sin, mask
 
 
+class TiedHeadBias(nn.Layer):
+    """The LM head's own bias beside tied embeddings (an MoE model with use_bias), named
+    `lm_head.bias` as transformers' checkpoints store it."""
+
+    def __init__(self, vocab_size: int):
+        super().__init__()
+        self.bias = self.create_parameter([vocab_size], is_bias=True)
+
+
 @dataclass
 class CausalLMOutput:
     logits: paddle.Tensor | None  # None with skip_head=True (the caller applies the head itself)
@@ -222,7 +231,11 @@ class Ernie4_5ForCausalLM(nn.Layer):
         self.config = config
         self.model = Ernie4_5Model(config)
         if not config.tie_word_embeddings:
-            self.lm_head = Linear(config.hidden_size, config.vocab_size, bias_attr=False)
+            self.lm_head = Linear(
+                config.hidden_size, config.vocab_size, bias_attr=None if config.lm_head_bias else False
+            )
+        elif config.lm_head_bias:  # transformers ties only lm_head.weight: the bias stays lm_head.bias
+            self.lm_head = TiedHeadBias(config.vocab_size)
         # multi-token prediction heads (off by default): sharing embedding, final norm and head with the trunk
         self.mtp = MultiTokenPredictor(config, DecoderLayer, RMSNorm) if config.num_nextn_predict_layers > 0 else None
         self.init_weights()
@@ -311,9 +324,10 @@ class Ernie4_5ForCausalLM(nn.Layer):
 
     def head_weight(self) -> tuple[paddle.Tensor, bool] | None:
         """(W, vocab_first) when the head is the plain product h W^T (tied, W [V, H]) or h W (an
-        unadapted Linear without bias, W [H, V]); None when it is more (an adapter, a quantized layer)."""
+        unadapted Linear without bias, W [H, V]); None when it is more (an adapter, a quantized
+        layer, a bias: the chunked loss then goes through `head`)."""
         if self.config.tie_word_embeddings:
-            return self.model.embed_tokens.weight, True
+            return None if self.config.lm_head_bias else (self.model.embed_tokens.weight, True)
         head = self.lm_head
         if type(head) is Linear and head.bias is None:
             return head.weight, False
@@ -323,6 +337,11 @@ class Ernie4_5ForCausalLM(nn.Layer):
         """Final hidden states (after the final norm) -> vocabulary logits, tied or not."""
         if not self.config.tie_word_embeddings:
             return self.lm_head(h)
+        logits = self._tied_product(h)
+        return logits + self.lm_head.bias if self.config.lm_head_bias else logits
+
+    def _tied_product(self, h: paddle.Tensor) -> paddle.Tensor:
+        """h E^T with the embedding E [V, H]."""
         w = self.model.embed_tokens.weight  # [V, H]
         if small_gemm.takes_nk(h, w):  # decode steps on the CPU: the kernel streams W as stored
             return small_gemm.matmul_nk(h, w)

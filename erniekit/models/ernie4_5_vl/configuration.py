@@ -14,10 +14,18 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from erniekit.errors import CheckpointError
-from erniekit.models.ernie4_5.configuration import Ernie4_5Config
+from erniekit.models.ernie4_5.configuration import MAX_SIZE, Ernie4_5Config, _check_rope
 
 MODEL_TYPE = "ernie4_5_vl_moe"
-_TEXT_PASSTHROUGH = {"model_type", "rope_parameters", "mlp_layer_types", "output_router_logits", "use_cache", "dtype"}
+_TEXT_PASSTHROUGH = {
+    "model_type",
+    "rope_parameters",
+    "rope_scaling",
+    "mlp_layer_types",
+    "output_router_logits",
+    "use_cache",
+    "dtype",
+}
 
 
 @dataclass
@@ -38,10 +46,18 @@ class VisionConfig:
     initializer_range: float = 0.02
 
     def __post_init__(self) -> None:
-        for key in ("depth", "hidden_size", "num_heads", "intermediate_size", "patch_size", "spatial_merge_size"):
+        for key in (
+            "depth",
+            "hidden_size",
+            "num_heads",
+            "intermediate_size",
+            "in_channels",
+            "patch_size",
+            "spatial_merge_size",
+        ):
             v = getattr(self, key)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise CheckpointError(f"vision_config.{key}={v!r} must be a positive integer")
+            if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= MAX_SIZE:
+                raise CheckpointError(f"vision_config.{key}={v!r} must be an integer in [1, {MAX_SIZE}]")
         if self.hidden_size % self.num_heads or (self.hidden_size // self.num_heads) % 4:
             raise CheckpointError(
                 f"vision_config: hidden_size {self.hidden_size} / num_heads {self.num_heads} must be a "
@@ -58,6 +74,13 @@ class VisionConfig:
     @property
     def head_dim(self) -> int:
         return self.hidden_size // self.num_heads
+
+    def num_parameters_estimate(self, text_hidden_size: int) -> int:
+        """Parameters of the vision transformer and the resampler (norms and biases approximately)."""
+        hs, spatial = self.hidden_size, self.hidden_size * self.spatial_merge_size**2
+        blocks = self.depth * (4 * hs * hs + 2 * hs * self.intermediate_size + 9 * hs)
+        resampler = (2 + 2 * self.temporal_merge_size) * spatial * spatial + spatial * text_hidden_size
+        return self.in_channels * self.patch_size**2 * hs + blocks + resampler
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> VisionConfig:
@@ -111,6 +134,9 @@ class Ernie4_5_VLConfig(Ernie4_5Config):
     def model_type(self) -> str:
         return MODEL_TYPE
 
+    def num_parameters_estimate(self, mtp: bool = True) -> int:
+        return super().num_parameters_estimate(mtp) + self.vision.num_parameters_estimate(self.hidden_size)
+
     def replace(self, **changes: Any) -> Ernie4_5_VLConfig:
         """As the text config's; `vision` may be a dict of vision fields to change
         (model_overrides.vision.hidden_size=128)."""
@@ -135,12 +161,18 @@ class Ernie4_5_VLConfig(Ernie4_5Config):
         text = {k: v for k, v in (d.get("text_config") or {}).items() if not (k.endswith("token_id") and v is None)}
         if not text:
             raise CheckpointError("config.json of an ERNIE-4.5-VL model needs text_config")
+        for key in ("rope_parameters", "rope_scaling"):  # the text rope; the vision one is axial by design
+            _check_rope(f"text_config.{key}", text.get(key))
+        _check_rope("rope_scaling", d.get("rope_scaling"))
         rope = text.get("rope_parameters") or {}
-        if isinstance(rope, dict) and rope.get("rope_type", "default") != "default":
-            raise CheckpointError(f"text_config rope_type={rope['rope_type']!r} is not supported (only 'default')")
-        n = int(text.get("num_hidden_layers", 28))
-        types = text.get("mlp_layer_types") or ["dense"] + ["sparse"] * (n - 1)
-        text.update(_moe_layers(types))
+        n, types = text.get("num_hidden_layers", 28), text.get("mlp_layer_types")
+        if types:
+            text.update(_moe_layers(types))
+        elif isinstance(n, int) and n >= 2:  # transformers' default: the first layer dense, the rest sparse
+            text.update(moe_layer_start_index=1, moe_layer_end_index=n - 1, moe_layer_interval=1)
+        elif n == 1:
+            text.update(_moe_layers(["dense"]))  # refused: no sparse layer
+        # (any other num_hidden_layers is refused by the text config's checks)
         e = text.get("moe_num_experts", 64)
         text["moe_num_experts"] = [e, e] if isinstance(e, int) else list(e)
         text.setdefault("moe_intermediate_size", [1536, 512])
@@ -152,7 +184,7 @@ class Ernie4_5_VLConfig(Ernie4_5Config):
         kw["moe_num_experts"] = text["moe_num_experts"]
         kw["tie_word_embeddings"] = bool(d.get("tie_word_embeddings", text.get("tie_word_embeddings", True)))
         kw["vision"] = VisionConfig.from_dict(d.get("vision_config") or {})
-        kw["mrope_section"] = list(rope.get("mrope_section", [22, 22, 20])) if isinstance(rope, dict) else [22, 22, 20]
+        kw["mrope_section"] = list(rope.get("mrope_section", [22, 22, 20]))
         for k in _TOKEN_KEYS:
             if k in d:
                 kw[k] = d[k]
@@ -203,10 +235,12 @@ def _moe_layers(types: list[str]) -> dict[str, int]:
             f"text_config.mlp_layer_types={types}: needs 'dense' / 'sparse' entries, at least one sparse"
         )
     start, end = sparse[0], sparse[-1]
-    for interval in range(1, len(types) + 1):
-        want = [i for i in range(start, end + 1) if (i + 1) % interval == 0]
-        if want == sparse:
-            return {"moe_layer_start_index": start, "moe_layer_end_index": end, "moe_layer_interval": interval}
+    # every n-th layer: consecutive sparse layers are `interval` apart, so one candidate is tried
+    # (a long hostile list is not searched quadratically)
+    interval = sparse[1] - sparse[0] if len(sparse) > 1 else 1
+    want = [i for i in range(start, end + 1) if (i + 1) % interval == 0]
+    if want == sparse:
+        return {"moe_layer_start_index": start, "moe_layer_end_index": end, "moe_layer_interval": interval}
     raise CheckpointError(
         f"text_config.mlp_layer_types={types}: sparse layers must be every n-th layer of one range "
         "(ERNIE's moe_layer_start_index / end / interval)"

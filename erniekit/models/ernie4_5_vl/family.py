@@ -47,6 +47,7 @@ ERNIE4_5_VL = register_model_family(
         build=_build,
         load_weights=_load_weights,
         loads_every_parameter=True,  # load_state_into raises on a missing tensor
+        check_weights=ERNIE4_5.check_weights,  # its text model's tensors have the same names
         state_dict=_state_dict,
         save=_save,
         load_tokenizer=ERNIE4_5.load_tokenizer,

@@ -41,10 +41,22 @@ def _hf_model(moe: bool, tied: bool, seed: int = 0, bias: bool = False):
 
 
 @pytest.mark.parametrize(
-    "moe,tied,bias", [(False, True, False), (False, False, True), (True, True, False), (True, False, False)]
+    "moe,tied,bias",
+    [
+        (False, True, False),
+        (False, False, True),
+        (True, True, False),
+        (True, False, False),
+        # the MoE head has a bias with use_bias (transformers: lm_head bias=use_bias), tied or not
+        (True, True, True),
+        (True, False, True),
+    ],
 )
 def test_logits_match_transformers_both_ways(tmp_path, moe, tied, bias):
     hf = _hf_model(moe, tied, bias=bias)
+    if moe and bias:
+        with torch.no_grad():  # transformers starts it at zero: a non-zero one shows it is applied
+            hf.lm_head.bias.normal_(0, 0.5)
     hf.save_pretrained(tmp_path / "hf")
     ids = torch.randint(0, 64, (2, 13), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
