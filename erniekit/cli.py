@@ -74,7 +74,12 @@ def _chat_parser() -> argparse.ArgumentParser:
     add_packed_weights_flag(p, "on the CPU")
     p.add_argument("--prompt", help="answer this one message and exit (no interactive session)")
     p.add_argument("--system", help="system message")
-    p.add_argument("--max-new-tokens", type=int, default=256, help="most tokens per reply (capped at what the model's context leaves)")
+    p.add_argument(
+        "--max-new-tokens",
+        type=int,
+        default=256,
+        help="most tokens per reply (capped at what the model's context leaves)",
+    )
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
     p.add_argument("--seed", type=int, default=None, help="random seed for sampling")

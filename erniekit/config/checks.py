@@ -10,6 +10,7 @@ import sys
 import tempfile
 
 from erniekit.config.cross_cluster_checks import check_cross_cluster, normalise_cross_cluster
+from erniekit.config.loader import typed_list
 from erniekit.config.schema import TrainConfig, fields
 from erniekit.data.dataset_info import load_entry, parse_ref
 from erniekit.errors import ConfigError, DataError
@@ -222,6 +223,7 @@ def _check_ranges(cfg: TrainConfig) -> None:
         _check_rl(cfg)
     else:
         _require(cfg.beta > 0, "beta", cfg.beta, "> 0")
+    _check_lora_keys(cfg)
     _require(cfg.lora_rank >= 1, "lora_rank", cfg.lora_rank, ">= 1")
     _require(cfg.lora_alpha > 0, "lora_alpha", cfg.lora_alpha, "> 0")
     for key in ("simpo_gamma", "dpop_lambda"):
@@ -305,38 +307,11 @@ def _check_rl(cfg: TrainConfig) -> None:
         )
 
 
-_LIST_HINTS = {
-    int: "integers such as [2, 4]",
-    float: "numbers such as [1.0, 0.5]",
-    str: "names such as [accuracy, format]",
-}
-
-
-def _typed_list(key: str, value: object, kind: type) -> list:
-    """[a, b], "a,b", one value or [] -> a list of `kind`; anything else is a one-line ConfigError."""
-    items = [v.strip() for v in value.split(",") if v.strip()] if isinstance(value, str) else value
-    items = items if isinstance(items, list) else [items]
-    try:
-        if kind is str:
-            ok = all(isinstance(v, str) and v.strip() for v in items)
-            out = [v.strip() for v in items] if ok else []
-        else:
-            ok = not any(isinstance(v, bool) for v in items)
-            if kind is int:
-                ok = ok and all(not isinstance(v, float) or v.is_integer() for v in items)
-            out = [kind(v) for v in items]
-    except (TypeError, ValueError):
-        ok = False
-    if not ok:
-        raise ConfigError(f"{key}={value!r} is invalid: it must be a list of {_LIST_HINTS[kind]}; change {key}")
-    return out
-
-
 def _normalise_rl_lists(cfg: TrainConfig) -> dict:
     out = {
-        "reward_funcs": _typed_list("reward_funcs", cfg.reward_funcs, str),
-        "reward_weights": _typed_list("reward_weights", cfg.reward_weights, float),
-        "stop_token_ids": _typed_list("stop_token_ids", cfg.stop_token_ids, int),
+        "reward_funcs": typed_list("reward_funcs", cfg.reward_funcs, str),
+        "reward_weights": typed_list("reward_weights", cfg.reward_weights, float),
+        "stop_token_ids": typed_list("stop_token_ids", cfg.stop_token_ids, int),
     }
     _require(
         all(v >= 0 for v in out["stop_token_ids"]), "stop_token_ids", out["stop_token_ids"], "a list of token ids >= 0"
@@ -349,7 +324,7 @@ def _normalise_elastic(cfg: TrainConfig) -> dict:
     ranges against the model (depth <= num_hidden_layers, experts <= moe_num_experts) are checked
     when the model is loaded (erniekit.elastic.submodels.ElasticTraining.from_config)."""
     out = {
-        k: sorted(set(_typed_list(k, getattr(cfg, k), int)))
+        k: sorted(set(typed_list(k, getattr(cfg, k), int)))
         for k in ("elastic_depth", "elastic_experts", "elastic_top_k")
     }
     for key, values in out.items():
@@ -515,6 +490,28 @@ def _check_writable_dir(key: str, path: str) -> None:
         raise ConfigError(
             f"{key}={path}: cannot create files in {probe} ({e.strerror}); choose a writable {key}"
         ) from None
+
+
+def _check_lora_keys(cfg: TrainConfig) -> None:
+    """LoRA settings without fine_tuning: LoRA would be read by nothing: a full fine-tune runs
+    where the user asked for adapters (ERNIEKit's `lora: true` is suggested as rslora)."""
+    from erniekit.config.schema import SECTION_KEYS
+
+    if cfg.fine_tuning == "LoRA":
+        if not os.path.isdir(cfg.model_name_or_path):
+            _warn(
+                f"fine_tuning=LoRA on the preset {cfg.model_name_or_path}: the base weights are random and not saved, "
+                "so the adapter works in this run only (export and chat need the base); to keep it, train Full "
+                "first and point model_name_or_path at that checkpoint"
+            )
+        return
+    defaults = {f.name: f.default for f in fields()}
+    changed = [k for k in SECTION_KEYS["lora"] if getattr(cfg, k) != defaults[k]]
+    if changed:
+        raise ConfigError(
+            f"{changed[0]}={getattr(cfg, changed[0])} is a LoRA setting, but fine_tuning={cfg.fine_tuning}: "
+            "set fine_tuning=LoRA to train adapters, or remove it"
+        )
 
 
 def _check_model(name: str) -> None:

@@ -10,15 +10,18 @@ import difflib
 import os
 import re
 import tempfile
+import typing
 from typing import Any, Iterable
 
 import yaml
 
 import erniekit
-from erniekit.config.schema import TrainConfig, field_types, format_value, unwrap_optional
+from erniekit.config.schema import SECTION_KEYS, TrainConfig, field_types, format_value, unwrap_optional
 from erniekit.errors import ConfigError
 
 CLI = "command line"
+# headers a YAML file may group flat keys under (`data:` then indented keys); "train" for the rest
+SECTION_NAMES = frozenset(SECTION_KEYS) | {"train", "training"}
 
 # PyYAML (YAML 1.1) reads "3e-4" as a string; this is what we accept as a number instead.
 _NUMBER = re.compile(r"[-+]?(\d+(\.\d*)?|\.\d+)([eE][-+]?\d+)?")
@@ -96,6 +99,13 @@ def _read_yaml(path: str) -> list[tuple[str, Any, str]]:
         for key_node, value_node in root.value:
             key = str(loader.construct_object(key_node, deep=True))
             is_section = key not in types and isinstance(value_node, yaml.MappingNode)
+            if is_section and key not in SECTION_NAMES:  # a misspelled mapping key, not a section header
+                where = f"{path}:{key_node.start_mark.line + 1}"
+                if difflib.get_close_matches(key, list(types), n=1, cutoff=0.6):
+                    _check_known(key, where, types)  # raises, suggesting the mapping field it is close to
+                close = difflib.get_close_matches(key, list(SECTION_NAMES), n=1, cutoff=0.6)
+                hint = f"did you mean '{close[0]}'?" if close else f"sections are {', '.join(sorted(SECTION_NAMES))};"
+                raise ConfigError(f"unknown section '{key}' ({where}); {hint} or write its keys without a section")
             pairs = value_node.value if is_section else [(key_node, value_node)]
             for k_node, v_node in pairs:
                 k = str(loader.construct_object(k_node, deep=True))
@@ -119,11 +129,42 @@ def _read_yaml(path: str) -> list[tuple[str, Any, str]]:
     return entries
 
 
+# names other toolkits (LLaMA-Factory, transformers' TrainingArguments, PaddleFormers / ERNIEKit)
+# give a setting, and what erniekit calls it: spelling alone would suggest a wrong key
+ELSEWHERE = {
+    "dataset": "erniekit's key is train_dataset_path",
+    "train_dataset": "erniekit's key is train_dataset_path",
+    "eval_dataset": "erniekit's key is eval_dataset_path",
+    "cutoff_len": "erniekit's key is max_seq_len",
+    "max_length": "erniekit's key is max_seq_len",
+    "model_name": "erniekit's key is model_name_or_path",
+    "finetuning_type": "erniekit's key is fine_tuning",
+    "template": "erniekit's key is chat_template",
+    "lora": "write fine_tuning=LoRA",
+    "lora_target": "erniekit's key is lora_target_modules",
+    "gradient_checkpointing": "erniekit's key is recompute",
+    "learning_rate_scheduler": "erniekit's key is lr_scheduler_type",
+    "lr_scheduler": "erniekit's key is lr_scheduler_type",
+    "save_strategy": "erniekit saves every save_steps steps",
+    "eval_strategy": "erniekit evaluates every eval_steps steps",
+    "evaluation_strategy": "erniekit evaluates every eval_steps steps",
+    "deepspeed": "erniekit shards with sharding (stage1 / stage2 / stage3) and sharding_parallel_degree",
+    "unified_checkpoint": "erniekit always writes one Hugging Face layout checkpoint: remove it",
+    "overwrite_output_dir": "erniekit never overwrites an earlier run: resume it (resume_from_checkpoint=auto), "
+    "or use a new output_dir",
+    "val_size": "erniekit evaluates on eval_dataset_path: split the file yourself",
+}
+
+
 def _check_known(key: str, where: str, types: dict[str, Any], shown: str | None = None) -> None:
     """Reject a key that is not a TrainConfig field, suggesting the closest one."""
     if key in types:
         return
     shown = shown or key
+    if key in ELSEWHERE:
+        raise ConfigError(
+            f"unknown config key '{shown}' ({where}); {ELSEWHERE[key]} ('erniekit help train' lists the keys)"
+        )
     close = []
     for candidate in (shown, shown.rsplit(".", 1)[-1], key):
         close = close or difflib.get_close_matches(candidate, list(types), n=1, cutoff=0.6)
@@ -166,9 +207,6 @@ def _set_dotted(target: dict, keys: list[str], value: Any) -> None:
     target[keys[-1]] = value
 
 
-_EXPECTED = {int: "an integer", float: "a number", bool: "true or false", str: "a string", dict: "a mapping"}
-
-
 def _coerce(key: str, value: Any, tp: Any, where: str, raw: str | None = None) -> Any:
     """Check (and gently convert) one value to the field's type; `raw` is the command-line text."""
     base, optional = unwrap_optional(tp)
@@ -177,8 +215,10 @@ def _coerce(key: str, value: Any, tp: Any, where: str, raw: str | None = None) -
             return None
         raise _type_error(key, base, optional, where, raw if raw is not None else "null")
     if base is str:
-        if raw is not None:
-            return raw
+        if raw is not None:  # as YAML reads it: surrounding blanks dropped, quotes taken off
+            text = raw.strip()
+            unquoted = _yaml_value(text) if len(text) > 1 and text[0] == text[-1] and text[0] in "'\"" else None
+            return unquoted if isinstance(unquoted, str) else text
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return str(value)
         if isinstance(value, str):
@@ -207,9 +247,46 @@ def _coerce(key: str, value: Any, tp: Any, where: str, raw: str | None = None) -
     elif base is dict:
         if isinstance(value, dict):
             return _numbers(value)
+    elif typing.get_origin(base) is list:  # a scalar is a list of one, "a,b" a list of two
+        (kind,) = typing.get_args(base)
+        try:
+            return typed_list(key, _numbers(value) if kind is not str else value, kind)
+        except ConfigError:
+            raise _type_error(key, base, optional, where, raw if raw is not None else value) from None
     else:
         return value
     raise _type_error(key, base, optional, where, raw if raw is not None else value)
+
+
+_LIST_HINTS = {
+    int: "integers such as [2, 4]",
+    float: "numbers such as [1.0, 0.5]",
+    str: "names such as [accuracy, format]",
+}
+
+
+def typed_list(key: str, value: object, kind: type) -> list:
+    """[a, b], "a,b", one value or [] -> a list of `kind`; anything else is a one-line ConfigError."""
+    items = [v.strip() for v in value.split(",") if v.strip()] if isinstance(value, str) else value
+    items = items if isinstance(items, list) else [items]
+    try:
+        if kind is str:
+            ok = all(isinstance(v, str) and v.strip() for v in items)
+            out = [v.strip() for v in items] if ok else []
+        else:
+            ok = not any(isinstance(v, bool) for v in items)
+            if kind is int:
+                ok = ok and all(not isinstance(v, float) or v.is_integer() for v in items)
+            out = [kind(v) for v in items]
+    except (TypeError, ValueError):
+        ok = False
+    if not ok:
+        raise ConfigError(f"{key}={value!r} is invalid: it must be a list of {_LIST_HINTS[kind]}; change {key}")
+    return out
+
+
+_EXPECTED = {int: "an integer", float: "a number", bool: "true or false", str: "a string", dict: "a mapping"}
+_EXPECTED.update({list[kind]: f"a list of {hint}" for kind, hint in _LIST_HINTS.items()})
 
 
 def _type_error(key: str, base: Any, optional: bool, where: str, got: Any) -> ConfigError:

@@ -12,20 +12,18 @@ from __future__ import annotations
 
 import math
 import os
-import re
 import shutil
 
 from erniekit.errors import CheckpointError
 from erniekit.models.hf_files import STAGING_NAME, publish_model_files, start_staging
 from erniekit.models.registry import load_weights, save_model
 from erniekit.train.runners.base import StepRunner
+from erniekit.utils.checkpoint_dirs import STATE_NAME, list_checkpoints  # noqa: F401 - re-exported
 from erniekit.utils.dtensor import is_main_process, to_dense
 from erniekit.utils.io import atomic_write_json, open_safetensors, read_json_object, replace_dir, write_errors
 
 OPTIMIZER_NAME = "optimizer.safetensors"
 EMA_NAME = "ema.safetensors"
-STATE_NAME = "trainer_state.json"
-_CKPT_RE = re.compile(r"^checkpoint-(\d+)$")
 
 
 def save_model_or_adapter(
@@ -112,13 +110,88 @@ def _model_bytes(model) -> int:
     return sum(int(math.prod(p.shape)) * p.element_size() for p in params)
 
 
+# what a resumed run must share with the run that wrote the checkpoint: its model, its data and
+# the order micro-batch i takes from them (MicroBatches: a function of seed, rows and batch size)
+RUN_KEYS = (
+    "stage",
+    "fine_tuning",
+    "model_name_or_path",
+    "model_overrides",
+    "train_dataset_path",
+    "train_dataset_type",
+    "max_seq_len",
+    "packing",
+    "truncation",
+    "chat_template",
+    "seed",
+    "gradient_accumulation_steps",
+    "lora_rank",
+    "lora_alpha",
+    "lora_target_modules",
+    "rslora",
+    "use_dora",
+)
+# what may change on a resume (a longer run, another rate), said in one line each
+SCHEDULE_KEYS = ("learning_rate", "min_lr", "lr_scheduler_type", "warmup_steps", "warmup_ratio", "decay_ratio")
+
+
+def run_identity(cfg, micro_batch_rows: int, train_rows: int) -> dict:
+    """The checkpoint's record of its run: RUN_KEYS and SCHEDULE_KEYS as the config had them, and
+    the global micro-batch (per-device batch x data ranks: the process count may change) and rows."""
+    out = {k: getattr(cfg, k) for k in RUN_KEYS + SCHEDULE_KEYS}
+    return {**out, "micro_batch_rows": micro_batch_rows, "train_rows": train_rows}
+
+
+def read_trainer_state(path: str) -> dict:
+    """trainer_state.json of a checkpoint, with the keys a resume needs checked (a checkpoint of
+    another trainer has none of them)."""
+    state_file = os.path.join(path, STATE_NAME)
+    if not os.path.isfile(state_file):
+        raise CheckpointError(
+            f"resume_from_checkpoint={path}: no {STATE_NAME}; give a checkpoint-N directory of an erniekit run, "
+            "or resume_from_checkpoint=auto"
+        )
+    state = read_json_object(state_file, "the checkpoint is damaged: resume from an earlier one")
+    for key in ("global_step", "consumed_micro_batches"):
+        value = state.get(key)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise CheckpointError(
+                f"{state_file}: {key} is {value!r}, not a step count; this is not an erniekit training checkpoint "
+                "(fine-tune from its weights with model_name_or_path instead)"
+            )
+    return state
+
+
+def check_same_run(path: str, state: dict, cfg, micro_batch_rows: int, train_rows: int, total_steps: int) -> list[str]:
+    """Refuse a resume whose model, data or data order differ from the checkpoint's run (its
+    micro-batch i would be other rows, its weights another model's); the schedule's changes come
+    back as lines to log. Checkpoints written before this record carry none: nothing to compare."""
+    was = state.get("run")
+    if not isinstance(was, dict):
+        return []
+    now = run_identity(cfg, micro_batch_rows, train_rows)
+    differ = [k for k in (*RUN_KEYS, "micro_batch_rows", "train_rows") if k in was and was[k] != now[k]]
+    if differ:
+        changes = ", ".join(f"{k} {was[k]!r} -> {now[k]!r}" for k in differ)
+        raise CheckpointError(
+            f"resume_from_checkpoint={path}: this run differs from the one that wrote the checkpoint ({changes}); "
+            "a resume continues that run: restore those settings, or start a new run in another output_dir "
+            "(model_name_or_path can start from the checkpoint's weights)"
+        )
+    notes = [f"{k} {was[k]!r} -> {now[k]!r}" for k in SCHEDULE_KEYS if k in was and was[k] != now[k]]
+    if state.get("total_steps") not in (None, total_steps):
+        notes.append(f"total steps {state['total_steps']} -> {total_steps}")
+    return (
+        [f"resuming with a changed schedule ({', '.join(notes)}): the learning rate follows the new one"]
+        if notes
+        else []
+    )
+
+
 def load_checkpoint(path: str, model, optimizer, partial: bool = False) -> dict:
     """Restore model weights and optimizer state; return the trainer state. partial: this process
     holds part of the model (a pipeline stage, a PS worker) and takes its parameters' state only."""
-    state_file = os.path.join(path, STATE_NAME)
-    if not os.path.isfile(state_file):
-        raise CheckpointError(f"resume_from_checkpoint={path}: no {STATE_NAME}; is this a training checkpoint?")
-    state = read_json_object(state_file, "the checkpoint is damaged: resume from an earlier one")
+    state = read_trainer_state(path)
     from erniekit.nn.lora import ADAPTER_CONFIG_NAME, load_adapter_weights
 
     if os.path.isfile(os.path.join(path, ADAPTER_CONFIG_NAME)):
@@ -126,7 +199,12 @@ def load_checkpoint(path: str, model, optimizer, partial: bool = False) -> dict:
     else:
         load_weights(model, path)
     opt_file = os.path.join(path, OPTIMIZER_NAME)
-    if optimizer is not None and os.path.isfile(opt_file):
+    if optimizer is not None and not os.path.isfile(opt_file):  # fresh moments would change every later step
+        raise CheckpointError(
+            f"{path} has no {OPTIMIZER_NAME}, so the optimizer would restart from zero; resume from a complete "
+            "checkpoint, or start a new run from its weights (model_name_or_path)"
+        )
+    if optimizer is not None:
         known = {n for n, _ in optimizer.params} if partial else None  # this stage's / worker's only
         with open_safetensors(opt_file) as f:
             sd = {
@@ -139,17 +217,6 @@ def load_checkpoint(path: str, model, optimizer, partial: bool = False) -> dict:
         except KeyError as e:
             raise CheckpointError(f"{opt_file}: optimizer state for unknown parameter {e.args[0]}") from None
     return state
-
-
-def list_checkpoints(output_dir: str) -> list[tuple[int, str]]:
-    if not os.path.isdir(output_dir):
-        return []
-    found = []
-    for name in os.listdir(output_dir):
-        m = _CKPT_RE.match(name)
-        if m and os.path.isfile(os.path.join(output_dir, name, STATE_NAME)):
-            found.append((int(m[1]), os.path.join(output_dir, name)))
-    return sorted(found)
 
 
 def resolve_resume(value: str | None, output_dir: str) -> str | None:

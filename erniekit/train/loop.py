@@ -21,7 +21,16 @@ from erniekit.elastic.submodels import ElasticSpec, ElasticTraining, apply_elast
 from erniekit.errors import ErniekitError
 from erniekit.routing.monitor import RoutingMonitor
 from erniekit.train.batching import MicroBatches
-from erniekit.train.checkpointing import EMA_NAME, load_checkpoint, resolve_resume, rotate_checkpoints, save_checkpoint
+from erniekit.train.checkpointing import (
+    EMA_NAME,
+    check_same_run,
+    load_checkpoint,
+    read_trainer_state,
+    resolve_resume,
+    rotate_checkpoints,
+    run_identity,
+    save_checkpoint,
+)
 from erniekit.train.optim import build_optimizer, clip_grad_norm_
 from erniekit.train.runners import StepRunner, StepSums
 from erniekit.train.runners.local import LocalRunner
@@ -109,6 +118,7 @@ class Trainer:
             "total_steps": self.total_steps,
             "seed": self.cfg.seed,
             "rng": "paddle.seed(seed + global_step) before every step",
+            "run": run_identity(self.cfg, self.batches.batch_size, len(self.batches.rows)),
         }
 
     def maybe_resume(self) -> None:
@@ -116,6 +126,11 @@ class Trainer:
         path = self.runner.agree_resume(path)  # clusters over a slow link: a checkpoint all of them hold
         if path is None:
             return
+        st = read_trainer_state(path)
+        for line in check_same_run(
+            path, st, self.cfg, self.batches.batch_size, len(self.batches.rows), self.total_steps
+        ):
+            self.log(line)
         st = load_checkpoint(path, self.model, self.optimizer, partial=self.runner.partial)
         self.runner.load_state(path)
         self.step, self.consumed = st["global_step"], st["consumed_micro_batches"]

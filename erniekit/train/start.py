@@ -13,6 +13,8 @@ def start_training(cfg, path: str | None, overrides: list[str], user_threads: st
     paddle.distributed.launch."""
     from erniekit.distributed.launch import in_launched_worker, relaunch
 
+    if not in_launched_worker():  # the parent decides, before any process starts
+        refuse_earlier_run(cfg)
     args = ([path] if path else []) + list(overrides)
     if cfg.parallel == "auto" and not in_launched_worker():
         from erniekit.distributed.planner import auto_plan
@@ -43,6 +45,21 @@ def start_training(cfg, path: str | None, overrides: list[str], user_threads: st
 
         return stopped_exit_code(result["stop_signal"])  # stopped, not finished: 143 (SIGTERM) / 130 (SIGINT)
     return result if isinstance(result, int) and not isinstance(result, bool) else 0
+
+
+def refuse_earlier_run(cfg) -> None:
+    """A fresh run (no resume_from_checkpoint) into an output_dir holding another run's checkpoints
+    would rotate its own away beside them, and `auto` would later resume the wrong one."""
+    from erniekit.errors import ConfigError
+    from erniekit.utils.checkpoint_dirs import list_checkpoints
+
+    earlier = list_checkpoints(cfg.output_dir) if cfg.do_train and cfg.resume_from_checkpoint is None else []
+    if earlier:
+        names = ", ".join(os.path.basename(p) for _, p in earlier[-3:])
+        raise ConfigError(
+            f"output_dir={cfg.output_dir} holds an earlier run's checkpoints ({names}); continue that run with "
+            "resume_from_checkpoint=auto, or start this one in a new output_dir (or delete them)"
+        )
 
 
 def apply_ps_placement(cfg, path: str | None, overrides: list[str]):

@@ -165,6 +165,10 @@ class Runs:
             raise ErniekitError(
                 f"a run is already writing to {cfg.output_dir}; stop it first or choose another output directory"
             )
+        if not resume:  # said on the page now, not in the child's log
+            from erniekit.train.start import refuse_earlier_run
+
+            refuse_earlier_run(cfg)
         args = [base_config(form.stage), *form.overrides()] + (["resume_from_checkpoint=auto"] if resume else [])
         os.makedirs(out, exist_ok=True)
         log_path = os.path.join(out, LOG_NAME)

@@ -370,9 +370,10 @@ def _training_checkpoint(good: Path, tmp_path: Path, state: str, optimizer: byte
     "state, optimizer, must",
     [
         ('{"global_step": 1', None, "trainer_state.json:1: invalid JSON"),
-        ('{"global_step": 1}', os.urandom(512), "optimizer.safetensors: not a readable safetensors file"),
+        ('{"global_step": 1, "consumed_micro_batches": 1}', os.urandom(512), "optimizer.safetensors: not a readable"),
+        ('{"global_step": 1}', None, "consumed_micro_batches is None, not a step count"),
     ],
-    ids=["bad-trainer-state", "random-optimizer-state"],
+    ids=["bad-trainer-state", "random-optimizer-state", "another-trainers-state"],
 )
 def test_resume_from_a_damaged_training_checkpoint(run_cli, tmp_path, good_ckpt, state, optimizer, must):
     ckpt = _training_checkpoint(good_ckpt, tmp_path, state, optimizer)

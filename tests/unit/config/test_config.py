@@ -232,3 +232,68 @@ def test_builtin_preset_is_a_valid_model(valid):
     assert validate(load_config(None, valid + [f"model_name_or_path={name}"])).model_name_or_path == name
     with pytest.raises(ConfigError, match="neither a directory nor a preset"):
         validate(load_config(None, valid + ["model_name_or_path=no-such-preset"]))
+
+
+@pytest.mark.parametrize(
+    "override, key, want",
+    [
+        ("pipeline_stage_layers=3", "pipeline_stage_layers", [3]),  # a scalar is a list of one
+        ("cross_cluster_sizes=2", "cross_cluster_sizes", [2]),
+        ("reward_funcs=accuracy,format", "reward_funcs", ["accuracy", "format"]),
+        ("reward_weights=[1, 0.5]", "reward_weights", [1.0, 0.5]),
+    ],
+)
+def test_list_keys_take_a_list_a_scalar_or_commas(override, key, want):
+    assert getattr(load_config(None, [override]), key) == want
+
+
+@pytest.mark.parametrize("override", ["pipeline_stage_layers=[a,b]", "stop_token_ids=[1.5]", "elastic_depth=x"])
+def test_a_list_key_of_the_wrong_kind_is_a_type_error_not_a_traceback(override):
+    key = override.split("=")[0]
+    with pytest.raises(ConfigError, match=rf"^{key} must be a list of integers such as \[2, 4\] \(command line\)"):
+        load_config(None, [override])
+
+
+def test_string_overrides_lose_their_quotes_and_blanks_as_yaml_reads_them():
+    cfg = load_config(None, ["output_dir='/tmp/a b'", 'stage= "SFT" ', "model_name_or_path= tiny-moe "])
+    assert (cfg.output_dir, cfg.stage, cfg.model_name_or_path) == ("/tmp/a b", "SFT", "tiny-moe")
+
+
+def test_a_misspelled_mapping_key_is_named_not_read_as_a_section(tmp_path):
+    with pytest.raises(
+        ConfigError, match=r"unknown config key 'model_overides' \(.*cfg.yaml:2\); did you mean 'model_overrides'"
+    ):
+        load_config(_yaml(tmp_path, "max_steps: 3\nmodel_overides:\n  num_hidden_layers: 2\n"), [])
+    with pytest.raises(ConfigError, match=r"unknown section 'dtaa' \(.*cfg.yaml:1\); did you mean 'data'\?"):
+        load_config(_yaml(tmp_path, "dtaa:\n  max_seq_len: 64\n"), [])
+
+
+@pytest.mark.parametrize(
+    "key, hint",
+    [
+        ("cutoff_len", "erniekit's key is max_seq_len"),
+        ("dataset", "erniekit's key is train_dataset_path"),
+        ("gradient_checkpointing", "erniekit's key is recompute"),
+        ("lora", "write fine_tuning=LoRA"),
+        ("overwrite_output_dir", "erniekit never overwrites an earlier run"),
+    ],
+)
+def test_other_toolkits_names_point_at_ours(key, hint):
+    with pytest.raises(ConfigError, match=rf"unknown config key '{key}' \(command line\); {hint}"):
+        load_config(None, [f"{key}=1"])
+
+
+def test_lora_settings_without_lora_are_refused(valid):
+    for override in ("lora_rank=4", "use_dora=true", "rslora=true"):
+        with pytest.raises(ConfigError, match=rf"^{override.split('=')[0]}=.* is a LoRA setting, but fine_tuning=Full"):
+            validate(load_config(None, [*valid, override]))
+    validate(load_config(None, [*valid, "fine_tuning=LoRA", "lora_rank=4"]))
+
+
+def test_lora_on_a_preset_warns_that_the_base_is_not_kept(valid, capsys, monkeypatch):
+    from erniekit.config import checks
+
+    monkeypatch.setattr(checks, "_warned", set())  # once per process: another test may have said it
+    validate(load_config(None, [*valid, "fine_tuning=LoRA", "model_name_or_path=tiny-moe"]))
+    err = capsys.readouterr().err
+    assert "WARNING: fine_tuning=LoRA on the preset tiny-moe: the base weights are random and not saved" in err

@@ -307,6 +307,9 @@ def test_disk_full_during_the_final_save_keeps_the_previous_model(tmp_path, capf
 
     monkeypatch.setattr(safetensors.paddle, "save_file", save_file)
     capfd.readouterr()
+    for name in os.listdir(out):  # a new run into the first one's output_dir: its checkpoints go first
+        if name.startswith("checkpoint-"):
+            shutil.rmtree(out / name)
     rc = _train(tmp_path, out, "save_steps=100", "seed=7", "max_steps=2")
     err = capfd.readouterr().err
     assert rc == 2 and len(err.strip().splitlines()) == 1 and "No space left on device" in err, err[-3000:]
