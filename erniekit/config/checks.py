@@ -494,7 +494,7 @@ def _check_writable_dir(key: str, path: str) -> None:
 
 def _check_lora_keys(cfg: TrainConfig) -> None:
     """LoRA settings without fine_tuning: LoRA would be read by nothing: a full fine-tune runs
-    where the user asked for adapters (ERNIEKit's `lora: true` is suggested as rslora)."""
+    where the user asked for adapters."""
     from erniekit.config.schema import SECTION_KEYS
 
     if cfg.fine_tuning == "LoRA":

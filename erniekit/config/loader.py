@@ -215,10 +215,10 @@ def _coerce(key: str, value: Any, tp: Any, where: str, raw: str | None = None) -
             return None
         raise _type_error(key, base, optional, where, raw if raw is not None else "null")
     if base is str:
-        if raw is not None:  # as YAML reads it: surrounding blanks dropped, quotes taken off
+        if raw is not None:  # surrounding blanks and one pair of quotes dropped, the rest as typed
             text = raw.strip()
-            unquoted = _yaml_value(text) if len(text) > 1 and text[0] == text[-1] and text[0] in "'\"" else None
-            return unquoted if isinstance(unquoted, str) else text
+            quoted = len(text) > 1 and text[0] == text[-1] and text[0] in "'\""
+            return text[1:-1] if quoted else text  # no escapes: a regex's \. or C:\new stays as typed
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return str(value)
         if isinstance(value, str):

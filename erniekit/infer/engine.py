@@ -151,8 +151,10 @@ class SlotCache:
 
 def check_cache_fits(config, max_batch: int, max_model_len: int, dtype) -> None:
     """Refuse, in one line, a context longer than the model's positions or a KV cache (allocated
-    whole when the engine starts) larger than the memory available."""
+    whole when the engine starts) larger than the host memory available; a GPU's memory is
+    Paddle's to report (its allocator raises), the host's MemAvailable says nothing about it."""
     from erniekit.infer.weight_packing import available_memory
+    from erniekit.utils.device import cuda_visible
 
     positions = int(config.max_position_embeddings)
     if max_model_len > positions:
@@ -160,14 +162,16 @@ def check_cache_fits(config, max_batch: int, max_model_len: int, dtype) -> None:
             f"--max-model-len {max_model_len} is longer than the model's context "
             f"(max_position_embeddings={positions}); use at most {positions}"
         )
+    if cuda_visible():
+        return
     itemsize = paddle.zeros([1], dtype=dtype).element_size()
     need = 2 * config.num_hidden_layers * max_batch * max_model_len * config.num_key_value_heads * config.head_dim
     need = need * itemsize + max_batch * max_model_len * 8  # keys, values and the int64 mask
     free = available_memory()
     if free is not None and need > free:
         raise ErniekitError(
-            f"the KV cache for --max-batch {max_batch} x --max-model-len {max_model_len} needs "
-            f"{need / 2**20:,.0f} MiB, {free / 2**20:,.0f} MiB is available; lower either"
+            f"the KV cache of {max_batch} requests x {max_model_len} positions needs {need / 2**20:,.0f} MiB, "
+            f"{free / 2**20:,.0f} MiB of memory is available; lower --max-batch or --max-model-len"
         )
 
 

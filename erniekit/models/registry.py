@@ -49,9 +49,10 @@ class ModelFamily:
     # load_weights assigns every parameter or raises: a checkpoint's model is then built without
     # random weights first (erniekit/nn/deferred_init.py; any parameter left alone would be zero)
     loads_every_parameter: bool = False
-    # (config, checkpoint directory): refuse a config.json that disagrees with its weights (or claims
-    # absurd sizes) before the model is built, i.e. before anything is allocated; None: not checked
-    check_weights: Callable[[Any, str], None] | None = None
+    # (config, checkpoint directory, whether model_overrides changed the config): refuse a config that
+    # disagrees with its weights (or claims absurd sizes) before the model is built, i.e. before
+    # anything is allocated; None: not checked
+    check_weights: Callable[[Any, str, bool], None] | None = None
 
 
 _families: dict[str, ModelFamily] = {}
@@ -153,11 +154,9 @@ def load_model(name_or_path: str, overrides: Mapping[str, Any] | None = None, dt
 
     f = family_of(name_or_path)
     from_checkpoint = os.path.isdir(name_or_path)
-    config = model_config(name_or_path, None, f)
-    if from_checkpoint and f.check_weights is not None:
-        f.check_weights(config, name_or_path)  # config.json against the weights, before anything is allocated
-    if overrides:
-        config = config.replace(**overrides)
+    config = model_config(name_or_path, overrides, f)
+    if from_checkpoint and f.check_weights is not None:  # against the weights, before anything is allocated
+        f.check_weights(config, name_or_path, bool(overrides))
     prev = paddle.get_default_dtype()
     paddle.set_default_dtype(dtype)
     try:

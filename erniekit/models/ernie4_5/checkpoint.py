@@ -226,14 +226,16 @@ class _ShardReader:
         return t
 
 
-def check_config_against_weights(config: Ernie4_5Config, path: str) -> None:
-    """Compare config.json with the shapes in the weight files' headers, before a model is built
-    from it: a config that disagrees with its weights (vocab_size 1e10, a million layers) would
-    otherwise allocate gigabytes, or die in Paddle, before load_state_into compares a shape. Reads
-    headers only. Either layout (`model.` or the Paddle layout's `ernie.` names)."""
+def check_config_against_weights(config: Ernie4_5Config, path: str, overridden: bool = False) -> None:
+    """Compare the config (config.json, with model_overrides when `overridden`) with the shapes in
+    the weight files' headers, before a model is built from it: a config that disagrees with its
+    weights (vocab_size 1e10, a million layers) would otherwise allocate gigabytes, or die in
+    Paddle, before load_state_into compares a shape. The weights may hold more than the config
+    takes (an override that cuts layers or drops the MTP heads), never less. Reads headers only.
+    Either layout (`model.` or the Paddle layout's `ernie.` names)."""
     paddle_layout.refuse_pickle_only(path)
     shapes = _header_shapes(path)
-    cfg = os.path.join(path, "config.json")
+    cfg = os.path.join(path, "config.json") + (" with model_overrides" if overridden else "")
     prefix = "ernie" if "ernie.embed_tokens.weight" in shapes else "model"
     hint = "use the config.json the weights were saved with"
 
@@ -251,11 +253,11 @@ def check_config_against_weights(config: Ernie4_5Config, path: str) -> None:
         )
 
     def numbered(pattern: str, count: int, what: str, key: str, value) -> None:
-        """The indices N in the names matching `pattern` must be exactly 0..count-1 (compared
-        without building a range: count may be absurd)."""
+        """The indices N in the names matching `pattern` must include 0..count-1 (a range built
+        only once count is known to be no more than the indices found: it may be absurd)."""
         rx = re.compile(rf"{re.escape(prefix)}\.{pattern}")
         found = {int(m[1]) for n in shapes if (m := rx.match(n))}
-        if len(found) != count or (found and (min(found) != 0 or max(found) != count - 1)):
+        if count > len(found) or any(i not in found for i in range(count)):
             held = f"{len(found)} {what}" + (f" (numbered {min(found)}-{max(found)})" if found else "")
             raise CheckpointError(f"{cfg}: {key}={value} but the weights hold {held}; {hint}")
 
@@ -459,9 +461,9 @@ def from_pretrained(path: str, dtype: str = "float32", config_overrides: dict | 
     if not os.path.isdir(path):
         raise CheckpointError(f"{path}: checkpoint directory not found")
     config = Ernie4_5Config.from_pretrained(path)
-    check_config_against_weights(config, path)  # before anything is allocated
     if config_overrides:
         config = config.replace(**config_overrides)
+    check_config_against_weights(config, path, bool(config_overrides))  # before anything is allocated
     prev = paddle.get_default_dtype()
     paddle.set_default_dtype(dtype)
     try:

@@ -21,10 +21,10 @@ def _load_weights(model: Any, path: str) -> None:
     load_state_into(model, path)
 
 
-def _check_weights(config: Ernie4_5Config, path: str) -> None:
+def _check_weights(config: Ernie4_5Config, path: str, overridden: bool) -> None:
     from erniekit.models.ernie4_5.checkpoint import check_config_against_weights
 
-    check_config_against_weights(config, path)
+    check_config_against_weights(config, path, overridden)
 
 
 def _state_dict(model: Any, dtype: str | None = None) -> dict:

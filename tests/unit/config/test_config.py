@@ -254,9 +254,11 @@ def test_a_list_key_of_the_wrong_kind_is_a_type_error_not_a_traceback(override):
         load_config(None, [override])
 
 
-def test_string_overrides_lose_their_quotes_and_blanks_as_yaml_reads_them():
+def test_string_overrides_lose_their_quotes_and_blanks_the_rest_as_typed():
     cfg = load_config(None, ["output_dir='/tmp/a b'", 'stage= "SFT" ', "model_name_or_path= tiny-moe "])
     assert (cfg.output_dir, cfg.stage, cfg.model_name_or_path) == ("/tmp/a b", "SFT", "tiny-moe")
+    cfg = load_config(None, ['lora_target_modules=".*\\.q_proj"', 'output_dir="C:\\new"'])  # no escapes read
+    assert (cfg.lora_target_modules, cfg.output_dir) == (".*\\.q_proj", "C:\\new")
 
 
 def test_a_misspelled_mapping_key_is_named_not_read_as_a_section(tmp_path):

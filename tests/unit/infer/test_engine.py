@@ -279,7 +279,8 @@ def test_a_context_beyond_the_model_or_a_cache_beyond_the_memory_is_refused_at_s
     # 4 layers x (k + v) x 64 rows x 2048 x 2 heads x 32 x 4 bytes + the int64 mask = 257 MiB
     monkeypatch.setattr(weight_packing, "available_memory", lambda: 2**27)
     with pytest.raises(
-        ErniekitError, match=r"--max-batch 64 x --max-model-len 2048 needs 257 MiB, 128 MiB is available"
+        ErniekitError,
+        match=r"KV cache of 64 requests x 2048 positions needs 257 MiB, 128 MiB of memory is available; lower",
     ):
         Engine(model, tokenizer, max_batch=64, max_model_len=2048)
     engine = Engine(model, tokenizer, max_batch=2, max_model_len=64)  # 4 MiB: fits

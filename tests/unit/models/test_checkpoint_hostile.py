@@ -130,7 +130,7 @@ def test_the_parameter_estimate_counts_the_built_model(moe):
     "moe,changes,message",
     [
         (False, {"num_hidden_layers": 10**6}, r"num_hidden_layers=1000000 but the weights hold 3 decoder layers"),
-        (False, {"num_hidden_layers": 2}, r"num_hidden_layers=2 but the weights hold 3 decoder layers"),
+        (False, {"num_hidden_layers": 4}, r"num_hidden_layers=4 but the weights hold 3 decoder layers"),
         (
             False,
             {"hidden_size": 10**7, "head_dim": 8},
@@ -170,12 +170,23 @@ def test_the_header_check_reads_the_paddle_layout_names(tmp_path, monkeypatch):
         load_model(str(tmp_path))
 
 
-def test_overrides_still_cut_a_checkpoint_the_config_matches(tmp_path):
-    """The check compares config.json with the weights; model_overrides (an elastic cut) apply after it."""
+def test_the_weights_may_hold_more_than_the_config_takes_and_overrides_count(tmp_path):
+    """Fewer layers than the weights (config.json or an override: an elastic cut) load, with the
+    unused tensors named; an override that fixes a config.json the weights disagree with is
+    what the check compares, and one that breaks it names model_overrides."""
     path = _checkpoint(tmp_path, moe=True)
     with pytest.warns(UserWarning, match="not used"):
         model = load_model(path, {"num_hidden_layers": 2})
     assert len(model.model.layers) == 2
+    _edit_config(path, num_nextn_predict_layers=1)  # the weights hold no MTP block
+    with pytest.raises(CheckpointError, match=r"config\.json: num_nextn_predict_layers=1 but the weights hold 0"):
+        load_model(path)
+    assert load_model(path, {"num_nextn_predict_layers": 0}).mtp is None
+    assert from_pretrained(path, config_overrides={"num_nextn_predict_layers": 0}).mtp is None
+    with pytest.raises(
+        CheckpointError, match=r"config\.json with model_overrides: num_hidden_layers=5 but the weights hold 3"
+    ):
+        load_model(path, {"num_nextn_predict_layers": 0, "num_hidden_layers": 5})
 
 
 def test_the_header_check_opens_no_tensor(tmp_path, monkeypatch):
