@@ -624,6 +624,17 @@ EVAL_REPORTS: dict[str, Callable[[argparse.Namespace], int]] = {
 def eval_(args: list[str]) -> int:
     """Reports on a checkpoint over a dataset (forward passes only, no training)."""
     ns = _eval_parser().parse_args(args)
+    if ns.out is not None:  # found out now, not after the forward passes
+        from erniekit.config.checks import check_writable_dir
+
+        check_writable_dir("--out", ns.out)
+    if ns.report is None:  # --lm-eval
+        if not ns.lm_eval:
+            raise ErniekitError(
+                "eval --lm-eval: no task named; give TASK[,TASK] (bundled offline task: erniekit_arith)"
+            )
+        if ns.limit is not None and ns.limit < 1:
+            raise ErniekitError(f"eval --lm-eval: --limit {ns.limit} must be >= 1 (examples per task)")
     return EVAL_REPORTS[ns.report or "lm_eval"](ns)
 
 

@@ -11,7 +11,7 @@ import tempfile
 
 from erniekit.config.cross_cluster_checks import check_cross_cluster, normalise_cross_cluster
 from erniekit.config.loader import typed_list
-from erniekit.config.schema import TrainConfig, fields
+from erniekit.config.schema import SECTION_KEYS, TrainConfig, fields
 from erniekit.data.dataset_info import load_entry, parse_ref
 from erniekit.errors import ConfigError, DataError
 
@@ -118,6 +118,7 @@ def check(cfg: TrainConfig) -> None:
     _check_parallel(cfg)
     _check_online_distill(cfg)
     _check_distill(cfg)
+    _check_stage_keys(cfg)
     _check_init_layers(cfg)  # after the teacher's check: a demo naming both reports the teacher first
     _check_control(cfg)
     check_cross_cluster(cfg, stage_supports(cfg))
@@ -463,9 +464,9 @@ def _check_paths(cfg: TrainConfig) -> None:
             if not os.path.exists(p):
                 raise ConfigError(f"{key}: file not found: {p}; fix the path (relative paths start at {os.getcwd()})")
     _check_model(cfg.model_name_or_path)
-    _check_writable_dir("output_dir", cfg.output_dir)
+    check_writable_dir("output_dir", cfg.output_dir)
     if cfg.logging_dir != os.path.join(cfg.output_dir, "vdl_log"):
-        _check_writable_dir("logging_dir", cfg.logging_dir)
+        check_writable_dir("logging_dir", cfg.logging_dir)
     resume = cfg.resume_from_checkpoint
     if resume is not None and resume != "auto" and not os.path.isdir(resume):
         raise ConfigError(
@@ -474,7 +475,7 @@ def _check_paths(cfg: TrainConfig) -> None:
         )
 
 
-def _check_writable_dir(key: str, path: str) -> None:
+def check_writable_dir(key: str, path: str) -> None:
     """The run writes here, so find out now rather than after loading the model: the path (or its
     nearest existing parent, which the run would create it under) must be a directory we can write in."""
     if not str(path).strip():
@@ -495,8 +496,6 @@ def _check_writable_dir(key: str, path: str) -> None:
 def _check_lora_keys(cfg: TrainConfig) -> None:
     """LoRA settings without fine_tuning: LoRA would be read by nothing: a full fine-tune runs
     where the user asked for adapters."""
-    from erniekit.config.schema import SECTION_KEYS
-
     if cfg.fine_tuning == "LoRA":
         if not os.path.isdir(cfg.model_name_or_path):
             _warn(
@@ -514,6 +513,18 @@ def _check_lora_keys(cfg: TrainConfig) -> None:
         )
 
 
+def _refuse_adapter(key: str, path: str) -> None:
+    """A LoRA run's output has a config.json too, but no weights of the whole model: say so, not
+    that model.safetensors is missing."""
+    from erniekit.models.registry import is_adapter_dir
+
+    if is_adapter_dir(path):
+        raise ConfigError(
+            f"{key}: {path} is a LoRA adapter (adapter_config.json), not a whole model; merge it first "
+            f"(erniekit export {path} -o MERGED) and give MERGED"
+        )
+
+
 def _check_model(name: str) -> None:
     """A directory must hold config.json; anything else must be a built-in preset."""
     if os.path.isdir(name):
@@ -521,6 +532,7 @@ def _check_model(name: str) -> None:
             raise ConfigError(
                 f"model_name_or_path: {name} has no config.json; point it at a Hugging Face-layout checkpoint directory"
             )
+        _refuse_adapter("model_name_or_path", name)
         return
     from erniekit.models.registry import preset_names
 
@@ -552,9 +564,15 @@ def _check_precision(cfg: TrainConfig) -> None:
         )
 
 
-def _check_parallel(cfg: TrainConfig) -> None:
-    """Degrees against the process count (before any process starts); the model-size checks run
-    once the model config is known (erniekit.distributed.collective.layout.check_model_fits)."""
+def check_values(cfg: TrainConfig) -> None:
+    """The checks of a normalised config's values alone, no file, device or process looked at:
+    `erniekit plan` describes runs on other machines with data it does not read."""
+    _check_finite(cfg)
+    _check_ranges(cfg)
+    _check_degrees(cfg)
+
+
+def _check_degrees(cfg: TrainConfig) -> None:
     for key in (
         "tensor_parallel_degree",
         "expert_parallel_degree",
@@ -570,6 +588,12 @@ def _check_parallel(cfg: TrainConfig) -> None:
         cfg.data_parallel_degree,
         ">= 1, or -1 for what the other degrees leave",
     )
+
+
+def _check_parallel(cfg: TrainConfig) -> None:
+    """Degrees against the process count (before any process starts); the model-size checks run
+    once the model config is known (erniekit.distributed.collective.layout.check_model_fits)."""
+    _check_degrees(cfg)
     if cfg.nnodes > 1 and not cfg.master:
         raise ConfigError(f"nnodes={cfg.nnodes} needs master=HOST:PORT (the first machine's rendezvous address)")
     from erniekit.distributed.collective.layout import layout_from_config
@@ -650,20 +674,42 @@ def _check_layer_indices(key: str, layer_map: list, checkpoint: str, whose: str 
         )
 
 
+def _refuse_other_stages_keys(cfg: TrainConfig, keys, applies_to: str, hint: str = "") -> None:
+    """A stage's own setting given to a stage that reads none of it changes nothing: refused, as
+    the LoRA keys are without LoRA, so a run does not silently differ from what was asked."""
+    defaults = {
+        f.name: f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default for f in fields()
+    }
+    changed = [k for k in keys if getattr(cfg, k) != defaults[k]]
+    if changed:
+        raise ConfigError(
+            f"{changed[0]}={getattr(cfg, changed[0])!r} applies to {applies_to}, not stage {cfg.stage}{hint}; "
+            "set the stage or remove it"
+        )
+
+
+def _check_stage_keys(cfg: TrainConfig) -> None:
+    """DPO's and RL's settings on stages that do not read them (Distill's: `_check_distill`).
+    beta is DPO's temperature and RL's KL coefficient; Distill's on-policy sampling reads
+    max_new_tokens, temperature, top_p and stop_token_ids."""
+    rl = stage_supports(cfg).rollouts
+    if cfg.stage != "DPO":
+        _refuse_other_stages_keys(cfg, [k for k in SECTION_KEYS["dpo"] if k != "beta" or not rl], "stage DPO")
+    if not rl:
+        sampling = ("max_new_tokens", "temperature", "top_p", "stop_token_ids") if cfg.stage == "Distill" else ()
+        _refuse_other_stages_keys(
+            cfg,
+            [k for k in SECTION_KEYS["rl"] if k not in sampling],
+            f"the RL stages ({_stages_that('rollouts', ' and ')})",
+        )
+
+
 def _check_distill(cfg: TrainConfig) -> None:
     """stage: Distill (erniekit/train/stages/distill.py): its teacher and options; the tokenizer and
     vocabulary match is checked once both are loaded."""
     if cfg.stage != "Distill":
-        if cfg.teacher_name_or_path is not None:
-            raise ConfigError(
-                f"teacher_name_or_path applies to stage Distill, not {cfg.stage}; set stage: Distill or "
-                "teacher_name_or_path=null"
-            )
-        if cfg.distill_hidden_weight or cfg.distill_hidden_layer_map is not None:
-            raise ConfigError(
-                f"distill_hidden_weight / distill_hidden_layer_map apply to stage Distill, not {cfg.stage}; set "
-                "stage: Distill or remove them"
-            )
+        online = " (online_distill_students take the online_distill_* keys)" if cfg.online_distill_students else ""
+        _refuse_other_stages_keys(cfg, SECTION_KEYS["distill"], "stage Distill", online)
         return
     _require(0 <= cfg.distill_beta <= 1, "distill_beta", cfg.distill_beta, "in [0, 1] (0: forward KL, 1: reverse KL)")
     _require(cfg.distill_temperature > 0, "distill_temperature", cfg.distill_temperature, "> 0")
@@ -699,6 +745,7 @@ def _check_distill(cfg: TrainConfig) -> None:
             f"teacher_name_or_path: {teacher} has no config.json; give a full checkpoint in Hugging Face layout "
             "(merge a LoRA adapter first: erniekit export)"
         )
+    _refuse_adapter("teacher_name_or_path", teacher)
 
 
 def _check_hidden_distill(cfg: TrainConfig) -> None:

@@ -5,18 +5,67 @@ from __future__ import annotations
 
 import dataclasses
 import json
-
-import yaml
+import os
 
 from erniekit.errors import ErniekitError
+
+# the parallel degrees and process counts train checks (config/checks.py: _check_parallel)
+
+
+def load_checked_config(path: str | None, overrides: list[str]):
+    """The training config (as loaded), after the value checks `erniekit train` runs on it: finite
+    numbers and every key's range (batch sizes, accumulation, max_seq_len >= 8, ...) and the parallel
+    degrees >= 1; one-line ConfigError naming the key.
+
+    Not `erniekit.config.validate`: that also wants the dataset files, the checkpoint and output_dir
+    on this machine (it probes output_dir by creating a directory there), refuses bf16 without a
+    local GPU and resolves `parallel: auto` against the launch's process count; a plan reads none of
+    the files and may describe another machine (a laptop planning a GPU cluster)."""
+    from erniekit.config import checks, load_config
+
+    cfg = load_config(path, overrides)
+    # checked on a normalised copy (canonical spellings, typed lists); dataset_dir names a directory
+    # of data the plan does not read, which normalising would require to exist here
+    norm = checks.normalise(dataclasses.replace(cfg, dataset_dir=None))
+    checks.check_values(norm)  # the device- and file-independent part of checks.check
+    return cfg
+
+
+def _check_top(top: int) -> None:
+    if top < 1:
+        raise ErniekitError(f"plan: --top {top} must be >= 1 (the number of rows to print)")
+
+
+def _check_json_path(json_path: str | None) -> None:
+    """Refuse a --json path that cannot be written before anything is computed or printed."""
+    if json_path is None:
+        return
+    if os.path.isdir(json_path):
+        raise ErniekitError(
+            f"plan --json {json_path}: is a directory; give a file path, e.g. {os.path.join(json_path, 'plans.json')}"
+        )
+    parent = os.path.dirname(os.path.abspath(json_path))
+    if not os.path.isdir(parent):
+        raise ErniekitError(
+            f"plan --json {json_path}: directory {parent} does not exist; create it or give another path"
+        )
+
+
+def _write_json(json_path: str, obj: object) -> None:
+    try:
+        with open(json_path, "w", encoding="utf-8") as f:
+            json.dump(obj, f, indent=1)
+    except OSError as e:
+        raise ErniekitError(f"plan --json {json_path}: {e.strerror}; give a writable file path") from None
 
 
 def collective_plan(path: str | None, overrides: list[str], top: int, include_all: bool, json_path: str | None) -> int:
     """Rank the data / tensor / expert / pipeline / sharding layouts; exit status 1 when none fits."""
-    from erniekit.config import load_config
     from erniekit.distributed import planner
 
-    cfg = load_config(path, overrides)
+    _check_top(top)
+    _check_json_path(json_path)
+    cfg = load_checked_config(path, overrides)
     if not cfg.cluster:
         raise ErniekitError("plan needs cluster=FILE, a cluster description (see examples/clusters/)")
     cluster = planner.load_cluster(cfg.cluster)
@@ -44,20 +93,24 @@ def collective_plan(path: str | None, overrides: list[str], top: int, include_al
             }
             for r in preds
         ]
-        with open(json_path, "w", encoding="utf-8") as f:
-            json.dump(rows, f, indent=1)
+        _write_json(json_path, rows)
     return 0 if preds and preds[0].fits else 1
+
+
+def _read_yaml(path: str):
+    """A file given to `plan --mode ps`; one-line errors name the file (and line)."""
+    from erniekit.distributed.planner import read_yaml
+
+    return read_yaml(
+        path, "cluster or config", "give a cluster file with device_types (examples/clusters/) or a training config"
+    )
 
 
 def _split_files(files: list[str]) -> tuple[str | None, str | None]:
     """(cluster file, training config): a YAML file with device_types is the cluster."""
     cluster_path, config_path = None, None
     for f in files:
-        try:
-            with open(f) as fh:
-                raw = yaml.safe_load(fh)
-        except OSError as e:
-            raise ErniekitError(f"{f}: {e.strerror}") from None
+        raw = _read_yaml(f)
         if isinstance(raw, dict) and "device_types" in raw:
             cluster_path = f
         else:
@@ -69,15 +122,19 @@ def ps_plan(items: list[str], top: int, target: float | None, json_path: str | N
     """`erniekit plan --mode ps CLUSTER.yaml [CONFIG.yaml] [key=value ...]`: place the model's parts
     on a heterogeneous cluster to meet a throughput target at least cost (default config: the
     embedded one's keys)."""
-    from erniekit.config import load_config
     from erniekit.distributed import planner
     from erniekit.distributed.ps.cost_model import load_hetero_cluster
     from erniekit.distributed.ps.plan import format_rows, plan_placement
 
+    _check_top(top)
+    _check_json_path(json_path)
     overrides = [i for i in items if "=" in i]
     cluster_path, config_path = _split_files([i for i in items if "=" not in i])
-    cfg = load_config(config_path, [o for o in overrides if not o.startswith("cluster=")])
-    cluster_path = cluster_path or next((o.split("=", 1)[1] for o in overrides if o.startswith("cluster=")), None)
+    cfg = load_checked_config(config_path, [o for o in overrides if not o.startswith("cluster=")])
+    given = next((o.split("=", 1)[1] for o in overrides if o.startswith("cluster=")), None)
+    if not cluster_path and given:
+        _read_yaml(given)  # load_hetero_cluster reads it again; this gives a malformed file its one line
+    cluster_path = cluster_path or given
     if not cluster_path:
         raise ErniekitError(
             "plan --mode ps needs a cluster file with device_types (see examples/clusters/hetero-cpu-gpu.yaml)"
@@ -96,12 +153,9 @@ def ps_plan(items: list[str], top: int, target: float | None, json_path: str | N
     )
     print(format_rows(rows[:top], tokens))
     if json_path:
-        with open(json_path, "w", encoding="utf-8") as f:
-            json.dump(
-                {"target_tokens_per_s": target, "tokens_per_batch": tokens, "rows": [r.as_dict() for r in rows]},
-                f,
-                indent=1,
-            )
+        _write_json(
+            json_path, {"target_tokens_per_s": target, "tokens_per_batch": tokens, "rows": [r.as_dict() for r in rows]}
+        )
     return 0
 
 
@@ -116,12 +170,12 @@ def cross_cluster_plan(
     """`erniekit plan CONFIG sites=SITES.yaml`: the config's cross_cluster_* sync predicted on the sites,
     and the interval and compression recommended for its max sync fraction (or --target tokens/s);
     exit status 1 when nothing meets the target (docs/cross_cluster.md)."""
-    from erniekit.config import load_config
     from erniekit.distributed.cross_cluster import plan as cc
 
+    _check_json_path(json_path)
     given = [o.split("=", 1)[1] for o in overrides if o.startswith("sites=")]
     sites = cc.load_sites(sites_path or given[-1])
-    cfg = load_config(path, [o for o in overrides if not o.startswith("sites=")])
+    cfg = load_checked_config(path, [o for o in overrides if not o.startswith("sites=")])
     sizes = list(getattr(cfg, "cross_cluster_sizes", []))
     if sizes and sizes != [sites.world] * len(sites.sites):
         raise ErniekitError(
@@ -172,6 +226,5 @@ def cross_cluster_plan(
             "recommended": dataclasses.asdict(rec.choice) if rec.choice else None,
             "table": [dataclasses.asdict(r) for r in rec.table],
         }
-        with open(json_path, "w", encoding="utf-8") as f:
-            json.dump(out, f, indent=1)
+        _write_json(json_path, out)
     return 0 if rec.choice else 1

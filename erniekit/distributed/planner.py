@@ -32,6 +32,7 @@ replicas sum their gradients through + the CPU heap's holes + runtime overhead.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 from dataclasses import asdict, dataclass, field, replace
@@ -87,6 +88,8 @@ def read_yaml(path: str, kind: str, hint: str):
             return yaml.safe_load(f)
     except OSError as e:
         raise ConfigError(f"{kind} file {path}: {e.strerror}; {hint}") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"{kind} file {path}: not UTF-8 text; {hint}") from None
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f"{path}:{mark.line + 1}" if mark else path
@@ -103,6 +106,30 @@ def load_cluster(path: str) -> Cluster:
 
 DEVICES = ("cpu", "gpu")
 _MAY_BE_ZERO = {"spmd_op_overhead_s", "host_sum_bandwidth", "host_sum_latency_s"}  # 0: not measured / none
+# The most devices a cluster file may declare (nodes x devices_per_node): 2**20 = 1,048,576, several
+# times the largest training clusters built (1e5-2e5 GPUs), so no real cluster is refused; and the
+# enumeration stays bounded (a world below 2**20 has at most 240 divisors). Beyond it a typo
+# (`nodes: 1e12`) would only enumerate for minutes.
+MAX_WORLD = 2**20
+# Every other figure, where not 0, lies in [FIGURE_MIN, FIGURE_MAX] (seconds, bytes, bytes/s, FLOP/s):
+# a picosecond latency or a zettaFLOP/s device is a unit slip, and beyond these the model's quotients
+# and sums overflow to inf (a table of inf step times and 0 tokens/s).
+FIGURE_MIN, FIGURE_MAX = 1e-12, 1e21
+
+
+def _number(value: object, integer: bool) -> float | int:
+    """A cluster figure as a finite float (or an integer written as 2 or 2.0); ValueError otherwise."""
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        raise ValueError
+    if integer and isinstance(value, int):
+        return value  # exact, however large (checked against MAX_WORLD by the caller)
+    try:
+        x = float(value)  # a YAML string such as "1e12" (no dot) too
+    except OverflowError:  # an integer beyond float's range
+        raise ValueError from None
+    if not math.isfinite(x) or (integer and x != int(x)):
+        raise ValueError
+    return int(x) if integer else x
 
 
 def cluster_from_mapping(raw: dict, where: str) -> Cluster:
@@ -116,23 +143,37 @@ def cluster_from_mapping(raw: dict, where: str) -> Cluster:
         if key == "device" and value not in DEVICES:
             raise ConfigError(f"{where}: device={value!r} must be one of {', '.join(DEVICES)}")
         kind = known[key]
+        if kind is str:
+            values[key] = str(value)
+            continue
+        shown = _count(value) if isinstance(value, int) and not isinstance(value, bool) else repr(value)
         try:
-            if kind is str:
-                values[key] = str(value)
-            elif kind is int:
-                if isinstance(value, bool) or float(value) != int(float(value)):
-                    raise ValueError
-                values[key] = int(float(value))
-            else:
-                if isinstance(value, bool):
-                    raise ValueError
-                values[key] = float(value)
-        except (TypeError, ValueError):
-            what = "an integer" if kind is int else "a number"
-            raise ConfigError(f"{where}: {key}={value!r} must be {what}") from None
-        if kind is not str and not (values[key] > 0 or (key in _MAY_BE_ZERO and values[key] == 0)):
-            raise ConfigError(f"{where}: {key}={value!r} must be > 0")
-    return Cluster(**values)
+            values[key] = _number(value, kind is int)
+        except ValueError:
+            what = "an integer" if kind is int else "a finite number"
+            raise ConfigError(f"{where}: {key}={shown} must be {what}") from None
+        x = values[key]
+        if not (x > 0 or (key in _MAY_BE_ZERO and x == 0)):
+            raise ConfigError(f"{where}: {key}={shown} must be > 0")
+        if kind is float and x and not FIGURE_MIN <= x <= FIGURE_MAX:
+            raise ConfigError(
+                f"{where}: {key}={shown} is out of range: figures are SI units (seconds, bytes, bytes/s, "
+                f"FLOP/s) in [{FIGURE_MIN:g}, {FIGURE_MAX:g}]; check the unit of {key}"
+            )
+    cluster = Cluster(**values)
+    if cluster.world > MAX_WORLD:
+        raise ConfigError(
+            f"{where}: nodes={_count(cluster.nodes)} x devices_per_node={_count(cluster.devices_per_node)} = "
+            f"{_count(cluster.world)} devices, more than the {MAX_WORLD} (2**20) the planner takes; lower nodes "
+            "or devices_per_node"
+        )
+    return cluster
+
+
+def _count(n: int) -> str:
+    """n for a message: exact up to 15 digits, else 1.2e+40 (an integer of any size)."""
+    digits = str(n)
+    return digits if len(digits) <= 15 else f"{digits[0]}.{digits[1]}e+{len(digits) - 1}"
 
 
 @dataclass(frozen=True)
@@ -512,8 +553,16 @@ def _comm_bytes(grad_bytes: float, act_bytes: float, p: Plan, L: int, layers, m:
 
 
 # ---- enumeration ----------------------------------------------------------------------------
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+@functools.lru_cache(maxsize=1024)
+def _divisors(n: int) -> tuple[int, ...]:
+    """The divisors of n, ascending, in O(sqrt(n)): each d <= sqrt(n) with its pair n // d."""
+    small, large = [], []
+    for d in range(1, math.isqrt(n) + 1 if n > 0 else 1):
+        if n % d == 0:
+            small.append(d)
+            if d != n // d:
+                large.append(n // d)
+    return tuple(small + large[::-1])
 
 
 def why_not(c, p: Plan, work: Workload, runnable_only: bool = False, cpu: bool = True) -> str:
@@ -554,6 +603,8 @@ def enumerate_plans(
     for tp, pp in itertools.product(_divisors(world), _divisors(world)):
         if world % (tp * pp) or (pp > 1 and not pipeline):
             continue
+        if tp > c.num_attention_heads or pp > c.num_hidden_layers:
+            continue  # tp divides the heads, pp is at most the layers (check_model_fits): skip the inner loop
         dp = world // (tp * pp)
         if work.global_batch % dp:
             continue

@@ -13,11 +13,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from erniekit.data.formats import _READERS, Conversation, detect_format, load_records
+from erniekit.data.formats import _READERS, Conversation, _misspelled, detect_format, load_records
 from erniekit.errors import DataError
 
 _FORMAT_KEYS = {
-    "erniekit": {"system", "src", "tgt", "label"},
+    "erniekit": {"system", "src", "tgt", "label", "is_system"},
     "alpaca": {"instruction", "input", "output", "system", "history"},
     "messages": {"messages"},
     "prompt": {"prompt", "system"},
@@ -58,14 +58,30 @@ def _prompt_messages(value: Any, where: str) -> tuple[str | None, list[tuple[str
     return system, history, body[-1]["content"]
 
 
+def _check_typo(rec: dict, fmt: str, where: str) -> None:
+    """Keys beside the format's own are reward fields, but one that looks like a misspelling of a
+    format key the record lacks ('sytem') would silently drop what it meant: refused."""
+    typo = _misspelled(frozenset(rec), frozenset(_FORMAT_KEYS[fmt]))
+    if typo is not None:
+        raise DataError(
+            f"{where}: unknown field '{typo[0]}'; did you mean '{typo[1]}'? (other keys are passed to the "
+            "reward functions as fields)"
+        )
+
+
 def _from_prompt(rec: dict, where: str) -> PromptExample:
+    _check_typo(rec, "prompt", where)
     value = rec.get("prompt")
+    system = rec.get("system")
+    if system is not None and not isinstance(system, str):
+        raise DataError(f"{where}: field 'system' must be a string")
     if isinstance(value, str):
-        system, history, prompt = rec.get("system"), [], value
-        if system is not None and not isinstance(system, str):
-            raise DataError(f"{where}: field 'system' must be a string")
+        history, prompt = [], value
     else:
-        system, history, prompt = _prompt_messages(value, where)
+        msg_system, history, prompt = _prompt_messages(value, where)
+        if msg_system is not None and system is not None:  # as the preference reader refuses it
+            raise DataError(f"{where}: system prompt given twice ('system' field and a system message); keep one")
+        system = system if system is not None else msg_system
     turns = history + [(prompt, "")]
     conv = Conversation(system, turns, [False] * len(history) + [True], where)
     return PromptExample(conv, {k: v for k, v in rec.items() if k not in _FORMAT_KEYS["prompt"]}, where)
@@ -73,6 +89,7 @@ def _from_prompt(rec: dict, where: str) -> PromptExample:
 
 def _from_conversation(fmt: str):
     def read(rec: dict, where: str) -> PromptExample:
+        _check_typo(rec, fmt, where)
         conv = _READERS[fmt](rec, where)
         fields = {k: v for k, v in rec.items() if k not in _FORMAT_KEYS[fmt]}
         fields.setdefault("answer", conv.turns[-1][1])

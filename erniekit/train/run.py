@@ -83,6 +83,16 @@ def load_model(cfg):
     return model
 
 
+def check_stop_ids(stop_token_ids: list[int], vocab_size: int) -> None:
+    """An id past the vocabulary is never sampled: the stop asked for would never fire."""
+    beyond = [t for t in stop_token_ids if t >= vocab_size]
+    if beyond:
+        raise ConfigError(
+            f"stop_token_ids={stop_token_ids}: {beyond[0]} is not a token of this model (vocab_size={vocab_size}); "
+            f"use ids below {vocab_size}"
+        )
+
+
 def check_vocab(model, tokenizer) -> None:
     beyond = [t for t, i in getattr(tokenizer, "added_tokens", {}).items() if i >= model.config.vocab_size]
     if beyond:
@@ -152,6 +162,7 @@ def _run_joined(cfg, topology, device: str, log) -> dict:
     model = load_model(cfg)  # first: a broken config.json is reported before tokenizer issues
     tokenizer = load_tokenizer(cfg)
     check_vocab(model, tokenizer)
+    check_stop_ids(cfg.stop_token_ids, model.config.vocab_size)
     stage = get_stage(cfg.stage)
     if cfg.online_distill_students:  # students trained beside the model (docs/online_distillation.md)
         from erniekit.train.online_distill import with_students

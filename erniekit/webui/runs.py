@@ -113,6 +113,12 @@ def check_form(form: Form, paths: PathPolicy | None = None):
     if not str(form.output_dir).strip():
         raise ErniekitError("output directory is empty")
     cfg = load_config(base_config(form.stage), form.overrides())
+    if paths is not None:  # the values as the run reads them: quotes a box held are gone by now
+        paths.check(cfg.output_dir, "output directory")
+        if form.model and form.model != EMBEDDED:
+            paths.check(cfg.model_name_or_path, "model directory")
+        if form.dataset:
+            paths.check(cfg.train_dataset_path, "dataset")
     return validate(cfg)
 
 
@@ -155,12 +161,12 @@ class Runs:
         self.paths = paths
 
     def active(self, output_dir: str) -> Run | None:
-        r = self.runs.get(os.path.abspath(output_dir))
+        r = self.runs.get(os.path.realpath(output_dir))  # a symlink to a run's directory is that run
         return r if r is not None and r.proc.poll() is None else None
 
     def start(self, form: Form, resume: bool = False) -> Run:
         cfg = check_form(form, self.paths)
-        out = os.path.abspath(cfg.output_dir)
+        out = os.path.realpath(cfg.output_dir)
         if self.active(out) is not None:
             raise ErniekitError(
                 f"a run is already writing to {cfg.output_dir}; stop it first or choose another output directory"
@@ -200,7 +206,7 @@ class Runs:
         (it reads files there, so the directory must be an allowed one)."""
         if self.paths is not None:
             self.paths.check(output_dir, "output directory")
-        out = os.path.abspath(output_dir)
+        out = os.path.realpath(output_dir)
         r = self.runs.get(out)
         points, step = read_points(out)
         total = r.cfg.max_steps if r is not None else None

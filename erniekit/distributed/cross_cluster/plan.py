@@ -82,8 +82,8 @@ def _number(value, where: str, minimum: float, strict: bool) -> float:
         number = float("nan") if isinstance(value, bool) else float(value)
     except (TypeError, ValueError):
         number = float("nan")
-    if not number >= minimum or (strict and number == minimum):
-        raise ConfigError(f"{where}={value!r} must be a number {'>' if strict else '>='} {minimum:g}")
+    if not math.isfinite(number) or not number >= minimum or (strict and number == minimum):
+        raise ConfigError(f"{where}={value!r} must be a finite number {'>' if strict else '>='} {minimum:g}")
     return number
 
 

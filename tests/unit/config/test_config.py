@@ -299,3 +299,33 @@ def test_lora_on_a_preset_warns_that_the_base_is_not_kept(valid, capsys, monkeyp
     validate(load_config(None, [*valid, "fine_tuning=LoRA", "model_name_or_path=tiny-moe"]))
     err = capsys.readouterr().err
     assert "WARNING: fine_tuning=LoRA on the preset tiny-moe: the base weights are random and not saved" in err
+
+
+def test_a_lora_adapter_as_the_model_or_the_teacher_says_to_merge_it(valid, tmp_path):
+    """A LoRA run's output has a config.json but no whole model: it failed with "no model.safetensors"."""
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    (adapter / "config.json").write_text("{}")
+    (adapter / "adapter_config.json").write_text("{}")
+    with pytest.raises(
+        ConfigError, match=r"model_name_or_path: .*adapter is a LoRA adapter .*merge it first \(erniekit export"
+    ):
+        validate(load_config(None, [*valid, f"model_name_or_path={adapter}"]))
+    with pytest.raises(ConfigError, match=r"teacher_name_or_path: .*adapter is a LoRA adapter"):
+        validate(load_config(None, [*valid, "stage=Distill", f"teacher_name_or_path={adapter}"]))
+
+
+@pytest.mark.parametrize(
+    "overrides, said",
+    [
+        (["beta=0.5"], r"beta=0.5 applies to stage DPO, not stage SFT"),
+        (["loss_type=ipo"], r"loss_type='ipo' applies to stage DPO"),
+        (["num_generations=4"], r"num_generations=4 applies to the RL stages \(GRPO and PPO\), not stage SFT"),
+        (["stage=DPO", "vf_coef=0.5"], r"vf_coef=0.5 applies to the RL stages .*not stage DPO"),
+        (["distill_loss=jsd"], r"distill_loss='jsd' applies to stage Distill, not stage SFT"),
+    ],
+)
+def test_another_stages_settings_are_refused_not_ignored(valid, overrides, said):
+    """They changed nothing (an online-distillation run with distill_loss trained to the same digits)."""
+    with pytest.raises(ConfigError, match=said):
+        validate(load_config(None, [*valid, *overrides]))

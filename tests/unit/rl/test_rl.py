@@ -344,6 +344,31 @@ def test_prompt_formats(tmp_path):
         load_prompts(str(f))
 
 
+def test_prompt_system_fields_and_misspelled_format_keys(tmp_path):
+    """A top-level system beside a messages prompt was dropped; a misspelled format key ('sytem')
+    became a reward field and lost what it meant. Other keys stay reward fields."""
+    from erniekit.rl.data import load_prompts
+
+    f = tmp_path / "p.jsonl"
+    user = '[{"role": "user", "content": "1+1="}]'
+    f.write_text(f'{{"prompt": {user}, "system": "in words", "answer": "two"}}\n')
+    (a,) = load_prompts(str(f))
+    assert a.conv.system == "in words" and a.fields == {"answer": "two"}
+    twice = '[{"role": "system", "content": "s"}, {"role": "user", "content": "1+1="}]'
+    f.write_text(f'{{"prompt": {twice}, "system": "in words", "answer": "two"}}\n')
+    with pytest.raises(DataError, match=r"p.jsonl:1: system prompt given twice"):
+        load_prompts(str(f))
+    for rec in (
+        '{"prompt": "1+1=", "sytem": "in words", "answer": "2"}',
+        '{"src": ["1+1="], "tgt": ["2"], "sytem": "x"}',
+    ):
+        f.write_text(rec + "\n")
+        with pytest.raises(DataError, match=r"p.jsonl:1: unknown field 'sytem'; did you mean 'system'\?"):
+            load_prompts(str(f))
+    f.write_text('{"prompt": "1+1=", "answer": "2", "solutions": ["2"], "level": 1}\n')
+    assert load_prompts(str(f))[0].fields == {"answer": "2", "solutions": ["2"], "level": 1}
+
+
 def test_zero_variance_groups_are_filtered_from_the_loss(tmp_path, reward_file):
     model, st, tok, _ = _prepared_stage(
         tmp_path,
@@ -393,3 +418,14 @@ def test_beta_zero_is_valid_for_rl_only():
     assert (cfg.stage, cfg.reward_funcs, cfg.reward_weights) == ("GRPO", ["accuracy", "format"], [1.0, 0.5])
     with pytest.raises(ConfigError, match="beta"):
         validate(load_config(None, ["stage=DPO", "beta=0"]))
+
+
+def test_stop_token_ids_past_the_vocabulary_are_refused_before_the_first_step(tmp_path):
+    """An id the model cannot sample never stops a rollout: it ran to max_new_tokens, silently."""
+    from erniekit.errors import ConfigError
+
+    with pytest.raises(
+        ConfigError, match=r"stop_token_ids=\[5, 5000\]: 5000 is not a token of this model \(vocab_size="
+    ):
+        _run(tmp_path / "stops", "max_steps=1", "stop_token_ids=[5, 5000]")
+    assert not os.path.exists(tmp_path / "stops" / "checkpoint-1")

@@ -389,3 +389,14 @@ def test_cli_eval_routing_default_data_and_errors(ckpts, tmp_path, capsys):
     assert main(["eval", str(tmp_path / "missing"), "--routing"]) == 2
     assert "checkpoint directory not found" in capsys.readouterr().err
     assert main(["help", "eval"]) == 0 and "--max-seq-len" in capsys.readouterr().out
+    # --out and the lm-eval asks are checked before any forward pass (were tracebacks after it)
+    (tmp_path / "afile").write_text("x")
+    for args, said in (
+        (["--routing", "--out", str(tmp_path / "afile")], "is a file, not a directory; choose another --out"),
+        (["--elastic", "--out", str(tmp_path / "afile" / "x")], "is a file, not a directory"),
+        (["--lm-eval", ","], "eval --lm-eval: no task named"),
+        (["--lm-eval", "erniekit_arith", "--limit", "0"], "--limit 0 must be >= 1"),
+    ):
+        assert main(["eval", str(ckpts / "moe"), *args]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and said in err[0], err

@@ -413,7 +413,7 @@ def test_vocabulary_mismatch_names_the_first_differing_id():
         (["teacher_name_or_path=null"], "stage Distill needs teacher_name_or_path"),
         (["teacher_name_or_path={tmp}/nowhere"], "nowhere does not exist .*train it first, or point"),
         (["teacher_name_or_path={tmp}"], "has no config.json; give a full checkpoint"),
-        (["stage=SFT"], "teacher_name_or_path applies to stage Distill, not SFT"),
+        (["stage=SFT"], "teacher_name_or_path=.* applies to stage Distill, not stage SFT"),
         (["distill_beta=1.5"], "distill_beta=1.5 is invalid"),
         (["distill_temperature=0"], "distill_temperature=0.0 is invalid"),
         (["distill_alpha=-0.1"], "distill_alpha=-0.1 is invalid"),
@@ -451,7 +451,7 @@ def test_vocabulary_mismatch_names_the_first_differing_id():
         ),
         (
             ["stage=SFT", "teacher_name_or_path=null", "distill_hidden_weight=1"],
-            "distill_hidden_weight / distill_hidden_layer_map apply to stage Distill, not SFT",
+            "distill_hidden_weight=1.0 applies to stage Distill, not stage SFT",
         ),
     ],
 )

@@ -244,14 +244,19 @@ def test_every_handler_refuses_a_path_outside_and_writes_nothing(confined):
         {"dataset": "/etc/passwd"},
         {"model": "/etc"},
         {"model": "link"},
+        {"output_dir": f"'{outside}/run'"},  # quoted: the run reads it without the quotes
+        {"output_dir": f'"{outside}/run"'},
     ):
         with pytest.raises(ErniekitError, match="is outside the directories") as e:
             runs.start(Form(**{"output_dir": "run", **kw}))
         assert "\n" not in str(e.value)
+    with pytest.raises(ErniekitError, match="not found"):  # no such directory here, quoted or not
+        runs.start(Form(output_dir="run", model=f"'{outside}'"))
     with pytest.raises(ErniekitError, match="output directory /etc is outside"):
         runs.status("/etc")
     assert runs.runs == {} and list(outside.iterdir()) == [] and sorted(os.listdir(work)) == ["link"]
     assert check_form(Form(output_dir="run"), paths).output_dir == "run"  # inside: the form validates
+    assert check_form(Form(output_dir="'run'"), paths).output_dir == "run"
     assert check_form(Form(output_dir="link/run"), PathPolicy(allow=[str(outside)])).output_dir == "link/run"
 
 
