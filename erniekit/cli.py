@@ -359,7 +359,8 @@ def export(args: list[str]) -> int:
     p.add_argument(
         "--force",
         action="store_true",
-        help="write into a non-empty --output: its model files are replaced (atomically), others kept",
+        help="write into a non-empty --output holding an earlier export of the same format: its model files "
+        "are replaced (atomically), others kept",
     )
     p.add_argument(
         "--format",
@@ -367,13 +368,17 @@ def export(args: list[str]) -> int:
         default="hf",
         help="; ".join(export_format(n).help for n in format_names()),
     )
-    p.add_argument("--group-size", type=int, default=64, help="wint4: inputs per scale")
-    p.add_argument("--max-shard-size", default="5GB", help="split weights into files of at most this size")
+    p.add_argument("--group-size", type=int, default=None, help="wint4: inputs per scale (default 64)")
+    p.add_argument(
+        "--max-shard-size",
+        default=None,
+        help="split weights into files of at most this size (default 5GB; the formats that shard)",
+    )
     p.add_argument(
         "--dtype",
         choices=["float32", "bfloat16", "float16", "q8_0"],
         default=None,
-        help="weight dtype in the files (default: as trained); q8_0: --format gguf only",
+        help="weight dtype in the files (default: float32, as erniekit loads a checkpoint); q8_0: --format gguf only",
     )
     p.add_argument("--verify", metavar="DIR", help="reload an exported DIR and compare its logits with its source")
     _add_base_model(p)

@@ -37,16 +37,28 @@ def export(
     output: str | None,
     fmt: str,
     force: bool,
-    max_shard_size: str,
+    max_shard_size: str | None,
     dtype: str | None,
-    group_size: int,
+    group_size: int | None,
     elastic: list[str],
 ) -> int:
+    """max_shard_size / group_size None: not given (the format's default); given to a format that
+    would ignore it, refused."""
     from erniekit.elastic.submodels import parse_settings
+    from erniekit.export.formats import MAX_SHARD_SIZE, ExportOptions, export_format
     from erniekit.export.hf import check_output
 
     if not src or not output:
         raise ErniekitError("export needs SRC and --output OUT (or --verify DIR)")
+    if group_size is not None and fmt != "wint4":
+        raise ErniekitError(f"export --format {fmt}: --group-size applies to --format wint4 only; drop it")
+    if max_shard_size is not None and not export_format(fmt).shards:
+        raise ErniekitError(
+            f"export --format {fmt}: --max-shard-size is not supported (it does not split its weights into "
+            "shards); drop it"
+        )
+    group_size = 64 if group_size is None else group_size
+    max_shard_size = MAX_SHARD_SIZE if max_shard_size is None else max_shard_size
     if fmt == "wint4" and (group_size < 2 or group_size % 2):
         raise ErniekitError(f"export: --group-size {group_size} must be an even number >= 2")
     if not os.path.isdir(src):
@@ -54,7 +66,8 @@ def export(
             f"export: source {src} is not a directory; give a checkpoint or LoRA adapter directory "
             "(output of erniekit train)"
         )
-    check_output(src, output, force)  # before paddle: a mistake is reported at once
+    export_format(fmt).check_options(ExportOptions(max_shard_size, dtype, group_size))  # before paddle, too
+    check_output(src, output, force, fmt)  # before paddle: a mistake is reported at once
     spec = parse_settings(elastic)  # before paddle: a typo is reported at once
     import_paddle()
     from erniekit.export.hf import export_hf

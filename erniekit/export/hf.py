@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 
 from erniekit.errors import CheckpointError
-from erniekit.export.formats import INFO_NAME, ExportOptions, export_format, format_names
+from erniekit.export.formats import INFO_NAME, MAX_SHARD_SIZE, ExportOptions, export_format, format_names
 
 
 def _load_source(src: str, elastic=None):
@@ -25,18 +25,34 @@ def _load_source(src: str, elastic=None):
     return model, tokenizer
 
 
-def check_output(src: str, out: str, force: bool = False) -> None:
-    """Before any loading: `out` must not be the source, not a file, and new or empty unless `force`
-    (an export over an earlier one would silently mix their files), and must be writable."""
-    if os.path.abspath(src) == os.path.abspath(out):
-        raise CheckpointError(f"export: --output {out} is the source directory; choose a new directory")
+# what model weights are stored as, in any format: a directory holding such a file is a model
+_WEIGHT_SUFFIXES = (".safetensors", ".gguf", ".pdiparams", ".pdparams", ".onnx", ".bin", ".pt", ".pth")
+
+
+def check_output(src: str, out: str, force: bool = False, fmt: str = "hf") -> None:
+    """Before any loading: `out` must not be the source nor, for an adapter, its base (symlinks
+    resolved: the export would overwrite what it reads), not a file, new or empty unless `force`,
+    and writable. `force` replaces an export of the same format only (check_replaceable)."""
+    from erniekit.models.registry import adapter_base
+
+    real = os.path.realpath(out)
+    if real == os.path.realpath(src):
+        raise CheckpointError(f"export: --output {out} is the source directory {src}; choose a new directory")
+    base = adapter_base(src) if os.path.isdir(src) else None  # --base-model included
+    if base is not None and real == os.path.realpath(base):
+        raise CheckpointError(
+            f"export: --output {out} is the base checkpoint {base} of the adapter {src}; the merged model would "
+            "replace it: choose a new directory"
+        )
     if os.path.lexists(out) and not os.path.isdir(out):
         raise CheckpointError(f"export: --output {out} is a file, not a directory; choose a new directory")
-    if os.path.isdir(out) and os.listdir(out) and not force:
-        raise CheckpointError(
-            f"export: --output {out} is not empty; choose a new directory, or add --force to "
-            "replace the model files in it"
-        )
+    if os.path.isdir(out) and os.listdir(out):
+        if not force:
+            raise CheckpointError(
+                f"export: --output {out} is not empty; choose a new directory, or add --force to "
+                "replace the model files in it"
+            )
+        check_replaceable(out, fmt)
     probe = os.path.abspath(out)
     while not os.path.exists(probe) and os.path.dirname(probe) != probe:
         probe = os.path.dirname(probe)
@@ -46,10 +62,37 @@ def check_output(src: str, out: str, force: bool = False) -> None:
         )
 
 
+def check_replaceable(out: str, fmt: str) -> None:
+    """`--force` into a non-empty `out`: it must hold an export of the same format, or no model
+    weights at all. Another format's weights would stay beside the new ones (hf's model.safetensors
+    beside a gguf's model.gguf, which chat and the server then load), and a directory that is no
+    export (a training checkpoint) would lose its weights: refused rather than deleted, so --force
+    never removes a file the new export does not replace."""
+    from erniekit.export.formats import export_format, format_names
+    from erniekit.utils.io import read_json_object
+
+    info_file = os.path.join(out, INFO_NAME)
+    if os.path.isfile(info_file):
+        held = read_json_object(info_file, f"remove {out} or choose another --output").get("format")
+        same = held == fmt or (held in format_names() and export_format(held) is export_format(fmt))
+        if not same:
+            raise CheckpointError(
+                f"export: --output {out} holds a {held} export; --force replaces an export of the same format "
+                f"({fmt}): remove {out} or choose another --output"
+            )
+        return
+    weights = sorted(n for n in os.listdir(out) if n.endswith(_WEIGHT_SUFFIXES))
+    if weights:
+        raise CheckpointError(
+            f"export: --output {out} holds model weights ({', '.join(weights[:3])}) but no {INFO_NAME}: it is no "
+            f"erniekit export, which is all --force replaces; remove them or choose another --output"
+        )
+
+
 def export_hf(
     src: str,
     out: str,
-    max_shard_size: str = "5GB",
+    max_shard_size: str = MAX_SHARD_SIZE,
     dtype: str | None = None,
     elastic=None,
     fmt: str = "hf",
@@ -60,7 +103,9 @@ def export_hf(
     `force` writes into a non-empty `out` (the weights are replaced atomically: old or new, never mixed).
     `fmt`: a registered export format (erniekit/export/formats/)."""
     writer = export_format(fmt)  # an unknown format is refused before anything loads
-    check_output(src, out, force)
+    options = ExportOptions(max_shard_size, dtype, group_size)
+    writer.check_options(options)  # so is an option it would ignore
+    check_output(src, out, force, fmt)
     model, tokenizer = _load_source(src, elastic)
     info = {"source": os.path.abspath(src), "format": fmt}
     from erniekit.models.registry import adapter_base
@@ -70,7 +115,7 @@ def export_hf(
         info["base"] = os.path.abspath(base)
     if elastic is not None and not elastic.is_full:
         info["elastic"] = {"depth": elastic.depth, "experts": elastic.experts, "top_k": elastic.top_k}
-    writer.write(model, tokenizer, out, info, ExportOptions(max_shard_size, dtype, group_size))
+    writer.write(model, tokenizer, out, info, options)
     return out
 
 

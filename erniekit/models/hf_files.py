@@ -106,3 +106,53 @@ def publish_model_files(staging: str, path: str) -> None:
                 os.remove(os.path.join(path, n))
     shutil.rmtree(staging)
     fsync_dir(path)
+
+
+_SIZE_RE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([KMG]?B)\s*")
+
+
+def shard_size_bytes(size: int | str, what: str = "max_shard_size") -> int:
+    """Bytes of a shard-size limit (an int, or '5GB', '200KB', '1.5MB'); `what` names the setting
+    in the error, e.g. the command-line flag it came from."""
+    if isinstance(size, int):
+        return size
+    m = _SIZE_RE.fullmatch(size.upper())
+    if not m:
+        from erniekit.errors import CheckpointError
+
+        raise CheckpointError(f"{what} {size!r} is not a size; use bytes or a size like '5GB'")
+    return int(float(m[1]) * {"B": 1, "KB": 2**10, "MB": 2**20, "GB": 2**30}[m[2]])
+
+
+# safetensors' names of the float dtypes, narrowest (fewest mantissa bits) first
+_FLOAT_DTYPES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32"}
+
+
+def stored_float_dtype(path: str) -> str:
+    """The narrowest float dtype among the weights of a Hugging Face-layout directory, read from the
+    safetensors headers (no tensor is read): what decides how far its logits may be from float32's."""
+    import struct
+
+    from erniekit.errors import CheckpointError
+
+    names = sorted(_index_names(os.path.join(path, INDEX_NAME))) or [WEIGHTS_NAME]
+    found: set[str] = set()
+    for name in names:
+        file = os.path.join(path, name)
+        try:
+            with open(file, "rb") as f:
+                (n,) = struct.unpack("<Q", f.read(8))
+                if n > 100_000_000:  # safetensors' own limit on a header
+                    raise ValueError(f"a header of {n} bytes")
+                header = json.loads(f.read(n))
+            if not isinstance(header, dict):
+                raise ValueError("the header is not a JSON object")
+        except (OSError, ValueError, struct.error) as e:
+            raise CheckpointError(f"{file}: cannot read its safetensors header ({e}); re-run erniekit export") from None
+        found |= {v.get("dtype") for k, v in header.items() if k != "__metadata__" and isinstance(v, dict)}
+    for key, name in _FLOAT_DTYPES.items():
+        if key in found:
+            return name
+    raise CheckpointError(
+        f"{path}: no float32, float16 or bfloat16 weights in {', '.join(names)}; re-run erniekit export"
+    )

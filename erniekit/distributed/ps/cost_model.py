@@ -228,13 +228,9 @@ class PlacementProblem:
 def load_hetero_cluster(path: str) -> HeteroCluster:
     """A cluster YAML with a `device_types` list (name, count, flops, memory, bandwidth,
     price_per_hour, memory_bandwidth, device) -> HeteroCluster; one-line errors name file and key."""
-    import yaml
+    from erniekit.distributed.planner import read_yaml
 
-    try:
-        with open(path) as f:
-            raw = yaml.safe_load(f)
-    except OSError as e:
-        raise ConfigError(f"cluster file {path}: {e.strerror}") from None
+    raw = read_yaml(path, "cluster", "give a cluster file such as examples/clusters/hetero-cpu-gpu.yaml")
     if not isinstance(raw, dict) or not isinstance(raw.get("device_types"), list) or not raw["device_types"]:
         raise ConfigError(
             f"{path}: a heterogeneous cluster file needs a non-empty device_types list "
@@ -258,8 +254,10 @@ def load_hetero_cluster(path: str) -> HeteroCluster:
                 except ValueError:
                     pass
         for k in need[1:]:
-            if not isinstance(d[k], (int, float)) or isinstance(d[k], bool) or d[k] <= 0:
-                raise ConfigError(f"{path}: device_types[{i}].{k}={d[k]!r} must be a positive number")
+            if not isinstance(d[k], (int, float)) or isinstance(d[k], bool) or not 0 < d[k] < math.inf:
+                raise ConfigError(f"{path}: device_types[{i}].{k}={d[k]!r} must be a positive finite number")
+        if d["count"] != int(d["count"]) or d["count"] > 2**20:  # the collective planner's bound too
+            raise ConfigError(f"{path}: device_types[{i}].count={d['count']!r} must be a whole number up to 2**20")
         device = str(d.get("device", "cpu")).lower()
         if device not in ("cpu", "gpu"):
             raise ConfigError(f"{path}: device_types[{i}].device={d['device']!r} must be cpu or gpu")

@@ -14,10 +14,16 @@ from dataclasses import dataclass, field
 
 from erniekit.utils.registry import import_modules
 
+MAX_SHARD_SIZE = "5GB"  # the default of --max-shard-size: what a format that writes no shards is given
+# --verify's tolerance relative to the largest logit, by the dtype the weights were written in: float32
+# differs from the source by summation order only, 16 bits by every weight's rounding (float16 keeps 3
+# more mantissa bits than bfloat16); gguf, paddle-layout and hf read it
+RELATIVE_TOLERANCE = {"float32": 1e-4, "float16": 1e-2, "bfloat16": 5e-2}
+
 
 @dataclass(frozen=True)
 class ExportOptions:
-    max_shard_size: str = "5GB"
+    max_shard_size: str = MAX_SHARD_SIZE
     dtype: str | None = None
     group_size: int = 64
 
@@ -34,6 +40,35 @@ class ExportFormat:
     # tolerance, ok}
     verify: Callable
     aliases: tuple[str, ...] = field(default=())
+    # which ExportOptions it honours: the --dtype values it writes (none: it writes the weights as
+    # loaded, float32) and whether it splits its weights by --max-shard-size. An option a format does
+    # not declare is refused (check_options): ignoring it would change nothing, silently.
+    dtypes: tuple[str, ...] = ()
+    shards: bool = False
+
+    def check_options(self, options: ExportOptions) -> None:
+        """Refuse, before anything loads, an option this format would ignore or a size that is no size."""
+        from erniekit.errors import CheckpointError
+        from erniekit.models.hf_files import shard_size_bytes
+
+        if options.dtype is not None and options.dtype not in self.dtypes:
+            if self.dtypes:
+                raise CheckpointError(
+                    f"export --format {self.name}: --dtype {options.dtype} is not one it writes; "
+                    f"use {', '.join(self.dtypes)}, or drop --dtype"
+                )
+            takers = [n for n in format_names() if _formats[n].dtypes]
+            raise CheckpointError(
+                f"export --format {self.name}: --dtype {options.dtype} is not supported (its float weights stay "
+                f"float32, as loaded); drop --dtype, or use --format {'|'.join(takers)}"
+            )
+        if self.shards:
+            shard_size_bytes(options.max_shard_size, "export: --max-shard-size")
+        elif options.max_shard_size != MAX_SHARD_SIZE:
+            raise CheckpointError(
+                f"export --format {self.name}: --max-shard-size {options.max_shard_size} is not supported "
+                "(it does not split its weights into shards); drop --max-shard-size"
+            )
 
 
 INFO_NAME = "export_info.json"  # every export records its source and format here; --verify reads it
@@ -55,6 +90,18 @@ def verify_report(
         "tolerance": tol,
         "ok": max_abs_diff <= tol,
     }
+
+
+def relative_tolerance(dtype: str, out: str) -> float:
+    """RELATIVE_TOLERANCE of the dtype an export in `out` recorded, or one line saying it is no dtype."""
+    if dtype not in RELATIVE_TOLERANCE:
+        from erniekit.errors import CheckpointError
+
+        raise CheckpointError(
+            f"{out}/{INFO_NAME}: dtype {dtype!r} is not one of {', '.join(RELATIVE_TOLERANCE)}; "
+            "re-run erniekit export to rewrite it"
+        )
+    return RELATIVE_TOLERANCE[dtype]
 
 
 _formats: dict[str, ExportFormat] = {}

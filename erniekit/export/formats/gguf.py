@@ -18,15 +18,21 @@ import os
 from collections.abc import Sequence
 
 from erniekit.errors import CheckpointError
-from erniekit.export.formats import INFO_NAME, ExportFormat, ExportOptions, register_export_format
+from erniekit.export.formats import (
+    INFO_NAME,
+    RELATIVE_TOLERANCE,
+    ExportFormat,
+    ExportOptions,
+    register_export_format,
+)
 
 GGUF_NAME = "model.gguf"
 # --dtype -> (GGML type of the matrices, general.file_type, --verify's tolerance relative to the largest logit)
 TYPES = {
-    None: ("F32", "ALL_F32", 1e-4),
-    "float32": ("F32", "ALL_F32", 1e-4),
-    "float16": ("F16", "MOSTLY_F16", 1e-2),
-    "bfloat16": ("BF16", "MOSTLY_BF16", 5e-2),
+    None: ("F32", "ALL_F32", RELATIVE_TOLERANCE["float32"]),
+    "float32": ("F32", "ALL_F32", RELATIVE_TOLERANCE["float32"]),
+    "float16": ("F16", "MOSTLY_F16", RELATIVE_TOLERANCE["float16"]),
+    "bfloat16": ("BF16", "MOSTLY_BF16", RELATIVE_TOLERANCE["bfloat16"]),
     "q8_0": ("Q8_0", "MOSTLY_Q8_0", 5e-2),
 }
 
@@ -192,5 +198,6 @@ register_export_format(
         help="gguf: one GGUF file for llama.cpp / Ollama (--dtype float32|float16|bfloat16|q8_0), with a Modelfile",
         write=_write,
         verify=_verify,
+        dtypes=tuple(d for d in TYPES if d is not None),
     )
 )

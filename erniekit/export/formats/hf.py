@@ -10,18 +10,30 @@ from erniekit.export.formats import (
     ExportFormat,
     ExportOptions,
     register_export_format,
+    relative_tolerance,
     verify_report,
 )
 
 
 def write_layout(model, tokenizer, out: str, info: dict, options: ExportOptions, state=None) -> None:
     """config, generation config, tokenizer with its chat template, safetensors (`state` replaces
-    the model's own tensors), export_info.json."""
+    the model's own tensors), export_info.json with the weights' dtype (what --verify's tolerance
+    depends on)."""
     from erniekit.models.registry import save_model
     from erniekit.utils.io import atomic_write_json
 
+    info.setdefault(
+        "dtype", options.dtype or _narrowest_dtype(state.values() if state is not None else model.parameters())
+    )
     save_model(model, out, tokenizer=tokenizer, max_shard_size=options.max_shard_size, dtype=options.dtype, state=state)
     atomic_write_json(os.path.join(out, INFO_NAME), info)
+
+
+def _narrowest_dtype(tensors) -> str:
+    """The float dtype with the fewest mantissa bits among `tensors` (float32 when all are wider or
+    integer): the one whose rounding bounds the export's error."""
+    found = {str(t.dtype).replace("paddle.", "") for t in tensors}
+    return next((d for d in ("bfloat16", "float16") if d in found), "float32")
 
 
 def verify_layout(out: str, info: dict, ref_model, tokenizer, atol: float | None, relative_tolerance: float) -> dict:
@@ -63,11 +75,22 @@ def verify_layout(out: str, info: dict, ref_model, tokenizer, atol: float | None
     return report
 
 
+def _verify(out: str, info: dict, ref_model, tokenizer, atol: float | None) -> dict:
+    """Within the tolerance of the dtype the export recorded; an export written before erniekit
+    recorded it: of the narrowest float dtype its safetensors headers declare."""
+    from erniekit.models.hf_files import stored_float_dtype
+
+    dtype = info.get("dtype") or stored_float_dtype(out)
+    return verify_layout(out, info, ref_model, tokenizer, atol, relative_tolerance(dtype, out))
+
+
 register_export_format(
     ExportFormat(
         name="hf",
         help="hf: Hugging Face layout (FastDeploy, transformers)",
         write=write_layout,
-        verify=lambda out, info, ref, tok, atol: verify_layout(out, info, ref, tok, atol, 1e-4),
+        verify=_verify,
+        dtypes=("float32", "bfloat16", "float16"),
+        shards=True,
     )
 )

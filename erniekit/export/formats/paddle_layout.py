@@ -9,7 +9,13 @@ import contextlib
 import os
 
 from erniekit.errors import CheckpointError
-from erniekit.export.formats import INFO_NAME, ExportFormat, ExportOptions, register_export_format
+from erniekit.export.formats import (
+    INFO_NAME,
+    ExportFormat,
+    ExportOptions,
+    register_export_format,
+    relative_tolerance,
+)
 from erniekit.export.formats.hf import verify_layout
 
 NAME = "paddle-layout"
@@ -51,9 +57,9 @@ def _write(model, tokenizer, out: str, info: dict, options: ExportOptions) -> No
 
 def _verify(out: str, info: dict, ref_model, tokenizer, atol: float | None) -> dict:
     """The export must be in the Paddle layout with FastDeploy's config keys, and reload (as
-    erniekit loads any checkpoint) to the source's logits: relative 1e-4 in float32; 5e-2 in 16 bits,
-    as wint8 (bfloat16 rounding alone moved tiny-moe's logits 2.6% and can flip a router's choice; a
-    misplaced block moves them by their whole size)."""
+    erniekit loads any checkpoint) to the source's logits within the relative tolerance of the dtype
+    it was written in (bfloat16 rounding alone moved tiny-moe's logits 2.6% and can flip a router's
+    choice; a misplaced block moves them by their whole size)."""
     from erniekit.models.ernie4_5.paddle_layout import ARCHITECTURES, checkpoint_tensor_names, is_paddle_layout
     from erniekit.utils.io import read_json_object
 
@@ -68,8 +74,7 @@ def _verify(out: str, info: dict, ref_model, tokenizer, atol: float | None) -> d
         raise CheckpointError(
             f"{out}: no fused qkv_proj / up_gate_proj tensors; re-run erniekit export --format {NAME}"
         )
-    relative = 1e-4 if info.get("dtype", "float32") == "float32" else 5e-2
-    return verify_layout(out, info, ref_model, tokenizer, atol, relative)
+    return verify_layout(out, info, ref_model, tokenizer, atol, relative_tolerance(info.get("dtype", "float32"), out))
 
 
 register_export_format(
@@ -78,5 +83,7 @@ register_export_format(
         help=f"{NAME}: the -Paddle checkpoint layout (fused qkv/up_gate, [in,out]) FastDeploy and PaddleFormers read",
         write=_write,
         verify=_verify,
+        dtypes=("float32", "bfloat16", "float16"),
+        shards=True,
     )
 )

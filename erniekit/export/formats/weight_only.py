@@ -32,6 +32,7 @@ register_export_format(
         help="wint8: hf with the decoder's matrices int8 per channel (erniekit's engine)",
         write=_writer(8),
         verify=lambda out, info, ref, tok, atol: verify_layout(out, info, ref, tok, atol, 0.05),
+        shards=True,
     )
 )
 register_export_format(
@@ -40,5 +41,6 @@ register_export_format(
         help="wint4: the same, int4 per group of --group-size inputs",
         write=_writer(4),
         verify=lambda out, info, ref, tok, atol: verify_layout(out, info, ref, tok, atol, 0.25),
+        shards=True,
     )
 )

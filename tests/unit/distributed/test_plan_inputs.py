@@ -208,3 +208,24 @@ def test_top_one_prints_one_row_and_counts_the_rest(tmp_path, capsys):
     text = capsys.readouterr().out
     n = len(json.loads(out.read_text()))
     assert n > 1 and text.count("dp=") == 1 and f"... {n - 1} more (--top N)" in text
+
+
+@pytest.mark.parametrize(
+    "old, new, words",
+    [
+        ("count: 16", "count: .inf", "device_types[0].count=inf must be a positive finite number"),
+        ("count: 16", "count: 2.5", "device_types[0].count=2.5 must be a whole number up to 2**20"),
+        ("count: 16", "count: 1e12", "must be a whole number up to 2**20"),
+    ],
+)
+def test_a_heterogeneous_cluster_takes_finite_whole_counts(tmp_path, old, new, words):
+    """`count: .inf` was an OverflowError traceback; a flops of inf planned a table of nonsense."""
+    from erniekit.distributed.ps.cost_model import load_hetero_cluster
+
+    text = (Path(__file__).resolve().parents[3] / "examples" / "clusters" / "hetero-cpu-gpu.yaml").read_text()
+    assert old in text
+    f = tmp_path / "c.yaml"
+    f.write_text(text.replace(old, new, 1))
+    with pytest.raises(ConfigError) as e:
+        load_hetero_cluster(str(f))
+    assert words in str(e.value) and "\n" not in str(e.value)

@@ -147,7 +147,7 @@ def test_cluster_file_errors_are_one_line(tmp_path):
     bad.write_text(
         "device_types:\n  - {name: cpu, count: 0, flops: 1e11, memory: 1e9, bandwidth: 1e9, price_per_hour: 1}\n"
     )
-    with pytest.raises(ConfigError, match=r"count=0 must be a positive number"):
+    with pytest.raises(ConfigError, match=r"count=0 must be a positive finite number"):
         load_hetero_cluster(str(bad))
     bad.write_text("nodes: 2\n")
     with pytest.raises(ConfigError, match="needs a non-empty device_types list"):
