@@ -665,16 +665,17 @@ def show_help(args: list[str]) -> int:
         print("\n".join(lines))
         return 0
     topic = args[0]
+    if topic not in VERBS:
+        raise ErniekitError(_unknown_verb(topic))
     if topic == "train":
         print(_train_help())
-    elif topic == "chat":
-        _chat_parser().print_help()
-    elif topic == "eval":
-        _eval_parser().print_help()
-    elif topic in VERBS:
+    elif topic == "version":
         print(f"usage: erniekit {topic}\n\n{VERBS[topic][1]}")
-    else:
-        raise ErniekitError(_unknown_verb(topic))
+    else:  # the verb's own --help: argparse prints it and exits 0 before the verb does anything
+        try:
+            VERBS[topic][0](["--help"])
+        except SystemExit as e:
+            return e.code if isinstance(e.code, int) else 0
     return 0
 
 

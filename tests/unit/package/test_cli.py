@@ -55,6 +55,11 @@ def test_help_and_version_without_paddle_or_yaml(broken_install):
         (["help"], "commands:"),
         (["help", "train"], "learning_rate="),
         (["help", "chat"], "--max-new-tokens"),
+        # every verb's own options (export, plan, server and webui printed only their summary line)
+        (["help", "export"], "--max-shard-size"),
+        (["help", "plan"], "--top"),
+        (["help", "server"], "--max-model-len"),
+        (["help", "webui"], "--workdir"),
     ):
         proc = _run(args, broken_install)
         assert proc.returncode == 0, proc.stderr
