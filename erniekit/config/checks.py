@@ -702,6 +702,10 @@ def _check_stage_keys(cfg: TrainConfig) -> None:
             [k for k in SECTION_KEYS["rl"] if k not in sampling],
             f"the RL stages ({_stages_that('rollouts', ' and ')})",
         )
+    elif cfg.stage == "GRPO":  # the built-in RL stages' own keys (a registered RL stage may read any)
+        _refuse_other_stages_keys(cfg, ("gamma", "lam", "vf_coef", "cliprange_value"), "stage PPO")
+    elif cfg.stage == "PPO":
+        _refuse_other_stages_keys(cfg, ("scale_rewards", "filter_zero_std_groups"), "stage GRPO")
 
 
 def _check_distill(cfg: TrainConfig) -> None:

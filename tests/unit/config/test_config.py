@@ -323,6 +323,8 @@ def test_a_lora_adapter_as_the_model_or_the_teacher_says_to_merge_it(valid, tmp_
         (["num_generations=4"], r"num_generations=4 applies to the RL stages \(GRPO and PPO\), not stage SFT"),
         (["stage=DPO", "vf_coef=0.5"], r"vf_coef=0.5 applies to the RL stages .*not stage DPO"),
         (["distill_loss=jsd"], r"distill_loss='jsd' applies to stage Distill, not stage SFT"),
+        (["stage=GRPO", "reward_funcs=[accuracy]", "vf_coef=0.5"], r"vf_coef=0.5 applies to stage PPO, not stage GRPO"),
+        (["stage=PPO", "reward_funcs=[accuracy]", "scale_rewards=false"], r"scale_rewards=False applies to stage GRPO"),
     ],
 )
 def test_another_stages_settings_are_refused_not_ignored(valid, overrides, said):
