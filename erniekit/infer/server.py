@@ -713,7 +713,14 @@ class OpenAIServer:
             prompts = [(p, None, None, None) for p in ids]
         longest = max(len(p[0]) for p in prompts)
         room = self.engine.max_model_len - longest
-        max_tokens = o["max_tokens"] if o["max_tokens"] is not None else max(1, min(DEFAULT_MAX_TOKENS, room))
+        if o["max_tokens"] is None and room < 1:  # no max_tokens to lower: the prompt alone fills the context
+            raise BadRequest(
+                f"the prompt ({longest} tokens) leaves no room for a reply in the context of "
+                f"{self.engine.max_model_len} tokens; shorten the prompt",
+                "messages" if chat else "prompt",
+                "context_length_exceeded",
+            )
+        max_tokens = o["max_tokens"] if o["max_tokens"] is not None else min(DEFAULT_MAX_TOKENS, room)
         try:
             self.engine.check(longest, max(1, max_tokens))
         except ValueError as e:

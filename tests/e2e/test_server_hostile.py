@@ -278,6 +278,15 @@ def test_each_bad_request_gets_one_openai_shaped_line_naming_its_parameter(live,
     assert_openai_error(got_status, got, param, code)
 
 
+def test_a_prompt_that_fills_the_context_without_max_tokens_is_told_to_shorten(live):
+    """It was told to lower max_tokens, which it never sent."""
+    status, got = post(live["port"], P, enc({"model": MODEL, "prompt": [5] * CTX}))
+    assert status == 400, got
+    assert_openai_error(status, got, "prompt", "context_length_exceeded")
+    message = got["error"]["message"]
+    assert f"the prompt ({CTX} tokens) leaves no room for a reply" in message and "max_tokens" not in message
+
+
 def test_a_vanishing_temperature_samples_the_greedy_reply(live):
     """temperature 1e-308 is in range: z / T overflowed to inf and the softmax to NaN (a 500);
     now the distribution is the argmax's, so the reply is the greedy one."""
