@@ -150,24 +150,46 @@ def _run_train(cfg, log=print) -> dict:
         return _run_joined(cfg, topology, device, log)
 
 
-def _run_joined(cfg, topology, device: str, log) -> dict:
-    ctx, ps = topology.collective, topology.ps
-    main = is_main_process()
-    if not main:
-        log = _quiet  # rank 0 reports; every rank's output is in launch_logs/
-    paddle.seed(cfg.seed)
-    if main:
-        os.makedirs(cfg.output_dir, exist_ok=True)
-        dump_config(cfg, os.path.join(cfg.output_dir, "run_config.yaml"))
-    model = load_model(cfg)  # first: a broken config.json is reported before tokenizer issues
-    tokenizer = load_tokenizer(cfg)
-    check_vocab(model, tokenizer)
-    check_stop_ids(cfg.stop_token_ids, model.config.vocab_size)
+def _build_data(stage, cfg, tokenizer) -> tuple[list, dict | None]:
+    """The stage's training rows and evaluation data, read and checked (one-line DataErrors)."""
+    train_rows = stage.build_train_rows(cfg, tokenizer) if cfg.do_train else []
+    return train_rows, stage.build_eval_data(cfg, tokenizer) if cfg.do_eval else None
+
+
+def _stage_of(cfg):
     stage = get_stage(cfg.stage)
     if cfg.online_distill_students:  # students trained beside the model (docs/online_distillation.md)
         from erniekit.train.online_distill import with_students
 
         stage = with_students(stage, cfg)
+    return stage
+
+
+def _checked_model(cfg, tokenizer):
+    """The run's model, its fresh weights those of the seed whatever ran before (reading the data
+    draws nothing from paddle), checked against the tokenizer and the stop ids."""
+    paddle.seed(cfg.seed)
+    model = load_model(cfg)
+    check_vocab(model, tokenizer)
+    check_stop_ids(cfg.stop_token_ids, model.config.vocab_size)
+    return model
+
+
+def _run_joined(cfg, topology, device: str, log) -> dict:
+    ctx, ps = topology.collective, topology.ps
+    main = is_main_process()
+    if not main:
+        log = _quiet  # rank 0 reports; every rank's output is in launch_logs/
+    if main:
+        os.makedirs(cfg.output_dir, exist_ok=True)
+        dump_config(cfg, os.path.join(cfg.output_dir, "run_config.yaml"))
+    tokenizer, stage = load_tokenizer(cfg), _stage_of(cfg)
+    # the data is read and checked before the model loads (a real checkpoint takes minutes, and a
+    # mistake in the data is then said at once); a PS job's roles need the model first (servers read none)
+    t0 = time.perf_counter()
+    train_rows, eval_data = _build_data(stage, cfg, tokenizer) if ps is None else ([], None)
+    data_prep = time.perf_counter() - t0
+    model = _checked_model(cfg, tokenizer)
     runner = None
     if ps is not None:
         ps = _ps_role(cfg, model, ps)
@@ -179,15 +201,16 @@ def _run_joined(cfg, topology, device: str, log) -> dict:
     if ctx is not None:
         _place_model(cfg, ctx, model, stage, log)
     t0 = time.perf_counter()
-    train_rows = stage.build_train_rows(cfg, tokenizer) if cfg.do_train else []
-    eval_data = stage.build_eval_data(cfg, tokenizer) if cfg.do_eval else None
+    if ps is not None:
+        train_rows, eval_data = _build_data(stage, cfg, tokenizer)
     stage.prepare(model, train_rows, eval_data, cfg, tokenizer)  # before any resume: model = reference
+    data_prep += time.perf_counter() - t0
     n_params = sum(int(p.numel()) for p in model.parameters())
     n_train = sum(int(p.numel()) for p in model.parameters() if not p.stop_gradient)
     log(
         f"erniekit: stage={cfg.stage} model={cfg.model_name_or_path} ({n_params / 1e6:.2f}M params, {n_train / 1e6:.2f}M trainable, "
         f"{model.config.model_type}) device={device}{_parallel_note(ctx)} threads={os.environ.get('OMP_NUM_THREADS', '1')} "
-        f"train_rows={len(train_rows)} data_prep={time.perf_counter() - t0:.1f}s"
+        f"train_rows={len(train_rows)} data_prep={data_prep:.1f}s"
     )
     if runner is None:
         from erniekit.train.runners import collective_runner

@@ -84,3 +84,16 @@ def test_vl_sft_every_label_zero(tmp_path, tok):
     assert _error(get_stage("VL-SFT").build_train_rows, cfg, tok) == (
         f"{train}: none of the 2 examples has a trained token (every label 0); check the labels"
     )
+
+
+def test_a_run_refuses_its_data_before_loading_the_model(tmp_path, monkeypatch):
+    """A real checkpoint takes minutes to load: the data's mistake is said first."""
+    import erniekit.train.run as run
+
+    def no_model(cfg):
+        raise AssertionError("the model was loaded before the data was checked")
+
+    monkeypatch.setattr(run, "load_model", no_model)
+    cfg = _cfg(tmp_path, _write(tmp_path / "masked.jsonl", MASKED), "max_steps=1", "do_eval=false")
+    with pytest.raises(DataError, match=r"masked.jsonl: all 2 examples were dropped"):
+        run.run_train(cfg, log=lambda *_: None)
