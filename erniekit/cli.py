@@ -718,7 +718,10 @@ VERBS: dict[str, tuple[Callable[[list[str]], int], str]] = {
     "webui": (webui, "fine-tune, chat and export in the browser: erniekit webui [--host 127.0.0.1] [--port 7860]"),
     "export": (export, "merge LoRA and write a Hugging Face-layout directory: erniekit export SRC -o OUT"),
     "plan": (plan, "rank parallel layouts on a cluster: erniekit plan CONFIG.yaml cluster=CLUSTER.yaml"),
-    "eval": (eval_, "report on a checkpoint: erniekit eval MODEL_DIR --routing|--elastic [--data PATH]"),
+    "eval": (
+        eval_,
+        "report on a checkpoint: erniekit eval MODEL_DIR --routing|--elastic|--credibility|--lm-eval TASKS [--data PATH]",
+    ),
     "version": (version, "print erniekit and paddlepaddle versions"),
     "help": (show_help, "show this help, or 'erniekit help <command>'"),
 }

@@ -131,8 +131,16 @@ RUN_KEYS = (
     "rslora",
     "use_dora",
 )
-# what may change on a resume (a longer run, another rate), said in one line each
-SCHEDULE_KEYS = ("learning_rate", "min_lr", "lr_scheduler_type", "warmup_steps", "warmup_ratio", "decay_ratio")
+# what may change on a resume (a longer run, another rate, another EMA decay), said in one line each
+SCHEDULE_KEYS = (
+    "learning_rate",
+    "min_lr",
+    "lr_scheduler_type",
+    "warmup_steps",
+    "warmup_ratio",
+    "decay_ratio",
+    "ema_decay",
+)
 
 
 def run_identity(cfg, micro_batch_rows: int, train_rows: int) -> dict:

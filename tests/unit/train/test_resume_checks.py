@@ -46,9 +46,10 @@ def test_a_resume_that_changes_the_model_or_the_data_order_is_refused(tmp_path, 
 
 
 def test_a_longer_schedule_resumes_and_says_so(tmp_path, done):
-    _, logs = _resume_into(tmp_path, done, "r", "max_steps=3", "learning_rate=1e-3")
+    _, logs = _resume_into(tmp_path, done, "r", "max_steps=3", "learning_rate=1e-3", "ema_decay=0.9")
     said = [line for line in logs if "resuming with a changed schedule" in line]
     assert len(said) == 1 and "learning_rate 0.003 -> 0.001" in said[0] and "total steps 2 -> 3" in said[0]
+    assert "ema_decay 0.0 -> 0.9" in said[0]
     assert any("resumed from" in line for line in logs)
 
 
