@@ -179,17 +179,17 @@ def _escaped_bytes(s: str) -> bool:
 def _check_text(flag: str, text: str | None, verb: str) -> None:
     """An argument that is not UTF-8 arrives with surrogate escapes (PEP 383): refuse it here, in
     one line, rather than in the tokenizer."""
-    if text is None:
-        return
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as e:
-        bad = text[e.start : e.end].encode(
-            "utf-8", "surrogateescape" if _escaped_bytes(text[e.start : e.end]) else "backslashreplace"
+    from erniekit.utils.text import non_text_span
+
+    span = non_text_span(text) if text is not None else None
+    if span is not None:
+        start, end = span
+        bad = text[start:end].encode(
+            "utf-8", "surrogateescape" if _escaped_bytes(text[start:end]) else "backslashreplace"
         )
         raise ErniekitError(
-            f"{verb}: {flag} is not UTF-8 text ({bad!r} at character {e.start}); set a UTF-8 locale or pass UTF-8 text"
-        ) from None
+            f"{verb}: {flag} is not UTF-8 text ({bad!r} at character {start}); set a UTF-8 locale or pass UTF-8 text"
+        )
 
 
 def chat(args: list[str]) -> int:

@@ -10,7 +10,7 @@ import sys
 import tempfile
 
 from erniekit.config.cross_cluster_checks import check_cross_cluster, normalise_cross_cluster
-from erniekit.config.loader import typed_list
+from erniekit.config.loader import default, typed_list
 from erniekit.config.schema import SECTION_KEYS, TrainConfig, fields
 from erniekit.data.dataset_info import load_entry, parse_ref
 from erniekit.errors import ConfigError, DataError
@@ -504,8 +504,7 @@ def _check_lora_keys(cfg: TrainConfig) -> None:
                 "first and point model_name_or_path at that checkpoint"
             )
         return
-    defaults = {f.name: f.default for f in fields()}
-    changed = [k for k in SECTION_KEYS["lora"] if getattr(cfg, k) != defaults[k]]
+    changed = _changed(cfg, SECTION_KEYS["lora"])
     if changed:
         raise ConfigError(
             f"{changed[0]}={getattr(cfg, changed[0])} is a LoRA setting, but fine_tuning={cfg.fine_tuning}: "
@@ -674,13 +673,15 @@ def _check_layer_indices(key: str, layer_map: list, checkpoint: str, whose: str 
         )
 
 
+def _changed(cfg: TrainConfig, keys) -> list[str]:
+    """The keys among `keys` the config sets to other than their defaults."""
+    return [k for k in keys if getattr(cfg, k) != default(k)]
+
+
 def _refuse_other_stages_keys(cfg: TrainConfig, keys, applies_to: str, hint: str = "") -> None:
     """A stage's own setting given to a stage that reads none of it changes nothing: refused, as
     the LoRA keys are without LoRA, so a run does not silently differ from what was asked."""
-    defaults = {
-        f.name: f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default for f in fields()
-    }
-    changed = [k for k in keys if getattr(cfg, k) != defaults[k]]
+    changed = _changed(cfg, keys)
     if changed:
         raise ConfigError(
             f"{changed[0]}={getattr(cfg, changed[0])!r} applies to {applies_to}, not stage {cfg.stage}{hint}; "

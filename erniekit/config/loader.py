@@ -49,7 +49,7 @@ def load_config(path: str | None, overrides: Iterable[str] = ()) -> TrainConfig:
                     f"'{key}' (command line): {name} is not a mapping, so it takes no dotted "
                     f"sub-key; write {name}=VALUE"
                 )
-            merged = dict(values.get(name, _default(name)))
+            merged = dict(values.get(name, default(name)))
             _set_dotted(merged, subkey.split("."), _numbers(_yaml_value(raw)))
             values[name] = merged
         else:
@@ -172,7 +172,7 @@ def _check_known(key: str, where: str, types: dict[str, Any], shown: str | None 
     raise ConfigError(f"unknown config key '{shown}' ({where}); {hint}")
 
 
-def _default(name: str) -> Any:
+def default(name: str) -> Any:
     """The dataclass default of one field (calling default_factory for mutable ones)."""
     f = TrainConfig.__dataclass_fields__[name]
     return f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
@@ -294,5 +294,5 @@ def _type_error(key: str, base: Any, optional: bool, where: str, got: Any) -> Co
     if optional:
         expected += " or null"
     return ConfigError(
-        f"{key} must be {expected} ({where}), got {got!r}; fix the value (default: {key}={format_value(_default(key))})"
+        f"{key} must be {expected} ({where}), got {got!r}; fix the value (default: {key}={format_value(default(key))})"
     )

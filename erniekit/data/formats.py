@@ -262,16 +262,24 @@ def _from_erniekit(rec: dict, where: str) -> Conversation:
     else:
         raise DataError(f"{where}: field 'label' must be a list of {len(tgt)} values 0/1 (one per tgt turn)")
     system = _str(rec, "system", where, required=False)
+    if src_is_system(rec, src, system, where):
+        system, src, tgt, train_on = src[0] or None, src[1:], tgt[1:], train_on[1:]
+    return Conversation(system, list(zip(src, tgt)), train_on, where)
+
+
+def src_is_system(rec: dict, src: list, system: str | None, where: str) -> bool:
+    """ERNIEKit's `is_system: 1` (SFT and preference records): src[0] is the system prompt and tgt[0]
+    its placeholder reply, both to drop; checked as 0 or 1, with a user turn after, and not beside
+    a `system` field."""
     is_system = rec.get("is_system", 0)
     if is_system not in (0, 1) or isinstance(is_system, (bool, float)):
         raise DataError(f"{where}: field 'is_system' must be 0 or 1, got {is_system!r}")
-    if is_system == 1:  # ERNIEKit: src[0] is the system prompt, tgt[0] its placeholder reply
+    if is_system == 1:
         if len(src) < 2:
             raise DataError(f"{where}: 'is_system': 1 needs src[0] as the system prompt plus at least one user turn")
         if system:
             raise DataError(f"{where}: 'system' and 'is_system': 1 both give a system prompt; keep one")
-        system, src, tgt, train_on = src[0] or None, src[1:], tgt[1:], train_on[1:]
-    return Conversation(system, list(zip(src, tgt)), train_on, where)
+    return is_system == 1
 
 
 def _from_alpaca(rec: dict, where: str) -> Conversation:

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Sequence
 
 from erniekit.data.encode import IGNORE_INDEX, encode_conversation
-from erniekit.data.formats import Conversation, _str, load_records
+from erniekit.data.formats import Conversation, _str, load_records, src_is_system
 from erniekit.errors import DataError
 
 if TYPE_CHECKING:  # importing the model package would pull in paddle
@@ -170,14 +170,7 @@ def _from_erniekit(rec: dict, where: str) -> PreferencePair:
             f"{where}: field 'sort' must be two different numbers ranking the two responses (higher = chosen), {got}"
         )
     system = _system(rec.get("system"), where)
-    is_system = rec.get("is_system", 0)
-    if is_system not in (0, 1) or isinstance(is_system, (bool, float)):  # as the SFT reader checks it
-        raise DataError(f"{where}: field 'is_system' must be 0 or 1, got {is_system!r}")
-    if is_system == 1:  # PaddleFormers: src[0] is the system prompt, tgt[0] its placeholder reply
-        if len(src) < 2:
-            raise DataError(f"{where}: 'is_system': 1 needs src[0] as the system prompt plus at least one user turn")
-        if system:
-            raise DataError(f"{where}: 'system' and 'is_system': 1 both give a system prompt; keep one")
+    if src_is_system(rec, src, system, where):
         system, src, tgt = src[0] or None, src[1:], tgt[1:]
     chosen, rejected = (replies[0], replies[1]) if sort[0] > sort[1] else (replies[1], replies[0])
     return _pair(system, list(zip(src[:-1], tgt)), src[-1], chosen, rejected, where)

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, TextIO
 
 from erniekit.errors import CheckpointError, ErniekitError
 from erniekit.infer.stops import stop_ids  # noqa: F401 - where chat, server and WebUI take it from
+from erniekit.utils.text import is_text
 
 if TYPE_CHECKING:  # paddle is imported only when chat runs
     from erniekit.infer.generate import SamplingParams
@@ -287,14 +288,6 @@ class ChatSession:
             self.out.flush()
 
 
-def _is_text(s: str) -> bool:
-    try:
-        s.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
-
-
 def pack_for_chat(model, mode: str) -> str:
     """Pack the weights as the server does (erniekit/infer/weight_packing.py): one chat keeps one
     model for many decode steps. The choice in words."""
@@ -390,7 +383,7 @@ def run_chat(args: Any) -> int:
         except EOFError:
             print()
             return 0
-        if not _is_text(line):  # bytes that were not UTF-8 (stdin reads them as surrogate escapes)
+        if not is_text(line):  # bytes that were not UTF-8 (stdin reads them as surrogate escapes)
             print("error: that line is not UTF-8 text; type it again", file=sys.stderr, flush=True)
             continue
         if not interactive:  # a piped line is not echoed: write it so the transcript reads as a dialogue

@@ -30,6 +30,7 @@ from fastapi import Request as HTTPRequest  # module level: FastAPI resolves the
 
 from erniekit.infer.engine import Engine, Request
 from erniekit.infer.sampling import SamplingParams
+from erniekit.utils.text import is_text
 
 DEFAULT_MAX_TOKENS = 256  # when a request sets none (capped by what the context leaves)
 DEFAULT_MAX_BODY_BYTES = 1 << 20  # 1 MiB: a context's worth of text many times over
@@ -201,17 +202,6 @@ def _depth(obj: Any) -> int:
     return deepest
 
 
-def _is_text(s: str) -> bool:
-    """s encodes to UTF-8: no unpaired UTF-16 surrogate (which JSON's \\ud800 escapes can spell)."""
-    if s.isascii():
-        return True
-    try:
-        s.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
-
-
 def _not_unicode(obj: Any) -> str | None:
     """Where parsed JSON holds a string that is not Unicode text, as `messages[0].content`
     (a key that is not text written with backslash escapes); None when every string is text."""
@@ -219,15 +209,14 @@ def _not_unicode(obj: Any) -> str | None:
     while todo:
         o, path = todo.pop()
         if isinstance(o, str):
-            if not _is_text(o):
+            if not is_text(o):
                 return path or "the body"
         elif isinstance(o, dict):
             for k, v in o.items():
-                name = k if _is_text(k) else k.encode("utf-8", "backslashreplace").decode("utf-8")
-                here = f"{path}.{name}" if path else name
-                if not _is_text(k):
-                    return here
-                todo.append((v, here))
+                if not is_text(k):
+                    name = k.encode("utf-8", "backslashreplace").decode("utf-8")
+                    return f"{path}.{name}" if path else name
+                todo.append((v, f"{path}.{k}" if path else k))
         elif isinstance(o, list):
             todo.extend((v, f"{path}[{i}]") for i, v in enumerate(o))
     return None

@@ -30,6 +30,7 @@ import sentencepiece as spm
 from erniekit.errors import CheckpointError, DataError
 from erniekit.models.ernie4_5.thinking_template import ERNIE_THINKING_CHAT_TEMPLATE, THINKING_TOKENS, render_thinking
 from erniekit.utils.io import atomic_write, read_json_object
+from erniekit.utils.text import non_text_span
 
 # Verbatim from the ERNIE-4.5 hub tokenizer_config.json / transformers' ERNIE 4.5 port.
 ERNIE_CHAT_TEMPLATE = (
@@ -310,14 +311,12 @@ class ErnieTokenizer:
         add_special_tokens adds BOS/EOS only when the config says so (add_bos_token /
         add_eos_token); ERNIE 4.5 sets both False, like transformers does for it.
         """
-        if not text.isascii():
-            try:
-                text.encode("utf-8")
-            except UnicodeEncodeError as e:  # sentencepiece would raise a bare RuntimeError
-                raise DataError(
-                    f"text to encode is not valid Unicode: {text[e.start : e.end]!r} at character {e.start} "
-                    "(an unpaired surrogate, e.g. from bytes that were not UTF-8); pass UTF-8 text"
-                ) from None
+        span = non_text_span(text)
+        if span is not None:  # sentencepiece would raise a bare RuntimeError
+            raise DataError(
+                f"text to encode is not valid Unicode: {text[span[0] : span[1]]!r} at character {span[0]} "
+                "(an unpaired surrogate, e.g. from bytes that were not UTF-8); pass UTF-8 text"
+            )
         parts = self._split_re.split(text) if self._split_re else [text]
         ids: list[int] = []
         for i, part in enumerate(parts):
