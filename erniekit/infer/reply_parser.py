@@ -16,6 +16,7 @@ with a name and an object of arguments comes back as answer text, never as a bro
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from dataclasses import dataclass, field
 
@@ -52,6 +53,29 @@ def parse_tool_call(text: str) -> dict | None:
     }
 
 
+_CUT_NAME = re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")', re.S)
+_CUT_ARGS = re.compile(r'\s*,\s*"arguments"\s*:\s*', re.S)
+
+
+def cut_tool_call(text: str) -> dict | None:
+    """A call the length limit cut off (`{"name": "f", "arguments": {"city": "Pa`) -> a tool call
+    with the arguments as far as they were written (OpenAI's answer with finish_reason length);
+    None when not even the name was complete."""
+    m = _CUT_NAME.match(text)
+    if m is None:
+        return None
+    try:
+        name = json.loads(m.group(1))
+    except json.JSONDecodeError:
+        return None
+    if not name:
+        return None
+    rest = text[m.end() :]
+    args = _CUT_ARGS.match(rest)
+    partial = rest[args.end() :] if args else ""
+    return {"id": new_call_id(), "type": "function", "function": {"name": name, "arguments": partial}}
+
+
 def _held(text: str, tag: str) -> int:
     """Length of the longest suffix of `text` that could be the start of `tag` (kept back)."""
     for k in range(min(len(tag) - 1, len(text)), 0, -1):
@@ -81,8 +105,15 @@ class ReplyParser:
             pass
         return events
 
-    def finish(self) -> list[tuple[str, object]]:
+    def finish(self, cut: bool = False) -> list[tuple[str, object]]:
+        """The events still held back. `cut`: the reply ended at the length limit, so a tool call
+        still open is a call cut short (arguments as written), not answer text."""
         events: list[tuple[str, object]] = []
+        if cut and self.state == "call" and CALL_END not in self.buf:
+            call = cut_tool_call(self.buf)
+            if call is not None:
+                self.buf, self.state = "", "after"
+                return [("tool_call", call)]
         while self._step(events, final=True):
             pass
         return events

@@ -175,14 +175,13 @@ def _logit_bias(body: dict, vocab: int) -> dict[int, float]:
         raise BadRequest(f"logit_bias={_short(bias)} must be an object mapping token ids to numbers", "logit_bias")
     out = {}
     for k, v in bias.items():
-        try:
-            tok = int(k)
-        except ValueError:
+        if not (k.isascii() and k.isdigit()):  # "5", not " 5", "+5" or "1_0" (which int() takes)
             raise BadRequest(
                 f"logit_bias key {_short(k)} is not a token id; keys are token ids in [0, {vocab})", "logit_bias"
-            ) from None
-        if not 0 <= tok < vocab:
-            raise BadRequest(f"logit_bias key {tok} is outside the vocabulary [0, {vocab})", "logit_bias")
+            )
+        tok = int(k) if len(k) <= 18 else vocab  # int() of 4300+ digits raises
+        if tok >= vocab:
+            raise BadRequest(f"logit_bias key {_short(k)} is outside the vocabulary [0, {vocab})", "logit_bias")
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or not -100 <= v <= 100:
             raise BadRequest(f"logit_bias[{k}]={_short(v)} must be a finite number in [-100, 100]", "logit_bias")
         out[tok] = float(v)
@@ -901,7 +900,7 @@ class OpenAIServer:
         from erniekit.infer.reply_parser import collect
 
         parser = mode.parser()
-        reply = collect(parser.feed(req.text) + parser.finish())
+        reply = collect(parser.feed(req.text) + parser.finish(cut=finish == "length"))
         calls = reply.tool_calls[:1] if mode.single_call else reply.tool_calls
         message = {"role": "assistant", "content": reply.content if reply.content or not calls else None}
         if reply.reasoning is not None:
@@ -986,7 +985,7 @@ class OpenAIServer:
                     yield chunk(i, {"content": delta} if chat else delta, None, lp=new_logprobs(i, upto))
                 if finish is not None:
                     if parser is not None:
-                        for c in deltas(parser.finish(), upto):
+                        for c in deltas(parser.finish(cut=finish == "length"), upto):
                             yield c
                         finish = "tool_calls" if calls and finish == "stop" else finish
                     rest = q.logprobs is not None and lp_sent[i] < upto
@@ -1017,6 +1016,8 @@ def build_app(server: OpenAIServer):
     from starlette.exceptions import HTTPException as StarletteHTTPException
 
     app = FastAPI(title="erniekit", docs_url=None, redoc_url=None, openapi_url=None)
+    # "/v1/completions/" is a 404 naming the routes, not a 307 whose Location echoes the Host header
+    app.router.redirect_slashes = False
 
     def fail(e: BadRequest) -> JSONResponse:
         # after 408 / 413 the rest of the body is not wanted: close, so the client stops sending it

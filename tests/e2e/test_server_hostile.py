@@ -158,6 +158,8 @@ BAD = [
     ("stop as a number", P, {**OKP, "stop": 7}, 400, "stop", None),
     ("logit_bias key not an id", P, {**OKP, "logit_bias": {"abc": 1}}, 400, "logit_bias", None),
     ("logit_bias key beyond the vocabulary", P, {**OKP, "logit_bias": {"99999999": 1}}, 400, "logit_bias", None),
+    ("logit_bias key with a blank", P, {**OKP, "logit_bias": {" 5": 1}}, 400, "logit_bias", None),
+    ("logit_bias key 1_0", P, {**OKP, "logit_bias": {"1_0": 1}}, 400, "logit_bias", None),
     ("logit_bias value 101", P, {**OKP, "logit_bias": {"5": 101}}, 400, "logit_bias", None),
     ("logit_bias value nan", P, {**OKP, "logit_bias": {"5": float("nan")}}, 400, "logit_bias", None),
     ("logit_bias as a list", P, {**OKP, "logit_bias": [5, 1]}, 400, "logit_bias", None),
@@ -300,6 +302,7 @@ def test_a_vanishing_temperature_samples_the_greedy_reply(live):
 
 def test_routes_methods_and_the_key_answer_in_the_same_shape(live):
     assert_openai_error(*post(live["port"], "/v1/nothing", b"{}"), code="not_found")
+    assert_openai_error(*post(live["port"], C + "/", enc(chat("hi"))), code="not_found")  # no 307 to follow
     conn = http.client.HTTPConnection("127.0.0.1", live["port"], timeout=30)
     conn.request("GET", "/v1/chat/completions", headers=AUTH)
     r = conn.getresponse()

@@ -37,8 +37,8 @@ class ScriptedEngine:
     """Stands in for Engine: every request gets `reply` (cut at the request's stop strings), in
     3-character pieces; the prompts it was given are kept."""
 
-    def __init__(self, tokenizer, reply: str):
-        self.tokenizer, self.reply, self.prompts = tokenizer, reply, []
+    def __init__(self, tokenizer, reply: str, finish: str = "stop"):
+        self.tokenizer, self.reply, self.prompts, self.finish = tokenizer, reply, [], finish
         self.model = SimpleNamespace(config=SimpleNamespace(vocab_size=len(tokenizer)))
         self.max_model_len, self.vl = 4096, False
 
@@ -53,14 +53,14 @@ class ScriptedEngine:
         req.text = text
         for i in range(0, len(text), 3):
             req.emit(text[i : i + 3], None)
-        req.emit("", "stop")
+        req.emit("", self.finish)
 
 
 @pytest.fixture
 def serve():
-    def make(reply: str, tokenizer=None):
+    def make(reply: str, tokenizer=None, finish: str = "stop"):
         tok = tokenizer or default_tokenizer().with_thinking_template()
-        engine = ScriptedEngine(tok, reply)
+        engine = ScriptedEngine(tok, reply, finish)
         client = openai.OpenAI(
             base_url="http://testserver/v1",
             api_key="x",
@@ -137,6 +137,19 @@ def test_tool_choice_and_parallel_tool_calls(serve):
     named = {"type": "function", "function": {"name": "calculator"}}
     assert _ask(client, tool_choice=named)[3][0][1:] == ("calculator", '{"expression": "2*3"}')
     assert engine.prompts[-1].endswith('<tool_call>\n{"name": "calculator", "arguments": ')
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_call_cut_by_the_length_limit_is_a_call_with_the_arguments_written(serve, stream):
+    client, _ = serve('calculator", "arguments": {"expression": "47*', finish="length")
+    finish, content, _, calls = _ask(client, stream, tool_choice="required", max_tokens=9)
+    assert (finish, content) == ("length", None)  # the forced '<tool_call>' is not answer text
+    assert calls[0][1:] == ("calculator", '{"expression": "47*')  # as OpenAI: arguments as far as written
+    client, _ = serve("calcu", finish="length")  # not even the name: nothing to call
+    assert _ask(client, stream, tool_choice="required", max_tokens=2)[3] == []
+    client, _ = serve('calculator", "arguments": {"expression": "47*')  # a stop, not a cut: not a call
+    finish, content, _, calls = _ask(client, stream, tool_choice="required")
+    assert finish == "stop" and calls == [] and content.startswith("<tool_call>")
 
 
 def test_plain_replies_of_a_thinking_model_carry_reasoning(serve):
