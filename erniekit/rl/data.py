@@ -5,7 +5,8 @@ Formats (one JSON record per line, detected per file with train_dataset_type: au
 - erniekit: {"src": [...], "tgt": [...], ...fields}: the last tgt is the reference, field `answer`
 - alpaca / messages: as for SFT; the last assistant reply is the field `answer`
 Every key not part of the format itself (e.g. "answer", "solution", "tests") becomes a field
-passed to reward functions (erniekit/rl/rewards.py).
+passed to reward functions (erniekit/rl/rewards.py). A `"control": {...}` object is rendered into
+the prompt as in SFT (erniekit/data/control.py) in every format, and is a field as well.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from erniekit.data.control import check_control
 from erniekit.data.formats import _READERS, Conversation, _misspelled, detect_format, load_records
 from erniekit.errors import DataError
 
@@ -61,7 +63,7 @@ def _prompt_messages(value: Any, where: str) -> tuple[str | None, list[tuple[str
 def _check_typo(rec: dict, fmt: str, where: str) -> None:
     """Keys beside the format's own are reward fields, but one that looks like a misspelling of a
     format key the record lacks ('sytem') would silently drop what it meant: refused."""
-    typo = _misspelled(frozenset(rec), frozenset(_FORMAT_KEYS[fmt]))
+    typo = _misspelled(frozenset(rec), frozenset(_FORMAT_KEYS[fmt]) | {"control"})
     if typo is not None:
         raise DataError(
             f"{where}: unknown field '{typo[0]}'; did you mean '{typo[1]}'? (other keys are passed to the "
@@ -84,6 +86,7 @@ def _from_prompt(rec: dict, where: str) -> PromptExample:
         system = system if system is not None else msg_system
     turns = history + [(prompt, "")]
     conv = Conversation(system, turns, [False] * len(history) + [True], where)
+    conv.control = check_control(rec.get("control"), where)  # rendered as SFT renders it; also a field
     return PromptExample(conv, {k: v for k, v in rec.items() if k not in _FORMAT_KEYS["prompt"]}, where)
 
 

@@ -369,6 +369,29 @@ def test_prompt_system_fields_and_misspelled_format_keys(tmp_path):
     assert load_prompts(str(f))[0].fields == {"answer": "2", "solutions": ["2"], "level": 1}
 
 
+def test_prompt_control_is_rendered_in_every_format(tmp_path):
+    """A prompt record's control was passed to the rewards only: the policy never saw it."""
+    from erniekit.models.ernie4_5.tokenizer import default_tokenizer
+    from erniekit.rl.data import load_prompts
+    from erniekit.train.rl_stage import prompt_ids
+
+    tok, f = default_tokenizer(), tmp_path / "p.jsonl"
+    for rec in (
+        '{"prompt": "1+1=", "control": {"style": "words"}}',
+        '{"src": ["1+1="], "tgt": ["2"], "control": {"style": "words"}}',
+    ):
+        f.write_text(rec + "\n")
+        (a,) = load_prompts(str(f))
+        assert "<control>style=words</control>" in tok.decode(prompt_ids(a.conv, tok), skip_special_tokens=False)
+        assert a.fields["control"] == {"style": "words"}
+    f.write_text('{"prompt": "1+1=", "control": {"style": ""}}\n')
+    with pytest.raises(DataError, match=r"p.jsonl:1: control.style must be a non-empty string"):
+        load_prompts(str(f))
+    f.write_text('{"prompt": "1+1=", "contrl": {"style": "words"}}\n')
+    with pytest.raises(DataError, match=r"unknown field 'contrl'; did you mean 'control'\?"):
+        load_prompts(str(f))
+
+
 def test_zero_variance_groups_are_filtered_from_the_loss(tmp_path, reward_file):
     model, st, tok, _ = _prepared_stage(
         tmp_path,
