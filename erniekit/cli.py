@@ -645,6 +645,8 @@ def eval_(args: list[str]) -> int:
 
 def version(args: list[str]) -> int:
     """Print erniekit and paddlepaddle versions."""
+    if args:
+        raise ErniekitError(f"erniekit version takes no arguments (got {' '.join(args)!r})")
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="No ccache found")

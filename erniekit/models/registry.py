@@ -91,7 +91,9 @@ def preset_names() -> list[str]:
 def _config_file_type(path: str) -> str | None:
     file = os.path.join(path, "config.json")
     if not os.path.isfile(file):
-        raise CheckpointError(f"{file}: config.json not found; point model_name_or_path at a checkpoint directory")
+        raise CheckpointError(
+            f"{file}: config.json not found; not a checkpoint directory: give the one holding config.json and the weights"
+        )
     model_type = read_json_object(file, "fix config.json").get("model_type")
     if model_type is not None and not isinstance(model_type, str):
         raise CheckpointError(f"{file}: model_type={model_type!r} is not a string; fix config.json")

@@ -346,7 +346,9 @@ class Ernie4_5Config:
     def from_pretrained(cls, path: str) -> "Ernie4_5Config":
         file = os.path.join(path, "config.json") if os.path.isdir(path) else path
         if not os.path.isfile(file):
-            raise CheckpointError(f"{file}: config.json not found; point model_name_or_path at a checkpoint directory")
+            raise CheckpointError(
+                f"{file}: config.json not found; not a checkpoint directory: give the one holding config.json and the weights"
+            )
         from erniekit.utils.io import read_json_object
 
         d = read_json_object(file, "fix config.json")

@@ -103,6 +103,13 @@ def test_unknown_verb_suggests(capsys):
     assert "did you mean 'train'?" in capsys.readouterr().err
 
 
+def test_version_refuses_arguments_and_a_non_checkpoint_is_named_as_such(tmp_path, capsys):
+    assert main(["version", "--bogus"]) == 2
+    assert "erniekit version takes no arguments" in capsys.readouterr().err
+    assert main(["export", str(tmp_path), "--out", str(tmp_path / "out")]) == 2
+    assert "not a checkpoint directory" in capsys.readouterr().err  # not 'model_name_or_path', a train key
+
+
 def test_train_without_config_exits_2(capsys):
     assert main(["train"]) == 2
     assert "usage: erniekit train CONFIG.yaml" in capsys.readouterr().err
