@@ -6,9 +6,10 @@ its source in `export_info.json`, which `--verify` reads."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 
-from erniekit.errors import CheckpointError
+from erniekit.errors import CheckpointError, ErniekitError
 from erniekit.export.formats import INFO_NAME, MAX_SHARD_SIZE, ExportOptions, export_format, format_names
 
 
@@ -115,8 +116,34 @@ def export_hf(
         info["base"] = os.path.abspath(base)
     if elastic is not None and not elastic.is_full:
         info["elastic"] = {"depth": elastic.depth, "experts": elastic.experts, "top_k": elastic.top_k}
-    writer.write(model, tokenizer, out, info, options)
+    with _marked_unfinished(out, info):
+        writer.write(model, tokenizer, out, info, options)
     return out
+
+
+@contextlib.contextmanager
+def _marked_unfinished(out: str, info: dict):
+    """export_info.json says "complete": false while the writer runs (its own info ends it), so an
+    export killed after its weights are published is still this format's export, which --force
+    replaces and --verify refuses. A refusal (an ErniekitError, raised before anything is written)
+    puts back what was there."""
+    from erniekit.utils.io import atomic_write_json
+
+    info_file, created = os.path.join(out, INFO_NAME), not os.path.isdir(out)
+    before = None if created or not os.path.isfile(info_file) else open(info_file, "rb").read()
+    os.makedirs(out, exist_ok=True)
+    atomic_write_json(info_file, {**info, "complete": False})
+    try:
+        yield
+    except ErniekitError:
+        if before is not None:
+            with open(info_file, "wb") as f:
+                f.write(before)
+        else:
+            os.remove(info_file)
+            if created and not os.listdir(out):
+                os.rmdir(out)
+        raise
 
 
 def verify(out: str, atol: float | None = None) -> dict:
@@ -130,6 +157,10 @@ def verify(out: str, atol: float | None = None) -> dict:
     from erniekit.utils.io import read_json_object
 
     info = read_json_object(info_file, "re-run erniekit export to rewrite it")
+    if info.get("complete") is False:
+        raise CheckpointError(
+            f"{out}: this export did not finish (its {INFO_NAME} says so); run the same erniekit export again with --force"
+        )
     src = info.get("source")
     if not isinstance(src, str) or info.get("format") not in format_names():
         raise CheckpointError(

@@ -167,6 +167,27 @@ def test_force_replaces_an_export_of_the_same_format_only(ckpts, tmp_path):
     assert set(os.listdir(out)) == set(before) and _files(out)["model.safetensors"] != before["model.safetensors"]
 
 
+def test_an_export_killed_after_its_weights_is_replaced_by_force(ckpts, tmp_path, monkeypatch):
+    """It held weights but no export_info.json, which --force refuses: it had to be removed by hand."""
+    from erniekit.models import registry
+
+    real = registry.save_model
+
+    def killed(*args, **kw):
+        real(*args, **kw)
+        raise KeyboardInterrupt  # after the weights are published, before export_info.json
+
+    out = str(tmp_path / "out")
+    monkeypatch.setattr(registry, "save_model", killed)
+    with pytest.raises(KeyboardInterrupt):
+        export_hf(ckpts["base"], out)
+    monkeypatch.setattr(registry, "save_model", real)
+    with pytest.raises(CheckpointError, match="this export did not finish"):
+        verify(out)
+    export_hf(ckpts["base"], out, force=True)
+    assert verify(out)["ok"]
+
+
 def test_force_does_not_write_over_weights_that_are_no_export(ckpts, tmp_path):
     import shutil
 
