@@ -537,6 +537,7 @@ class OpenAIServer:
         """Content parts -> the message's text, IMAGE_MARKER / VIDEO_MARKER where an image / a
         video was (decoded, appended to `images` / `videos`)."""
         from erniekit.data.formats import IMAGE_MARKER, VIDEO_MARKER
+        from erniekit.models.ernie4_5_vl.processor import MAX_REQUEST_PIXELS
 
         out = []
         for j, p in enumerate(content):
@@ -570,6 +571,13 @@ class OpenAIServer:
             url = p.get("image_url")
             url = url.get("url") if isinstance(url, dict) else url  # {"url": ...} or the bare string
             images.append(self._image(url, where + ".image_url.url"))
+            total = sum(im.width * im.height for im in images)  # decoded, held until the prompt is built
+            if total > MAX_REQUEST_PIXELS:
+                raise BadRequest(
+                    f"{where}: the request's images total {total} pixels, more than {MAX_REQUEST_PIXELS}; "
+                    "send fewer or smaller images",
+                    where + ".image_url.url",
+                )
             out.append(IMAGE_MARKER)
         return "".join(out)
 
@@ -577,6 +585,8 @@ class OpenAIServer:
         """The real path of a file URL or path under --allowed-local-media-path; a URL to fetch,
         or any other path, is refused (`instead`: what the client may send)."""
         path = url[len("file://") :] if url.startswith("file://") else url
+        if "\x00" in path:  # no file has one; os.path would raise ValueError (a 500)
+            raise BadRequest(f"{where}: a path cannot contain a NUL character", where)
         if "://" in path:
             raise BadRequest(f"{where}: this server fetches nothing from the network; {instead}", where)
         if self.local_media_root is None:

@@ -13,6 +13,7 @@ import paddle
 from erniekit.data.encode import IGNORE_INDEX
 from erniekit.data.formats import Conversation
 from erniekit.data.vl import encode_vl_conversation
+from erniekit.errors import DataError
 from erniekit.models.ernie4_5_vl.modeling import rope_index
 from erniekit.nn.attention import KVCache
 
@@ -76,4 +77,11 @@ def answer(model, tokenizer, conv: Conversation, settings, max_new_tokens: int) 
     from erniekit.infer.stops import stop_ids
 
     ids, images, videos = prompt_with_videos(conv, tokenizer, model.config, settings, model.video_settings)
+    context = int(model.config.max_position_embeddings)
+    if len(ids) >= context:  # positions past the context: a reply the model was never trained to give
+        raise DataError(
+            f"{conv.source}: the prompt with its images and videos is {len(ids)} tokens, the model's context is "
+            f"{context}; send fewer or smaller images (max_pixels in preprocessor_config.json) or a shorter history"
+        )
+    max_new_tokens = min(max_new_tokens, context - len(ids))
     return tokenizer.decode(generate_vl(model, ids, images, max_new_tokens, stop_ids(model, tokenizer), videos))

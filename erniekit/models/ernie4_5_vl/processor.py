@@ -24,6 +24,8 @@ from erniekit.utils.io import atomic_write_json
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 MAX_SOURCE_PIXELS = 8192 * 8192  # a decoded image larger than this is refused (decompression bombs)
+# decoded image pixels one server request may hold (a few KB of PNG decode to 200 MB: 8 of them per request)
+MAX_REQUEST_PIXELS = 2 * MAX_SOURCE_PIXELS
 
 
 class ImageError(DataError):
@@ -54,6 +56,9 @@ def read_processor_config(path: str, name: str, what: str, build: Callable[[dict
         raise DataError(f"{file}: not a readable {what} processor config ({e}); fix or delete it") from None
     if not 0 < settings.min_pixels <= settings.max_pixels:
         raise DataError(f"{file}: size.shortest_edge / longest_edge must satisfy 0 < min <= max")
+    for key in ("patch_size", "merge_size", "temporal_patch_size", "min_frames", "max_frames"):
+        if getattr(settings, key, 1) < 1:  # a 0 divides by zero at the first image or video
+            raise DataError(f"{file}: {key}={getattr(settings, key)} must be at least 1")
     return settings
 
 
@@ -132,6 +137,11 @@ def load_image(source: str, where: str = "image"):
         head, _, payload = source.partition(",")
         if ";base64" not in head:
             raise ImageError(f"{where}: a data: URI image must be base64 (data:image/png;base64,...)")
+        mime = head[len("data:") :].split(";")[0]
+        if not mime.lower().startswith("image/"):
+            raise ImageError(
+                f"{where}: a data: URI of type {mime[:40] or 'none'!r} is not an image; send data:image/...;base64,..."
+            )
         try:
             raw = base64.b64decode(payload, validate=True)
         except (binascii.Error, ValueError):
@@ -141,12 +151,13 @@ def load_image(source: str, where: str = "image"):
         raise ImageError(f"{where}: {source[:60]!r} is a URL; images are read from local paths or data: URIs only")
     else:
         if not os.path.isfile(source):
-            raise ImageError(f"{where}: image file {source} not found")
+            what = "is not a regular file" if os.path.exists(source) else "not found"  # a FIFO would block
+            raise ImageError(f"{where}: image file {source} {what}")
         if os.path.getsize(source) == 0:
             raise ImageError(f"{where}: image file {source} is empty (0 bytes)")
         fp, name = source, source
     try:
-        with Image.open(fp) as im:
+        with Image.open(fp, formats=_readable_formats()) as im:
             w, h = im.size
             if w * h > MAX_SOURCE_PIXELS:
                 raise ImageError(
@@ -157,8 +168,18 @@ def load_image(source: str, where: str = "image"):
             return to_rgb(im)
     except ImageError:
         raise
-    except (UnidentifiedImageError, OSError, SyntaxError, Image.DecompressionBombError) as e:
+    except UnidentifiedImageError:  # its message is the file object's repr
+        raise ImageError(f"{where}: {name} is not a readable image (not a format Pillow reads)") from None
+    except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as e:
         raise ImageError(f"{where}: {name} is not a readable image ({type(e).__name__}: {str(e)[:80]})") from None
+
+
+def _readable_formats() -> list[str]:
+    """Pillow's formats but EPS, whose decoding runs Ghostscript on the file (no request runs a program)."""
+    from PIL import Image
+
+    Image.init()
+    return [f for f in Image.OPEN if f != "EPS"]
 
 
 def to_rgb(image):

@@ -90,7 +90,8 @@ def load_video(source: str, where: str = "video", settings: VideoSettings = Vide
     if "://" in source or source.startswith("data:"):
         raise ImageError(f"{where}: {source[:60]!r}: videos are read from local files only")
     if not os.path.isfile(source):
-        raise ImageError(f"{where}: video file {source} not found")
+        what = "is not a regular file" if os.path.exists(source) else "not found"  # a FIFO would block
+        raise ImageError(f"{where}: video file {source} {what}")
     try:
         import av
     except ImportError:
@@ -100,15 +101,20 @@ def load_video(source: str, where: str = "video", settings: VideoSettings = Vide
             stream = container.streams.video[0]
             fps = float(stream.average_rate) if stream.average_rate else None
             total = stream.frames or sum(1 for _ in container.decode(stream))
-            keep = sample_frame_indices(total, fps, settings)
+            try:
+                keep = sample_frame_indices(total, fps, settings)
+            except ImageError as e:  # it knows no file: name it
+                raise ImageError(f"{where}: {source}: {e}") from None
             container.seek(0)
-            wanted, frames = set(keep.tolist()), {}
+            wanted, frames, last = set(keep.tolist()), {}, int(keep[-1])
             for i, frame in enumerate(container.decode(stream)):
                 if frame.width * frame.height > MAX_SOURCE_PIXELS:
                     raise ImageError(f"{where}: {source} has {frame.width}x{frame.height} frames; downscale it first")
                 check_image_size(frame.width, frame.height, f"{where}: {source}")
                 if i in wanted:
                     frames[i] = frame.to_ndarray(format="rgb24")
+                if i >= last:  # the rest of a long video is not decoded for nothing
+                    break
     except ImageError:
         raise
     except (av.FFmpegError, IndexError, ValueError) as e:

@@ -11,6 +11,7 @@ images (erniekit/infer/vl_generate.py), against the most common training answer 
 from __future__ import annotations
 
 import functools
+import os
 
 import numpy as np
 import paddle
@@ -26,9 +27,26 @@ from erniekit.train.stages import register_stage
 
 
 def _settings(cfg):
+    """The image sizes the config asks for; a budget no image fits is refused before any is read
+    (a 0 would divide by zero in the first resize)."""
     from erniekit.models.ernie4_5_vl.processor import ImageSettings
 
-    return ImageSettings(min_pixels=cfg.image_min_pixels, max_pixels=cfg.image_max_pixels)
+    lo, hi = cfg.image_min_pixels, cfg.image_max_pixels
+    if not 0 < lo <= hi:
+        raise ConfigError(
+            f"image_min_pixels={lo!r}, image_max_pixels={hi!r} are invalid: they must satisfy "
+            "0 < image_min_pixels <= image_max_pixels; change them"
+        )
+    return ImageSettings(min_pixels=lo, max_pixels=hi)
+
+
+def _video_settings(cfg):
+    """The checkpoint's video settings (frames, sizes, time stamps), as the model is served with
+    them (it saves them again); the hub processor's defaults for a preset."""
+    from erniekit.models.ernie4_5_vl.video import VideoSettings, load_video_settings
+
+    path = cfg.model_name_or_path
+    return load_video_settings(path) if os.path.isdir(path) else VideoSettings()
 
 
 def vl_loss(model, batch: dict[str, np.ndarray], token_balance: bool = False, fused_head: bool = False) -> LossOutput:
@@ -64,8 +82,8 @@ class VLSFTStage(Stage):
             convs = synthetic_conversations(path)
         else:
             convs = load_sft_examples(path, fmt)
-        settings = _settings(cfg)
-        rows = [encode_vl_conversation(c, tokenizer, model_cfg, settings, cfg.max_seq_len) for c in convs]
+        settings, video = _settings(cfg), _video_settings(cfg)
+        rows = [encode_vl_conversation(c, tokenizer, model_cfg, settings, cfg.max_seq_len, video) for c in convs]
         if not any((r["labels"] != IGNORE_INDEX).any() for r in rows):  # the loop would fail at the first batch
             raise DataError(
                 f"{path}: none of the {len(rows)} examples has a trained token (every label 0); check the labels"

@@ -104,3 +104,84 @@ def test_a_video_request_batched_with_an_image_request_gets_its_single_request_t
     engine = Engine(model, default_tokenizer(), max_batch=2, max_model_len=128)
     out = _concurrently(engine, [(video_ids, 8, {"videos": (patches, grid)}), (image_ids, 8, {"images": images})])
     assert out == [ref_video, ref_image]
+
+
+@pytest.fixture()
+def http(model, tmp_path):
+    """The OpenAI server in this process on the tiny VL model, local media under tmp_path."""
+    pytest.importorskip("fastapi")
+    from starlette.testclient import TestClient
+
+    from erniekit.infer.server import OpenAIServer, build_app
+    from erniekit.models.ernie4_5_vl.video import VideoSettings
+
+    model.image_settings = SETTINGS
+    model.video_settings = VideoSettings(min_pixels=56 * 56, max_pixels=56 * 56, min_frames=2, max_frames=4)
+    tok = default_tokenizer()
+    engine = Engine(model, tok, max_batch=2, max_model_len=256, stop_token_ids=[])
+    with TestClient(build_app(OpenAIServer(engine, tok, "m", local_media_root=str(tmp_path)))) as c:
+        yield c
+    engine.close()
+
+
+def _png_uri(mime: str = "image/png", size: int = 56) -> str:
+    import base64
+    import io
+
+    buf = io.BytesIO()
+    _image(np.random.default_rng(size), size, size).save(buf, format="PNG")
+    return f"data:{mime};base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+def test_hostile_media_parts_are_400s_naming_the_part(http, tmp_path, monkeypatch):
+    """What a client must not make the server do (a NUL in a path, a data: URI that is not an
+    image, more decoded pixels than a request may hold, a video without frames) is a one-line 400
+    naming the part, and the server keeps serving."""
+    from erniekit.models.ernie4_5_vl import processor
+
+    av = pytest.importorskip("av")
+    with av.open(str(tmp_path / "none.avi"), "w") as out:  # a video stream without a frame
+        stream = out.add_stream("mpeg4", rate=6)
+        stream.width = stream.height = 64
+        stream.pix_fmt = "yuv420p"
+        out.start_encoding()
+    monkeypatch.setattr(processor, "MAX_REQUEST_PIXELS", 2 * 56 * 56 - 1, raising=False)  # two 56x56: one too many
+
+    def post(*parts):
+        messages = [{"role": "user", "content": [*parts, {"type": "text", "text": "what is it?"}]}]
+        return http.post("/v1/chat/completions", json={"model": "m", "messages": messages, "max_tokens": 2})
+
+    def image(url):
+        return {"type": "image_url", "image_url": {"url": url}}
+
+    cases = [
+        ((image(str(tmp_path) + "/a\x00.png"),), "messages[0].content[0]", "NUL"),
+        (({"type": "video_url", "video_url": {"url": "file://" + str(tmp_path) + "/\x00"}},), "[0]", "NUL"),
+        ((image(_png_uri("text/plain")),), "messages[0].content[0]", "is not an image"),
+        ((image(_png_uri()), image(_png_uri())), "messages[0].content[1].image_url.url", "images total 6272 pixels"),
+        (({"type": "video_url", "video_url": {"url": str(tmp_path / "none.avi")}},), "[0]", "none.avi: the video"),
+    ]
+    for parts, param, words in cases:
+        r = post(*parts)
+        err = r.json()["error"]
+        assert r.status_code == 400 and words in err["message"], (words, r.status_code, err)
+        assert param in err["param"] and "\n" not in err["message"]
+    assert post(image(_png_uri())).status_code == 200
+
+
+def test_a_vl_prompt_past_the_models_context_is_one_line_not_a_reply():
+    """`erniekit chat --image` (vl_generate.answer) refuses a prompt whose images fill the model's
+    context, as the text chat does, instead of decoding at positions it never saw."""
+    from erniekit.data.formats import IMAGE_MARKER, Conversation
+    from erniekit.errors import DataError
+    from erniekit.infer.vl_generate import answer
+
+    paddle.seed(0)
+    small = Ernie4_5_VLForConditionalGeneration(model_config("tiny-vl").replace(max_position_embeddings=16))
+    conv = Conversation(
+        None, [(IMAGE_MARKER + "what is it?", "")], [True], "chat", [_image(np.random.default_rng(0), 112, 112)]
+    )
+    with pytest.raises(
+        DataError, match=r"^chat: the prompt with its images and videos is \d+ tokens, the model's context is 16;"
+    ):
+        answer(small, default_tokenizer(), conv, SETTINGS, 4)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import base64
 import io
+import json
 
 import numpy as np
 import pytest
@@ -104,3 +105,49 @@ def test_a_huge_image_is_refused_before_decoding(tmp_path, monkeypatch):
     Image.fromarray(np.zeros((20, 20, 3), np.uint8)).save(path)
     with pytest.raises(ImageError, match="more than 100"):
         load_image(str(path))
+
+
+def test_a_data_uri_must_say_image_and_errors_name_no_file_object(tmp_path):
+    """A data: URI of another type is refused even when its bytes are a picture; an unreadable
+    payload's message names the URI, not a Python object's repr."""
+    buf = io.BytesIO()
+    Image.new("RGB", (4, 4)).save(buf, format="PNG")
+    payload = base64.b64encode(buf.getvalue()).decode()
+    for head in ("data:text/plain;base64,", "data:;base64,", "data:application/octet-stream;base64,"):
+        with pytest.raises(ImageError, match="is not an image; send data:image/") as e:
+            load_image(head + payload, where="messages[0].content[0]")
+        assert str(e.value).startswith("messages[0].content[0]:")
+    assert load_image("data:IMAGE/jpeg;base64," + payload).size == (4, 4)  # the bytes say what they are
+    with pytest.raises(ImageError, match="not a readable image") as e:
+        load_image("data:image/svg+xml;base64," + base64.b64encode(b"<svg/>").decode(), where="w")
+    assert "object at 0x" not in str(e.value) and "BytesIO" not in str(e.value)
+
+
+def test_an_eps_picture_never_runs_ghostscript(monkeypatch):
+    from PIL import EpsImagePlugin
+
+    ran = []
+    monkeypatch.setattr(EpsImagePlugin, "Ghostscript", lambda *a, **k: ran.append(a))
+    monkeypatch.setattr(EpsImagePlugin, "gs_binary", "gs", raising=False)
+    eps = b"%!PS-Adobe-3.0 EPSF-3.0\n%%BoundingBox: 0 0 10 10\nshowpage\n%%EOF\n"
+    with pytest.raises(ImageError, match="not a readable image"):
+        load_image("data:image/eps;base64," + base64.b64encode(eps).decode(), where="w")
+    assert ran == []
+
+
+@pytest.mark.parametrize("key", ["patch_size", "merge_size"])
+def test_a_zero_patch_or_merge_size_in_the_processor_config_is_one_line(tmp_path, key):
+    save_image_settings(str(tmp_path), ImageSettings())
+    cfg = json.loads((tmp_path / "preprocessor_config.json").read_text())
+    (tmp_path / "preprocessor_config.json").write_text(json.dumps({**cfg, key: 0}))
+    with pytest.raises(DataError, match=f"{key}=0 must be at least 1"):
+        load_image_settings(str(tmp_path))
+
+
+def test_special_files_are_refused_without_reading_them(tmp_path):
+    import os
+
+    os.mkfifo(tmp_path / "fifo.png")  # opening it would block until a writer came
+    for path in (str(tmp_path / "fifo.png"), "/dev/zero", str(tmp_path)):
+        with pytest.raises(ImageError, match="is not a regular file"):
+            load_image(path, where="w")

@@ -195,3 +195,29 @@ def test_frames_are_resized_bit_for_bit_as_the_reference(shape):
     t = torch.from_numpy(frame).permute(2, 0, 1)[None].contiguous()
     ref = torch.nn.functional.interpolate(t, size=[H, W], mode="bicubic", align_corners=False, antialias=True)
     np.testing.assert_array_equal(resize_frame(frame, H, W), ref[0].permute(1, 2, 0).numpy())
+
+
+def test_a_video_without_frames_names_its_file(tmp_path):
+    av = pytest.importorskip("av")
+    path = tmp_path / "none.avi"
+    with av.open(str(path), "w") as out:  # a header and a video stream, no frame
+        stream = out.add_stream("mpeg4", rate=6)
+        stream.width = stream.height = 64
+        stream.pix_fmt = "yuv420p"
+        out.start_encoding()
+    with pytest.raises(DataError, match="has no frames") as e:
+        load_video(str(path), "data.jsonl:4")
+    assert str(e.value).startswith(f"data.jsonl:4: {path}") and "\n" not in str(e.value)
+    with pytest.raises(DataError, match="is not a regular file"):  # a directory, a FIFO: never opened
+        load_video(str(tmp_path), "data.jsonl:4")
+
+
+@pytest.mark.parametrize("key", ["max_frames", "temporal_patch_size"])
+def test_a_zero_frame_count_in_the_video_config_is_one_line(tmp_path, key):
+    from erniekit.models.ernie4_5_vl.video import load_video_settings, save_video_settings
+
+    save_video_settings(str(tmp_path), VideoSettings())
+    file = tmp_path / "video_preprocessor_config.json"
+    file.write_text(json.dumps({**json.loads(file.read_text()), key: 0}))
+    with pytest.raises(DataError, match=f"{key}=0 must be at least 1"):
+        load_video_settings(str(tmp_path))

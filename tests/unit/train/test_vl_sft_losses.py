@@ -176,3 +176,46 @@ def test_the_chunked_head_gives_the_whole_logits_loss_and_gradients_on_pictures(
     for n in g_whole:
         np.testing.assert_allclose(g_fused[n], g_whole[n], rtol=1e-4, atol=1e-7, err_msg=n)
     assert vl_loss(model, batch, token_balance=True, fused_head=True).logits is not None
+
+
+def _train_cfg(**kw):
+    import dataclasses
+
+    from erniekit.config.schema import TrainConfig
+
+    base = {"model_name_or_path": "tiny-vl", "train_dataset_path": "synthetic:shapes/train?n=2", "max_seq_len": 256}
+    return dataclasses.replace(TrainConfig(), **{**base, **kw})
+
+
+@pytest.mark.parametrize("lo, hi", [(56 * 56, 0), (84 * 84, 56 * 56)])
+def test_an_image_budget_no_picture_fits_is_a_config_error_before_any_is_read(lo, hi):
+    from erniekit.errors import ConfigError
+    from erniekit.train.stages.vl_sft import VLSFTStage
+
+    cfg = _train_cfg(image_min_pixels=lo, image_max_pixels=hi)
+    with pytest.raises(ConfigError, match=f"image_min_pixels={lo}, image_max_pixels={hi} are invalid") as e:
+        VLSFTStage().build_train_rows(cfg, default_tokenizer())
+    assert "\n" not in str(e.value)
+
+
+def test_videos_are_trained_as_the_checkpoint_serves_them(tmp_path):
+    """VL-SFT from a checkpoint samples and sizes video frames with its video_preprocessor_config.json
+    (the settings it is served with and saves again), not the hub processor's defaults."""
+    import json
+
+    from media_files import moving_square, write_mp4
+
+    from erniekit.models.ernie4_5_vl.video import VideoSettings
+    from erniekit.models.registry import save_model
+    from erniekit.train.stages.vl_sft import VLSFTStage
+
+    model = Ernie4_5_VLForConditionalGeneration(model_config("tiny-vl"))
+    model.video_settings = VideoSettings(min_pixels=56 * 56, max_pixels=56 * 56, min_frames=2, max_frames=2)
+    save_model(model, str(tmp_path / "ckpt"), tokenizer=default_tokenizer())
+    write_mp4(tmp_path / "v.mp4", moving_square(6, 64, 64), 6)
+    part = {"type": "video_url", "video_url": {"url": "v.mp4"}}
+    rec = {"messages": [{"role": "user", "content": [part]}, {"role": "assistant", "content": "right"}]}
+    (tmp_path / "d.jsonl").write_text(json.dumps(rec) + "\n")
+    cfg = _train_cfg(model_name_or_path=str(tmp_path / "ckpt"), train_dataset_path=str(tmp_path / "d.jsonl"))
+    (row,) = VLSFTStage().build_train_rows(cfg, default_tokenizer())
+    assert row["videos"][1].tolist() == [[2, 4, 4]]  # 2 frames of 56 x 56, as the checkpoint says
