@@ -25,7 +25,8 @@ MAX_ATTRIBUTES = 8
 MAX_KEY_CHARS = 32
 MAX_VALUE_CHARS = 64
 KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_.\-]*")
-_BAD_VALUE = re.compile(r"[;=<>\n\r]")  # would make the prefix ambiguous
+# would make the prefix ambiguous, or break its one line (every line break str.splitlines knows)
+_BAD_VALUE = re.compile("[;=<>\n\r\v\f\x1c\x1d\x1e\x85\u2028\u2029]")
 
 
 def check_control(value: object, where: str, field: str = "control") -> dict[str, str]:
@@ -42,7 +43,7 @@ def check_control(value: object, where: str, field: str = "control") -> dict[str
     for k, v in value.items():
         if not isinstance(k, str) or not KEY.fullmatch(k) or len(k) > MAX_KEY_CHARS:
             raise DataError(
-                f"{where}: {field} key {k!r} must be 1-{MAX_KEY_CHARS} letters, digits, '_', '.' or '-' (a letter or '_' first)"
+                f"{where}: {field} key {k!r:.60} must be 1-{MAX_KEY_CHARS} letters, digits, '_', '.' or '-' (a letter or '_' first)"
             )
         if not isinstance(v, str) or not v.strip() or len(v) > MAX_VALUE_CHARS or _BAD_VALUE.search(v):
             raise DataError(

@@ -23,6 +23,13 @@ def _json(value: object) -> str:
     return value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
 
 
+def _why(e: Exception) -> str:
+    """Why JSON text did not decode, in a few words."""
+    if isinstance(e, json.JSONDecodeError):
+        return f"{e.msg} at column {e.colno}"
+    return "nested too deeply"
+
+
 def check_tools(tools: object, where: str, field: str = "tools") -> list[dict]:
     """The tool list in normal form; a bad schema is a one-line DataError naming `where` and the field."""
     if tools is None:
@@ -30,9 +37,9 @@ def check_tools(tools: object, where: str, field: str = "tools") -> list[dict]:
     if isinstance(tools, str):  # ShareGPT / LLaMA-Factory keep the list as a JSON string
         try:
             tools = json.loads(tools) if tools.strip() else []
-        except json.JSONDecodeError as e:
+        except (json.JSONDecodeError, RecursionError) as e:
             raise DataError(
-                f"{where}: field '{field}' is a string but not JSON ({e.msg}); write a list of tools"
+                f"{where}: field '{field}' is a string but not JSON ({_why(e)}); write a list of tools"
             ) from None
     if not isinstance(tools, list):
         raise DataError(f"{where}: field '{field}' must be a list of {{'type': 'function', 'function': {{...}}}}")
@@ -85,17 +92,44 @@ def check_tool_calls(calls: object, where: str, names: set[str] | None) -> list[
         if isinstance(args, str):
             try:
                 args = json.loads(args) if args.strip() else {}
-            except json.JSONDecodeError as e:
-                raise DataError(
-                    f"{at}.function.arguments is not JSON ({e.msg} at column {e.colno}): {args[:60]!r}"
-                ) from None
+            except (json.JSONDecodeError, RecursionError) as e:
+                raise DataError(f"{at}.function.arguments is not JSON ({_why(e)}): {args[:60]!r}") from None
         if not isinstance(args, dict):
             raise DataError(f"{at}.function.arguments must be a JSON object, got {type(args).__name__}")
         norm = {"type": "function", "function": {"name": name, "arguments": args}}
         if isinstance(call, dict) and isinstance(call.get("id"), str):
+            if any(c.get("id") == call["id"] for c in out):
+                raise DataError(f"{at}.id {call['id']!r} is the id of an earlier call too; give each call its own id")
             norm = {"id": call["id"], **norm}
         out.append(norm)
     return out
+
+
+def _answer(open_calls: list[dict], m: dict, at: str) -> None:
+    """Take the call a tool message answers off `open_calls` (the one its tool_call_id names, else the
+    first), or a one-line DataError when it answers none."""
+    if not open_calls:
+        raise DataError(
+            f"{at}: a tool result that answers no call (the calls before it all have their results); "
+            "give one tool message per tool call"
+        )
+    tid = m.get("tool_call_id")
+    ids = [c["id"] for c in open_calls if "id" in c]
+    if isinstance(tid, str) and ids:
+        if tid not in ids:
+            raise DataError(f"{at}.tool_call_id {tid!r} names no unanswered call (open: {', '.join(ids)})")
+        open_calls.remove(next(c for c in open_calls if c.get("id") == tid))
+    else:
+        open_calls.pop(0)
+
+
+def _check_answered(open_calls: list[dict], at: str) -> None:
+    if open_calls:
+        names = ", ".join(c["function"]["name"] for c in open_calls)
+        raise DataError(
+            f"{at}: {len(open_calls)} tool call(s) before it have no result ({names}); "
+            "put a tool message for each call right after the assistant message that makes it"
+        )
 
 
 def split_think(content: str) -> tuple[str | None, str]:
@@ -133,6 +167,7 @@ def normalize_dialog(messages: list, where: str, tools: list[dict], end: str = "
     reply) or "prompt" (a request: it ends with a user or tool message)."""
     names = {t["function"]["name"] for t in tools} if tools else None
     out: list[dict] = []
+    open_calls: list[dict] = []  # calls of the last assistant message still without a result
     for i, m in enumerate(messages):
         at = f"{where}: messages[{i}]"
         if not isinstance(m, dict):
@@ -151,12 +186,14 @@ def normalize_dialog(messages: list, where: str, tools: list[dict], end: str = "
                 raise DataError(f"{at}.content must be a string (or text/image parts)")
             if prev == "user":
                 raise DataError(f"{at}: two user messages in a row; merge them or put the reply between")
+            _check_answered(open_calls, at)
             out.append({"role": "user", "content": content})
         elif role == "assistant":
             if prev not in ("user", "tool"):
                 raise DataError(
                     f"{at}: an assistant message must follow a user or tool message, not {prev or 'nothing'}"
                 )
+            _check_answered(open_calls, at)
             calls = m.get("tool_calls")
             if calls is None and m.get("function_call") is not None:  # ERNIE-Bot / old OpenAI single call
                 calls = [{"type": "function", "function": m["function_call"]}]
@@ -172,6 +209,7 @@ def normalize_dialog(messages: list, where: str, tools: list[dict], end: str = "
                 msg["reasoning_content"] = reasoning
             if calls:
                 msg["tool_calls"] = check_tool_calls(calls, at, names)
+                open_calls = list(msg["tool_calls"])
                 if content and content.strip():
                     raise DataError(
                         f"{at}: text next to tool_calls ({content[:40]!r}); the ERNIE thinking format writes either an "
@@ -185,6 +223,7 @@ def normalize_dialog(messages: list, where: str, tools: list[dict], end: str = "
                 raise DataError(f"{at}: a tool result must follow an assistant message with tool_calls")
             if content is None:
                 raise DataError(f"{at}.content is missing: the tool's result")
+            _answer(open_calls, m, at)
             msg = {"role": "tool", "content": _json(content)}
             if isinstance(m.get("tool_call_id"), str):
                 msg["tool_call_id"] = m["tool_call_id"]

@@ -23,6 +23,7 @@ if TYPE_CHECKING:  # paddle is imported only when chat runs
 
 CLEAR, EXIT = "/clear", ("/exit", "/quit")
 MAX_TOOL_ROUNDS = 5  # model replies per user message when --tools functions keep being called
+MAX_CALLS_PER_REPLY = 16  # calls of one reply that run; the model is told the others did not
 
 
 def load_chat_model(model_dir: str) -> tuple[Ernie4_5ForCausalLM, ErnieTokenizer]:
@@ -90,6 +91,11 @@ class ChatSession:
         self.tools = tools or None  # tool schemas the model sees (--tools)
         self.functions = functions or {}  # name -> Python function run when the model calls it
         self.thinking = bool(getattr(tokenizer, "thinking", False))  # replies carry reasoning / tool calls
+        if rerank > 1 and self.thinking:  # it would be ignored: the thinking turn streams one reply
+            raise CheckpointError(
+                "chat: --rerank scores plain replies; this checkpoint writes thinking-format replies "
+                "(reasoning, tool calls) that the credibility head does not score: drop --rerank"
+            )
         self.speculative = speculative  # greedy self-speculative decoding with the MTP heads (docs/mtp.md)
         self.system = system
         self.out = out
@@ -158,10 +164,13 @@ class ChatSession:
                 return reply.content
             from erniekit.infer.local_tools import call_tool
 
-            for call in reply.tool_calls:
-                result = call_tool(self.functions, call["function"]["name"], call["function"]["arguments"])
+            for k, call in enumerate(reply.tool_calls):
+                if k < MAX_CALLS_PER_REPLY:
+                    result = call_tool(self.functions, call["function"]["name"], call["function"]["arguments"])
+                else:
+                    result = f"error: not run; at most {MAX_CALLS_PER_REPLY} tool calls of one reply run"
                 self._write(f"[tool result] {result}\n")
-                self.messages.append({"role": "tool", "content": result})
+                self.messages.append({"role": "tool", "content": result, "tool_call_id": call["id"]})
         self._write(f"(stopped after {MAX_TOOL_ROUNDS} rounds of tool calls)\n")
         return ""
 
@@ -304,6 +313,11 @@ def run_chat(args: Any) -> int:
     """Entry of `erniekit chat` (args from cli._chat_parser): one-shot with --prompt, else a REPL."""
     from erniekit.infer.generate import SamplingParams
 
+    tools, functions = None, None
+    if getattr(args, "tools", None):  # a broken tools file is one line before the model loads
+        from erniekit.infer.local_tools import load_tools
+
+        tools, functions = load_tools(args.tools)
     model, tokenizer = load_chat_model(args.model_dir)
     packing = pack_for_chat(model, getattr(args, "packed_weights", None) or "auto")
     rerank, head = getattr(args, "rerank", 1), None
@@ -328,16 +342,11 @@ def run_chat(args: Any) -> int:
         from erniekit.infer.speculative import check_speculative
 
         check_speculative(model, params)
-    tools, functions = None, None
-    if getattr(args, "tools", None):
-        from erniekit.infer.local_tools import load_tools
-
-        if not getattr(tokenizer, "thinking", False):
-            raise CheckpointError(
-                f"{args.model_dir}: --tools needs a checkpoint in the ERNIE thinking format (trained with "
-                "chat_template: ernie_thinking); this one's chat template has no tool calls"
-            )
-        tools, functions = load_tools(args.tools)
+    if tools and not getattr(tokenizer, "thinking", False):
+        raise CheckpointError(
+            f"{args.model_dir}: --tools needs a checkpoint in the ERNIE thinking format (trained with "
+            "chat_template: ernie_thinking); this one's chat template has no tool calls"
+        )
     from erniekit.data.control import control_system
 
     session = ChatSession(

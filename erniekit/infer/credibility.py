@@ -16,6 +16,7 @@ import paddle
 
 from erniekit.data.encode import IGNORE_INDEX, encode_conversation
 from erniekit.data.formats import Conversation
+from erniekit.errors import DataError
 from erniekit.nn.credibility import CredibilityHead, sequence_logits
 
 DEFAULT_TEMPERATURE = 1.0  # sampled replies of the report: the model's own distribution
@@ -134,7 +135,7 @@ def credibility_report(
     counted (`identical`) and left out of the AUC."""
     convs = [c for c in convs if c.dialog is None]
     if not convs:
-        raise ValueError("credibility_report: no plain conversations (tool dialogs are not scored)")
+        raise DataError("credibility_report: no plain conversations to score (tool dialogs are not scored)")
     prompts = [prompt_sequence(c, tokenizer) for c in convs]
     sampled = sample_replies(model, tokenizer, prompts, temperature, max_new_tokens, batch_size, seed)
     real_text = [c.turns[-1][1].strip() for c in convs]

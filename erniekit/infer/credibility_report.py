@@ -23,18 +23,23 @@ def run_credibility_report(
     import os
 
     from erniekit.data.formats import load_sft_examples
-    from erniekit.errors import CheckpointError
+    from erniekit.errors import CheckpointError, DataError
     from erniekit.infer.chat import load_chat_model
     from erniekit.nn.credibility import CREDIBILITY_HEAD_NAME, load_credibility_head
     from erniekit.utils.io import atomic_write_json
 
+    convs = [c for c in load_sft_examples(data) if c.dialog is None][:max_samples]  # before the model loads
+    if not convs:
+        raise DataError(
+            f"--data {data}: no plain conversations to score (tool dialogs are not scored); "
+            "pass SFT records without tools or tool calls"
+        )
     model, tokenizer = load_chat_model(model_dir)
     head = load_credibility_head(model_dir, model.config.hidden_size)
     if head is None:
         raise CheckpointError(
             f"{model_dir}: no {CREDIBILITY_HEAD_NAME}; train with credibility_loss_weight > 0 (docs/control.md)"
         )
-    convs = load_sft_examples(data)[:max_samples]
     rep = credibility_report(model, head, tokenizer, convs, batch_size, max_new_tokens, temperature, seed)
     rep = {"model": model_dir, "data": data, **rep}
     rep["path"] = os.path.join(out_dir, REPORT_NAME)

@@ -34,23 +34,17 @@ def parse_tool_call(text: str) -> dict | None:
     None when it is not one."""
     try:
         obj = json.loads(text)
-    except json.JSONDecodeError:
-        return None
-    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
-        return None
-    args = obj.get("arguments", {})
-    if isinstance(args, str):  # arguments written as a JSON string
-        try:
-            args = json.loads(args)
-        except json.JSONDecodeError:
+        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
             return None
-    if not isinstance(args, dict):
+        args = obj.get("arguments", {})
+        if isinstance(args, str):  # arguments written as a JSON string
+            args = json.loads(args)
+        if not isinstance(args, dict):
+            return None
+        arguments = json.dumps(args, ensure_ascii=False)
+    except (ValueError, RecursionError):  # not JSON, or nested past what the decoder can hold
         return None
-    return {
-        "id": new_call_id(),
-        "type": "function",
-        "function": {"name": obj["name"], "arguments": json.dumps(args, ensure_ascii=False)},
-    }
+    return {"id": new_call_id(), "type": "function", "function": {"name": obj["name"], "arguments": arguments}}
 
 
 _CUT_NAME = re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")', re.S)
@@ -94,6 +88,7 @@ class ReplyParser:
     tools_allowed: bool = True  # False (tool_choice none): a <tool_call> the model writes stays answer text
     state: str = field(init=False)
     buf: str = field(init=False, default="")
+    scanned: int = field(init=False, default=0)  # chars of an open call searched for </tool_call> already
 
     def __post_init__(self) -> None:
         self.state = "think" if self.thinking_open else "after"
@@ -157,11 +152,13 @@ class ReplyParser:
                 if rest.startswith(tag):
                     rest = rest[len(tag) :]
                     self.buf, self.state = rest.removeprefix("\n") if nxt == "response" else rest, nxt
+                    self.scanned = 0
                     if nxt == "response" and rest == "" and not final:
                         self.state = "response_nl"  # the newline after <response> may still come
                     return True
             undecided = rest == "" or any(tag.startswith(rest) for tag, _ in tags)
             if undecided and not final:
+                self.buf = rest  # newlines between blocks are dropped now, not rescanned with every piece
                 return False
             self.buf, self.state = rest, "raw"
             return bool(rest)
@@ -173,8 +170,9 @@ class ReplyParser:
         if state == "response":
             return self._until(events, "content", RESPONSE_END, final)
         if state == "call":
-            end = buf.find(CALL_END)
+            end = buf.find(CALL_END, max(0, self.scanned - len(CALL_END) + 1))  # only the new text: linear
             if end < 0 and not final:
+                self.scanned = len(buf)
                 return False
             body = buf if end < 0 else buf[:end]
             call = parse_tool_call(body.strip())

@@ -61,12 +61,12 @@ def load_credibility_head(model_dir: str, hidden_size: int) -> CredibilityHead |
     from erniekit.utils.io import load_safetensors
 
     tensors = load_safetensors(path)
-    w = tensors.get("weight")
-    if w is None or list(w.shape) != [hidden_size, 1] or "bias" not in tensors:
-        shape = None if w is None else list(w.shape)
+    w, b = tensors.get("weight"), tensors.get("bias")
+    if w is None or list(w.shape) != [hidden_size, 1] or b is None or list(b.shape) != [1]:
+        shapes = [None if t is None else list(t.shape) for t in (w, b)]
         raise CheckpointError(
-            f"{path}: expected tensors weight [{hidden_size}, 1] and bias [1], got weight {shape}; "
-            "it belongs to another model: retrain with credibility_loss_weight > 0"
+            f"{path}: expected tensors weight [{hidden_size}, 1] and bias [1], got weight {shapes[0]} and bias "
+            f"{shapes[1]}; it belongs to another model: retrain with credibility_loss_weight > 0"
         )
     head = CredibilityHead(hidden_size)
     head.set_state_dict({"weight": w, "bias": tensors["bias"]})

@@ -115,12 +115,16 @@ class CredibilityTraining:
             self.head.set_state_dict(load_safetensors(file))
 
     def evaluate(self, model, convs: list[Conversation], max_samples: int) -> dict[str, float]:
-        """Held-out AUC of real vs sampled replies (sampled at the training temperature, fixed seed)."""
+        """Held-out AUC of real vs sampled replies (sampled at the training temperature, fixed seed);
+        nothing when the held-out data has no plain conversation (tool dialogs are not scored)."""
+        plain = [c for c in convs if c.dialog is None][:max_samples]
+        if not plain:
+            return {}
         rep = credibility_report(
             model,
             self.head,
             self.tokenizer,
-            convs[:max_samples],
+            plain,
             self.eval_batch,
             self.cfg.credibility_max_new_tokens,
             self.cfg.credibility_temperature,

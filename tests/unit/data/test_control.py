@@ -64,12 +64,15 @@ def test_with_control_puts_the_prefix_in_the_system_message():
         ({"1x": "a"}, "key '1x'"),
         ({"a b": "a"}, "key 'a b'"),
         ({f"k{i}": "v" for i in range(9)}, "at most 8"),
+        ({"style": "a\u2028b"}, "or line breaks"),  # a Unicode line break splits the prefix line too
+        ({"style": "a\x85b"}, "or line breaks"),
+        ({"k" * 100_000: "a"}, "key 'kkkk"),
     ],
 )
 def test_bad_control_is_one_line_naming_where(bad, what):
     with pytest.raises(DataError, match="^f.jsonl:3: .*" + what.replace("(", r"\(")) as e:
         check_control(bad, "f.jsonl:3")
-    assert "\n" not in str(e.value)
+    assert "\n" not in str(e.value) and len(str(e.value)) < 300
 
 
 def test_dropping_is_a_fixed_function_of_seed_index_and_key():

@@ -177,6 +177,53 @@ def test_training_ids_are_the_inference_prompt_ids(tmp_path, tok):
             {**SHAREGPT, "conversations": [SHAREGPT["conversations"][0], {"from": "function_call", "value": "{oops"}]},
             "function_call value is not JSON",
         ),
+        (  # a second result for the one call
+            {**OPENAI, "messages": [*OPENAI["messages"][:3], {"role": "tool", "content": "7"}, OPENAI["messages"][3]]},
+            "messages[3]: a tool result that answers no call",
+        ),
+        (
+            {
+                **OPENAI,
+                "messages": [
+                    *OPENAI["messages"][:2],
+                    {**OPENAI["messages"][2], "tool_call_id": "c9"},
+                    OPENAI["messages"][3],
+                ],
+            },
+            "messages[2].tool_call_id 'c9' names no unanswered call (open: c1)",
+        ),
+        (  # the call is never answered
+            {**OPENAI, "messages": [*OPENAI["messages"][:2], OPENAI["messages"][0], OPENAI["messages"][3]]},
+            "messages[2]: 1 tool call(s) before it have no result (calculator)",
+        ),
+        (
+            {
+                **OPENAI,
+                "messages": [
+                    OPENAI["messages"][0],
+                    {**OPENAI["messages"][1], "tool_calls": OPENAI["messages"][1]["tool_calls"] * 2},
+                    *OPENAI["messages"][2:],
+                ],
+            },
+            "tool_calls[1].id 'c1' is the id of an earlier call too",
+        ),
+        (
+            {
+                **OPENAI,
+                "messages": [
+                    OPENAI["messages"][0],
+                    {
+                        **OPENAI["messages"][1],
+                        "tool_calls": [
+                            {"type": "function", "function": {"name": "calculator", "arguments": "[" * 100_000}}
+                        ],
+                    },
+                    *OPENAI["messages"][2:],
+                ],
+            },
+            "arguments is not JSON (nested too deeply)",
+        ),
+        ({**OPENAI, "tools": "[" * 100_000}, "is a string but not JSON (nested too deeply)"),
     ],
 )
 def test_bad_tools_and_calls_are_one_line_errors_with_file_and_line(tmp_path, record, message):

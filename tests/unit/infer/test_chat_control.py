@@ -153,3 +153,10 @@ def test_eval_credibility_without_a_head_is_one_line(ckpt, tmp_path, capsys):
     assert "no credibility_head.safetensors; train with credibility_loss_weight > 0" in err and err.count("\n") == 1
     assert main(["eval", str(bare), "--credibility", "--temperature", "0"]) == 2
     assert "--temperature in (0, 2]" in capsys.readouterr().err
+
+
+def test_eval_credibility_on_tool_data_is_one_line(ckpt, tmp_path, capsys):
+    data = ROOT / "examples" / "data" / "tools" / "eval.jsonl"
+    assert main(["eval", ckpt, "--credibility", "--data", str(data), "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert f"--data {data}: no plain conversations to score" in err and err.count("\n") == 1

@@ -91,6 +91,12 @@ def test_the_head_file_round_trips_and_a_wrong_shape_is_one_line(model, tmp_path
     np.testing.assert_array_equal(back.weight.numpy(), head.weight.numpy())
     with pytest.raises(CheckpointError, match=r"expected tensors weight \[32, 1\]"):
         load_credibility_head(str(tmp_path), 32)
+    # a bias of another shape was skipped by set_state_dict with a warning: a head scoring without it
+    bad = {"weight": head.weight.detach().contiguous(), "bias": paddle.to_tensor([0.5, 0.5, 0.5])}
+    save_file(bad, str(tmp_path / CREDIBILITY_HEAD_NAME))
+    with pytest.raises(CheckpointError, match=r"got weight \[\d+, 1\] and bias \[3\]") as e:
+        load_credibility_head(str(tmp_path), hidden)
+    assert "\n" not in str(e.value)
 
 
 def test_reply_sequences_are_the_sft_encoding_with_the_reply_swapped(tok):

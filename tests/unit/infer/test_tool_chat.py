@@ -9,9 +9,9 @@ import json
 
 import pytest
 
-from erniekit.errors import ConfigError
-from erniekit.infer.chat import ChatSession
-from erniekit.infer.local_tools import call_tool, load_tools, tool_schema
+from erniekit.errors import CheckpointError, ConfigError
+from erniekit.infer.chat import MAX_CALLS_PER_REPLY, ChatSession
+from erniekit.infer.local_tools import MAX_RESULT_CHARS, call_tool, load_tools, tool_schema
 from erniekit.infer.sampling import SamplingParams
 from erniekit.infer.server import fastdeploy_parser_flags
 from erniekit.models.ernie4_5.tokenizer import default_tokenizer
@@ -57,12 +57,12 @@ def test_tool_schemas_from_a_python_file(tmp_path):
     assert call_tool(funcs, "calculator", '{"expression": "6*7"}') == "42"
     assert json.loads(call_tool(funcs, "lookup", {"key": "k"})) == {"key": "k", "limit": 3}
     assert call_tool(funcs, "calculator", '{"expression": "x"}').startswith("error: ValueError")
-    assert call_tool(funcs, "nope", "{}") == "error: no tool named 'nope'"
+    assert call_tool(funcs, "nope", "{}") == "error: no tool named 'nope'; the tools are calculator, lookup"
     (tmp_path / "empty.py").write_text("X = 1\n")
     with pytest.raises(ConfigError, match="defines no public functions"):
         load_tools(str(tmp_path / "empty.py"))
     (tmp_path / "broken.py").write_text("raise RuntimeError('boom')\n")
-    with pytest.raises(ConfigError, match="importing it failed \\(RuntimeError: boom\\)"):
+    with pytest.raises(ConfigError, match="broken.py:1: importing it failed \\(RuntimeError: boom\\)"):
         load_tools(str(tmp_path / "broken.py"))
 
 
@@ -127,3 +127,112 @@ def test_fastdeploy_gets_the_ernie_x1_parsers_for_a_thinking_checkpoint(tmp_path
     assert fastdeploy_parser_flags(str(plain)) == []
     (thinking / "config.json").write_text(json.dumps({"model_type": "ernie4_5_moe_vl"}))
     assert fastdeploy_parser_flags(str(thinking))[1] == "ernie-45-vl-thinking"
+
+
+HOSTILE_PY = """
+import datetime
+import sys
+
+
+def now():
+    return datetime.datetime(2020, 1, 1)
+
+
+def huge():
+    return "x" * 10_000_000
+
+
+def add(a: int, b: float = 1.0):
+    return a + b
+
+
+def bye():
+    sys.exit(3)
+
+
+def spin():
+    while True:
+        try:
+            pass
+        except Exception:
+            pass
+"""
+
+
+def test_a_failing_tool_call_is_a_short_result_the_model_sees(tmp_path):
+    path = tmp_path / "tools.py"
+    path.write_text(HOSTILE_PY)
+    _, funcs = load_tools(str(path))
+    assert call_tool(funcs, "now", "{}") == '"2020-01-01 00:00:00"'  # not JSON-serialisable: its text
+    big = call_tool(funcs, "huge", "{}")
+    assert big.startswith("xxx") and len(big) < MAX_RESULT_CHARS + 100 and "10000000 characters" in big
+    assert call_tool(funcs, "bye", "{}") == "error: SystemExit: 3"  # the session is not ended by a tool
+    assert call_tool(funcs, "spin", "{}", timeout=0.2) == "error: spin did not return within 0.2 s and was stopped"
+    assert call_tool(funcs, "add", '{"a": 2}') == "3.0"
+    assert call_tool(funcs, "add", '{"a": "2", "b": 3}') == "error: add: argument 'a' must be a JSON integer, got \"2\""
+    assert call_tool(funcs, "add", '{"a": true}').startswith("error: add: argument 'a' must be a JSON integer")
+    assert call_tool(funcs, "add", '{"b": 2}') == "error: add: missing a required argument: 'a'"
+    assert call_tool(funcs, "add", '{"a": 1, "c": 2}') == "error: add: got an unexpected keyword argument 'c'"
+    assert call_tool(funcs, "add", "[1, 2]") == "error: the arguments of add must be a JSON object, got list"
+    assert call_tool(funcs, "add", "{oops") == call_tool(funcs, "add", '{"a": ' + "[" * 100_000) != ""
+    assert call_tool(funcs, "add", "{oops").startswith("error: the arguments of add are not JSON")
+
+
+def test_a_tools_file_that_cannot_load_is_one_line_with_its_line(tmp_path):
+    (tmp_path / "exits.py").write_text("import sys\n\n\ndef f():\n    pass\n\n\nsys.exit('no')\n")
+    with pytest.raises(ConfigError, match=r"exits.py:8: importing it failed \(SystemExit: no\)") as e:
+        load_tools(str(tmp_path / "exits.py"))
+    assert "\n" not in str(e.value)
+    (tmp_path / "syntax.py").write_text("def f(:\n    pass\n")
+    with pytest.raises(ConfigError, match=r"syntax.py:1: importing it failed \(SyntaxError"):
+        load_tools(str(tmp_path / "syntax.py"))
+
+
+def test_a_tools_file_with_postponed_annotations_and_a_dataclass_loads_with_its_types(tmp_path):
+    path = tmp_path / "tools.py"
+    path.write_text(
+        "from __future__ import annotations\nfrom dataclasses import dataclass\n\n\n@dataclass\nclass P:\n"
+        "    x: int\n\n\ndef f(a: int, b: list[str] | None = None, c: float = 0.0) -> int:\n    return a\n"
+    )
+    tools, funcs = load_tools(str(path))
+    props = tools[0]["function"]["parameters"]["properties"]
+    assert props == {"a": {"type": "integer"}, "b": {"type": "array"}, "c": {"type": "number"}}
+    assert call_tool(funcs, "f", '{"a": 1, "b": null}') == "1"
+
+
+def test_the_chat_goes_on_through_a_flood_of_calls_and_a_hostile_call(tmp_path):
+    path = tmp_path / "tools.py"
+    path.write_text(TOOLS_PY)
+    tools, funcs = load_tools(str(path))
+    ran = []
+    funcs = {**funcs, "calculator": lambda expression: ran.append(expression) or "1"}
+    call = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "1*1"}}\n</tool_call>\n'
+    deep = '<tool_call>\n{"name": "calculator", "arguments": ' + "[" * 50_000 + "]" * 50_000 + "}\n</tool_call>\n"
+    out = io.StringIO()
+    session = ScriptedSession(
+        ["r\n</think>\n\n" + call * 1000, "r\n</think>\n\n" + deep], out=out, tools=tools, functions=funcs
+    )
+    answer = session.reply("go")
+    assert len(ran) == MAX_CALLS_PER_REPLY  # the other calls are answered "not run", not run
+    results = [m for m in session.messages if m["role"] == "tool"]
+    assert len(results) == 1000 and results[-1]["content"].startswith("error: not run")
+    ids = [c["id"] for c in session.messages[1]["tool_calls"]]
+    assert [m["tool_call_id"] for m in results] == ids
+    assert answer.startswith("<tool_call>") and session.messages[-1]["role"] == "assistant"  # a broken call is text
+
+
+def test_rerank_with_a_thinking_checkpoint_is_one_line_not_ignored():
+    with pytest.raises(CheckpointError, match="--rerank scores plain replies") as e:
+        ScriptedSession([], rerank=4)
+    assert "\n" not in str(e.value)
+
+
+def test_a_broken_tools_file_is_reported_before_the_model_loads(tmp_path):
+    import argparse
+
+    from erniekit.infer.chat import run_chat
+
+    (tmp_path / "tools.py").write_text("import nope_not_a_module\n")
+    args = argparse.Namespace(model_dir=str(tmp_path / "no-such-checkpoint"), tools=str(tmp_path / "tools.py"))
+    with pytest.raises(ConfigError, match=r"tools.py:1: importing it failed \(ModuleNotFoundError"):
+        run_chat(args)

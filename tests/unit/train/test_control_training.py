@@ -103,6 +103,15 @@ def test_the_credibility_term_is_weight_times_mean_bce(tmp_path, model):
     assert ct.loss_sum(model, micro[1]) is None
 
 
+def test_held_out_tool_dialogs_give_no_credibility_figures_not_an_error(tmp_path, model):
+    from erniekit.train.credibility import CredibilityTraining
+
+    cfg = _cfg(tmp_path, "credibility_loss_weight=0.5")
+    ct = CredibilityTraining(cfg, model, default_tokenizer(), load_sft_examples(cfg.train_dataset_path)[:4])
+    tool_dialogs = load_sft_examples(str(ROOT / "examples" / "data" / "tools" / "eval.jsonl"))[:3]
+    assert ct.evaluate(model, tool_dialogs, max_samples=8) == {}  # was a ValueError at the first evaluation
+
+
 def _scalars(path):
     with open(os.path.join(path, "vdl_log", "scalars.jsonl")) as f:
         return [json.loads(line) for line in f]
