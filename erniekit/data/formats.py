@@ -156,6 +156,16 @@ def read_text(path: str) -> str:
         ) from None
 
 
+def _json_problem(e: Exception) -> str:
+    """Why JSON text did not load, in a few words (a decode error, nesting Python's decoder cannot
+    hold, or an integer past Python's digit limit)."""
+    if isinstance(e, json.JSONDecodeError):
+        return f"{e.msg} at column {e.colno}"
+    if isinstance(e, RecursionError):
+        return "arrays or objects nested too deeply to read"
+    return str(e).split(";")[0]
+
+
 def _records(path: str) -> Iterator[tuple[int, object]]:
     """Yield (line, record) from a .jsonl file or a .json list (line = 1-based position)."""
     text = read_text(path)
@@ -163,12 +173,13 @@ def _records(path: str) -> Iterator[tuple[int, object]]:
     if text.lstrip().startswith("["):  # a JSON list of records, whatever the extension
         try:
             data = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise DataError(f"{path}:{e.lineno}: invalid JSON ({e.msg}); fix the file") from e
+        except (ValueError, RecursionError) as e:
+            line = f":{e.lineno}" if isinstance(e, json.JSONDecodeError) else ""
+            raise DataError(f"{path}{line}: invalid JSON ({_json_problem(e)}); fix the file") from None
     elif path.endswith(".json"):  # one JSON object, or JSON lines misnamed .json
         try:
             data = [json.loads(text)]
-        except json.JSONDecodeError:
+        except (ValueError, RecursionError):  # read as JSON lines below, which names the line
             data = None
     if data is not None:
         if not isinstance(data, list):
@@ -179,11 +190,10 @@ def _records(path: str) -> Iterator[tuple[int, object]]:
         if not line.strip():
             continue
         try:
-            yield lineno, json.loads(line)
-        except json.JSONDecodeError as e:
-            raise DataError(
-                f"{path}:{lineno}: invalid JSON ({e.msg} at column {e.colno}); fix or remove this line"
-            ) from e
+            record = json.loads(line)
+        except (ValueError, RecursionError) as e:
+            raise DataError(f"{path}:{lineno}: invalid JSON ({_json_problem(e)}); fix or remove this line") from None
+        yield lineno, record
 
 
 _TYPO_CUTOFF = 0.8  # difflib ratio: "inputs"/"input" 0.91, "sytem"/"system" 0.91, "lable"/"label" 0.8
@@ -461,8 +471,10 @@ def _from_sharegpt(rec: dict, where: str) -> Conversation:
         if who == "function_call":
             try:
                 calls = json.loads(t["value"])
-            except json.JSONDecodeError as e:
-                raise DataError(f"{where}: conversations[{i}] function_call value is not JSON ({e.msg})") from None
+            except (ValueError, RecursionError) as e:
+                raise DataError(
+                    f"{where}: conversations[{i}] function_call value is not JSON ({_json_problem(e)})"
+                ) from None
             calls = calls if isinstance(calls, list) else [calls]
             msgs.append({"role": "assistant", "content": None, "tool_calls": [{"function": c} for c in calls]})
         else:

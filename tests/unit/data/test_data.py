@@ -193,6 +193,22 @@ def test_bad_input_errors(tmp_path):
     good = json.dumps({"src": ["q"], "tgt": ["a"]})
     bad_json = _write(tmp_path / "bad.jsonl", [good, '{"src": ["q"], "tgt": '])
     assert f"{bad_json}:2: invalid JSON" in _err(load_sft_examples, bad_json)
+    # nesting and integers Python's decoder cannot hold were a RecursionError / ValueError traceback
+    for line, why in (("[" * 100_000, "nested too deeply"), ('{"src": [1' + "0" * 5000 + "]}", "digits")):
+        deep = _write(tmp_path / "deep.jsonl", [good, line])
+        assert f"{deep}:2: invalid JSON" in _err(load_sft_examples, deep) and why in _err(load_sft_examples, deep)
+    as_list = tmp_path / "list.json"
+    as_list.write_text("[" * 100_000)
+    assert "invalid JSON (arrays or objects nested too deeply" in _err(load_sft_examples, str(as_list))
+    share = _write(
+        tmp_path / "share.jsonl",
+        [
+            json.dumps(
+                {"conversations": [{"from": "human", "value": "q"}, {"from": "function_call", "value": "[" * 100_000}]}
+            )
+        ],
+    )
+    assert "function_call value is not JSON (arrays or objects nested" in _err(load_sft_examples, share)
 
     missing = _write(tmp_path / "missing.jsonl", [good, json.dumps({"src": ["q"]})])
     assert f"{missing}:2: field 'tgt' missing" in _err(load_sft_examples, missing)
