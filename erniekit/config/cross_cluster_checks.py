@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from erniekit.errors import ConfigError
 
+MAX_TIMEOUT_S = 1e8  # a longer wait overflows the platform's clock in queue.get / Thread.join
+
 
 def normalise_cross_cluster(cfg) -> dict:
     """cross_cluster_sizes on one machine: every cluster runs the layout of its size (the parent's
@@ -46,8 +48,7 @@ def check_cross_cluster(cfg, supports) -> None:
             )
         from erniekit.distributed.cross_cluster.link import parse_address
 
-        for i, p in enumerate(peers):
-            parse_address(p, f"cross_cluster_peers[{i}]")
+        _check_ports([parse_address(p, f"cross_cluster_peers[{i}]") for i, p in enumerate(peers)], peers, cfg)
         from erniekit.distributed.cross_cluster.auth import load_key
 
         load_key(cfg.cross_cluster_key_file)  # a missing or short key stops here, not at the first sync
@@ -68,7 +69,8 @@ def check_cross_cluster(cfg, supports) -> None:
     _range(cfg.cross_cluster_link_mbit >= 0, "cross_cluster_link_mbit", cfg.cross_cluster_link_mbit, ">= 0")
     lat = cfg.cross_cluster_link_latency_ms
     _range(lat >= 0, "cross_cluster_link_latency_ms", lat, ">= 0")
-    _range(cfg.cross_cluster_timeout_s > 0, "cross_cluster_timeout_s", cfg.cross_cluster_timeout_s, "> 0")
+    t = cfg.cross_cluster_timeout_s  # Python's waits overflow past ~1e9 s
+    _range(0 < t <= MAX_TIMEOUT_S, "cross_cluster_timeout_s", t, f"in (0, {MAX_TIMEOUT_S:g}] seconds")
     if 0 < cfg.save_total_limit < 2:
         raise ConfigError(
             f"save_total_limit={cfg.save_total_limit} with clusters: a cluster may stop while writing its newest "
@@ -94,3 +96,25 @@ def check_cross_cluster(cfg, supports) -> None:
 def _range(ok: bool, key: str, value, rule: str) -> None:
     if not ok:
         raise ConfigError(f"{key}={value}: must be {rule}")
+
+
+def _check_ports(where: list[tuple[str, int]], peers: list[str], cfg) -> None:
+    """Rank r of cluster c listens on port_c + r: every port must exist, and two clusters that listen
+    (all but the last) on one host must not share a port (the second could not listen, or a higher
+    cluster would reach the wrong rank)."""
+    ranks = max(1, cfg.nproc_per_node) * max(1, cfg.nnodes)
+    for i, (_, port) in enumerate(where):
+        if port + ranks - 1 > 65535:
+            raise ConfigError(
+                f"cross_cluster_peers[{i}]={peers[i]}: its {ranks} ranks listen on ports {port}..{port + ranks - 1}, "
+                f"past 65535; use a base port of at most {65536 - ranks}"
+            )
+    for i in range(len(where) - 1):
+        for j in range(i + 1, len(where) - 1):
+            (hi, pi), (hj, pj) = where[i], where[j]
+            if hi == hj and pi < pj + ranks and pj < pi + ranks:
+                raise ConfigError(
+                    f"cross_cluster_peers[{i}]={peers[i]} and [{j}]={peers[j]}: both clusters listen on ports "
+                    f"{ranks} wide from there on one host, and the ranges overlap; give them base ports at least "
+                    f"{ranks} apart"
+                )

@@ -162,14 +162,28 @@ def test_a_lost_cluster_stops_the_other_with_one_line_and_both_resume(tmp_path):
 
 
 def test_a_cluster_with_another_key_is_refused_in_one_line(tmp_path):
+    """The connecting site (1) stops at once with one line; the listening site (0) refuses the
+    connection on stderr and waits on (anyone can connect to its port: a stranger's bad MAC must not
+    stop it), so the test stops it once it has said so."""
     peers = [f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"]
     keys = [_key(tmp_path / "a.key", "a" * 32), _key(tmp_path / "b.key", "b" * 32)]
     procs = [_start(_site(tmp_path / f"s{c}", c, peers, keys[c], 4)) for c in (0, 1)]
-    outs = [p.communicate(timeout=120)[0] for p in procs]
-    lasts = [[line for line in out.splitlines() if line.strip()][-1] for out in outs]
-    assert any("failed its HMAC check" in last for last in lasts), lasts  # whoever checks first says why;
-    for p, out, last in zip(procs, outs, lasts):  # the other may only see the link close under it
-        assert p.returncode != 0 and last.startswith("error: ") and "127.0.0.1:" in last, out[-2000:]
+    out1 = procs[1].communicate(timeout=120)[0]
+    last = [line for line in out1.splitlines() if line.strip()][-1]
+    assert procs[1].returncode != 0 and last.startswith("error: ") and "failed its HMAC check" in last, out1[-2000:]
+    assert f"cluster 0 rank 0 ({peers[0]})" in last
+    seen, deadline = [], time.monotonic() + 60
+    while time.monotonic() < deadline and not any("refused a connection" in x for x in seen):
+        line = procs[0].stdout.readline()
+        if not line:
+            break
+        seen.append(line)
+    assert procs[0].poll() is None, "".join(seen)[-2000:]  # still waiting for the real cluster 1
+    procs[0].send_signal(signal.SIGTERM)
+    out0 = "".join(seen) + procs[0].communicate(timeout=60)[0]
+    refused = [x for x in seen if "refused a connection" in x]
+    assert refused and "failed its HMAC check" in refused[-1] and "127.0.0.1:" in refused[-1], out0[-2000:]
+    for out in (out0, out1):
         assert "a" * 32 not in out and "b" * 32 not in out
 
 

@@ -113,8 +113,8 @@ class FlatCompressor:
             )
         body = memoryview(payload)[_HEADER.size :]
         if self.kind == "none":
-            return np.frombuffer(body, np.float32).copy()
-        if self.kind == "int8":
+            parts = [np.frombuffer(body, np.float32).reshape(1, self.n)]
+        elif self.kind == "int8":
             q = np.zeros(self.rows * self.row, np.int8)
             q[: self.n] = np.frombuffer(body, np.int8, count=self.n)
             scale = np.frombuffer(body, np.float32, count=self.rows, offset=self.n)
@@ -123,8 +123,19 @@ class FlatCompressor:
             count = self.rows * self.k
             vals = np.frombuffer(body, np.float32, count=count).reshape(self.rows, self.k)
             idx = np.frombuffer(body, _index_dtype(self.row), count=count, offset=4 * count)
+            if count and (int(idx.max()) >= self.row or int(idx.min()) < 0):
+                raise ErniekitError(
+                    f"cross-cluster topk payload has a column index outside 0..{self.row - 1}: a broken or "
+                    "different-version peer; use the same erniekit on every cluster"
+                )
             parts = [vals, idx.reshape(self.rows, self.k).astype(np.int64)]
-        return decode(self.kind, parts, self.rows, self.row).reshape(-1)[: self.n].copy()
+        out = decode(self.kind, parts, self.rows, self.row).reshape(-1)[: self.n].copy()
+        if not np.isfinite(out).all():  # our own encode refuses them, so only a broken peer sends them
+            raise ErniekitError(
+                "cross-cluster payload decodes to non-finite values (another cluster diverged or is broken); "
+                "resume every cluster from the last checkpoint"
+            )
+        return out
 
     def state_dict(self) -> dict:
         """The residual (checkpointed with the anchor so a resumed run loses nothing it owed)."""

@@ -28,6 +28,7 @@ import queue
 import secrets
 import socket
 import struct
+import sys
 import threading
 import time
 from dataclasses import dataclass, fields
@@ -42,6 +43,11 @@ _MAGIC = b"EKCCLNK1"  # protocol name and version
 _MAX_HELLO_JSON = 1 << 20  # bytes of a hello's JSON
 _CONFIRM = "handshake"  # tag of message 0 in each direction: proves both sides hold the session key
 _SENDER_QUEUE = 64  # messages a link holds for its sender thread before send() waits
+_MAX_MESSAGE = 1 << 40  # bytes of one message's payload (a rank's share of a model is far smaller)
+_HANDSHAKE_S = 30.0  # seconds an accepted connection has to finish its handshake (a real peer sends at once)
+_MAX_HANDSHAKES = 32  # accepted connections in their handshake at once; more are closed at once
+_POLL_S = 0.05  # how often the accepting loop looks at finished handshakes
+_REPORTED = 10  # refused connections reported one by one on stderr (a flood is then only counted)
 
 
 class LinkError(ErniekitError):
@@ -50,6 +56,11 @@ class LinkError(ErniekitError):
 
 class AuthError(LinkError):
     """A handshake or message failed its HMAC or sequence check: a different key or tampered traffic."""
+
+
+class _Unheard(LinkError):
+    """The listening side closed before sending a byte (it was busy, or not yet the real cluster):
+    the connecting side tries again until its deadline."""
 
 
 @dataclass(frozen=True)
@@ -152,8 +163,8 @@ class _Conn:
     """A socket with exact reads and a byte count; raises LinkError naming the peer when the peer
     closes or resets the connection."""
 
-    def __init__(self, sock: socket.socket, name: str) -> None:
-        self.sock, self.name = sock, name
+    def __init__(self, sock: socket.socket, name: str, where: str) -> None:
+        self.sock, self.name, self.where = sock, name, where  # where: host:port, for renaming after the hello
         self.sent = self.received = 0
 
     def send(self, *parts: bytes | memoryview) -> None:
@@ -194,6 +205,11 @@ def _read_frame(conn: _Conn, skey: bytes, sender: int, expect_seq: int) -> tuple
         raise AuthError(
             f"message {seq} from {conn.name} arrived when {expect_seq} was due: a replayed or reordered "
             "message (tampered traffic); the job stops"
+        )
+    if n > _MAX_MESSAGE:
+        raise LinkError(
+            f"message {seq} from {conn.name} claims {n} bytes, more than {_MAX_MESSAGE}: a different erniekit "
+            "version or a broken peer; the job stops"
         )
     payload = conn.read(n)
     if not auth.verify(skey, conn.read(auth.MAC_BYTES), b"P", who, head, payload):
@@ -238,17 +254,31 @@ def _handshake(
     expected = {peer} if peer is not None else accept
     if their_rank != rank or cid not in expected:
         raise LinkError(
-            f"{_peer_name(cid, their_rank, conn.name)} reached cluster {me} rank {rank}, which expected "
+            f"{_peer_name(cid, their_rank, conn.where)} reached cluster {me} rank {rank}, which expected "
             f"cluster {sorted(expected)} rank {rank}: every cluster needs the same cross_cluster_peers and layout"
         )
-    conn.name = _peer_name(cid, their_rank, conn.name)
+    conn.name = _peer_name(cid, their_rank, conn.where)
     low, high = (nonce, their_nonce) if me < cid else (their_nonce, nonce)
     skey = auth.session_key(key, struct.pack(">III", min(me, cid), max(me, cid), rank), low, high)
     conn.send(*_frame(skey, me, 0, _CONFIRM.encode(), b""))
     tag, _ = _read_frame(conn, skey, cid, 0)  # fails when the hello was replayed from another session
     if tag != _CONFIRM:
         raise LinkError(f"{conn.name} did not confirm the handshake (sent {tag!r}): a different erniekit version")
-    return cid, skey, json.loads(their_body)
+    return cid, skey, _parse_hello(their_body, conn.name)
+
+
+def _parse_hello(body: bytes, name: str) -> dict:
+    """The peer's hello JSON; authenticated, but a peer of another version may still send what this
+    one cannot read, which must stop the link with one line, not a traceback."""
+    try:
+        hello = json.loads(body)
+    except ValueError:  # JSONDecodeError and UnicodeDecodeError
+        hello = None
+    if not isinstance(hello, dict):
+        raise LinkError(
+            f"{name} sent a hello that is not a JSON object: a different erniekit version; use the same everywhere"
+        )
+    return hello
 
 
 class PeerLink:
@@ -313,7 +343,12 @@ class PeerLink:
         while True:
             try:
                 sock = socket.create_connection((host, port), timeout=max(0.05, deadline - time.monotonic()))
-                break
+                return cls._handshaken(
+                    sock, where, deadline, key, cluster_id, rank, hello, None, peer_cluster_id, shape, timeout_s
+                )
+            except _Unheard as e:
+                if time.monotonic() + pause > deadline:
+                    raise LinkError(str(e)) from None
             except OSError as e:
                 last = e.strerror or type(e).__name__
             if time.monotonic() + pause > deadline:
@@ -323,9 +358,6 @@ class PeerLink:
                 )
             time.sleep(pause)
             pause = min(0.5, pause * 2)
-        return cls._handshaken(
-            sock, where, deadline, key, cluster_id, rank, hello, None, peer_cluster_id, shape, timeout_s
-        )
 
     @classmethod
     def accept(
@@ -351,7 +383,7 @@ class PeerLink:
     @classmethod
     def _handshaken(cls, sock, where, deadline, key, me, rank, hello, accept, peer, shape, timeout_s) -> PeerLink:
         name = _peer_name(peer, rank, where) if peer is not None else f"a cluster at {where}"
-        conn = _Conn(sock, name)
+        conn = _Conn(sock, name, where)
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             sock.settimeout(max(0.05, deadline - time.monotonic()))
@@ -365,7 +397,13 @@ class PeerLink:
             ) from None
         except OSError as e:
             sock.close()
-            raise LinkError(f"link to {conn.name} failed during the handshake ({e.strerror or e}): {RESTART}") from None
+            err = LinkError(f"link to {conn.name} failed during the handshake ({e.strerror or e}): {RESTART}")
+            raise (_Unheard(str(err)) if peer is not None and conn.received == 0 else err) from None
+        except LinkError as e:
+            sock.close()
+            if peer is not None and conn.received == 0 and not isinstance(e, AuthError):
+                raise _Unheard(str(e)) from None
+            raise
         except BaseException:
             sock.close()
             raise
@@ -505,10 +543,136 @@ class PeerLink:
             except OSError as e:
                 self._fail(self._lost(e))
                 return
+            except MemoryError:
+                self._fail(LinkError(f"link to {self.name}: no memory for its next message; the job stops"))
+                return
             seq += 1
             self._stats.bytes_received += self._conn.received - before
             self._stats.messages_received += 1
             self._inbox.put(item)
+
+
+class _Acceptor:
+    """The listening side of CrossClusterLinks.open. Anyone who can reach the port can connect, so
+    each connection is handshaken in a thread of its own with handshake_s to finish: one that never
+    speaks, sends garbage, fails its MAC or claims a cluster already linked is closed and reported
+    on stderr, and neither blocks nor fails the real peers' handshakes."""
+
+    def __init__(
+        self, listener, listen, rank: int, peers: set[int], deadline: float, wait_s: float, handshake_s: float
+    ):
+        self.listener, self.listen, self.rank, self.peers = listener, listen, rank, peers
+        self.deadline, self.wait_s, self.handshake_s = deadline, wait_s, handshake_s
+        self.results: queue.Queue = queue.Queue()
+        self.inflight: dict[socket.socket, None] = {}  # in the order accepted
+        self.evicted: set[socket.socket] = set()  # closed to make room for newer connections
+        self.lock = threading.Lock()
+        self.done = False
+        self.refused, self.last_refused = 0, None  # a count, not a list: a flood must not grow memory
+        self.stop = lambda: 0  # -> a pending stop signal; set by CrossClusterLinks.open
+
+    def run(self, links: dict[int, PeerLink], handshake) -> None:
+        """Fill `links` with a link to every cluster in `peers` before the deadline, or raise."""
+        try:
+            while self.peers - links.keys():
+                self._collect(links)
+                if not self.peers - links.keys():
+                    break
+                if time.monotonic() >= self.deadline:
+                    raise self._timeout(links)
+                if self.stop():
+                    missing = sorted(self.peers - links.keys())
+                    raise LinkError(f"stopped (signal {self.stop()}) while waiting for cluster(s) {missing} to connect")
+                self._accept_one(handshake)
+        finally:
+            with self.lock:
+                self.done = True
+                for sock in self.inflight:  # strangers still talking: their threads fail out at once
+                    _shut(sock)
+            self._collect(links)
+
+    def _accept_one(self, handshake) -> None:
+        self.listener.settimeout(max(0.0, min(_POLL_S, self.deadline - time.monotonic())))
+        try:
+            sock, addr = self.listener.accept()
+        except (TimeoutError, socket.timeout):
+            return
+        except OSError as e:  # e.g. out of file descriptors under a flood: wait and go on
+            self._refuse(LinkError(f"accepting on {self.listen[0]}:{self.listen[1]} failed ({e.strerror or e})"))
+            time.sleep(_POLL_S)
+            return
+        where = f"{addr[0]}:{addr[1]}"
+        with self.lock:  # full: the oldest stranger makes room (a real peer finishes in a round trip)
+            oldest = next(iter(self.inflight)) if len(self.inflight) >= _MAX_HANDSHAKES else None
+            if oldest is not None:
+                self.evicted.add(oldest)
+                _shut(oldest)
+            self.inflight[sock] = None
+        until = min(self.deadline, time.monotonic() + self.handshake_s)
+        threading.Thread(
+            target=self._shake, args=(handshake, sock, where, until), name="cc-handshake", daemon=True
+        ).start()
+
+    def _shake(self, handshake, sock: socket.socket, where: str, until: float) -> None:
+        try:
+            got = handshake(sock, where, until, set(self.peers))
+        except LinkError as e:
+            got = e
+        except Exception as e:  # noqa: BLE001 - anything a stranger's bytes provoke refuses that stranger only
+            _shut(sock)
+            got = LinkError(f"handshake with a cluster at {where} failed ({type(e).__name__})")
+        with self.lock:
+            self.inflight.pop(sock, None)
+            evicted, late = sock in self.evicted, self.done
+            self.evicted.discard(sock)
+        if (evicted or late) and isinstance(got, PeerLink):
+            got.close(flush_s=0)  # its socket was shut under it, or nobody waits for it any more
+        if evicted:
+            got = LinkError(f"a cluster at {where} had not finished its handshake after {_MAX_HANDSHAKES} newer ones")
+        if not late:
+            self.results.put(got)
+
+    def _collect(self, links: dict[int, PeerLink]) -> None:
+        while True:
+            try:
+                got = self.results.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(got, LinkError):
+                self._refuse(got)
+            elif got.peer_cluster_id in links or self.done:
+                got.close(flush_s=0)
+                if not self.done:
+                    self._refuse(LinkError(f"{got.name} connected a second time: the second link is closed"))
+            else:
+                links[got.peer_cluster_id] = got
+
+    def _refuse(self, err: LinkError) -> None:
+        err = type(err)(str(err).removesuffix("; the job stops"))  # this side waits on for its real peers
+        self.refused, self.last_refused = self.refused + 1, err
+        if self.refused <= _REPORTED:
+            print(f"erniekit: cross-cluster: refused a connection: {err}", file=sys.stderr, flush=True)
+        if self.refused == _REPORTED:
+            print("erniekit: cross-cluster: further refused connections are counted, not shown", file=sys.stderr)
+
+    def _timeout(self, links: dict[int, PeerLink]) -> LinkError:
+        missing = sorted(self.peers - links.keys())
+        msg = (
+            f"cluster(s) {missing} rank {self.rank} did not connect to {self.listen[0]}:{self.listen[1]} in "
+            f"{self.wait_s:g} s: start them and check that every cluster has the same cross_cluster_peers"
+        )
+        last = self.last_refused
+        if last is None:
+            return LinkError(msg)
+        return type(last)(f"{msg}; refused {self.refused} connection(s), the last: {last}")
+
+
+def _shut(sock: socket.socket) -> None:
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass  # not connected any more
+    sock.close()
 
 
 class CrossClusterLinks:
@@ -530,16 +694,26 @@ class CrossClusterLinks:
         connect_timeout_s: float = 300.0,
         timeout_s: float = 600.0,
         bind_host: str | None = None,
+        handshake_timeout_s: float = _HANDSHAKE_S,
+        stop=None,
     ) -> CrossClusterLinks:
         """Open links to rank `rank` of every cluster in `addresses` (host:base_port, in cluster order).
         Listens on addresses[cluster_id] port + rank (bound to bind_host if given, e.g. 0.0.0.0 behind
         NAT); connects to the lower ids first, then accepts the higher ones. `hellos` then holds every
-        cluster's hello dict in cluster order (this one's included)."""
+        cluster's hello dict in cluster order (this one's included). A connection that fails or stalls
+        its handshake (handshake_timeout_s) is refused and reported, and the wait goes on. stop() -> a
+        pending stop signal (0: none) ends the wait for the higher clusters at once."""
         if not 0 <= cluster_id < len(addresses):
             raise ConfigError(
                 f"cross-cluster id {cluster_id} is not an index of the {len(addresses)} cluster addresses"
             )
         where = [parse_address(a, f"cross_cluster_peers[{i}]") for i, a in enumerate(addresses)]
+        for i, (_, port) in enumerate(where):
+            if port + rank > 65535:
+                raise ConfigError(
+                    f"cross_cluster_peers[{i}]={addresses[i]}: rank {rank} would use port {port + rank}, past 65535; "
+                    "use a base port at least the processes per cluster below 65536"
+                )
         hello = dict(hello or {})
         deadline = time.monotonic() + connect_timeout_s
         higher = set(range(cluster_id + 1, len(addresses)))
@@ -549,7 +723,7 @@ class CrossClusterLinks:
             if higher:  # listen before connecting anywhere, so higher clusters can queue up meanwhile
                 listen = (bind_host or where[cluster_id][0], where[cluster_id][1] + rank)
                 try:
-                    listener = socket.create_server(listen, backlog=len(higher))
+                    listener = socket.create_server(listen, backlog=len(higher) + _MAX_HANDSHAKES)
                 except OSError as e:
                     raise LinkError(
                         f"cluster {cluster_id} rank {rank} cannot listen on {listen[0]}:{listen[1]} "
@@ -571,27 +745,15 @@ class CrossClusterLinks:
                     deadline=deadline,
                     timeout_s=timeout_s,
                 )
-            while higher - links.keys():
-                try:
-                    link = PeerLink.accept(
-                        listener,
-                        cluster_id=cluster_id,
-                        rank=rank,
-                        peers=higher - links.keys(),
-                        key=key,
-                        hello=hello,
-                        deadline=deadline,
-                        shape=shape,
-                        timeout_s=timeout_s,
-                    )
-                except (TimeoutError, socket.timeout):
-                    missing = sorted(higher - links.keys())
-                    raise LinkError(
-                        f"cluster(s) {missing} rank {rank} did not connect to {listen[0]}:{listen[1]} in "
-                        f"{connect_timeout_s:g} s: start them and check that every cluster has the same "
-                        "cross_cluster_peers"
-                    ) from None
-                links[link.peer_cluster_id] = link
+            if higher:
+                acceptor = _Acceptor(listener, listen, rank, higher, deadline, connect_timeout_s, handshake_timeout_s)
+                acceptor.stop = stop or (lambda: 0)
+                acceptor.run(
+                    links,
+                    lambda sock, where, until, peers: PeerLink._handshaken(
+                        sock, where, until, key, cluster_id, rank, hello, peers, None, shape, timeout_s
+                    ),
+                )
         except BaseException:
             for link in links.values():
                 link.close(flush_s=0)

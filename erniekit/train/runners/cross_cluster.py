@@ -159,6 +159,7 @@ class CrossClusterRunner(StepRunner):
     def bind(self, trainer) -> None:
         from erniekit.distributed.cross_cluster.auth import load_key
         from erniekit.distributed.cross_cluster.link import CrossClusterLinks
+        from erniekit.utils.run_control import stop_signal
 
         self.inner.bind(trainer)
         self.trainer = trainer
@@ -192,6 +193,7 @@ class CrossClusterRunner(StepRunner):
             link_shape(cfg),
             hello=hello,
             timeout_s=cfg.cross_cluster_timeout_s,
+            stop=stop_signal,  # a SIGTERM while waiting for the other clusters ends the wait
         )
         self._check_hellos(hello)
         if self.mode == "local":
@@ -257,6 +259,11 @@ class CrossClusterRunner(StepRunner):
         head = self._MEASURED.pack(secs / max(n, 1), min(bw, 1e15), lat)
         got = self.links.all_gather(tag, head + payload)
         k = self._MEASURED.size
+        if min(len(g) for g in got) < k:
+            raise ConfigError(
+                f"cross-cluster sync {tag!r}: a cluster sent no measurements (rank {self.rank}); every cluster "
+                "needs cross_cluster_compress=adaptive and the same erniekit version"
+            )
         self._headers = {c: self._MEASURED.unpack(g[:k]) for c, g in enumerate(got)}
         return [g[k:] for g in got]
 
@@ -299,7 +306,13 @@ class CrossClusterRunner(StepRunner):
                         f"cluster {c} runs with {key}={other.get(key)} but cluster {self.cid} with {mine[key]} "
                         f"(rank {self.rank}); every cluster needs the same cross_cluster_* keys, layout and model"
                     )
-            if not mine["resume"] and other["start_crc"] != mine["start_crc"]:
+            held = other.get("checkpoints")
+            if not isinstance(held, list) or not all(isinstance(x, int) for x in held):
+                raise ConfigError(
+                    f"cluster {c} sent no list of checkpoints in its hello (rank {self.rank}): it runs another "
+                    "erniekit version; use the same on every cluster"
+                )
+            if not mine["resume"] and other.get("start_crc") != mine["start_crc"]:
                 raise ConfigError(
                     f"cluster {c} starts from other weights than cluster {self.cid} (rank {self.rank}): give every "
                     "cluster the same model_name_or_path and seed"

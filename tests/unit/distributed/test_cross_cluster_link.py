@@ -134,14 +134,14 @@ class Proxy:
         self._down.sendall(bytes(self.recorded[start:end]))
 
 
-def proxied_pair(flip_at=None):
+def proxied_pair(flip_at=None, connect_timeout_s=5.0):
     """Cluster 1 reaches cluster 0 through a Proxy; returns (links0, links1 or exception, proxy)."""
     (b0, b1) = free_base_ports(2)
     proxy = Proxy(b0)
     proxy.flip_at = flip_at
     real = [f"127.0.0.1:{b0}", f"127.0.0.1:{b1}"]
     via = [f"127.0.0.1:{proxy.port}", f"127.0.0.1:{b1}"]
-    links = open_all(lambda c: real if c == 0 else via, 2, connect_timeout_s=5.0, timeout_s=5.0)
+    links = open_all(lambda c: real if c == 0 else via, 2, connect_timeout_s=connect_timeout_s, timeout_s=5.0)
     return links[0], links[1], proxy
 
 
@@ -203,8 +203,9 @@ def test_all_gather_three_clusters_in_cluster_order():
 def test_wrong_key_fails_the_handshake_without_showing_a_key():
     bases = free_base_ports(2)
     other = b"another-key-zyxwvutsrq"
-    links = open_all(lambda c: [f"127.0.0.1:{b}" for b in bases], 2, keys=[KEY, other], connect_timeout_s=5.0)
-    # each side reads the other's whole hello before refusing it, so neither sees a reset instead
+    links = open_all(lambda c: [f"127.0.0.1:{b}" for b in bases], 2, keys=[KEY, other], connect_timeout_s=1.0)
+    # each side reads the other's whole hello before refusing it, so neither sees a reset instead; the
+    # listening side refuses the connection and waits on (anyone can connect), then names the refusal
     assert all(isinstance(x, AuthError) for x in links), links
     assert all("failed its HMAC check" in str(x) for x in links)
     assert "127.0.0.1" in str(links[0])
@@ -240,7 +241,7 @@ def test_a_flipped_byte_anywhere_in_a_message_is_rejected(where):
 
 
 def test_a_flipped_byte_in_the_handshake_is_rejected():
-    a, b, _ = proxied_pair(flip_at=20)  # inside the hello's nonce
+    a, b, _ = proxied_pair(flip_at=20, connect_timeout_s=1.0)  # inside the hello's nonce
     assert isinstance(a, AuthError) and "handshake" in str(a), a
     assert isinstance(b, LinkError)
 
@@ -268,7 +269,7 @@ def test_a_recorded_handshake_cannot_start_a_new_session():
 
     def listen():
         try:
-            result.append(CrossClusterLinks.open(0, 0, [f"127.0.0.1:{b0}", "127.0.0.1:1"], KEY, connect_timeout_s=5))
+            result.append(CrossClusterLinks.open(0, 0, [f"127.0.0.1:{b0}", "127.0.0.1:1"], KEY, connect_timeout_s=1))
         except Exception as e:  # asserted below
             result.append(e)
 
@@ -485,3 +486,276 @@ def test_a_shared_emulated_link_carries_one_message_at_a_time_for_every_rank(tmp
     assert t_shared >= two and t_shared == pytest.approx(0.25, rel=0.2)
     assert t_own < two and t_own == pytest.approx(0.15, rel=0.25)
     assert sorted(os.listdir(tmp_path)) == ["link-1-to-0"]  # one clock per direction
+
+
+# ---- hostile or broken peers ----------------------------------------------------------------------
+
+
+def _listen_in_thread(addresses, **kw):
+    """Cluster 0 of `addresses` opening its links in a thread; returns (thread, result list)."""
+    out: list = []
+
+    def run():
+        try:
+            out.append(CrossClusterLinks.open(0, 0, addresses, KEY, **kw))
+        except Exception as e:  # asserted by the test
+            out.append(e)
+
+    t = threading.Thread(target=run)
+    t.start()
+    return t, out
+
+
+def _connect(port: int) -> socket.socket:
+    for _ in range(250):
+        try:
+            return socket.create_connection(("127.0.0.1", port))
+        except OSError:
+            time.sleep(0.02)
+    raise RuntimeError(f"nothing listens on {port}")
+
+
+@pytest.mark.parametrize("stray", ["silent", "garbage", "huge_hello", "wrong_key"])
+def test_a_stray_connection_neither_blocks_nor_fails_the_real_peer(stray, capfd):
+    """Anyone who reaches the listening port connects first: one that never speaks (slowloris), sends
+    garbage, announces a 1 MB hello and stalls, or holds another key. The real cluster 1, connecting
+    after it, still links at once; the stranger is refused on stderr and its socket closed."""
+    from erniekit.distributed.cross_cluster.link import _HELLO, _MAGIC
+
+    bases = free_base_ports(2)
+    addresses = [f"127.0.0.1:{b}" for b in bases]
+    t0 = time.monotonic()
+    t, out = _listen_in_thread(addresses, connect_timeout_s=8.0, timeout_s=5.0, handshake_timeout_s=30.0)
+    bad = _connect(bases[0])
+    head = _HELLO.pack(_MAGIC, 1, 0, b"n" * 32, 1 << 20)
+    bad.sendall(
+        {
+            "silent": b"",
+            "garbage": os.urandom(300),
+            "huge_hello": head + auth.mac(KEY, b"hello-head", head) + b"{",
+            "wrong_key": head[:-4] + b"\0\0\0\2" + bytes(32) + b"{}" + bytes(32),
+        }[stray]
+    )
+    time.sleep(0.2)  # the stranger is accepted first
+    real = CrossClusterLinks.open(1, 0, addresses, KEY, connect_timeout_s=5.0, timeout_s=5.0)
+    t.join(10)
+    assert isinstance(out[0], CrossClusterLinks), out
+    assert time.monotonic() - t0 < 5.0  # not the 30 s handshake timeout, nor the 8 s connect timeout
+    real.peer(0).send("x", b"1")
+    assert out[0].peer(1).recv(2.0) == ("x", b"1")
+    bad.settimeout(2.0)
+    try:
+        while bad.recv(1 << 16):  # our hello, then the close (a reset is a close too)
+            pass
+    except ConnectionResetError:
+        pass
+    bad.close()
+    if stray in ("garbage", "wrong_key"):
+        assert "refused a connection: handshake from a cluster at 127.0.0.1" in capfd.readouterr().err
+    real.close(), out[0].close()
+
+
+def test_a_flood_of_silent_connections_does_not_lock_the_real_peer_out(capfd):
+    """More silent connections than handshakes run at once: the newest makes the oldest stranger
+    room, so the real cluster, connecting last, still links; the refusals are reported, a few lines."""
+    from erniekit.distributed.cross_cluster.link import _MAX_HANDSHAKES, _REPORTED
+
+    bases = free_base_ports(2)
+    addresses = [f"127.0.0.1:{b}" for b in bases]
+    t, out = _listen_in_thread(addresses, connect_timeout_s=8.0, timeout_s=5.0, handshake_timeout_s=30.0)
+    flood = [_connect(bases[0]) for _ in range(_MAX_HANDSHAKES + 8)]
+    time.sleep(0.3)
+    t0 = time.monotonic()
+    real = CrossClusterLinks.open(1, 0, addresses, KEY, connect_timeout_s=5.0, timeout_s=5.0)
+    t.join(10)
+    assert isinstance(out[0], CrossClusterLinks), out
+    assert time.monotonic() - t0 < 5.0
+    # how many strangers were accepted (and evicted) before the real peer linked depends on the
+    # machine's load; the report stays a few lines whatever the flood
+    assert capfd.readouterr().err.count("refused a connection") <= _REPORTED
+    for s in flood:
+        s.close()
+    real.close(), out[0].close()
+
+
+def test_the_connecting_cluster_retries_a_listener_that_closed_without_a_word():
+    """Cluster 0's port first answers with a close before any byte (a busy or restarting listener):
+    cluster 1 tries again until the real cluster 0 is there, instead of stopping at the first close."""
+    bases = free_base_ports(2)
+    addresses = [f"127.0.0.1:{b}" for b in bases]
+    bouncer = socket.create_server(("127.0.0.1", bases[0]))
+    result: list = []
+
+    def connect():
+        try:
+            result.append(CrossClusterLinks.open(1, 0, addresses, KEY, connect_timeout_s=5.0, timeout_s=5.0))
+        except Exception as e:  # asserted below
+            result.append(e)
+
+    t = threading.Thread(target=connect)
+    t.start()
+    sock, _ = bouncer.accept()
+    sock.close()
+    bouncer.close()
+    time.sleep(0.1)
+    zero = CrossClusterLinks.open(0, 0, addresses, KEY, connect_timeout_s=5.0, timeout_s=5.0)
+    t.join(10)
+    assert isinstance(result[0], CrossClusterLinks), result
+    result[0].close(), zero.close()
+
+
+def test_a_stalled_handshake_is_dropped_and_named_when_nobody_else_comes():
+    """A connection that never finishes its handshake is closed after handshake_timeout_s, and the
+    listening cluster's timeout names the refusals."""
+    bases = free_base_ports(2)
+    t0 = time.monotonic()
+    t, out = _listen_in_thread([f"127.0.0.1:{b}" for b in bases], connect_timeout_s=3.0, handshake_timeout_s=0.3)
+    bad = _connect(bases[0])
+    bad.settimeout(3.0)
+    while bad.recv(1 << 16):  # the listener's hello, then its close after 0.3 s
+        pass
+    assert time.monotonic() - t0 < 2.5  # closed before the listener itself gave up
+    t.join(5)
+    (err,) = out
+    assert isinstance(err, LinkError) and "did not connect" in str(err)
+    assert "refused 1 connection(s), the last: handshake with a cluster at 127.0.0.1" in str(err)
+    assert "did not finish in time" in str(err) and "\n" not in str(err)
+    bad.close()
+
+
+class _FakePeer:
+    """A key-holding listener that speaks the protocol by hand: the hello body it sends, and the
+    raw bytes it sends after the handshake, are the test's."""
+
+    def __init__(self, body: bytes, after=None) -> None:
+        self.server = socket.create_server(("127.0.0.1", 0))
+        self.port = self.server.getsockname()[1]
+        self.body, self.after = body, after
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        import struct
+
+        from erniekit.distributed.cross_cluster.link import _HELLO, _MAGIC, _frame
+
+        sock, _ = self.server.accept()
+        nonce = os.urandom(32)
+        head = _HELLO.pack(_MAGIC, 0, 0, nonce, len(self.body))
+        sock.sendall(head + auth.mac(KEY, b"hello-head", head) + self.body + auth.mac(KEY, b"hello", head, self.body))
+        theirs = b""
+        while len(theirs) < _HELLO.size:
+            theirs += sock.recv(_HELLO.size - len(theirs))
+        their_nonce = _HELLO.unpack(theirs)[3]
+        skey = auth.session_key(KEY, struct.pack(">III", 0, 1, 0), nonce, their_nonce)
+        head0, payload0, mac0 = _frame(skey, 0, 0, b"handshake", b"")
+        sock.sendall(head0 + payload0 + mac0)
+        if self.after is not None:
+            sock.sendall(self.after(skey))
+        self.sock = sock  # kept open: the test's side must stop on its own
+
+
+@pytest.mark.parametrize("body", [b"\xff\xfe not json", b"[1, 2]", b'{"a": '])
+def test_a_hello_that_is_not_a_json_object_is_one_line(body):
+    """A peer with the key but another version: its authenticated hello is not a JSON object."""
+    peer = _FakePeer(body)
+    with pytest.raises(LinkError, match="sent a hello that is not a JSON object: a different erniekit version"):
+        CrossClusterLinks.open(1, 0, [f"127.0.0.1:{peer.port}", "127.0.0.1:1"], KEY, connect_timeout_s=3.0)
+
+
+def test_an_authenticated_absurd_length_stops_the_link_at_once():
+    """A key-holding peer's header (valid MAC) claims 2^63 bytes: recv fails at once with one line,
+    not after the link's timeout with the reader thread dead of an OverflowError."""
+    from erniekit.distributed.cross_cluster.link import _HEAD
+
+    def huge(skey):
+        head = _HEAD.pack(1, 1 << 63, b"delta".ljust(32, b"\0"))
+        return head + auth.mac(skey, b"H", (0).to_bytes(4, "big"), head)
+
+    peer = _FakePeer(b"{}", after=huge)
+    links = CrossClusterLinks.open(1, 0, [f"127.0.0.1:{peer.port}", "127.0.0.1:1"], KEY, connect_timeout_s=3.0)
+    t0 = time.monotonic()
+    with pytest.raises(LinkError, match=r"message 1 from cluster 0 rank 0 \(127.0.0.1:\d+\) claims 922337203685477580"):
+        links.peer(0).recv(5.0)
+    assert time.monotonic() - t0 < 3.0  # not recv's timeout
+    links.close(flush_s=0)
+
+
+def test_a_base_port_too_high_for_the_rank_is_a_config_error():
+    with pytest.raises(ConfigError, match=r"cross_cluster_peers\[0\]=127.0.0.1:65534: rank 3 would use port 65537"):
+        CrossClusterLinks.open(1, 3, ["127.0.0.1:65534", "127.0.0.1:29600"], KEY, connect_timeout_s=0.2)
+
+
+# ---- careless configs ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (
+            {"cross_cluster_peers": ["127.0.0.1:65534", "10.0.0.2:29600"], "nproc_per_node": 4},
+            r"cross_cluster_peers\[0\]=127.0.0.1:65534: its 4 ranks listen on ports 65534..65537, past 65535; "
+            "use a base port of at most 65532",
+        ),
+        (
+            {"cross_cluster_peers": ["h:29600", "h:29602", "h:29700"], "nproc_per_node": 4},
+            r"cross_cluster_peers\[0\]=h:29600 and \[1\]=h:29602: both clusters listen .* at least 4 apart",
+        ),
+        (
+            {"cross_cluster_timeout_s": 1e12},
+            r"cross_cluster_timeout_s=1000000000000.0: must be in \(0, 1e\+08\] seconds",
+        ),
+    ],
+)
+def test_site_configs_that_could_not_run_are_one_line(overrides, message, monkeypatch):
+    """Ports past 65535 and listening port ranges that collide (an OverflowError or a cluster reaching
+    the wrong rank at run time), and a timeout Python's waits cannot hold, stop at the config check."""
+    import dataclasses
+
+    from erniekit.config import TrainConfig, validate
+
+    monkeypatch.setenv(auth.KEY_ENV, KEY.decode())
+    base = {"cross_cluster_id": 1, "cross_cluster_peers": ["127.0.0.1:29600", "10.0.0.2:29600"]}
+    with pytest.raises(ConfigError, match=message) as e:
+        validate(dataclasses.replace(TrainConfig(), **{**base, **overrides}))
+    assert "\n" not in str(e.value)
+    # the last cluster only connects: sharing a host and port with another is not a collision
+    ok = {**base, "cross_cluster_peers": ["h:29600", "h:29600"], "nproc_per_node": 4}
+    assert validate(dataclasses.replace(TrainConfig(), **ok)).cross_cluster_id == 1
+
+
+@pytest.mark.parametrize("broken", [{"checkpoints": "3"}, {"checkpoints": None}, {"start_crc": None}])
+def test_a_peer_hello_missing_fields_is_one_config_error(broken):
+    """An authenticated hello of another version without the checkpoint list or the start checksum:
+    one ConfigError naming the cluster, not a KeyError / TypeError when the runner reads it."""
+    from types import SimpleNamespace
+
+    from erniekit.train.runners.cross_cluster import CrossClusterRunner
+
+    mine = {k: 1 for k in ("sync", "every", "overlap", "compress", "outer", "world", "elements")}
+    mine.update(resume=False, checkpoints=[], start_crc=7)
+    other = {k: v for k, v in mine.items() if k not in broken}
+    other.update({k: v for k, v in broken.items() if v is not None})
+    runner = object.__new__(CrossClusterRunner)
+    runner.links, runner.cid, runner.rank = SimpleNamespace(hellos=[mine, other]), 0, 0
+    with pytest.raises(ConfigError, match="cluster 1 "):
+        runner._check_hellos(mine)
+    runner.links = SimpleNamespace(hellos=[mine, dict(mine)])
+    runner._check_hellos(mine)  # a matching hello passes
+
+
+def test_a_stop_request_ends_the_wait_for_the_other_clusters():
+    """SIGTERM while the listening cluster waits for the others (the runner passes run_control's
+    stop_signal): the wait ends within a poll, not after the 300 s connect timeout."""
+    bases = free_base_ports(2)
+    asked = time.monotonic() + 0.3
+    t0 = time.monotonic()
+    with pytest.raises(LinkError, match=r"stopped \(signal 15\) while waiting for cluster\(s\) \[1\] to connect"):
+        CrossClusterLinks.open(
+            0,
+            0,
+            [f"127.0.0.1:{b}" for b in bases],
+            KEY,
+            connect_timeout_s=30,
+            stop=lambda: 15 * (time.monotonic() > asked),
+        )
+    assert time.monotonic() - t0 < 10.0  # not the connect timeout

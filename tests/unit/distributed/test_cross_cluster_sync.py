@@ -265,3 +265,23 @@ def test_gradient_sum_adds_every_cluster_in_order():
     assert all(np.array_equal(out[0], o) for o in out[1:])
     with pytest.raises(ErniekitError, match="cluster 1 sent 8 bytes, expected 12"):
         gradient_sum(lambda tag, p: [p, b"12345678"], np.ones(3, np.float32))
+
+
+@pytest.mark.parametrize("kind", ["none", "int8", "topk"])
+def test_decode_refuses_a_broken_peers_payload(kind):
+    """A payload of the right length and header from a broken peer: a topk column past the row, or a
+    NaN / inf value, is one ErniekitError, not an IndexError or a poisoned anchor."""
+    comp = FlatCompressor(kind, 3000, topk_ratio=0.1)
+    good = bytearray(comp.encode(np.linspace(-1, 1, 3000, dtype=np.float32)))
+    assert np.isfinite(comp.decode(bytes(good))).all()
+    bad = bytearray(good)
+    nan = np.array([np.nan], np.float32).tobytes()
+    if kind == "none":
+        bad[13 + 4 * 7 : 13 + 4 * 8] = nan
+    elif kind == "int8":  # the first row's scale, after the int8 values
+        bad[13 + 3000 : 13 + 3004] = np.array([np.inf], np.float32).tobytes()
+    else:  # the first column index, after the float32 values
+        count = comp.rows * comp.k
+        bad[13 + 4 * count : 13 + 4 * count + 2] = (ROW + 5).to_bytes(2, "little")
+    with pytest.raises(ErniekitError, match="cross-cluster .*payload .*(non-finite|column index outside)"):
+        comp.decode(bytes(bad))
