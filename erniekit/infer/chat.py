@@ -13,6 +13,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Any, TextIO
 
 from erniekit.errors import CheckpointError, ErniekitError
+from erniekit.infer.detokenize import TextStream
 from erniekit.infer.stops import stop_ids  # noqa: F401 - where chat, server and WebUI take it from
 from erniekit.utils.text import is_text
 
@@ -266,30 +267,23 @@ class ChatSession:
         ids = self.prompt_ids()
         params = self._within_context(ids)
         stops = set(params.stop_token_ids)
-        new: list[int] = []
-        shown = ""
+        text = TextStream(self.tokenizer)
         write = on_text or self._write
         for step in stream(self.model, [ids], params, pad_id=self.tokenizer.pad_token_id or 0):
             tok = int(step[0])
             if tok < 0 or tok in stops:
                 break
-            new.append(tok)
-            shown = self._emit(new, shown, write)
-        text = self.tokenizer.decode(new)
-        write(text[len(shown) :] if text.startswith(shown) else "")
-        return text
+            self._emit(text, tok, write)
+        write(text.pending)
+        return text.text()
 
-    def _emit(self, new: list[int], shown: str, write) -> str:
-        """Decode everything generated so far and print the unseen suffix.
-
-        A trailing U+FFFD is an incomplete multi-byte character (byte-fallback pieces still
-        to come): it is held back until the next token completes it.
-        """
-        text = self.tokenizer.decode(new).rstrip("\ufffd")
-        if len(text) > len(shown) and text.startswith(shown):
-            write(text[len(shown) :])
-            return text
-        return shown
+    def _emit(self, text: TextStream, tok: int, write) -> None:
+        """Print the text token `tok` makes certain (an incomplete multi-byte character, whose
+        byte-fallback pieces are still to come, waits for them), decoding a few tokens, not the
+        whole reply (erniekit/infer/detokenize.py)."""
+        piece = text.push(tok)
+        if piece:
+            write(piece)
 
     def _write(self, s: str) -> None:
         if s and self.out is not None:

@@ -30,6 +30,7 @@ import numpy as np
 import paddle
 
 from erniekit.errors import ErniekitError
+from erniekit.infer.detokenize import TextStream
 from erniekit.infer.sampling import SamplingParams
 from erniekit.nn import small_gemm
 from erniekit.nn.attention import KVCache
@@ -104,8 +105,9 @@ class Request:
     completion: list[int] = field(default_factory=list)
     token_logprobs: list[TokenLogprob] = field(default_factory=list)  # one per token taken (a stop token too)
     prompt_token_logprobs: list[TokenLogprob] = field(default_factory=list)  # prompt tokens 1.. (token 0 has none)
-    text: str = ""
-    sent: int = 0  # characters of `text` already emitted
+    text: str = ""  # the whole reply, set when it finishes (`stream` holds it while it grows)
+    sent: int = 0  # characters of the reply already emitted
+    stream: TextStream | None = None
     error: str | None = None
     ended_on_stop_token: bool = False  # the reply ended on a stop token: generated, not in `completion`
     cancelled: bool = False  # set by the caller (a client that went away): finishes at the next step
@@ -507,25 +509,30 @@ class Engine:
             req.ended_on_stop_token = True
             return self._finish(req, "stop")
         req.completion.append(tok)
-        text = self.tokenizer.decode(req.completion)
-        for s in req.stop:
-            at = text.find(s)
+        if req.stream is None:
+            req.stream = TextStream(self.tokenizer)
+        ts, hold = req.stream, max((len(s) - 1 for s in req.stop), default=0)
+        before = ts.certain_len
+        ts.push(tok)
+        if req.stop:  # a new match ends in the new text: look at it and the `hold` characters before
+            look = ts.last(ts.certain_len - max(0, before - hold)) + ts.pending
+            at = min((i for i in (look.find(s) for s in req.stop) if i >= 0), default=-1)
             if at >= 0:
-                req.text = text[:at]
-                return self._finish(req, "stop")
-        req.text = text
+                return self._finish(req, "stop", text=ts.text()[: ts.certain_len + len(ts.pending) - len(look) + at])
         if len(req.completion) >= req.params.max_new_tokens:
             return self._finish(req, "length")
-        # hold back an incomplete character and what could still become a stop string
-        hold = max((len(s) - 1 for s in req.stop), default=0)
-        safe = len(text.rstrip("\ufffd")) - hold
+        # hold back an incomplete character (pending) and what could still become a stop string
+        safe = ts.certain_len - hold
         if safe > req.sent:
-            req.emit(text[req.sent : safe], None)
+            req.emit(ts.last(ts.certain_len - req.sent)[: safe - req.sent], None)
             req.sent = safe
         return False
 
-    def _finish(self, req: Request, reason: str, error: str | None = None) -> bool:
+    def _finish(self, req: Request, reason: str, error: str | None = None, text: str | None = None) -> bool:
+        """`text`: the reply cut at a stop string; else the whole decode."""
         req.error = error
+        if text is not None or req.stream is not None:
+            req.text = text if text is not None else req.stream.text()
         rest = req.text[req.sent :] if reason != "error" else ""
         req.sent = len(req.text)
         self.rngs.pop(id(req), None)

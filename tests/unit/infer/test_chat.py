@@ -215,7 +215,7 @@ def test_replies_stop_at_the_context_and_an_overlong_history_leaves_it_as_it_was
     monkeypatch.setattr(gen, "generate_stream", stream_spy)
     session = ChatSession(model, tok, SamplingParams(max_new_tokens=10**6), out=io.StringIO())
     taken: list[int] = []
-    monkeypatch.setattr(session, "_emit", lambda new, shown, write: (taken.append(len(new)), shown)[1])
+    monkeypatch.setattr(session, "_emit", lambda text, tok, write: (text.push(tok), taken.append(len(text.ids))))
     first = len(tok.encode(tok.apply_chat_template([{"role": "user", "content": "1+2="}], add_generation_prompt=True)))
     model.config = model.config.replace(max_position_embeddings=first + 3)
     session.reply("1+2=")
