@@ -81,6 +81,13 @@ def test_stop_tokens_and_stop_strings_end_a_request_early(model, tokenizer):
         cut = text[len(tokenizer.decode(full[:3])) :][:2]  # a string that first shows after token 3
         assert cut
         str_stop = complete(engine, prompt, SamplingParams(max_new_tokens=12), stop=[cut])
+        # stop strings are searched in the new text only: any cut, spanning tokens or not, ends the
+        # reply where its first occurrence starts (the earliest of several)
+        for start in range(0, len(text) - 1, max(1, len(text) // 7)):
+            for width in (1, 3, 8):
+                s = text[start : start + width]
+                got = complete(engine, prompt, SamplingParams(max_new_tokens=12), stop=["\x00never", s])
+                assert got[0] == text[: text.index(s)] and got[2] == "stop", (s, got)
     finally:
         engine.close()
     first = full.index(full[4])
