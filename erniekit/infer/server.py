@@ -16,12 +16,15 @@ constant time and never printed.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import json
 import math
 import os
 import sys
+import threading
 import time
+import urllib.parse
 import uuid
 from dataclasses import dataclass
 from typing import Any
@@ -41,6 +44,11 @@ API_KEY_ENV = "ERNIEKIT_API_KEY"
 Prompt = tuple  # (token ids, images and videos as (patches, grid_thw) or None)
 DEFAULT_MAX_IMAGES = 8  # per request: each image is a vision-encoder pass on the engine thread
 MAX_VIDEOS = 2  # per request: a video is up to max_frames frames
+# requests holding decoded images / videos at once, process-wide (each is bounded: MAX_REQUEST_PIXELS of
+# images, MAX_VIDEOS videos of max_frames resized frames), so concurrent requests cannot add up past a
+# fixed amount of memory; the others wait up to MEDIA_WAIT_S for a slot, then get a 503
+MEDIA_REQUESTS_AT_ONCE = 2
+MEDIA_WAIT_S = 30.0
 ROLES = ("system", "user", "assistant", "developer", "tool")
 MAX_MESSAGES = 2048  # per chat request, as OpenAI's API allows
 MAX_PROMPTS = 64  # prompts in one /v1/completions request (a choice each), all decoded side by side
@@ -98,6 +106,11 @@ class BadRequest(Exception):
     ):
         super().__init__(message)
         self.message, self.param, self.code, self.status, self.kind = message, param, code, status, kind
+
+
+class NoMediaSlot(BadRequest):
+    """Every media slot is taken (MEDIA_REQUESTS_AT_ONCE): the request is parsed again once one is
+    free, a 503 after MEDIA_WAIT_S."""
 
 
 def error_body(e: BadRequest) -> dict:
@@ -290,6 +303,8 @@ class OpenAIServer:
         self.token_texts = TokenTexts(pieces)  # the text and bytes of each id, for log-probabilities
         self.created = int(time.time())
         self.thinking = bool(getattr(tokenizer, "thinking", False))  # replies carry reasoning / tool calls
+        self._media_slots = threading.BoundedSemaphore(MEDIA_REQUESTS_AT_ONCE)  # see MEDIA_REQUESTS_AT_ONCE
+        self._media_held = threading.local()  # .slot: this worker thread's request holds a slot
 
     # ---- validation ------------------------------------------------------------------------
     def check_key(self, authorization: str | None) -> None:
@@ -533,6 +548,39 @@ class OpenAIServer:
         forced = '\n</think>\n\n<tool_call>\n{"name": ' + json.dumps(name, ensure_ascii=False) + ', "arguments": '
         return tools, ReplyMode(forced=forced, tools=True, single_call=True)
 
+    def _busy(self, where: str) -> BadRequest:
+        return NoMediaSlot(
+            f"{where}: the server is decoding the images and videos of {MEDIA_REQUESTS_AT_ONCE} other requests "
+            f"and none finished within {MEDIA_WAIT_S:g} s; retry later",
+            where,
+            "server_busy",
+            status=503,
+            kind="server_error",
+        )
+
+    @contextlib.contextmanager
+    def _media_request(self):
+        """The parsing of one request on this worker thread: the media slot its first image or
+        video takes (`_media_slot`) is given back when it ends, its decoded media dropped."""
+        self._media_held.slot = False
+        try:
+            yield
+        finally:
+            held = self._media_held.slot
+            del self._media_held.slot  # outside a request's parsing, nothing takes a slot
+            if held:
+                self._media_slots.release()
+
+    def _media_slot(self, where: str) -> None:
+        """Before this request decodes its first image or video: it holds a slot, or takes a free
+        one, or raises NoMediaSlot, before any decoding (the caller waits on the event loop and
+        parses again: a worker thread is never held waiting, text requests need them)."""
+        if getattr(self._media_held, "slot", True):  # held already, or not parsing a request (a direct call)
+            return
+        if not self._media_slots.acquire(blocking=False):
+            raise self._busy(where)
+        self._media_held.slot = True
+
     def _parts(self, content: list, i: int, role: str, images: list, videos: list) -> str:
         """Content parts -> the message's text, IMAGE_MARKER / VIDEO_MARKER where an image / a
         video was (decoded, appended to `images` / `videos`)."""
@@ -558,6 +606,7 @@ class OpenAIServer:
                 raise BadRequest(f"{where}: this model reads no images (it is not a vision-language model)", where)
             if role != "user":
                 raise BadRequest(f"{where}: images and videos go in user messages, not {role} ones", where)
+            self._media_slot(where)
             if kind == "video_url":
                 if len(videos) >= MAX_VIDEOS:
                     raise BadRequest(f"{where}: more than {MAX_VIDEOS} videos in one request", where)
@@ -582,13 +631,16 @@ class OpenAIServer:
         return "".join(out)
 
     def _local_file(self, url: str, where: str, instead: str) -> str:
-        """The real path of a file URL or path under --allowed-local-media-path; a URL to fetch,
-        or any other path, is refused (`instead`: what the client may send)."""
+        """The real path of a file URL (percent-decoded, as a URL is) or path (as it is) under
+        --allowed-local-media-path; a URL to fetch, or any other path, is refused (`instead`: what
+        the client may send). Every check is on the decoded path."""
         path = url[len("file://") :] if url.startswith("file://") else url
-        if "\x00" in path:  # no file has one; os.path would raise ValueError (a 500)
-            raise BadRequest(f"{where}: a path cannot contain a NUL character", where)
         if "://" in path:
             raise BadRequest(f"{where}: this server fetches nothing from the network; {instead}", where)
+        if url.startswith("file://"):
+            path = urllib.parse.unquote(path)
+        if "\x00" in path:  # no file has one (%00 decodes to it); os.path would raise ValueError (a 500)
+            raise BadRequest(f"{where}: a path cannot contain a NUL character", where)
         if self.local_media_root is None:
             raise BadRequest(
                 f"{where}: local files are read only when the server runs with --allowed-local-media-path DIR; {instead}",
@@ -700,7 +752,8 @@ class OpenAIServer:
             raise BadRequest("the request body must be a JSON object")
         o = self._options(body, chat)
         if chat:
-            prompts, texts = [self._messages(body)], None
+            with self._media_request():
+                prompts, texts = [self._messages(body)], None
         else:
             if body.get("control") is not None:
                 raise BadRequest(
@@ -1106,11 +1159,24 @@ def build_app(server: OpenAIServer):
             "data": [{"id": server.model_name, "object": "model", "created": server.created, "owned_by": "erniekit"}],
         }
 
+    async def parse_waiting_for_media(raw: bytes, chat: bool) -> Parsed:
+        """server.parse in a worker thread; while every media slot is taken, wait here, on the
+        event loop, and parse again (backing off to 1 s), until MEDIA_WAIT_S has passed."""
+        give_up, pause = time.monotonic() + MEDIA_WAIT_S, 0.05
+        while True:
+            try:
+                return await asyncio.to_thread(server.parse, raw, chat)
+            except NoMediaSlot:
+                if time.monotonic() + pause > give_up:
+                    raise
+                await asyncio.sleep(pause)
+                pause = min(1.0, pause * 2)
+
     async def handle(request: HTTPRequest, chat: bool):
         try:
             server.check_key(request.headers.get("authorization"))
             raw = await read_body(request)
-            q = await asyncio.to_thread(server.parse, raw, chat)
+            q = await parse_waiting_for_media(raw, chat)
             if q.stream:
                 return StreamingResponse(server.stream(chat, q), media_type="text/event-stream")
             return await until_disconnect(request, server.whole(chat, q))

@@ -5,7 +5,8 @@ with the last frame, every frame resized to patch-merge multiples within the vid
 normalised and cut into patches in (frame, merge block) order. Two frames make one temporal
 patch: a video of t frames takes t / 2 x (h / 2) x (w / 2) placeholder tokens.
 
-Files are decoded with PyAV (`pip install av`; only the sampled frames are kept), never fetched
+Files are decoded with PyAV (`pip install av`; only the sampled frames are kept, each stamped and
+resized as it is decoded, so a 4K video is never held at full resolution), never fetched
 from the network; frames already decoded (an array [T, H, W, 3] of uint8) go straight in.
 """
 
@@ -85,8 +86,49 @@ def stamp(frame: np.ndarray, text: str, font: str) -> np.ndarray:
     return np.asarray(image)
 
 
-def load_video(source: str, where: str = "video", settings: VideoSettings = VideoSettings()):
-    """(sampled frames [n, H, W, 3] uint8, their times in seconds) of a local video file."""
+class PreparedFrames(np.ndarray):
+    """Frames [n, h, w, 3] uint8 that `load_video` already stamped (when `settings.font` is set)
+    and resized for `settings`: preprocess_video takes them as they are, so a video never sits in
+    memory at full resolution."""
+
+    settings: VideoSettings | None = None
+
+    def __array_finalize__(self, obj) -> None:
+        self.settings = getattr(obj, "settings", None)
+
+    def __reduce__(self):
+        fn, args, state = super().__reduce__()
+        return fn, args, (state, self.settings)
+
+    def __setstate__(self, state) -> None:
+        state, self.settings = state
+        super().__setstate__(state)
+
+
+def prepare_frame(
+    frame: np.ndarray, seconds: float | None, height: int, width: int, settings: VideoSettings
+) -> np.ndarray:
+    """One frame as the reference prepares it: its time stamped at full resolution (the font is a
+    tenth of the frame's shorter side, so stamping after the resize would draw other pixels), then
+    resized to (height, width)."""
+    if settings.font is not None:
+        frame = stamp(frame, timestamp_text(float(seconds)), settings.font)
+    return resize_frame(frame, height, width)
+
+
+def frame_size(height: int, width: int, settings: VideoSettings) -> tuple[int, int]:
+    """The (height, width) frames of a video of this size are resized to."""
+    factor = settings.patch_size * settings.merge_size
+    return smart_resize(height, width, factor, settings.min_pixels, settings.max_pixels)
+
+
+def load_video(
+    source: str, where: str = "video", settings: VideoSettings = VideoSettings()
+) -> tuple[PreparedFrames, np.ndarray]:
+    """(sampled frames, their times in seconds) of a local video file. Each kept frame is stamped
+    and resized as soon as it is decoded (a PreparedFrames, which preprocess_video takes as is:
+    the same patches, tested), so memory holds n frames of the model's size, never n decoded ones
+    (180 frames of 4K were 4.5 GB)."""
     if "://" in source or source.startswith("data:"):
         raise ImageError(f"{where}: {source[:60]!r}: videos are read from local files only")
     if not os.path.isfile(source):
@@ -96,56 +138,97 @@ def load_video(source: str, where: str = "video", settings: VideoSettings = Vide
         import av
     except ImportError:
         raise ImageError(f"{where}: reading video files needs PyAV: pip install av") from None
+    name = f"{where}: {source}"
     try:
         with av.open(source) as container:
             stream = container.streams.video[0]
             fps = float(stream.average_rate) if stream.average_rate else None
-            total = stream.frames or sum(1 for _ in container.decode(stream))
-            try:
-                keep = sample_frame_indices(total, fps, settings)
-            except ImageError as e:  # it knows no file: name it
-                raise ImageError(f"{where}: {source}: {e}") from None
-            container.seek(0)
-            wanted, frames, last = set(keep.tolist()), {}, int(keep[-1])
-            for i, frame in enumerate(container.decode(stream)):
-                if frame.width * frame.height > MAX_SOURCE_PIXELS:
-                    raise ImageError(f"{where}: {source} has {frame.width}x{frame.height} frames; downscale it first")
-                check_image_size(frame.width, frame.height, f"{where}: {source}")
-                if i in wanted:
-                    frames[i] = frame.to_ndarray(format="rgb24")
-                if i >= last:  # the rest of a long video is not decoded for nothing
-                    break
+            total, counted = stream.frames, not stream.frames
+            if counted:  # no count in the header: packets counted without decoding, checked while decoding
+                total = sum(1 for packet in container.demux(stream) if packet.size)
+            keep, times = _sampled(total, fps, settings, name)
+            if counted:
+                container.seek(0)
+            frames, decoded = _decode_kept(container, stream, keep, times, settings, name, to_end=counted)
+            if counted and decoded != total:  # packets that are not one frame each: sample the real count
+                keep, times = _sampled(decoded, fps, settings, name)
+                container.seek(0)
+                frames, _ = _decode_kept(container, stream, keep, times, settings, name, to_end=False)
     except ImageError:
         raise
     except (av.FFmpegError, IndexError, ValueError) as e:
-        raise ImageError(f"{where}: {source} is not a readable video ({type(e).__name__}: {str(e)[:80]})") from None
-    if len(frames) != len(wanted):
-        raise ImageError(f"{where}: {source} decoded to fewer frames than its header says; re-encode it")
-    times = keep / fps if fps else keep.astype(np.float64)
-    return np.stack([frames[i] for i in keep.tolist()]), times
+        raise ImageError(f"{name} is not a readable video ({type(e).__name__}: {str(e)[:80]})") from None
+    if len(frames) != len(keep):
+        raise ImageError(f"{name} decoded to fewer frames than its header says; re-encode it")
+    out = np.stack([frames[i] for i in keep.tolist()]).view(PreparedFrames)
+    out.settings = settings
+    return out, times
+
+
+def _sampled(total: int, fps: float | None, settings: VideoSettings, name: str) -> tuple[np.ndarray, np.ndarray]:
+    """(indices of the frames kept, their times in seconds)."""
+    try:
+        keep = sample_frame_indices(total, fps, settings)
+    except ImageError as e:  # it knows no file: name it
+        raise ImageError(f"{name}: {e}") from None
+    return keep, (keep / fps if fps else keep.astype(np.float64))
+
+
+def _decode_kept(container, stream, keep, times, settings: VideoSettings, name: str, to_end: bool) -> tuple[dict, int]:
+    """({index: prepared frame} of the kept frames, frames decoded): decoding stops after the last
+    kept frame unless `to_end` (to count them all)."""
+    wanted = dict(zip(keep.tolist(), times.tolist()))
+    last, frames, source, target, count = int(keep[-1]), {}, None, None, 0
+    for i, frame in enumerate(container.decode(stream)):
+        count = i + 1
+        if frame.width * frame.height > MAX_SOURCE_PIXELS:
+            raise ImageError(f"{name} has {frame.width}x{frame.height} frames; downscale it first")
+        check_image_size(frame.width, frame.height, name)
+        if i in wanted:
+            if source is None:  # the size every frame is resized to, from the decoded size (once)
+                source = (frame.width, frame.height)
+                target = frame_size(frame.height, frame.width, settings)
+            elif source != (frame.width, frame.height):
+                raise ImageError(
+                    f"{name} changes its frame size from {source[0]}x{source[1]} to "
+                    f"{frame.width}x{frame.height}; re-encode it at one size"
+                )
+            frames[i] = prepare_frame(frame.to_ndarray(format="rgb24"), wanted[i], *target, settings)
+        if i >= last and not to_end:  # the rest of a long video is not decoded for nothing
+            break
+    return frames, count
 
 
 def preprocess_video(
     frames: np.ndarray, times: np.ndarray | None = None, settings: VideoSettings = VideoSettings()
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Frames [n, H, W, 3] uint8 (already sampled) -> (patches [t * gh * gw, 3 * p * p] float32,
-    grid_thw [1, t, gh, gw]) with t = n rounded up to even."""
+    """Frames [n, H, W, 3] uint8 (already sampled; or what load_video returns, already stamped
+    and resized) -> (patches [t * gh * gw, 3 * p * p] float32, grid_thw [1, t, gh, gw]) with t = n
+    rounded up to even. Frames are stamped and resized one at a time (one full-size copy at once)."""
+    prepared = isinstance(frames, PreparedFrames)
+    if prepared and frames.settings != settings:
+        raise ImageError("these video frames were decoded for other video settings; load the video with these")
     frames = np.asarray(frames)
     if frames.ndim != 4 or frames.shape[-1] != 3 or frames.dtype != np.uint8 or not len(frames):
         raise ImageError(f"video frames must be a non-empty uint8 array [frames, height, width, 3], got {frames.shape}")
-    if settings.font is not None:
-        if times is None:
-            raise ImageError("stamping frames with their time needs the frames' times")
-        frames = np.stack([stamp(f, timestamp_text(float(s)), settings.font) for f, s in zip(frames, times)])
-    if len(frames) % settings.temporal_patch_size:
-        frames = np.concatenate([frames, frames[-1:]])
     p, m = settings.patch_size, settings.merge_size
-    h, w = smart_resize(frames.shape[1], frames.shape[2], p * m, settings.min_pixels, settings.max_pixels)
-    x = np.stack([resize_frame(f, h, w) for f in frames])
+    if prepared:
+        x, (h, w) = frames, frames.shape[1:3]
+    else:
+        if settings.font is not None and times is None:
+            raise ImageError("stamping frames with their time needs the frames' times")
+        h, w = frame_size(frames.shape[1], frames.shape[2], settings)
+        seconds = [None] * len(frames) if times is None else [float(s) for s in times]
+        x = np.stack([prepare_frame(f, s, h, w, settings) for f, s in zip(frames, seconds)])
+    if len(x) % settings.temporal_patch_size:  # the last frame repeated, as stamped (the same time)
+        x = np.concatenate([x, x[-1:]])
     # rescale and normalise fused, in float32: (x - 255 mean) / (255 std)
     mean = np.asarray(CLIP_MEAN, np.float32) * np.float32(255.0)
     std = np.asarray(CLIP_STD, np.float32) * np.float32(255.0)
-    x = ((x.astype(np.float32) - mean) / std).transpose(0, 3, 1, 2)  # [t, 3, h, w]
+    x = x.astype(np.float32)
+    x -= mean  # in place: the same numbers, one float copy of the video instead of three
+    x /= std
+    x = x.transpose(0, 3, 1, 2)  # [t, 3, h, w]
     t, gh, gw = x.shape[0], h // p, w // p
     patches = x.reshape(t, 3, gh // m, m, p, gw // m, m, p).transpose(0, 2, 5, 3, 6, 1, 4, 7)
     return np.ascontiguousarray(patches.reshape(t * gh * gw, 3 * p * p)), np.array([[t, gh, gw]], dtype=np.int64)
@@ -181,11 +264,17 @@ def _filter_taps(in_size: int, out_size: int) -> tuple[np.ndarray, np.ndarray, i
 
 
 def _resize_axis(x: np.ndarray, axis: int, size: int) -> np.ndarray:
+    """One pass, accumulated a tap at a time (int32, as torch; integer sums do not depend on the
+    order): a few output-sized buffers, not [out, taps] of the whole frame."""
     index, fixed, bits = _filter_taps(x.shape[axis], size)
-    taps = np.take(x.astype(np.int32), index, axis=axis)  # the axis becomes [size, k]
-    shape = [1] * taps.ndim
-    shape[axis : axis + 2] = fixed.shape
-    acc = (taps * fixed.reshape(shape)).sum(axis=axis + 1) + (1 << (bits - 1))
+    shape = [1] * x.ndim
+    shape[axis] = size
+    out = list(x.shape)
+    out[axis] = size
+    acc, tap = np.full(out, 1 << (bits - 1), np.int32), np.empty(out, np.int32)
+    for j in range(index.shape[1]):
+        np.multiply(np.take(x, index[:, j], axis=axis), fixed[:, j].reshape(shape), out=tap)
+        acc += tap
     return np.clip(acc >> bits, 0, 255).astype(np.uint8)
 
 

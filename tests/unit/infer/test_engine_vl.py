@@ -5,6 +5,7 @@ generation gives it alone (erniekit/infer/vl_generate.py); a text model refuses 
 from __future__ import annotations
 
 import threading
+import time
 
 import numpy as np
 import paddle
@@ -119,7 +120,9 @@ def http(model, tmp_path):
     model.video_settings = VideoSettings(min_pixels=56 * 56, max_pixels=56 * 56, min_frames=2, max_frames=4)
     tok = default_tokenizer()
     engine = Engine(model, tok, max_batch=2, max_model_len=256, stop_token_ids=[])
-    with TestClient(build_app(OpenAIServer(engine, tok, "m", local_media_root=str(tmp_path)))) as c:
+    server = OpenAIServer(engine, tok, "m", local_media_root=str(tmp_path))
+    with TestClient(build_app(server)) as c:
+        c.server = server
         yield c
     engine.close()
 
@@ -167,6 +170,81 @@ def test_hostile_media_parts_are_400s_naming_the_part(http, tmp_path, monkeypatc
         assert r.status_code == 400 and words in err["message"], (words, r.status_code, err)
         assert param in err["param"] and "\n" not in err["message"]
     assert post(image(_png_uri())).status_code == 200
+
+
+def _post(http, *parts):
+    messages = [{"role": "user", "content": [*parts, {"type": "text", "text": "what is it?"}]}]
+    return http.post("/v1/chat/completions", json={"model": "m", "messages": messages, "max_tokens": 2})
+
+
+def _image_part(url: str) -> dict:
+    return {"type": "image_url", "image_url": {"url": url}}
+
+
+def test_media_decoding_is_bounded_across_requests(http, monkeypatch):
+    """At most MEDIA_REQUESTS_AT_ONCE requests hold decoded media: with every slot taken, an image
+    request waits for one (up to MEDIA_WAIT_S), then is a one-line 503; text requests never wait;
+    every request gives its slot back, refused ones too."""
+    from erniekit.infer import server as srv
+
+    slots, n = http.server._media_slots, srv.MEDIA_REQUESTS_AT_ONCE
+    monkeypatch.setattr(srv, "MEDIA_WAIT_S", 0.05)
+    assert all(slots.acquire(blocking=False) for _ in range(n))  # n other requests decoding
+    try:
+        r = _post(http, _image_part(_png_uri()))
+        err = r.json()["error"]
+        assert r.status_code == 503 and err["type"] == "server_error" and err["code"] == "server_busy", err
+        assert err["param"] == "messages[0].content[0]" and "\n" not in err["message"]
+        assert _post(http).status_code == 200  # text only: no slot
+        monkeypatch.setattr(srv, "MEDIA_WAIT_S", 30.0)
+        # image requests waiting for a slot wait on the event loop, not in the worker threads that
+        # parse every request: more of them than there are threads, and a text request still passes
+        codes: list[int] = []
+        waiting = [
+            threading.Thread(target=lambda: codes.append(_post(http, _image_part(_png_uri())).status_code))
+            for _ in range(10)
+        ]
+        for t in waiting:
+            t.start()
+        time.sleep(0.5)
+        t0 = time.monotonic()
+        assert _post(http).status_code == 200 and time.monotonic() - t0 < 10  # not after MEDIA_WAIT_S
+        assert codes == []  # they are still waiting
+        slots.release()  # one of them finishes: the waiting requests run, one at a time
+        for t in waiting:
+            t.join(60)
+        assert codes == [200] * 10
+    finally:
+        for _ in range(n - 1):
+            slots.release()
+    assert _post(http, _image_part("data:image/png;base64,@@")).status_code == 400
+    assert _post(http, _image_part(_png_uri())).status_code == 200
+    assert all(slots.acquire(blocking=False) for _ in range(n))  # all given back
+    for _ in range(n):
+        slots.release()
+
+
+def test_file_urls_are_percent_decoded_and_checked_decoded(http, tmp_path):
+    """file:///dir/a%20b.png names `a b.png` (a plain path is taken as it is); NUL, `..` and
+    symlinks out of --allowed-local-media-path are refused after decoding."""
+    import urllib.parse
+
+    rng = np.random.default_rng(3)
+    for name in ("a b.png", "c%20d.png"):
+        _image(rng, 56, 56).save(tmp_path / name)
+    _image(rng, 56, 56).save(tmp_path.parent / "secret.png")
+    (tmp_path / "l n.png").symlink_to(tmp_path.parent / "secret.png")
+    url = "file://" + urllib.parse.quote(str(tmp_path))
+    assert _post(http, _image_part(url + "/a%20b.png")).status_code == 200
+    assert _post(http, _image_part(str(tmp_path / "c%20d.png"))).status_code == 200
+    for bad, words in [
+        (url + "/a%00.png", "NUL"),
+        (url + "/%2E%2E/secret.png", "outside --allowed-local-media-path"),
+        (url + "/l%20n.png", "outside --allowed-local-media-path"),
+        (str(tmp_path / "a%20b.png"), "not found"),
+    ]:
+        r = _post(http, _image_part(bad))
+        assert r.status_code == 400 and words in r.json()["error"]["message"], (bad, r.json())
 
 
 def test_a_vl_prompt_past_the_models_context_is_one_line_not_a_reply():

@@ -6,6 +6,8 @@ the sampled frames kept), video parts in data, and `erniekit chat --video` using
 from __future__ import annotations
 
 import json
+import os
+import pickle
 
 import numpy as np
 import pytest
@@ -14,10 +16,14 @@ from media_files import moving_square, write_mp4
 from erniekit.errors import DataError
 from erniekit.models.ernie4_5_vl.processor import ImageSettings, preprocess_image
 from erniekit.models.ernie4_5_vl.video import (
+    PreparedFrames,
     VideoSettings,
     load_video,
+    load_video_settings,
     preprocess_video,
+    resize_frame,
     sample_frame_indices,
+    save_video_settings,
     timestamp_text,
 )
 
@@ -90,16 +96,93 @@ def test_still_frames_give_the_image_processors_patches():
 def test_a_video_file_decodes_to_its_sampled_frames(tmp_path):
     frames = moving_square(40)
     write_mp4(tmp_path / "v.mp4", frames, 10)
-    got, times = load_video(str(tmp_path / "v.mp4"), settings=VideoSettings(fps=2.0, min_frames=4, max_frames=180))
+    s = VideoSettings(fps=2.0, min_frames=4, max_frames=180, min_pixels=56 * 84, max_pixels=56 * 84)
+    got, times = load_video(str(tmp_path / "v.mp4"), settings=s)
     want = sample_frame_indices(40, 10.0, VideoSettings(fps=2.0, min_frames=4))
     assert len(got) == len(want) == 8 and np.allclose(times, want / 10.0)
-    for g, i in zip(got, want):  # lossy codec: the frame is the one sampled, within compression error
-        assert np.abs(g.astype(int) - frames[i]).mean() < 8
+    for g, i in zip(got, want):  # lossy codec: the frame is the one sampled (resized), within compression error
+        assert np.abs(g.astype(int) - resize_frame(frames[i], 56, 84)).mean() < 8
     with pytest.raises(DataError, match="not found"):
         load_video(str(tmp_path / "missing.mp4"))
     (tmp_path / "bad.mp4").write_bytes(b"not a video")
     with pytest.raises(DataError, match="not a readable video"):
         load_video(str(tmp_path / "bad.mp4"))
+
+
+def _font() -> str:
+    import matplotlib  # its DejaVu Sans, as the reference test stamps with
+
+    return os.path.join(os.path.dirname(matplotlib.__file__), "mpl-data", "fonts", "ttf", "DejaVuSans.ttf")
+
+
+def _decoded_whole(path) -> np.ndarray:
+    """Every frame of a video at full resolution, as load_video kept them before it resized them."""
+    av = pytest.importorskip("av")
+    with av.open(str(path)) as c:
+        return np.stack([f.to_ndarray(format="rgb24") for f in c.decode(c.streams.video[0])])
+
+
+@pytest.mark.parametrize("stamped", [False, True])
+def test_a_video_is_held_at_the_models_size_and_gives_the_same_patches(tmp_path, stamped):
+    """load_video stamps and resizes each kept frame as it decodes it (4K frames are not held):
+    the patches equal preprocessing the full-resolution frames, stamped at full resolution."""
+    write_mp4(tmp_path / "v.mp4", moving_square(11, 120, 200), 5)
+    s = VideoSettings(min_pixels=3136, max_pixels=28 * 28 * 8, min_frames=4, font=_font() if stamped else None)
+    frames, times = load_video(str(tmp_path / "v.mp4"), settings=s)
+    assert isinstance(frames, PreparedFrames) and frames.shape == (11, 56, 84, 3)  # not 120 x 200
+    whole = _decoded_whole(tmp_path / "v.mp4")
+    got, want = preprocess_video(frames, times, s), preprocess_video(whole, times, s)
+    np.testing.assert_array_equal(got[1], want[1])
+    np.testing.assert_array_equal(got[0], want[0])
+    again = pickle.loads(pickle.dumps(frames))  # what a worker process would receive
+    assert again.settings == s and np.array_equal(preprocess_video(again, times, s)[0], want[0])
+    with pytest.raises(DataError, match="decoded for other video settings"):
+        preprocess_video(frames, times, VideoSettings(min_pixels=3136, max_pixels=3136))
+
+
+def test_a_video_without_a_frame_count_is_decoded_once(tmp_path, monkeypatch):
+    """A Matroska header gives no frame count: packets are counted without decoding, then the
+    frames are decoded once (they were decoded twice); the frames equal the mp4's, also when the
+    packet count was wrong."""
+    av = pytest.importorskip("av")
+    frames = moving_square(24, 56, 84)
+    write_mp4(tmp_path / "v.mkv", frames, 8)
+    write_mp4(tmp_path / "v.mp4", frames, 8)
+    decoded, real_open, doubled = [], av.open, False
+
+    class Counting:
+        def __init__(self, c):
+            self.c = c
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return self.c.__exit__(*exc)
+
+        def __getattr__(self, name):
+            return getattr(self.c, name)
+
+        def demux(self, *a, **k):  # packets doubled: a codec whose packets are not one frame each
+            for packet in self.c.demux(*a, **k):
+                yield from [packet] * (1 + doubled)
+
+        def decode(self, *a, **k):
+            for f in self.c.decode(*a, **k):
+                decoded.append(f.pts)
+                yield f
+
+    monkeypatch.setattr(av, "open", lambda *a, **k: Counting(real_open(*a, **k)))
+    s = VideoSettings(min_pixels=56 * 84, max_pixels=56 * 84, min_frames=4, max_frames=10)
+    got, times = load_video(str(tmp_path / "v.mkv"), settings=s)
+    assert real_open(str(tmp_path / "v.mkv")).streams.video[0].frames == 0 and len(decoded) == 24
+    want, want_times = load_video(str(tmp_path / "v.mp4"), settings=s)
+    np.testing.assert_array_equal(times, want_times)
+    np.testing.assert_array_equal(got, want)
+    doubled = True  # 48 packets, 24 frames: found while decoding, sampled again from the frames decoded
+    again, again_times = load_video(str(tmp_path / "v.mkv"), settings=s)
+    np.testing.assert_array_equal(again_times, want_times)
+    np.testing.assert_array_equal(again, want)
 
 
 def test_video_parts_in_data_become_numbered_videos(tmp_path):
@@ -188,8 +271,6 @@ def test_chat_answers_about_a_video(tmp_path, capsys):
 def test_frames_are_resized_bit_for_bit_as_the_reference(shape):
     """The reference resizes uint8 frames with torchvision, which on CPU calls torch's antialiased
     bicubic `interpolate` on the uint8 tensor itself: ours equals it exactly, down and up."""
-    from erniekit.models.ernie4_5_vl.video import resize_frame
-
     h, w, H, W = shape
     frame = np.random.default_rng(h * w).integers(0, 256, (h, w, 3), dtype=np.uint8)
     t = torch.from_numpy(frame).permute(2, 0, 1)[None].contiguous()
@@ -214,8 +295,6 @@ def test_a_video_without_frames_names_its_file(tmp_path):
 
 @pytest.mark.parametrize("key", ["max_frames", "temporal_patch_size"])
 def test_a_zero_frame_count_in_the_video_config_is_one_line(tmp_path, key):
-    from erniekit.models.ernie4_5_vl.video import load_video_settings, save_video_settings
-
     save_video_settings(str(tmp_path), VideoSettings())
     file = tmp_path / "video_preprocessor_config.json"
     file.write_text(json.dumps({**json.loads(file.read_text()), key: 0}))
