@@ -8,7 +8,8 @@ causal shift happens inside the loss).
 from __future__ import annotations
 
 import warnings
-from typing import TYPE_CHECKING, Sequence
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Sequence, overload
 
 import numpy as np
 
@@ -182,6 +183,87 @@ def encode_pretrain(text: str, tokenizer: ErnieTokenizer) -> list[int]:
     and the EOS marks where the document ends, so a packed row never runs two documents together.
     """
     return tokenizer.encode(text) + [tokenizer.eos_token_id]
+
+
+PRETRAIN_PIECE_CHARS = 1 << 20  # a document is tokenized this many characters at a time
+
+
+def _pieces(text: str, size: int) -> Iterable[str]:
+    """`text` in pieces of about `size` characters, each cut just before a space where there is one
+    in the piece's second half: sentencepiece pieces never run into a following space, so the ids equal
+    those of the whole text; without a space (e.g. CJK) the cut is hard."""
+    start = 0
+    while len(text) - start > size:
+        cut = text.rfind(" ", start + size // 2, start + size)
+        cut = cut if cut > start else start + size
+        yield text[start:cut]
+        start = cut
+    yield text[start:]
+
+
+def encode_pretrain_array(text: str, tokenizer: ErnieTokenizer) -> np.ndarray:
+    """encode_pretrain as an int32 array, tokenizing PRETRAIN_PIECE_CHARS at a time: a 500 MB
+    one-line document would otherwise be one Python list of ~36 bytes per token."""
+    if len(text) <= PRETRAIN_PIECE_CHARS:
+        return np.asarray(encode_pretrain(text, tokenizer), dtype=np.int32)
+    parts = [np.asarray(tokenizer.encode(p), dtype=np.int32) for p in _pieces(text, PRETRAIN_PIECE_CHARS)]
+    return np.concatenate([*parts, np.asarray([tokenizer.eos_token_id], dtype=np.int32)])
+
+
+class PackedDocuments(Sequence):
+    """`pack(docs, max_seq_len, pad_id)` of bare-id documents (pretraining), rows built on demand.
+
+    The documents sit in one int32 array (4 bytes a token) plus the chunk offsets; the rows pack()
+    returns hold four int64 arrays (32 bytes a token), which for a large corpus is what exhausts memory.
+    Row i equals pack()'s row i (tested)."""
+
+    def __init__(self, docs: Iterable[np.ndarray], max_seq_len: int, pad_id: int = 0) -> None:
+        if max_seq_len < 1:
+            raise DataError(f"pack: max_seq_len={max_seq_len}; use a positive value")
+        arrays = [np.asarray(d, dtype=np.int32) for d in docs]
+        lengths = np.asarray([len(x) for x in arrays], dtype=np.int64)
+        self.num_docs, self.longest_doc = len(arrays), int(lengths.max(initial=0))
+        self.tokens = np.concatenate(arrays) if arrays else np.zeros(0, np.int32)
+        del arrays
+        self.max_seq_len, self.pad_id = max_seq_len, pad_id
+        self._chunks, self._rows = self._layout(np.cumsum(lengths) - lengths, lengths)
+
+    def _layout(self, starts: np.ndarray, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(chunk start offsets + end sentinel, index of each row's first chunk + sentinel): the
+        greedy in-order packing of pack(), whose rows hold consecutive chunks."""
+        L = self.max_seq_len
+        chunks, rows, used = [], [], 0
+        for a, n_doc in zip(starts.tolist(), lengths.tolist()):
+            for s in range(a, a + n_doc, L):
+                n = min(L, a + n_doc - s)
+                if not rows or used + n > L:
+                    rows.append(len(chunks))
+                    used = 0
+                chunks.append(s)
+                used += n
+        rows.append(len(chunks))
+        chunks.append(len(self.tokens))
+        return np.asarray(chunks, dtype=np.int64), np.asarray(rows, dtype=np.int64)
+
+    def __len__(self) -> int:
+        return len(self._rows) - 1
+
+    @overload
+    def __getitem__(self, i: int) -> dict[str, np.ndarray]: ...
+
+    @overload
+    def __getitem__(self, i: slice) -> list[dict[str, np.ndarray]]: ...
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        n = len(self)
+        if not -n <= i < n:
+            raise IndexError(f"row {i} of {n}")
+        i %= n
+        c = self._chunks[self._rows[i] : self._rows[i + 1] + 1]
+        docs = [(self.tokens[a:b].astype(np.int64),) * 2 for a, b in zip(c[:-1], c[1:])]
+        return _row(docs, self.max_seq_len, self.pad_id)
 
 
 def _as_pair(item) -> tuple[np.ndarray, np.ndarray]:

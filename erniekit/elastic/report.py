@@ -13,23 +13,48 @@ import os
 import time
 from typing import Any
 
-from erniekit.errors import ErniekitError
+from erniekit.errors import ConfigError, ErniekitError
 
 DECODE_BATCH = 16  # prompts in the timed generation
 DECODE_TOKENS = 32  # tokens generated per prompt in the timed generation (no stop tokens)
 
 
-def run_choices(model_dir: str) -> dict[str, list[int]]:
-    """elastic_depth / elastic_experts / elastic_top_k of the run that wrote `model_dir`
-    (its run_config.yaml), {} when there is none or the run was not elastic."""
+def _run_config(model_dir: str) -> dict:
+    """The run_config.yaml next to the model ({} when there is none); a file that is not a YAML
+    mapping is one ConfigError naming it."""
     path = os.path.join(model_dir, "run_config.yaml")
     if not os.path.isfile(path):
         return {}
     import yaml
 
-    with open(path, encoding="utf-8") as f:
-        cfg = yaml.safe_load(f) or {}
-    return {k: list(cfg.get(f"elastic_{k}") or []) for k in ("depth", "experts", "top_k")}
+    try:
+        with open(path, encoding="utf-8") as f:
+            cfg = yaml.safe_load(f) or {}
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
+        where = getattr(e, "problem_mark", None)
+        line = f":{where.line + 1}" if where is not None else ""
+        raise ConfigError(
+            f"{path}{line}: cannot read the run's config ({str(e).splitlines()[0]}); fix or remove the file"
+        ) from None
+    if not isinstance(cfg, dict):
+        raise ConfigError(f"{path}: expected a mapping of settings, got {type(cfg).__name__}; fix or remove it")
+    return cfg
+
+
+def run_choices(model_dir: str) -> dict[str, list[int]]:
+    """elastic_depth / elastic_experts / elastic_top_k of the run that wrote `model_dir`
+    (its run_config.yaml), {} when there is none or the run was not elastic."""
+    cfg = _run_config(model_dir)
+    out = {}
+    for k in ("depth", "experts", "top_k"):
+        value = cfg.get(f"elastic_{k}") or []
+        if not isinstance(value, list) or any(isinstance(v, bool) or not isinstance(v, int) for v in value):
+            raise ConfigError(
+                f"{os.path.join(model_dir, 'run_config.yaml')}: elastic_{k}={value!r} is not a list of integers; "
+                "fix or remove the file"
+            )
+        out[k] = list(value)
+    return out if cfg else {}
 
 
 def specs_for(config, depths: list[int], experts: list[int], top_ks: list[int]) -> list:
@@ -45,7 +70,23 @@ def specs_for(config, depths: list[int], experts: list[int], top_ks: list[int]) 
         spec = ElasticSpec(d, n, k)
         if spec not in out and (n is None or k is None or k <= n):
             out.append(spec)
+    dropped = [n for n in ns if n is not None and all(k is not None and k > n for k in ks)]
+    if dropped:  # every row of that expert count would be skipped: say so instead of a silently shorter table
+        raise ConfigError(
+            f"--experts {dropped[0]} is below every top-k ({','.join(map(str, ks))}): a token cannot go to more "
+            f"experts than exist; add --top-k {dropped[0]} (or a smaller value)"
+        )
     return out
+
+
+def _check_specs(config, depths: list[int], experts: list[int], top_ks: list[int]) -> list:
+    """specs_for, each checked against the model config (one-line ConfigError naming the option)."""
+    from erniekit.elastic.submodels import check_spec
+
+    specs = specs_for(config, depths, experts, top_ks)
+    for s in specs:
+        check_spec(config, s, key="--elastic")
+    return specs
 
 
 def decode_speed(model, prompts: list[list[int]], pad_id: int) -> float:
@@ -73,8 +114,8 @@ def elastic_report(
 ) -> dict:
     """Score every requested sub-model of `model_dir` on `data_path`; choices default to the run's."""
     from erniekit.data.formats import load_sft_examples
-    from erniekit.elastic.submodels import check_spec, count_params, extract_submodel
-    from erniekit.models.registry import load_model_or_adapter, load_tokenizer
+    from erniekit.elastic.submodels import count_params, extract_submodel
+    from erniekit.models.registry import load_model_or_adapter, load_tokenizer, model_config
     from erniekit.train.evaluation import exact_match_eval, prompt_ids
     from erniekit.utils.io import atomic_write_json
 
@@ -88,12 +129,12 @@ def elastic_report(
     depths, experts, top_ks = (
         a if a else run.get(k, []) for a, k in ((depths, "depth"), (experts, "experts"), (top_ks, "top_k"))
     )
+    if os.path.isfile(os.path.join(model_dir, "config.json")):  # a bad choice is reported before the weights load
+        _check_specs(model_config(model_dir), depths, experts, top_ks)
     tokenizer = load_tokenizer(model_dir)
     model = load_model_or_adapter(model_dir)
     model.eval()
-    specs = specs_for(model.config, depths, experts, top_ks)
-    for s in specs:
-        check_spec(model.config, s, key="--elastic")
+    specs = _check_specs(model.config, depths, experts, top_ks)
     convs = load_sft_examples(data_path)[:max_samples]
     new_tokens = max_new_tokens or _run_max_new_tokens(model_dir)
     prompts = [prompt_ids(c, tokenizer) for c in convs]
@@ -128,15 +169,8 @@ def elastic_report(
 
 def _run_max_new_tokens(model_dir: str) -> int:
     """eval_max_new_tokens of the run (replies of the embedded task are short), else 16."""
-    path = os.path.join(model_dir, "run_config.yaml")
-    if os.path.isfile(path):
-        import yaml
-
-        with open(path, encoding="utf-8") as f:
-            value = (yaml.safe_load(f) or {}).get("eval_max_new_tokens")
-        if isinstance(value, int) and value > 0:
-            return value
-    return 16
+    value = _run_config(model_dir).get("eval_max_new_tokens")
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 16
 
 
 def _cell(v: Any) -> str:

@@ -61,6 +61,36 @@ class WeightEMA:
                 f"{where}: EMA state has no entry for {sorted(missing)[0]}; resume with the "
                 "same fine_tuning / model settings, or remove the file to restart the EMA"
             )
-        for n in self.shadow:
-            self.shadow[n] = sd[n].astype("float32")
-        self.updates = int(sd["__updates__"].numpy()[0]) if "__updates__" in sd else 0
+        loaded = {n: _checked(n, sd[n], self.shadow[n].shape, where) for n in self.shadow}
+        self.shadow.update(loaded)  # only once every entry passed: a bad file leaves the EMA as it was
+        self.updates = _updates(sd.get("__updates__"), where)
+
+
+def _checked(name: str, t: paddle.Tensor, shape: list[int], where: str) -> paddle.Tensor:
+    """The float32 EMA entry `name`, refusing a wrong shape (it would broadcast into the average
+    silently) and NaN/inf (they would spread into the saved model)."""
+    from erniekit.errors import CheckpointError
+
+    if list(t.shape) != list(shape):
+        raise CheckpointError(
+            f"{where}: EMA entry {name} has shape {list(t.shape)}, the model's is {list(shape)}; resume with "
+            "the same model settings, or remove the file to restart the EMA"
+        )
+    t = t.astype("float32")
+    if not bool(paddle.isfinite(t).all()):
+        raise CheckpointError(f"{where}: EMA entry {name} holds NaN or inf; remove the file to restart the EMA")
+    return t
+
+
+def _updates(t: paddle.Tensor | None, where: str) -> int:
+    """The EMA's update count (0 when the file predates it); one non-negative integer."""
+    from erniekit.errors import CheckpointError
+
+    if t is None:
+        return 0
+    values = t.numpy().reshape(-1)
+    if values.size != 1 or values.dtype.kind not in "iu" or values[0] < 0:
+        raise CheckpointError(
+            f"{where}: __updates__ must be one integer >= 0, got {values[:4].tolist()}; remove the file to restart the EMA"
+        )
+    return int(values[0])

@@ -88,6 +88,62 @@ def _read_json(path: str) -> dict:
     return read_json_object(path, "fix or regenerate the tokenizer file")
 
 
+def _token_field(config: dict, smap: dict, key: str, cfg_path: str, map_path: str) -> str | None:
+    """A role token (`eos_token`, ...) from tokenizer_config.json or special_tokens_map.json:
+    a string or an AddedToken dict; any other type is a CheckpointError naming the file and key."""
+    where, value = (cfg_path, config[key]) if key in config else (map_path, smap.get(key))
+    if value is None:
+        return None
+    if _content(value) is None:
+        raise CheckpointError(f"{where}: {key} must be a token string, got {json.dumps(value)[:60]}; fix the file")
+    return _content(value)
+
+
+def _token_list(data: dict, where: str) -> list[str]:
+    """additional_special_tokens: a list of strings or AddedToken dicts (a bare string would be
+    split into single characters, each then a special token)."""
+    value = data.get("additional_special_tokens") or []
+    if not isinstance(value, list) or any(_content(t) is None for t in value):
+        raise CheckpointError(
+            f"{where}: additional_special_tokens must be a list of token strings, got {json.dumps(value)[:60]}; "
+            "fix the file"
+        )
+    return [_content(t) for t in value]
+
+
+def _added_ids(entries: dict, where: str) -> dict[str, int]:
+    """{token: id} with every id a non-negative integer."""
+    out = {}
+    for tok, tid in entries.items():
+        if isinstance(tid, bool) or not isinstance(tid, int) or tid < 0:
+            raise CheckpointError(f"{where}: added token {tok!r} has id {tid!r}; ids are integers >= 0, fix the file")
+        out[tok] = tid
+    return out
+
+
+def _added_tokens(config: dict, where: str) -> dict[str, int]:
+    """{token: id} of tokenizer_config.json's added_tokens_decoder ({"id": {"content": ...}})."""
+    decoder = config.get("added_tokens_decoder") or {}
+    if not isinstance(decoder, dict):
+        raise CheckpointError(f"{where}: added_tokens_decoder must be an object {{id: token}}; fix the file")
+    entries = {}
+    for tid, entry in decoder.items():
+        if _content(entry) is None:
+            raise CheckpointError(f"{where}: added_tokens_decoder[{tid!r}] has no token string; fix the file")
+        entries[_content(entry)] = int(tid) if tid.strip().isdigit() else tid
+    return _added_ids(entries, f"{where}: added_tokens_decoder")
+
+
+def _read_template(path: str) -> str:
+    try:
+        with open(path, "rb") as f:
+            return f.read().decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise CheckpointError(
+            f"{path}: not UTF-8 text (byte offset {e.start}); re-save the template as UTF-8"
+        ) from None
+
+
 def _write_atomic(path: str, data: bytes | str) -> None:
     def write(tmp: str) -> None:
         with open(tmp, "wb") as f:
@@ -121,6 +177,7 @@ class ErnieTokenizer:
             DEFAULT_ADDITIONAL_SPECIAL_TOKENS if additional_special_tokens is None else additional_special_tokens
         )
         self.chat_template = chat_template or ERNIE_CHAT_TEMPLATE
+        self.chat_template_source = "chat_template"  # where the template came from, for error messages
         self.add_bos_token, self.add_eos_token = add_bos_token, add_eos_token
         self.extra_config = dict(extra_config or {})
         base = self.sp.get_piece_size()
@@ -157,39 +214,46 @@ class ErnieTokenizer:
         with open(model_file, "rb") as f:
             proto = f.read()
         try:
-            spm.SentencePieceProcessor(model_proto=proto)
+            pieces = spm.SentencePieceProcessor(model_proto=proto).get_piece_size()
         except RuntimeError as e:
             raise CheckpointError(f"{model_file}: not a sentencepiece model ({e}); replace the file") from e
+        if pieces == 0:  # an empty file parses as a model with no pieces, then every encode fails
+            raise CheckpointError(f"{model_file}: sentencepiece model with no pieces (empty file?); replace the file")
 
         cfg_path, map_path = os.path.join(path, "tokenizer_config.json"), os.path.join(path, "special_tokens_map.json")
         config = _read_json(cfg_path) if os.path.isfile(cfg_path) else {}
         smap = _read_json(map_path) if os.path.isfile(map_path) else {}
-        special = {k: _content(config.get(k, smap.get(k))) for k in SPECIAL_KEYS}
+        special = {k: _token_field(config, smap, k, cfg_path, map_path) for k in SPECIAL_KEYS}
         special = {k: v for k, v in special.items() if v}
-        additional = [
-            _content(t) for t in smap.get("additional_special_tokens", config.get("additional_special_tokens", []))
-        ]
+        additional = _token_list(smap, map_path) if "additional_special_tokens" in smap else None
+        if additional is None:
+            additional = _token_list(config, cfg_path)
         # hub role tokens without a standard attribute (sys_start_token = "<mask:4>", ...)
         additional += [
             v
             for k, v in {**config, **smap}.items()
             if k.endswith("_token") and k not in SPECIAL_KEYS and isinstance(v, str)
         ]
-        added: dict[str, int] = {}
-        for tid, entry in (config.get("added_tokens_decoder") or {}).items():
-            if _content(entry):
-                added[_content(entry)] = int(tid)
+        added = _added_tokens(config, cfg_path)
         added_path = os.path.join(path, "added_tokens.json")
         if os.path.isfile(added_path):
-            added.update({t: int(i) for t, i in _read_json(added_path).items()})
-        template = config.get("chat_template")
+            added.update(_added_ids(_read_json(added_path), added_path))
+        template, where = config.get("chat_template"), f"{cfg_path}: chat_template"
         jinja_path = os.path.join(path, "chat_template.jinja")
         if os.path.isfile(jinja_path):
-            with open(jinja_path, encoding="utf-8") as f:
-                template = f.read()
+            template, where = _read_template(jinja_path), jinja_path
         if isinstance(template, list):  # transformers' named-template list form
             named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
             template = named.get("default") or next(iter(named.values()), None)
+        if template is not None and not isinstance(template, str):
+            raise CheckpointError(f"{where} must be a string (a jinja template), got {type(template).__name__}")
+        if template:
+            _compile(template, where)  # a syntax error is reported now, naming the file, not at the first render
+        flags = {}
+        for key in ("add_bos_token", "add_eos_token"):
+            flags[key] = config.get(key) or False
+            if not isinstance(flags[key], bool):
+                raise CheckpointError(f"{cfg_path}: {key} must be true or false, got {config[key]!r}")
         known = {
             *SPECIAL_KEYS,
             "additional_special_tokens",
@@ -198,16 +262,36 @@ class ErnieTokenizer:
             "add_bos_token",
             "add_eos_token",
         }
-        return cls(
+        tok = cls(
             proto,
             special_tokens=special,
             additional_special_tokens=list(dict.fromkeys(t for t in additional if t)),
             added_tokens=added,
             chat_template=template,
-            add_bos_token=bool(config.get("add_bos_token", False)),
-            add_eos_token=bool(config.get("add_eos_token", False)),
             extra_config={k: v for k, v in config.items() if k not in known},
+            **flags,
         )
+        tok.chat_template_source = where if template else "the built-in ERNIE chat template"
+        tok._check_vocabulary(path)
+        return tok
+
+    def _check_vocabulary(self, path: str) -> None:
+        """Added tokens must not take an id the sentencepiece model (or another added token) already
+        uses for something else, and the end-of-text token must exist: either makes ids and text disagree."""
+        by_id: dict[int, str] = {}
+        for tok, tid in self.added_tokens.items():
+            piece = self.sp.id_to_piece(tid) if tid < self.sp.get_piece_size() else by_id.get(tid, tok)
+            if piece != tok:
+                raise CheckpointError(
+                    f"{path}: added token {tok!r} has id {tid}, which already belongs to {piece!r}; "
+                    "fix added_tokens_decoder / added_tokens.json so every token has its own id"
+                )
+            by_id[tid] = tok
+        if self.eos_token_id is None:
+            raise CheckpointError(
+                f"{path}: eos_token {self.eos_token!r} is not in the vocabulary; set eos_token in "
+                "tokenizer_config.json to a token of tokenizer.model (ERNIE: </s>)"
+            )
 
     def save_pretrained(self, save_dir: str) -> list[str]:
         """Write the hub layout; transformers' AutoTokenizer loads it with the same ids."""
@@ -381,20 +465,10 @@ class ErnieTokenizer:
         if self.chat_template == ERNIE_THINKING_CHAT_TEMPLATE:
             text = render_thinking(messages, tools, add_generation_prompt, kwargs.get("enable_thinking", True))
         else:
-            from jinja2 import TemplateError
-
-            try:
-                text = _compile(self.chat_template).render(
-                    messages=messages,
-                    tools=tools,
-                    add_generation_prompt=add_generation_prompt,
-                    **{**self.special_tokens, **kwargs},
-                )
-            except (TypeError, TemplateError) as e:
-                raise DataError(
-                    f"chat template cannot render these messages ({type(e).__name__}: {e}); tool calls, tool results "
-                    "and reasoning need a template that renders them: chat_template: ernie_thinking"
-                ) from None
+            values = {**self.special_tokens, **kwargs}
+            text = render_template(
+                self.chat_template, self.chat_template_source, messages, tools, add_generation_prompt, values
+            )
         return self.encode(text) if tokenize else text
 
     @staticmethod
@@ -436,22 +510,111 @@ class ErnieTokenizer:
 
 
 _TEMPLATES: dict[str, Any] = {}
+# A chat template is code from the checkpoint: bound the work and memory of one render. Legit templates
+# run a few hundred template lines per message; a nested range() loop would run for hours.
+MAX_TEMPLATE_LINES = 2_000_000  # template source lines executed per render
+MAX_TEMPLATE_CHARS = 64 << 20  # rendered text, and any string or list a template builds with * or **
 
 
-def _compile(template: str):
-    """Compile a chat template in a sandbox, with the options transformers uses."""
+class _TemplateLimit(Exception):
+    """A render went past MAX_TEMPLATE_LINES / MAX_TEMPLATE_CHARS."""
+
+
+def _sandbox():
+    """jinja2's immutable sandbox, with `*` and `**` checked so `'x' * 10**10` cannot take the memory."""
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    class Sandbox(ImmutableSandboxedEnvironment):
+        intercepted_binops = frozenset({"*", "**"})
+
+        def call_binop(self, context, operator: str, left: Any, right: Any) -> Any:
+            if operator == "*":
+                seq, n = (left, right) if isinstance(right, int) else (right, left)
+                if isinstance(seq, (str, list, tuple)) and isinstance(n, int) and len(seq) * n > MAX_TEMPLATE_CHARS:
+                    raise _TemplateLimit(f"{len(seq)} * {n} elements is too large")
+            elif isinstance(left, int) and isinstance(right, int) and left.bit_length() * right > 1 << 16:
+                raise _TemplateLimit(f"{left} ** {right} is too large")
+            return super().call_binop(context, operator, left, right)
+
+    return Sandbox
+
+
+def _compile(template: str, where: str = "chat_template"):
+    """Compile a chat template in a sandbox, with the options transformers uses (no constant folding:
+    it would evaluate `'x' * 10**10` while compiling, outside the checks)."""
     if template not in _TEMPLATES:
+        from jinja2 import TemplateError
         from jinja2.ext import loopcontrols
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
 
         def raise_exception(message: str) -> None:
             raise DataError(f"chat template: {message}")
 
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+        env = _sandbox()(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols], optimized=False)
         env.filters["tojson"] = lambda x, indent=None: json.dumps(x, ensure_ascii=False, indent=indent)
         env.globals["raise_exception"] = raise_exception
-        _TEMPLATES[template] = env.from_string(template)
+        try:
+            _TEMPLATES[template] = env.from_string(template)
+        except (TemplateError, RecursionError, MemoryError) as e:
+            raise CheckpointError(
+                f"{where}: the chat template does not compile ({type(e).__name__}: {e}); fix it"
+            ) from None
     return _TEMPLATES[template]
+
+
+def _line_budget(limit: int):
+    """A sys.settrace function counting the template's executed lines (only frames of compiled
+    templates get a local tracer) and stopping the render past `limit`."""
+    left = [limit]
+
+    def local(frame, event, arg):
+        if event == "line":
+            left[0] -= 1
+            if left[0] < 0:
+                raise _TemplateLimit(f"more than {limit} template lines executed")
+        return local
+
+    def trace(frame, event, arg):
+        return local if frame.f_code.co_filename == "<template>" else None
+
+    return trace
+
+
+def render_template(
+    template: str, where: str, messages: list, tools: list | None, add_generation_prompt: bool, values: dict
+) -> str:
+    """Render a chat template from a checkpoint with bounded time and memory; every failure of the
+    template (an error it raises, a Python error in it, too much work) is one DataError naming `where`."""
+    import sys
+
+    from erniekit.errors import ErniekitError
+
+    compiled = _compile(template, where)
+    trusted = template == ERNIE_CHAT_TEMPLATE  # ours: no need for the (slower) line count
+    previous = sys.gettrace()
+    if not trusted:
+        sys.settrace(_line_budget(MAX_TEMPLATE_LINES))
+    try:
+        out, size = [], 0
+        for chunk in compiled.generate(
+            messages=messages, tools=tools, add_generation_prompt=add_generation_prompt, **values
+        ):
+            size += len(chunk)
+            if size > MAX_TEMPLATE_CHARS:
+                raise _TemplateLimit(f"output over {MAX_TEMPLATE_CHARS} characters")
+            out.append(chunk)
+        return "".join(out)
+    except _TemplateLimit as e:
+        raise DataError(f"{where}: the chat template does too much work ({e}); fix the template") from None
+    except ErniekitError:
+        raise  # raise_exception() in the template: its own message
+    except Exception as e:  # noqa: BLE001 - the template is code from the checkpoint; any error is its own
+        raise DataError(
+            f"{where}: the chat template cannot render these messages ({type(e).__name__}: {str(e)[:200]}); "
+            "tool calls, tool results and reasoning need a template that renders them: chat_template: ernie_thinking"
+        ) from None
+    finally:
+        if not trusted:
+            sys.settrace(previous)
 
 
 def default_tokenizer() -> ErnieTokenizer:

@@ -3,7 +3,7 @@ attention isolation (position ids restart and attention stops at document bounda
 
 from __future__ import annotations
 
-from erniekit.data.encode import IGNORE_INDEX, encode_pretrain, pack
+from erniekit.data.encode import PackedDocuments, encode_pretrain_array
 from erniekit.data.formats import load_pretrain_texts
 from erniekit.errors import DataError
 from erniekit.train.stage import LM, Stage
@@ -17,12 +17,20 @@ class PretrainStage(Stage):
     supports = LM
 
     def _rows(self, path: str, cfg, tokenizer):
-        docs = [encode_pretrain(t, tokenizer) for t in load_pretrain_texts(path)]
-        rows = pack([(d, d) for d in docs], cfg.max_seq_len, pad_id=tokenizer.pad_token_id)
-        if not rows:
-            raise DataError(f"{path}: no tokens after encoding; check the text field")
-        if not any((r["labels"] != IGNORE_INDEX).any() for r in rows):  # every document empty: only its end token
-            raise DataError(f"{path}: all {len(docs)} documents are empty (no token to train on); check the text field")
+        """Packed rows of the corpus at `path`, built on demand (PackedDocuments): the ids take 4 bytes
+        a token, each text is dropped once tokenized, and a long document is tokenized in pieces."""
+        texts = load_pretrain_texts(path)
+
+        def docs():
+            for i in range(len(texts)):
+                text, texts[i] = texts[i], ""
+                yield encode_pretrain_array(text, tokenizer)
+
+        rows = PackedDocuments(docs(), cfg.max_seq_len, pad_id=tokenizer.pad_token_id)
+        if rows.longest_doc < 2:  # every document empty: only its end token, nothing to predict
+            raise DataError(
+                f"{path}: all {rows.num_docs} documents are empty (no token to train on); check the text field"
+            )
         return rows
 
     def build_train_rows(self, cfg, tokenizer):

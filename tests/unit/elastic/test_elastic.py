@@ -468,3 +468,30 @@ def test_sandwich_step_gradient_is_full_plus_distilled_submodel(tmp_path):
     assert metrics["train/loss"] == pytest.approx(float(ce(logits)) / n, rel=1e-5)
     assert metrics["train/elastic_loss"] == pytest.approx(float(ce(sub_logits)) / n, rel=1e-5)
     assert model.model.active_layers is None  # back to the full model after the step
+
+
+@pytest.mark.parametrize(
+    "text,words",
+    [
+        ("elastic_depth: abc\n", "elastic_depth='abc' is not a list of integers"),  # was a TypeError traceback
+        ("elastic_experts: [4, x]\n", "is not a list of integers"),
+        (": [\n", "run_config.yaml:1: cannot read the run's config"),  # was a yaml traceback
+        ("- 1\n", "expected a mapping"),
+    ],
+)
+def test_eval_elastic_broken_run_config_is_one_line(tmp_path, text, words):
+    from erniekit.elastic.report import run_choices
+
+    (tmp_path / "run_config.yaml").write_text(text)
+    with pytest.raises(ConfigError, match=words) as err:
+        run_choices(str(tmp_path))
+    assert "\n" not in str(err.value) and str(tmp_path) in str(err.value)
+
+
+def test_eval_elastic_expert_count_below_every_top_k_is_an_error():
+    """--experts 1 with the model's moe_k=2 printed the full model only, without a word."""
+    from erniekit.elastic.report import specs_for
+
+    with pytest.raises(ConfigError, match="--experts 1 is below every top-k \\(2\\).*add --top-k 1"):
+        specs_for(get_preset("tiny-moe"), [], [1, 4], [])
+    assert ElasticSpec(4, 1, 1) in specs_for(get_preset("tiny-moe"), [], [1, 4], [1, 2])

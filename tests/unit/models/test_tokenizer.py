@@ -138,6 +138,74 @@ def test_missing_tokenizer_model_is_a_checkpoint_error(tmp_path):
         ErnieTokenizer.from_pretrained(str(tmp_path / "nope"))
 
 
+def _patched_copy(tmp_path, name: str, data) -> str:
+    """The shipped tokenizer with one file replaced (bytes) or tokenizer_config.json keys patched (dict)."""
+    d = tmp_path / "tok"
+    shutil.copytree(RESOURCE_DIR, d)
+    if isinstance(data, dict):
+        cfg = json.loads((d / name).read_text()) if (d / name).exists() else {}
+        (d / name).write_text(json.dumps({**cfg, **data}))
+    else:
+        (d / name).write_bytes(data)
+    return str(d)
+
+
+@pytest.mark.parametrize(
+    "name,data,words",
+    [
+        ("tokenizer.model", b"", "no pieces"),
+        ("special_tokens_map.json", {"additional_special_tokens": "abc"}, "additional_special_tokens must be a list"),
+        ("tokenizer_config.json", {"added_tokens_decoder": [1, 2]}, "added_tokens_decoder must be an object"),
+        ("tokenizer_config.json", {"added_tokens_decoder": {"-5": {"content": "<z>"}}}, "has id '-5'"),
+        (  # encode would give 10 for "<z>", decode 10 "<mask:4>"
+            "tokenizer_config.json",
+            {"added_tokens_decoder": {"10": {"content": "<z>"}}},
+            "already belongs to '<mask:4>'",
+        ),
+        ("added_tokens.json", b'{"<a>": 5000, "<b>": 5000}', "already belongs to '<a>'"),
+        ("added_tokens.json", b'{"<a>": "x"}', "has id 'x'"),
+        ("tokenizer_config.json", {"eos_token": 5}, "eos_token must be a token string"),
+        ("tokenizer_config.json", {"eos_token": "<nope>"}, "not in the vocabulary"),
+        ("tokenizer_config.json", {"add_bos_token": "false"}, "add_bos_token must be true or false"),
+        ("tokenizer_config.json", {"chat_template": 5}, "chat_template must be a string"),
+        ("tokenizer_config.json", {"chat_template": "{% for %}"}, "does not compile"),
+        ("chat_template.jinja", b"\xff{{ x }}", "not UTF-8"),
+    ],
+)
+def test_broken_tokenizer_files_are_one_line_errors_at_load(tmp_path, name, data, words):
+    """Each used to load silently wrong (a string split into one-character special tokens, colliding
+    ids, add_bos_token "false" read as true, eos id None) or fail later with a bare traceback."""
+    path = _patched_copy(tmp_path, name, data)
+    with pytest.raises(CheckpointError, match=words) as err:
+        ErnieTokenizer.from_pretrained(path)
+    assert "\n" not in str(err.value) and path in str(err.value)
+
+
+@pytest.mark.parametrize(
+    "template,words",
+    [
+        ("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}", "template lines"),
+        ("{% for i in range(100000) %}{% for j in range(100000) %}xxxxxxxx{% endfor %}{% endfor %}", "template lines"),
+        ("{{ 'x' * 3000000000 }}", "too large"),
+        ("{{ 7 ** 100000000 }}", "too large"),
+        ("{{ 1 / 0 }}", "ZeroDivisionError"),
+        ("{% macro f(n) %}{{ f(n + 1) }}{% endmacro %}{{ f(0) }}", "RecursionError"),
+        ("{{ messages.__class__.__mro__ }}", "SecurityError"),
+    ],
+)
+def test_hostile_chat_template_is_bounded_and_one_line(tmp_path, monkeypatch, template, words):
+    """A checkpoint's template runs in the sandbox with a line and size budget: nested range() loops
+    ran for hours, `'x' * 3e9` took 9 GB while compiling, Python errors escaped as tracebacks."""
+    import erniekit.models.ernie4_5.tokenizer as tk
+
+    monkeypatch.setattr(tk, "MAX_TEMPLATE_LINES", 20_000, raising=False)  # the default (2M) takes ~1 s to reach
+    path = _patched_copy(tmp_path, "tokenizer_config.json", {"chat_template": template})
+    tok = ErnieTokenizer.from_pretrained(path)
+    with pytest.raises(DataError, match=words) as err:
+        tok.apply_chat_template(CONVERSATION)
+    assert "\n" not in str(err.value) and "tokenizer_config.json" in str(err.value)
+
+
 @pytest.mark.parametrize("with_model_config", [False, True])
 def test_transformers_autotokenizer_gives_same_ids(tok, tmp_path, with_model_config):
     transformers = pytest.importorskip("transformers")

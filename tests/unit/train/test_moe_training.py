@@ -172,6 +172,34 @@ def test_bias_update_and_router_losses_in_a_run(tmp_path):
     assert os.path.isfile(tmp_path / "b" / "routing" / "step-000005-load.png")
 
 
+@pytest.mark.parametrize(
+    "entry,words",
+    [
+        ({"w": [1.0]}, r"shape \[1\], the model's is \[3\]"),  # used to broadcast into the average silently
+        ({"w": [1.0, float("nan"), 2.0]}, "NaN or inf"),
+        ({"w": [1.0, 2.0, 3.0], "__updates__": [-4]}, "__updates__ must be one integer >= 0"),
+        ({"w": [1.0, 2.0, 3.0], "__updates__": [1.5]}, "__updates__ must be one integer >= 0"),
+    ],
+)
+def test_broken_ema_file_is_a_checkpoint_error_and_leaves_the_ema(entry, words):
+    import paddle
+
+    from erniekit.errors import CheckpointError
+    from erniekit.train.ema import WeightEMA
+
+    w = paddle.create_parameter([3], "float32")
+    w.set_value(paddle.to_tensor([1.0, 2.0, 3.0]))
+    ema = WeightEMA([("w", w)], decay=0.9)
+    sd = {
+        k: paddle.to_tensor(v, dtype="int64" if k == "__updates__" and v[0] == int(v[0]) else "float32")
+        for k, v in entry.items()
+    }
+    with pytest.raises(CheckpointError, match=words) as err:
+        ema.load_state_dict(sd, "ckpt/ema.safetensors")
+    assert "ckpt/ema.safetensors" in str(err.value) and "\n" not in str(err.value)
+    np.testing.assert_array_equal(ema.shadow["w"].numpy(), [1.0, 2.0, 3.0])  # unchanged
+
+
 def test_compute_type_fp8_sets_flag_and_bad_ema_decay_is_rejected():
     cfg = validate(load_config(None, ["compute_type=FP8"]))
     assert cfg.fp8 and cfg.compute_type == "fp8"

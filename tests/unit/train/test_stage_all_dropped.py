@@ -97,3 +97,25 @@ def test_a_run_refuses_its_data_before_loading_the_model(tmp_path, monkeypatch):
     cfg = _cfg(tmp_path, _write(tmp_path / "masked.jsonl", MASKED), "max_steps=1", "do_eval=false")
     with pytest.raises(DataError, match=r"masked.jsonl: all 2 examples were dropped"):
         run.run_train(cfg, log=lambda *_: None)
+
+
+def test_pretrain_rows_of_a_long_one_line_document_stay_small(tmp_path, tok, monkeypatch):
+    """A one-line document of N tokens used to peak at ~100 bytes a token (Python id lists, then four
+    int64 arrays per packed row): a 500 MB line took tens of GB. Now the ids are one int32 array and
+    the line is tokenized in pieces."""
+    import tracemalloc
+
+    import erniekit.data.encode as enc
+
+    monkeypatch.setattr(enc, "PRETRAIN_PIECE_CHARS", 20_000, raising=False)
+    train = tmp_path / "one-line.txt"
+    train.write_text("12+34=46 " * 30_000 + "\n", encoding="utf-8")  # 270k tokens (digits are single tokens)
+    cfg = _cfg(tmp_path, str(train), "stage=pretrain", "train_dataset_type=text")
+    tracemalloc.start()
+    try:
+        rows = get_stage("pretrain").build_train_rows(cfg, tok)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert len(rows) == -(-270_001 // 32) and rows[0]["input_ids"].shape == (32,)
+    assert peak < 20 * 270_000, peak  # was ~90 bytes a token
