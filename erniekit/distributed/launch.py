@@ -187,6 +187,40 @@ def stop_signal_of_run(output_dir: str, since: float) -> tuple[int, int | None]:
     return int(res.get("stop_signal") or 0), res.get("stopped_at_step")
 
 
+_EARLY_STOP = "stopped-before-first-step.rank-"  # + rank: a rank's note in launch_logs/
+
+
+def note_stop_before_first_step(output_dir: str, signum: int) -> None:
+    """Left by a rank that a stop signal ended while it was starting (train/start.py): it exits
+    128 + N, which paddle's launcher reports as a failure; the note tells `relaunch` it was a stop."""
+    logs = os.path.join(output_dir, "launch_logs")
+    os.makedirs(logs, exist_ok=True)
+    with open(os.path.join(logs, _EARLY_STOP + os.environ.get("PADDLE_TRAINER_ID", "0")), "w") as f:
+        f.write(str(int(signum)))
+
+
+def stop_before_first_step(output_dir: str, since: float) -> int:
+    """The stop signal of a rank that stopped while starting, noted after `since` (time.time());
+    0 when none. The notes are removed (they describe this launch only)."""
+    logs = os.path.join(output_dir, "launch_logs")
+    try:
+        names = [n for n in os.listdir(logs) if n.startswith(_EARLY_STOP)]
+    except FileNotFoundError:
+        return 0
+    found = 0
+    for name in sorted(names):
+        path = os.path.join(logs, name)
+        try:
+            fresh = os.stat(path).st_mtime >= since
+            with open(path) as f:
+                signum = int(f.read().strip() or 0)
+            os.remove(path)
+        except (OSError, ValueError):
+            continue
+        found = found or (signum if fresh else 0)
+    return found
+
+
 def relaunch(cfg, train_args: list[str], user_threads: str | None = None) -> int:
     """Run the job's workers on this machine and return the exit code of `erniekit train`.
 
@@ -228,6 +262,14 @@ def relaunch(cfg, train_args: list[str], user_threads: str | None = None) -> int
                     flush=True,
                 )
                 return stopped_exit_code(stopped)
+            early = stop_before_first_step(cfg.output_dir, started)
+            if early:  # a rank (or every one) stopped while starting: a stop with nothing to resume from
+                print(
+                    f"erniekit: the job stopped on {signal.Signals(early).name} before its first step; nothing was "
+                    f"saved; start it again the same way (exit code {stopped_exit_code(early)})",
+                    flush=True,
+                )
+                return stopped_exit_code(early)
             if sup.signum:
                 if rc == 0:  # the signal came after the last step: the run is complete
                     print(

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 
 import paddle
 
 from erniekit.config import dump_config
-from erniekit.errors import ConfigError
+from erniekit.errors import ConfigError, ErniekitError
 from erniekit.train.loop import Trainer
 from erniekit.train.stages import get_stage
 from erniekit.utils.device import cuda_visible
@@ -140,12 +141,38 @@ def run_train(cfg, log=print) -> dict:
             return _run_train(cfg, log)
 
 
+class StoppedBeforeFirstStep(ErniekitError):
+    """A stop signal ended the run while it was starting (e.g. in the wait for the other clusters):
+    a stop, not a failure; `erniekit train` exits 128 + signum, as after a stop at a step."""
+
+    def __init__(self, signum: int):
+        import signal
+
+        super().__init__(f"stopped on {signal.Signals(signum).name} before the first step; nothing was saved")
+        self.signum = signum
+
+
+@contextlib.contextmanager
+def _starting():
+    """An error raised while a stop request is pending during start-up is that stop (a wait that
+    polls the request ended on it), not a failure to report as one."""
+    from erniekit.utils.run_control import stop_signal
+
+    try:
+        yield
+    except ErniekitError as e:
+        if not stop_signal():
+            raise
+        raise StoppedBeforeFirstStep(stop_signal()) from e
+
+
 def _run_train(cfg, log=print) -> dict:
     device = select_device()
     from erniekit.distributed.collective.runtime import placing_batches
     from erniekit.distributed.join import join
 
-    topology = join(cfg)
+    with _starting():
+        topology = join(cfg)
     with placing_batches(topology.collective):  # a collective job's batches split over its data ranks
         return _run_joined(cfg, topology, device, log)
 
@@ -220,7 +247,8 @@ def _run_joined(cfg, topology, device: str, log) -> dict:
         from erniekit.train.runners.cross_cluster import CrossClusterRunner
 
         runner = CrossClusterRunner(runner, cfg, ctx)
-    trainer = Trainer(cfg, model, tokenizer, stage, train_rows, eval_data, log=log, runner=runner)
+    with _starting():  # the runner joins the other clusters here (CrossClusterRunner.bind)
+        trainer = Trainer(cfg, model, tokenizer, stage, train_rows, eval_data, log=log, runner=runner)
     results = _train_and_evaluate(cfg, trainer, eval_data, ctx is not None, log)
     _save_final(cfg, trainer)
     results.update(trainer.runner.finish())

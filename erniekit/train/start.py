@@ -5,6 +5,10 @@ from __future__ import annotations
 
 import json
 import os
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from erniekit.train.run import StoppedBeforeFirstStep
 
 
 def start_training(cfg, path: str | None, overrides: list[str], user_threads: str | None) -> int:
@@ -35,9 +39,12 @@ def start_training(cfg, path: str | None, overrides: list[str], user_threads: st
 
     if world_size(cfg.parallelism) > 1 and not in_launched_worker():
         return relaunch(cfg, args, user_threads)
-    from erniekit.train.run import run_train
+    from erniekit.train.run import StoppedBeforeFirstStep, run_train
 
-    result = run_train(cfg)
+    try:
+        result = run_train(cfg)
+    except StoppedBeforeFirstStep as e:
+        return stopped_at_start(cfg, e)
     if isinstance(result, dict) and result.get("stop_signal"):
         if in_launched_worker():  # paddle.distributed.launch reads any other code as a failure and kills
             return 0  # the other ranks; `erniekit train` (the parent) reports the stop
@@ -45,6 +52,24 @@ def start_training(cfg, path: str | None, overrides: list[str], user_threads: st
 
         return stopped_exit_code(result["stop_signal"])  # stopped, not finished: 143 (SIGTERM) / 130 (SIGINT)
     return result if isinstance(result, int) and not isinstance(result, bool) else 0
+
+
+def stopped_at_start(cfg, stop: StoppedBeforeFirstStep) -> int:
+    """A stop while the run was starting: one line and 128 + N, as a stop after a step. A launched
+    rank exits with it too (paddle's launcher then stops the other ranks at once) and leaves a note
+    the parent reads (distributed/launch.py stop_before_first_step), so the job is reported
+    stopped, not failed and restarted."""
+    from erniekit.distributed.launch import in_launched_worker, note_stop_before_first_step
+    from erniekit.utils.run_control import stopped_exit_code
+
+    code = stopped_exit_code(stop.signum)
+    if in_launched_worker():
+        note_stop_before_first_step(cfg.output_dir, stop.signum)
+        rank = os.environ.get("PADDLE_TRAINER_ID", "?")
+        print(f"erniekit: rank {rank} {stop}", flush=True)
+        return code
+    print(f"erniekit: {stop}; start it again the same way (exit code {code})", flush=True)
+    return code
 
 
 def refuse_earlier_run(cfg) -> None:

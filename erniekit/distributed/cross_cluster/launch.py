@@ -12,6 +12,7 @@ checkpoint every cluster holds.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import os
 import secrets
@@ -68,13 +69,28 @@ def cluster_args(train_args: list[str], cluster: int, size: int, peers: list[str
     ]
 
 
+FAIL_GRACE_S = 5.0  # after a cluster fails: time the others get to end on their own (mid-run their links fail at once)
+KILL_GRACE_S = 10.0  # after SIGTERM to a cluster's process group: time it gets before SIGKILL
+TAIL_LINES = 20  # lines of each cluster's output kept (for the failure line); the rest is only printed
+
+
 class _Cluster:
+    """One cluster's `erniekit train` in a process group (and session) of its own: a terminal's Ctrl-C
+    reaches the launcher only, which forwards it once, and a failed run's clusters are stopped as
+    whole groups. launch_entry.py makes it die with the launcher (PR_SET_PDEATHSIG)."""
+
     def __init__(self, index: int, cmd: list[str], env: dict):
         self.index = index
         self.proc = subprocess.Popen(
-            cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1
+            cmd,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            bufsize=1,
+            start_new_session=True,
         )
-        self.lines: list[str] = []
+        self.tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)  # bounded on a long run
         self.reader = threading.Thread(target=self._pump, daemon=True)
         self.reader.start()
 
@@ -82,9 +98,22 @@ class _Cluster:
         """Every line of the cluster's output, prefixed with its index (its tqdm bar included)."""
         assert self.proc.stdout is not None
         for line in self.proc.stdout:
-            self.lines.append(line)
+            self.tail.append(line)
             sys.stdout.write(f"[cluster {self.index}] {line}")
             sys.stdout.flush()
+
+    def signal_group(self, sig: int) -> None:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.proc.pid, sig)
+
+    def last_line(self) -> str:
+        lines = [s.strip() for s in self.tail if s.strip()]
+        return lines[-1][:300] if lines else "no output"
+
+
+def exit_code(returncode: int) -> int:
+    """A child's return code as a shell reports it: killed by signal N (-N) is 128 + N."""
+    return 128 - returncode if returncode < 0 else returncode
 
 
 def launch_clusters(cfg, train_args: list[str], user_threads: str | None = None) -> int:
@@ -105,11 +134,19 @@ def launch_clusters(cfg, train_args: list[str], user_threads: str | None = None)
     args = list(train_args)
     rc = 0
     for attempt in range(cfg.max_restart + 1):
-        rc, stopped = _run_once(cfg, args, sizes, peers, env)
-        if rc == 0 or stopped or attempt == cfg.max_restart:
+        rc, stopped, why = _run_once(cfg, args, sizes, peers, env)
+        if rc == 0 or stopped:
+            break
+        why = why or f"a cluster failed (exit code {rc})"
+        if attempt == cfg.max_restart:
+            print(
+                f"erniekit: {why}; the other clusters were stopped; fix the cause and run again "
+                "(resume_from_checkpoint=auto continues from the newest checkpoint every cluster holds)",
+                flush=True,
+            )
             break
         print(
-            f"erniekit: a cluster failed (exit code {rc}); restart {attempt + 1} of {cfg.max_restart}: every cluster "
+            f"erniekit: {why}; restart {attempt + 1} of {cfg.max_restart}: every cluster "
             "resumes from the newest checkpoint all of them hold",
             flush=True,
         )
@@ -125,12 +162,25 @@ def _link_note(cfg) -> str:
     return f" (emulated link: {bw}, {cfg.cross_cluster_link_latency_ms:g} ms)"
 
 
-def _run_once(cfg, args: list[str], sizes: list[int], peers: list[str], env: dict) -> tuple[int, bool]:
-    """(exit code, stopped by a signal) of one start of every cluster."""
-    clusters = [
-        _Cluster(i, [sys.executable, "-m", "erniekit", "train", *cluster_args(args, i, n, peers, cfg.output_dir)], env)
-        for i, n in enumerate(sizes)
+def _run_once(cfg, args: list[str], sizes: list[int], peers: list[str], env: dict) -> tuple[int, bool, str]:
+    """(exit code, stopped by a signal, which cluster failed first) of one start of every cluster."""
+    from erniekit.distributed.launch import ENTRY
+
+    cmds = [
+        [sys.executable, ENTRY, "train", *cluster_args(args, i, n, peers, cfg.output_dir)] for i, n in enumerate(sizes)
     ]
+    return run_clusters(cmds, env)
+
+
+def run_clusters(
+    cmds: list[list[str]], env: dict, grace_s: float = FAIL_GRACE_S, kill_after_s: float = KILL_GRACE_S
+) -> tuple[int, bool, str]:
+    """Run one process group per command to its end: (exit code, stopped by a signal, "" or which
+    cluster failed first). A cluster that fails (not on a stop) ends the run: the others get
+    `grace_s` to end on their own (their links fail), then SIGTERM, then after `kill_after_s`
+    SIGKILL to their groups; a cluster that dies at start-up would otherwise leave them waiting
+    out cross_cluster_timeout_s for it."""
+    clusters = [_Cluster(i, cmd, env) for i, cmd in enumerate(cmds)]
     got: list[int] = []
 
     def forward(signum, frame) -> None:
@@ -143,12 +193,7 @@ def _run_once(cfg, args: list[str], sizes: list[int], peers: list[str], env: dic
     for s in previous:
         signal.signal(s, forward)
     try:
-        codes: dict[int, int] = {}
-        while len(codes) < len(clusters):
-            for c in clusters:
-                if c.index not in codes and c.proc.poll() is not None:
-                    codes[c.index] = c.proc.returncode
-            time.sleep(0.2)
+        codes, first = _wait(clusters, got, grace_s, kill_after_s)
         for c in clusters:
             c.reader.join(timeout=5)
     finally:
@@ -156,7 +201,35 @@ def _run_once(cfg, args: list[str], sizes: list[int], peers: list[str], env: dic
             signal.signal(s, h if h is not None else signal.SIG_DFL)
         for c in clusters:
             if c.proc.poll() is None:
-                c.proc.kill()
+                c.signal_group(signal.SIGKILL)
                 c.proc.wait()
+    if first is not None:
+        c = clusters[first]
+        return codes[first], bool(got), f"cluster {first} failed first (exit code {codes[first]}: {c.last_line()})"
     failed = [codes[i] for i in sorted(codes) if codes[i] != 0]
-    return (failed[0] if failed else 0), bool(got)
+    return (failed[0] if failed else 0), bool(got), ""
+
+
+def _wait(clusters: list[_Cluster], got: list[int], grace_s: float, kill_after_s: float) -> tuple[dict, int | None]:
+    """Every cluster's exit code, and the index of the one that failed first (None: none failed
+    outside a stop); stops the others once one has failed."""
+    codes: dict[int, int] = {}
+    first, term_at, kill_at = None, float("inf"), float("inf")
+    while len(codes) < len(clusters):
+        for c in clusters:
+            if c.index not in codes and c.proc.poll() is not None:
+                codes[c.index] = exit_code(c.proc.returncode)
+                if codes[c.index] != 0 and first is None and not got:
+                    first, term_at = c.index, time.monotonic() + grace_s
+        now = time.monotonic()
+        for when, sig in ((term_at, signal.SIGTERM), (kill_at, signal.SIGKILL)):
+            if now >= when:
+                for c in clusters:
+                    if c.index not in codes:
+                        c.signal_group(sig)
+        if now >= term_at:
+            term_at, kill_at = float("inf"), now + kill_after_s
+        elif now >= kill_at:
+            kill_at = float("inf")
+        time.sleep(0.1)
+    return codes, first

@@ -121,6 +121,7 @@ def fake_runner(monkeypatch):
     seen = []
     module = types.ModuleType("erniekit.train.run")
     module.run_train = seen.append
+    module.StoppedBeforeFirstStep = type("StoppedBeforeFirstStep", (Exception,), {})  # what start.py catches
     monkeypatch.setitem(sys.modules, "erniekit.train.run", module)
     return seen
 

@@ -427,3 +427,29 @@ def test_a_second_run_into_a_busy_output_dir_is_refused(tmp_path):
     (out / ".erniekit-run.lock").write_text("999999999")  # a holder that is gone: taken over
     r = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
+
+
+def test_a_stop_while_the_run_starts_exits_128_plus_the_signal_in_one_line(tmp_path, monkeypatch, capsys):
+    """A stop that ends the wait for the other clusters (cross_cluster_id with no cluster 1 to come)
+    is a stop, as after a step: exit 143, one line saying nothing was saved, not `error: ...` and 2."""
+    import socket
+
+    from erniekit.cli import main
+    from erniekit.distributed.cross_cluster.launch import KEY_ENV
+    from erniekit.utils import run_control
+
+    with socket.socket() as a, socket.socket() as b:
+        a.bind(("127.0.0.1", 0))
+        b.bind(("127.0.0.1", 0))
+        peers = [f"127.0.0.1:{s.getsockname()[1]}" for s in (a, b)]
+    monkeypatch.setenv(KEY_ENV, "k" * 40)
+    monkeypatch.setattr(run_control, "stop_signal", lambda: 15)  # a SIGTERM pending from the start
+    out = tmp_path / "o"
+    args = [*SMALL, "max_steps=4", "do_eval=false", f"output_dir={out}", "cross_cluster_id=0"]
+    rc = main(["train", *args, f"cross_cluster_peers=[{','.join(peers)}]", "cross_cluster_timeout_s=60"])
+    cap = capsys.readouterr()
+    assert rc == 143, cap.out[-1000:] + cap.err[-1000:]
+    assert "erniekit: stopped on SIGTERM before the first step; nothing was saved" in cap.out
+    assert "error" not in cap.err, cap.err[-1000:]
+    assert not list(out.glob("checkpoint-*")) and not (out / "model.safetensors").exists()
+    assert not (out / ".erniekit-run.lock").exists()
