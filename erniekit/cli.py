@@ -240,6 +240,12 @@ def _server_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--served-model-name", help="the model id clients send (default: the directory's name)")
     p.add_argument("--max-batch", type=int, default=8, help="requests decoded together; more wait in a queue")
+    p.add_argument(
+        "--max-queued-requests",
+        type=int,
+        default=256,
+        help="requests queued or running at once (each holds its prompt and images until it ends); more get a 429",
+    )
     add_packed_weights_flag(p, "built-in engine on the CPU")
     p.add_argument(
         "--max-model-len",
@@ -280,8 +286,8 @@ def server(args: list[str]) -> int:
     ns = _server_parser().parse_args(args)
     if not 1 <= ns.port <= 65535:
         raise ErniekitError(f"server: --port {ns.port} must be in 1..65535")
-    if ns.max_batch < 1 or (ns.max_model_len is not None and ns.max_model_len < 2):
-        raise ErniekitError("server: --max-batch must be >= 1 and --max-model-len >= 2")
+    if ns.max_batch < 1 or (ns.max_model_len is not None and ns.max_model_len < 2) or ns.max_queued_requests < 1:
+        raise ErniekitError("server: --max-batch and --max-queued-requests must be >= 1 and --max-model-len >= 2")
     if ns.max_body_bytes < 1024:
         raise ErniekitError(f"server: --max-body-bytes {ns.max_body_bytes} must be >= 1024 (a request needs room)")
     _check_base_model(ns.model_dir, ns.base_model, "server")

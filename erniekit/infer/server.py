@@ -49,6 +49,9 @@ MAX_VIDEOS = 2  # per request: a video is up to max_frames frames
 # fixed amount of memory; the others wait up to MEDIA_WAIT_S for a slot, then get a 503
 MEDIA_REQUESTS_AT_ONCE = 2
 MEDIA_WAIT_S = 30.0
+# requests with images or videos queued or running at once: each holds its patches until it ends
+MEDIA_IN_FLIGHT = 16
+DEFAULT_MAX_QUEUED = 256  # requests (prompts) queued or running at once; more get a 429 (--max-queued-requests)
 ROLES = ("system", "user", "assistant", "developer", "tool")
 MAX_MESSAGES = 2048  # per chat request, as OpenAI's API allows
 MAX_PROMPTS = 64  # prompts in one /v1/completions request (a choice each), all decoded side by side
@@ -288,8 +291,13 @@ class OpenAIServer:
         max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
         local_media_root: str | None = None,
         max_images: int = DEFAULT_MAX_IMAGES,
+        max_queued: int = DEFAULT_MAX_QUEUED,
     ):
         self.engine, self.tokenizer, self.model_name = engine, tokenizer, model_name
+        # what every request holds until it ends (its prompt, its images' patches) is bounded by
+        # how many may be queued or running at once: the engine's queue itself has no bound
+        self.max_queued, self._in_flight, self._media_in_flight = max_queued, 0, 0
+        self._flight_lock = threading.Lock()
         # image_url parts may name files under this directory (--allowed-local-media-path); None: data: URIs only
         self.local_media_root = os.path.realpath(local_media_root) if local_media_root else None
         self.max_images = max_images
@@ -859,9 +867,21 @@ class OpenAIServer:
         loop = asyncio.get_running_loop()
         out: asyncio.Queue = asyncio.Queue()
         reqs: list[Request] = []
+        media = any(images is not None or videos is not None for _, images, videos, _ in q.prompts)
+        self._admit(len(q.prompts), media)
+        left = [len(q.prompts)]  # requests of this call not yet finished (the engine thread counts down)
+
+        def done() -> None:
+            with self._flight_lock:
+                left[0] -= 1
+                self._in_flight -= 1
+                self._media_in_flight -= media and left[0] == 0
+
         for i, (ids, images, videos, _mode) in enumerate(q.prompts):
 
             def emit(delta: str, finish: str | None, i: int = i) -> None:
+                if finish is not None:
+                    done()
                 loop.call_soon_threadsafe(out.put_nowait, (i, delta, finish, len(reqs[i].token_logprobs)))
 
             req = Request(
@@ -876,14 +896,48 @@ class OpenAIServer:
                 prompt_only=q.prompt_only,
             )
             reqs.append(req)
+        submitted = 0
         try:
             for req in reqs:
                 self.engine.submit(req)
+                submitted += 1
         except BaseException:
             for req in reqs:
-                req.cancelled = True
+                req.cancelled = True  # the submitted ones finish (and count down) at the next step
+            for _ in reqs[submitted:]:
+                done()
             raise
         return reqs, out
+
+    def _admit(self, n: int, media: bool) -> None:
+        """Count `n` requests in (one call of /v1/completions may hold 64 prompts), or refuse them
+        with a 429 when the server holds max_queued already, or MEDIA_IN_FLIGHT requests with
+        images or videos: the OpenAI client retries a 429 after a pause."""
+        if n > self.max_queued:
+            raise BadRequest(
+                f"{n} prompts in one request, more than the server holds at once ({self.max_queued}, "
+                "--max-queued-requests); send fewer",
+                "prompt",
+            )
+        with self._flight_lock:
+            if self._in_flight + n > self.max_queued:
+                raise BadRequest(
+                    f"the server holds {self._in_flight} requests (at most {self.max_queued} queued or running, "
+                    "--max-queued-requests); retry later",
+                    code="too_many_requests",
+                    status=429,
+                    kind="rate_limit_error",
+                )
+            if media and self._media_in_flight >= MEDIA_IN_FLIGHT:
+                raise BadRequest(
+                    f"the server holds {MEDIA_IN_FLIGHT} requests with images or videos, the most it keeps at once; "
+                    "retry later",
+                    code="too_many_requests",
+                    status=429,
+                    kind="rate_limit_error",
+                )
+            self._in_flight += n
+            self._media_in_flight += media
 
     @staticmethod
     def usage(reqs: list[Request]) -> dict:
@@ -1398,7 +1452,15 @@ def run_server(ns) -> int:
 
         raise ErniekitError(f"server: --allowed-local-media-path {media} is not a directory")
     app = build_app(
-        OpenAIServer(engine, tokenizer, name, api_key, max_body_bytes=ns.max_body_bytes, local_media_root=media)
+        OpenAIServer(
+            engine,
+            tokenizer,
+            name,
+            api_key,
+            max_body_bytes=ns.max_body_bytes,
+            local_media_root=media,
+            max_queued=ns.max_queued_requests,
+        )
     )
     print(
         f"erniekit: serving {name} ({ns.model_dir}) at http://{ns.host}:{ns.port}/v1 (up to {ns.max_batch} "

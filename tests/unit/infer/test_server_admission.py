@@ -1,0 +1,74 @@
+"""What the server holds at once is bounded: requests queued or running (each keeps its prompt and
+its images' patches until it ends; the engine's queue has no bound of its own) beyond
+--max-queued-requests, or requests with images beyond MEDIA_IN_FLIGHT, get a 429 that the OpenAI
+client retries; every finished, failed or refused request gives its place back."""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+
+import pytest
+
+pytest.importorskip("fastapi")
+
+from erniekit.infer import server as srv  # noqa: E402
+from erniekit.infer.sampling import SamplingParams  # noqa: E402
+from erniekit.models.ernie4_5.tokenizer import default_tokenizer  # noqa: E402
+
+
+class HoldingEngine:
+    """Keeps every request until the test ends it; `refuse` makes the n-th submit raise."""
+
+    def __init__(self, vocab: int, refuse: int | None = None):
+        self.model = SimpleNamespace(config=SimpleNamespace(vocab_size=vocab))
+        self.max_model_len, self.vl, self.reqs, self.refuse = 64, False, [], refuse
+
+    def check(self, prompt_len: int, max_new_tokens: int) -> None:
+        pass
+
+    def submit(self, req) -> None:
+        if self.refuse is not None and len(self.reqs) == self.refuse:
+            raise ValueError("refused by the engine")
+        self.reqs.append(req)
+
+
+def _parsed(n: int, image: bool = False) -> srv.Parsed:
+    prompts = [([1, 2, 3], ("patches", "grid") if image else None, None, None) for _ in range(n)]
+    return srv.Parsed(prompts, SamplingParams(max_new_tokens=4), [], False, False)
+
+
+def test_requests_beyond_the_bounds_get_a_429_and_finished_ones_free_their_place(monkeypatch):
+    tok = default_tokenizer()
+    monkeypatch.setattr(srv, "MEDIA_IN_FLIGHT", 1)
+
+    async def scenario():
+        engine = HoldingEngine(len(tok))
+        server = srv.OpenAIServer(engine, tok, "m", max_queued=3)
+        server.start(_parsed(2))
+        with pytest.raises(srv.BadRequest) as e:
+            server.start(_parsed(2))  # 2 + 2 > 3
+        assert (e.value.status, e.value.code, e.value.kind) == (429, "too_many_requests", "rate_limit_error")
+        with pytest.raises(srv.BadRequest, match="4 prompts in one request, more than the server holds") as e:
+            server.start(_parsed(4))
+        assert e.value.status == 400
+        engine.reqs[0].emit("", "stop")  # one ends: its place is free
+        server.start(_parsed(1, image=True))
+        engine.reqs[1].emit("", "length")
+        with pytest.raises(srv.BadRequest, match="requests with images or videos") as e:
+            server.start(_parsed(1, image=True))  # one image request is the most here
+        assert e.value.status == 429
+        server.start(_parsed(1))  # a text request still fits
+        engine.reqs[2].emit("", "error")  # the image request ends (failed): the next one fits
+        server.start(_parsed(1, image=True))
+        failing = srv.OpenAIServer(HoldingEngine(len(tok), refuse=1), tok, "m", max_queued=2)
+        with pytest.raises(ValueError):
+            failing.start(_parsed(2))  # the engine refused the second: neither keeps a place
+        failing.engine.reqs[0].emit("", "cancelled")
+        assert failing._in_flight == 0
+        failing.engine.refuse = None
+        failing.start(_parsed(2))
+        return server
+
+    server = asyncio.run(scenario())
+    assert server._in_flight == 2 and server._media_in_flight == 1  # the text and the last image request
