@@ -136,7 +136,9 @@ def test_a_lost_cluster_stops_the_other_with_one_line_and_both_resume(tmp_path):
     slow = dict(cross_cluster_link_latency_ms=150)  # each sync waits: the kill lands mid-run
     procs = [_start(_site(outs[c], c, peers, key, 40, **slow)) for c in (0, 1)]
     deadline = time.time() + 120
-    while not (outs[1] / "checkpoint-4").is_dir():
+    # checkpoint-4 with its sync state (written after the checkpoint itself: a kill in between
+    # leaves a checkpoint no restart can take, and the test would have no common one)
+    while not (outs[1] / "cross_cluster_state" / "checkpoint-4" / "rank-0.safetensors").is_file():
         assert time.time() < deadline and procs[1].poll() is None, procs[1].communicate()[0][-3000:]
         time.sleep(0.1)
     procs[1].send_signal(signal.SIGKILL)
