@@ -109,16 +109,19 @@ def parse_settings(tokens: list[str]) -> ElasticSpec:
     for tok in tokens:
         key, sep, raw = tok.partition("=")
         name = key.strip().lower().removeprefix("elastic.").replace("-", "_")
+        shown = tok if len(tok) <= 60 else tok[:57] + "..."  # a pasted blob stays a one-line error
         if not sep or not key.strip().lower().startswith("elastic.") or name not in ("depth", "experts", "top_k"):
             raise ErniekitError(
-                f"'{tok}' is not an elastic setting; write elastic.depth=N, elastic.experts=N or elastic.top_k=N"
+                f"'{shown}' is not an elastic setting; write elastic.depth=N, elastic.experts=N or elastic.top_k=N"
             )
+        if name in values:  # last-one-wins would silently export a sub-model the user did not read back
+            raise ErniekitError(f"'{shown}': elastic.{name} is given twice ({values[name]} before); keep one")
         try:
             values[name] = int(raw)
         except ValueError:
-            raise ErniekitError(f"'{tok}': {raw!r} is not an integer; write e.g. elastic.{name}=2") from None
+            raise ErniekitError(f"'{shown}': the value is not an integer; write e.g. elastic.{name}=2") from None
         if values[name] < 1:
-            raise ErniekitError(f"'{tok}': elastic.{name} must be >= 1")
+            raise ErniekitError(f"'{shown}': elastic.{name} must be >= 1")
     return ElasticSpec(**values)
 
 

@@ -52,6 +52,10 @@ def check_speculative(model: Ernie4_5ForCausalLM, params: SamplingParams) -> Non
         raise ErniekitError(
             f"--speculative supports greedy decoding only: use --temperature 0 (got {params.temperature})"
         )
+    if params.adjusts_logits:  # the drafts are verified against a plain argmax: a bias would be ignored
+        raise ErniekitError(
+            "--speculative decodes with a plain argmax: drop presence_penalty, frequency_penalty and logit_bias"
+        )
 
 
 class _Speculator:
@@ -117,6 +121,8 @@ def speculative_stream(
     check_speculative(model, params)
     if len(prompts) != 1:
         raise ErniekitError(f"speculative decoding takes one prompt at a time (got {len(prompts)})")
+    if not prompts[0]:  # the prefill needs a token to predict after
+        raise ErniekitError("speculative decoding needs a prompt of at least one token (got an empty one)")
     stats = stats if stats is not None else SpeculativeStats()
     was_training = model.training
     model.eval()

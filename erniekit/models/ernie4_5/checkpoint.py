@@ -337,6 +337,11 @@ def load_state_into(model: Ernie4_5ForCausalLM, path: str, specs: dict[str, _Spe
             value = reader.get(n).astype(p.dtype)
             if spec.kind == "transpose":
                 value = value.T
+        if ".gpas." in name and not bool(paddle.isfinite(value).all()):  # a scalar per layer: costs nothing
+            raise CheckpointError(
+                f"{path}: tensor {spec.hf_names[0]} (a GPAS gate) is NaN or infinite, which makes every logit "
+                "NaN; the weights are corrupt: re-save them from a healthy run"
+            )
         assign_full(p, value)
         used.update(spec.hf_names)
     extra = [n for n in reader.where if n not in used and not _IGNORED_UNEXPECTED.search(n)]

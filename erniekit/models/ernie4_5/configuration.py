@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -234,9 +235,10 @@ class Ernie4_5Config:
             raise CheckpointError(
                 f"num_nextn_predict_layers={n!r} must be an integer in [0, {MAX_SIZE}] (0 = no MTP heads)"
             )
-        if not self.multi_token_pred_lambda >= 0:
+        lam = self.multi_token_pred_lambda
+        if isinstance(lam, bool) or not isinstance(lam, (int, float)) or not math.isfinite(lam) or lam < 0:
             raise CheckpointError(
-                f"multi_token_pred_lambda={self.multi_token_pred_lambda} must be >= 0 (the weight of the MTP loss)"
+                f"multi_token_pred_lambda={lam!r} must be a finite number >= 0 (the weight of the MTP loss)"
             )
 
     def _check_modalities(self) -> None:

@@ -366,6 +366,19 @@ def test_smaller_specs_leave_out_the_full_model():
     assert smaller_specs(c, ElasticChoices([4], [8], [2])) == []
 
 
+def test_elastic_settings_given_twice_or_pasted_huge_are_one_short_line():
+    """`elastic.depth=2 elastic.depth=3` used to export depth 3 silently; a 5000-digit value was
+    echoed whole into the error."""
+    from erniekit.elastic.submodels import parse_settings
+
+    assert parse_settings(["elastic.depth=2", "elastic.top_k=1"]) == ElasticSpec(depth=2, top_k=1)
+    with pytest.raises(ErniekitError, match=r"elastic\.depth is given twice \(2 before\)"):
+        parse_settings(["elastic.depth=2", "elastic.depth=3"])
+    with pytest.raises(ErniekitError, match="not an integer") as e:
+        parse_settings(["elastic.depth=" + "9" * 5000])
+    assert len(str(e.value)) < 150 and "\n" not in str(e.value)
+
+
 @pytest.mark.parametrize(
     "override,words",
     [

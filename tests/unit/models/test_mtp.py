@@ -95,8 +95,9 @@ def test_return_mtp_without_heads_is_a_one_line_error():
         _model(0)(paddle.to_tensor([[1, 2, 3]]), return_mtp=True)
     with pytest.raises(CheckpointError, match="num_nextn_predict_layers"):
         get_preset("tiny-dense").replace(num_nextn_predict_layers=-1)
-    with pytest.raises(CheckpointError, match="multi_token_pred_lambda"):
-        get_preset("tiny-dense").replace(multi_token_pred_lambda=-0.5)
+    for bad in (-0.5, float("inf"), True, "0.3", None, [0.3]):  # "0.3" was a TypeError naming no key
+        with pytest.raises(CheckpointError, match="multi_token_pred_lambda=.* must be a finite number"):
+            get_preset("tiny-dense").replace(multi_token_pred_lambda=bad)
 
 
 # ---- the loss ---------------------------------------------------------------------------------

@@ -210,6 +210,11 @@ def test_gpas_model_round_trips_and_alpha_trains(tmp_path):
     model.train()
     model(ids).logits.mean().backward()
     assert float(model.model.layers[1].gpas.alpha.grad.abs().sum()) > 0
+    # a NaN gate loaded silently and made every logit NaN (chat printed garbage)
+    model.model.layers[0].gpas.alpha.set_value(paddle.to_tensor([float("nan")]))
+    save_pretrained(model, str(tmp_path / "nan"))
+    with pytest.raises(CheckpointError, match=r"model.layers.0.gpas.alpha \(a GPAS gate\) is NaN or infinite"):
+        from_pretrained(str(tmp_path / "nan"))
 
 
 @pytest.mark.parametrize(
