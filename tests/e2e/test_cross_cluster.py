@@ -136,11 +136,17 @@ def test_a_lost_cluster_stops_the_other_with_one_line_and_both_resume(tmp_path):
     slow = dict(cross_cluster_link_latency_ms=150)  # each sync waits: the kill lands mid-run
     procs = [_start(_site(outs[c], c, peers, key, 40, **slow)) for c in (0, 1)]
     deadline = time.time() + 120
-    # checkpoint-4 with its sync state (written after the checkpoint itself: a kill in between
-    # leaves a checkpoint no restart can take, and the test would have no common one)
-    while not (outs[1] / "cross_cluster_state" / "checkpoint-4" / "rank-0.safetensors").is_file():
+
+    # both sites hold checkpoint-4 with its sync state (the state is written just before the
+    # checkpoint is published, and the sites may be a sync apart): a common checkpoint to resume from
+    def held_4(o):
+        return (o / "checkpoint-4").is_dir() and (
+            o / "cross_cluster_state" / "checkpoint-4" / "rank-0.safetensors"
+        ).is_file()
+
+    while not all(held_4(o) for o in outs):
         assert time.time() < deadline and procs[1].poll() is None, procs[1].communicate()[0][-3000:]
-        time.sleep(0.1)
+        time.sleep(0.02)
     procs[1].send_signal(signal.SIGKILL)
     out0 = procs[0].communicate(timeout=120)[0]
     procs[1].wait()
