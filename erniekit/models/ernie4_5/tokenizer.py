@@ -520,20 +520,114 @@ class _TemplateLimit(Exception):
     """A render went past MAX_TEMPLATE_LINES / MAX_TEMPLATE_CHARS."""
 
 
+def _too_big(n: int, what: str) -> None:
+    if n > MAX_TEMPLATE_CHARS:
+        raise _TemplateLimit(f"{what} is too large ({n} elements, at most {MAX_TEMPLATE_CHARS})")
+
+
+_FORMAT_SPEC = re.compile(r"%[-#0 +]*(\*|\d*)(?:\.(\*|\d*))?")
+
+
+def _check_format(fmt: str) -> None:
+    """`'%2000000000s' % x` would allocate its width: widths and precisions are bounded."""
+    for width, precision in _FORMAT_SPEC.findall(fmt):
+        for n in (width, precision):
+            if n == "*" or (n and int(n) > MAX_TEMPLATE_CHARS):
+                raise _TemplateLimit(f"a % format width of {n} is too large")
+
+
+def _checked_filters() -> dict[str, Any]:
+    """The jinja filters whose arguments choose the size of what they build (center's width,
+    replace's growth, join's separator, batch's fill...), checked before they build it."""
+    from jinja2 import filters as f
+    from jinja2 import pass_eval_context
+
+    def center(value, width=80):
+        _too_big(int(width), "center()")
+        return f.do_center(value, width)
+
+    def indent(s, width=4, first=False, blank=False):
+        unit = len(width) if isinstance(width, str) else int(width)
+        _too_big(len(str(s)) + unit * (str(s).count("\n") + 1), "indent()")
+        return f.do_indent(s, width, first, blank)
+
+    @pass_eval_context
+    def replace(eval_ctx, s, old, new, count=None):
+        text, old, new = str(s), str(old), str(new)
+        hits = (len(text) + 1 if not old else text.count(old)) if count is None else min(int(count), len(text) + 1)
+        _too_big(len(text) + hits * max(0, len(new) - len(old)), "replace()")
+        return f.do_replace(eval_ctx, s, old, new, count)
+
+    @pass_eval_context
+    def join(eval_ctx, value, d="", attribute=None):
+        items = list(value)
+        _too_big(len(str(d)) * max(0, len(items) - 1), "join()")
+        return f.do_join(eval_ctx, items, d, attribute)
+
+    def batch(value, linecount, fill_with=None):
+        _too_big(int(linecount), "batch()")
+        return f.do_batch(value, linecount, fill_with)
+
+    def slice_(value, slices, fill_with=None):
+        _too_big(int(slices), "slice()")
+        return f.do_slice(value, slices, fill_with)
+
+    def format_(value, *args, **kwargs):
+        _check_format(str(value))
+        return f.do_format(value, *args, **kwargs)
+
+    return {
+        "center": center,
+        "indent": indent,
+        "replace": replace,
+        "join": join,
+        "batch": batch,
+        "slice": slice_,
+        "format": format_,
+    }
+
+
 def _sandbox():
-    """jinja2's immutable sandbox, with `*` and `**` checked so `'x' * 10**10` cannot take the memory."""
+    """jinja2's immutable sandbox, with what could build a huge string or list checked first: `*`,
+    `**`, `+`, `%` formatting, `~` (compiled to checked_concat) and the sizing filters."""
+    from jinja2.compiler import CodeGenerator
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+    class Generator(CodeGenerator):
+        def visit_Concat(self, node, frame) -> None:  # `a ~ b ~ c`
+            self.write("environment.checked_concat((")
+            for arg in node.nodes:
+                self.visit(arg, frame)
+                self.write(", ")
+            self.write("))")
+
     class Sandbox(ImmutableSandboxedEnvironment):
-        intercepted_binops = frozenset({"*", "**"})
+        intercepted_binops = frozenset({"*", "**", "+", "%"})
+        code_generator_class = Generator
+
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            self.filters.update(_checked_filters())
+
+        @staticmethod
+        def checked_concat(parts: tuple) -> str:
+            texts = [str(p) for p in parts]
+            _too_big(sum(map(len, texts)), "a ~ b")
+            return "".join(texts)
 
         def call_binop(self, context, operator: str, left: Any, right: Any) -> Any:
+            sized = (str, list, tuple)
             if operator == "*":
                 seq, n = (left, right) if isinstance(right, int) else (right, left)
-                if isinstance(seq, (str, list, tuple)) and isinstance(n, int) and len(seq) * n > MAX_TEMPLATE_CHARS:
-                    raise _TemplateLimit(f"{len(seq)} * {n} elements is too large")
-            elif isinstance(left, int) and isinstance(right, int) and left.bit_length() * right > 1 << 16:
-                raise _TemplateLimit(f"{left} ** {right} is too large")
+                if isinstance(seq, sized) and isinstance(n, int):
+                    _too_big(len(seq) * n, f"{len(seq)} * {n}")
+            elif operator == "**":
+                if isinstance(left, int) and isinstance(right, int) and left.bit_length() * right > 1 << 16:
+                    raise _TemplateLimit(f"{left} ** {right} is too large")
+            elif operator == "+" and isinstance(left, sized) and isinstance(right, sized):
+                _too_big(len(left) + len(right), "a + b")
+            elif operator == "%" and isinstance(left, str):
+                _check_format(left)
             return super().call_binop(context, operator, left, right)
 
     return Sandbox

@@ -191,6 +191,22 @@ def test_broken_tokenizer_files_are_one_line_errors_at_load(tmp_path, name, data
         ("{{ 1 / 0 }}", "ZeroDivisionError"),
         ("{% macro f(n) %}{{ f(n + 1) }}{% endmacro %}{{ f(0) }}", "RecursionError"),
         ("{{ messages.__class__.__mro__ }}", "SecurityError"),
+        # what builds a string or list whose size the template chooses, checked before it is built
+        (
+            "{% set ns = namespace(s='x') %}{% for i in range(40) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}",
+            "a ~ b is too large",
+        ),
+        (
+            "{% set ns = namespace(s='x') %}{% for i in range(40) %}{% set ns.s = ns.s + ns.s %}{% endfor %}",
+            "a \\+ b is too large",
+        ),
+        ("{{ 'x' | center(3000000000) }}", "center"),
+        ("{{ 'a\nb' | indent(3000000000) }}", "indent"),
+        ("{{ ('x' * 1000) | replace('x', 'y' * 1000000) }}", "replace"),
+        ("{{ range(100000) | join('x' * 10000) }}", "join"),
+        ("{{ [1] | batch(3000000000, 'x') | list }}", "batch"),
+        ("{{ '%3000000000s' | format('x') }}", "format width"),
+        ("{{ '%3000000000s' % 'x' }}", "format width"),
     ],
 )
 def test_hostile_chat_template_is_bounded_and_one_line(tmp_path, monkeypatch, template, words):
