@@ -17,6 +17,7 @@ import os
 from dataclasses import dataclass
 
 from erniekit.errors import DataError
+from erniekit.utils.io import json_problem
 
 DATASET_INFO_NAME = "dataset_info.json"
 DATA_SUFFIXES = (".json", ".jsonl")
@@ -233,8 +234,8 @@ def _read_info(file: str) -> dict:
         raise DataError(f"{file}: not UTF-8; re-save the file as UTF-8") from None
     except json.JSONDecodeError as e:
         raise DataError(f"{file}:{e.lineno}: invalid JSON ({e.msg}); fix the file") from None
-    except (ValueError, RecursionError):  # nesting or an integer Python's decoder cannot hold
-        raise DataError(f"{file}: invalid JSON (nested too deeply or a number too long); fix the file") from None
+    except (ValueError, RecursionError) as e:  # nesting or an integer Python's decoder cannot hold
+        raise DataError(f"{file}: invalid JSON ({json_problem(e)}); fix the file") from None
     if not isinstance(info, dict):
         raise DataError(f"{file}: expected a JSON object of dataset name -> description")
     return info

@@ -48,6 +48,7 @@ from erniekit.data.control import check_control, with_control
 from erniekit.data.dataset_info import DatasetEntry, load_entry, parse_ref
 from erniekit.data.tool_messages import check_tools, is_tool_dialog, normalize_dialog
 from erniekit.errors import DataError
+from erniekit.utils.io import json_problem
 from erniekit.utils.registry import LiveChoices
 
 
@@ -156,16 +157,6 @@ def read_text(path: str) -> str:
         ) from None
 
 
-def _json_problem(e: Exception) -> str:
-    """Why JSON text did not load, in a few words (a decode error, nesting Python's decoder cannot
-    hold, or an integer past Python's digit limit)."""
-    if isinstance(e, json.JSONDecodeError):
-        return f"{e.msg} at column {e.colno}"
-    if isinstance(e, RecursionError):
-        return "arrays or objects nested too deeply to read"
-    return str(e).split(";")[0]
-
-
 def _records(path: str) -> Iterator[tuple[int, object]]:
     """Yield (line, record) from a .jsonl file or a .json list (line = 1-based position)."""
     text = read_text(path)
@@ -175,7 +166,7 @@ def _records(path: str) -> Iterator[tuple[int, object]]:
             data = json.loads(text)
         except (ValueError, RecursionError) as e:
             line = f":{e.lineno}" if isinstance(e, json.JSONDecodeError) else ""
-            raise DataError(f"{path}{line}: invalid JSON ({_json_problem(e)}); fix the file") from None
+            raise DataError(f"{path}{line}: invalid JSON ({json_problem(e)}); fix the file") from None
     elif path.endswith(".json"):  # one JSON object, or JSON lines misnamed .json
         try:
             data = [json.loads(text)]
@@ -192,7 +183,7 @@ def _records(path: str) -> Iterator[tuple[int, object]]:
         try:
             record = json.loads(line)
         except (ValueError, RecursionError) as e:
-            raise DataError(f"{path}:{lineno}: invalid JSON ({_json_problem(e)}); fix or remove this line") from None
+            raise DataError(f"{path}:{lineno}: invalid JSON ({json_problem(e)}); fix or remove this line") from None
         yield lineno, record
 
 
@@ -473,7 +464,7 @@ def _from_sharegpt(rec: dict, where: str) -> Conversation:
                 calls = json.loads(t["value"])
             except (ValueError, RecursionError) as e:
                 raise DataError(
-                    f"{where}: conversations[{i}] function_call value is not JSON ({_json_problem(e)})"
+                    f"{where}: conversations[{i}] function_call value is not JSON ({json_problem(e)})"
                 ) from None
             calls = calls if isinstance(calls, list) else [calls]
             msgs.append({"role": "assistant", "content": None, "tool_calls": [{"function": c} for c in calls]})

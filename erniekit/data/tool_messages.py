@@ -15,19 +15,13 @@ import json
 import re
 
 from erniekit.errors import DataError
+from erniekit.utils.io import json_problem
 
 NAME = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
 
 
 def _json(value: object) -> str:
     return value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
-
-
-def _why(e: Exception) -> str:
-    """Why JSON text did not decode, in a few words."""
-    if isinstance(e, json.JSONDecodeError):
-        return f"{e.msg} at column {e.colno}"
-    return "nested too deeply"
 
 
 def check_tools(tools: object, where: str, field: str = "tools") -> list[dict]:
@@ -37,9 +31,9 @@ def check_tools(tools: object, where: str, field: str = "tools") -> list[dict]:
     if isinstance(tools, str):  # ShareGPT / LLaMA-Factory keep the list as a JSON string
         try:
             tools = json.loads(tools) if tools.strip() else []
-        except (json.JSONDecodeError, RecursionError) as e:
+        except (ValueError, RecursionError) as e:  # not JSON, too deep, or a huge integer
             raise DataError(
-                f"{where}: field '{field}' is a string but not JSON ({_why(e)}); write a list of tools"
+                f"{where}: field '{field}' is a string but not JSON ({json_problem(e)}); write a list of tools"
             ) from None
     if not isinstance(tools, list):
         raise DataError(f"{where}: field '{field}' must be a list of {{'type': 'function', 'function': {{...}}}}")
@@ -92,8 +86,8 @@ def check_tool_calls(calls: object, where: str, names: set[str] | None) -> list[
         if isinstance(args, str):
             try:
                 args = json.loads(args) if args.strip() else {}
-            except (json.JSONDecodeError, RecursionError) as e:
-                raise DataError(f"{at}.function.arguments is not JSON ({_why(e)}): {args[:60]!r}") from None
+            except (ValueError, RecursionError) as e:  # not JSON, too deep, or a huge integer
+                raise DataError(f"{at}.function.arguments is not JSON ({json_problem(e)}): {args[:60]!r}") from None
         if not isinstance(args, dict):
             raise DataError(f"{at}.function.arguments must be a JSON object, got {type(args).__name__}")
         norm = {"type": "function", "function": {"name": name, "arguments": args}}

@@ -100,6 +100,16 @@ def atomic_write_json(path: str, obj: Any) -> None:
     atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=False) + "\n")
 
 
+def json_problem(e: Exception) -> str:
+    """Why JSON text did not load, in a few words: a decode error, nesting Python's decoder cannot
+    hold (RecursionError), or an integer past its digit limit (ValueError)."""
+    if isinstance(e, json.JSONDecodeError):
+        return f"{e.msg} at column {e.colno}"
+    if isinstance(e, RecursionError):
+        return "arrays or objects nested too deeply to read"
+    return str(e).split(";")[0]
+
+
 def read_json_object(path: str, hint: str = "fix or regenerate the file") -> dict:
     """A JSON object from `path`; malformed JSON or a non-object is a one-line CheckpointError."""
     try:
@@ -109,10 +119,8 @@ def read_json_object(path: str, hint: str = "fix or regenerate the file") -> dic
         raise CheckpointError(f"{path}:{e.lineno}: invalid JSON ({e.msg}); {hint}") from None
     except UnicodeDecodeError as e:
         raise CheckpointError(f"{path}: not UTF-8 text (byte {e.start}); {hint}") from None
-    except ValueError as e:  # an integer past Python's digit limit (sys.get_int_max_str_digits)
-        raise CheckpointError(f"{path}: invalid JSON ({str(e).split(';')[0]}); {hint}") from None
-    except RecursionError:
-        raise CheckpointError(f"{path}: invalid JSON (arrays or objects nested too deeply to read); {hint}") from None
+    except (ValueError, RecursionError) as e:  # a huge integer, or nesting the decoder cannot hold
+        raise CheckpointError(f"{path}: invalid JSON ({json_problem(e)}); {hint}") from None
     if not isinstance(data, dict):
         raise CheckpointError(f"{path}: expected a JSON object at top level; {hint}")
     return data

@@ -221,9 +221,13 @@ def test_training_ids_are_the_inference_prompt_ids(tmp_path, tok):
                     *OPENAI["messages"][2:],
                 ],
             },
-            "arguments is not JSON (nested too deeply)",
+            "arguments is not JSON (arrays or objects nested too deeply to read)",
         ),
-        ({**OPENAI, "tools": "[" * 100_000}, "is a string but not JSON (nested too deeply)"),
+        ({**OPENAI, "tools": "[" * 100_000}, "is a string but not JSON (arrays or objects nested too deeply to read)"),
+        (  # an integer past Python's digit limit was a ValueError traceback
+            {**OPENAI, "tools": '[{"type": "function", "function": {"name": "f", "x": 1' + "0" * 5000 + "}}]"},
+            "is a string but not JSON (Exceeds the limit (4300 digits)",
+        ),
     ],
 )
 def test_bad_tools_and_calls_are_one_line_errors_with_file_and_line(tmp_path, record, message):
