@@ -24,6 +24,7 @@ import threading
 import time
 
 from erniekit.errors import ConfigError
+from erniekit.utils.run_control import stopped_exit_code
 
 KEY_ENV = "ERNIEKIT_CROSS_CLUSTER_KEY"
 _FORWARDED = ("OMP_NUM_THREADS",)
@@ -113,7 +114,7 @@ class _Cluster:
 
 def exit_code(returncode: int) -> int:
     """A child's return code as a shell reports it: killed by signal N (-N) is 128 + N."""
-    return 128 - returncode if returncode < 0 else returncode
+    return stopped_exit_code(-returncode) if returncode < 0 else returncode
 
 
 def launch_clusters(cfg, train_args: list[str], user_threads: str | None = None) -> int:
