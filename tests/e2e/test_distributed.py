@@ -226,9 +226,14 @@ def test_killed_worker_restarts_from_the_latest_checkpoint_and_ends_on_the_same_
         text=True,
     )
     deadline = time.time() + 300
+    pids: dict[int, int] = {}
+    # the workers' PIDs first (a /proc scan takes a while), then the kill as soon as checkpoint-10
+    # appears: the 10 steps to the last checkpoint take well under a second on an idle machine
+    while 1 not in pids and p.poll() is None and time.time() < deadline:
+        pids = worker_pids(out)
+        time.sleep(0.05)
     while not (out / "checkpoint-10").is_dir() and p.poll() is None and time.time() < deadline:
-        time.sleep(0.1)
-    pids = worker_pids(out)
+        time.sleep(0.005)
     assert 1 in pids and not (out / "checkpoint-20").exists(), pids
     os.kill(pids[1], signal.SIGKILL)
     stdout, _ = p.communicate(timeout=600)
