@@ -9,16 +9,24 @@ chat keeps it in one place and training and inference render the same text (docs
 Training drops attributes at random (`control_drop_prob`) so the model still answers without them;
 which ones are dropped is a fixed function of (seed, example index, key): rebuilding the rows, as a
 resumed run does, drops the same ones.
+
+What a model was trained on is recorded beside its weights (`control_attributes.json`: per key, the
+values the training records had and how many; at most MAX_RECORDED_VALUES per key, a key with more is
+"open"), so `chat --control`, the server and held-out evaluation refuse an attribute the model never
+saw (check_trained_control) instead of rendering a prefix with no trained effect.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import hashlib
+import os
 import re
-from collections.abc import Callable
+from collections import Counter
+from collections.abc import Callable, Iterable
 
-from erniekit.errors import DataError
+from erniekit.errors import CheckpointError, DataError
 
 OPEN, CLOSE = "<control>", "</control>"
 MAX_ATTRIBUTES = 8
@@ -109,6 +117,124 @@ def parse_control_args(items: list[str], where: str = "--control") -> dict[str, 
             raise DataError(f"{where} gives {key.strip()!r} twice; give each attribute once")
         raw[key.strip()] = value
     return check_control(raw, where, "control")
+
+
+# ---- the record of the attributes a model was trained on (control_attributes.json) -------------------
+CONTROL_RECORD_NAME = "control_attributes.json"
+RECORD_VERSION = 1
+MAX_RECORDED_VALUES = 64  # per key; a key with more distinct values is "open": any value is accepted
+_SHOWN_VALUES = 16  # values a refusal lists
+
+
+def count_controls(controls: Iterable[dict[str, str]]) -> dict:
+    """The record of training controls: per key, each value's number of records (controls as the data
+    had them, before control_drop_prob: a dropped attribute is still trained on other records)."""
+    counts: dict[str, Counter] = {}
+    records = 0
+    for control in controls:
+        records += bool(control)
+        for k, v in control.items():
+            counts.setdefault(k, Counter())[v] += 1
+    attrs = {k: _bounded(dict(c), False) for k, c in sorted(counts.items())}
+    return {"version": RECORD_VERSION, "records": records, "attributes": attrs}
+
+
+def _bounded(values: dict[str, int], is_open: bool) -> dict:
+    """At most MAX_RECORDED_VALUES values, the most frequent (ties by value); more make the key open."""
+    kept = sorted(values.items(), key=lambda kv: (-kv[1], kv[0]))[:MAX_RECORDED_VALUES]
+    return {"open": is_open or len(values) > MAX_RECORDED_VALUES, "values": dict(sorted(kept))}
+
+
+def merge_records(a: dict | None, b: dict | None) -> dict | None:
+    """The union of two records, counts added (a model trained on `a`'s data, then on `b`'s); None
+    when both are None or empty."""
+    parts = [r for r in (a, b) if r and r.get("attributes")]
+    if not parts:
+        return None
+    attrs: dict[str, dict] = {}
+    for r in parts:
+        for k, entry in r["attributes"].items():
+            was = attrs.setdefault(k, {"open": False, "values": Counter()})
+            was["open"] = was["open"] or entry["open"]
+            was["values"].update(entry["values"])
+    merged = {k: _bounded(dict(e["values"]), e["open"]) for k, e in sorted(attrs.items())}
+    return {"version": RECORD_VERSION, "records": sum(r.get("records", 0) for r in parts), "attributes": merged}
+
+
+def read_control_record(model_dir: str | None) -> dict | None:
+    """`model_dir`'s record, or None when it has none (a base model, an older checkpoint, a preset
+    name); a damaged file is a one-line CheckpointError."""
+    from erniekit.utils.io import read_json_object
+
+    path = os.path.join(model_dir, CONTROL_RECORD_NAME) if model_dir else ""
+    if not path or not os.path.isfile(path):
+        return None
+    hint = "delete it to skip the check of control attributes (docs/control.md)"
+    record = read_json_object(path, hint)
+    problem = _record_problem(record)
+    if problem:
+        raise CheckpointError(f"{path}: {problem}; {hint}")
+    return record
+
+
+def _record_problem(record: dict) -> str | None:
+    """What is wrong with a record read from a file (None when it is well formed)."""
+    if record.get("version") != RECORD_VERSION:
+        return f"version {record.get('version')!r} is not {RECORD_VERSION}"
+    attrs = record.get("attributes")
+    if not isinstance(attrs, dict):
+        return "'attributes' must be an object of key: {open, values}"
+    for k, entry in attrs.items():
+        values = entry.get("values") if isinstance(entry, dict) else None
+        if not isinstance(values, dict) or not isinstance(entry.get("open"), bool):
+            return f'attributes.{k:.40} must be {{"open": true|false, "values": {{value: count}}}}'
+        if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in values.values()):
+            return f"attributes.{k:.40}.values must map each value to a record count"
+    return None
+
+
+def write_control_record(model_dir: str, record: dict | None) -> None:
+    """Write `record` into `model_dir` (atomically); no record removes a stale file an older run left
+    there, since the weights beside it are no longer the ones it described."""
+    from erniekit.utils.io import atomic_write_json
+
+    path = os.path.join(model_dir, CONTROL_RECORD_NAME)
+    if record:
+        atomic_write_json(path, record)
+    elif os.path.isfile(path):
+        os.remove(path)
+
+
+def check_trained_control(control: dict[str, str], record: dict | None, where: str, source: str = "") -> None:
+    """Refuse an attribute, or a value of a closed key, that `record` says the model was not trained
+    on (DataError: `where`KEY=VALUE, a did-you-mean and what it was trained on). No record: no check."""
+    if not record or not control:
+        return
+    attrs = record["attributes"]
+    tail = f" ({source}; docs/control.md)" if source else " (docs/control.md)"
+    for k, v in sorted(control.items()):
+        if k not in attrs:
+            raise DataError(
+                f"{where}{k}={v}: this model was not trained with the attribute {k!r}{_did_you_mean(k, attrs)}; "
+                f"its attributes: {', '.join(sorted(attrs))}{tail}"
+            )
+        entry = attrs[k]
+        if not entry["open"] and v not in entry["values"]:
+            raise DataError(
+                f"{where}{k}={v}: this model was trained on {k} = {_listed(entry['values'])} only"
+                f"{_did_you_mean(v, entry['values'])}{tail}"
+            )
+
+
+def _did_you_mean(word: str, choices: Iterable[str]) -> str:
+    close = difflib.get_close_matches(word, list(choices), n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def _listed(values: dict[str, int]) -> str:
+    names = sorted(values)
+    more = len(names) - _SHOWN_VALUES
+    return ", ".join(names[:_SHOWN_VALUES]) + (f" and {more} more" if more > 0 else "")
 
 
 # ---- following: does a reply do what its control asked? ------------------------------------------

@@ -118,7 +118,20 @@ def export_hf(
         info["elastic"] = {"depth": elastic.depth, "experts": elastic.experts, "top_k": elastic.top_k}
     with _marked_unfinished(out, info):
         writer.write(model, tokenizer, out, info, options)
+        _carry_control_record(src, base, out)
     return out
+
+
+def _carry_control_record(src: str, base: str | None, out: str) -> None:
+    """The control attributes the source was trained on (an adapter's own record holds its base's;
+    an adapter without one keeps its base's) go with the export, so chat and the server check them
+    there too; a --force export of a model without one removes the stale file (docs/control.md)."""
+    from erniekit.data.control import read_control_record, write_control_record
+
+    record = read_control_record(src) if os.path.isdir(src) else None
+    if record is None and base is not None:
+        record = read_control_record(base)
+    write_control_record(out, record)
 
 
 @contextlib.contextmanager

@@ -282,6 +282,8 @@ def _max_chars_per_token(pieces: list[str]) -> int:
 class OpenAIServer:
     """The request handling, free of the web framework (the FastAPI routes call it)."""
 
+    control_record: dict | None = None  # the model's control_attributes.json (run_server sets it; docs/control.md)
+
     def __init__(
         self,
         engine: Engine,
@@ -488,17 +490,19 @@ class OpenAIServer:
             ids = ids + self.tokenizer.encode(mode.forced)
         return ids, None, None, mode
 
-    @staticmethod
-    def _control(body: dict) -> dict[str, str]:
+    def _control(self, body: dict) -> dict[str, str]:
         """`control` (the openai client's extra_body={"control": {...}}): attribute -> value strings,
-        rendered as the control prefix (erniekit/data/control.py; docs/control.md)."""
-        from erniekit.data.control import check_control
+        rendered as the control prefix (erniekit/data/control.py; docs/control.md); an attribute the
+        model was not trained on (`control_record`) is refused."""
+        from erniekit.data.control import check_control, check_trained_control
         from erniekit.errors import DataError
 
         try:
-            return check_control(body.get("control"), "request")
+            control = check_control(body.get("control"), "request")
+            check_trained_control(control, self.control_record, "control ")
         except DataError as e:
             raise BadRequest(str(e).removeprefix("request: "), "control") from None
+        return control
 
     def _dialog(self, msgs: list[dict], tools: list[dict] | None) -> list[dict]:
         from erniekit.data.tool_messages import normalize_dialog
@@ -1432,9 +1436,11 @@ def run_server(ns) -> int:
         )
     import uvicorn
 
+    from erniekit.data.control import read_control_record
     from erniekit.infer.chat import load_chat_model, stop_ids
     from erniekit.infer.weight_packing import packing_choice
 
+    control_record = read_control_record(ns.model_dir)  # a damaged file stops here, before the weights load
     model, tokenizer = load_chat_model(ns.model_dir)
     pack, packing = packing_choice(model, getattr(ns, "packed_weights", None) or "auto")
     engine = Engine(
@@ -1451,17 +1457,17 @@ def run_server(ns) -> int:
         from erniekit.errors import ErniekitError
 
         raise ErniekitError(f"server: --allowed-local-media-path {media} is not a directory")
-    app = build_app(
-        OpenAIServer(
-            engine,
-            tokenizer,
-            name,
-            api_key,
-            max_body_bytes=ns.max_body_bytes,
-            local_media_root=media,
-            max_queued=ns.max_queued_requests,
-        )
+    server = OpenAIServer(
+        engine,
+        tokenizer,
+        name,
+        api_key,
+        max_body_bytes=ns.max_body_bytes,
+        local_media_root=media,
+        max_queued=ns.max_queued_requests,
     )
+    server.control_record = control_record
+    app = build_app(server)
     print(
         f"erniekit: serving {name} ({ns.model_dir}) at http://{ns.host}:{ns.port}/v1 (up to {ns.max_batch} "
         f"requests at once, context {engine.max_model_len} tokens, bodies up to {ns.max_body_bytes} bytes, "

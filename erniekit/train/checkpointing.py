@@ -61,7 +61,8 @@ def save_checkpoint(
     runner: StepRunner | None = None,
 ) -> None:
     """In a multi-process run every rank calls this (the full values are gathered collectively);
-    rank 0 alone writes, so the checkpoint is the unsharded layout any process count can load."""
+    rank 0 alone writes, so the checkpoint is the unsharded layout any process count can load.
+    extra_tensors: file name -> tensors (safetensors), or, for a name ending in `.json`, a JSON document."""
     from safetensors.paddle import save_file
 
     runner = runner if runner is not None else StepRunner()
@@ -70,9 +71,11 @@ def save_checkpoint(
     if main and os.path.exists(tmp):
         shutil.rmtree(tmp)
     opt = runner.optimizer_state(optimizer.state_dict())
+    documents = {n: doc for n, doc in (extra_tensors or {}).items() if n.endswith(".json")}  # JSON, as they are
     extra = {
         name: runner.full_tensors({k: to_dense(v) for k, v in tensors.items()})
         for name, tensors in (extra_tensors or {}).items()
+        if name not in documents
     }
     needed = _model_bytes(model) + _tensor_bytes(opt) + sum(_tensor_bytes(t) for t in extra.values())
     last = list_checkpoints(os.path.dirname(path) or ".")
@@ -93,6 +96,8 @@ def save_checkpoint(
             save_file({k: v.contiguous() for k, v in opt.items()}, os.path.join(tmp, OPTIMIZER_NAME))
             for name, tensors in extra.items():  # e.g. ema.safetensors
                 save_file({k: v.contiguous() for k, v in tensors.items()}, os.path.join(tmp, name))
+            for name, doc in documents.items():  # e.g. control_attributes.json
+                atomic_write_json(os.path.join(tmp, name), doc)
             atomic_write_json(os.path.join(tmp, STATE_NAME), state)
             replace_dir(tmp, path)
     runner.sync()  # no rank runs ahead of a checkpoint that is not on disk yet (PS servers too)

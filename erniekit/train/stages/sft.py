@@ -4,11 +4,21 @@ Evaluation: held-out loss, and exact match of greedy generations against the ref
 (the training format is the chat template, so what is measured is what `erniekit chat` does);
 for tool conversations, tool-call exact match and final-answer accuracy of agent round trips
 (erniekit/train/tool_eval.py).
+
+Control attributes the run trains on (with those its starting model recorded) are saved beside the
+weights, in every checkpoint and the final model, as control_attributes.json (docs/control.md).
 """
 
 from __future__ import annotations
 
-from erniekit.data.control import drop_controls
+from erniekit.data.control import (
+    CONTROL_RECORD_NAME,
+    count_controls,
+    drop_controls,
+    merge_records,
+    read_control_record,
+    write_control_record,
+)
 from erniekit.data.encode import encode_conversations, pack
 from erniekit.data.formats import Conversation, load_sft_examples
 from erniekit.train.evaluation import baseline_exact_match, exact_match_eval, majority_reply
@@ -31,9 +41,14 @@ class SFTStage(Stage):
     supports = LM
 
     credibility = None  # erniekit/train/credibility.py, with credibility_loss_weight > 0
+    control_record = None  # the control attributes trained on, starting model's included (docs/control.md)
 
     def build_train_rows(self, cfg, tokenizer):
         convs = load_sft_examples(cfg.train_dataset_path, cfg.train_dataset_type)
+        # recorded as the data has them: an attribute dropped from one record is trained on others
+        self.control_record = merge_records(
+            read_control_record(cfg.model_name_or_path), count_controls(c.control for c in convs)
+        )
         convs = drop_controls(convs, cfg.control_drop_prob, cfg.seed)  # docs/control.md
         self.majority_reply = majority_reply(convs)
         self.train_convs = convs
@@ -42,6 +57,8 @@ class SFTStage(Stage):
     # ---- the credibility loss (docs/control.md): a scoring head beside the model ----------------------
     def prepare(self, model, train_rows, eval_data, cfg, tokenizer) -> None:
         super().prepare(model, train_rows, eval_data, cfg, tokenizer)
+        if not cfg.do_train:  # the model saved at the end is the one given: its record goes with it
+            self.control_record = read_control_record(cfg.model_name_or_path)
         if cfg.credibility_loss_weight > 0 and cfg.do_train:
             from erniekit.train.credibility import CredibilityTraining
 
@@ -66,19 +83,39 @@ class SFTStage(Stage):
         return [] if self.credibility is None else self.credibility.named_parameters()
 
     def checkpoint_tensors(self):
-        return {} if self.credibility is None else self.credibility.tensors()
+        """The credibility head, and the control record (a `.json` name: written as a JSON document)."""
+        record = {CONTROL_RECORD_NAME: self.control_record} if self.control_record else {}
+        return {**self._credibility_tensors(), **record}
 
     def load_checkpoint_tensors(self, path: str) -> None:
         if self.credibility is not None:
             self.credibility.load(path)
 
     def model_tensors(self):
-        return self.checkpoint_tensors()
+        return self._credibility_tensors()
+
+    def _credibility_tensors(self):
+        return {} if self.credibility is None else self.credibility.tensors()
+
+    def save_final(self, output_dir: str, tokenizer) -> None:
+        super().save_final(output_dir, tokenizer)
+        from erniekit.utils.dtensor import is_main_process
+
+        if is_main_process():  # no record removes one an older run in output_dir left
+            write_control_record(output_dir, self.control_record)
 
     def build_eval_data(self, cfg, tokenizer):
         if not cfg.eval_dataset_path:
             return None
         convs = load_sft_examples(cfg.eval_dataset_path, cfg.eval_dataset_type)
+        from erniekit.train.control_eval import check_held_out_controls
+
+        if cfg.do_train:  # what this run trains on
+            record, source = self.control_record, "trained: train_dataset_path and model_name_or_path's record"
+        else:
+            record = read_control_record(cfg.model_name_or_path)
+            source = f"{cfg.model_name_or_path}/{CONTROL_RECORD_NAME}"
+        check_held_out_controls(convs, record, cfg.eval_dataset_path, source)
         return {"convs": convs, "rows": _rows(convs, cfg, tokenizer, False, cfg.eval_dataset_path)}
 
     def evaluate(self, model, tokenizer, eval_data, cfg):

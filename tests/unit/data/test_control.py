@@ -9,20 +9,27 @@ from pathlib import Path
 import pytest
 
 from erniekit.data.control import (
+    CONTROL_RECORD_NAME,
     FOLLOW_CHECKS,
+    MAX_RECORDED_VALUES,
     check_control,
+    check_trained_control,
     control_system,
+    count_controls,
     drop_control,
     drop_controls,
     follows,
+    merge_records,
     parse_control_args,
+    read_control_record,
     render_control,
     with_control,
+    write_control_record,
 )
 from erniekit.data.encode import IGNORE_INDEX, encode_conversation
 from erniekit.data.formats import Conversation, load_sft_examples
 from erniekit.data.synthetic_control import make_control_records, number_words, write_control_dataset
-from erniekit.errors import DataError
+from erniekit.errors import CheckpointError, DataError
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -184,3 +191,81 @@ def test_the_bundled_demo_data_is_what_the_generator_writes(tmp_path):
     bundled = ROOT / "examples" / "data" / "control"
     for split, path in paths.items():
         assert Path(path).read_bytes() == (bundled / f"{split}.jsonl").read_bytes(), split
+
+
+# ---- the record of trained attributes (control_attributes.json) -----------------------------------
+def test_the_record_counts_values_per_key_and_opens_a_key_past_the_bound():
+    many = [{"topic": f"t{i:03d}"} for i in range(MAX_RECORDED_VALUES + 1)] + [{"topic": "t000"}]
+    rec = count_controls([{"style": "words"}, {"style": "digits", "length": "short"}, {}, {"style": "words"}, *many])
+    assert rec["records"] == 3 + len(many)
+    assert rec["attributes"]["style"] == {"open": False, "values": {"digits": 1, "words": 2}}
+    assert rec["attributes"]["length"] == {"open": False, "values": {"short": 1}}
+    topic = rec["attributes"]["topic"]
+    assert topic["open"] and len(topic["values"]) == MAX_RECORDED_VALUES and topic["values"]["t000"] == 2
+    exactly = count_controls([{"k": f"v{i}"} for i in range(MAX_RECORDED_VALUES)])["attributes"]["k"]
+    assert not exactly["open"] and len(exactly["values"]) == MAX_RECORDED_VALUES
+    assert count_controls([{}, {}])["attributes"] == {}
+
+
+def test_records_merge_by_adding_counts():
+    a = count_controls([{"style": "words"}, {"style": "digits"}])
+    b = count_controls([{"style": "words", "tone": "formal"}])
+    m = merge_records(a, b)
+    assert m["records"] == 3
+    assert m["attributes"] == {
+        "style": {"open": False, "values": {"digits": 1, "words": 2}},
+        "tone": {"open": False, "values": {"formal": 1}},
+    }
+    assert merge_records(None, b) == merge_records(b, count_controls([])) == {**b, "version": 1}
+    assert merge_records(None, count_controls([{}])) is None
+    # more distinct values together than a record keeps: the key becomes open
+    x = count_controls([{"k": f"a{i}"} for i in range(40)])
+    y = count_controls([{"k": f"b{i}"} for i in range(40)])
+    assert merge_records(x, y)["attributes"]["k"]["open"]
+
+
+def test_a_record_is_written_read_back_and_a_stale_one_removed(tmp_path):
+    rec = count_controls([{"style": "words"}])
+    assert read_control_record(str(tmp_path)) is None and read_control_record("tiny-moe") is None
+    write_control_record(str(tmp_path), rec)
+    assert read_control_record(str(tmp_path)) == rec
+    write_control_record(str(tmp_path), None)
+    assert not (tmp_path / CONTROL_RECORD_NAME).exists()
+
+
+@pytest.mark.parametrize(
+    "text, what",
+    [
+        ("{", "invalid JSON"),
+        ('{"version": 2, "attributes": {}}', "version 2 is not 1"),
+        ('{"version": 1, "attributes": {"style": ["words"]}}', "attributes.style must be"),
+        ('{"version": 1, "attributes": {"style": {"open": false, "values": {"w": "x"}}}}', "record count"),
+    ],
+)
+def test_a_damaged_record_is_one_line(tmp_path, text, what):
+    (tmp_path / CONTROL_RECORD_NAME).write_text(text)
+    with pytest.raises(CheckpointError, match=what) as e:
+        read_control_record(str(tmp_path))
+    assert "\n" not in str(e.value) and "delete it to skip the check" in str(e.value)
+
+
+def test_untrained_attributes_and_closed_values_are_refused_with_a_did_you_mean():
+    rec = count_controls([{"style": "words", "length": "short"}, {"style": "digits", "length": "long"}])
+    rec = merge_records(rec, count_controls([{"topic": f"t{i}"} for i in range(MAX_RECORDED_VALUES + 1)]))
+    check_trained_control({"style": "words", "length": "long"}, rec, "--control ")
+    check_trained_control({"topic": "anything at all"}, rec, "--control ")  # an open key takes any value
+    with pytest.raises(DataError) as e:
+        check_trained_control({"stlye": "words"}, rec, "--control ", "m/control_attributes.json")
+    assert str(e.value) == (
+        "--control stlye=words: this model was not trained with the attribute 'stlye' (did you mean 'style'?); "
+        "its attributes: length, style, topic (m/control_attributes.json; docs/control.md)"
+    )
+    with pytest.raises(DataError) as e:
+        check_trained_control({"style": "wrods"}, rec, "control ")
+    assert str(e.value) == (
+        "control style=wrods: this model was trained on style = digits, words only (did you mean 'words'?) "
+        "(docs/control.md)"
+    )
+    with pytest.raises(DataError, match="attribute 'zzz'; its attributes"):  # nothing close: no guess
+        check_trained_control({"zzz": "words"}, rec, "")
+    check_trained_control({"stlye": "words"}, None, "--control ")  # no record (a base model): no check

@@ -202,3 +202,30 @@ def test_force_does_not_write_over_weights_that_are_no_export(ckpts, tmp_path):
     (notes / "README.md").write_text("kept")
     export_hf(ckpts["base"], str(notes), force=True)  # no weights in it: --force writes beside the rest
     assert (notes / "README.md").read_text() == "kept" and (notes / "model.safetensors").exists()
+
+
+def test_the_control_record_goes_with_the_export_and_force_drops_a_stale_one(ckpts, tmp_path):
+    """chat and the server check --control against control_attributes.json (docs/control.md): an
+    export that dropped it left an exported control model unchecked."""
+    import shutil
+
+    from erniekit.data.control import CONTROL_RECORD_NAME, count_controls, read_control_record, write_control_record
+
+    record = count_controls([{"style": "words"}, {"style": "digits"}])
+    src, lora = tmp_path / "src", tmp_path / "lora"
+    shutil.copytree(ckpts["base"], src)
+    shutil.copytree(ckpts["lora"], lora)
+    write_control_record(str(src), record)
+    out = str(tmp_path / "out")
+    export_hf(str(src), out)
+    assert read_control_record(out) == record
+    export_hf(ckpts["base"], out, force=True)  # a model trained without controls replaces it
+    assert not os.path.exists(os.path.join(out, CONTROL_RECORD_NAME))
+    with open(lora / "adapter_config.json") as f:
+        cfg = json.load(f)
+    cfg["base_model_name_or_path"] = str(src)
+    with open(lora / "adapter_config.json", "w") as f:
+        json.dump(cfg, f)
+    merged = str(tmp_path / "merged")
+    export_hf(str(lora), merged)  # an adapter without a record keeps its base's
+    assert read_control_record(merged) == record

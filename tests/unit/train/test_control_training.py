@@ -13,6 +13,7 @@ import paddle
 import pytest
 
 from erniekit.config import load_config, validate
+from erniekit.data.control import CONTROL_RECORD_NAME, count_controls, read_control_record, write_control_record
 from erniekit.data.formats import load_sft_examples
 from erniekit.models.ernie4_5 import Ernie4_5ForCausalLM, get_preset
 from erniekit.models.ernie4_5.tokenizer import default_tokenizer
@@ -133,6 +134,10 @@ def test_a_run_saves_the_head_resumes_exactly_and_prints_the_lines(tmp_path):
     logs: list[str] = []
     run_train(_cfg(full, *common, "eval_max_samples=16", "eval_max_new_tokens=6", "eval_steps=100"), log=logs.append)
     assert (full / CREDIBILITY_HEAD_NAME).exists() and (full / "checkpoint-2" / CREDIBILITY_HEAD_NAME).exists()
+    # the attributes trained on, as the data had them (control_drop_prob 0.2 drops some from the prompts)
+    want = count_controls(c.control for c in load_sft_examples(str(DATA / "train.jsonl")))
+    assert set(want["attributes"]) == {"style"} and want["records"] == 5000
+    assert read_control_record(str(full)) == want == read_control_record(str(full / "checkpoint-2"))
     assert any(line.startswith("held-out control following: style=digits ") and "style=words" in line for line in logs)
     assert any(line.startswith("held-out credibility AUC (real vs sampled replies): ") for line in logs)
     steps = {r["step"]: r for r in _scalars(full) if "train/loss" in r}
@@ -146,6 +151,7 @@ def test_a_run_saves_the_head_resumes_exactly_and_prints_the_lines(tmp_path):
     for s in (3, 4):
         for key in ("train/loss", "train/credibility_loss"):
             assert again[s][key] == pytest.approx(steps[s][key], rel=1e-5, abs=1e-6), (s, key)
+    assert read_control_record(str(resumed)) == want  # rebuilt from the data, not added to the checkpoint's
     a, b = load_file(str(full / CREDIBILITY_HEAD_NAME)), load_file(str(resumed / CREDIBILITY_HEAD_NAME))
     for k in a:
         np.testing.assert_allclose(a[k], b[k], atol=1e-6, err_msg=k)
@@ -179,3 +185,96 @@ def test_control_eval_counts_replies_that_follow(monkeypatch):
     )
     assert lines[1].startswith("held-out credibility AUC (real vs sampled replies): 0.900")
     assert ce.held_out_lines({"exact_match": 1.0}) == []
+
+
+def _start_dir(path, record=None) -> str:
+    """A directory model_name_or_path accepts (config.json), with `record` as its control_attributes.json."""
+    path.mkdir()
+    get_preset("tiny-moe").save_pretrained(str(path))
+    write_control_record(str(path), record)
+    return str(path)
+
+
+def test_continued_training_adds_the_starting_models_record(tmp_path):
+    from erniekit.train.stages import get_stage
+
+    tok = default_tokenizer()
+    learnt = count_controls([{"style": "words"}] * 3 + [{"tone": "formal"}])
+    start = _start_dir(tmp_path / "start", learnt)
+    stage = get_stage("SFT")
+    stage.build_train_rows(_cfg(tmp_path / "out", f"model_name_or_path={start}", "control_drop_prob=0.5"), tok)
+    data = count_controls(c.control for c in load_sft_examples(str(DATA / "train.jsonl")))
+    rec = stage.control_record
+    assert rec["records"] == data["records"] + 4
+    assert rec["attributes"]["tone"] == {"open": False, "values": {"formal": 1}}  # kept from the start
+    words, digits = (data["attributes"]["style"]["values"][v] for v in ("words", "digits"))
+    assert rec["attributes"]["style"]["values"] == {"words": words + 3, "digits": digits}
+    stage.save_final(str(tmp_path / "out"), tok)
+    assert read_control_record(str(tmp_path / "out")) == rec
+    assert stage.checkpoint_tensors() == {CONTROL_RECORD_NAME: rec}  # every checkpoint carries it
+    # a run that does not train saves the model it was given, and that model's record with it
+    idle = get_stage("SFT")
+    idle.prepare(None, [], None, _cfg(tmp_path / "idle", f"model_name_or_path={start}", "do_train=false"), tok)
+    idle.save_final(str(tmp_path / "idle"), tok)
+    assert read_control_record(str(tmp_path / "idle")) == learnt
+
+
+def test_no_controls_means_no_record_and_a_stale_one_goes(tmp_path):
+    from erniekit.train.stages import get_stage
+
+    plain = tmp_path / "plain.jsonl"
+    plain.write_text("".join(json.dumps({"src": [f"{i}+1="], "tgt": [str(i + 1)]}) + "\n" for i in range(8)))
+    out = tmp_path / "out"
+    out.mkdir()
+    write_control_record(str(out), count_controls([{"style": "words"}]))  # an older run's
+    stage = get_stage("SFT")
+    stage.build_train_rows(_cfg(out, f"train_dataset_path={plain}"), default_tokenizer())
+    assert stage.control_record is None and stage.checkpoint_tensors() == {}
+    stage.save_final(str(out), default_tokenizer())
+    assert not (out / CONTROL_RECORD_NAME).exists()
+
+
+def test_a_lora_checkpoint_carries_the_record(tmp_path):
+    from erniekit.nn.lora import ADAPTER_CONFIG_NAME, LoraConfig, apply_lora
+    from erniekit.train.checkpointing import save_checkpoint
+
+    class _Opt:
+        def state_dict(self):
+            return {"__step__": paddle.to_tensor([2], dtype="int64")}
+
+    paddle.seed(0)
+    m = Ernie4_5ForCausalLM(get_preset("tiny-moe"))
+    apply_lora(m, LoraConfig(r=2))
+    rec = count_controls([{"style": "words"}])
+    path = tmp_path / "checkpoint-2"
+    save_checkpoint(
+        str(path), m, default_tokenizer(), _Opt(), {"global_step": 2}, extra_tensors={CONTROL_RECORD_NAME: rec}
+    )
+    assert (path / ADAPTER_CONFIG_NAME).exists() and read_control_record(str(path)) == rec
+
+
+def test_held_out_controls_the_run_does_not_train_are_refused_before_training(tmp_path):
+    from erniekit.errors import DataError
+    from erniekit.train.stages import get_stage
+
+    tok = default_tokenizer()
+    bad = tmp_path / "eval.jsonl"
+    bad.write_text(
+        json.dumps({"src": ["1+2="], "tgt": ["3"], "control": {"style": "digits"}})
+        + "\n"
+        + json.dumps({"src": ["1+2="], "tgt": ["three"], "control": {"stlye": "words"}})
+        + "\n"
+    )
+    cfg = _cfg(tmp_path, f"eval_dataset_path={bad}")
+    stage = get_stage("SFT")
+    stage.build_train_rows(cfg, tok)
+    with pytest.raises(DataError) as e:
+        stage.build_eval_data(cfg, tok)
+    assert str(e.value).startswith(f"{bad}:2: control stlye=words: this model was not trained with the attribute")
+    assert "did you mean 'style'?" in str(e.value) and "\n" not in str(e.value)
+    assert get_stage("SFT").build_eval_data(cfg, tok) is not None  # no record (nothing trained yet): no check
+    # an evaluation-only run checks against the model's own record
+    start = _start_dir(tmp_path / "m", count_controls([{"style": "digits"}]))
+    only_eval = _cfg(tmp_path, f"eval_dataset_path={bad}", f"model_name_or_path={start}", "do_train=false")
+    with pytest.raises(DataError, match=f"{bad}:2: control stlye=words: .*{start}/{CONTROL_RECORD_NAME}"):
+        get_stage("SFT").build_eval_data(only_eval, tok)
