@@ -237,7 +237,12 @@ def check_config_against_weights(config: Ernie4_5Config, path: str, overridden: 
     shapes = _header_shapes(path)
     cfg = os.path.join(path, "config.json") + (" with model_overrides" if overridden else "")
     prefix = "ernie" if "ernie.embed_tokens.weight" in shapes else "model"
-    hint = "use the config.json the weights were saved with"
+    hint = "use the config.json the weights were saved with" + (
+        "; model_overrides that change the model's shape do not apply to a checkpoint: leave them out "
+        "(e.g. 'model_overrides={}' on the command line)"
+        if overridden
+        else ""
+    )
 
     embed = f"{prefix}.embed_tokens.weight"
     if embed not in shapes:
@@ -271,6 +276,11 @@ def check_config_against_weights(config: Ernie4_5Config, path: str, overridden: 
             "routed experts",
             "moe_num_experts",
             config.moe_num_experts,
+        )
+    if not config.tie_word_embeddings and "lm_head.weight" not in shapes:
+        raise CheckpointError(
+            f"{cfg}: tie_word_embeddings=false but the weights hold no lm_head.weight (their output head is "
+            f"the embedding); {hint}"
         )
     depth = config.num_nextn_predict_layers
     if depth:

@@ -355,3 +355,17 @@ def test_the_moe_head_bias_is_kept_by_the_decode_and_loss_paths(tmp_path, tied):
         steps += [m(ids[:, t : t + 1], cache=cache).logits.numpy() for t in range(5, 7)]
     np.testing.assert_allclose(np.concatenate(steps, axis=1), full, atol=1e-5)
     assert np.abs(full - no_bias).max() > 0.5  # the bias is in the logits
+
+
+def test_an_untied_override_of_a_tied_checkpoint_names_model_overrides(tmp_path, monkeypatch):
+    """README's pretrain -> SFT chain once passed sft.yaml's model_overrides (an output head of its own)
+    to a tied pretraining checkpoint: 'lm_head.weight is missing', with no word of the override."""
+    path = _checkpoint(tmp_path, tie_word_embeddings=True)
+    _forbid_building(monkeypatch)
+    with pytest.raises(CheckpointError) as e:
+        load_model(path, {"tie_word_embeddings": False})
+    assert "with model_overrides: tie_word_embeddings=false but the weights hold no lm_head.weight" in _one_line(e)
+    assert "'model_overrides={}'" in str(e.value)
+    _edit_config(path, tie_word_embeddings=False)
+    with pytest.raises(CheckpointError, match=r"config\.json: tie_word_embeddings=false but the weights hold no"):
+        load_model(path)
