@@ -91,6 +91,12 @@ class TrainConfig:
         "entry DIR/dataset_info.json:NAME names one",
     )
     eval_dataset_type: str = _opt("auto", "format of eval data (as train_dataset_type)", DATASET_TYPES)
+    tokenized_path: str | None = _opt(
+        None,
+        "pretraining: a directory where the train / eval corpus is tokenized once (int32 ids + document "
+        "offsets) and memory-mapped by later runs, resumes and every process; rebuilt when the data files "
+        "or the tokenizer change. null: tokenize into memory at every start (docs/training.md)",
+    )
     max_seq_len: int = _opt(512, "longest token sequence fed to the model")
     packing: bool = _opt(False, "pack several short examples into one max_seq_len row")
     truncation: str = _opt("error", "what to do with examples over max_seq_len: error or truncate", TRUNCATION)
@@ -550,6 +556,7 @@ SECTION_KEYS: dict[str, tuple[str, ...]] = {
         "eval_dataset_path",
         "eval_dataset_type",
         "dataset_dir",
+        "tokenized_path",
         "max_seq_len",
         "packing",
         "truncation",

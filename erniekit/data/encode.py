@@ -210,40 +210,97 @@ def encode_pretrain_array(text: str, tokenizer: ErnieTokenizer) -> np.ndarray:
     return np.concatenate([*parts, np.asarray([tokenizer.eos_token_id], dtype=np.int32)])
 
 
+def concat_documents(docs: Iterable[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    """(int32 tokens of every document back to back, int64 offsets [docs + 1]), grown in place: the
+    documents are not held twice (a list of arrays and their concatenation) nor as one object each."""
+    tokens, offsets = _Growing(np.int32), _Growing(np.int64)
+    offsets.extend(np.zeros(1, np.int64))
+    for doc in docs:
+        tokens.extend(np.asarray(doc, dtype=np.int32))
+        offsets.extend(np.asarray([tokens.size], np.int64))
+    return tokens.array(), offsets.array()
+
+
+class _Growing:
+    """An array appended to in place: capacity grows by half (realloc, no second copy on Linux)."""
+
+    def __init__(self, dtype: type) -> None:
+        self._a, self.size = np.empty(1 << 12, dtype), 0
+
+    def extend(self, values: np.ndarray) -> None:
+        need = self.size + len(values)
+        if need > len(self._a):
+            self._a.resize(max(need, len(self._a) * 3 // 2), refcheck=False)
+        self._a[self.size : need] = values
+        self.size = need
+
+    def array(self) -> np.ndarray:
+        self._a.resize(self.size, refcheck=False)
+        return self._a
+
+
+def chunk_starts(doc_starts: np.ndarray, lengths: np.ndarray, max_seq_len: int) -> np.ndarray:
+    """Start offset of every max_seq_len chunk of every document, in order (pack() cuts a longer
+    document into such chunks; an empty one has none)."""
+    per_doc = -(-np.asarray(lengths, np.int64) // max_seq_len)
+    first = np.cumsum(per_doc) - per_doc
+    within = np.arange(int(per_doc.sum()), dtype=np.int64) - np.repeat(first, per_doc)
+    return np.repeat(np.asarray(doc_starts, np.int64), per_doc) + within * max_seq_len
+
+
+def row_starts(bounds: np.ndarray, max_seq_len: int) -> np.ndarray:
+    """Index of each row's first chunk under pack()'s greedy in-order packing, for contiguous chunks
+    with boundaries `bounds` (starts + end). A row starting at chunk s takes every chunk up to
+    next[s], the last boundary within max_seq_len tokens of bounds[s]; the row starts are 0, next[0],
+    next[next[0]], ..., found by pointer doubling (after round k the first 2**k are marked and `jump`
+    goes 2**k rows ahead): log2(rows) numpy passes instead of a Python step per chunk."""
+    n = len(bounds) - 1
+    if n <= 0:
+        return np.zeros(0, np.int64)
+    jump = np.searchsorted(bounds, bounds + max_seq_len, side="right") - 1  # jump[n] = n: the end
+    on = np.zeros(n + 1, bool)
+    on[0] = True
+    while jump[0] != n:
+        on[jump[np.flatnonzero(on)]] = True
+        jump = jump[jump]
+    return np.flatnonzero(on[:n])
+
+
 class PackedDocuments(Sequence):
     """`pack(docs, max_seq_len, pad_id)` of bare-id documents (pretraining), rows built on demand.
 
-    The documents sit in one int32 array (4 bytes a token) plus the chunk offsets; the rows pack()
-    returns hold four int64 arrays (32 bytes a token), which for a large corpus is what exhausts memory.
-    Row i equals pack()'s row i (tested)."""
+    The documents sit in one int32 array (4 bytes a token) plus int64 document offsets, in memory or
+    memory-mapped from a token store (`from_arrays`, erniekit/data/token_store.py: never copied); the
+    layout adds 8 bytes a chunk and a row. The rows pack() returns hold four int64 arrays (32 bytes a
+    token), which for a large corpus is what exhausts memory. Row i equals pack()'s row i (tested)."""
 
     def __init__(self, docs: Iterable[np.ndarray], max_seq_len: int, pad_id: int = 0) -> None:
+        self._setup(*concat_documents(docs), max_seq_len, pad_id)
+
+    @classmethod
+    def from_arrays(
+        cls, tokens: np.ndarray, doc_offsets: np.ndarray, max_seq_len: int, pad_id: int = 0
+    ) -> PackedDocuments:
+        """Rows over documents already in one array: document d is tokens[doc_offsets[d]:doc_offsets[d + 1]].
+        The arrays are used as they are (a memmap stays a memmap)."""
+        out = cls.__new__(cls)
+        out._setup(tokens, doc_offsets, max_seq_len, pad_id)
+        return out
+
+    def _setup(self, tokens: np.ndarray, doc_offsets: np.ndarray, max_seq_len: int, pad_id: int) -> None:
         if max_seq_len < 1:
             raise DataError(f"pack: max_seq_len={max_seq_len}; use a positive value")
-        arrays = [np.asarray(d, dtype=np.int32) for d in docs]
-        lengths = np.asarray([len(x) for x in arrays], dtype=np.int64)
-        self.num_docs, self.longest_doc = len(arrays), int(lengths.max(initial=0))
-        self.tokens = np.concatenate(arrays) if arrays else np.zeros(0, np.int32)
-        del arrays
+        lengths = np.diff(doc_offsets)
+        bad = tokens.ndim != 1 or len(doc_offsets) == 0 or doc_offsets[0] != 0 or doc_offsets[-1] != len(tokens)
+        if bad or (lengths < 0).any():
+            raise DataError(
+                f"pack: document offsets must rise from 0 to the {len(tokens)} tokens; the token store is damaged"
+            )
+        self.tokens, self.doc_offsets = tokens, doc_offsets
+        self.num_docs, self.longest_doc = len(lengths), int(lengths.max(initial=0))
         self.max_seq_len, self.pad_id = max_seq_len, pad_id
-        self._chunks, self._rows = self._layout(np.cumsum(lengths) - lengths, lengths)
-
-    def _layout(self, starts: np.ndarray, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """(chunk start offsets + end sentinel, index of each row's first chunk + sentinel): the
-        greedy in-order packing of pack(), whose rows hold consecutive chunks."""
-        L = self.max_seq_len
-        chunks, rows, used = [], [], 0
-        for a, n_doc in zip(starts.tolist(), lengths.tolist()):
-            for s in range(a, a + n_doc, L):
-                n = min(L, a + n_doc - s)
-                if not rows or used + n > L:
-                    rows.append(len(chunks))
-                    used = 0
-                chunks.append(s)
-                used += n
-        rows.append(len(chunks))
-        chunks.append(len(self.tokens))
-        return np.asarray(chunks, dtype=np.int64), np.asarray(rows, dtype=np.int64)
+        self._chunks = np.append(chunk_starts(doc_offsets[:-1], lengths, max_seq_len), len(tokens))
+        self._rows = np.append(row_starts(self._chunks, max_seq_len), len(self._chunks) - 1)
 
     def __len__(self) -> int:
         return len(self._rows) - 1

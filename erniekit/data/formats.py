@@ -35,6 +35,7 @@ DataError, other keys (ids, metadata) are named in one warning per file and igno
 
 from __future__ import annotations
 
+import codecs
 import difflib
 import functools
 import json
@@ -139,6 +140,18 @@ def split_paths(path: str) -> list[str]:
     return paths
 
 
+def _unreadable(path: str, e: OSError) -> DataError:
+    return DataError(f"{path}: cannot read the dataset file ({e.strerror}); check its permissions")
+
+
+def _not_utf8(path: str, line: int, byte: int, offset: int) -> DataError:
+    """An encoding mistake (a latin-1 or GBK export) named by file:line and byte offset, before the first step."""
+    return DataError(
+        f"{path}:{line}: not UTF-8 (byte 0x{byte:02x} at byte offset {offset}); "
+        "re-save the file as UTF-8, e.g. iconv -f GBK -t UTF-8"
+    )
+
+
 def read_text(path: str) -> str:
     """The file's text; bytes that are not UTF-8 are a DataError naming file:line and the byte offset
     (an encoding mistake, e.g. a latin-1 or GBK export, is found before the first step, not as a traceback)."""
@@ -146,15 +159,29 @@ def read_text(path: str) -> str:
         with open(path, "rb") as f:
             data = f.read()
     except OSError as e:
-        raise DataError(f"{path}: cannot read the dataset file ({e.strerror}); check its permissions") from None
+        raise _unreadable(path, e) from None
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as e:
-        line = data.count(b"\n", 0, e.start) + 1
-        raise DataError(
-            f"{path}:{line}: not UTF-8 (byte 0x{data[e.start]:02x} at byte offset {e.start}); "
-            "re-save the file as UTF-8, e.g. iconv -f GBK -t UTF-8"
-        ) from None
+        raise _not_utf8(path, data.count(b"\n", 0, e.start) + 1, data[e.start], e.start) from None
+
+
+def iter_lines(path: str) -> Iterator[tuple[int, str]]:
+    """(line number, text) of each line of `path`, split at \\n only (the \\n dropped, a \\r kept) as
+    `read_text(path).split("\\n")` gives them, but read a line at a time: memory holds one line, not the
+    file. Bytes that are not UTF-8 are read_text's DataError (same line and byte offset)."""
+    offset = 0
+    try:
+        with open(path, "rb") as f:
+            for lineno, raw in enumerate(f, 1):  # a UTF-8 sequence never holds the byte \n: a cut is safe
+                try:
+                    line = raw.decode("utf-8")
+                except UnicodeDecodeError as e:
+                    raise _not_utf8(path, lineno, raw[e.start], offset + e.start) from None
+                offset += len(raw)
+                yield lineno, line[:-1] if line.endswith("\n") else line
+    except OSError as e:
+        raise _unreadable(path, e) from None
 
 
 def _records(path: str) -> Iterator[tuple[int, object]]:
@@ -178,13 +205,44 @@ def _records(path: str) -> Iterator[tuple[int, object]]:
         yield from enumerate(data, 1)  # position in the list stands in for the line
         return
     for lineno, line in enumerate(text.split("\n"), 1):  # JSON lines end at \n only (U+2028 may sit in a string)
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except (ValueError, RecursionError) as e:
-            raise DataError(f"{path}:{lineno}: invalid JSON ({json_problem(e)}); fix or remove this line") from None
-        yield lineno, record
+        if line.strip():
+            yield lineno, _json_line(path, lineno, line)
+
+
+def _json_line(path: str, lineno: int, line: str) -> object:
+    try:
+        return json.loads(line)
+    except (ValueError, RecursionError) as e:
+        raise DataError(f"{path}:{lineno}: invalid JSON ({json_problem(e)}); fix or remove this line") from None
+
+
+def _starts_with_bracket(path: str, block: int = 1 << 16) -> bool:
+    """Whether the file's first character after whitespace is "[" (a JSON list), reading only as far as it.
+    Bytes that are not UTF-8 before it: False (the line reader then names them)."""
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    try:
+        with open(path, "rb") as f:
+            while data := f.read(block):
+                text = decoder.decode(data).lstrip()
+                if text:
+                    return text.startswith("[")
+    except OSError as e:
+        raise _unreadable(path, e) from None
+    except UnicodeDecodeError:
+        return False
+    return False
+
+
+def iter_records(path: str) -> Iterator[tuple[int, object]]:
+    """`_records(path)`, with a JSON-lines file read a line at a time (memory holds one record, not the
+    file). A JSON list, or any .json file (one object, or JSON lines misnamed .json), is still parsed
+    whole, as JSON itself needs: give a large corpus as .jsonl or plain text."""
+    if path.endswith(".json") or _starts_with_bracket(path):
+        yield from _records(path)
+        return
+    for lineno, line in iter_lines(path):  # JSON lines end at \n only (U+2028 may sit in a string)
+        if line.strip():
+            yield lineno, _json_line(path, lineno, line)
 
 
 _TYPO_CUTOFF = 0.8  # difflib ratio: "inputs"/"input" 0.91, "sytem"/"system" 0.91, "lable"/"label" 0.8
@@ -587,35 +645,59 @@ def load_sft_examples(path: str, fmt: str = "auto") -> list[Conversation]:
 _PRETRAIN_FIELDS = frozenset({"text"})
 
 
-def load_pretrain_texts(path: str) -> list[str]:
-    """Read pretraining documents from .jsonl/.json ({"text": ...}) or plain-text files."""
-    texts: list[str] = []
+def iter_pretrain_texts(path: str) -> Iterator[str]:
+    """Pretraining documents of the (comma-separated) files at `path`, in order, one at a time: .jsonl
+    ({"text": ...} records) and plain-text files (one document per non-empty line) are read a line at a
+    time, so memory holds one document, never the corpus; a .json file or a JSON list is parsed whole
+    (iter_records). A dataset_info.json entry reads its alpaca prompt column."""
     for p in split_paths(path):
-        before = len(texts)
-        ref = parse_ref(p)
-        if ref is not None:
-            entry = load_entry(*ref)
-            if entry.formatting != "alpaca" or entry.ranking:
-                raise DataError(
-                    f"{entry.where}: pretraining reads an alpaca dataset's prompt column (e.g. columns: "
-                    "{prompt: text}); sharegpt and ranking data are not pretraining data"
-                )
-            for file in entry.files:
-                texts += [entry.text(rec if isinstance(rec, dict) else {}, f"{file}:{n}") for n, rec in _records(file)]
-        elif p.endswith((".jsonl", ".json")):
-            ignored: set[str] = set()
-            for lineno, rec in _records(p):
-                where = f"{p}:{lineno}"
-                if not isinstance(rec, dict):
-                    raise DataError(f"{where}: expected a JSON object with a 'text' field, got {type(rec).__name__}")
-                check_fields(rec, _PRETRAIN_FIELDS, where, ignored)
-                texts.append(_str(rec, "text", where))
-            warn_ignored(p, "pretraining text", ignored)
-        else:
-            texts.extend(line.rstrip("\r") for line in read_text(p).split("\n") if line.strip())
-        if len(texts) == before:
+        empty = True
+        for text in _file_texts(p):
+            empty = False
+            yield text
+        if empty:
             raise DataError(f"{p}: no examples; the file is empty or has only blank lines")
-    return texts
+
+
+def load_pretrain_texts(path: str) -> list[str]:
+    """Every pretraining document of `path` in a list (iter_pretrain_texts); training streams them instead."""
+    return list(iter_pretrain_texts(path))
+
+
+def _file_texts(p: str) -> Iterator[str]:
+    ref = parse_ref(p)
+    if ref is not None:
+        yield from _entry_texts(load_entry(*ref))
+    elif p.endswith((".jsonl", ".json")):
+        yield from _record_texts(p)
+    else:
+        for _, line in iter_lines(p):
+            if line.strip():
+                yield line.rstrip("\r")
+
+
+def _entry_texts(entry: DatasetEntry) -> Iterator[str]:
+    """The prompt column of a LLaMA-Factory alpaca dataset's records, as its pretraining reads it."""
+    if entry.formatting != "alpaca" or entry.ranking:
+        raise DataError(
+            f"{entry.where}: pretraining reads an alpaca dataset's prompt column (e.g. columns: "
+            "{prompt: text}); sharegpt and ranking data are not pretraining data"
+        )
+    for file in entry.files:
+        for n, rec in iter_records(file):
+            yield entry.text(rec if isinstance(rec, dict) else {}, f"{file}:{n}")
+
+
+def _record_texts(p: str) -> Iterator[str]:
+    """The "text" of each record of a .jsonl / .json file; other keys named in one warning at its end."""
+    ignored: set[str] = set()
+    for lineno, rec in iter_records(p):
+        where = f"{p}:{lineno}"
+        if not isinstance(rec, dict):
+            raise DataError(f"{where}: expected a JSON object with a 'text' field, got {type(rec).__name__}")
+        check_fields(rec, _PRETRAIN_FIELDS, where, ignored)
+        yield _str(rec, "text", where)
+    warn_ignored(p, "pretraining text", ignored)
 
 
 def dataset_type_spellings() -> dict[str, str]:

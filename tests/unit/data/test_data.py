@@ -330,19 +330,27 @@ def test_pack_keeps_tokens_restarts_positions_and_separates_segments():
     assert np.array_equal(docs[0][1:], seqs[0][1][1:])
 
 
-def test_packed_documents_equal_pack_and_long_text_encodes_in_pieces(tok, monkeypatch):
-    """Pretraining rows are built on demand from one int32 array (PackedDocuments): the same rows as
-    pack(); a long document is tokenized in pieces cut before a space, with the same ids."""
+def test_packed_documents_equal_pack_and_long_text_encodes_in_pieces(tok, monkeypatch, tmp_path):
+    """Pretraining rows are built on demand from one int32 array (PackedDocuments), in memory or
+    memory-mapped from a token store: the same rows as pack(); a long document is tokenized in pieces
+    cut before a space, with the same ids."""
     import erniekit.data.encode as enc
+    from erniekit.data.token_store import open_or_build
 
     rng = np.random.default_rng(1)
-    for L in (1, 3, 8):
-        docs = [rng.integers(0, 100, rng.integers(1, 30)) for _ in range(25)]
-        want, got = pack([(d, d) for d in docs], L, pad_id=7), enc.PackedDocuments(docs, L, pad_id=7)
-        assert len(got) == len(want) and len(got[:]) == len(want)
-        for w, g in zip(want, got[:]):
-            assert all(np.array_equal(w[k], g[k]) and g[k].dtype == np.int64 for k in w)
-        assert np.array_equal(got[-1]["input_ids"], want[-1]["input_ids"])
+    for case, (L, shortest) in enumerate([(1, 1), (3, 1), (8, 1), (8, 0), (64, 0), (5, 5)]):
+        docs = [rng.integers(0, 100, rng.integers(shortest, 30)) for _ in range(25)]  # 0: empty documents too
+        store = open_or_build(str(tmp_path / f"s{case}"), {"case": case}, docs.copy)
+        want = pack([(d, d) for d in docs], L, pad_id=7)
+        for got in (
+            enc.PackedDocuments(docs, L, pad_id=7),
+            enc.PackedDocuments.from_arrays(store.tokens, store.doc_offsets, L, pad_id=7),
+        ):
+            assert len(got) == len(want) and len(got[:]) == len(want)
+            for w, g in zip(want, got[:]):
+                assert all(np.array_equal(w[k], g[k]) and g[k].dtype == np.int64 for k in w)
+            assert np.array_equal(got[-1]["input_ids"], want[-1]["input_ids"])
+    assert isinstance(store.tokens, np.memmap) and len(enc.PackedDocuments([], 4)) == 0
     text = " ".join(["12+34=46 hello world"] * 300)
     monkeypatch.setattr(enc, "PRETRAIN_PIECE_CHARS", 100)
     assert enc.encode_pretrain_array(text, tok).tolist() == encode_pretrain(text, tok)
