@@ -132,9 +132,16 @@ MAX_RERANK = 64  # answers sampled side by side for one reply
 
 def _check_control_flags(ns: argparse.Namespace) -> None:
     """--control and --rerank, checked before paddle loads."""
-    from erniekit.data.control import parse_control_args
+    from erniekit.data.control import (
+        CONTROL_RECORD_NAME,
+        check_trained_control,
+        parse_control_args,
+        read_control_record,
+    )
 
     ns.control = parse_control_args(ns.control)
+    record = read_control_record(ns.model_dir)  # the attributes the model was trained on (docs/control.md)
+    check_trained_control(ns.control, record, "--control ", os.path.join(ns.model_dir, CONTROL_RECORD_NAME))
     if not 1 <= ns.rerank <= MAX_RERANK:
         raise ErniekitError(f"chat: --rerank {ns.rerank} must be in 1..{MAX_RERANK}")
     if ns.rerank > 1:
@@ -513,7 +520,11 @@ def _eval_parser() -> argparse.ArgumentParser:
             help=f"--elastic: {what} to tabulate (default: the run's elastic_* choices)",
         )
     p.add_argument(
-        "--max-samples", type=int, metavar="N", default=500, help="--elastic, --credibility: examples scored"
+        "--max-samples",
+        type=int,
+        metavar="N",
+        default=500,
+        help="--routing, --elastic, --credibility: the first N examples of the data are used",
     )
     p.add_argument("--max-new-tokens", type=int, metavar="N", default=32, help="--credibility: longest sampled reply")
     p.add_argument(
@@ -546,12 +557,17 @@ def _eval_routing(ns: argparse.Namespace) -> int:
     data = ns.data or _default_eval_data()
     if data is None:
         raise ErniekitError("eval --routing needs --data PATH (the bundled examples/data is not next to this install)")
-    if ns.batch_size < 1 or ns.max_seq_len < 1:
-        raise ErniekitError(f"--batch-size {ns.batch_size} --max-seq-len {ns.max_seq_len}: both must be positive")
+    if min(ns.batch_size, ns.max_seq_len, ns.max_samples) < 1:
+        raise ErniekitError(
+            f"eval --routing: --batch-size {ns.batch_size}, --max-seq-len {ns.max_seq_len} and "
+            f"--max-samples {ns.max_samples} must all be >= 1"
+        )
     _import_paddle()
     from erniekit.routing.report import format_routing_table, routing_report
 
-    stats = routing_report(ns.model_dir, data, ns.out, batch_size=ns.batch_size, max_seq_len=ns.max_seq_len)
+    stats = routing_report(
+        ns.model_dir, data, ns.out, batch_size=ns.batch_size, max_seq_len=ns.max_seq_len, max_samples=ns.max_samples
+    )
     print(format_routing_table(stats))
     for what, path in stats["pictures"].items():
         print(f"{what} picture: {path}")

@@ -15,3 +15,12 @@ class DataError(ErniekitError):
 
 class CheckpointError(ErniekitError):
     """Missing files, missing tensors or shape mismatches in a checkpoint directory."""
+
+
+class RequestError(ErniekitError, ValueError):
+    """A generation input the model cannot take, e.g. a prompt token id outside its vocabulary
+    (a ValueError too, as the framework's own error for it was)."""
+
+
+class NonFiniteError(ErniekitError):
+    """The model's logits turned NaN or inf: damaged weights or a float16 overflow."""

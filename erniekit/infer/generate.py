@@ -12,11 +12,45 @@ import numpy as np
 import paddle
 import paddle.nn.functional as F
 
+from erniekit.errors import NonFiniteError, RequestError
 from erniekit.infer.sampling import SamplingParams
 from erniekit.models.ernie4_5.modeling import Ernie4_5ForCausalLM
 from erniekit.nn.attention import KVCache
 
-__all__ = ["SamplingParams", "generate", "generate_stream", "sample_next"]
+__all__ = [
+    "SamplingParams",
+    "argmax_or_flag",
+    "check_prompt_ids",
+    "generate",
+    "generate_stream",
+    "non_finite_error",
+    "sample_next",
+]
+
+
+def check_prompt_ids(prompts: list[list[int]], vocab_size: int, pad_id: int | None = None) -> None:
+    """RequestError naming the first id outside [0, vocab_size), its prompt and position (the
+    embedding lookup would fail inside the forward with a multi-line framework error).
+    pad_id: checked too when given (it is fed for left padding and finished rows)."""
+    for i, p in enumerate(prompts):
+        ids = np.asarray(p, dtype=np.int64).reshape(-1)
+        bad = np.flatnonzero((ids < 0) | (ids >= vocab_size))
+        if bad.size:
+            which = f" of prompt {i}" if len(prompts) > 1 else ""
+            raise RequestError(
+                f"prompt token id {ids[bad[0]]} at position {bad[0]}{which} is outside the vocabulary "
+                f"[0, {vocab_size}); check that the prompt was encoded with this model's tokenizer"
+            )
+    if pad_id is not None and not 0 <= pad_id < vocab_size:
+        raise RequestError(f"pad_id {pad_id} is outside the vocabulary [0, {vocab_size}); pass the tokenizer's pad id")
+
+
+def non_finite_error(where: str, dtype: object) -> NonFiniteError:
+    """The one-line error for NaN / inf logits `where` (e.g. "at generation step 3"), with what to check."""
+    hint = "check the checkpoint's weights for NaN or inf (a diverged or damaged training run)"
+    if str(dtype).split(".")[-1] == "float16":
+        hint += "; in float16 an activation may have overflowed: load the model in bfloat16 or float32"
+    return NonFiniteError(f"the model produced non-finite logits (NaN or inf) {where}; {hint}")
 
 
 def sample_next(logits: paddle.Tensor, temperature: float, top_p: float) -> paddle.Tensor:
@@ -38,6 +72,23 @@ def sample_next(logits: paddle.Tensor, temperature: float, top_p: float) -> padd
     return paddle.multinomial(probs, 1).squeeze(-1)
 
 
+def argmax_or_flag(logits: paddle.Tensor) -> paddle.Tensor:
+    """Greedy ids over the last axis, -1 where a row's logits are not all finite: the flag rides in
+    the ids' own device-to-host copy, so the check costs no extra sync per token."""
+    ids = paddle.argmax(logits, axis=-1)
+    return paddle.where(paddle.isfinite(logits).all(axis=-1), ids, paddle.full_like(ids, -1))
+
+
+def sample_or_flag(logits: paddle.Tensor, temperature: float, top_p: float) -> paddle.Tensor:
+    """sample_next's ids, -1 for a row whose logits are not all finite (as argmax_or_flag). Such a
+    row is sampled from zeros instead: multinomial raises on NaN probabilities, a GPU kernel may assert."""
+    if temperature == 0:
+        return argmax_or_flag(logits)
+    finite = paddle.isfinite(logits).all(axis=-1)
+    nxt = sample_next(paddle.where(finite.unsqueeze(-1), logits, paddle.zeros_like(logits)), temperature, top_p)
+    return paddle.where(finite, nxt, paddle.full_like(nxt, -1))
+
+
 @paddle.no_grad()
 def generate_stream(
     model: Ernie4_5ForCausalLM,
@@ -48,7 +99,10 @@ def generate_stream(
 ) -> Iterator[np.ndarray]:
     """Yield the new token of every sequence at each step ([B] array; -1 once a sequence stopped).
     on_forward: called after every model forward (the prefill, then one per decode step), e.g. to
-    record the MoE routing of the tokens just fed (erniekit/rl/rollout.py)."""
+    record the MoE routing of the tokens just fed (erniekit/rl/rollout.py).
+    RequestError for a prompt id outside the vocabulary; NonFiniteError when a running sequence's
+    logits turn NaN or inf."""
+    check_prompt_ids(prompts, int(model.config.vocab_size), pad_id if len(prompts) > 1 else None)
     if params.seed is not None:
         paddle.seed(params.seed)
     was_training = model.training
@@ -61,7 +115,8 @@ def generate_stream(
         ids[i, L - len(p) :] = p
         mask[i, L - len(p) : L] = 1
     padded = bool((mask[:, :L] == 0).any())
-    cache = KVCache(model.config, B, L + params.max_new_tokens, dtype=model.model.embed_tokens.weight.dtype)
+    dtype = model.model.embed_tokens.weight.dtype
+    cache = KVCache(model.config, B, L + params.max_new_tokens, dtype=dtype)
     stops = np.array(sorted(set(params.stop_token_ids)), dtype=np.int64)
     done = np.zeros(B, dtype=bool)
     x = paddle.to_tensor(ids)
@@ -72,7 +127,8 @@ def generate_stream(
             logits = model(x, attention_mask=am, cache=cache, logits_to_keep=1).logits[:, -1].astype("float32")
             if on_forward is not None:
                 on_forward()
-            nxt = sample_next(logits, params.temperature, params.top_p).numpy().astype(np.int64)
+            nxt = sample_or_flag(logits, params.temperature, params.top_p).numpy().astype(np.int64)
+            _check_finite(nxt, done, step, params.max_new_tokens, dtype)
             nxt = np.where(done, pad_id, nxt)
             out = np.where(done, -1, nxt)
             done |= np.isin(nxt, stops)
@@ -84,6 +140,14 @@ def generate_stream(
     finally:
         if was_training:
             model.train()
+
+
+def _check_finite(nxt: np.ndarray, done: np.ndarray, step: int, max_new_tokens: int, dtype: object) -> None:
+    """NonFiniteError when a running row was flagged -1 by sample_or_flag (finished rows only feed padding)."""
+    bad = np.flatnonzero((nxt < 0) & ~done)
+    if bad.size:
+        which = f" of prompt {bad[0]}" if len(nxt) > 1 else ""
+        raise non_finite_error(f"at generation step {step + 1} of {max_new_tokens}{which}", dtype)
 
 
 def generate(

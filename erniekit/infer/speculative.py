@@ -21,6 +21,7 @@ import numpy as np
 import paddle
 
 from erniekit.errors import ErniekitError
+from erniekit.infer.generate import argmax_or_flag, check_prompt_ids, non_finite_error
 from erniekit.infer.sampling import SamplingParams
 from erniekit.models.ernie4_5.modeling import Ernie4_5ForCausalLM
 from erniekit.nn.attention import KVCache, additive_mask, build_attention_mask, rope_cos_sin, use_fused_attention
@@ -61,8 +62,9 @@ def check_speculative(model: Ernie4_5ForCausalLM, params: SamplingParams) -> Non
 class _Speculator:
     """Caches and hidden-state buffers of one sequence."""
 
-    def __init__(self, model: Ernie4_5ForCausalLM, max_len: int):
+    def __init__(self, model: Ernie4_5ForCausalLM, max_len: int, prompt_len: int):
         self.model, self.mtp = model, model.mtp
+        self.prompt_len = prompt_len
         c = model.config
         dtype = model.model.embed_tokens.weight.dtype
         self.cache = KVCache(c, 1, max_len, dtype=dtype)
@@ -84,11 +86,11 @@ class _Speculator:
 
     def trunk(self, ids: list[int], last_only: bool = False) -> np.ndarray:
         """Feed `ids` after the cache, store their hidden states; the greedy next token after each
-        (after the last only, for a prefill)."""
+        (after the last only, for a prefill), -1 where the logits are not finite."""
         start = self.cache.length
         h = self.model.model(paddle.to_tensor([ids], dtype="int64"), cache=self.cache)
         self.hidden[0][:, start : start + len(ids)] = h
-        return paddle.argmax(self.model.head(h[0, -1:] if last_only else h[0]), axis=-1).numpy()
+        return argmax_or_flag(self.model.head(h[0, -1:] if last_only else h[0])).numpy()
 
     def draft(self, tokens: list[int]) -> list[int]:
         """D draft tokens after tokens[-1] (m = len(tokens) - 1; the trunk has seen tokens[:m])."""
@@ -103,10 +105,18 @@ class _Speculator:
             h = self.mtp.step(j, self.hidden[j][:, lo:m], model.model.embed_tokens(ids), cos, sin, mask, cache)
             if j + 1 < self.mtp.depth:
                 self.hidden[j + 1][:, lo:m] = h
-            ext.append(int(paddle.argmax(model.head(model.model.norm(h[0, -1])))))
+            ext.append(self._draft_token(h, j, step=len(tokens) - self.prompt_len + j + 1))
             self.valid[j] = max(0, m - j)  # positions i with i + (j+1) <= m used certain tokens only
             cache.length = self.valid[j]
         return ext[m + 1 :]
+
+    def _draft_token(self, h: paddle.Tensor, j: int, step: int) -> int:
+        """Depth j's greedy draft from its last hidden state; NonFiniteError when its logits are not finite."""
+        tok = int(argmax_or_flag(self.model.head(self.model.model.norm(h[0, -1]))))
+        if tok < 0:
+            where = f"in MTP head {j + 1}'s draft of generation step {step} (decoding without --speculative skips it)"
+            raise non_finite_error(where, self.dtype)
+        return tok
 
 
 @paddle.no_grad()
@@ -123,16 +133,20 @@ def speculative_stream(
         raise ErniekitError(f"speculative decoding takes one prompt at a time (got {len(prompts)})")
     if not prompts[0]:  # the prefill needs a token to predict after
         raise ErniekitError("speculative decoding needs a prompt of at least one token (got an empty one)")
+    check_prompt_ids(prompts, int(model.config.vocab_size))
     stats = stats if stats is not None else SpeculativeStats()
     was_training = model.training
     model.eval()
     prompt, stops = list(prompts[0]), set(params.stop_token_ids)
-    spec = _Speculator(model, len(prompt) + params.max_new_tokens + model.mtp.depth + 1)
+    spec = _Speculator(model, len(prompt) + params.max_new_tokens + model.mtp.depth + 1, len(prompt))
     try:
         tokens, new = list(prompt), [int(spec.trunk(prompt, last_only=True)[-1])]
         n = 0
         while True:
             for tok in new:
+                if tok < 0:  # flagged by argmax_or_flag: the trunk's logits were NaN or inf
+                    where = f"at generation step {n + 1} of {params.max_new_tokens}"
+                    raise non_finite_error(where, spec.dtype)
                 n += 1
                 stats.emitted += 1
                 yield np.array([tok], dtype=np.int64)
@@ -146,12 +160,13 @@ def speculative_stream(
 
 
 def _verify(spec: _Speculator, tokens: list[int], stats: SpeculativeStats) -> list[int]:
-    """One round: draft, verify with one trunk forward, roll the trunk cache back; the new tokens."""
+    """One round: draft, verify with one trunk forward, roll the trunk cache back; the new tokens
+    (the last one -1 when the trunk's logits there were not finite)."""
     m = len(tokens) - 1
     drafts = spec.draft(tokens)
     greedy = spec.trunk([tokens[m]] + drafts)  # greedy[k]: the trunk's token after drafts[:k]
     k = 0
-    while k < len(drafts) and drafts[k] == int(greedy[k]):
+    while k < len(drafts) and drafts[k] == int(greedy[k]):  # a flagged -1 never matches a draft
         k += 1
     spec.cache.length = m + k + 1  # keep tokens[m] and the accepted drafts
     stats.verify_steps += 1

@@ -14,6 +14,7 @@ from erniekit.data.encode import IGNORE_INDEX
 from erniekit.data.formats import Conversation
 from erniekit.data.vl import encode_vl_conversation
 from erniekit.errors import DataError
+from erniekit.infer.generate import argmax_or_flag, non_finite_error
 from erniekit.models.ernie4_5_vl.modeling import rope_index
 from erniekit.nn.attention import KVCache
 
@@ -44,11 +45,12 @@ def prompt_with_videos(conv: Conversation, tokenizer, config, settings, video_se
 @paddle.no_grad()
 def generate_vl(model, ids: list[int], images, max_new_tokens: int, stop_ids: list[int], videos=None) -> list[int]:
     """New token ids (stop token excluded) after prompt `ids` whose images (and videos) are
-    (patches, grids)."""
+    (patches, grids). NonFiniteError when the logits turn NaN or inf."""
     model.eval()
     c = model.config
     x = np.asarray([ids], dtype=np.int64)
-    cache = KVCache(c, 1, len(ids) + max_new_tokens, dtype=model.model.embed_tokens.weight.dtype)
+    dtype = model.model.embed_tokens.weight.dtype
+    cache = KVCache(c, 1, len(ids) + max_new_tokens, dtype=dtype)
     kw = {}
     delta = 0
     if images is not None:
@@ -61,8 +63,10 @@ def generate_vl(model, ids: list[int], images, max_new_tokens: int, stop_ids: li
         delta = int(deltas[0])
     out: list[int] = []
     logits = model(paddle.to_tensor(x), cache=cache, logits_to_keep=1, **kw).logits
-    for _ in range(max_new_tokens):
-        tok = int(logits[0, -1].argmax())
+    for step in range(max_new_tokens):
+        tok = int(argmax_or_flag(logits[0, -1]))  # -1: not finite; one host copy, as before
+        if tok < 0:
+            raise non_finite_error(f"at generation step {step + 1} of {max_new_tokens}", dtype)
         if tok in stop_ids:
             break
         out.append(tok)

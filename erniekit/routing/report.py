@@ -1,7 +1,8 @@
 """`erniekit eval MODEL_DIR --routing`: how an MoE checkpoint routes the tokens of a dataset.
 
-Runs the model forward (no generation, no gradients) over SFT or pretraining data, adds up the
-routing of every MoE layer with padding excluded (erniekit.routing.stats), and writes
+Runs the model forward (no generation, no gradients) over the first --max-samples examples of SFT
+or pretraining data, read as they are routed (erniekit.routing.data), adds up the routing of every
+MoE layer with padding excluded into counts (erniekit.routing.stats), and writes
 `routing-load.png` (layer x expert load), `routing-modality.png` (only with more than one
 modality) and `routing_stats.json` into the output directory.
 """
@@ -10,41 +11,14 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Iterable
+from itertools import islice
 from typing import Any
 
-from erniekit.errors import CheckpointError, DataError, ErniekitError
+from erniekit.errors import CheckpointError, ErniekitError
+from erniekit.routing.data import RoutingData
 
 REPORT_VERSION = 1
-
-
-def _is_text_file(path: str) -> bool:
-    """Pretraining text (plain lines or {"text": ...} records) rather than conversations."""
-    if not path.endswith((".jsonl", ".json")):
-        return True
-    from erniekit.data.formats import _records
-
-    first = next(_records(path), (0, None))[1]
-    sft_keys = ("src", "tgt", "messages", "instruction")
-    return isinstance(first, dict) and "text" in first and not any(k in first for k in sft_keys)
-
-
-def load_sequences(data_path: str, tokenizer: Any, max_seq_len: int) -> list[list[int]]:
-    """Token ids of every example, as training would see them (chat template for SFT data,
-    text + eos for pretraining data), cut into pieces of at most max_seq_len tokens."""
-    from erniekit.data.encode import encode_conversation, encode_pretrain
-    from erniekit.data.formats import load_pretrain_texts, load_sft_examples, split_paths
-
-    seqs: list[list[int]] = []
-    for path in split_paths(data_path):
-        if _is_text_file(path):
-            docs = [encode_pretrain(t, tokenizer) for t in load_pretrain_texts(path)]
-        else:
-            docs = [encode_conversation(c, tokenizer, 10**9)[0] for c in load_sft_examples(path)]
-        seqs += [d[s : s + max_seq_len] for d in docs for s in range(0, len(d), max_seq_len)]
-    seqs = [s for s in seqs if s]
-    if not seqs:
-        raise DataError(f"{data_path}: no tokens after encoding; check the data")
-    return seqs
 
 
 def _check_moe_config(model_dir: str) -> None:
@@ -73,22 +47,36 @@ def load_model_and_tokenizer(model_dir: str) -> tuple[Any, Any]:
     return model, tokenizer
 
 
-def accumulate_routing(model: Any, seqs: list[list[int]], batch_size: int, pad_id: int):
-    """RoutingAccumulator over all sequences (batched by length, padding masked out)."""
+WINDOW_BATCHES = 16  # pieces are sorted by length within this many batches: less padding, bounded memory
+
+
+def accumulate_routing(model: Any, seqs: Iterable[Any], batch_size: int, pad_id: int):
+    """RoutingAccumulator over the sequences (an iterable read as it goes; batched by length within
+    windows of WINDOW_BATCHES batches, padding masked out). Memory: one window and the counts."""
+    import paddle
+
+    from erniekit.routing.stats import RoutingAccumulator
+
+    acc = RoutingAccumulator()
+    it = iter(seqs)
+    with paddle.no_grad():
+        while window := list(islice(it, batch_size * WINDOW_BATCHES)):
+            _route_window(model, acc, window, batch_size, pad_id)
+    return acc
+
+
+def _route_window(model: Any, acc: Any, window: list, batch_size: int, pad_id: int) -> None:
+    """Forward one window's pieces in batches of similar length; add their routing to `acc`."""
     import numpy as np
     import paddle
 
     from erniekit.data.encode import pad_batch
-    from erniekit.routing.stats import RoutingAccumulator
 
-    acc = RoutingAccumulator()
-    order = np.argsort([len(s) for s in seqs], kind="stable")  # similar lengths together: less padding
-    with paddle.no_grad():
-        for i in range(0, len(order), batch_size):
-            b = pad_batch([seqs[j] for j in order[i : i + batch_size]], pad_id=pad_id)
-            model(paddle.to_tensor(b["input_ids"]))  # right padding + causal attention: real tokens unaffected
-            acc.update(model, b["segment_ids"] > 0)
-    return acc
+    order = np.argsort([len(s) for s in window], kind="stable")  # similar lengths together: less padding
+    for i in range(0, len(order), batch_size):
+        b = pad_batch([window[j] for j in order[i : i + batch_size]], pad_id=pad_id)
+        model(paddle.to_tensor(b["input_ids"]))  # right padding + causal attention: real tokens unaffected
+        acc.update(model, b["segment_ids"] > 0)
 
 
 def _finite(x: Any) -> Any:
@@ -103,19 +91,27 @@ def _finite(x: Any) -> Any:
 
 
 def routing_report(
-    model_dir: str, data_path: str, out_dir: str | None = None, batch_size: int = 16, max_seq_len: int = 1024
+    model_dir: str,
+    data_path: str,
+    out_dir: str | None = None,
+    batch_size: int = 16,
+    max_seq_len: int = 1024,
+    max_samples: int | None = None,
 ) -> dict:
-    """Route `data_path` through the MoE checkpoint at `model_dir`; write pictures and
-    routing_stats.json into `out_dir` (default MODEL_DIR/routing) and return the stats."""
+    """Route the first `max_samples` examples of `data_path` (all with None) through the MoE
+    checkpoint at `model_dir`; write pictures and routing_stats.json into `out_dir` (default
+    MODEL_DIR/routing) and return the stats."""
     from erniekit.routing.plots import save_load_heatmap, save_modality_usage
     from erniekit.utils.io import atomic_write_json
 
-    if batch_size < 1 or max_seq_len < 1:
-        raise ErniekitError(f"batch_size={batch_size}, max_seq_len={max_seq_len}: both must be positive")
+    if batch_size < 1 or max_seq_len < 1 or (max_samples is not None and max_samples < 1):
+        raise ErniekitError(
+            f"batch_size={batch_size}, max_seq_len={max_seq_len}, max_samples={max_samples}: all must be positive"
+        )
     out_dir = out_dir or os.path.join(model_dir, "routing")
     model, tokenizer = load_model_and_tokenizer(model_dir)
-    seqs = load_sequences(data_path, tokenizer, max_seq_len)
-    acc = accumulate_routing(model, seqs, batch_size, tokenizer.pad_token_id or 0)
+    data = RoutingData(data_path, tokenizer, max_seq_len, max_samples)
+    acc = accumulate_routing(model, data, batch_size, tokenizer.pad_token_id or 0)
     name = os.path.basename(os.path.normpath(model_dir))
     pictures = {
         "load": save_load_heatmap(
@@ -135,8 +131,11 @@ def routing_report(
         "version": REPORT_VERSION,
         "model_dir": model_dir,
         "data": data_path,
-        "sequences": len(seqs),
-        "tokens": int(sum(len(s) for s in seqs)),
+        "examples": data.examples,
+        "max_samples": max_samples,
+        "max_samples_reached": data.capped,
+        "sequences": data.sequences,
+        "tokens": data.tokens,
         "num_experts": acc.num_experts,
         "moe_k": int(model.config.moe_k),
         "num_modalities": acc.num_modalities,
@@ -159,9 +158,10 @@ def _num(x: float | None, fmt: str) -> str:
 def format_routing_table(stats: dict) -> str:
     """The per-layer table `erniekit eval --routing` prints."""
     k, e = stats["moe_k"], stats["num_experts"]
+    capped = f"; --max-samples {stats['max_samples']} reached" if stats.get("max_samples_reached") else ""
     lines = [
-        f"routing of {stats['tokens']} tokens ({stats['sequences']} sequences), top-{k} of {e} experts "
-        f"(uniform share {100 / e:.1f}%)",
+        f"routing of {stats['tokens']} tokens ({stats['sequences']} sequences from {stats['examples']} examples"
+        f"{capped}), top-{k} of {e} experts (uniform share {100 / e:.1f}%)",
         f"{'layer':>5}  {'entropy':>7}  {'/log E':>6}  {'imbalance':>9}  {'cv':>5}  top expert (share)",
     ]
     for row in stats["layers"]:

@@ -400,3 +400,68 @@ def test_cli_eval_routing_default_data_and_errors(ckpts, tmp_path, capsys):
         assert main(["eval", str(ckpts / "moe"), *args]) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and said in err[0], err
+
+
+def _count_batches(monkeypatch) -> list[int]:
+    """Sizes of the batches the report pads (one per forward pass)."""
+    from erniekit.data import encode
+
+    sizes, pad_batch = [], encode.pad_batch
+    monkeypatch.setattr(encode, "pad_batch", lambda seqs, **kw: sizes.append(len(seqs)) or pad_batch(seqs, **kw))
+    return sizes
+
+
+def test_cli_eval_routing_max_samples_bounds_the_examples_read_and_routed(ckpts, tmp_path, capsys, monkeypatch):
+    from erniekit.cli import main
+
+    sft = tmp_path / "sft.jsonl"
+    rows = [json.dumps({"src": [f"{i}+{i}="], "tgt": [str(2 * i)]}) for i in range(7)]
+    sft.write_text("\n".join(rows[:5] + ["{not json"] + rows[5:]) + "\n")  # line 6 is never read with N = 5
+    sizes = _count_batches(monkeypatch)
+    args = ["eval", str(ckpts / "moe"), "--routing", "--data", str(sft), "--out", str(tmp_path / "r")]
+    assert main([*args, "--max-samples", "5", "--batch-size", "2"]) == 0
+    assert sizes == [2, 2, 1]
+    assert "(5 sequences from 5 examples; --max-samples 5 reached)" in capsys.readouterr().out
+    stats = json.loads((tmp_path / "r" / "routing_stats.json").read_text())
+    assert (stats["examples"], stats["sequences"], stats["max_samples"]) == (5, 5, 5)
+    assert stats["layers"][0]["assignments"] == 2 * stats["tokens"]
+    assert main([*args, "--max-samples", "6"]) == 2
+    assert f"{sft}:6: invalid JSON" in capsys.readouterr().err
+    assert main([*args, "--max-samples", "0"]) == 2
+    assert "--max-samples 0 must all be >= 1" in capsys.readouterr().err
+    assert main(["help", "eval"]) == 0
+    assert "--routing, --elastic, --credibility: the first N" in " ".join(capsys.readouterr().out.split())
+
+
+def test_routing_reads_sequences_a_window_at_a_time(ckpts, monkeypatch):
+    from erniekit.data import encode
+    from erniekit.routing.report import WINDOW_BATCHES, accumulate_routing, load_model_and_tokenizer
+
+    model, _ = load_model_and_tokenizer(str(ckpts / "moe"))
+    pulled, pulled_at_forward, pad_batch = [0], [], encode.pad_batch
+    monkeypatch.setattr(
+        encode, "pad_batch", lambda seqs, **kw: pulled_at_forward.append(pulled[0]) or pad_batch(seqs, **kw)
+    )
+
+    def sequences():
+        for i in range(100):
+            pulled[0] += 1
+            yield [5 + i % 7] * (3 + i % 5)
+
+    acc = accumulate_routing(model, sequences(), batch_size=2, pad_id=0)
+    assert pulled_at_forward[0] == 2 * WINDOW_BATCHES < 100  # the first forward ran before the rest was read
+    assert pulled[0] == 100 and len(pulled_at_forward) == acc.batches == 50
+    assert int(acc.counts.sum()) == 2 * sum(3 + i % 5 for i in range(100))  # top-2, padding excluded
+
+
+def test_cli_eval_routing_refuses_data_whose_texts_are_all_empty(ckpts, tmp_path, capsys):
+    from erniekit.cli import main
+
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text(json.dumps({"text": ""}) + "\n" + json.dumps({"text": ""}) + "\n")
+    assert main(["eval", str(ckpts / "moe"), "--routing", "--data", str(empty), "--out", str(tmp_path / "r")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [
+        f"error: {empty}: all 2 documents are empty (only their end tokens would be routed); check the text field"
+    ]
+    assert not (tmp_path / "r" / "routing_stats.json").exists()
