@@ -575,32 +575,46 @@ def load_records(
     prompt data. A dataset_info.json entry's records are mapped onto `readers`' own keys first.
     `fields`: format -> the keys its reader reads, for `check_fields` (None: keys unchecked, as RL
     prompt data, whose other keys are reward fields)."""
+    return list(iter_load_records(path, fmt, readers, detect, label, kind, ranking, fields))
+
+
+def iter_load_records(
+    path: str,
+    fmt: str,
+    readers: dict,
+    detect,
+    label: str = "data",
+    kind: str = "examples",
+    ranking: bool = False,
+    fields: dict[str, frozenset[str] | None] | None = None,
+) -> Iterator:
+    """load_records one record at a time (JSON lines are read a line at a time: iter_records), for a
+    reader that stops early (eval --routing --max-samples) or need not hold the file."""
     if fmt != "auto" and fmt not in readers:
         raise DataError(f"unknown {label} format '{fmt}'; use one of {', '.join(['auto', *readers])}")
-    out: list = []
     for p in split_paths(path):
         ref = parse_ref(p)
         if ref is not None:
-            out += _entry_records(load_entry(*ref), fmt, readers, label, kind, ranking)
+            yield from _entry_records(load_entry(*ref), fmt, readers, label, kind, ranking)
             continue
         file_fmt = None if fmt == "auto" else fmt
         ignored: set[str] = set()
-        before = len(out)
-        for lineno, rec in _records(p):
+        empty = True
+        for lineno, rec in iter_records(p):
             where = f"{p}:{lineno}"
             if file_fmt is None:
                 file_fmt = detect(rec, where)
             if not isinstance(rec, dict):
                 raise DataError(f"{where}: expected a JSON object, got {type(rec).__name__}")
             check_fields(rec, fields.get(file_fmt) if fields else None, where, ignored)
-            out.append(readers[file_fmt](rec, where))
-        if len(out) == before:
+            empty = False
+            yield readers[file_fmt](rec, where)
+        if empty:
             raise DataError(f"{p}: no {kind}; the file is empty or has only blank lines")
         warn_ignored(p, file_fmt, ignored)
-    return out
 
 
-def _entry_records(entry: DatasetEntry, fmt: str, readers: dict, label: str, kind: str, ranking: bool) -> list:
+def _entry_records(entry: DatasetEntry, fmt: str, readers: dict, label: str, kind: str, ranking: bool) -> Iterator:
     """The records of a LLaMA-Factory dataset, each mapped by its columns / tags and read by our reader."""
     if entry.ranking and not ranking:
         raise DataError(
@@ -618,11 +632,10 @@ def _entry_records(entry: DatasetEntry, fmt: str, readers: dict, label: str, kin
         raise DataError(
             f"{entry.where}: its formatting ({entry.formatting}) sets the format; set the dataset type to auto, not {fmt}"
         )
-    out: list = []
     for file in entry.files:
         seen: set[str] = set()
-        before = len(out)
-        for lineno, rec in _records(file):
+        empty = True
+        for lineno, rec in iter_records(file):
             where = f"{file}:{lineno}"
             if not isinstance(rec, dict):
                 raise DataError(f"{where}: expected a JSON object, got {type(rec).__name__}")
@@ -630,16 +643,21 @@ def _entry_records(entry: DatasetEntry, fmt: str, readers: dict, label: str, kin
             mapped = entry.to_record(rec, where)
             if "control" in rec:  # control attributes travel whatever the columns map
                 mapped["control"] = rec["control"]
-            out.append(readers[target](mapped, where))
-        if len(out) == before:
+            empty = False
+            yield readers[target](mapped, where)
+        if empty:
             raise DataError(f"{file}: no {kind}; the file is empty or has only blank lines")
         entry.check_columns_seen(seen, file)
-    return out
 
 
 def load_sft_examples(path: str, fmt: str = "auto") -> list[Conversation]:
     """Read and validate SFT files (comma-separated list allowed); auto-detects per file."""
     return load_records(path, fmt, _READERS, detect_format, fields=_FIELDS)
+
+
+def iter_sft_examples(path: str, fmt: str = "auto") -> Iterator[Conversation]:
+    """load_sft_examples one conversation at a time."""
+    return iter_load_records(path, fmt, _READERS, detect_format, fields=_FIELDS)
 
 
 _PRETRAIN_FIELDS = frozenset({"text"})

@@ -27,39 +27,17 @@ def _is_text_file(path: str) -> bool:
     return isinstance(first, dict) and "text" in first and not any(k in first for k in SFT_KEYS)
 
 
-def _sft_examples(path: str) -> Iterator[Any]:
-    """The Conversations of one SFT file, one record at a time, checked as load_sft_examples checks them."""
-    from erniekit.data.formats import _FIELDS, _READERS, check_fields, detect_format, iter_records, warn_ignored
-
-    fmt, ignored, n = None, set(), 0
-    try:
-        for lineno, rec in iter_records(path):
-            where = f"{path}:{lineno}"
-            fmt = fmt or detect_format(rec, where)
-            if not isinstance(rec, dict):
-                raise DataError(f"{where}: expected a JSON object, got {type(rec).__name__}")
-            check_fields(rec, _FIELDS.get(fmt), where, ignored)
-            n += 1
-            yield _READERS[fmt](rec, where)
-    except GeneratorExit:  # stopped at max_samples: name the unread keys seen so far all the same
-        warn_ignored(path, fmt, ignored)
-        raise
-    if n == 0:
-        raise DataError(f"{path}: no examples; the file is empty or has only blank lines")
-    warn_ignored(path, fmt, ignored)
-
-
 def iter_documents(data_path: str, tokenizer: Any) -> Iterator[tuple[np.ndarray, bool]]:
     """(token ids, is pretraining text) of each example of the comma-separated files, in order."""
     from erniekit.data.encode import encode_conversation, encode_pretrain_array
-    from erniekit.data.formats import iter_pretrain_texts, split_paths
+    from erniekit.data.formats import iter_pretrain_texts, iter_sft_examples, split_paths
 
     for path in split_paths(data_path):
         if _is_text_file(path):
             for text in iter_pretrain_texts(path):
                 yield encode_pretrain_array(text, tokenizer), True
         else:
-            for conv in _sft_examples(path):
+            for conv in iter_sft_examples(path):
                 yield np.asarray(encode_conversation(conv, tokenizer, 10**9)[0], dtype=np.int64), False
 
 
