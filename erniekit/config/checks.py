@@ -396,13 +396,11 @@ def _check_online_distill(cfg: TrainConfig) -> None:
         why = "does not run fp16 loss scaling; use bf16 or float32"
     elif lay is None or cfg.parallel:
         why = "runs in one process or with plain data parallelism; set distributed_mode=collective, no parallel: auto"
-    elif lay.world > 1 and not lay.data_only:
-        why = (
-            f"runs in one process or with plain data parallelism (each rank holds every model), not {lay.describe()}; "
-            "set tensor/expert/pipeline degrees to 1 and no sharding"
-        )
     if why:
         raise ConfigError(f"{KEY} {why}")
+    why = _online_distill_layout_refusal(cfg, lay)
+    if why:
+        raise ConfigError(why)
     specs = parse_students(cfg.online_distill_students)
     teacher = model_config(cfg.model_name_or_path, cfg.model_overrides or None)
     configs = {MAIN_TEACHER: teacher}
@@ -429,6 +427,18 @@ def _check_online_distill(cfg: TrainConfig) -> None:
             )
     for i, spec in enumerate(specs):
         hidden_layer_map_error(spec, configs[spec.name], configs[spec.teacher], f"{KEY}[{i}] ({spec.name})")
+
+
+def _online_distill_layout_refusal(cfg: TrainConfig, lay) -> str | None:
+    """Students train beside the model in one process or with plain data parallelism only."""
+    if not cfg.online_distill_students or not _splits_model(lay):
+        return None
+    from erniekit.train.online_distill_spec import KEY
+
+    return (
+        f"{KEY} runs in one process or with plain data parallelism (each rank holds every model), not "
+        f"{lay.describe()}; set tensor/expert/pipeline degrees to 1 and no sharding"
+    )
 
 
 def _check_length(cfg: TrainConfig) -> None:
@@ -611,33 +621,53 @@ def _check_parallel(cfg: TrainConfig) -> None:
         _check_ps(cfg)
         return
     lay = layout_from_config(cfg.parallelism)
-    if stage_supports(cfg).images and (lay.tp > 1 or lay.pp > 1 or lay.sharding_stage):
-        raise ConfigError(
+    why = _parallel_refusal(cfg, lay, cuda=lay.world > 1 and _has_cuda())
+    if why:
+        raise ConfigError(why)
+
+
+def layout_refusal(cfg: TrainConfig, lay, cuda: bool) -> str | None:
+    """Why `erniekit train` refuses this config's stage and options on the collective layout `lay`
+    (a one-line error naming the keys and the fix; None: it runs them) where Paddle has (cuda) or
+    lacks CUDA: the checks train runs, which `erniekit plan` and `parallel: auto` leave layouts out by."""
+    return (
+        _parallel_refusal(cfg, lay, cuda)
+        or _online_distill_layout_refusal(cfg, lay)
+        or (_distill_layout_refusal(cfg, lay.describe()) if cfg.stage == "Distill" and _splits_model(lay) else None)
+        or _credibility_layout_refusal(cfg, lay.world)
+    )
+
+
+def _splits_model(lay) -> bool:
+    """Several processes that do not each hold the whole model (tensor/expert/pipeline, sharding)."""
+    return lay.world > 1 and not lay.data_only
+
+
+def _parallel_refusal(cfg: TrainConfig, lay, cuda: bool) -> str | None:
+    """What the collective runtime does not run in this version, for this stage on layout `lay`."""
+    images = stage_supports(cfg).images
+    if images and (lay.tp > 1 or lay.pp > 1 or lay.sharding_stage):
+        return (
             f"stage {cfg.stage} runs on several processes with data and expert parallelism only in this version "
             f"({lay.describe()} asked); set tensor_parallel_degree and pipeline_parallel_degree to 1 and no sharding"
         )
-    if (
-        stage_supports(cfg).images
-        and lay.ep > 1
-        and float((cfg.model_overrides or {}).get("moe_capacity_factor") or 0) > 0
-    ):
-        raise ConfigError(
+    if images and lay.ep > 1 and float((cfg.model_overrides or {}).get("moe_capacity_factor") or 0) > 0:
+        return (
             "model_overrides.moe_capacity_factor: stage "
             f"{cfg.stage} with expert parallelism routes without a capacity limit in this version; set it to 0"
         )
-    if lay.world > 1 and lay.sharding_stage == 3 and not _has_cuda():
-        raise ConfigError(
+    if lay.world > 1 and lay.sharding_stage == 3 and not cuda:
+        return (
             "sharding=stage3 needs reduce-scatter, which Paddle's CPU build does not have "
             "(Unimplemented cpu kernel for CReduceScatterOp); use sharding=stage1 on CPU"
         )
-    if lay.tp > 1 and cfg.fine_tuning == "LoRA" and not _has_cuda():
-        raise ConfigError(
+    if lay.tp > 1 and cfg.fine_tuning == "LoRA" and not cuda:
+        return (
             f"fine_tuning=LoRA with tensor_parallel_degree={lay.tp}: the adapters' tensor-parallel backward needs "
             "reduce-scatter, which Paddle's CPU build does not have (Unimplemented cpu kernel for CReduceScatterOp); "
             "on CPU train LoRA with data or pipeline parallelism (tensor_parallel_degree=1)"
         )
-    if lay.pp > 1:
-        _check_pipeline(cfg, lay)
+    return _pipeline_layout_refusal(cfg, lay) if lay.pp > 1 else None
 
 
 def _check_init_layers(cfg: TrainConfig) -> None:
@@ -791,26 +821,32 @@ def _check_distill_layout(cfg: TrainConfig) -> None:
         split = "distributed_mode=ps"
     else:
         lay = layout_from_config(cfg.parallelism)
-        split = lay.describe() if lay.world > 1 and not lay.data_only else None
-    if split is None:
-        return
+        split = lay.describe() if _splits_model(lay) else None
+    why = _distill_layout_refusal(cfg, split) if split else None
+    if why:
+        raise ConfigError(why)
+
+
+def _distill_layout_refusal(cfg: TrainConfig, split: str) -> str | None:
+    """What stage Distill does not run when the layout `split` splits the student (no teacher in memory)."""
     if cfg.distill_hidden_weight > 0:
-        raise ConfigError(
+        return (
             f"distill_hidden_weight={cfg.distill_hidden_weight}: the hidden-state loss reads the teacher's layer "
             f"outputs in memory, which runs in one process or plain data parallelism, not {split}; set "
             "distill_hidden_weight=0"
         )
     if cfg.on_policy_ratio > 0:
-        raise ConfigError(
+        return (
             f"on_policy_ratio={cfg.on_policy_ratio}: on-policy steps score the student's samples with the teacher in "
             f"memory, which runs in one process or plain data parallelism, not {split}; set on_policy_ratio=0"
         )
     if not cfg.teacher_topk_cache:
-        raise ConfigError(
+        return (
             f"stage Distill with {split} reads the teacher from its top-k cache (no training process keeps it): set "
             "teacher_topk_cache=DIR (rank 0 builds it before the first step; teacher_topk = the vocabulary size "
             "gives the exact loss)"
         )
+    return None
 
 
 def _config_writing(path: str) -> str | None:
@@ -914,7 +950,7 @@ def _check_ps_pipeline(cfg: TrainConfig, workers: int) -> None:
             )
 
 
-def _check_pipeline(cfg: TrainConfig, lay) -> None:
+def _pipeline_layout_refusal(cfg: TrainConfig, lay) -> str | None:
     """What the 1F1B pipeline (erniekit/train/pipeline_schedule.py) runs in this version: LM
     stages, full fine-tuning, with data parallelism beside it."""
     why = pipeline_refusal(cfg)
@@ -923,8 +959,7 @@ def _check_pipeline(cfg: TrainConfig, lay) -> None:
             "combines with data parallelism only in this version; set tensor_parallel_degree=1, "
             "expert_parallel_degree=1 and no sharding"
         )
-    if why:
-        raise ConfigError(f"pipeline_parallel_degree={lay.pp} {why}")
+    return f"pipeline_parallel_degree={lay.pp} {why}" if why else None
 
 
 def pipeline_refusal(cfg: TrainConfig) -> str | None:
@@ -950,6 +985,16 @@ def _has_cuda() -> bool:
     return paddle.device.is_compiled_with_cuda()
 
 
+def _credibility_layout_refusal(cfg: TrainConfig, world: int) -> str | None:
+    """The credibility loss samples replies with the whole model: one process only."""
+    if cfg.credibility_loss_weight > 0 and (world > 1 or cfg.distributed_mode != "collective"):
+        return (
+            "credibility_loss_weight > 0 runs in one process in this version (it samples replies with the whole "
+            "model): set nproc_per_node=1, nnodes=1 and distributed_mode=collective, or credibility_loss_weight=0"
+        )
+    return None
+
+
 def _check_control(cfg: TrainConfig) -> None:
     """Controllable LM and credibility keys (docs/control.md): SFT only; the credibility loss samples
     replies with the whole model, so it runs in one process."""
@@ -961,13 +1006,9 @@ def _check_control(cfg: TrainConfig) -> None:
     for key in ("control_drop_prob", "credibility_loss_weight"):
         if getattr(cfg, key) > 0 and cfg.stage != "SFT":
             raise ConfigError(f"{key}={getattr(cfg, key)} applies to stage SFT, not {cfg.stage}; set {key}=0")
-    if cfg.credibility_loss_weight > 0 and (
-        cfg.nproc_per_node * cfg.nnodes > 1 or cfg.distributed_mode != "collective"
-    ):
-        raise ConfigError(
-            "credibility_loss_weight > 0 runs in one process in this version (it samples replies with the whole "
-            "model): set nproc_per_node=1, nnodes=1 and distributed_mode=collective, or credibility_loss_weight=0"
-        )
+    why = _credibility_layout_refusal(cfg, cfg.nproc_per_node * cfg.nnodes)
+    if why:
+        raise ConfigError(why)
     if cfg.credibility_loss_weight > 0 and (cfg.elastic_depth or cfg.elastic_experts or cfg.elastic_top_k):
         raise ConfigError(
             "credibility_loss_weight > 0 trains the full model's head: clear elastic_depth, elastic_experts and "

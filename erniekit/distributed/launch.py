@@ -188,37 +188,69 @@ def stop_signal_of_run(output_dir: str, since: float) -> tuple[int, int | None]:
 
 
 _EARLY_STOP = "stopped-before-first-step.rank-"  # + rank: a rank's note in launch_logs/
+_EARLY_FAILURE = "failed-before-first-step.rank-"  # + rank: the one-line error a rank stopped on while starting
+
+
+def _leave_note(output_dir: str, prefix: str, text: str) -> None:
+    """This rank's note to `relaunch`, in launch_logs/ (the parent reads it after the launcher ends)."""
+    logs = os.path.join(output_dir, "launch_logs")
+    os.makedirs(logs, exist_ok=True)
+    with open(os.path.join(logs, prefix + os.environ.get("PADDLE_TRAINER_ID", "0")), "w", encoding="utf-8") as f:
+        f.write(text)
+
+
+def _take_notes(output_dir: str, prefix: str, since: float) -> list[tuple[str, str]]:
+    """(rank, text) of each `prefix` note written after `since` (time.time()), lowest rank first.
+    Every such note is removed, older ones too: they describe one launch."""
+    logs = os.path.join(output_dir, "launch_logs")
+    try:
+        names = [n for n in os.listdir(logs) if n.startswith(prefix)]
+    except FileNotFoundError:
+        return []
+    found = []
+    for name in sorted(names, key=lambda n: (len(n), n)):  # rank 2 before rank 10
+        path = os.path.join(logs, name)
+        try:
+            fresh = os.stat(path).st_mtime >= since
+            with open(path, encoding="utf-8") as f:
+                text = f.read().strip()
+            os.remove(path)
+        except OSError:
+            continue
+        if fresh:
+            found.append((name[len(prefix) :], text))
+    return found
 
 
 def note_stop_before_first_step(output_dir: str, signum: int) -> None:
     """Left by a rank that a stop signal ended while it was starting (train/start.py): it exits
     128 + N, which paddle's launcher reports as a failure; the note tells `relaunch` it was a stop."""
-    logs = os.path.join(output_dir, "launch_logs")
-    os.makedirs(logs, exist_ok=True)
-    with open(os.path.join(logs, _EARLY_STOP + os.environ.get("PADDLE_TRAINER_ID", "0")), "w") as f:
-        f.write(str(int(signum)))
+    _leave_note(output_dir, _EARLY_STOP, str(int(signum)))
 
 
 def stop_before_first_step(output_dir: str, since: float) -> int:
     """The stop signal of a rank that stopped while starting, noted after `since` (time.time());
     0 when none. The notes are removed (they describe this launch only)."""
-    logs = os.path.join(output_dir, "launch_logs")
-    try:
-        names = [n for n in os.listdir(logs) if n.startswith(_EARLY_STOP)]
-    except FileNotFoundError:
-        return 0
-    found = 0
-    for name in sorted(names):
-        path = os.path.join(logs, name)
+    for _, text in _take_notes(output_dir, _EARLY_STOP, since):
         try:
-            fresh = os.stat(path).st_mtime >= since
-            with open(path) as f:
-                signum = int(f.read().strip() or 0)
-            os.remove(path)
-        except (OSError, ValueError):
+            return int(text or 0)
+        except ValueError:
             continue
-        found = found or (signum if fresh else 0)
-    return found
+    return 0
+
+
+def note_failure_before_first_step(output_dir: str, message: str) -> None:
+    """Left by a rank that a configuration, data or checkpoint error ended before its first step
+    (train/run.py): `relaunch` reports the error and does not restart the job."""
+    line = message.strip().splitlines()[0] if message.strip() else "(no message)"
+    _leave_note(output_dir, _EARLY_FAILURE, line)
+
+
+def failure_before_first_step(output_dir: str, since: float) -> tuple[str, str] | None:
+    """(rank, its one-line error) of the lowest rank that noted a failure before its first step
+    after `since` (time.time()); None when none did. The notes are removed."""
+    found = _take_notes(output_dir, _EARLY_FAILURE, since)
+    return found[0] if found else None
 
 
 def relaunch(cfg, train_args: list[str], user_threads: str | None = None) -> int:
@@ -230,10 +262,9 @@ def relaunch(cfg, train_args: list[str], user_threads: str | None = None) -> int
     `resume_from_checkpoint=auto`, so it continues from the latest complete checkpoint.
     Checkpoints are unsharded, so a restart may also use another process count.
     A stop (SIGTERM / SIGINT here or to any rank) is not a failure: no restart, exit code
-    128 + the signal (run_control.stopped_exit_code).
+    128 + the signal (run_control.stopped_exit_code). Nor is a configuration, data or checkpoint
+    error a rank met before its first step: its one line, exit code 2, no restart.
     """
-    from erniekit.utils.run_control import stopped_exit_code
-
     env = dict(os.environ)
     env["OMP_NUM_THREADS"] = user_threads or str(max(1, (os.cpu_count() or 1) // cfg.nproc_per_node))
     env.setdefault("PYTHONWARNINGS", "ignore:No ccache found")  # the launcher imports paddle too
@@ -253,38 +284,10 @@ def relaunch(cfg, train_args: list[str], user_threads: str | None = None) -> int
         for attempt in range(cfg.max_restart + 1):
             started = time.time()
             rc = sup.run(launch_command(cfg, args), env)
-            stopped, step = stop_signal_of_run(cfg.output_dir, started)
-            if stopped:
-                print(
-                    f"erniekit: the job stopped on {signal.Signals(stopped).name} after step {step} with "
-                    f"checkpoint-{step} in {cfg.output_dir}; continue with resume_from_checkpoint=auto "
-                    f"(exit code {stopped_exit_code(stopped)})",
-                    flush=True,
-                )
-                return stopped_exit_code(stopped)
-            early = stop_before_first_step(cfg.output_dir, started)
-            if early:  # a rank (or every one) stopped while starting: a stop with nothing to resume from
-                print(
-                    f"erniekit: the job stopped on {signal.Signals(early).name} before its first step; nothing was "
-                    f"saved; start it again the same way (exit code {stopped_exit_code(early)})",
-                    flush=True,
-                )
-                return stopped_exit_code(early)
-            if sup.signum:
-                if rc == 0:  # the signal came after the last step: the run is complete
-                    print(
-                        f"erniekit: {signal.Signals(sup.signum).name} came after the last step; the run finished",
-                        flush=True,
-                    )
-                    return 0
-                print(
-                    f"erniekit: the job ended on {signal.Signals(sup.signum).name} before a checkpoint of the stop "
-                    f"(launcher exit code {rc}); every rank's log is in {logs}; resume_from_checkpoint=auto "
-                    f"continues from the latest checkpoint in {cfg.output_dir}",
-                    flush=True,
-                )
-                return stopped_exit_code(sup.signum)
-            if rc == 0 or attempt == cfg.max_restart:
+            code = launch_outcome(cfg.output_dir, rc, started, sup.signum)
+            if code is not None:
+                return code
+            if attempt == cfg.max_restart:
                 break
             print(
                 f"erniekit: the job failed (launcher exit code {rc}, see {logs}); restart {attempt + 1} of "
@@ -294,10 +297,52 @@ def relaunch(cfg, train_args: list[str], user_threads: str | None = None) -> int
             args = [a for a in train_args if not a.startswith("resume_from_checkpoint=")] + [
                 "resume_from_checkpoint=auto"
             ]
-    if rc:
+    print(
+        f"erniekit: the job failed (launcher exit code {rc}); every rank's log is in {logs}; run it again with "
+        f"resume_from_checkpoint=auto to continue from the latest checkpoint in {cfg.output_dir}",
+        flush=True,
+    )
+    return rc
+
+
+def launch_outcome(output_dir: str, rc: int, started: float, signum: int = 0) -> int | None:
+    """What one launch that began at `started` (time.time()) and ended with launcher exit code rc
+    means for the job: the exit code of `erniekit train` when it is over (finished, stopped, or a
+    rank's configuration error before its first step), None when it failed and may be restarted.
+    `signum`: a stop signal `erniekit train` received meanwhile (0: none)."""
+    from erniekit.utils.run_control import stopped_exit_code
+
+    logs = os.path.join(output_dir, "launch_logs")
+    stopped, step = stop_signal_of_run(output_dir, started)
+    if stopped:
         print(
-            f"erniekit: the job failed (launcher exit code {rc}); every rank's log is in {logs}; run it again with "
-            f"resume_from_checkpoint=auto to continue from the latest checkpoint in {cfg.output_dir}",
+            f"erniekit: the job stopped on {signal.Signals(stopped).name} after step {step} with "
+            f"checkpoint-{step} in {output_dir}; continue with resume_from_checkpoint=auto "
+            f"(exit code {stopped_exit_code(stopped)})",
             flush=True,
         )
-    return rc
+        return stopped_exit_code(stopped)
+    failed = failure_before_first_step(output_dir, started) if rc else None
+    early = stop_before_first_step(output_dir, started)  # read either way: the notes are this launch's
+    if failed:  # before a stop note: paddle's launcher SIGTERMs the other ranks, which note a stop
+        print(f"error: {failed[1]}", file=sys.stderr, flush=True)
+        return 2
+    if early:  # a rank (or every one) stopped while starting: a stop with nothing to resume from
+        print(
+            f"erniekit: the job stopped on {signal.Signals(early).name} before its first step; nothing was "
+            f"saved; start it again the same way (exit code {stopped_exit_code(early)})",
+            flush=True,
+        )
+        return stopped_exit_code(early)
+    if signum:
+        if rc == 0:  # the signal came after the last step: the run is complete
+            print(f"erniekit: {signal.Signals(signum).name} came after the last step; the run finished", flush=True)
+            return 0
+        print(
+            f"erniekit: the job ended on {signal.Signals(signum).name} before a checkpoint of the stop "
+            f"(launcher exit code {rc}); every rank's log is in {logs}; resume_from_checkpoint=auto "
+            f"continues from the latest checkpoint in {output_dir}",
+            flush=True,
+        )
+        return stopped_exit_code(signum)
+    return 0 if rc == 0 else None

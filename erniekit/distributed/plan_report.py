@@ -24,11 +24,16 @@ def load_checked_config(path: str | None, overrides: list[str]):
     from erniekit.config import checks, load_config
 
     cfg = load_config(path, overrides)
-    # checked on a normalised copy (canonical spellings, typed lists); dataset_dir names a directory
-    # of data the plan does not read, which normalising would require to exist here
-    norm = checks.normalise(dataclasses.replace(cfg, dataset_dir=None))
-    checks.check_values(norm)  # the device- and file-independent part of checks.check
+    checks.check_values(_normalised(cfg))  # the device- and file-independent part of checks.check
     return cfg
+
+
+def _normalised(cfg):
+    """A normalised copy (canonical spellings, typed lists), as the checks read it; dataset_dir names
+    a directory of data the plan does not read, which normalising would require to exist here."""
+    from erniekit.config import checks
+
+    return checks.normalise(dataclasses.replace(cfg, dataset_dir=None))
 
 
 def _check_top(top: int) -> None:
@@ -72,7 +77,13 @@ def collective_plan(path: str | None, overrides: list[str], top: int, include_al
     c = planner.model_config_of(cfg)
     # the config's global batch on the cluster's devices, as their kind runs it
     work = planner.workload_from_config(cfg, cluster.world, cluster.device)
-    preds = planner.plan(c, cluster, work, runnable_only=not include_all)
+    # every layout, each marked with the reason `erniekit train` would refuse it for this config on
+    # the cluster's device kind (the check train runs): left out unless --all
+    refusal = planner.config_refusal(_normalised(cfg), cluster.device)
+    preds = [dataclasses.replace(r, refused=refusal(r.plan)) for r in planner.plan(c, cluster, work)]
+    refused = [r for r in preds if r.refused]
+    if not include_all:
+        preds = [r for r in preds if not r.refused]
     print(
         f"model {cfg.model_name_or_path}: {c.num_hidden_layers} layers, hidden {c.hidden_size}"
         f"{f', {c.moe_num_experts} experts top-{c.moe_k}' if c.is_moe else ''}; global batch {work.global_batch} x "
@@ -80,6 +91,8 @@ def collective_plan(path: str | None, overrides: list[str], top: int, include_al
         f"{cluster.device} devices, {cluster.device_memory / 1e9:.1f} GB each"
     )
     print(planner.format_table(preds, top))
+    if refused and not include_all:
+        print(left_out_lines(refused))
     if json_path:
         rows = [
             {
@@ -89,12 +102,29 @@ def collective_plan(path: str | None, overrides: list[str], top: int, include_al
                 "memory_bytes": r.memory,
                 "fits": r.fits,
                 "why": r.why,
+                "refused": r.refused,
                 "parts": r.parts,
             }
             for r in preds
         ]
         _write_json(json_path, rows)
     return 0 if preds and preds[0].fits else 1
+
+
+LEFT_OUT_REASONS = 5  # distinct reasons printed under the table; --all shows every refused layout
+
+
+def left_out_lines(refused: list) -> str:
+    """How many layouts were left out as refused, and why, most frequent reason first."""
+    counts: dict[str, int] = {}
+    for r in refused:
+        counts[r.refused] = counts.get(r.refused, 0) + 1
+    reasons = sorted(counts.items(), key=lambda kv: -kv[1])
+    lines = [f"left out {len(refused)} layouts that `erniekit train` refuses for this config (--all lists them):"]
+    lines += [f"  {n} x {why}" for why, n in reasons[:LEFT_OUT_REASONS]]
+    if len(reasons) > LEFT_OUT_REASONS:
+        lines.append(f"  ... and {len(reasons) - LEFT_OUT_REASONS} more reasons")
+    return "\n".join(lines)
 
 
 def _read_yaml(path: str):

@@ -35,6 +35,7 @@ from __future__ import annotations
 import functools
 import itertools
 import math
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 
 from erniekit.errors import ConfigError
@@ -325,6 +326,7 @@ class Prediction:
     parts: dict[str, float] = field(default_factory=dict)  # seconds and bytes by cause
     fits: bool = True
     why: str = ""  # when it does not fit or cannot run
+    refused: str = ""  # why `erniekit train` refuses this layout for the config planned (config_refusal)
 
     @property
     def tokens_per_s(self) -> float:
@@ -634,9 +636,19 @@ def plan(c, cluster: Cluster, work: Workload, runnable_only: bool = False, **kw)
     return preds
 
 
-def best_plan(c, cluster: Cluster, work: Workload, runnable_only: bool = True, pipeline: bool = True) -> Prediction:
-    """The fastest plan that fits; ConfigError naming the smallest need when none does."""
+def best_plan(
+    c,
+    cluster: Cluster,
+    work: Workload,
+    runnable_only: bool = True,
+    pipeline: bool = True,
+    refusal: Callable[[Plan], str] | None = None,
+) -> Prediction:
+    """The fastest plan that fits and `refusal` (config_refusal) does not refuse; ConfigError naming
+    the smallest need when none fits, or the fastest fitting layout's refusal when only refused ones fit."""
     preds = plan(c, cluster, work, runnable_only=runnable_only, pipeline=pipeline)
+    if refusal is not None and preds:
+        preds = _runnable(preds, refusal, cluster.world)
     if not preds:
         raise ConfigError(
             f"no layout of {cluster.world} devices splits this model and a global batch of "
@@ -652,6 +664,28 @@ def best_plan(c, cluster: Cluster, work: Workload, runnable_only: bool = True, p
     return preds[0]
 
 
+def _note(r: Prediction) -> str:
+    if r.refused:
+        return "refused: " + r.refused
+    return "" if r.fits else "does not fit: " + r.why
+
+
+def _runnable(preds: list[Prediction], refusal: Callable[[Plan], str], world: int) -> list[Prediction]:
+    """The predictions `refusal` does not refuse; ConfigError with a refusal when every layout is
+    refused, or when none of the others fits but a refused one does."""
+    marked = [(r, refusal(r.plan)) for r in preds]
+    kept = [r for r, why in marked if not why]
+    if not kept:
+        raise ConfigError(f"erniekit train refuses every layout of {world} devices for this config: {marked[0][1]}")
+    fitting = next((why for r, why in marked if why and r.fits), "")
+    if fitting and not any(r.fits for r in kept):
+        raise ConfigError(
+            f"every layout of {world} devices that fits is one erniekit train refuses for this config; "
+            f"the fastest: {fitting}"
+        )
+    return kept
+
+
 def format_table(preds: list[Prediction], top: int = 15) -> str:
     """Ranked plans as a text table."""
     head = f"{'#':>3}  {'layout':44s} {'step s':>9} {'tok/s':>9} {'mem GB':>7} {'compute':>8} {'comm':>8}  note"
@@ -660,7 +694,7 @@ def format_table(preds: list[Prediction], top: int = 15) -> str:
         comm = sum(v for k, v in r.parts.items() if k.startswith("comm_") and k.endswith("_s"))
         rows.append(
             f"{i:>3}  {r.plan.describe():44s} {r.step_s:9.4f} {r.tokens_per_s:9.0f} {r.memory / 1e9:7.2f} "
-            f"{r.parts['compute_s']:8.4f} {comm:8.4f}  {'' if r.fits else 'does not fit: ' + r.why}"
+            f"{r.parts['compute_s']:8.4f} {comm:8.4f}  {_note(r)}"
         )
     if len(preds) > top:
         rows.append(f"... {len(preds) - top} more (--top N)")
@@ -688,6 +722,17 @@ def workload_from_config(cfg, world: int | None = None, device: str = "cpu") -> 
 def with_plan(cfg, p: Plan):
     """A copy of the training config that runs plan p."""
     return replace(cfg, **p.config_overrides())
+
+
+def config_refusal(cfg, device: str) -> Callable[[Plan], str]:
+    """Why `erniekit train` refuses a plan for this (normalised) training config on `device` ("cpu"
+    or "gpu"); "" when it runs it: the check train runs (config/checks.py layout_refusal)."""
+    from erniekit.config.checks import layout_refusal
+
+    def refusal(p: Plan) -> str:
+        return layout_refusal(cfg, _layout(p), cuda=device == "gpu") or ""
+
+    return refusal
 
 
 def model_config_of(cfg):
@@ -730,5 +775,6 @@ def auto_plan(cfg) -> Prediction:
         model_config_of(cfg),
         cluster,
         workload_from_config(cfg, device=runs_on),
-        pipeline=pipeline_refusal(cfg) is None,
+        pipeline=pipeline_refusal(cfg) is None,  # not even enumerated
+        refusal=config_refusal(cfg, runs_on),
     )

@@ -9,8 +9,9 @@ import time
 import paddle
 
 from erniekit.config import dump_config
-from erniekit.errors import ConfigError, ErniekitError
+from erniekit.errors import CheckpointError, ConfigError, DataError, ErniekitError
 from erniekit.train.loop import Trainer
+from erniekit.train.model_checks import check_ps_model, check_stop_ids
 from erniekit.train.stages import get_stage
 from erniekit.utils.device import cuda_visible
 from erniekit.utils.dtensor import is_main_process, launched_world
@@ -84,16 +85,6 @@ def load_model(cfg):
     return model
 
 
-def check_stop_ids(stop_token_ids: list[int], vocab_size: int) -> None:
-    """An id past the vocabulary is never sampled: the stop asked for would never fire."""
-    beyond = [t for t in stop_token_ids if t >= vocab_size]
-    if beyond:
-        raise ConfigError(
-            f"stop_token_ids={stop_token_ids}: {beyond[0]} is not a token of this model (vocab_size={vocab_size}); "
-            f"use ids below {vocab_size}"
-        )
-
-
 def check_vocab(model, tokenizer) -> None:
     beyond = [t for t, i in getattr(tokenizer, "added_tokens", {}).items() if i >= model.config.vocab_size]
     if beyond:
@@ -134,11 +125,11 @@ def run_train(cfg, log=print) -> dict:
     checkpoint-N (docs/training.md "Stopping and preemption")."""
     from erniekit.utils.run_control import output_dir_lock, stop_on_signal
 
-    with stop_on_signal(launched=launched_world() > 1):
+    with stop_on_signal(launched=launched_world() > 1), _noting_start_failure(cfg.output_dir) as start:
         if os.environ.get("PADDLE_TRAINER_ID", "0") != "0":
-            return _run_train(cfg, log)
+            return _run_train(cfg, log, start)
         with output_dir_lock(cfg.output_dir):
-            return _run_train(cfg, log)
+            return _run_train(cfg, log, start)
 
 
 class StoppedBeforeFirstStep(ErniekitError):
@@ -166,7 +157,35 @@ def _starting():
         raise StoppedBeforeFirstStep(stop_signal()) from e
 
 
-def _run_train(cfg, log=print) -> dict:
+class _StartUp:
+    """Where a run is: starting (no step yet) until `done`."""
+
+    def __init__(self):
+        self.over = False
+
+    def done(self) -> None:
+        self.over = True
+
+
+@contextlib.contextmanager
+def _noting_start_failure(output_dir: str):
+    """A launched rank's configuration, data or checkpoint error before its first step is left in
+    launch_logs for `erniekit train`, which reports it once and does not restart the job (a
+    restart would meet it again; distributed/launch.py failure_before_first_step). Not during a
+    stop: that is reported as one."""
+    from erniekit.distributed.launch import in_launched_worker, note_failure_before_first_step
+    from erniekit.utils.run_control import stop_signal
+
+    start = _StartUp()
+    try:
+        yield start
+    except (ConfigError, DataError, CheckpointError) as e:
+        if not start.over and in_launched_worker() and not stop_signal():
+            note_failure_before_first_step(output_dir, str(e))
+        raise
+
+
+def _run_train(cfg, log, start: _StartUp) -> dict:
     device = select_device()
     from erniekit.distributed.collective.runtime import placing_batches
     from erniekit.distributed.join import join
@@ -174,7 +193,7 @@ def _run_train(cfg, log=print) -> dict:
     with _starting():
         topology = join(cfg)
     with placing_batches(topology.collective):  # a collective job's batches split over its data ranks
-        return _run_joined(cfg, topology, device, log)
+        return _run_joined(cfg, topology, device, log, start)
 
 
 def _build_data(stage, cfg, tokenizer) -> tuple[list, dict | None]:
@@ -202,7 +221,7 @@ def _checked_model(cfg, tokenizer):
     return model
 
 
-def _run_joined(cfg, topology, device: str, log) -> dict:
+def _run_joined(cfg, topology, device: str, log, start: _StartUp) -> dict:
     ctx, ps = topology.collective, topology.ps
     main = is_main_process()
     if not main:
@@ -223,6 +242,7 @@ def _run_joined(cfg, topology, device: str, log) -> dict:
         if ps.is_server:
             from erniekit.train.runners.ps import serve_tables
 
+            start.done()  # a server serves until the workers finish: its errors come later
             return serve_tables(cfg, model, ps, log)
         runner = _ps_runner(cfg, model, ps, stage, log)
     if ctx is not None:
@@ -249,7 +269,13 @@ def _run_joined(cfg, topology, device: str, log) -> dict:
         runner = CrossClusterRunner(runner, cfg, ctx)
     with _starting():  # the runner joins the other clusters here (CrossClusterRunner.bind)
         trainer = Trainer(cfg, model, tokenizer, stage, train_rows, eval_data, log=log, runner=runner)
+    start.done()
     results = _train_and_evaluate(cfg, trainer, eval_data, ctx is not None, log)
+    return _wrap_up(cfg, trainer, results, main, log)
+
+
+def _wrap_up(cfg, trainer, results: dict, main: bool, log) -> dict:
+    """The final model and the run's results in output_dir."""
     _save_final(cfg, trainer)
     results.update(trainer.runner.finish())
     if main:
@@ -262,16 +288,7 @@ def _run_joined(cfg, topology, device: str, log) -> dict:
 
 def _ps_role(cfg, model, ps):
     """This process's PS role with its pipeline segment (distributed_mode: ps)."""
-    if model.config.num_nextn_predict_layers > 0:
-        raise ConfigError(
-            "distributed_mode=ps does not train MTP heads (they need the embedding and head on the "
-            "worker); set model_overrides.num_nextn_predict_layers=0"
-        )
-    if getattr(model.config, "lm_head_bias", False):
-        raise ConfigError(
-            "distributed_mode=ps does not train the head's bias of an MoE model with use_bias (the servers "
-            "hold the head as rows of weights); train it with data or tensor parallelism"
-        )
+    check_ps_model(model.config)
     from erniekit.distributed.ps.topology import with_pipeline
 
     return with_pipeline(ps, cfg.pipeline_parallel_degree, model.config.num_hidden_layers, cfg.pipeline_stage_layers)

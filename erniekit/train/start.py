@@ -31,12 +31,16 @@ def start_training(cfg, path: str | None, overrides: list[str], user_threads: st
         )
     if cfg.distributed_mode == "ps" and cfg.ps_placement == "auto" and not in_launched_worker():
         cfg, args = apply_ps_placement(cfg, path, overrides)
+    from erniekit.distributed.collective.layout import world_size
+
+    if world_size(cfg.parallelism) > 1 and not in_launched_worker():  # what the ranks check on their model
+        from erniekit.train.model_checks import check_model_before_launch
+
+        check_model_before_launch(cfg)
     if cfg.cross_cluster_sizes and cfg.cross_cluster_id < 0 and not in_launched_worker():
         from erniekit.distributed.cross_cluster.launch import launch_clusters
 
         return launch_clusters(cfg, args, user_threads)  # each cluster a job of its own (docs/cross_cluster.md)
-    from erniekit.distributed.collective.layout import world_size
-
     if world_size(cfg.parallelism) > 1 and not in_launched_worker():
         return relaunch(cfg, args, user_threads)
     from erniekit.train.run import StoppedBeforeFirstStep, run_train
