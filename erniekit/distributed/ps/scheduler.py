@@ -131,15 +131,26 @@ def rl_schedule(
     return Result(best_p, best, tried)
 
 
+SEARCH_SEEDS = 4  # RL runs per search, each from its own seed (rl_search)
+
+
 def rl_search(
-    problem: PlacementProblem, seed: int = 0, iterations: int = 150, warm_start: tuple[str, ...] | None = None
+    problem: PlacementProblem,
+    seed: int = 0,
+    iterations: int = 150,
+    warm_start: tuple[str, ...] | None = None,
+    seeds: int = SEARCH_SEEDS,
 ) -> Result:
-    """The better of two RL runs: stage cuts as likely as any choice at first (explores small
-    instances fully), and rare at first (keeps long chains contiguous until a cut pays). Measured
-    on the test instances: the first alone hit the exact optimum on 40/40 small ones but beat
-    greedy on 1/4 large ones; the second 33/40 and 3/4."""
+    """The best of RL runs from `seeds` seeds (seed, seed + 1, ...) x two priors: stage cuts as
+    likely as any choice at first (explores small instances fully), and rare at first (keeps long
+    chains contiguous until a cut pays). Measured on the test instances: the first prior alone hit
+    the exact optimum on 40/40 small ones but beat greedy on 1/4 large ones; the second 33/40 and
+    3/4. One seed's answer for ERNIE-4.5-0.3B at 2e5 tokens/s on hetero-cpu-gpu.yaml ranged over
+    1.41x in cost across seeds 0-9; the best of 4 consecutive seeds found the cheapest in 39 of 47
+    windows (at worst 1.20x), so the plan no longer hangs on one seed's luck."""
     runs = [
-        rl_schedule(problem, seed=seed, iterations=iterations, warm_start=warm_start, cut_prior=prior)
+        rl_schedule(problem, seed=seed + k, iterations=iterations, warm_start=warm_start, cut_prior=prior)
+        for k in range(seeds)
         for prior in (0.0, 2.0)
     ]
     best = min(runs, key=lambda r: r.cost)
@@ -212,20 +223,21 @@ def feasible_target(parts, cluster, tokens: int, solver=None) -> PlacementProble
 def against_exact(seeds) -> list[tuple[float, float]]:
     """(RL cost, exact cost) on seeded small enumerable instances (4-5 parts, 2-3 types, instance
     `seed` drawn from default_rng(seed)), each at the highest target some placement meets; seeds
-    with none are skipped. The scheduler's quality test and tools/bench_ps.py."""
+    with none are skipped. The scheduler's quality test and tools/bench_ps.py; one seed per search,
+    so it measures what a single RL run finds (a plan takes the best of SEARCH_SEEDS)."""
     out = []
     for seed in seeds:
         rng = np.random.default_rng(seed)
         cluster, parts = synthetic_instance(rng, int(rng.integers(4, 6)), int(rng.integers(2, 4)))
         prob = feasible_target(parts, cluster, 4096)
         if prob is not None:
-            out.append((rl_search(prob, seed=seed).cost, exact(prob).cost))
+            out.append((rl_search(prob, seed=seed, seeds=1).cost, exact(prob).cost))
     return out
 
 
 def against_greedy(seeds) -> list[tuple[float, float]]:
     """(RL cost, greedy cost) on seeded 40-part, 3-type instances (default_rng(100 + seed)), each at
-    the highest target greedy meets; RL warm-started from the greedy placement."""
+    the highest target greedy meets; RL warm-started from the greedy placement, one seed a search."""
     out = []
     for seed in seeds:
         rng = np.random.default_rng(100 + seed)
@@ -233,5 +245,5 @@ def against_greedy(seeds) -> list[tuple[float, float]]:
         prob = feasible_target(parts, cluster, 4096, solver=greedy)
         if prob is not None:
             g = greedy(prob)
-            out.append((rl_search(prob, seed=seed, warm_start=g.placement).cost, g.cost))
+            out.append((rl_search(prob, seed=seed, warm_start=g.placement, seeds=1).cost, g.cost))
     return out
