@@ -430,7 +430,7 @@ def plan(args: list[str]) -> int:
     p.add_argument(
         "--all",
         action="store_true",
-        help="also layouts this version cannot run yet (a pipeline beside tp, ep or sharding; stage 3 on CPU)",
+        help="also the layouts `erniekit train` refuses for this config, each marked with its reason",
     )
     p.add_argument("--json", metavar="PATH", help="write every prediction as JSON")
     p.add_argument(

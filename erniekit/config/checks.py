@@ -475,6 +475,8 @@ def _check_paths(cfg: TrainConfig) -> None:
                 raise ConfigError(f"{key}: file not found: {p}; fix the path (relative paths start at {os.getcwd()})")
     _check_model(cfg.model_name_or_path)
     check_writable_dir("output_dir", cfg.output_dir)
+    if cfg.tokenized_path and not os.path.isfile(os.path.join(cfg.tokenized_path, "train", "store.json")):
+        check_writable_dir("tokenized_path", cfg.tokenized_path)  # the first run builds the store there
     if cfg.logging_dir != os.path.join(cfg.output_dir, "vdl_log"):
         check_writable_dir("logging_dir", cfg.logging_dir)
     resume = cfg.resume_from_checkpoint
@@ -724,6 +726,8 @@ def _check_stage_keys(cfg: TrainConfig) -> None:
     beta is DPO's temperature and RL's KL coefficient; Distill's on-policy sampling reads
     max_new_tokens, temperature, top_p and stop_token_ids."""
     rl = stage_supports(cfg).rollouts
+    if cfg.stage != "pretrain":  # the token store holds pretraining text's ids (erniekit/data/token_store.py)
+        _refuse_other_stages_keys(cfg, ["tokenized_path"], "stage pretrain")
     if cfg.stage != "DPO":
         _refuse_other_stages_keys(cfg, [k for k in SECTION_KEYS["dpo"] if k != "beta" or not rl], "stage DPO")
     if not rl:

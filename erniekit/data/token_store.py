@@ -42,8 +42,9 @@ import numpy as np
 from erniekit.data.dataset_info import load_entry, parse_ref
 from erniekit.data.encode import PRETRAIN_PIECE_CHARS
 from erniekit.data.formats import split_paths
-from erniekit.errors import DataError
+from erniekit.errors import DataError, ErniekitError
 from erniekit.utils.io import atomic_write_json, replace_dir, write_errors
+from erniekit.utils.run_control import stop_signal
 
 if TYPE_CHECKING:  # importing the model package would pull in paddle
     from erniekit.models.ernie4_5.tokenizer import ErnieTokenizer
@@ -273,6 +274,8 @@ def _wait_for_lock(lock: str, directory: str, deadline: float) -> None:
         if _owner_gone(owner) or now - since > STALE_S:
             _break_lock(lock, owner)
             return
+        if stop_signal():  # a stop request (SIGTERM) ends the wait; the builder stops on its own
+            raise ErniekitError(f"tokenized_path: stopped while waiting for {directory} (locked by {lock})")
         if now > deadline:
             raise DataError(
                 f"tokenized_path: waited {WAIT_S:.0f} s for {directory}, still locked by {lock} "

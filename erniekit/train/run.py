@@ -197,9 +197,11 @@ def _run_train(cfg, log, start: _StartUp) -> dict:
 
 
 def _build_data(stage, cfg, tokenizer) -> tuple[list, dict | None]:
-    """The stage's training rows and evaluation data, read and checked (one-line DataErrors)."""
-    train_rows = stage.build_train_rows(cfg, tokenizer) if cfg.do_train else []
-    return train_rows, stage.build_eval_data(cfg, tokenizer) if cfg.do_eval else None
+    """The stage's training rows and evaluation data, read and checked (one-line DataErrors); a stop
+    while a large corpus is tokenized or its token store awaited ends the start-up as that stop."""
+    with _starting():
+        train_rows = stage.build_train_rows(cfg, tokenizer) if cfg.do_train else []
+        return train_rows, stage.build_eval_data(cfg, tokenizer) if cfg.do_eval else None
 
 
 def _stage_of(cfg):

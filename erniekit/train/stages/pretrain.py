@@ -11,15 +11,21 @@ import numpy as np
 from erniekit.data.encode import PackedDocuments, encode_pretrain_array
 from erniekit.data.formats import iter_pretrain_texts
 from erniekit.data.token_store import corpus_fingerprint, open_or_build
-from erniekit.errors import DataError
+from erniekit.errors import DataError, ErniekitError
 from erniekit.train.stage import LM, Stage
 from erniekit.train.stages import register_stage
+from erniekit.utils.run_control import stop_signal
+
+STOP_POLL_DOCS = 256
 
 
 def _documents(path: str, tokenizer) -> Iterator[np.ndarray]:
     """Each document's int32 ids (eos included), read and tokenized one at a time: the corpus' text
-    is never held whole, and a long document is tokenized in pieces."""
-    for text in iter_pretrain_texts(path):
+    is never held whole, and a long document is tokenized in pieces. A stop request (SIGTERM) ends
+    the tokenizing of a large corpus within STOP_POLL_DOCS documents instead of after it."""
+    for i, text in enumerate(iter_pretrain_texts(path)):
+        if i % STOP_POLL_DOCS == 0 and stop_signal():
+            raise ErniekitError(f"{path}: stopped while tokenizing document {i + 1}")
         yield encode_pretrain_array(text, tokenizer)
 
 

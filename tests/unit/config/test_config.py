@@ -325,9 +325,34 @@ def test_a_lora_adapter_as_the_model_or_the_teacher_says_to_merge_it(valid, tmp_
         (["distill_loss=jsd"], r"distill_loss='jsd' applies to stage Distill, not stage SFT"),
         (["stage=GRPO", "reward_funcs=[accuracy]", "vf_coef=0.5"], r"vf_coef=0.5 applies to stage PPO, not stage GRPO"),
         (["stage=PPO", "reward_funcs=[accuracy]", "scale_rewards=false"], r"scale_rewards=False applies to stage GRPO"),
+        (["tokenized_path=/tmp/ids"], r"tokenized_path='/tmp/ids' applies to stage pretrain, not stage SFT"),
     ],
 )
 def test_another_stages_settings_are_refused_not_ignored(valid, overrides, said):
     """They changed nothing (an online-distillation run with distill_loss trained to the same digits)."""
     with pytest.raises(ConfigError, match=said):
         validate(load_config(None, [*valid, *overrides]))
+
+
+def test_a_token_store_that_cannot_be_written_is_refused_before_the_model_loads(valid, tmp_path, monkeypatch):
+    """tokenized_path's first run builds the store there: found out at validation, not after the
+    model has loaded; a store already built there is only read, so it may sit on a read-only disk."""
+    import tempfile
+
+    pre = [*valid, "stage=pretrain", "train_dataset_type=text"]
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    with pytest.raises(ConfigError, match=r"tokenized_path=.*a-file is a file, not a directory"):
+        validate(load_config(None, [*pre, f"tokenized_path={blocker / 'ids'}"]))
+    store = tmp_path / "ids"
+    (store / "train").mkdir(parents=True)
+    (store / "train" / "store.json").write_text("{}")
+    real = tempfile.mkdtemp
+
+    def read_only(*args, dir=None, **kw):
+        if dir is not None and str(dir).startswith(str(store)):
+            raise PermissionError(13, "Permission denied")
+        return real(*args, dir=dir, **kw)
+
+    monkeypatch.setattr(tempfile, "mkdtemp", read_only)
+    validate(load_config(None, [*pre, f"tokenized_path={store}"]))

@@ -252,3 +252,38 @@ def test_the_pretrain_stage_reads_the_store_of_tokenized_path(tmp_path, tok, mon
         for got, ref in zip(rows, want):
             assert len(got) == len(ref) > 1
             assert all(np.array_equal(g[k], w[k]) for g, w in zip(got[:], ref[:]) for k in w)
+
+
+def test_a_stop_request_ends_the_tokenizing_and_the_wait_for_a_lock(tmp_path, tok, monkeypatch):
+    """SIGTERM during the start-up of a large pretraining corpus took effect only after the first
+    step (tokenizing can take many minutes): now the run stops before its first step, as a stop."""
+    import dataclasses
+    import signal
+
+    from erniekit.config.schema import TrainConfig
+    from erniekit.train import run
+    from erniekit.train.stages import pretrain
+    from erniekit.utils import run_control
+
+    cfg = dataclasses.replace(TrainConfig(), train_dataset_path=_corpus(tmp_path, n=600), max_seq_len=24, do_eval=False)
+    seen = []
+    real = pretrain.encode_pretrain_array
+
+    def encode(text, tokenizer):
+        seen.append(1)
+        if len(seen) == 300:
+            run_control.request_stop(signal.SIGTERM)
+        return real(text, tokenizer)
+
+    monkeypatch.setattr(pretrain, "encode_pretrain_array", encode)
+    monkeypatch.setitem(run_control._requested, "signal", 0)
+    with pytest.raises(run.StoppedBeforeFirstStep):
+        run._build_data(pretrain.PretrainStage(), cfg, tok)
+    assert len(seen) < 600  # stopped within STOP_POLL_DOCS documents, not at the end
+    store_dir = tmp_path / "tok" / "train"
+    _lock(store_dir, pid=os.getppid())  # a live builder elsewhere
+    monkeypatch.setattr(ts, "WAIT_S", 5.0)
+    t0 = time.monotonic()
+    with pytest.raises(run.StoppedBeforeFirstStep):
+        run._build_data(pretrain.PretrainStage(), dataclasses.replace(cfg, tokenized_path=str(tmp_path / "tok")), tok)
+    assert time.monotonic() - t0 < 2.5  # the stop ended the wait, not WAIT_S
