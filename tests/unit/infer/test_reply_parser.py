@@ -52,6 +52,7 @@ def test_streamed_in_any_pieces_equals_whole(thinking_open, tools_allowed, cut):
         bounds = sorted(rng.sample(range(len(text) + 1), min(len(text) + 1, rng.randint(1, 8))))
         pieces = [text[i:j] for i, j in zip([0, *bounds], [*bounds, len(text)])]
         assert _parse(pieces, thinking_open, tools_allowed, cut) == whole, (text, bounds)
+        assert _parse(list(text), thinking_open, tools_allowed, cut) == whole, text  # a character at a time
 
 
 def test_a_call_nested_past_the_decoder_is_text_not_an_exception():

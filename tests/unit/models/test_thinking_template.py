@@ -184,33 +184,3 @@ def test_tool_calls_stay_text_when_tools_are_not_allowed():
     text = 'r\n</think>\n\n<tool_call>\n{"name": "calc", "arguments": {}}\n</tool_call>\n'
     got = parse_reply(text, tools_allowed=False)
     assert got.tool_calls == [] and got.content.startswith("<tool_call>")
-
-
-def test_fuzzed_replies_never_raise():
-    pieces = [
-        "</think>",
-        "<response>",
-        "</response>",
-        "<tool_call>",
-        "</tool_call>",
-        "\n",
-        "{",
-        "}",
-        '"name"',
-        ":",
-        "x",
-        '"arguments"',
-    ]
-    rng = random.Random(0)
-    for _ in range(500):
-        text = "".join(rng.choice(pieces) for _ in range(rng.randint(0, 12)))
-        whole = parse_reply(text)
-        p, events = ReplyParser(), []
-        for ch in text:
-            events += p.feed(ch)
-        streamed = collect(events + p.finish())
-        assert (streamed.reasoning, streamed.content, len(streamed.tool_calls)) == (
-            whole.reasoning,
-            whole.content,
-            len(whole.tool_calls),
-        )
