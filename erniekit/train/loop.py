@@ -17,6 +17,7 @@ import time
 
 import paddle
 
+from erniekit.data.control import CONTROL_RECORD_NAME
 from erniekit.elastic.submodels import ElasticSpec, ElasticTraining, apply_elastic
 from erniekit.errors import ErniekitError
 from erniekit.routing.monitor import RoutingMonitor
@@ -152,6 +153,8 @@ class Trainer:
         self.runner.save_state(path)  # this process's own state beside the checkpoint (cross-cluster sync)
         self.logger.flush()  # every step up to this checkpoint on disk: a kill leaves no hole before it
         extra = dict(self.stage.checkpoint_tensors())
+        if self.stage.control_record:  # a `.json` name: written as a JSON document (docs/control.md)
+            extra[CONTROL_RECORD_NAME] = self.stage.control_record
         if self.ema is not None:
             extra[EMA_NAME] = self.ema.state_dict()
         save_checkpoint(

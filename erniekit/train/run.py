@@ -392,10 +392,13 @@ def _save_final(cfg, trainer) -> None:
     else:
         save_model_or_adapter(model, cfg.output_dir, trainer.tokenizer, cfg.model_name_or_path, runner)
     trainer.stage.save_final(cfg.output_dir, trainer.tokenizer)  # online-distillation students
-    if is_main_process():  # what a stage keeps beside the weights (a credibility head)
+    if is_main_process():  # what a stage keeps beside the weights (a credibility head, the control record)
         from safetensors.paddle import save_file
 
+        from erniekit.data.control import write_control_record
         from erniekit.utils.io import atomic_write
+
+        write_control_record(cfg.output_dir, trainer.stage.control_record)  # none: a stale one is removed
 
         for name, tensors in trainer.stage.model_tensors().items():
             state = {k: v.contiguous() for k, v in tensors.items()}

@@ -119,6 +119,9 @@ class Stage:
     token_balance = False  # loss_token_balance, set in `prepare`: loss averaged per example, then over examples
     fused_head = False  # fused_head_loss, set in `prepare`: lm_loss without the batch's logits
     progress_keys: dict[str, str] = {}  # extra progress-bar fields: short name -> metric key (RL: reward)
+    # the control attributes the model was trained on, saved beside it (docs/control.md): the starting
+    # model's, unless the stage adds its data's (SFT)
+    control_record: dict | None = None
 
     def build_train_rows(self, cfg, tokenizer) -> list[dict[str, np.ndarray]]:
         raise NotImplementedError
@@ -131,6 +134,10 @@ class Stage:
         resume loads a checkpoint): where a stage computes what depends on the reference model."""
         self.token_balance = bool(getattr(cfg, "loss_token_balance", False))
         self.fused_head = self.supports.fused_head and fused_head_wanted(cfg)
+        if self.control_record is None:  # what the starting model learnt goes on with it (DPO, RL, Distill...)
+            from erniekit.data.control import read_control_record
+
+            self.control_record = read_control_record(cfg.model_name_or_path)
 
     def collate(self, rows: list[dict[str, np.ndarray]], pad_id: int) -> dict[str, np.ndarray]:
         from erniekit.train.batching import collate

@@ -17,7 +17,6 @@ from erniekit.data.control import (
     drop_controls,
     merge_records,
     read_control_record,
-    write_control_record,
 )
 from erniekit.data.encode import encode_conversations, pack
 from erniekit.data.formats import Conversation, load_sft_examples
@@ -41,7 +40,6 @@ class SFTStage(Stage):
     supports = LM
 
     credibility = None  # erniekit/train/credibility.py, with credibility_loss_weight > 0
-    control_record = None  # the control attributes trained on, starting model's included (docs/control.md)
 
     def build_train_rows(self, cfg, tokenizer):
         convs = load_sft_examples(cfg.train_dataset_path, cfg.train_dataset_type)
@@ -83,9 +81,7 @@ class SFTStage(Stage):
         return [] if self.credibility is None else self.credibility.named_parameters()
 
     def checkpoint_tensors(self):
-        """The credibility head, and the control record (a `.json` name: written as a JSON document)."""
-        record = {CONTROL_RECORD_NAME: self.control_record} if self.control_record else {}
-        return {**self._credibility_tensors(), **record}
+        return self._credibility_tensors()
 
     def load_checkpoint_tensors(self, path: str) -> None:
         if self.credibility is not None:
@@ -96,13 +92,6 @@ class SFTStage(Stage):
 
     def _credibility_tensors(self):
         return {} if self.credibility is None else self.credibility.tensors()
-
-    def save_final(self, output_dir: str, tokenizer) -> None:
-        super().save_final(output_dir, tokenizer)
-        from erniekit.utils.dtensor import is_main_process
-
-        if is_main_process():  # no record removes one an older run in output_dir left
-            write_control_record(output_dir, self.control_record)
 
     def build_eval_data(self, cfg, tokenizer):
         if not cfg.eval_dataset_path:

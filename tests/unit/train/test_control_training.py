@@ -209,17 +209,23 @@ def test_continued_training_adds_the_starting_models_record(tmp_path):
     assert rec["attributes"]["tone"] == {"open": False, "values": {"formal": 1}}  # kept from the start
     words, digits = (data["attributes"]["style"]["values"][v] for v in ("words", "digits"))
     assert rec["attributes"]["style"]["values"] == {"words": words + 3, "digits": digits}
-    stage.save_final(str(tmp_path / "out"), tok)
-    assert read_control_record(str(tmp_path / "out")) == rec
-    assert stage.checkpoint_tensors() == {CONTROL_RECORD_NAME: rec}  # every checkpoint carries it
+    stage.prepare(None, [], None, _cfg(tmp_path / "out", f"model_name_or_path={start}"), tok)
+    assert stage.control_record == rec  # not replaced by the starting model's alone
     # a run that does not train saves the model it was given, and that model's record with it
     idle = get_stage("SFT")
     idle.prepare(None, [], None, _cfg(tmp_path / "idle", f"model_name_or_path={start}", "do_train=false"), tok)
-    idle.save_final(str(tmp_path / "idle"), tok)
-    assert read_control_record(str(tmp_path / "idle")) == learnt
+    assert idle.control_record == learnt
+    # so does every other stage: DPO, RL or pretraining on a control model keeps what it learnt
+    for name in ("pretrain", "DPO"):
+        other = get_stage(name)
+        other.control_record = None
+        from erniekit.train.stage import Stage
+
+        Stage.prepare(other, None, [], None, _cfg(tmp_path / name, f"model_name_or_path={start}"), tok)
+        assert other.control_record == learnt, name
 
 
-def test_no_controls_means_no_record_and_a_stale_one_goes(tmp_path):
+def test_no_controls_means_no_record_and_a_stale_one_goes(tmp_path, monkeypatch):
     from erniekit.train.stages import get_stage
 
     plain = tmp_path / "plain.jsonl"
@@ -229,8 +235,16 @@ def test_no_controls_means_no_record_and_a_stale_one_goes(tmp_path):
     write_control_record(str(out), count_controls([{"style": "words"}]))  # an older run's
     stage = get_stage("SFT")
     stage.build_train_rows(_cfg(out, f"train_dataset_path={plain}"), default_tokenizer())
-    assert stage.control_record is None and stage.checkpoint_tensors() == {}
-    stage.save_final(str(out), default_tokenizer())
+    cfg = _cfg(out, f"train_dataset_path={plain}")
+    stage.prepare(None, [], None, cfg, default_tokenizer())
+    assert stage.control_record is None and CONTROL_RECORD_NAME not in stage.checkpoint_tensors()
+    from types import SimpleNamespace
+
+    from erniekit.train import checkpointing, run
+
+    monkeypatch.setattr(checkpointing, "save_model_or_adapter", lambda *a, **k: None)  # the weights: not this test's
+    trainer = SimpleNamespace(model=None, runner=None, ema=None, tokenizer=default_tokenizer(), stage=stage, log=print)
+    run._save_final(cfg, trainer)  # every stage's final save
     assert not (out / CONTROL_RECORD_NAME).exists()
 
 
