@@ -140,8 +140,9 @@ def _check_control_flags(ns: argparse.Namespace) -> None:
     )
 
     ns.control = parse_control_args(ns.control)
-    record = read_control_record(ns.model_dir)  # the attributes the model was trained on (docs/control.md)
-    check_trained_control(ns.control, record, "--control ", os.path.join(ns.model_dir, CONTROL_RECORD_NAME))
+    if ns.control:  # against the attributes the model was trained on (docs/control.md)
+        record = read_control_record(ns.model_dir)
+        check_trained_control(ns.control, record, "--control ", os.path.join(ns.model_dir, CONTROL_RECORD_NAME))
     if not 1 <= ns.rerank <= MAX_RERANK:
         raise ErniekitError(f"chat: --rerank {ns.rerank} must be in 1..{MAX_RERANK}")
     if ns.rerank > 1:

@@ -190,6 +190,9 @@ def _record_problem(record: dict) -> str | None:
             return f'attributes.{k:.40} must be {{"open": true|false, "values": {{value: count}}}}'
         if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in values.values()):
             return f"attributes.{k:.40}.values must map each value to a record count"
+    n = record.get("records")
+    if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+        return "'records' must be the number of training records (an integer >= 0)"
     return None
 
 

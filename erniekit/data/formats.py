@@ -218,8 +218,8 @@ def _json_line(path: str, lineno: int, line: str) -> object:
 
 def _starts_with_bracket(path: str, block: int = 1 << 16) -> bool:
     """Whether the file's first character after whitespace is "[" (a JSON list), reading only as far as it.
-    Bytes that are not UTF-8 before it: False (the line reader then names them)."""
-    decoder = codecs.getincrementaldecoder("utf-8")()
+    Bytes that are not UTF-8 read as U+FFFD here: whichever reader follows names them."""
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
     try:
         with open(path, "rb") as f:
             while data := f.read(block):
@@ -228,8 +228,6 @@ def _starts_with_bracket(path: str, block: int = 1 << 16) -> bool:
                     return text.startswith("[")
     except OSError as e:
         raise _unreadable(path, e) from None
-    except UnicodeDecodeError:
-        return False
     return False
 
 

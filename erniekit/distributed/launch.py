@@ -201,7 +201,9 @@ def _leave_note(output_dir: str, prefix: str, text: str) -> None:
 
 def _take_notes(output_dir: str, prefix: str, since: float) -> list[tuple[str, str]]:
     """(rank, text) of each `prefix` note written after `since` (time.time()), lowest rank first.
-    Every such note is removed, older ones too: they describe one launch."""
+    Older notes (an earlier launch's) are removed; this launch's stay, since on a shared output_dir
+    the `erniekit train` parent of every node reads them (the first to read must not hide a rank's
+    config error from the others, which would restart alone toward a master that has gone)."""
     logs = os.path.join(output_dir, "launch_logs")
     try:
         names = [n for n in os.listdir(logs) if n.startswith(prefix)]
@@ -211,14 +213,13 @@ def _take_notes(output_dir: str, prefix: str, since: float) -> list[tuple[str, s
     for name in sorted(names, key=lambda n: (len(n), n)):  # rank 2 before rank 10
         path = os.path.join(logs, name)
         try:
-            fresh = os.stat(path).st_mtime >= since
+            if os.stat(path).st_mtime < since:
+                os.remove(path)
+                continue
             with open(path, encoding="utf-8") as f:
-                text = f.read().strip()
-            os.remove(path)
+                found.append((name[len(prefix) :], f.read().strip()))
         except OSError:
             continue
-        if fresh:
-            found.append((name[len(prefix) :], text))
     return found
 
 
@@ -230,7 +231,7 @@ def note_stop_before_first_step(output_dir: str, signum: int) -> None:
 
 def stop_before_first_step(output_dir: str, since: float) -> int:
     """The stop signal of a rank that stopped while starting, noted after `since` (time.time());
-    0 when none. The notes are removed (they describe this launch only)."""
+    0 when none (_take_notes: an earlier launch's notes are removed, not read)."""
     for _, text in _take_notes(output_dir, _EARLY_STOP, since):
         try:
             return int(text or 0)

@@ -107,6 +107,7 @@ def export_hf(
     options = ExportOptions(max_shard_size, dtype, group_size)
     writer.check_options(options)  # so is an option it would ignore
     check_output(src, out, force, fmt)
+    record = _control_record(src)  # a damaged one is refused before anything is written
     model, tokenizer = _load_source(src, elastic)
     info = {"source": os.path.abspath(src), "format": fmt}
     from erniekit.models.registry import adapter_base
@@ -118,20 +119,22 @@ def export_hf(
         info["elastic"] = {"depth": elastic.depth, "experts": elastic.experts, "top_k": elastic.top_k}
     with _marked_unfinished(out, info):
         writer.write(model, tokenizer, out, info, options)
-        _carry_control_record(src, base, out)
+        from erniekit.data.control import write_control_record
+
+        write_control_record(out, record)  # none: a --force export removes a stale one
     return out
 
 
-def _carry_control_record(src: str, base: str | None, out: str) -> None:
-    """The control attributes the source was trained on (an adapter's own record holds its base's;
-    an adapter without one keeps its base's) go with the export, so chat and the server check them
-    there too; a --force export of a model without one removes the stale file (docs/control.md)."""
-    from erniekit.data.control import read_control_record, write_control_record
+def _control_record(src: str) -> dict | None:
+    """The control attributes the source was trained on, which go with the export so chat and the
+    server check them there too (docs/control.md): an adapter's own record holds its base's; an
+    adapter without one keeps its base's."""
+    from erniekit.data.control import read_control_record
+    from erniekit.models.registry import adapter_base
 
     record = read_control_record(src) if os.path.isdir(src) else None
-    if record is None and base is not None:
-        record = read_control_record(base)
-    write_control_record(out, record)
+    base = adapter_base(src) if os.path.isdir(src) else None
+    return record if record is not None or base is None else read_control_record(base)
 
 
 @contextlib.contextmanager

@@ -308,8 +308,9 @@ def check_chat_control(model_dir: str, control: dict[str, str]) -> None:
     without loading the weights); a model without that file is not checked (docs/control.md)."""
     from erniekit.data.control import CONTROL_RECORD_NAME, check_trained_control, read_control_record
 
-    source = os.path.join(model_dir, CONTROL_RECORD_NAME)
-    check_trained_control(control, read_control_record(model_dir), "--control ", source)
+    if control:  # a chat without --control does not read the file (a damaged one stops only that)
+        source = os.path.join(model_dir, CONTROL_RECORD_NAME)
+        check_trained_control(control, read_control_record(model_dir), "--control ", source)
 
 
 def run_chat(args: Any) -> int:

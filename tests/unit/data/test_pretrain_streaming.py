@@ -72,6 +72,7 @@ CASES = {
     "latin1_line3.txt": b"ok\nfine\ncaf\xe9 au lait\nafter\n",
     "latin1_line2.jsonl": b'{"text": "ok"}\n{"text": "caf\xe9"}\n',
     "cut_utf8_at_eol.txt": b"ok\nhalf \xe4\xb8\nnext\n",
+    "gbk_list_in.jsonl": '[\n {"text": "\u4f60\u597d"}\n]\n'.encode("gbk"),  # a list: "not UTF-8", not line 1's JSON
 }
 
 

@@ -74,4 +74,7 @@ def test_a_rank_stopped_while_starting_makes_the_job_stopped_not_failed(tmp_path
     assert launch.relaunch(cfg, []) == 143
     assert starts.read_text() == "x"  # no restart
     assert "erniekit: the job stopped on SIGTERM before its first step; nothing was saved" in capsys.readouterr().out
-    assert not [n for n in os.listdir(out / "launch_logs") if n.startswith("stopped")]  # the note is read once
+    assert [n for n in os.listdir(out / "launch_logs") if n.startswith("stopped")]  # kept for other nodes' parents
+    stale = time.time() + 1  # a later launch: the note is an earlier launch's, removed and not read
+    assert launch.stop_before_first_step(str(out), stale) == 0
+    assert not [n for n in os.listdir(out / "launch_logs") if n.startswith("stopped")]

@@ -229,3 +229,19 @@ def test_the_control_record_goes_with_the_export_and_force_drops_a_stale_one(ckp
     merged = str(tmp_path / "merged")
     export_hf(str(lora), merged)  # an adapter without a record keeps its base's
     assert read_control_record(merged) == record
+
+
+def test_a_damaged_control_record_is_refused_before_anything_is_written(ckpts, tmp_path):
+    """Read at the end, it failed a finished export and left weights without export_info.json,
+    which even --force then refused to replace."""
+    import shutil
+
+    from erniekit.data.control import CONTROL_RECORD_NAME
+
+    src = tmp_path / "src"
+    shutil.copytree(ckpts["base"], src)
+    (src / CONTROL_RECORD_NAME).write_text('{"version": 1, "attributes": []}')
+    out = tmp_path / "out"
+    with pytest.raises(CheckpointError, match="'attributes' must be an object"):
+        export_hf(str(src), str(out))
+    assert not out.exists()

@@ -62,6 +62,17 @@ def test_chat_refuses_an_untrained_value_and_answers_trained_ones(recorded, caps
     assert capsys.readouterr().out.strip()
 
 
+def test_a_damaged_record_stops_only_a_chat_that_gives_control(tmp_path, capsys):
+    from erniekit.cli import _chat_parser, _check_control_flags
+
+    damaged = tmp_path / "damaged"
+    damaged.mkdir()
+    (damaged / CONTROL_RECORD_NAME).write_text('{"version": 1, "attributes": []}')
+    _check_control_flags(_chat_parser().parse_args([str(damaged), "--prompt", "hi"]))  # not read: no --control
+    assert main(_chat(str(damaged), "style=words")) == 2
+    assert "'attributes' must be an object" in capsys.readouterr().err
+
+
 def test_without_a_record_chat_takes_any_attribute(plain, capsys):
     assert main(_chat(plain, "stlye=wrods")) == 0
     assert capsys.readouterr().out.strip()
