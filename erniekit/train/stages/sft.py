@@ -104,7 +104,8 @@ class SFTStage(Stage):
         else:
             record = read_control_record(cfg.model_name_or_path)
             source = f"{cfg.model_name_or_path}/{CONTROL_RECORD_NAME}"
-        check_held_out_controls(convs, record, cfg.eval_dataset_path, source)
+        if cfg.eval_generation:  # the examples whose following rates are measured (a loss is a loss)
+            check_held_out_controls(convs[: cfg.eval_max_samples], record, cfg.eval_dataset_path, source)
         return {"convs": convs, "rows": _rows(convs, cfg, tokenizer, False, cfg.eval_dataset_path)}
 
     def evaluate(self, model, tokenizer, eval_data, cfg):

@@ -287,6 +287,8 @@ def test_held_out_controls_the_run_does_not_train_are_refused_before_training(tm
     assert str(e.value).startswith(f"{bad}:2: control stlye=words: this model was not trained with the attribute")
     assert "did you mean 'style'?" in str(e.value) and "\n" not in str(e.value)
     assert get_stage("SFT").build_eval_data(cfg, tok) is not None  # no record (nothing trained yet): no check
+    for loss_only in ("eval_generation=false", "eval_max_samples=1"):  # no following rate of record 2
+        stage.build_eval_data(_cfg(tmp_path, f"eval_dataset_path={bad}", loss_only), tok)
     # an evaluation-only run checks against the model's own record
     start = _start_dir(tmp_path / "m", count_controls([{"style": "digits"}]))
     only_eval = _cfg(tmp_path, f"eval_dataset_path={bad}", f"model_name_or_path={start}", "do_train=false")
