@@ -142,16 +142,24 @@ def _map(path: str, dtype: np.dtype) -> np.ndarray:
 
 
 # ---- build -----------------------------------------------------------------------------------------
-def build_store(directory: str, want: dict, docs: Iterable[np.ndarray]) -> None:
+def build_store(
+    directory: str, want: dict, docs: Iterable[np.ndarray], publish_if: Callable[[], bool] = lambda: True
+) -> bool:
     """Write the documents' ids into a new store at `directory`, atomically (a temporary directory
-    beside it, renamed into place). Memory holds one document and a block of offsets, not the corpus."""
+    beside it, renamed into place); whether it was published: not when `publish_if()` says no at the
+    end (the lock was taken over meanwhile: that process's store stands). Memory holds one document
+    and a block of offsets, not the corpus."""
     parent = os.path.dirname(os.path.abspath(directory))
     tmp = f"{directory}.tmp-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     with write_errors("the token store", parent, 0, partial=tmp, hint=" (tokenized_path)"):
         os.makedirs(tmp)
         counts = _write_arrays(tmp, docs)
         atomic_write_json(os.path.join(tmp, STORE_JSON), {"format": FORMAT, "fingerprint": want, **counts})
+        if not publish_if():
+            shutil.rmtree(tmp, ignore_errors=True)
+            return False
         replace_dir(tmp, directory)
+    return True
 
 
 def _write_arrays(tmp: str, docs: Iterable[np.ndarray], block: int = 1 << 16) -> dict:
@@ -191,7 +199,9 @@ def open_or_build(directory: str, want: dict, docs: Callable[[], Iterable[np.nda
                 warnings.warn(f"tokenized_path: rebuilding {directory} ({why})", stacklevel=2)
             _remove_leftovers(directory)
             with _heartbeat(lock):
-                build_store(directory, want, docs())
+                ours = build_store(directory, want, docs(), lambda t=token: _lock_owner(lock).get("token") == t)
+            if not ours:  # judged stale and taken over while it built: the new holder's store stands
+                continue
             store, why = _read_store(directory, want)
             if store is None:
                 raise DataError(
@@ -326,9 +336,26 @@ def _heartbeat(lock: str) -> Iterator[None]:
 
 
 def _remove_leftovers(directory: str) -> None:
-    """Temporary directories of builds that died: the lock is ours, so no build of this store is
-    running (unless a live lock was wrongly judged stale: its build then fails, and is run again)."""
+    """Temporary directories of builds that died: one whose process is gone (same host) or that has
+    not changed for STALE_S. A live build's (a holder whose lock was wrongly judged stale) is left
+    alone; that holder sees the lock is no longer its own and does not publish (build_store)."""
     parent, base = os.path.split(os.path.abspath(directory))
     for name in os.listdir(parent):
-        if name.startswith(f"{base}.tmp-") or name == f"{base}.old":
-            shutil.rmtree(os.path.join(parent, name), ignore_errors=True)
+        path = os.path.join(parent, name)
+        if name == f"{base}.old":
+            shutil.rmtree(path, ignore_errors=True)
+        elif name.startswith(f"{base}.tmp-") and _leftover_dead(name[len(base) + 5 :], path):
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def _leftover_dead(tail: str, path: str) -> bool:
+    """Whether the build that writes `path` (named ...tmp-HOST-PID-HEX) is over: its process is gone
+    (same host), or none of its files has changed for STALE_S."""
+    parts = tail.rsplit("-", 2)
+    if len(parts) == 3 and parts[1].isdigit() and _owner_gone({"host": parts[0], "pid": int(parts[1])}):
+        return True
+    try:
+        newest = max([os.stat(path).st_mtime] + [e.stat().st_mtime for e in os.scandir(path)])
+    except FileNotFoundError:
+        return False
+    return time.time() - newest > STALE_S

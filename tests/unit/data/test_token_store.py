@@ -287,3 +287,40 @@ def test_a_stop_request_ends_the_tokenizing_and_the_wait_for_a_lock(tmp_path, to
     with pytest.raises(run.StoppedBeforeFirstStep):
         run._build_data(pretrain.PretrainStage(), dataclasses.replace(cfg, tokenized_path=str(tmp_path / "tok")), tok)
     assert time.monotonic() - t0 < 2.5  # the stop ended the wait, not WAIT_S
+
+
+def test_a_builder_whose_lock_was_taken_over_does_not_publish(tmp_path, tok, monkeypatch):
+    """A holder judged stale (its heartbeat missed) while it still built: a waiter took the lock over
+    and builds too. The first must not publish over, nor delete, the new holder's work."""
+    path, store_dir = _corpus(tmp_path), tmp_path / "tok" / "train"
+    monkeypatch.setattr(ts, "WAIT_S", 0.3)
+    monkeypatch.setattr(ts, "POLL_S", 0.02)
+
+    def docs_then_taken_over():
+        for i, doc in enumerate(_docs(path, tok)()):
+            if i == 3:  # another process, alive on this host, now holds the lock
+                Path(f"{store_dir}.lock").write_text(
+                    json.dumps({"host": socket.gethostname(), "pid": os.getppid(), "token": "theirs"})
+                )
+            yield doc
+
+    with pytest.raises(DataError, match="still locked by"):
+        _open(store_dir, path, tok, docs_then_taken_over)
+    assert not store_dir.exists() and not list(store_dir.parent.glob("train.tmp-*"))
+    assert json.loads(Path(f"{store_dir}.lock").read_text())["token"] == "theirs"  # their lock stands
+
+
+def test_only_dead_builds_leftovers_are_removed(tmp_path):
+    store_dir = tmp_path / "tok" / "train"
+    host = socket.gethostname()
+    live = tmp_path / "tok" / f"train.tmp-{host}-{os.getppid()}-aaaa"
+    dead = tmp_path / "tok" / f"train.tmp-{host}-{_dead_pid()}-bbbb"
+    silent = tmp_path / "tok" / "train.tmp-elsewhere-1-cccc"
+    for d in (live, dead, silent):
+        d.mkdir(parents=True)
+        (d / ts.TOKENS).write_bytes(b"")
+    old = time.time() - ts.STALE_S - 10
+    for p in (silent, silent / ts.TOKENS):
+        os.utime(p, (old, old))
+    ts._remove_leftovers(str(store_dir))
+    assert live.exists() and not dead.exists() and not silent.exists()
