@@ -114,3 +114,18 @@ def test_a_damaged_record_stops_the_server_before_loading(recorded, tmp_path, ca
     assert main(["server", str(broken)]) == 2  # no weights there: the record is read first
     err = capsys.readouterr().err
     assert f"{os.path.join(broken, CONTROL_RECORD_NAME)}: attributes.style must be" in err and err.count("\n") == 1
+
+
+def test_the_credibility_report_refuses_untrained_controls_before_loading(tmp_path):
+    """eval --credibility renders its data's controls: one the model never saw is refused, naming the
+    record, before the weights (none here) are read."""
+    from erniekit.errors import DataError
+    from erniekit.infer.credibility_report import run_credibility_report
+
+    only_record = tmp_path / "no-weights"
+    only_record.mkdir()
+    write_control_record(str(only_record), RECORD)
+    data = tmp_path / "held.jsonl"
+    data.write_text(json.dumps({"src": ["1+2="], "tgt": ["3"], "control": {"stlye": "words"}}) + "\n")
+    with pytest.raises(DataError, match=rf"^{data}:1: control stlye=words: .*did you mean 'style'"):
+        run_credibility_report(str(only_record), str(data), str(tmp_path / "out"), 10, 2, 4)
