@@ -249,7 +249,7 @@ def note_failure_before_first_step(output_dir: str, message: str) -> None:
 
 def failure_before_first_step(output_dir: str, since: float) -> tuple[str, str] | None:
     """(rank, its one-line error) of the lowest rank that noted a failure before its first step
-    after `since` (time.time()); None when none did. The notes are removed."""
+    after `since` (time.time()); None when none did (_take_notes: earlier launches' notes are removed)."""
     found = _take_notes(output_dir, _EARLY_FAILURE, since)
     return found[0] if found else None
 

@@ -125,7 +125,10 @@ def run_train(cfg, log=print) -> dict:
     checkpoint-N (docs/training.md "Stopping and preemption")."""
     from erniekit.utils.run_control import output_dir_lock, stop_on_signal
 
-    with stop_on_signal(launched=launched_world() > 1), _noting_start_failure(cfg.output_dir) as start:
+    with (
+        stop_on_signal(launched=launched_world() > 1),
+        _noting_start_failure(cfg.output_dir, cfg.cross_cluster_id >= 0) as start,
+    ):
         if os.environ.get("PADDLE_TRAINER_ID", "0") != "0":
             return _run_train(cfg, log, start)
         with output_dir_lock(cfg.output_dir):
@@ -168,11 +171,12 @@ class _StartUp:
 
 
 @contextlib.contextmanager
-def _noting_start_failure(output_dir: str):
-    """A launched rank's configuration, data or checkpoint error before its first step is left in
-    launch_logs for `erniekit train`, which reports it once and does not restart the job (a
-    restart would meet it again; distributed/launch.py failure_before_first_step). Not during a
-    stop: that is reported as one."""
+def _noting_start_failure(output_dir: str, in_cluster: bool = False):
+    """A launched rank's (or a cross-cluster job's cluster process's: `in_cluster`) configuration,
+    data or checkpoint error before its first step is left in launch_logs for the `erniekit train`
+    that started it, which reports it once and does not restart the job (a restart would meet it
+    again; distributed/launch.py failure_before_first_step). Not during a stop: that is reported
+    as one."""
     from erniekit.distributed.launch import in_launched_worker, note_failure_before_first_step
     from erniekit.utils.run_control import stop_signal
 
@@ -180,7 +184,7 @@ def _noting_start_failure(output_dir: str):
     try:
         yield start
     except (ConfigError, DataError, CheckpointError) as e:
-        if not start.over and in_launched_worker() and not stop_signal():
+        if not start.over and (in_launched_worker() or in_cluster) and not stop_signal():
             note_failure_before_first_step(output_dir, str(e))
         raise
 

@@ -135,9 +135,14 @@ def launch_clusters(cfg, train_args: list[str], user_threads: str | None = None)
     args = list(train_args)
     rc = 0
     for attempt in range(cfg.max_restart + 1):
+        started = time.time()
         rc, stopped, why = _run_once(cfg, args, sizes, peers, env)
         if rc == 0 or stopped:
             break
+        failed = _failure_before_first_step(cfg.output_dir, len(sizes), started)
+        if failed:  # a cluster's configuration or data error: a restart would meet it again
+            print(f"error: {failed}", file=sys.stderr, flush=True)
+            return 2
         why = why or f"a cluster failed (exit code {rc})"
         if attempt == cfg.max_restart:
             print(
@@ -154,6 +159,18 @@ def launch_clusters(cfg, train_args: list[str], user_threads: str | None = None)
         args = [a for a in train_args if not a.startswith("resume_from_checkpoint=")] + ["resume_from_checkpoint=auto"]
         peers = [f"127.0.0.1:{free_port_block(n)}" for n in sizes]  # the old ports may linger in TIME_WAIT
     return rc
+
+
+def _failure_before_first_step(output_dir: str, clusters: int, since: float) -> str | None:
+    """The one-line error a cluster's process noted when its configuration, data or checkpoint failed
+    before its first step (train/run.py), as `cluster N: ...`; None when none did."""
+    from erniekit.distributed.launch import failure_before_first_step
+
+    for i in range(clusters):
+        found = failure_before_first_step(cluster_output_dir(output_dir, i), since)
+        if found:
+            return f"cluster {i}: {found[1]}"
+    return None
 
 
 def _link_note(cfg) -> str:

@@ -137,3 +137,15 @@ def test_a_rank_notes_a_user_error_only_while_it_starts(tmp_path, monkeypatch):
     with pytest.raises(DataError):
         run.run_train(_rank_cfg(tmp_path))
     assert _notes(tmp_path) == []
+
+
+def test_a_cross_cluster_process_notes_its_start_error_too(tmp_path, monkeypatch):
+    """A cluster's process of a one-machine cross-cluster job (cross_cluster_id >= 0) is no launched
+    rank when its cluster has one process: it notes its error for launch_clusters all the same."""
+    import erniekit.train.run as run
+
+    monkeypatch.delenv("PADDLE_TRAINER_ID", raising=False)
+    for in_cluster, noted in ((False, []), (True, ["train.jsonl:7: bad"])):
+        with pytest.raises(DataError), run._noting_start_failure(str(tmp_path / "o"), in_cluster):
+            raise DataError("train.jsonl:7: bad")
+        assert _notes(tmp_path) == noted

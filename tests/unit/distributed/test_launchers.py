@@ -78,3 +78,36 @@ def test_a_rank_stopped_while_starting_makes_the_job_stopped_not_failed(tmp_path
     stale = time.time() + 1  # a later launch: the note is an earlier launch's, removed and not read
     assert launch.stop_before_first_step(str(out), stale) == 0
     assert not [n for n in os.listdir(out / "launch_logs") if n.startswith("stopped")]
+
+
+def test_a_clusters_configuration_error_before_its_first_step_is_not_restarted(tmp_path, monkeypatch, capsys):
+    """A cross-cluster job on one machine (launch_clusters) restarted every cluster max_restart times
+    on a cluster's config or data error, which each restart met again."""
+    from erniekit.distributed.cross_cluster import launch as cluster_launch
+
+    out = tmp_path / "o"
+    runs, noting = [], [True]
+
+    def one_run(cfg, args, sizes, peers, env):
+        runs.append(args)
+        if noting[0]:  # cluster 1's process refuses its data before its first step (train/run.py)
+            monkeypatch.setenv("PADDLE_TRAINER_ID", "0")
+            launch.note_failure_before_first_step(cluster_launch.cluster_output_dir(str(out), 1), "train.jsonl:7: bad")
+        return 2, False, "cluster 1 failed first (exit code 2: error: train.jsonl:7: bad)"
+
+    monkeypatch.setattr(cluster_launch, "_run_once", one_run)
+    cfg = SimpleNamespace(
+        cross_cluster_sizes=[1, 1],
+        cross_cluster_key_file=None,
+        cross_cluster_link_mbit=0,
+        cross_cluster_link_latency_ms=0,
+        max_restart=2,
+        output_dir=str(out),
+    )
+    assert cluster_launch.launch_clusters(cfg, []) == 2
+    assert len(runs) == 1  # not restarted
+    assert capsys.readouterr().err.strip().splitlines()[-1] == "error: cluster 1: train.jsonl:7: bad"
+    runs.clear()  # a failure without such a note (a lost cluster) is restarted as before
+    noting[0] = False
+    time.sleep(0.01)  # the earlier launch's note is older than this one's start
+    assert cluster_launch.launch_clusters(cfg, []) == 2 and len(runs) == 3
