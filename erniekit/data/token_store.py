@@ -201,6 +201,7 @@ def open_or_build(directory: str, want: dict, docs: Callable[[], Iterable[np.nda
             with _heartbeat(lock):
                 ours = build_store(directory, want, docs(), lambda t=token: _lock_owner(lock).get("token") == t)
             if not ours:  # judged stale and taken over while it built: the new holder's store stands
+                deadline = time.monotonic() + WAIT_S  # a full wait for it, not what this build left
                 continue
             store, why = _read_store(directory, want)
             if store is None:

@@ -280,11 +280,16 @@ class OnlineDistill:
 
     def save_final(self, output_dir: str, tokenizer) -> None:
         """Each student alone (no auxiliary layer) in output_dir/students/<name>, Hugging Face layout."""
+        from erniekit.data.control import write_control_record
         from erniekit.models.registry import save_model
+        from erniekit.utils.dtensor import is_main_process
 
         super().save_final(output_dir, tokenizer)
         for spec in self.specs:
-            save_model(self.students[spec.name], os.path.join(output_dir, STUDENTS_DIR, spec.name), tokenizer=tokenizer)
+            where = os.path.join(output_dir, STUDENTS_DIR, spec.name)
+            save_model(self.students[spec.name], where, tokenizer=tokenizer)
+            if is_main_process():  # the students learnt the same control prefixes (docs/control.md)
+                write_control_record(where, self.control_record)
 
     def report_lines(self, results: dict[str, float], start: dict[str, float] | None) -> list[str]:
         lines = list(super().report_lines(results, start))

@@ -70,6 +70,7 @@ class DPOStage(Stage):
         return {"pairs": pairs, "rows": _rows(pairs, cfg, tokenizer)}
 
     def prepare(self, model, train_rows, eval_data, cfg, tokenizer) -> None:
+        super().prepare(model, train_rows, eval_data, cfg, tokenizer)  # the control record goes on (docs/control.md)
         self.cfg = cfg
         groups = [train_rows] + ([eval_data["rows"]] if eval_data else [])
         if not needs_reference(cfg.loss_type, cfg.reference_free) and not eval_data:

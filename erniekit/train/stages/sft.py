@@ -104,8 +104,10 @@ class SFTStage(Stage):
         else:
             record = read_control_record(cfg.model_name_or_path)
             source = f"{cfg.model_name_or_path}/{CONTROL_RECORD_NAME}"
-        if cfg.eval_generation:  # the examples whose following rates are measured (a loss is a loss)
-            check_held_out_controls(convs[: cfg.eval_max_samples], record, cfg.eval_dataset_path, source)
+        if cfg.eval_generation:  # the examples evaluate() generates for (a loss is a loss)
+            dialogs = [c for c in convs if c.dialog is not None]
+            scored = (dialogs or convs)[: cfg.eval_max_samples]
+            check_held_out_controls(scored, record, cfg.eval_dataset_path, source)
         return {"convs": convs, "rows": _rows(convs, cfg, tokenizer, False, cfg.eval_dataset_path)}
 
     def evaluate(self, model, tokenizer, eval_data, cfg):

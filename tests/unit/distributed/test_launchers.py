@@ -91,6 +91,7 @@ def test_a_clusters_configuration_error_before_its_first_step_is_not_restarted(t
     def one_run(cfg, args, sizes, peers, env):
         runs.append(args)
         if noting[0]:  # cluster 1's process refuses its data before its first step (train/run.py)
+            time.sleep(0.05)  # as a real process's note comes after its start (mtime ticks may lag time.time())
             monkeypatch.setenv("PADDLE_TRAINER_ID", "0")
             launch.note_failure_before_first_step(cluster_launch.cluster_output_dir(str(out), 1), "train.jsonl:7: bad")
         return 2, False, "cluster 1 failed first (exit code 2: error: train.jsonl:7: bad)"

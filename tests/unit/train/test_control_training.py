@@ -216,12 +216,9 @@ def test_continued_training_adds_the_starting_models_record(tmp_path):
     idle.prepare(None, [], None, _cfg(tmp_path / "idle", f"model_name_or_path={start}", "do_train=false"), tok)
     assert idle.control_record == learnt
     # so does every other stage: DPO, RL or pretraining on a control model keeps what it learnt
-    for name in ("pretrain", "DPO"):
+    for name in ("pretrain", "DPO"):  # each stage's own prepare (DPO's skipped the base's)
         other = get_stage(name)
-        other.control_record = None
-        from erniekit.train.stage import Stage
-
-        Stage.prepare(other, None, [], None, _cfg(tmp_path / name, f"model_name_or_path={start}"), tok)
+        other.prepare(None, [], None, _cfg(tmp_path / name, f"model_name_or_path={start}"), tok)
         assert other.control_record == learnt, name
 
 

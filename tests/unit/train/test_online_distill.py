@@ -273,8 +273,12 @@ def test_saved_student_drops_the_auxiliary_layer_and_keeps_the_trained_logits(tm
     _, model, tok, stage, b = _stage_and_batch(tmp_path / "run")
     for p in stage.students["small"].parameters():  # moved away from the seeded start
         p.set_value(p + 0.01 * paddle.randn(p.shape))
+    from erniekit.data.control import count_controls, read_control_record
+
+    stage.control_record = count_controls([{"style": "words"}])  # the students learnt its prefixes too
     stage.save_final(str(tmp_path / "out"), tok)
     saved = tmp_path / "out" / "students" / "small"
+    assert read_control_record(str(saved)) == stage.control_record
     from safetensors.numpy import load_file
 
     files = [f for f in os.listdir(saved) if f.endswith(".safetensors")]
