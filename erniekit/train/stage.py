@@ -137,7 +137,7 @@ class Stage:
         if self.control_record is None:  # what the starting model learnt goes on with it (DPO, RL, Distill...)
             from erniekit.data.control import read_control_record
 
-            self.control_record = read_control_record(cfg.model_name_or_path)
+            self.control_record = read_control_record(getattr(cfg, "model_name_or_path", None))
 
     def collate(self, rows: list[dict[str, np.ndarray]], pad_id: int) -> dict[str, np.ndarray]:
         from erniekit.train.batching import collate
