@@ -752,8 +752,21 @@ VERBS: dict[str, tuple[Callable[[list[str]], int], str]] = {
 }
 
 
+_python_formatwarning = warnings.formatwarning
+
+
+def _one_line_warning(message, category, filename, lineno, line=None) -> str:
+    """erniekit's own warnings (data notes: truncated conversations, ignored fields, a rebuilt token
+    store) as one `WARNING: ...` line, like the config's; not `file:line: UserWarning:` plus the
+    source line that raised it. Other packages' warnings keep Python's format."""
+    if issubclass(category, UserWarning) and f"{os.sep}erniekit{os.sep}" in str(filename):
+        return f"WARNING: {message}\n"
+    return _python_formatwarning(message, category, filename, lineno, line)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point; returns the process exit code (2 for user errors, printed as one line)."""
+    warnings.formatwarning = _one_line_warning
     args = list(sys.argv[1:] if argv is None else argv)
     verb = args.pop(0) if args else "help"
     verb = {"-h": "help", "--help": "help", "-V": "version", "--version": "version"}.get(verb, verb)

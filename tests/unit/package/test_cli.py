@@ -170,3 +170,21 @@ def test_chat_rejects_bad_sampling(fake_chat, capsys):
     assert "top_p=1.5 must be in (0, 1]" in capsys.readouterr().err
     assert main(["chat"]) == 2  # argparse: model_dir missing
     assert fake_chat == []
+
+
+def test_erniekit_warnings_print_as_one_line_and_other_packages_keep_pythons_format(monkeypatch, capsys):
+    """A data note (a rebuilt token store, truncated conversations) printed `file:line: UserWarning:`
+    and then the source line that raised it."""
+    import os
+    import warnings
+
+    import erniekit.cli as cli
+
+    monkeypatch.setattr(warnings, "formatwarning", warnings.formatwarning)  # restored after the test
+    cli.main(["version"])
+    capsys.readouterr()
+    ours = os.path.join(os.sep, "x", "erniekit", "data", "encode.py")
+    got = warnings.formatwarning("3 of 9 conversations truncated", UserWarning, ours, 5, "warnings.warn(...)")
+    assert got == "WARNING: 3 of 9 conversations truncated\n"
+    theirs = warnings.formatwarning("old API", DeprecationWarning, "/x/paddle/a.py", 5, "code")
+    assert "DeprecationWarning: old API" in theirs and theirs.count("\n") == 2
