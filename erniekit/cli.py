@@ -132,17 +132,10 @@ MAX_RERANK = 64  # answers sampled side by side for one reply
 
 def _check_control_flags(ns: argparse.Namespace) -> None:
     """--control and --rerank, checked before paddle loads."""
-    from erniekit.data.control import (
-        CONTROL_RECORD_NAME,
-        check_trained_control,
-        parse_control_args,
-        read_control_record,
-    )
+    from erniekit.data.control import check_model_control, parse_control_args
 
     ns.control = parse_control_args(ns.control)
-    if ns.control:  # against the attributes the model was trained on (docs/control.md)
-        record = read_control_record(ns.model_dir)
-        check_trained_control(ns.control, record, "--control ", os.path.join(ns.model_dir, CONTROL_RECORD_NAME))
+    check_model_control(ns.model_dir, ns.control)  # the attributes the model was trained on (docs/control.md)
     if not 1 <= ns.rerank <= MAX_RERANK:
         raise ErniekitError(f"chat: --rerank {ns.rerank} must be in 1..{MAX_RERANK}")
     if ns.rerank > 1:

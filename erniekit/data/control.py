@@ -229,6 +229,24 @@ def check_trained_control(control: dict[str, str], record: dict | None, where: s
             )
 
 
+def check_model_control(model_dir: str, control: dict[str, str], where: str = "--control ") -> None:
+    """`control` against the attributes `model_dir` was trained on (its CONTROL_RECORD_NAME, read
+    without the weights; none: no check). No control: the file is not read, so a damaged one stops
+    only a request that needs it."""
+    if control:
+        source = os.path.join(model_dir, CONTROL_RECORD_NAME)
+        check_trained_control(control, read_control_record(model_dir), where, source)
+
+
+def check_conversation_controls(convs: Iterable, record: dict | None, data: str, source: str) -> None:
+    """Each conversation's control against `record` (from `source`; None: no check), the error
+    naming its file:line (or `data`, record N): held-out or evaluated data the model never saw the
+    attributes of would measure a prefix it never learnt."""
+    for i, c in enumerate(convs):
+        where = c.source or f"{data}, record {i + 1}"
+        check_trained_control(c.control, record, f"{where}: control ", source)
+
+
 def _did_you_mean(word: str, choices: Iterable[str]) -> str:
     close = difflib.get_close_matches(word, list(choices), n=1)
     return f" (did you mean {close[0]!r}?)" if close else ""

@@ -3,6 +3,7 @@ printed as a table and optionally written as JSON (docs/planner.md, docs/ps.md).
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
 import os
@@ -116,10 +117,7 @@ LEFT_OUT_REASONS = 5  # distinct reasons printed under the table; --all shows ev
 
 def left_out_lines(refused: list) -> str:
     """How many layouts were left out as refused, and why, most frequent reason first."""
-    counts: dict[str, int] = {}
-    for r in refused:
-        counts[r.refused] = counts.get(r.refused, 0) + 1
-    reasons = sorted(counts.items(), key=lambda kv: -kv[1])
+    reasons = collections.Counter(r.refused for r in refused).most_common()
     lines = [f"left out {len(refused)} layouts that `erniekit train` refuses for this config (--all lists them):"]
     lines += [f"  {n} x {why}" for why, n in reasons[:LEFT_OUT_REASONS]]
     if len(reasons) > LEFT_OUT_REASONS:

@@ -132,8 +132,9 @@ def _control_record(src: str) -> dict | None:
     from erniekit.data.control import read_control_record
     from erniekit.models.registry import adapter_base
 
-    record = read_control_record(src) if os.path.isdir(src) else None
-    base = adapter_base(src) if os.path.isdir(src) else None
+    if not os.path.isdir(src):
+        return None
+    record, base = read_control_record(src), adapter_base(src)
     return record if record is not None or base is None else read_control_record(base)
 
 

@@ -303,21 +303,10 @@ def pack_for_chat(model, mode: str) -> str:
     return packing
 
 
-def check_chat_control(model_dir: str, control: dict[str, str]) -> None:
-    """--control against the attributes `model_dir` was trained on (its control_attributes.json, read
-    without loading the weights); a model without that file is not checked (docs/control.md)."""
-    from erniekit.data.control import CONTROL_RECORD_NAME, check_trained_control, read_control_record
-
-    if control:  # a chat without --control does not read the file (a damaged one stops only that)
-        source = os.path.join(model_dir, CONTROL_RECORD_NAME)
-        check_trained_control(control, read_control_record(model_dir), "--control ", source)
-
-
 def run_chat(args: Any) -> int:
     """Entry of `erniekit chat` (args from cli._chat_parser): one-shot with --prompt, else a REPL."""
     from erniekit.infer.generate import SamplingParams
 
-    check_chat_control(args.model_dir, getattr(args, "control", None) or {})  # before the weights load
     tools, functions = None, None
     if getattr(args, "tools", None):  # a broken tools file is one line before the model loads
         from erniekit.infer.local_tools import load_tools

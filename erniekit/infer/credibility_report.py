@@ -34,7 +34,10 @@ def run_credibility_report(
             f"--data {data}: no plain conversations to score (tool dialogs are not scored); "
             "pass SFT records without tools or tool calls"
         )
-    _check_controls(model_dir, convs, data)
+    from erniekit.data.control import CONTROL_RECORD_NAME, check_conversation_controls, read_control_record
+
+    record = read_control_record(model_dir)  # the data's controls, before the weights load (docs/control.md)
+    check_conversation_controls(convs, record, f"--data {data}", os.path.join(model_dir, CONTROL_RECORD_NAME))
     model, tokenizer = load_chat_model(model_dir)
     head = load_credibility_head(model_dir, model.config.hidden_size)
     if head is None:
@@ -46,19 +49,6 @@ def run_credibility_report(
     rep["path"] = os.path.join(out_dir, REPORT_NAME)
     atomic_write_json(rep["path"], rep)
     return rep
-
-
-def _check_controls(model_dir: str, convs: list, data: str) -> None:
-    """The data's control attributes against those the model was trained on (its
-    control_attributes.json; none: no check), before the model loads (docs/control.md)."""
-    import os
-
-    from erniekit.data.control import CONTROL_RECORD_NAME, check_trained_control, read_control_record
-
-    record = read_control_record(model_dir)
-    source = os.path.join(model_dir, CONTROL_RECORD_NAME)
-    for i, c in enumerate(convs):
-        check_trained_control(c.control, record, f"{c.source or f'--data {data}, record {i + 1}'}: control ", source)
 
 
 def format_credibility(rep: dict) -> str:

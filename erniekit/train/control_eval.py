@@ -4,22 +4,13 @@ lines an SFT run ends with (control following, credibility AUC)."""
 
 from __future__ import annotations
 
-from erniekit.data.control import check_trained_control, follows
+from erniekit.data.control import follows
 from erniekit.data.formats import Conversation
 from erniekit.infer.generate import SamplingParams, generate
 from erniekit.infer.stops import turn_end_ids
 from erniekit.train.evaluation import prompt_ids
 
 FOLLOW_PREFIX = "follow:"  # metric keys: follow:style=words
-
-
-def check_held_out_controls(convs: list[Conversation], record: dict | None, path: str, source: str) -> None:
-    """Refuse held-out records whose control the model was not trained on (`record`, from `source`;
-    None: nothing to check), before training starts: their following rate would measure a prefix the
-    model never learnt."""
-    for i, c in enumerate(convs):
-        where = c.source or f"eval_dataset_path {path}, record {i + 1}"
-        check_trained_control(c.control, record, f"{where}: control ", source)
 
 
 def control_generation_eval(

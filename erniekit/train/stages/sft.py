@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from erniekit.data.control import (
     CONTROL_RECORD_NAME,
+    check_conversation_controls,
     count_controls,
     drop_controls,
     merge_records,
@@ -54,9 +55,7 @@ class SFTStage(Stage):
 
     # ---- the credibility loss (docs/control.md): a scoring head beside the model ----------------------
     def prepare(self, model, train_rows, eval_data, cfg, tokenizer) -> None:
-        super().prepare(model, train_rows, eval_data, cfg, tokenizer)
-        if not cfg.do_train:  # the model saved at the end is the one given: its record goes with it
-            self.control_record = read_control_record(cfg.model_name_or_path)
+        super().prepare(model, train_rows, eval_data, cfg, tokenizer)  # do_train=false: the given model's record
         if cfg.credibility_loss_weight > 0 and cfg.do_train:
             from erniekit.train.credibility import CredibilityTraining
 
@@ -97,8 +96,6 @@ class SFTStage(Stage):
         if not cfg.eval_dataset_path:
             return None
         convs = load_sft_examples(cfg.eval_dataset_path, cfg.eval_dataset_type)
-        from erniekit.train.control_eval import check_held_out_controls
-
         if cfg.do_train:  # what this run trains on
             record, source = self.control_record, "trained: train_dataset_path and model_name_or_path's record"
         else:
@@ -107,7 +104,7 @@ class SFTStage(Stage):
         if cfg.eval_generation:  # the examples evaluate() generates for (a loss is a loss)
             dialogs = [c for c in convs if c.dialog is not None]
             scored = (dialogs or convs)[: cfg.eval_max_samples]
-            check_held_out_controls(scored, record, cfg.eval_dataset_path, source)
+            check_conversation_controls(scored, record, f"eval_dataset_path {cfg.eval_dataset_path}", source)
         return {"convs": convs, "rows": _rows(convs, cfg, tokenizer, False, cfg.eval_dataset_path)}
 
     def evaluate(self, model, tokenizer, eval_data, cfg):
