@@ -31,6 +31,7 @@ import paddle
 
 from erniekit.errors import ErniekitError
 from erniekit.infer.detokenize import TextStream
+from erniekit.infer.generate import non_finite_error
 from erniekit.infer.sampling import SamplingParams
 from erniekit.nn import small_gemm
 from erniekit.nn.attention import KVCache
@@ -196,6 +197,7 @@ class Engine:
         self.max_model_len = int(max_model_len or min(int(c.max_position_embeddings), 4096))
         self.max_batch = max_batch
         self.dtype = model.model.embed_tokens.weight.dtype
+        self._warned_non_finite = False
         check_cache_fits(c, max_batch, self.max_model_len, self.dtype)
         self.cache = SlotCache(c, max_batch, self.max_model_len, self.dtype)
         self.mask = np.zeros((max_batch, self.max_model_len), dtype=np.int64)
@@ -440,6 +442,7 @@ class Engine:
         for i, req in enumerate(reqs):
             if not finite[i]:
                 failed[i] = "the model produced non-finite logits (NaN or inf) for this request"
+                self._log_non_finite()
                 continue
             p = req.params
             if p.temperature == 0 and not p.adjusts_logits:
@@ -449,6 +452,13 @@ class Engine:
             except Exception as e:  # noqa: BLE001 - this row fails, the batch goes on
                 failed[i] = f"sampling failed: {_describe(e)}"
         return out, failed
+
+    def _log_non_finite(self) -> None:
+        """Tell the operator (the client only learns its request failed) what to check, with
+        generate's hint; once per engine: a broken checkpoint fails every request alike."""
+        if not self._warned_non_finite:
+            self._warned_non_finite = True
+            log.error("%s", non_finite_error("in a request (it failed; others go on)", self.dtype))
 
     @staticmethod
     def _record_logprobs(logits: np.ndarray, chosen: np.ndarray, reqs: list[Request], failed: dict) -> None:

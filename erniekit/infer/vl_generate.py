@@ -14,7 +14,7 @@ from erniekit.data.encode import IGNORE_INDEX
 from erniekit.data.formats import Conversation
 from erniekit.data.vl import encode_vl_conversation
 from erniekit.errors import DataError
-from erniekit.infer.generate import argmax_or_flag, non_finite_error
+from erniekit.infer.generate import argmax_or_flag, check_prompt_ids, non_finite_error
 from erniekit.models.ernie4_5_vl.modeling import rope_index
 from erniekit.nn.attention import KVCache
 
@@ -45,9 +45,11 @@ def prompt_with_videos(conv: Conversation, tokenizer, config, settings, video_se
 @paddle.no_grad()
 def generate_vl(model, ids: list[int], images, max_new_tokens: int, stop_ids: list[int], videos=None) -> list[int]:
     """New token ids (stop token excluded) after prompt `ids` whose images (and videos) are
-    (patches, grids). NonFiniteError when the logits turn NaN or inf."""
+    (patches, grids). NonFiniteError when the logits turn NaN or inf; RequestError for an id
+    outside the vocabulary (a processor or tokenizer of another model)."""
     model.eval()
     c = model.config
+    check_prompt_ids([ids], int(c.vocab_size))
     x = np.asarray([ids], dtype=np.int64)
     dtype = model.model.embed_tokens.weight.dtype
     cache = KVCache(c, 1, len(ids) + max_new_tokens, dtype=dtype)

@@ -163,10 +163,11 @@ def _run_all(engine, jobs):
     return out
 
 
-def test_a_fault_in_one_sequence_fails_only_that_request(model, tokenizer, monkeypatch):
+def test_a_fault_in_one_sequence_fails_only_that_request(model, tokenizer, monkeypatch, caplog):
     """Three poison requests share the batch with six greedy ones: one gets NaN logits at its 3rd
     step, one raises while its token is processed, one raises inside its sampling. They fail
-    (with the cause in the error); every other request keeps exactly its single-request tokens."""
+    (with the cause in the error); every other request keeps exactly its single-request tokens.
+    The operator's log says once what to check about the NaN (the client only learns it failed)."""
     prompts, lengths = _prompts(9, model.config.vocab_size, seed=11)
     lengths = [max(n, 8) for n in lengths]
     ref = [generate(model, [p], SamplingParams(max_new_tokens=n))[0] for p, n in zip(prompts, lengths)]
@@ -203,6 +204,8 @@ def test_a_fault_in_one_sequence_fails_only_that_request(model, tokenizer, monke
         assert [g[1] for g in got[:6]] == ref[:6]
         assert "non-finite logits" in got[6] and "KeyError: 'injected fault'" in got[7]
         assert "sampling failed: ValueError: injected sampling fault" in got[8]
+        nan_logs = [r.getMessage() for r in caplog.records if "non-finite logits" in r.getMessage()]
+        assert len(nan_logs) == 1 and "check the checkpoint's weights" in nan_logs[0], nan_logs
         assert not engine.rows and complete(engine, prompts[0], SamplingParams(max_new_tokens=lengths[0]))[1] == ref[0]
     finally:
         engine.close()

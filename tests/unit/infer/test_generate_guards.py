@@ -83,7 +83,7 @@ def test_nan_trunk_or_mtp_weights_stop_speculative_decoding():
     assert generate(model, [PROMPT], SamplingParams(max_new_tokens=5))[0] == want  # the trunk is intact
 
 
-def test_nan_weights_stop_vision_language_generation():
+def test_nan_weights_and_foreign_prompt_ids_stop_vision_language_generation():
     from erniekit.infer.vl_generate import generate_vl
     from erniekit.models.ernie4_5_vl.modeling import Ernie4_5_VLForConditionalGeneration
     from erniekit.models.registry import model_config
@@ -91,6 +91,10 @@ def test_nan_weights_stop_vision_language_generation():
     paddle.seed(0)
     model = Ernie4_5_VLForConditionalGeneration(model_config("tiny-vl").replace(num_hidden_layers=1))
     assert len(generate_vl(model, PROMPT, None, 3, [])) == 3
+    _poison(model.model.layers[0].self_attn.o_proj.weight)
+    with pytest.raises(RequestError) as e:  # ids from another model's processor: one line, before the forward
+        generate_vl(model, [5, -1, 9], None, 3, [])
+    assert "prompt token id -1 at position 1 is outside the vocabulary" in _one_line(e)
     _poison(model.model.layers[0].self_attn.o_proj.weight)
     with pytest.raises(NonFiniteError) as e:
         generate_vl(model, PROMPT, None, 3, [])
