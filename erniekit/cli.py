@@ -41,15 +41,32 @@ def train(args: list[str]) -> int:
         key = flag.lstrip("-").split("=", 1)[0].replace("-", "_")
         raise ErniekitError(f"train: {flag} is not an option; settings are key=value, e.g. {key}=VALUE; {TRAIN_USAGE}")
     path, overrides = (None, args) if "=" in args[0] else (args[0], args[1:])
-    from erniekit.config import load_config, validate
+    from erniekit.config import load_config
 
     cfg = load_config(path, overrides)  # before paddle: YAML mistakes are reported in 0.1 s
     user_threads = os.environ.get("OMP_NUM_THREADS")
     _import_paddle()
-    cfg = validate(cfg)  # config errors stop the job before any worker starts
+    cfg = _validated(cfg)  # config errors stop the job before any worker starts
     from erniekit.train.start import start_training
 
     return start_training(cfg, path, overrides, user_threads)
+
+
+def _validated(cfg):
+    """validate(cfg); a launched rank's (or a cluster process's) refusal is also noted for the parent
+    `erniekit train`, which then reports it once instead of restarting the job (a check that passed
+    in the parent can differ in a rank, e.g. a path another node cannot see)."""
+    from erniekit.config import validate
+    from erniekit.distributed.cross_cluster.launch import noted_for_launch_clusters
+    from erniekit.distributed.launch import in_launched_worker
+
+    in_cluster = noted_for_launch_clusters(cfg)
+    if not in_launched_worker() and not in_cluster:
+        return validate(cfg)
+    from erniekit.train.run import noting_start_failure
+
+    with noting_start_failure(cfg.output_dir, in_cluster):
+        return validate(cfg)
 
 
 def add_packed_weights_flag(p: argparse.ArgumentParser, where: str) -> None:

@@ -123,11 +123,12 @@ def run_train(cfg, log=print) -> dict:
     """One training run; rank 0 (or the only process) holds output_dir against a second run.
     SIGTERM / SIGINT to any process of the run end it after a step every rank agrees on, with
     checkpoint-N (docs/training.md "Stopping and preemption")."""
+    from erniekit.distributed.cross_cluster.launch import noted_for_launch_clusters
     from erniekit.utils.run_control import output_dir_lock, stop_on_signal
 
     with (
         stop_on_signal(launched=launched_world() > 1),
-        _noting_start_failure(cfg.output_dir, cfg.cross_cluster_id >= 0) as start,
+        noting_start_failure(cfg.output_dir, noted_for_launch_clusters(cfg)) as start,
     ):
         if os.environ.get("PADDLE_TRAINER_ID", "0") != "0":
             return _run_train(cfg, log, start)
@@ -171,8 +172,8 @@ class _StartUp:
 
 
 @contextlib.contextmanager
-def _noting_start_failure(output_dir: str, in_cluster: bool = False):
-    """A launched rank's (or a cross-cluster job's cluster process's: `in_cluster`) configuration,
+def noting_start_failure(output_dir: str, in_cluster: bool = False):
+    """A launched rank's (or a one-machine cross-cluster job's cluster process's: `in_cluster`) configuration,
     data or checkpoint error before its first step is left in launch_logs for the `erniekit train`
     that started it, which reports it once and does not restart the job (a restart would meet it
     again; distributed/launch.py failure_before_first_step). Not during a stop: that is reported

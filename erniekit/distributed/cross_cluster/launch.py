@@ -27,7 +27,15 @@ from erniekit.errors import ConfigError
 from erniekit.utils.run_control import stopped_exit_code
 
 KEY_ENV = "ERNIEKIT_CROSS_CLUSTER_KEY"
+PARENT_ENV = "ERNIEKIT_CLUSTERS_PARENT"  # "1" in the clusters launch_clusters starts: someone reads their notes
 _FORWARDED = ("OMP_NUM_THREADS",)
+
+
+def noted_for_launch_clusters(cfg) -> bool:
+    """Whether this process is a cluster that launch_clusters started, which reads the start-up
+    error it notes (train/run.py). A cluster started by hand on its own site prints its error to
+    its own user; a note there would be left unread."""
+    return cfg.cross_cluster_id >= 0 and os.environ.get(PARENT_ENV) == "1"
 
 
 def cluster_output_dir(output_dir: str, cluster: int) -> str:
@@ -124,6 +132,7 @@ def launch_clusters(cfg, train_args: list[str], user_threads: str | None = None)
     total = sum(sizes)
     env = dict(os.environ)
     env["OMP_NUM_THREADS"] = user_threads or str(max(1, (os.cpu_count() or 1) // total))
+    env[PARENT_ENV] = "1"
     if not cfg.cross_cluster_key_file and not env.get(KEY_ENV):
         env[KEY_ENV] = secrets.token_hex(32)  # this run's own key, passed to the clusters only
     peers = [f"127.0.0.1:{free_port_block(n)}" for n in sizes]

@@ -146,6 +146,41 @@ def test_a_cross_cluster_process_notes_its_start_error_too(tmp_path, monkeypatch
 
     monkeypatch.delenv("PADDLE_TRAINER_ID", raising=False)
     for in_cluster, noted in ((False, []), (True, ["train.jsonl:7: bad"])):
-        with pytest.raises(DataError), run._noting_start_failure(str(tmp_path / "o"), in_cluster):
+        with pytest.raises(DataError), run.noting_start_failure(str(tmp_path / "o"), in_cluster):
             raise DataError("train.jsonl:7: bad")
+        assert _notes(tmp_path) == noted
+
+
+def test_a_rank_notes_a_config_its_validation_refuses(tmp_path, monkeypatch, capsys):
+    """A check the parent passed can fail in a rank (a data path another node cannot see): the rank's
+    `erniekit train` notes its one line for the parent before any model or process group is built."""
+    monkeypatch.setenv("PADDLE_TRAINER_ID", "1")
+    monkeypatch.setenv("PADDLE_TRAINERS_NUM", "2")
+    missing = tmp_path / "only-on-node-0.jsonl"
+    args = ["train", "model_name_or_path=tiny-dense", f"train_dataset_path={missing}", f"output_dir={tmp_path / 'o'}"]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert str(missing) in err and _notes(tmp_path) == [err.strip().removeprefix("error: ")]
+    monkeypatch.delenv("PADDLE_TRAINER_ID")  # the parent itself: its error is printed, not noted
+    (tmp_path / "o" / "launch_logs" / "failed-before-first-step.rank-1").unlink()
+    assert main(args) == 2 and _notes(tmp_path) == []
+
+
+def test_only_a_cluster_that_launch_clusters_started_notes_its_start_error(tmp_path, monkeypatch):
+    """A cluster started by hand on its own site (a real multi-site run) prints its error to its user;
+    a note would lie unread in its launch_logs. One that launch_clusters started leaves it for it."""
+    import erniekit.train.run as run
+    from erniekit.distributed.cross_cluster import launch as cluster_launch
+
+    def refuses(cfg, log, start):
+        raise DataError("train.jsonl:7: bad")
+
+    monkeypatch.delenv("PADDLE_TRAINER_ID", raising=False)
+    monkeypatch.setattr(run, "_run_train", refuses)
+    cfg = SimpleNamespace(output_dir=str(tmp_path / "o"), cross_cluster_id=1)
+    for parent, noted in ((None, []), ("1", ["train.jsonl:7: bad"])):
+        if parent:
+            monkeypatch.setenv(cluster_launch.PARENT_ENV, parent)
+        with pytest.raises(DataError):
+            run.run_train(cfg)
         assert _notes(tmp_path) == noted

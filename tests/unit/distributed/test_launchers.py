@@ -89,6 +89,7 @@ def test_a_clusters_configuration_error_before_its_first_step_is_not_restarted(t
     runs, noting = [], [True]
 
     def one_run(cfg, args, sizes, peers, env):
+        assert env[cluster_launch.PARENT_ENV] == "1"  # the clusters know their notes are read
         runs.append(args)
         if noting[0]:  # cluster 1's process refuses its data before its first step (train/run.py)
             time.sleep(0.05)  # as a real process's note comes after its start (mtime ticks may lag time.time())
