@@ -12,8 +12,9 @@ resumed run does, drops the same ones.
 
 What a model was trained on is recorded beside its weights (`control_attributes.json`: per key, the
 values the training records had and how many; at most MAX_RECORDED_VALUES per key, a key with more is
-"open"), so `chat --control`, the server and held-out evaluation refuse an attribute the model never
-saw (check_trained_control) instead of rendering a prefix with no trained effect.
+"open"; at most MAX_RECORDED_KEYS keys, a record with more is "open_keys"), so `chat --control`, the
+server and held-out evaluation refuse an attribute the model never saw (check_trained_control) instead
+of rendering a prefix with no trained effect.
 """
 
 from __future__ import annotations
@@ -122,8 +123,17 @@ def parse_control_args(items: list[str], where: str = "--control") -> dict[str, 
 # ---- the record of the attributes a model was trained on (control_attributes.json) -------------------
 CONTROL_RECORD_NAME = "control_attributes.json"
 RECORD_VERSION = 1
+# version 1 plus "open_keys": true, written only for a record past MAX_RECORDED_KEYS: an erniekit that
+# reads version 1 alone then refuses the file (a one-line error) instead of refusing keys the model learnt
+OPEN_KEYS_VERSION = 2
 MAX_RECORDED_VALUES = 64  # per key; a key with more distinct values is "open": any value is accepted
-_SHOWN_VALUES = 16  # values a refusal lists
+# Keys recorded; with more the record is "open_keys": an unknown key is accepted. The check is there for
+# a mistyped key among a model's few attributes (ERNIE 3.0 Titan's: genre, topic, keywords, sentiment,
+# length); hundreds of distinct keys are data that uses keys as values (ids, free text), which no list
+# guards. 256 is 32 times the 8 attributes one record may carry, and keeps the file that chat and the
+# server read at start-up bounded (256 x 64 values, longest keys and values: 1.3 MB, read in 4 ms).
+MAX_RECORDED_KEYS = 256
+_SHOWN_VALUES = 16  # values (and keys) a refusal lists
 
 
 def count_controls(controls: Iterable[dict[str, str]]) -> dict:
@@ -135,8 +145,20 @@ def count_controls(controls: Iterable[dict[str, str]]) -> dict:
         records += bool(control)
         for k, v in control.items():
             counts.setdefault(k, Counter())[v] += 1
-    attrs = {k: _bounded(dict(c), False) for k, c in sorted(counts.items())}
-    return {"version": RECORD_VERSION, "records": records, "attributes": attrs}
+    attrs = {k: _bounded(dict(c), False) for k, c in counts.items()}
+    return _record(records, attrs, {k: c.total() for k, c in counts.items()}, False)
+
+
+def _record(records: int, attrs: dict[str, dict], weights: dict[str, int], open_keys: bool) -> dict:
+    """A record of at most MAX_RECORDED_KEYS keys, those most records had (`weights`; ties by key);
+    more make it "open_keys" (written as OPEN_KEYS_VERSION): a key it does not list is accepted."""
+    kept = sorted(attrs, key=lambda k: (-weights[k], k))[:MAX_RECORDED_KEYS]
+    open_keys = open_keys or len(attrs) > MAX_RECORDED_KEYS
+    record = {"version": OPEN_KEYS_VERSION if open_keys else RECORD_VERSION, "records": records}
+    if open_keys:
+        record["open_keys"] = True
+    record["attributes"] = {k: attrs[k] for k in sorted(kept)}
+    return record
 
 
 def _bounded(values: dict[str, int], is_open: bool) -> dict:
@@ -157,8 +179,10 @@ def merge_records(a: dict | None, b: dict | None) -> dict | None:
             was = attrs.setdefault(k, {"open": False, "values": Counter()})
             was["open"] = was["open"] or entry["open"]
             was["values"].update(entry["values"])
-    merged = {k: _bounded(dict(e["values"]), e["open"]) for k, e in sorted(attrs.items())}
-    return {"version": RECORD_VERSION, "records": sum(r.get("records", 0) for r in parts), "attributes": merged}
+    merged = {k: _bounded(dict(e["values"]), e["open"]) for k, e in attrs.items()}
+    weights = {k: e["values"].total() for k, e in attrs.items()}
+    open_keys = any(r.get("open_keys", False) for r in parts)
+    return _record(sum(r.get("records", 0) for r in parts), merged, weights, open_keys)
 
 
 def read_control_record(model_dir: str | None) -> dict | None:
@@ -179,8 +203,10 @@ def read_control_record(model_dir: str | None) -> dict | None:
 
 def _record_problem(record: dict) -> str | None:
     """What is wrong with a record read from a file (None when it is well formed)."""
-    if record.get("version") != RECORD_VERSION:
-        return f"version {record.get('version')!r} is not {RECORD_VERSION}"
+    if record.get("version") not in (RECORD_VERSION, OPEN_KEYS_VERSION):
+        return f"version {record.get('version')!r} is not {RECORD_VERSION} or {OPEN_KEYS_VERSION}"
+    if not isinstance(record.get("open_keys", False), bool):
+        return "'open_keys' must be true or false"
     attrs = record.get("attributes")
     if not isinstance(attrs, dict):
         return "'attributes' must be an object of key: {open, values}"
@@ -209,17 +235,20 @@ def write_control_record(model_dir: str, record: dict | None) -> None:
 
 
 def check_trained_control(control: dict[str, str], record: dict | None, where: str, source: str = "") -> None:
-    """Refuse an attribute, or a value of a closed key, that `record` says the model was not trained
-    on (DataError: `where`KEY=VALUE, a did-you-mean and what it was trained on). No record: no check."""
+    """Refuse an attribute (unless the record is open_keys), or a value of a closed key, that `record`
+    says the model was not trained on (DataError: `where`KEY=VALUE, a did-you-mean and what it was
+    trained on). No record: no check."""
     if not record or not control:
         return
     attrs = record["attributes"]
     tail = f" ({source}; docs/control.md)" if source else " (docs/control.md)"
     for k, v in sorted(control.items()):
+        if k not in attrs and record.get("open_keys", False):  # trained on more keys than it lists
+            continue
         if k not in attrs:
             raise DataError(
                 f"{where}{k}={v}: this model was not trained with the attribute {k!r}{_did_you_mean(k, attrs)}; "
-                f"its attributes: {', '.join(sorted(attrs))}{tail}"
+                f"its attributes: {_listed(attrs)}{tail}"
             )
         entry = attrs[k]
         if not entry["open"] and v not in entry["values"]:
@@ -252,7 +281,7 @@ def _did_you_mean(word: str, choices: Iterable[str]) -> str:
     return f" (did you mean {close[0]!r}?)" if close else ""
 
 
-def _listed(values: dict[str, int]) -> str:
+def _listed(values: Iterable[str]) -> str:
     names = sorted(values)
     more = len(names) - _SHOWN_VALUES
     return ", ".join(names[:_SHOWN_VALUES]) + (f" and {more} more" if more > 0 else "")

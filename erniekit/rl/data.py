@@ -6,7 +6,8 @@ Formats (one JSON record per line, detected per file with train_dataset_type: au
 - alpaca / messages: as for SFT; the last assistant reply is the field `answer`
 Every key not part of the format itself (e.g. "answer", "solution", "tests") becomes a field
 passed to reward functions (erniekit/rl/rewards.py). A `"control": {...}` object is rendered into
-the prompt as in SFT (erniekit/data/control.py) in every format, and is a field as well.
+the prompt as in SFT (erniekit/data/control.py) in every format, and is a field as well; the run counts
+it into the model's control_attributes.json (docs/control.md).
 """
 
 from __future__ import annotations

@@ -73,7 +73,17 @@ class RLStage(Stage):
         self.prompt_ids = [i for i in ids if i is not None]
         if not self.prompt_ids:
             raise DataError(f"{cfg.train_dataset_path}: no prompt fits max_seq_len - max_new_tokens; raise max_seq_len")
+        self.control_record = self._trained_controls(cfg)
         return [{"prompt_index": np.array(i)} for i in range(len(self.prompt_ids))]
+
+    def _trained_controls(self, cfg) -> dict | None:
+        """The starting model's control record plus the attributes of the prompts the policy is shown
+        (all of each prompt's: control_drop_prob is SFT's; a prompt too long to sample is not counted).
+        Read here, with the data, a damaged starting record stops the run before the model loads."""
+        from erniekit.data.control import count_controls, merge_records
+
+        trained = count_controls(e.conv.control for e in self.examples)
+        return merge_records(self.starting_control_record(cfg), trained)
 
     def build_eval_data(self, cfg, tokenizer):
         if not cfg.eval_dataset_path:

@@ -205,6 +205,7 @@ def _build_data(stage, cfg, tokenizer) -> tuple[list, dict | None]:
     """The stage's training rows and evaluation data, read and checked (one-line DataErrors); a stop
     while a large corpus is tokenized or its token store awaited ends the start-up as that stop."""
     with _starting():
+        stage.starting_control_record(cfg)  # a damaged control_attributes.json stops here, before the model loads
         train_rows = stage.build_train_rows(cfg, tokenizer) if cfg.do_train else []
         return train_rows, stage.build_eval_data(cfg, tokenizer) if cfg.do_eval else None
 

@@ -120,8 +120,9 @@ class Stage:
     fused_head = False  # fused_head_loss, set in `prepare`: lm_loss without the batch's logits
     progress_keys: dict[str, str] = {}  # extra progress-bar fields: short name -> metric key (RL: reward)
     # the control attributes the model was trained on, saved beside it (docs/control.md): the starting
-    # model's, unless the stage adds its data's (SFT)
+    # model's, unless the stage adds its data's (SFT, GRPO, PPO)
     control_record: dict | None = None
+    _starting_record: tuple[str | None, dict | None] | None = None  # (model_name_or_path, its record), read once
 
     def build_train_rows(self, cfg, tokenizer) -> list[dict[str, np.ndarray]]:
         raise NotImplementedError
@@ -134,10 +135,18 @@ class Stage:
         resume loads a checkpoint): where a stage computes what depends on the reference model."""
         self.token_balance = bool(getattr(cfg, "loss_token_balance", False))
         self.fused_head = self.supports.fused_head and fused_head_wanted(cfg)
-        if self.control_record is None:  # what the starting model learnt goes on with it (DPO, RL, Distill...)
+        if self.control_record is None:  # what the starting model learnt goes on with it (DPO, Distill...)
+            self.control_record = self.starting_control_record(cfg)
+
+    def starting_control_record(self, cfg) -> dict | None:
+        """The starting model's (model_name_or_path's) control record, read once: a stage that asks for
+        it while it reads its data (RL) finds a damaged file before the model loads (docs/control.md)."""
+        path = getattr(cfg, "model_name_or_path", None)
+        if self._starting_record is None or self._starting_record[0] != path:
             from erniekit.data.control import read_control_record
 
-            self.control_record = read_control_record(getattr(cfg, "model_name_or_path", None))
+            self._starting_record = (path, read_control_record(path))
+        return self._starting_record[1]
 
     def collate(self, rows: list[dict[str, np.ndarray]], pad_id: int) -> dict[str, np.ndarray]:
         from erniekit.train.batching import collate

@@ -17,7 +17,6 @@ from erniekit.data.control import (
     count_controls,
     drop_controls,
     merge_records,
-    read_control_record,
 )
 from erniekit.data.encode import encode_conversations, pack
 from erniekit.data.formats import Conversation, load_sft_examples
@@ -45,9 +44,7 @@ class SFTStage(Stage):
     def build_train_rows(self, cfg, tokenizer):
         convs = load_sft_examples(cfg.train_dataset_path, cfg.train_dataset_type)
         # recorded as the data has them: an attribute dropped from one record is trained on others
-        self.control_record = merge_records(
-            read_control_record(cfg.model_name_or_path), count_controls(c.control for c in convs)
-        )
+        self.control_record = merge_records(self.starting_control_record(cfg), count_controls(c.control for c in convs))
         convs = drop_controls(convs, cfg.control_drop_prob, cfg.seed)  # docs/control.md
         self.majority_reply = majority_reply(convs)
         self.train_convs = convs
@@ -99,7 +96,7 @@ class SFTStage(Stage):
         if cfg.do_train:  # what this run trains on
             record, source = self.control_record, "trained: train_dataset_path and model_name_or_path's record"
         else:
-            record = read_control_record(cfg.model_name_or_path)
+            record = self.starting_control_record(cfg)
             source = f"{cfg.model_name_or_path}/{CONTROL_RECORD_NAME}"
         if cfg.eval_generation:  # the examples evaluate() generates for (a loss is a loss)
             dialogs = [c for c in convs if c.dialog is not None]

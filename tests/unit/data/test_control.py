@@ -237,7 +237,7 @@ def test_a_record_is_written_read_back_and_a_stale_one_removed(tmp_path):
     "text, what",
     [
         ("{", "invalid JSON"),
-        ('{"version": 2, "attributes": {}}', "version 2 is not 1"),
+        ('{"version": 3, "attributes": {}}', "version 3 is not 1 or 2"),
         ('{"version": 1, "records": "5000", "attributes": {}}', "'records' must be the number of training records"),
         ('{"version": 1, "attributes": {"style": ["words"]}}', "attributes.style must be"),
         ('{"version": 1, "attributes": {"style": {"open": false, "values": {"w": "x"}}}}', "record count"),
