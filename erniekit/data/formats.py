@@ -36,6 +36,7 @@ DataError, other keys (ids, metadata) are named in one warning per file and igno
 from __future__ import annotations
 
 import codecs
+import contextlib
 import difflib
 import functools
 import json
@@ -44,6 +45,7 @@ import re
 import warnings
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
+from typing import Any, BinaryIO
 
 from erniekit.data.control import check_control, with_control
 from erniekit.data.dataset_info import DatasetEntry, load_entry, parse_ref
@@ -152,61 +154,222 @@ def _not_utf8(path: str, line: int, byte: int, offset: int) -> DataError:
     )
 
 
-def read_text(path: str) -> str:
-    """The file's text; bytes that are not UTF-8 are a DataError naming file:line and the byte offset
-    (an encoding mistake, e.g. a latin-1 or GBK export, is found before the first step, not as a traceback)."""
+@contextlib.contextmanager
+def _binary(path: str) -> Iterator[BinaryIO]:
+    """The file opened for reading bytes; an OSError while it is read is the one-line DataError."""
     try:
         with open(path, "rb") as f:
-            data = f.read()
+            yield f
     except OSError as e:
         raise _unreadable(path, e) from None
-    try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise _not_utf8(path, data.count(b"\n", 0, e.start) + 1, data[e.start], e.start) from None
 
 
 def iter_lines(path: str) -> Iterator[tuple[int, str]]:
     """(line number, text) of each line of `path`, split at \\n only (the \\n dropped, a \\r kept) as
-    `read_text(path).split("\\n")` gives them, but read a line at a time: memory holds one line, not the
-    file. Bytes that are not UTF-8 are read_text's DataError (same line and byte offset)."""
+    `text.split("\\n")` gives them, but read a line at a time: memory holds one line, not the file. The first
+    byte that is not UTF-8 is a DataError naming its line and byte offset (`_not_utf8`)."""
     offset = 0
-    try:
-        with open(path, "rb") as f:
-            for lineno, raw in enumerate(f, 1):  # a UTF-8 sequence never holds the byte \n: a cut is safe
-                try:
-                    line = raw.decode("utf-8")
-                except UnicodeDecodeError as e:
-                    raise _not_utf8(path, lineno, raw[e.start], offset + e.start) from None
-                offset += len(raw)
-                yield lineno, line[:-1] if line.endswith("\n") else line
-    except OSError as e:
-        raise _unreadable(path, e) from None
+    with _binary(path) as f:
+        for lineno, raw in enumerate(f, 1):  # a UTF-8 sequence never holds the byte \n: a cut is safe
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise _not_utf8(path, lineno, raw[e.start], offset + e.start) from None
+            offset += len(raw)
+            yield lineno, line[:-1] if line.endswith("\n") else line
 
 
-def _records(path: str) -> Iterator[tuple[int, object]]:
-    """Yield (line, record) from a .jsonl file or a .json list (line = 1-based position)."""
-    text = read_text(path)
-    data = None
-    if text.lstrip().startswith("["):  # a JSON list of records, whatever the extension
+_BLOCK = 1 << 18  # bytes a JSON file is read in
+_JSON_SPACE = re.compile(r"[ \t\n\r]*")  # JSON's whitespace (str.isspace() knows more)
+_DECODER = json.JSONDecoder()  # json.loads' settings
+# How far past an error's position the C scanner may have looked ("-Infinity": 8 characters): an error
+# closer than this to the end of the text read so far may come from the cut, and is read on past it.
+_LOOKAHEAD = 16
+_NUMBER_AT_END = re.compile(r"\d[.eE+-]{0,2}\Z")  # an integer the cut may have shortened (1e / 1. / 12)
+
+
+class _JsonText:
+    """A JSON file's text read a block at a time: `buf[pos:]` is not read yet, `more()` appends the next block.
+    Lines and columns of errors count from the file's start, as json.loads(whole text) gives them."""
+
+    def __init__(self, path: str, f: BinaryIO, block: int = _BLOCK):
+        self.path, self._f, self._block = path, f, block
+        self.buf, self.pos, self.eof = "", 0, False
+        self._lines = 0  # "\n" before buf[0]
+        self._col = 0  # characters from the last "\n" before buf[0] to buf[0]
+        self._raw = b""  # bytes not decoded yet: a UTF-8 sequence cut by the block's end
+        self._offset = 0  # byte offset of _raw[0] in the file
+        self._raw_lines = 0  # b"\n" before _raw[0]
+        self._bad: DataError | None = None  # the first byte that is not UTF-8, past the end of buf
+
+    def _decode(self, data: bytes) -> str:
+        """The text of `data` (after the bytes left over); b"" is the file's end. At a byte that is not UTF-8
+        the text stops and the error waits in `_bad` until a reader needs what follows."""
+        data, final = self._raw + data, not data
         try:
-            data = json.loads(text)
+            text, used = codecs.utf_8_decode(data, "strict", final)
+        except UnicodeDecodeError as e:
+            line = self._raw_lines + data.count(b"\n", 0, e.start) + 1
+            self._bad = _not_utf8(self.path, line, data[e.start], self._offset + e.start)
+            text, used = data[: e.start].decode("utf-8"), len(data)  # nothing past it is decoded
+        self._raw_lines += data.count(b"\n", 0, used)
+        self._offset += used
+        self._raw = data[used:]
+        return text
+
+    def more(self) -> bool:
+        """Drop the text read, append at least one more character; False at the end of the file. A block
+        as long as what is kept at least (a value longer than a block is decoded in O(its length))."""
+        if self.eof:
+            return False
+        self._drop_read()
+        while self._bad is None:
+            data = self._f.read(max(self._block, len(self.buf)))
+            text = self._decode(data)
+            if text:
+                self.buf += text
+                return True
+            self.eof = not data and self._bad is None
+            if self.eof:
+                return False
+        raise self._bad
+
+    def _drop_read(self) -> None:
+        """Forget buf[:pos], counting its lines for the errors' line and column."""
+        cut = self.pos
+        newlines = self.buf.count("\n", 0, cut)
+        self._col = cut - self.buf.rfind("\n", 0, cut) - 1 if newlines else self._col + cut
+        self._lines += newlines
+        self.buf, self.pos = self.buf[cut:], 0
+
+    def peek(self) -> str:
+        """The character at pos ("" at the end of the file)."""
+        while self.pos >= len(self.buf):
+            if not self.more():
+                return ""
+        return self.buf[self.pos]
+
+    def skip_space(self) -> None:
+        """Move pos past JSON whitespace, reading on as needed."""
+        while True:
+            self.pos = _JSON_SPACE.match(self.buf, self.pos).end()
+            if self.pos < len(self.buf) or not self.more():
+                return
+
+    def value(self) -> object:
+        """The JSON value at pos (pos moves past it), read on past the end of the block while its end, or
+        an error, may come from the cut. Raises what json.loads would (positions in buf); a RecursionError
+        is met at a bracket in buf, so the whole text has it too."""
+        while True:
+            try:
+                value, end = _DECODER.raw_decode(self.buf, self.pos)
+            except json.JSONDecodeError as e:  # "Unterminated string" is said at its start, wherever the cut
+                if self.eof or (not e.msg.startswith("Unterminated string") and e.pos + _LOOKAHEAD <= len(self.buf)):
+                    raise
+            except ValueError:  # an integer past the digit limit: complete unless buf ends in its digits
+                if self.eof or not _NUMBER_AT_END.search(self.buf):
+                    raise
+            else:
+                if self.eof or end + 3 <= len(self.buf):  # a number ends where 3 more characters say so
+                    self.pos = end
+                    return value
+            self.more()
+
+    def invalid(self, e: ValueError | RecursionError) -> DataError:
+        """`e` as json.loads on the whole text reports it, unless a byte of the file is not UTF-8: that error
+        comes first, as when the whole file was decoded before it was parsed."""
+        self.check_rest_utf8()
+        if not isinstance(e, json.JSONDecodeError):
+            return DataError(f"{self.path}: invalid JSON ({json_problem(e)}); fix the file")
+        line = self._lines + self.buf.count("\n", 0, e.pos) + 1
+        newline = self.buf.rfind("\n", 0, e.pos)
+        column = e.pos - newline if newline >= 0 else self._col + e.pos + 1
+        return DataError(f"{self.path}:{line}: invalid JSON ({e.msg} at column {column}); fix the file")
+
+    def check_rest_utf8(self) -> None:
+        """Raise the not-UTF-8 DataError of the first such byte past what was read, if there is one."""
+        while self._bad is None and not self.eof:
+            data = self._f.read(self._block)
+            self._decode(data)
+            self.eof = not data
+        if self._bad is not None:
+            raise self._bad
+
+
+def _check_utf8(path: str, block: int = _BLOCK) -> None:
+    """The not-UTF-8 DataError of the file's first such byte, if it has one (read a block at a time)."""
+    with _binary(path) as f:
+        _JsonText(path, f, block).check_rest_utf8()
+
+
+def _json_list(path: str, block: int = _BLOCK) -> Iterator[tuple[int, object]]:
+    """(position, element) of a JSON list, one element at a time: memory holds a block and the element
+    being read, not the file. Errors as json.loads on the whole text: the first in the text, but a byte
+    that is not UTF-8 anywhere in the file before them (the whole file was decoded first)."""
+    with _binary(path) as f:
+        text = _JsonText(path, f, block)
+        try:
+            yield from enumerate(_list_elements(text), 1)  # position in the list stands in for the line
+            text.skip_space()
+            if text.peek():
+                raise json.JSONDecodeError("Extra data", text.buf, text.pos)
         except (ValueError, RecursionError) as e:
-            line = f":{e.lineno}" if isinstance(e, json.JSONDecodeError) else ""
-            raise DataError(f"{path}{line}: invalid JSON ({json_problem(e)}); fix the file") from None
-    elif path.endswith(".json"):  # one JSON object, or JSON lines misnamed .json
-        try:
-            data = [json.loads(text)]
-        except (ValueError, RecursionError):  # read as JSON lines below, which names the line
-            data = None
-    if data is not None:
-        if not isinstance(data, list):
-            raise DataError(f"{path}:1: expected a JSON list of records, got {type(data).__name__}")
-        yield from enumerate(data, 1)  # position in the list stands in for the line
+            raise text.invalid(e) from None
+
+
+def _list_elements(text: _JsonText) -> Iterator[object]:
+    """The elements of the list at the start of `text`, checked as json's C scanner checks them."""
+    text.skip_space()
+    if text.peek() != "[":  # a character str.strip() takes for space and JSON does not (\x0c, U+3000)
+        raise json.JSONDecodeError("Expecting value", text.buf, text.pos)
+    text.pos += 1
+    text.skip_space()
+    if text.peek() == "]":
+        text.pos += 1
         return
-    for lineno, line in enumerate(text.split("\n"), 1):  # JSON lines end at \n only (U+2028 may sit in a string)
-        if line.strip():
-            yield lineno, _json_line(path, lineno, line)
+    while True:
+        yield text.value()
+        text.skip_space()
+        c = text.peek()
+        if c != "," and c != "]":  # "" at the end of the file
+            raise json.JSONDecodeError("Expecting ',' delimiter", text.buf, text.pos)
+        text.pos += 1
+        if c == "]":
+            return
+        text.skip_space()
+
+
+_LINES = object()  # _single_value: the file is not one JSON value
+
+
+def _single_value(path: str, block: int = _BLOCK) -> object:
+    """The file's JSON value when it holds exactly one (and only whitespace after it), else _LINES: the
+    JSON lines it holds are read a line at a time. Reads as far as the first value and what follows it."""
+    with _binary(path) as f:
+        text = _JsonText(path, f, block)
+        text.skip_space()  # a byte-order mark is no value: the lines that follow name it
+        try:
+            value = text.value()
+        except (ValueError, RecursionError):
+            return _LINES
+        text.skip_space()
+        return _LINES if text.peek() else value
+
+
+def _json_lines(path: str, utf8_first: bool = False) -> Iterator[tuple[int, object]]:
+    """(line, record) of each non-blank line, read a line at a time (JSON lines end at \\n only: U+2028
+    may sit in a string). utf8_first: a line that is not JSON is named only when no byte of the file is
+    not UTF-8 (the order of the whole-file reader)."""
+    for lineno, line in iter_lines(path):
+        if not line.strip():
+            continue
+        try:
+            rec = _json_line(path, lineno, line)
+        except DataError:
+            if utf8_first:
+                _check_utf8(path)
+            raise
+        yield lineno, rec
 
 
 def _json_line(path: str, lineno: int, line: str) -> object:
@@ -220,27 +383,27 @@ def _starts_with_bracket(path: str, block: int = 1 << 16) -> bool:
     """Whether the file's first character after whitespace is "[" (a JSON list), reading only as far as it.
     Bytes that are not UTF-8 read as U+FFFD here: whichever reader follows names them."""
     decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-    try:
-        with open(path, "rb") as f:
-            while data := f.read(block):
-                text = decoder.decode(data).lstrip()
-                if text:
-                    return text.startswith("[")
-    except OSError as e:
-        raise _unreadable(path, e) from None
+    with _binary(path) as f:
+        while data := f.read(block):
+            text = decoder.decode(data).lstrip()
+            if text:
+                return text.startswith("[")
     return False
 
 
-def iter_records(path: str) -> Iterator[tuple[int, object]]:
-    """`_records(path)`, with a JSON-lines file read a line at a time (memory holds one record, not the
-    file). A JSON list, or any .json file (one object, or JSON lines misnamed .json), is still parsed
-    whole, as JSON itself needs: give a large corpus as .jsonl or plain text."""
-    if path.endswith(".json") or _starts_with_bracket(path):
-        yield from _records(path)
+def iter_records(path: str, block: int = _BLOCK) -> Iterator[tuple[int, object]]:
+    """(line, record) of a data file, one record at a time, memory holding one record and a block (bytes
+    read at once), not the file: JSON lines; a JSON list, whatever the extension (line = position in the
+    list); a .json file holding one JSON value (record 1), or else JSON lines misnamed .json. Errors name
+    file:line; a byte that is not UTF-8 is named before a JSON error of a .json file or list."""
+    if _starts_with_bracket(path):
+        yield from _json_list(path, block)
         return
-    for lineno, line in iter_lines(path):  # JSON lines end at \n only (U+2028 may sit in a string)
-        if line.strip():
-            yield lineno, _json_line(path, lineno, line)
+    value = _single_value(path, block) if path.endswith(".json") else _LINES
+    if value is _LINES:
+        yield from _json_lines(path, utf8_first=path.endswith(".json"))
+    else:
+        yield 1, value
 
 
 _TYPO_CUTOFF = 0.8  # difflib ratio: "inputs"/"input" 0.91, "sytem"/"system" 0.91, "lable"/"label" 0.8
@@ -558,36 +721,22 @@ def detect_format(rec: object, where: str) -> str:
     )
 
 
-def load_records(
-    path: str,
-    fmt: str,
-    readers: dict,
-    detect,
-    label: str = "data",
-    kind: str = "examples",
-    ranking: bool = False,
-    fields: dict[str, frozenset[str] | None] | None = None,
-) -> list:
-    """Read every JSON record of the (comma-separated) files at `path` through `readers[fmt]`,
-    detecting the format per file when fmt == "auto"; shared by SFT, preference (`ranking`) and
-    prompt data. A dataset_info.json entry's records are mapped onto `readers`' own keys first.
-    `fields`: format -> the keys its reader reads, for `check_fields` (None: keys unchecked, as RL
-    prompt data, whose other keys are reward fields)."""
-    return list(iter_load_records(path, fmt, readers, detect, label, kind, ranking, fields))
-
-
 def iter_load_records(
     path: str,
     fmt: str,
-    readers: dict,
-    detect,
+    readers: dict[str, Callable[[dict, str], Any]],
+    detect: Callable[[object, str], str],
     label: str = "data",
     kind: str = "examples",
     ranking: bool = False,
     fields: dict[str, frozenset[str] | None] | None = None,
-) -> Iterator:
-    """load_records one record at a time (JSON lines are read a line at a time: iter_records), for a
-    reader that stops early (eval --routing --max-samples) or need not hold the file."""
+) -> Iterator[Any]:
+    """Read the JSON records of the (comma-separated) files at `path` through `readers[fmt]`, one at a time
+    (a file is never held whole: iter_records), detecting the format per file when fmt == "auto"; shared by
+    SFT, preference (`ranking`) and prompt data. A dataset_info.json entry's records are mapped onto
+    `readers`' own keys first. `fields`: format -> the keys its reader reads, for `check_fields` (None: keys
+    unchecked, as RL prompt data, whose other keys are reward fields). A reader may stop early (eval
+    --routing --max-samples)."""
     if fmt != "auto" and fmt not in readers:
         raise DataError(f"unknown {label} format '{fmt}'; use one of {', '.join(['auto', *readers])}")
     for p in split_paths(path):
@@ -610,6 +759,11 @@ def iter_load_records(
         if empty:
             raise DataError(f"{p}: no {kind}; the file is empty or has only blank lines")
         warn_ignored(p, file_fmt, ignored)
+
+
+def load_records(*args: Any, **kwargs: Any) -> list:
+    """iter_load_records(same arguments) as a list, for callers that count or index the records."""
+    return list(iter_load_records(*args, **kwargs))
 
 
 def _entry_records(entry: DatasetEntry, fmt: str, readers: dict, label: str, kind: str, ranking: bool) -> Iterator:
@@ -664,8 +818,8 @@ _PRETRAIN_FIELDS = frozenset({"text"})
 def iter_pretrain_texts(path: str) -> Iterator[str]:
     """Pretraining documents of the (comma-separated) files at `path`, in order, one at a time: .jsonl
     ({"text": ...} records) and plain-text files (one document per non-empty line) are read a line at a
-    time, so memory holds one document, never the corpus; a .json file or a JSON list is parsed whole
-    (iter_records). A dataset_info.json entry reads its alpaca prompt column."""
+    time, a JSON list an element at a time (iter_records), so memory holds one document, never the
+    corpus. A dataset_info.json entry reads its alpaca prompt column."""
     for p in split_paths(path):
         empty = True
         for text in _file_texts(p):
