@@ -60,7 +60,7 @@ def _validated(cfg):
     from erniekit.distributed.cross_cluster.launch import noted_for_launch_clusters
     from erniekit.distributed.launch import in_launched_worker
 
-    in_cluster = noted_for_launch_clusters(cfg)
+    in_cluster = noted_for_launch_clusters(cfg.cross_cluster_id)
     if not in_launched_worker() and not in_cluster:
         return validate(cfg)
     from erniekit.train.run import noting_start_failure

@@ -128,7 +128,7 @@ def run_train(cfg, log=print) -> dict:
 
     with (
         stop_on_signal(launched=launched_world() > 1),
-        noting_start_failure(cfg.output_dir, noted_for_launch_clusters(cfg)) as start,
+        noting_start_failure(cfg.output_dir, noted_for_launch_clusters(cfg.cross_cluster_id)) as start,
     ):
         if os.environ.get("PADDLE_TRAINER_ID", "0") != "0":
             return _run_train(cfg, log, start)

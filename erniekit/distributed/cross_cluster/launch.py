@@ -31,11 +31,11 @@ PARENT_ENV = "ERNIEKIT_CLUSTERS_PARENT"  # "1" in the clusters launch_clusters s
 _FORWARDED = ("OMP_NUM_THREADS",)
 
 
-def noted_for_launch_clusters(cfg) -> bool:
+def noted_for_launch_clusters(cross_cluster_id: int) -> bool:
     """Whether this process is a cluster that launch_clusters started, which reads the start-up
     error it notes (train/run.py). A cluster started by hand on its own site prints its error to
     its own user; a note there would be left unread."""
-    return cfg.cross_cluster_id >= 0 and os.environ.get(PARENT_ENV) == "1"
+    return cross_cluster_id >= 0 and os.environ.get(PARENT_ENV) == "1"
 
 
 def cluster_output_dir(output_dir: str, cluster: int) -> str:
