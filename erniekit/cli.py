@@ -430,7 +430,8 @@ def export(args: list[str]) -> int:
 
 
 def plan(args: list[str]) -> int:
-    """Rank parallel layouts of a training config on a described cluster (docs/planner.md)."""
+    """Rank parallel layouts of a training config on a described cluster (docs/planner.md). Exit
+    status 1 when no layout both fits and is one `erniekit train` runs (sites=: when none meets the target)."""
     p = _Parser(
         prog="erniekit plan",
         description=plan.__doc__,

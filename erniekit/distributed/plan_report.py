@@ -66,7 +66,8 @@ def _write_json(json_path: str, obj: object) -> None:
 
 
 def collective_plan(path: str | None, overrides: list[str], top: int, include_all: bool, json_path: str | None) -> int:
-    """Rank the data / tensor / expert / pipeline / sharding layouts; exit status 1 when none fits."""
+    """Rank the data / tensor / expert / pipeline / sharding layouts; exit status 0 when a layout fits
+    and `erniekit train` runs it, else 1, with or without --all."""
     from erniekit.distributed import planner
 
     _check_top(top)
@@ -77,19 +78,20 @@ def collective_plan(path: str | None, overrides: list[str], top: int, include_al
     cluster = planner.load_cluster(cfg.cluster)
     c = planner.model_config_of(cfg)
     # the config's global batch on the cluster's devices, as their kind runs it
-    work = planner.workload_from_config(cfg, cluster.world, cluster.device)
+    work = planner.workload_from_config(cfg, cluster.world, cluster.device, model=c)
     # every layout, each marked with the reason `erniekit train` would refuse it for this config on
     # the cluster's device kind (the check train runs): left out unless --all
     refusal = planner.config_refusal(_normalised(cfg), cluster.device)
     preds = [dataclasses.replace(r, refused=refusal(r.plan)) for r in planner.plan(c, cluster, work)]
     refused = [r for r in preds if r.refused]
+    runnable = any(r.fits and not r.refused for r in preds)
     if not include_all:
         preds = [r for r in preds if not r.refused]
     print(
         f"model {cfg.model_name_or_path}: {c.num_hidden_layers} layers, hidden {c.hidden_size}"
         f"{f', {c.moe_num_experts} experts top-{c.moe_k}' if c.is_moe else ''}; global batch {work.global_batch} x "
         f"{work.seq_len} tokens; cluster {cluster.name}: {cluster.nodes} x {cluster.devices_per_node} "
-        f"{cluster.device} devices, {cluster.device_memory / 1e9:.1f} GB each"
+        f"{cluster.device} devices, {cluster.device_memory / 1e9:.1f} GB each{_trains(work)}"
     )
     print(planner.format_table(preds, top))
     if refused and not include_all:
@@ -109,7 +111,14 @@ def collective_plan(path: str | None, overrides: list[str], top: int, include_al
             for r in preds
         ]
         _write_json(json_path, rows)
-    return 0 if preds and preds[0].fits else 1
+    return 0 if runnable else 1
+
+
+def _trains(work) -> str:
+    """What a LoRA config trains, for the header line ('' for full fine-tuning)."""
+    if work.lora is None:
+        return ""
+    return f"; LoRA rank {work.lora.rank}: {work.lora.params / 1e6:.3f}M trainable parameters (the base frozen)"
 
 
 LEFT_OUT_REASONS = 5  # distinct reasons printed under the table; --all shows every refused layout

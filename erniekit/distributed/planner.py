@@ -28,6 +28,9 @@ stage) + the activations the forward keeps for the backward (per layer and token
 the tensors this model's forward saves; recompute keeps only the recomputed part's input) x the
 micro-batches in flight (1F1B: pp on the first stage) + the logits + the buffer whole-model
 replicas sum their gradients through + the CPU heap's holes + runtime overhead.
+LoRA (`Workload.lora`, counted by lora_cost.py): the base is held and frozen; gradients, moments,
+the optimizer step and the gradient traffic are the adapters'; a frozen weight's backward computes
+its input's gradient only (2 x forward instead of 3 x), the adapters' own GEMMs are added.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ import math
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 
+from erniekit.distributed.lora_cost import Adapters, adapters_from_config, trains_adapters
 from erniekit.errors import ConfigError
 from erniekit.nn import kernel_memory
 
@@ -191,6 +195,9 @@ class Workload:
     # VL-SFT on the CPU, outside DistTensor and pipeline layouts): one chunk's logits instead of
     # 3 x [mb, S, V]
     fused_head: bool = False
+    # fine_tuning: LoRA: what the adapters train (lora_cost.py); the base is frozen. None: every
+    # parameter trains
+    lora: Adapters | None = None
 
 
 # ---- the model's costs ----------------------------------------------------------------------
@@ -348,25 +355,31 @@ def _allreduce_s(nbytes: float, n: int, bw: float, lat: float, calls: int = 1) -
 
 def predict(c, cluster: Cluster, work: Workload, p: Plan) -> Prediction:
     """Step time and peak memory of plan `p` for model config `c` (see the module docstring)."""
-    layers = layer_costs(c)
+    lora = work.lora
+    base = layer_costs(c)
+    layers = _with_adapters(base, lora)
     L, S, H, V = len(layers), work.seq_len, c.hidden_size, c.vocab_size
     tokens = work.global_batch * S
     # ---- compute
     attn = sum(l.attn_flops + l.core_flops_per_s * S for l in layers)
     core = sum(l.core_flops_per_s * S for l in layers)
     mlp = sum(l.mlp_flops for l in layers)
-    head = 2.0 * H * V
+    head = 2.0 * H * V + (lora.head_flops if lora else 0.0)
     fwd = (attn + mlp + head) * tokens
     again = {"none": 0.0, "core_attn": core, "full_attn": attn, "mlp": mlp, "full": attn + mlp}[p.recompute] * tokens
     flops = 3 * fwd + again
+    if lora:  # frozen weights: the backward computes their inputs' gradients (1 x forward), not theirs
+        flops -= _weight_flops(base, H, V) * tokens
     workers = p.dp * p.tp * p.pp
     # routed experts are replicated over tp (erniekit/distributed/collective/runtime.py): every tp rank runs them
     routed = sum(2.0 * l.routed_per_token for l in layers if l.is_moe) * tokens
-    flops += (p.tp - 1) * (3 * routed + (routed if p.recompute in ("mlp", "full") else 0.0))
+    frozen_routed = sum(2.0 * l.routed_per_token for l in base if l.is_moe) * tokens if lora else 0.0
+    flops += (p.tp - 1) * (3 * routed - frozen_routed + (routed if p.recompute in ("mlp", "full") else 0.0))
     m = p.accumulation
     bubble = (m + p.pp - 1) / m
     ops_per_micro = sum(l.ops for l in layers) / p.pp + 10  # this stage's layers + embedding/head/loss
     ops_again = {"none": 0, "core_attn": 4, "full_attn": 12, "mlp": 20, "full": 30}[p.recompute] * L / p.pp
+    ops_again += _adapter_ops_again(lora, p.recompute) / p.pp
     replicas = _runs_as_replicas(p, work)
     # DistTensors: every multi-process layout but replicas and pipeline stages (plain tensors per stage)
     spmd = workers > 1 and p.pp == 1 and not replicas
@@ -394,16 +407,23 @@ def predict(c, cluster: Cluster, work: Workload, p: Plan) -> Prediction:
     )
     n_experts = sum(l.expert_params for l in layers)
     tensors = 9 * L + 2 + sum(3 for l in layers if l.is_moe)  # parameter tensors (one all-reduce each)
+    # this rank's share of the model's parameters, and of those that train (LoRA: the adapters only,
+    # which tp, pp and ep split as they split the modules they adapt)
+    params = n_params_dense / (p.tp * p.pp) + n_experts / (p.pp * p.ep)
+    trainable = params if lora is None else lora.params_dense / (p.tp * p.pp) + lora.params_experts / (p.pp * p.ep)
+    held = params + (trainable if lora else 0.0)  # the base and the adapters
+    train_tensors = lora.tensors if lora else tensors
+    all_tensors = tensors + (lora.tensors if lora else 0)
     bw, lat = _link(cluster, p.dp, dp_span)
-    grad_bytes = BYTES * (n_params_dense / (p.tp * p.pp) + n_experts / (p.pp * p.ep))
+    grad_bytes = BYTES * trainable
     if replicas and not dp_span and cluster.host_sum_bandwidth > 0:  # one sum through shared memory
         comm_dp = cluster.host_sum_latency_s + grad_bytes / cluster.host_sum_bandwidth
-    else:  # replicas: the gradients in one buffer; DistTensors: one all-reduce per parameter tensor
-        comm_dp = _allreduce_s(grad_bytes, p.dp, bw, lat, calls=1 if replicas else math.ceil(tensors / p.pp))
+    else:  # replicas: the gradients in one buffer; DistTensors: one all-reduce per trained tensor
+        comm_dp = _allreduce_s(grad_bytes, p.dp, bw, lat, calls=1 if replicas else math.ceil(train_tensors / p.pp))
     if p.sharding_stage and p.dp > 1:  # reduce-scatter + all-gather: the same bytes, twice the calls
-        comm_dp += math.ceil(tensors / p.pp) * lat
-    if p.sharding_stage == 3:  # parameters gathered for the forward and again for the backward
-        comm_dp += 2 * _allreduce_s(grad_bytes / 2, p.dp, bw, lat, calls=math.ceil(tensors / p.pp))
+        comm_dp += math.ceil(train_tensors / p.pp) * lat
+    if p.sharding_stage == 3:  # every parameter (frozen too) gathered for the forward and again for the backward
+        comm_dp += 2 * _allreduce_s(BYTES * held / 2, p.dp, bw, lat, calls=math.ceil(all_tensors / p.pp))
     bw, lat = _link(cluster, p.tp, tp_span)
     act_bytes = BYTES * p.micro_batch * S * H
     comm_tp = (4 * L / p.pp + 2) * m * _allreduce_s(act_bytes, p.tp, bw, lat) if p.tp > 1 else 0.0
@@ -419,15 +439,14 @@ def predict(c, cluster: Cluster, work: Workload, p: Plan) -> Prediction:
         comm_pp = 2 * m * (lat + act_bytes / p.tp / bw)
     comm = comm_dp + comm_tp + comm_ep + comm_pp
     # ---- memory on the first pipeline stage (the fullest under 1F1B)
-    params = n_params_dense / (p.tp * p.pp) + n_experts / (p.pp * p.ep)
     shard = p.dp if p.sharding_stage else 1
-    weights = BYTES * params / (shard if p.sharding_stage == 3 else 1)
-    grads = BYTES * params / (shard if p.sharding_stage >= 2 else 1)
-    moments = 2 * BYTES * params / shard
+    weights = BYTES * held / (shard if p.sharding_stage == 3 else 1)
+    grads = BYTES * trainable / (shard if p.sharding_stage >= 2 else 1)
+    moments = 2 * BYTES * trainable / shard
     # the optimizer step (not in the bubble): AdamW reads weight, gradient and both moments and writes
-    # three of them, the clip's norm reads the gradient again: 8 passes over this rank's share, and
-    # one launch per parameter tensor
-    optimizer = 8 * BYTES * params / shard / cluster.memory_bandwidth + math.ceil(tensors / p.pp) * per_op
+    # three of them, the clip's norm reads the gradient again: 8 passes over this rank's trained
+    # share, and one launch per trained tensor
+    optimizer = 8 * BYTES * trainable / shard / cluster.memory_bandwidth + math.ceil(train_tensors / p.pp) * per_op
     compute += optimizer
     per_token = _saved_per_token(layers, p.pp, p.tp, S, H, scores, p.recompute)
     in_flight = min(p.pp, m)
@@ -436,14 +455,16 @@ def predict(c, cluster: Cluster, work: Workload, p: Plan) -> Prediction:
         (l.attn_saved + (l.core_saved_per_s * S if scores else 0.0) + l.mlp_saved) / p.tp for l in layers
     )
     # the backward's working set: one layer's, or at its end the embedding's dense [V, H] gradient,
-    # made whole and then added into the weight's (the tied head's dW, or an accumulated gradient)
-    embedding_grad = BYTES * V * H / p.tp if c.tie_word_embeddings or m > 1 else 0.0
+    # made whole and then added into the weight's (the tied head's dW, or an accumulated gradient);
+    # none under LoRA (the embedding is frozen)
+    embedding_grad = BYTES * V * H / p.tp if lora is None and (c.tie_word_embeddings or m > 1) else 0.0
     transient = max(BYTES * biggest_layer * p.micro_batch * S, embedding_grad)
     # (a pipeline's last stage and MTP read the whole logits)
     if work.fused_head and not spmd and p.pp == 1 and not getattr(c, "num_nextn_predict_layers", 0):
         # one chunk's logits, their gradient written over them; the head's dW, made in the forward,
-        # waits beside an accumulated gradient for the backward
-        logits = BYTES * kernel_memory.chunk_rows(V, p.micro_batch * S) * V + (BYTES * V * H if m > 1 else 0.0)
+        # waits beside an accumulated gradient for the backward (a frozen head, LoRA: no dW)
+        head_dw = BYTES * V * H if m > 1 and lora is None else 0.0
+        logits = BYTES * kernel_memory.chunk_rows(V, p.micro_batch * S) * V + head_dw
     else:
         logits = 3 * BYTES * p.micro_batch * S * V / p.tp
     sum_buffer = _sum_buffer(cluster, p, replicas, dp_span, grads)
@@ -470,12 +491,46 @@ def predict(c, cluster: Cluster, work: Workload, p: Plan) -> Prediction:
         "logits_bytes": logits,
         "sum_buffer_bytes": sum_buffer,
         "heap_slack_bytes": slack,
-        "comm_bytes": _comm_bytes(grad_bytes, act_bytes, p, L, layers, m, S, H),
+        "trainable_params": trainable,
+        "comm_bytes": _comm_bytes(grad_bytes, BYTES * held, act_bytes, p, L, layers, m, S, H),
     }
     pred = Prediction(p, compute + comm, memory, parts)
     if memory > cluster.device_memory:
         pred.fits, pred.why = False, f"needs {memory / 1e9:.2f} GB per device, has {cluster.device_memory / 1e9:.2f}"
     return pred
+
+
+def _with_adapters(layers: list[LayerCost], lora: Adapters | None) -> list[LayerCost]:
+    """The layers' costs with what their LoRA adapters add per token (forward FLOPs, saved
+    activations, op launches); the parameter counts stay the base's (the adapters' are apart)."""
+    if lora is None:
+        return layers
+    return [
+        replace(
+            l,
+            attn_flops=l.attn_flops + a.attn_flops,
+            mlp_flops=l.mlp_flops + a.mlp_flops,
+            routed_per_token=l.routed_per_token + a.routed,
+            attn_saved=l.attn_saved + a.attn_saved,
+            mlp_saved=l.mlp_saved + a.mlp_saved,
+            ops=l.ops + a.attn_ops + a.mlp_ops,
+        )
+        for l, a in zip(layers, lora.layers, strict=True)
+    ]
+
+
+def _weight_flops(layers: list[LayerCost], H: int, V: int) -> float:
+    """Forward FLOPs per token of the products by weights (projections, MLP / experts, router, head):
+    the weight-gradient half of their backward, which frozen weights skip."""
+    return sum(l.attn_flops + l.mlp_flops for l in layers) + 2.0 * H * V
+
+
+def _adapter_ops_again(lora: Adapters | None, recompute: str) -> float:
+    """The adapters' op launches a recompute mode runs again (those of the recomputed attention / MLP)."""
+    if lora is None:
+        return 0.0
+    attn, mlp = sum(a.attn_ops for a in lora.layers), sum(a.mlp_ops for a in lora.layers)
+    return {"none": 0, "core_attn": 0, "full_attn": attn, "mlp": mlp, "full": attn + mlp}[recompute]
 
 
 def _layout(p: Plan):
@@ -541,9 +596,13 @@ def _saved_per_token(layers, pp: int, tp: int, S: int, H: int, scores: bool, rec
     return out
 
 
-def _comm_bytes(grad_bytes: float, act_bytes: float, p: Plan, L: int, layers, m: int, S: int, H: int) -> float:
-    """Bytes one device sends per step (ring collectives: 2(n-1)/n of the buffer)."""
-    out = 2.0 * (p.dp - 1) / p.dp * grad_bytes * (3 if p.sharding_stage == 3 else 1) if p.dp > 1 else 0.0
+def _comm_bytes(
+    grad_bytes: float, param_bytes: float, act_bytes: float, p: Plan, L: int, layers, m: int, S: int, H: int
+) -> float:
+    """Bytes one device sends per step (ring collectives: 2(n-1)/n of the buffer); stage 3 adds the
+    parameters' gathers, counted at twice the buffer (forward and backward)."""
+    gathers = 2 * param_bytes if p.sharding_stage == 3 else 0.0
+    out = 2.0 * (p.dp - 1) / p.dp * (grad_bytes + gathers) if p.dp > 1 else 0.0
     if p.tp > 1:
         out += (4 * L / p.pp + 2) * m * 2.0 * (p.tp - 1) / p.tp * act_bytes
     if p.ep > 1:
@@ -567,24 +626,17 @@ def _divisors(n: int) -> tuple[int, ...]:
     return tuple(small + large[::-1])
 
 
-def why_not(c, p: Plan, work: Workload, runnable_only: bool = False, cpu: bool = True) -> str:
-    """'' when plan p splits the model and batch evenly (and, runnable_only, when this erniekit
-    version can run it on this device kind), else the reason: the same checks as a launch
-    (`layout.check_model_fits`)."""
+def why_not(c, p: Plan) -> str:
+    """'' when plan p splits the model and batch evenly, else the reason: the same checks as a launch
+    (`layout.check_model_fits`). What this version does not run for a config is `config_refusal`'s."""
     from erniekit.distributed.collective.layout import check_model_fits
 
-    lay = _layout(p)
     if p.ep not in (1, p.dp):
         return f"ep={p.ep} is neither 1 nor the {p.dp} data ranks"
     try:
-        check_model_fits(lay, c, supported_only=runnable_only)
+        check_model_fits(_layout(p), c)
     except ConfigError as e:
         return str(e)
-    if runnable_only:  # what erniekit/config/checks.py refuses today (docs/distributed.md, "Not done yet")
-        if p.pp > 1 and (p.tp > 1 or p.ep > 1 or p.sharding_stage):
-            return "pipeline parallelism combines with data parallelism only in this version"
-        if p.sharding_stage == 3 and cpu and p.dp > 1:
-            return "sharding stage3 needs reduce-scatter, missing on CPU"
     return ""
 
 
@@ -595,8 +647,6 @@ def enumerate_plans(
     micro_batches: list[int] | None = None,
     recompute_modes: tuple[str, ...] = RECOMPUTE_MODES,
     sharding_stages: tuple[int, ...] = (0, 1, 2, 3),
-    runnable_only: bool = False,
-    cpu: bool = True,
     pipeline: bool = True,
 ) -> list[Plan]:
     """Every (dp, tp, pp, ep, sharding, recompute, micro-batch) for `world` devices that splits the
@@ -619,19 +669,16 @@ def enumerate_plans(
             p = Plan(dp, tp, pp, ep, stage, rc, mb, per_rank // mb)
             if p.pp > 1 and p.accumulation < p.pp:
                 continue  # 1F1B needs at least pp micro-batches per step
-            if not why_not(c, p, work, runnable_only, cpu):
+            if not why_not(c, p):
                 plans.append(p)
     return plans
 
 
-def plan(c, cluster: Cluster, work: Workload, runnable_only: bool = False, **kw) -> list[Prediction]:
-    """Predictions for every plan, fitting ones first, fastest first (ties: less memory); what runs
-    follows the cluster's `device`."""
-    cpu = cluster.device == "cpu"
-    preds = [
-        predict(c, cluster, work, p)
-        for p in enumerate_plans(c, cluster.world, work, runnable_only=runnable_only, cpu=cpu, **kw)
-    ]
+def plan(c, cluster: Cluster, work: Workload, **kw) -> list[Prediction]:
+    """Predictions for every plan that splits the model and batch evenly, fitting ones first, fastest
+    first (ties: less memory); what runs follows the cluster's `device`. Which of them `erniekit
+    train` runs for a config is `config_refusal`'s to say."""
+    preds = [predict(c, cluster, work, p) for p in enumerate_plans(c, cluster.world, work, **kw)]
     preds.sort(key=lambda r: (not r.fits, r.step_s, r.memory))
     return preds
 
@@ -640,13 +687,13 @@ def best_plan(
     c,
     cluster: Cluster,
     work: Workload,
-    runnable_only: bool = True,
     pipeline: bool = True,
     refusal: Callable[[Plan], str] | None = None,
 ) -> Prediction:
     """The fastest plan that fits and `refusal` (config_refusal) does not refuse; ConfigError naming
-    the smallest need when none fits, or the fastest fitting layout's refusal when only refused ones fit."""
-    preds = plan(c, cluster, work, runnable_only=runnable_only, pipeline=pipeline)
+    the smallest need when none fits, or the fastest fitting layout's refusal when only refused ones fit.
+    Without `refusal` every layout that splits the model counts, runnable by this version or not."""
+    preds = plan(c, cluster, work, pipeline=pipeline)
     if refusal is not None and preds:
         preds = _runnable(preds, refusal, cluster.world)
     if not preds:
@@ -701,10 +748,11 @@ def format_table(preds: list[Prediction], top: int = 15) -> str:
     return "\n".join(rows)
 
 
-def workload_from_config(cfg, world: int | None = None, device: str = "cpu") -> Workload:
+def workload_from_config(cfg, world: int | None = None, device: str = "cpu", model=None) -> Workload:
     """The global batch a training config asks for (per-device batch x accumulation x its data
-    ranks), and what its stage runs on `device` (a Cluster's: on "gpu" flash attention, whole
-    logits)."""
+    ranks), what its stage runs on `device` (a Cluster's: on "gpu" flash attention, whole logits),
+    and with fine_tuning: LoRA the adapters it trains (on `model`, the model config; default: the
+    config's, `model_config_of`)."""
     from erniekit.config.checks import fused_head_wanted, stage_supports
     from erniekit.distributed.collective.layout import layout_from_config
 
@@ -716,7 +764,15 @@ def workload_from_config(cfg, world: int | None = None, device: str = "cpu") -> 
         fused_attention=device == "gpu",
         replicas=supports.row_losses,
         fused_head=device == "cpu" and supports.fused_head and fused_head_wanted(cfg),
+        lora=_adapters(cfg, model),
     )
+
+
+def _adapters(cfg, model) -> Adapters | None:
+    """The adapters a LoRA config trains on `model` (None: the config's model config); None for Full."""
+    if not trains_adapters(cfg):
+        return None
+    return adapters_from_config(cfg, model if model is not None else model_config_of(cfg))
 
 
 def with_plan(cfg, p: Plan):
@@ -771,10 +827,11 @@ def auto_plan(cfg) -> Prediction:
             f"run trains on the {runs_on.upper()}; describe this machine (device: {runs_on}, figures from "
             "tools/profile_cluster.py) or run where the file's devices are"
         )
+    c = model_config_of(cfg)
     return best_plan(
-        model_config_of(cfg),
+        c,
         cluster,
-        workload_from_config(cfg, device=runs_on),
+        workload_from_config(cfg, device=runs_on, model=c),
         pipeline=pipeline_refusal(cfg) is None,  # not even enumerated
         refusal=config_refusal(cfg, runs_on),
     )

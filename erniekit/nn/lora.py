@@ -26,6 +26,13 @@ import paddle.nn.functional as F
 from erniekit.errors import CheckpointError, ConfigError
 from erniekit.nn import lora_fused
 from erniekit.nn.linear import linear
+from erniekit.nn.lora_targets import (
+    DEFAULT_TARGET_MODULES,
+    EXPERT_PROJS,
+    TargetMatcher,
+    hf_experts_name,
+    module_sample,
+)
 from erniekit.nn.moe import StackedExperts
 from erniekit.nn.rows import concat_rows, split_rows
 from erniekit.utils.io import read_json_object
@@ -33,12 +40,7 @@ from erniekit.utils.io import read_json_object
 ADAPTER_CONFIG_NAME = "adapter_config.json"
 ADAPTER_WEIGHTS_NAME = "adapter_model.safetensors"
 PEFT_PREFIX = "base_model.model."
-_EXPERT_PROJS = ("gate_proj", "up_proj", "down_proj")
 _STATE_ATTR = "_erniekit_lora_state"
-
-# One pattern, so the default fits dense and MoE models alike (each pattern must match something):
-# attention, dense MLP, shared experts and routed experts (`mlp.experts`, all three projections).
-DEFAULT_TARGET_MODULES = [r".*\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj|experts)"]
 
 
 def _is_int(v) -> bool:
@@ -274,7 +276,7 @@ class LoraStackedExperts(_LoraMixin, StackedExperts):
     h W_p[e] + s * dropout(h) A_p[e] B_p[e] (DoRA: scaled per expert column), inside the same
     sorted, grouped dispatch; each expert adds one small GEMM pair per adapted projection."""
 
-    def __init__(self, base: StackedExperts, config: LoraConfig, projs: tuple[str, ...] = _EXPERT_PROJS):
+    def __init__(self, base: StackedExperts, config: LoraConfig, projs: tuple[str, ...] = EXPERT_PROJS):
         nn.Layer.__init__(self)
         self._init_flags(base, config, base.gate_proj)
         self.num_experts = base.num_experts
@@ -282,7 +284,7 @@ class LoraStackedExperts(_LoraMixin, StackedExperts):
         self.expert_offset = base.expert_offset
         self.expert_parallel, self.replicated, self._local = base.expert_parallel, base.replicated, {}
         self.projs = tuple(projs)
-        for p in _EXPERT_PROJS:
+        for p in EXPERT_PROJS:
             setattr(self, p, getattr(base, p))
         for p in self.projs:
             w = getattr(self, p)
@@ -410,11 +412,7 @@ def expert_module_name(name: str, layer: StackedExperts, e: int) -> str:
     """HF/PEFT name of expert e of the routed-experts module `name`: modality m's experts
     (`mlp.experts_m`) are numbered after the experts of modalities < m (`mlp.experts.<offset+e>`),
     as ERNIE-VL checkpoints number them, so adapters name the tensors the checkpoint names."""
-    return f"{_hf_experts_name(name)}.{layer.expert_offset + e}"
-
-
-def _hf_experts_name(name: str) -> str:
-    return re.sub(r"\.experts_\d+$", ".experts", name)
+    return f"{hf_experts_name(name)}.{layer.expert_offset + e}"
 
 
 def lora_layers(model: nn.Layer) -> list[tuple[str, LoraLinear | LoraStackedExperts]]:
@@ -426,28 +424,9 @@ def _candidates(model: nn.Layer) -> list[tuple[str, nn.Layer]]:
     return [(n, l) for n, l in model.named_sublayers() if isinstance(l, (nn.Linear, StackedExperts))]
 
 
-def _sample(names: list[str], n: int = 12) -> str:
-    """One name per shape (layer indices collapsed), so the sample shows every kind of module."""
-    seen, out = set(), []
-    for name in names:
-        key = re.sub(r"\.\d+(\.|$)", r".N\1", name)
-        if key not in seen:
-            seen.add(key)
-            out.append(name)
-    return ", ".join(out[:n]) + (", ..." if len(out) > n else "")
-
-
 def _plan(model: nn.Layer, config: LoraConfig) -> list[tuple[str, nn.Layer, tuple[str, ...]]]:
     """(name, layer, expert projections) to adapt; errors name a pattern that matches nothing."""
-    pats = [re.compile(p) for p in config.target_modules]
-    hit = [False] * len(pats)
-
-    def match(name: str) -> bool:
-        ok = [bool(p.fullmatch(name)) for p in pats]
-        for i, o in enumerate(ok):
-            hit[i] = hit[i] or o
-        return any(ok)
-
+    match = TargetMatcher(config.target_modules)
     cands = _candidates(model)
     plan = []
     for name, layer in cands:
@@ -455,9 +434,9 @@ def _plan(model: nn.Layer, config: LoraConfig) -> list[tuple[str, nn.Layer, tupl
             if match(name):
                 plan.append((name, layer, ()))
             continue
-        whole = match(name) or match(_hf_experts_name(name))
+        whole = match(name) or match(hf_experts_name(name))
         projs = []
-        for p in _EXPERT_PROJS:
+        for p in EXPERT_PROJS:
             per = [match(f"{expert_module_name(name, layer, e)}.{p}") for e in range(layer.num_experts)]
             if any(per) and not all(per) and not whole:
                 raise ConfigError(
@@ -468,11 +447,11 @@ def _plan(model: nn.Layer, config: LoraConfig) -> list[tuple[str, nn.Layer, tupl
                 projs.append(p)
         if projs:
             plan.append((name, layer, tuple(projs)))
-    missing = [config.target_modules[i] for i, h in enumerate(hit) if not h]
+    missing = match.unmatched()
     if missing:
         raise ConfigError(
             f"LoraConfig: target_modules pattern {missing[0]!r} matches no module (re.fullmatch on module names); "
-            f"available modules: {_sample([n for n, _ in cands])}"
+            f"available modules: {module_sample([n for n, _ in cands])}"
         )
     return plan
 
@@ -578,7 +557,7 @@ def _peft_targets(model: nn.Layer, config: LoraConfig) -> list[str] | str:
                 adapted.add(name)
         elif isinstance(layer, StackedExperts):
             for e in range(layer.num_experts):
-                for p in _EXPERT_PROJS:
+                for p in EXPERT_PROJS:
                     known.append(f"{expert_module_name(name, layer, e)}.{p}")
                     if name in layers and p in layer.projs:
                         adapted.add(f"{expert_module_name(name, layer, e)}.{p}")
@@ -590,7 +569,7 @@ def _peft_targets(model: nn.Layer, config: LoraConfig) -> list[str] | str:
     if exact(lambda n: n.rsplit(".", 1)[-1] in suffixes):
         return suffixes
     alt = "|".join(config.target_modules)
-    rx = f"(?:{alt})|(?:(?:{alt})\\.\\d+\\.(?:{'|'.join(_EXPERT_PROJS)}))"
+    rx = f"(?:{alt})|(?:(?:{alt})\\.\\d+\\.(?:{'|'.join(EXPERT_PROJS)}))"
     if exact(lambda n: re.fullmatch(rx, n) is not None):
         return rx
     return "|".join(re.escape(n) for n in known if n in adapted)

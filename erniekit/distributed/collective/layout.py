@@ -118,10 +118,9 @@ def check_stage_layers(stage_layers: list[int] | None, num_layers: int) -> None:
         )
 
 
-def check_model_fits(lay: Layout, config, supported_only: bool = True, stage_layers: list[int] | None = None) -> None:
-    """Each degree must split the model evenly: one line naming the key, the sizes and the fix.
-    supported_only=False skips the refusal of layouts this version cannot run yet (the planner
-    still models them)."""
+def check_model_fits(lay: Layout, config, stage_layers: list[int] | None = None) -> None:
+    """Each degree must split the model evenly: one line naming the key, the sizes and the fix (what
+    this version does not run is config/checks.py layout_refusal's)."""
     if lay.tp > 1:
         sizes = [
             ("num_attention_heads", config.num_attention_heads),

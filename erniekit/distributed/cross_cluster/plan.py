@@ -174,37 +174,6 @@ class Job:
     rank_trainable: int
 
 
-def lora_params(c, r: int, dora: bool = False) -> int:
-    """LoRA parameters with the default target modules (attention, MLP, shared and routed experts
-    projections): r x (fan_in + fan_out) per adapted matrix, + fan_out per matrix with DoRA."""
-    if getattr(c, "vision", None) is not None:
-        raise ConfigError("cross-cluster planning counts LoRA parameters of text models only; pass Job.rank_trainable")
-    H, q, kv = c.hidden_size, c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
-
-    def mats(pairs, count=1):
-        return count * sum(r * (i + o) + (o if dora else 0) for i, o in pairs)
-
-    def mlp(inter, count=1):
-        return mats([(H, inter), (H, inter), (inter, H)], count)
-
-    total = 0
-    for i in range(c.num_hidden_layers):
-        total += mats([(H, q), (H, kv), (H, kv), (q, H)])
-        if c.is_moe and c.is_moe_layer(i):
-            total += sum(mlp(size, n) for n, size in zip(c.experts_per_modality, c.expert_sizes))
-            if c.moe_num_shared_experts:
-                total += mlp(c.moe_num_shared_experts * c.expert_sizes[0])
-        else:
-            total += mlp(c.intermediate_size)
-    return total
-
-
-def rank_params(pred: planner.Prediction) -> int:
-    """Parameters one rank holds under its plan (the whole set before stage-3 sharding splits it)."""
-    shard = pred.plan.dp if pred.plan.sharding_stage == 3 else 1
-    return round(pred.parts["params_bytes"] / planner.BYTES * shard)
-
-
 def job_from_config(cfg, cluster: planner.Cluster) -> Job:
     """The config's layout on a site's devices (its degrees; data_parallel_degree -1 = the rest)."""
     from erniekit.distributed.collective.layout import layout_from_config
@@ -223,17 +192,10 @@ def job_from_config(cfg, cluster: planner.Cluster) -> Job:
         cfg.per_device_train_batch_size,
         cfg.gradient_accumulation_steps,
     )
-    work = planner.workload_from_config(cfg, cluster.world, cluster.device)
-    if cfg.fine_tuning == "LoRA":
-        if cfg.lora_target_modules:
-            raise ConfigError(
-                f"lora_target_modules={cfg.lora_target_modules!r}: the cross-cluster planner counts the default "
-                "targets only; leave it null to plan, or pass Job.rank_trainable from Python"
-            )
-        trainable = math.ceil(lora_params(c, cfg.lora_rank, cfg.use_dora) / (p.tp * p.pp))
-    else:
-        trainable = rank_params(planner.predict(c, cluster, work, p))
-    return Job(c, work, p, trainable)
+    work = planner.workload_from_config(cfg, cluster.world, cluster.device, model=c)
+    # what one rank trains and so syncs: its share of every parameter, or with LoRA of the adapters
+    # (the planner's count of what apply_lora builds for lora_target_modules; erniekit/distributed/lora_cost.py)
+    return Job(c, work, p, round(planner.predict(c, cluster, work, p).parts["trainable_params"]))
 
 
 # ---- the prediction -------------------------------------------------------------------------

@@ -93,7 +93,7 @@ def test_a_100000_device_cluster_plans_without_scanning_the_batch(tmp_path, monk
     bounded = _Bounded(10**4)
     monkeypatch.setattr(P, "range", bounded, raising=False)
     getattr(P._divisors, "cache_clear", lambda: None)()
-    preds = P.plan(P.model_config_of(cfg), cluster, work, runnable_only=True)
+    preds = P.plan(P.model_config_of(cfg), cluster, work)
     assert preds[0].fits and preds[0].plan.dp * preds[0].plan.tp * preds[0].plan.pp == 100000
 
 

@@ -253,21 +253,31 @@ def test_enumeration_splits_model_and_batch_evenly():
     assert all(16 % (p.dp * p.micro_batch) == 0 and p.micro_batch * p.accumulation * p.dp == 16 for p in plans)
     assert all(p.dp % p.ep == 0 for p in plans) and {p.ep for p in plans} == {1, 2, 4}
     assert all(p.accumulation >= p.pp for p in plans)
-    runnable = P.enumerate_plans(c, 4, WORK, runnable_only=True)
+    # what `erniekit train` runs of them on CPU for a full fine-tune (config_refusal, train's check)
+    refusal = P.config_refusal(_normalised(["model_name_or_path=tiny-moe"]), "cpu")
+    runnable = [p for p in plans if not refusal(p)]
     assert runnable and all(p.sharding_stage != 3 for p in runnable) and {p.tp for p in runnable} == {1, 2}
     # the pipeline runs alone or beside dp, never beside tp, ep or sharding
     piped = [p for p in runnable if p.pp > 1]
     assert {(p.pp, p.dp) for p in piped} == {(2, 2), (4, 1)}
     assert all(p.tp == 1 and p.ep == 1 and not p.sharding_stage for p in piped)
-    dense = P.enumerate_plans(get_preset("tiny-dense"), 4, WORK, runnable_only=True)
+    dense_refusal = P.config_refusal(_normalised(["model_name_or_path=tiny-dense"]), "cpu")
+    dense = [p for p in P.enumerate_plans(get_preset("tiny-dense"), 4, WORK) if not dense_refusal(p)]
     assert any(p.pp == 2 and p.dp == 2 for p in dense)  # pp x dp on a dense model
     assert len(runnable) < len(plans)
+
+
+def _normalised(args: list[str]):
+    """A training config from key=value arguments, normalised as train and plan check it."""
+    from erniekit.config import checks
+
+    return checks.normalise(load_config(None, args))
 
 
 def test_best_plan_prefers_fast_plans_that_fit_and_explains_when_none_fits():
     c = get_preset("ERNIE-4.5-0.3B")
     work = P.Workload(global_batch=32, seq_len=4096)
-    best = P.best_plan(c, GPU_CLUSTER, work, runnable_only=False)
+    best = P.best_plan(c, GPU_CLUSTER, work)
     preds = P.plan(c, GPU_CLUSTER, work)
     assert best.fits and best.step_s == min(r.step_s for r in preds if r.fits)
     assert any(not r.fits for r in preds)  # the full batch without recompute does not fit in 8 GB
@@ -350,7 +360,8 @@ def test_parallel_auto_applies_the_best_plan_keeping_the_global_batch(tmp_path):
         f"output_dir={tmp_path / 'o'}",
     ]
     cfg = validate(load_config(None, base + ["parallel=auto", f"cluster={cluster}", "nproc_per_node=2"]))
-    want = P.best_plan(get_preset("tiny-dense"), P.load_cluster(cluster), P.Workload(128, 32))
+    refusal = P.config_refusal(_normalised(base + ["nproc_per_node=2"]), _runs_on())  # train's own check
+    want = P.best_plan(get_preset("tiny-dense"), P.load_cluster(cluster), P.Workload(128, 32), refusal=refusal)
     for k, v in want.plan.config_overrides().items():
         assert getattr(cfg, k) == v, k
     from erniekit.distributed.collective.layout import layout_from_config
@@ -360,7 +371,10 @@ def test_parallel_auto_applies_the_best_plan_keeping_the_global_batch(tmp_path):
     # a config the pipeline cannot run (generation during eval) gets the best plan without pp
     ev = [f"eval_dataset_path={os.path.join(ROOT, 'examples/data/arithmetic/eval.jsonl')}", "do_eval=true"]
     no_pp = validate(load_config(None, base + ev + ["parallel=auto", f"cluster={cluster}", "nproc_per_node=2"]))
-    want = P.best_plan(get_preset("tiny-dense"), P.load_cluster(cluster), P.Workload(128, 32), pipeline=False)
+    refusal = P.config_refusal(_normalised(base + ev + ["nproc_per_node=2"]), _runs_on())
+    want = P.best_plan(
+        get_preset("tiny-dense"), P.load_cluster(cluster), P.Workload(128, 32), pipeline=False, refusal=refusal
+    )
     assert no_pp.pipeline_parallel_degree == 1
     for k, v in want.plan.config_overrides().items():
         assert getattr(no_pp, k) == v, k
