@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Sequence, overload
+from typing import TYPE_CHECKING, Any, Sequence, overload
 
 import numpy as np
 
@@ -128,20 +128,27 @@ def _sources(convs: Sequence[Conversation]) -> str:
     return ",".join(files) or "conversations"
 
 
-def encode_conversations(
+def encode_conversations(*args: Any, **kwargs: Any) -> list[tuple[list[int], list[int]]]:
+    """encode_kept_conversations(same arguments)'s (ids, labels) pairs."""
+    return encode_kept_conversations(*args, **kwargs)[0]
+
+
+def encode_kept_conversations(
     convs: Sequence[Conversation],
     tokenizer: ErnieTokenizer,
     max_seq_len: int,
     truncation: str = "error",
     train_on_reasoning: bool = True,
     where: str = "",
-) -> list[tuple[list[int], list[int]]]:
-    """Encode many conversations; warn once for truncated ones, drop those with no trained token.
-    All of them dropped is a DataError naming `where` (the dataset path; default: the conversations'
-    files) and why, here: otherwise the run fails at its first batch, with no word about the data."""
+) -> tuple[list[tuple[list[int], list[int]]], list[int]]:
+    """Encode many conversations: (ids, labels) pairs, and the index in `convs` of each (what is
+    trained on: SFT records those conversations' control attributes). Warn once for truncated ones,
+    drop those with no trained token. All of them dropped is a DataError naming `where` (the dataset
+    path; default: the conversations' files) and why, here: otherwise the run fails at its first
+    batch, with no word about the data."""
     if truncation not in ("error", "truncate"):
         raise DataError(f"truncation='{truncation}'; use 'error' or 'truncate'")
-    out, truncated, dropped, dropped_cut = [], 0, 0, 0
+    out, kept, truncated, dropped, dropped_cut = [], [], 0, 0, 0
     for i, conv in enumerate(convs):
         ids, labels = _encode_full(conv, tokenizer, train_on_reasoning)
         cut = len(ids) > max_seq_len
@@ -155,6 +162,7 @@ def encode_conversations(
             dropped_cut += cut
             continue
         out.append((ids, labels))
+        kept.append(i)
     if convs and not out:
         why, fix = [], []
         if dropped_cut:
@@ -173,7 +181,7 @@ def encode_conversations(
             f"{dropped} of {len(convs)} conversations dropped: no trained tokens left (truncated, or every label 0)",
             stacklevel=2,
         )
-    return out
+    return out, kept
 
 
 def encode_pretrain(text: str, tokenizer: ErnieTokenizer) -> list[int]:

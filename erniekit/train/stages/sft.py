@@ -18,7 +18,7 @@ from erniekit.data.control import (
     drop_controls,
     merge_records,
 )
-from erniekit.data.encode import encode_conversations, pack
+from erniekit.data.encode import encode_kept_conversations, pack
 from erniekit.data.formats import Conversation, load_sft_examples
 from erniekit.train.evaluation import baseline_exact_match, exact_match_eval, majority_reply
 from erniekit.train.stage import LM, Stage
@@ -26,12 +26,20 @@ from erniekit.train.stages import register_stage
 
 
 def _rows(convs: list[Conversation], cfg, tokenizer, packing: bool, path: str):
-    pairs = encode_conversations(convs, tokenizer, cfg.max_seq_len, cfg.truncation, cfg.train_on_reasoning, path)
+    return _kept_rows(convs, cfg, tokenizer, packing, path)[0]
+
+
+def _kept_rows(convs: list[Conversation], cfg, tokenizer, packing: bool, path: str) -> tuple[list[dict], list[int]]:
+    """The rows of `convs`, and the indices of the conversations they hold (too long or with nothing
+    to train on: dropped)."""
+    pairs, kept = encode_kept_conversations(
+        convs, tokenizer, cfg.max_seq_len, cfg.truncation, cfg.train_on_reasoning, path
+    )
     if packing:
-        return pack(pairs, cfg.max_seq_len, pad_id=tokenizer.pad_token_id)
+        return pack(pairs, cfg.max_seq_len, pad_id=tokenizer.pad_token_id), kept
     import numpy as np
 
-    return [{"input_ids": np.asarray(i, np.int64), "labels": np.asarray(l, np.int64)} for i, l in pairs]
+    return [{"input_ids": np.asarray(i, np.int64), "labels": np.asarray(l, np.int64)} for i, l in pairs], kept
 
 
 @register_stage
@@ -42,13 +50,16 @@ class SFTStage(Stage):
     credibility = None  # erniekit/train/credibility.py, with credibility_loss_weight > 0
 
     def build_train_rows(self, cfg, tokenizer):
-        convs = load_sft_examples(cfg.train_dataset_path, cfg.train_dataset_type)
-        # recorded as the data has them: an attribute dropped from one record is trained on others
-        self.control_record = merge_records(self.starting_control_record(cfg), count_controls(c.control for c in convs))
-        convs = drop_controls(convs, cfg.control_drop_prob, cfg.seed)  # docs/control.md
+        loaded = load_sft_examples(cfg.train_dataset_path, cfg.train_dataset_type)
+        convs = drop_controls(loaded, cfg.control_drop_prob, cfg.seed)  # docs/control.md
         self.majority_reply = majority_reply(convs)
         self.train_convs = convs
-        return _rows(convs, cfg, tokenizer, cfg.packing, cfg.train_dataset_path)
+        rows, kept = _kept_rows(convs, cfg, tokenizer, cfg.packing, cfg.train_dataset_path)
+        # the conversations trained on, their attributes as the data has them (one dropped from a record
+        # by control_drop_prob is trained on others); a conversation left with nothing to train is not
+        trained = count_controls(loaded[i].control for i in kept)
+        self.control_record = merge_records(self.starting_control_record(cfg), trained)
+        return rows
 
     # ---- the credibility loss (docs/control.md): a scoring head beside the model ----------------------
     def prepare(self, model, train_rows, eval_data, cfg, tokenizer) -> None:

@@ -291,3 +291,21 @@ def test_held_out_controls_the_run_does_not_train_are_refused_before_training(tm
     only_eval = _cfg(tmp_path, f"eval_dataset_path={bad}", f"model_name_or_path={start}", "do_train=false")
     with pytest.raises(DataError, match=f"{bad}:2: control stlye=words: .*{start}/{CONTROL_RECORD_NAME}"):
         get_stage("SFT").build_eval_data(only_eval, tok)
+
+
+def test_a_conversation_left_with_nothing_to_train_adds_nothing_to_the_record(tmp_path):
+    """truncation: truncate cuts a reply whose prompt fills max_seq_len: the conversation is dropped,
+    so its attribute was never trained and chat must refuse it; the kept ones count."""
+    from erniekit.train.stages import get_stage
+
+    data = tmp_path / "cut.jsonl"
+    short = [{"src": [f"{i}+1="], "tgt": [str(i + 1)], "control": {"style": "digits"}} for i in range(4)]
+    long = {"src": ["1+" * 60 + "1="], "tgt": ["61"], "control": {"style": "roman"}}
+    data.write_text("".join(json.dumps(r) + "\n" for r in [*short, long]))
+    stage = get_stage("SFT")
+    with pytest.warns(UserWarning, match="1 of 5 conversations dropped"):
+        rows = stage.build_train_rows(
+            _cfg(tmp_path / "o", f"train_dataset_path={data}", "truncation=truncate"), default_tokenizer()
+        )
+    assert len(rows) == 4
+    assert stage.control_record == count_controls([{"style": "digits"}] * 4)
