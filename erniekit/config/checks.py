@@ -667,7 +667,7 @@ def _parallel_refusal(cfg: TrainConfig, lay, cuda: bool) -> str | None:
         return (
             f"fine_tuning=LoRA with tensor_parallel_degree={lay.tp}: the adapters' tensor-parallel backward needs "
             "reduce-scatter, which Paddle's CPU build does not have (Unimplemented cpu kernel for CReduceScatterOp); "
-            "on CPU train LoRA with data or pipeline parallelism (tensor_parallel_degree=1)"
+            "on CPU train LoRA with data parallelism (tensor_parallel_degree=1)"
         )
     return _pipeline_layout_refusal(cfg, lay) if lay.pp > 1 else None
 
