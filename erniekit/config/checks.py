@@ -225,6 +225,10 @@ def _check_ranges(cfg: TrainConfig) -> None:
     else:
         _require(cfg.beta > 0, "beta", cfg.beta, "> 0")
     _check_lora_keys(cfg)
+    if cfg.lora_target_modules:  # before the planner (parallel: auto) or the model reads it
+        from erniekit.nn.lora_targets import compile_target
+
+        compile_target(cfg.lora_target_modules, "lora_target_modules")
     _require(cfg.lora_rank >= 1, "lora_rank", cfg.lora_rank, ">= 1")
     _require(cfg.lora_alpha > 0, "lora_alpha", cfg.lora_alpha, "> 0")
     for key in ("simpo_gamma", "dpop_lambda"):

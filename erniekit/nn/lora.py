@@ -30,6 +30,7 @@ from erniekit.nn.lora_targets import (
     DEFAULT_TARGET_MODULES,
     EXPERT_PROJS,
     TargetMatcher,
+    compile_target,
     hf_experts_name,
     module_sample,
 )
@@ -102,10 +103,7 @@ class LoraConfig:
             if not ok:
                 raise ConfigError(f"LoraConfig: {msg}")
         for p in self.target_modules:
-            try:
-                re.compile(p)
-            except re.error as e:
-                raise ConfigError(f"LoraConfig: target_modules pattern {p!r} is not a valid regex ({e})") from None
+            compile_target(p, "LoraConfig: target_modules")
 
     @property
     def scaling(self) -> float:

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import re
 
+from erniekit.errors import ConfigError
+
 EXPERT_PROJS = ("gate_proj", "up_proj", "down_proj")
 # One pattern, so the default fits dense and MoE models alike (each pattern must match something):
 # attention, dense MLP, shared experts and routed experts (`mlp.experts`, all three projections).
@@ -30,13 +32,21 @@ def module_sample(names: list[str], n: int = 12) -> str:
     return ", ".join(out[:n]) + (", ..." if len(out) > n else "")
 
 
+def compile_target(pattern: str, where: str = "lora_target_modules") -> re.Pattern:
+    """The compiled target pattern; one line naming it (and `where` it came from) when it is no regex."""
+    try:
+        return re.compile(pattern)
+    except re.error as e:
+        raise ConfigError(f"{where}: pattern {pattern!r} is not a valid regex ({e}); fix the pattern") from None
+
+
 class TargetMatcher:
     """re.fullmatch of module names against the target patterns, remembering which pattern matched
     something (a pattern that matches nothing is a mistake to name)."""
 
-    def __init__(self, patterns: list[str]):
+    def __init__(self, patterns: list[str], where: str = "lora_target_modules"):
         self.patterns = list(patterns)
-        self._compiled = [re.compile(p) for p in self.patterns]
+        self._compiled = [compile_target(p, where) for p in self.patterns]
         self._hit = [False] * len(self.patterns)
 
     def __call__(self, name: str) -> bool:

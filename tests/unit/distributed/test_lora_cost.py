@@ -100,6 +100,17 @@ def test_targets_that_apply_lora_refuses_are_refused_by_the_planner_too():
         assert "\n" not in str(e.value) and "lora_target_modules" in str(e.value)
 
 
+def test_a_target_pattern_that_is_no_regex_is_one_line_before_planning_or_training():
+    """`erniekit plan` and `parallel: auto` printed re.error's traceback (the config check let it through)."""
+    raw = ["model_name_or_path=tiny-moe", "fine_tuning=LoRA", "lora_target_modules=(q_proj"]
+    with pytest.raises(ConfigError) as e:
+        checks.check_values(checks.normalise(load_config(None, raw)))  # what `erniekit plan` checks first
+    assert str(e.value).startswith("lora_target_modules: pattern '(q_proj' is not a valid regex (missing )")
+    assert "\n" not in str(e.value)
+    with pytest.raises(ConfigError, match="lora_target_modules: pattern '.q_proj' is not a valid regex"):
+        P.workload_from_config(load_config(None, raw), 1)  # the planner's own matcher, on a config as loaded
+
+
 def _full_and_lora(*args: str, plan: P.Plan = ONE, cluster: P.Cluster = CLUSTER):
     """Predictions for the same config trained Full and LoRA, and the adapters' parameter count."""
     out = []
