@@ -186,7 +186,8 @@ def noting_start_failure(output_dir: str, in_cluster: bool = False):
         yield start
     except (ConfigError, DataError, CheckpointError) as e:
         if not start.over and (in_launched_worker() or in_cluster) and not stop_signal():
-            note_failure_before_first_step(output_dir, str(e))
+            with contextlib.suppress(OSError):  # output_dir itself may be the error: the rank still says it
+                note_failure_before_first_step(output_dir, str(e))
         raise
 
 

@@ -184,3 +184,16 @@ def test_only_a_cluster_that_launch_clusters_started_notes_its_start_error(tmp_p
         with pytest.raises(DataError):
             run.run_train(cfg)
         assert _notes(tmp_path) == noted
+
+
+def test_a_rank_whose_output_dir_is_the_error_still_says_it_in_one_line(tmp_path, monkeypatch, capsys):
+    """The note goes under output_dir: when output_dir is what the rank refused (a file where a
+    directory should be, on that node), writing the note failed with a traceback instead."""
+    monkeypatch.setenv("PADDLE_TRAINER_ID", "1")
+    monkeypatch.setenv("PADDLE_TRAINERS_NUM", "2")
+    (tmp_path / "afile").write_text("x")
+    data = os.path.join(ROOT, "examples/data/arithmetic/pretrain.jsonl")
+    args = ["train", "model_name_or_path=tiny-dense", "stage=pretrain", f"train_dataset_path={data}"]
+    assert main([*args, f"output_dir={tmp_path / 'afile' / 'out'}", "max_steps=1"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: output_dir=") and "is a file, not a directory" in err and err.count("\n") == 1
