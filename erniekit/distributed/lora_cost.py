@@ -143,7 +143,8 @@ class LayerAdapters:
     attn_saved: float = 0.0  # float32 elements the backward keeps
     mlp_saved: float = 0.0
     attn_ops: int = 0  # op launches, forward
-    mlp_ops: int = 0
+    mlp_ops: int = 0  # the dense MLP's and shared experts', and each routed group's fixed ones
+    expert_ops: int = 0  # the routed experts' per-expert launches, of all experts: a rank runs its E / ep
 
 
 @dataclass(frozen=True)
@@ -193,17 +194,18 @@ class _LayerSum:
     def __init__(self) -> None:
         self.attn = [0.0, 0.0, 0]  # flops, saved, ops
         self.mlp = [0.0, 0.0, 0]
-        self.routed: dict[str, list] = {}  # stack name -> [weights per token, saved, ops]
+        self.routed: dict[str, list] = {}  # stack name -> [weights per token, saved, ops, per-expert ops]
 
     def add(self, m: Module, r: int, fan_in: int, fan_out: int, k: int, dropout: float) -> None:
         # x A then (x A) B: the backward keeps x A ([r]); with dropout also the dropped copy of x
         # and its mask (1 byte an element: a quarter of a float32)
         saved = r + (1.25 * fan_in if dropout > 0 else 0.0)
         if m.experts:  # per expert group: two GEMMs and a scale each, and the split, unbind, concat, add
-            acc = self.routed.setdefault(m.name, [0.0, 0.0, 0])
+            acc = self.routed.setdefault(m.name, [0.0, 0.0, 0, 0])
             acc[0] += k * r * (fan_in + fan_out)
             acc[1] += k * saved
-            acc[2] += 5 + (4 if dropout > 0 else 3) * m.experts
+            acc[2] += 5
+            acc[3] += (4 if dropout > 0 else 3) * m.experts  # a loop over the experts that got rows
             return
         acc = self.attn if m.part == "attn" else self.mlp
         acc[0] += 2.0 * r * (fan_in + fan_out)
@@ -211,7 +213,7 @@ class _LayerSum:
         acc[2] += 5 if dropout > 0 else 4  # (dropout,) two GEMMs, the scale, the add
 
     def done(self) -> LayerAdapters:
-        routed = max(self.routed.values(), key=lambda a: a[0], default=[0.0, 0.0, 0])
+        routed = max(self.routed.values(), key=lambda a: a[0], default=[0.0, 0.0, 0, 0])
         return LayerAdapters(
             attn_flops=self.attn[0],
             mlp_flops=self.mlp[0] + 2.0 * routed[0],
@@ -220,6 +222,7 @@ class _LayerSum:
             mlp_saved=self.mlp[1] + routed[1],
             attn_ops=self.attn[2],
             mlp_ops=self.mlp[2] + routed[2],
+            expert_ops=routed[3],
         )
 
 

@@ -357,7 +357,7 @@ def predict(c, cluster: Cluster, work: Workload, p: Plan) -> Prediction:
     """Step time and peak memory of plan `p` for model config `c` (see the module docstring)."""
     lora = work.lora
     base = layer_costs(c)
-    layers = _with_adapters(base, lora)
+    layers = _with_adapters(base, lora, p.ep)
     L, S, H, V = len(layers), work.seq_len, c.hidden_size, c.vocab_size
     tokens = work.global_batch * S
     # ---- compute
@@ -379,7 +379,7 @@ def predict(c, cluster: Cluster, work: Workload, p: Plan) -> Prediction:
     bubble = (m + p.pp - 1) / m
     ops_per_micro = sum(l.ops for l in layers) / p.pp + 10  # this stage's layers + embedding/head/loss
     ops_again = {"none": 0, "core_attn": 4, "full_attn": 12, "mlp": 20, "full": 30}[p.recompute] * L / p.pp
-    ops_again += _adapter_ops_again(lora, p.recompute) / p.pp
+    ops_again += _adapter_ops_again(lora, p.recompute, p.ep) / p.pp
     replicas = _runs_as_replicas(p, work)
     # DistTensors: every multi-process layout but replicas and pipeline stages (plain tensors per stage)
     spmd = workers > 1 and p.pp == 1 and not replicas
@@ -500,9 +500,10 @@ def predict(c, cluster: Cluster, work: Workload, p: Plan) -> Prediction:
     return pred
 
 
-def _with_adapters(layers: list[LayerCost], lora: Adapters | None) -> list[LayerCost]:
+def _with_adapters(layers: list[LayerCost], lora: Adapters | None, ep: int) -> list[LayerCost]:
     """The layers' costs with what their LoRA adapters add per token (forward FLOPs, saved
-    activations, op launches); the parameter counts stay the base's (the adapters' are apart)."""
+    activations, op launches: the routed experts' per expert, of this rank's E / ep); the parameter
+    counts stay the base's (the adapters' are apart)."""
     if lora is None:
         return layers
     return [
@@ -513,7 +514,7 @@ def _with_adapters(layers: list[LayerCost], lora: Adapters | None) -> list[Layer
             routed_per_token=l.routed_per_token + a.routed,
             attn_saved=l.attn_saved + a.attn_saved,
             mlp_saved=l.mlp_saved + a.mlp_saved,
-            ops=l.ops + a.attn_ops + a.mlp_ops,
+            ops=l.ops + a.attn_ops + a.mlp_ops + a.expert_ops / ep,
         )
         for l, a in zip(layers, lora.layers, strict=True)
     ]
@@ -525,11 +526,12 @@ def _weight_flops(layers: list[LayerCost], H: int, V: int) -> float:
     return sum(l.attn_flops + l.mlp_flops for l in layers) + 2.0 * H * V
 
 
-def _adapter_ops_again(lora: Adapters | None, recompute: str) -> float:
+def _adapter_ops_again(lora: Adapters | None, recompute: str, ep: int) -> float:
     """The adapters' op launches a recompute mode runs again (those of the recomputed attention / MLP)."""
     if lora is None:
         return 0.0
-    attn, mlp = sum(a.attn_ops for a in lora.layers), sum(a.mlp_ops for a in lora.layers)
+    attn = sum(a.attn_ops for a in lora.layers)
+    mlp = sum(a.mlp_ops + a.expert_ops / ep for a in lora.layers)
     return {"none": 0, "core_attn": 0, "full_attn": attn, "mlp": mlp, "full": attn + mlp}[recompute]
 
 
