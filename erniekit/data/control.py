@@ -179,6 +179,10 @@ def merge_records(a: dict | None, b: dict | None) -> dict | None:
             was = attrs.setdefault(k, {"open": False, "values": Counter()})
             was["open"] = was["open"] or entry["open"]
             was["values"].update(entry["values"])
+    for r in parts:  # a key an open_keys record left out may hold any values it had: open
+        if r.get("open_keys", False):
+            for k in attrs.keys() - r["attributes"].keys():
+                attrs[k]["open"] = True
     merged = {k: _bounded(dict(e["values"]), e["open"]) for k, e in attrs.items()}
     weights = {k: e["values"].total() for k, e in attrs.items()}
     open_keys = any(r.get("open_keys", False) for r in parts)

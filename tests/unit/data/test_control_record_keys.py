@@ -83,3 +83,18 @@ def test_an_older_version_1_file_reads_and_a_bad_open_keys_is_one_line(tmp_path)
     with pytest.raises(CheckpointError, match="'open_keys' must be true or false") as e:
         read_control_record(str(tmp_path))
     assert "\n" not in str(e.value)
+
+
+def test_a_key_an_open_record_left_out_stays_open_when_trained_again():
+    """Continued training of a key the starting open_keys record did not list: the values the start
+    learnt are unknown, so the key is open (it came back closed with the new run's values only, and
+    chat refused one the model had learnt)."""
+    keys = [{f"k{i:03d}": "x"} for i in range(MAX_RECORDED_KEYS)] * 10
+    start = count_controls([*keys, {"tone": "formal"}, {"tone": "casual"}])
+    assert start["open_keys"] and "tone" not in start["attributes"]
+    check_trained_control({"tone": "casual"}, start, "--control ")  # accepted: an unlisted key of an open record
+    merged = merge_records(start, count_controls([{"tone": "formal"}] * 50))
+    assert merged["attributes"]["tone"]["open"] is True
+    check_trained_control({"tone": "casual"}, merged, "--control ")
+    closed = merge_records(count_controls([{"tone": "formal"}]), count_controls([{"tone": "formal"}] * 5))
+    assert closed["attributes"]["tone"]["open"] is False  # no open_keys part: as before
