@@ -1,11 +1,12 @@
-"""The JSON reader before streaming, kept verbatim as the reference the streaming readers must equal:
-`read_text` decodes the whole file, `_records` parses a JSON list or a .json file whole, `iter_records`
-streamed only JSON lines in a file not named .json."""
+"""The JSON reader before streaming, kept verbatim (with the line helpers it used) as the reference the
+streaming readers must equal: `read_text` decodes the whole file, `_records` parses a JSON list or a
+.json file whole, `iter_records` streamed only JSON lines in a file not named .json."""
 
+import codecs
 import json
 from collections.abc import Iterator
 
-from erniekit.data.formats import _json_line, _not_utf8, _starts_with_bracket, _unreadable, iter_lines
+from erniekit.data.formats import _not_utf8, _unreadable
 from erniekit.errors import DataError
 from erniekit.utils.io import json_problem
 
@@ -21,6 +22,24 @@ def read_text(path: str) -> str:
         return data.decode("utf-8")
     except UnicodeDecodeError as e:
         raise _not_utf8(path, data.count(b"\n", 0, e.start) + 1, data[e.start], e.start) from None
+
+
+def iter_lines(path: str) -> Iterator[tuple[int, str]]:
+    """(line number, text) of each line of `path`, split at \\n only (the \\n dropped, a \\r kept) as
+    `read_text(path).split("\\n")` gives them, but read a line at a time: memory holds one line, not the
+    file. Bytes that are not UTF-8 are read_text's DataError (same line and byte offset)."""
+    offset = 0
+    try:
+        with open(path, "rb") as f:
+            for lineno, raw in enumerate(f, 1):  # a UTF-8 sequence never holds the byte \n: a cut is safe
+                try:
+                    line = raw.decode("utf-8")
+                except UnicodeDecodeError as e:
+                    raise _not_utf8(path, lineno, raw[e.start], offset + e.start) from None
+                offset += len(raw)
+                yield lineno, line[:-1] if line.endswith("\n") else line
+    except OSError as e:
+        raise _unreadable(path, e) from None
 
 
 def _records(path: str) -> Iterator[tuple[int, object]]:
@@ -46,6 +65,28 @@ def _records(path: str) -> Iterator[tuple[int, object]]:
     for lineno, line in enumerate(text.split("\n"), 1):  # JSON lines end at \n only (U+2028 may sit in a string)
         if line.strip():
             yield lineno, _json_line(path, lineno, line)
+
+
+def _json_line(path: str, lineno: int, line: str) -> object:
+    try:
+        return json.loads(line)
+    except (ValueError, RecursionError) as e:
+        raise DataError(f"{path}:{lineno}: invalid JSON ({json_problem(e)}); fix or remove this line") from None
+
+
+def _starts_with_bracket(path: str, block: int = 1 << 16) -> bool:
+    """Whether the file's first character after whitespace is "[" (a JSON list), reading only as far as it.
+    Bytes that are not UTF-8 read as U+FFFD here: whichever reader follows names them."""
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    try:
+        with open(path, "rb") as f:
+            while data := f.read(block):
+                text = decoder.decode(data).lstrip()
+                if text:
+                    return text.startswith("[")
+    except OSError as e:
+        raise _unreadable(path, e) from None
+    return False
 
 
 def iter_records(path: str) -> Iterator[tuple[int, object]]:
