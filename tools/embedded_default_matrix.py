@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures as futures
+import hashlib
 import json
 import os
 import platform
@@ -105,6 +106,19 @@ def loss_summary(out_dir: Path) -> dict:
         "loss_at": {str(s): round(v, 4) for s, v in losses[:: max(1, len(losses) // 8)]},
         "eval_exact_match": evals,
     }
+
+
+def train_data_sha256(config: str, overrides: list[str]) -> str | None:
+    """sha256 of the training file the runs read (an override's train_dataset_path, else the
+    config's; None when it is not one file here): a matrix of other data is another matrix."""
+    path = next((o.split("=", 1)[1] for o in reversed(overrides) if o.startswith("train_dataset_path=")), None)
+    if path is None:
+        import yaml
+
+        path = (yaml.safe_load((ROOT / config).read_text()) or {}).get("train_dataset_path")
+    if not isinstance(path, str) or not (ROOT / path).is_file():
+        return None
+    return hashlib.sha256((ROOT / path).read_bytes()).hexdigest()
 
 
 def run_cell(config: str, overrides: list[str], seed: int, threads: int, isa: str, out_dir: Path) -> dict:
@@ -212,7 +226,12 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--threads must be >= 1 and --jobs >= 0")
 
     out_path = ROOT / args.out
-    key = {"config": args.config, "overrides": args.overrides}
+    # the training data is part of what a run measures: regenerated data starts a fresh matrix
+    key = {
+        "config": args.config,
+        "overrides": args.overrides,
+        "train_data_sha256": train_data_sha256(args.config, args.overrides),
+    }
     doc = json.loads(out_path.read_text()) if out_path.exists() and not args.fresh else {}
     if doc.get("key") != key:
         doc = {"key": key, "runs": []}

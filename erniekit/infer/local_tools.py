@@ -64,13 +64,11 @@ def tool_schema(name: str, fn: Callable) -> dict:
         props[p.name] = {"type": _json_type(p.annotation) or "string"}
         if p.default is p.empty:
             required.append(p.name)
-    fn_entry: dict[str, Any] = {
-        "name": name,
-        "parameters": {"type": "object", "properties": props, "required": required},
-    }
+    fn_entry: dict[str, Any] = {"name": name}
     doc = inspect.getdoc(fn)
     if doc:
         fn_entry["description"] = doc.splitlines()[0]
+    fn_entry["parameters"] = {"type": "object", "properties": props, "required": required}
     return {"type": "function", "function": fn_entry}
 
 
@@ -108,7 +106,11 @@ def load_tools(path: str) -> tuple[list[dict], dict[str, Callable]]:
     }
     if not funcs:
         raise ConfigError(f"--tools {path}: defines no public functions; each top-level def becomes a tool")
-    return [tool_schema(n, f) for n, f in funcs.items()], funcs
+    from erniekit.data.tool_messages import check_tools
+
+    # in the normal form the data readers and the server give a tool list: the prompt is the one
+    # training rendered, key for key (a model copies what it saw: the description before the parameters)
+    return check_tools([tool_schema(n, f) for n, f in funcs.items()], f"--tools {path}"), funcs
 
 
 def _type_ok(kind: str, value: object) -> bool:
