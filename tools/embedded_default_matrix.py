@@ -234,6 +234,11 @@ def main(argv: list[str] | None = None) -> int:
     }
     doc = json.loads(out_path.read_text()) if out_path.exists() and not args.fresh else {}
     if doc.get("key") != key:
+        if doc.get("runs"):  # another matrix's record (other config, overrides or data): never overwritten
+            p.error(
+                f"--out {args.out} holds {len(doc['runs'])} runs of another matrix (key {doc.get('key')}; "
+                f"this one: {key}); pass --fresh to replace them, or another --out"
+            )
         doc = {"key": key, "runs": []}
     doc.update(cpu=cpu_model(), cpu_flags=cpu_flags(), cores=os.cpu_count(), python=platform.python_version())
     done = {(r["seed"], r["threads"], r["isa"]) for r in doc["runs"] if r.get("exact_match") is not None}

@@ -106,8 +106,15 @@ def load_tools(path: str) -> tuple[list[dict], dict[str, Callable]]:
     }
     if not funcs:
         raise ConfigError(f"--tools {path}: defines no public functions; each top-level def becomes a tool")
-    from erniekit.data.tool_messages import check_tools
+    from erniekit.data.tool_messages import NAME, check_tools
 
+    for n, f in funcs.items():
+        if not NAME.fullmatch(n):
+            raise ConfigError(
+                f"--tools {path}:{f.__code__.co_firstlineno}: function {n!r} cannot be a tool: tool names are 1-64 "
+                "ASCII letters, digits, '_', '.' or '-' (the OpenAI tools API's rule); rename it, or start it with '_' "
+                "to keep it out of the tools"
+            )
     # in the normal form the data readers and the server give a tool list: the prompt is the one
     # training rendered, key for key (a model copies what it saw: the description before the parameters)
     return check_tools([tool_schema(n, f) for n, f in funcs.items()], f"--tools {path}"), funcs

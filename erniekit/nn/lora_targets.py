@@ -35,9 +35,17 @@ def module_sample(names: list[str], n: int = 12) -> str:
 def compile_target(pattern: str, where: str = "lora_target_modules") -> re.Pattern:
     """The compiled target pattern; one line naming it (and `where` it came from) when it is no regex."""
     try:
-        return re.compile(pattern)
+        compiled = re.compile(pattern)
     except re.error as e:
         raise ConfigError(f"{where}: pattern {pattern!r} is not a valid regex ({e}); fix the pattern") from None
+    try:  # adapter_config.json joins the patterns into one: a global flag there is an error
+        re.compile(f"(?:{pattern})")
+    except re.error as e:
+        raise ConfigError(
+            f"{where}: pattern {pattern!r} cannot be combined with others ({e}); write a flag for a group, "
+            "e.g. (?i:q_proj), not (?i) for the whole pattern"
+        ) from None
+    return compiled
 
 
 class TargetMatcher:

@@ -109,6 +109,11 @@ def test_a_target_pattern_that_is_no_regex_is_one_line_before_planning_or_traini
     assert "\n" not in str(e.value)
     with pytest.raises(ConfigError, match="lora_target_modules: pattern '.q_proj' is not a valid regex"):
         P.workload_from_config(load_config(None, raw), 1)  # the planner's own matcher, on a config as loaded
+    # a global flag compiles alone but not inside the group adapter_config.json's target regex puts it in
+    # (a traceback at the adapter's save, after training)
+    flagged = ["model_name_or_path=tiny-moe", "fine_tuning=LoRA", r"lora_target_modules=(?i)model\.layers\.0\..*"]
+    with pytest.raises(ConfigError, match=r"cannot be combined with others .* \(\?i:q_proj\)"):
+        checks.check_values(checks.normalise(load_config(None, flagged)))
 
 
 def _full_and_lora(*args: str, plan: P.Plan = ONE, cluster: P.Cluster = CLUSTER):
@@ -210,3 +215,5 @@ def test_an_expert_parallel_rank_launches_the_adapters_of_its_own_experts_only()
     for ep in (1, 2, 4):
         added = [a.ops - b.ops for a, b in zip(P._with_adapters(base, lora, ep), base)]
         assert [added[i] for i in moe] == [3 * 5 + 9 * c.moe_num_experts / ep for _ in moe]
+        again = sum(a.mlp_ops for a in lora.layers) + sum(a.expert_ops for a in lora.layers) / ep
+        assert P._adapter_ops_again(lora, "mlp", ep) == again  # a recomputed MLP launches them again

@@ -188,6 +188,23 @@ def test_a_tools_file_that_cannot_load_is_one_line_with_its_line(tmp_path):
         load_tools(str(tmp_path / "syntax.py"))
 
 
+def test_a_function_name_no_tool_may_have_is_one_line_naming_its_line(tmp_path):
+    """The schemas go through the readers' check (check_tools): a name outside the tools API's rule
+    is refused where the function is, with the way out (a leading '_' keeps a helper out)."""
+    (tmp_path / "uni.py").write_text(
+        "def add(a: int, b: int) -> int:\n    return a + b\n\n\ndef 计算器(x: str) -> str:\n    return x\n"
+    )
+    with pytest.raises(ConfigError) as e:
+        load_tools(str(tmp_path / "uni.py"))
+    assert str(e.value).startswith(f"--tools {tmp_path / 'uni.py'}:5: function '计算器' cannot be a tool")
+    assert "start it with '_'" in str(e.value) and "\n" not in str(e.value)
+    (tmp_path / "helper.py").write_text(
+        "def add(a: int, b: int) -> int:\n    return a + b\n\n\ndef _计算器(x):\n    return x\n"
+    )
+    tools, funcs = load_tools(str(tmp_path / "helper.py"))
+    assert [t["function"]["name"] for t in tools] == ["add"] and list(funcs) == ["add"]
+
+
 def test_a_tools_file_with_postponed_annotations_and_a_dataclass_loads_with_its_types(tmp_path):
     path = tmp_path / "tools.py"
     path.write_text(
