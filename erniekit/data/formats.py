@@ -128,7 +128,8 @@ def _user_content(content: object, where: str, i: int, images: list[str], videos
 
 def split_paths(path: str) -> list[str]:
     """A dataset path may be one file or a comma-separated list; each must exist. An entry
-    `DIR/dataset_info.json:NAME` is a LLaMA-Factory dataset (erniekit/data/dataset_info.py), checked here."""
+    `DIR/dataset_info.json:NAME` is a LLaMA-Factory dataset (erniekit/data/dataset_info.py), checked here. A
+    FIFO counts as a file (process substitution, /dev/fd/63): iter_records reads it once."""
     paths = [p.strip() for p in str(path).split(",") if p.strip()]
     if not paths:
         raise DataError("empty dataset path; set it to a .jsonl/.json file or a comma-separated list of files")
@@ -136,7 +137,7 @@ def split_paths(path: str) -> list[str]:
         ref = parse_ref(p)
         if ref is not None:
             load_entry(*ref)
-        elif not os.path.isfile(p):
+        elif os.path.isdir(p) or not os.path.exists(p):
             where = "is a directory, not a file" if os.path.isdir(p) else "not found"
             raise DataError(f"dataset file {where}: {p} (cwd {os.getcwd()}); check the path or its spelling")
     return paths
@@ -181,6 +182,7 @@ def iter_lines(path: str) -> Iterator[tuple[int, str]]:
 
 _BLOCK = 1 << 18  # bytes a JSON file is read in
 _JSON_SPACE = re.compile(r"[ \t\n\r]*")  # JSON's whitespace (str.isspace() knows more)
+_STR_SPACE = re.compile(r"\s*")  # str.strip()'s whitespace: re's \s is str.isspace()
 _DECODER = json.JSONDecoder()  # json.loads' settings
 # How far past an error's position the C scanner may have looked ("-Infinity": 8 characters): an error
 # closer than this to the end of the text read so far may come from the cut, and is read on past it.
@@ -189,8 +191,9 @@ _NUMBER_AT_END = re.compile(r"\d[.eE+-]{0,2}\Z")  # an integer the cut may have 
 
 
 class _JsonText:
-    """A JSON file's text read a block at a time: `buf[pos:]` is not read yet, `more()` appends the next block.
-    Lines and columns of errors count from the file's start, as json.loads(whole text) gives them."""
+    """A JSON file's text read a block at a time from one open stream (a FIFO is read once): `buf[pos:]` is not
+    read yet, `more()` appends the next block. Lines and columns of errors count from the file's start, as
+    json.loads(whole text) gives them."""
 
     def __init__(self, path: str, f: BinaryIO, block: int = _BLOCK):
         self.path, self._f, self._block = path, f, block
@@ -201,6 +204,7 @@ class _JsonText:
         self._offset = 0  # byte offset of _raw[0] in the file
         self._raw_lines = 0  # b"\n" before _raw[0]
         self._bad: DataError | None = None  # the first byte that is not UTF-8, past the end of buf
+        self._held = False  # looking_ahead: nothing is dropped, so pos can go back
 
     def _decode(self, data: bytes) -> str:
         """The text of `data` (after the bytes left over); b"" is the file's end. At a byte that is not UTF-8
@@ -220,9 +224,18 @@ class _JsonText:
     def more(self) -> bool:
         """Drop the text read, append at least one more character; False at the end of the file. A block
         as long as what is kept at least (a value longer than a block is decoded in O(its length))."""
+        if self._append():
+            return True
+        if self._bad is not None:
+            raise self._bad
+        return False
+
+    def _append(self) -> bool:
+        """more(), but False at a byte that is not UTF-8 too (its error waits in `_bad`)."""
         if self.eof:
             return False
-        self._drop_read()
+        if not self._held:
+            self._drop_read()
         while self._bad is None:
             data = self._f.read(max(self._block, len(self.buf)))
             text = self._decode(data)
@@ -232,7 +245,7 @@ class _JsonText:
             self.eof = not data and self._bad is None
             if self.eof:
                 return False
-        raise self._bad
+        return False
 
     def _drop_read(self) -> None:
         """Forget buf[:pos], counting its lines for the errors' line and column."""
@@ -295,26 +308,57 @@ class _JsonText:
         if self._bad is not None:
             raise self._bad
 
+    def starts_list(self) -> bool:
+        """Whether the first character past str.strip()'s whitespace is "[" (a JSON list), reading only as far
+        as it; a byte that is not UTF-8 is not "[" (whichever reader follows names it). pos stays at the start
+        of that character's line: only whole lines of JSON whitespace before it are dropped."""
+        seen = self.pos  # buf[pos:seen] is whitespace
+        while True:
+            seen = _STR_SPACE.match(self.buf, seen).end()
+            if seen < len(self.buf):
+                return self.buf[seen] == "["
+            blank = _JSON_SPACE.match(self.buf, self.pos).end()
+            self.pos = self.buf.rfind("\n", self.pos, blank) + 1 or self.pos
+            seen -= self.pos  # where it is once _append dropped buf[:pos]
+            if not self._append():
+                return False
 
-def _check_utf8(path: str, block: int = _BLOCK) -> None:
-    """The not-UTF-8 DataError of the file's first such byte, if it has one (read a block at a time)."""
-    with _binary(path) as f:
-        _JsonText(path, f, block).check_rest_utf8()
+    @contextlib.contextmanager
+    def looking_ahead(self) -> Iterator[None]:
+        """Read on keeping every character, then go back to pos as it was (telling the file's shape)."""
+        start, self._held = self.pos, True
+        try:
+            yield
+        finally:
+            self.pos, self._held = start, False
+
+    def lines(self) -> Iterator[tuple[int, str]]:
+        """(line number, text) of each line from pos (the start of a line) to the end of the file, as
+        iter_lines gives them: split at \\n only, memory holding a block and a line; a byte that is not UTF-8
+        is the DataError of iter_lines, at the same line."""
+        lineno = self._lines + self.buf.count("\n", 0, self.pos) + 1
+        while True:
+            newline = self.buf.find("\n", self.pos)
+            if newline >= 0:
+                yield lineno, self.buf[self.pos : newline]
+                self.pos, lineno = newline + 1, lineno + 1
+            elif not self.more():
+                if self.pos < len(self.buf):
+                    yield lineno, self.buf[self.pos :]
+                return
 
 
-def _json_list(path: str, block: int = _BLOCK) -> Iterator[tuple[int, object]]:
+def _json_list(text: _JsonText) -> Iterator[tuple[int, object]]:
     """(position, element) of a JSON list, one element at a time: memory holds a block and the element
     being read, not the file. Errors as json.loads on the whole text: the first in the text, but a byte
     that is not UTF-8 anywhere in the file before them (the whole file was decoded first)."""
-    with _binary(path) as f:
-        text = _JsonText(path, f, block)
-        try:
-            yield from enumerate(_list_elements(text), 1)  # position in the list stands in for the line
-            text.skip_space()
-            if text.peek():
-                raise json.JSONDecodeError("Extra data", text.buf, text.pos)
-        except (ValueError, RecursionError) as e:
-            raise text.invalid(e) from None
+    try:
+        yield from enumerate(_list_elements(text), 1)  # position in the list stands in for the line
+        text.skip_space()
+        if text.peek():
+            raise json.JSONDecodeError("Extra data", text.buf, text.pos)
+    except (ValueError, RecursionError) as e:
+        raise text.invalid(e) from None
 
 
 def _list_elements(text: _JsonText) -> Iterator[object]:
@@ -342,11 +386,11 @@ def _list_elements(text: _JsonText) -> Iterator[object]:
 _LINES = object()  # _single_value: the file is not one JSON value
 
 
-def _single_value(path: str, block: int = _BLOCK) -> object:
+def _single_value(text: _JsonText) -> object:
     """The file's JSON value when it holds exactly one (and only whitespace after it), else _LINES: the
-    JSON lines it holds are read a line at a time. Reads as far as the first value and what follows it."""
-    with _binary(path) as f:
-        text = _JsonText(path, f, block)
+    JSON lines it holds are then read from where this began (the text it read is kept). Reads as far as
+    the first value and what follows it."""
+    with text.looking_ahead():
         text.skip_space()  # a byte-order mark is no value: the lines that follow name it
         try:
             value = text.value()
@@ -356,18 +400,18 @@ def _single_value(path: str, block: int = _BLOCK) -> object:
         return _LINES if text.peek() else value
 
 
-def _json_lines(path: str, utf8_first: bool = False) -> Iterator[tuple[int, object]]:
+def _json_lines(text: _JsonText, utf8_first: bool = False) -> Iterator[tuple[int, object]]:
     """(line, record) of each non-blank line, read a line at a time (JSON lines end at \\n only: U+2028
-    may sit in a string). utf8_first: a line that is not JSON is named only when no byte of the file is
-    not UTF-8 (the order of the whole-file reader)."""
-    for lineno, line in iter_lines(path):
+    may sit in a string). utf8_first: a line that is not JSON is named only when no byte of the rest of
+    the file is not UTF-8 (the order of the whole-file reader; the lines before it were UTF-8)."""
+    for lineno, line in text.lines():
         if not line.strip():
             continue
         try:
-            rec = _json_line(path, lineno, line)
+            rec = _json_line(text.path, lineno, line)
         except DataError:
             if utf8_first:
-                _check_utf8(path)
+                text.check_rest_utf8()
             raise
         yield lineno, rec
 
@@ -379,31 +423,23 @@ def _json_line(path: str, lineno: int, line: str) -> object:
         raise DataError(f"{path}:{lineno}: invalid JSON ({json_problem(e)}); fix or remove this line") from None
 
 
-def _starts_with_bracket(path: str, block: int = 1 << 16) -> bool:
-    """Whether the file's first character after whitespace is "[" (a JSON list), reading only as far as it.
-    Bytes that are not UTF-8 read as U+FFFD here: whichever reader follows names them."""
-    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-    with _binary(path) as f:
-        while data := f.read(block):
-            text = decoder.decode(data).lstrip()
-            if text:
-                return text.startswith("[")
-    return False
-
-
 def iter_records(path: str, block: int = _BLOCK) -> Iterator[tuple[int, object]]:
     """(line, record) of a data file, one record at a time, memory holding one record and a block (bytes
     read at once), not the file: JSON lines; a JSON list, whatever the extension (line = position in the
     list); a .json file holding one JSON value (record 1), or else JSON lines misnamed .json. Errors name
-    file:line; a byte that is not UTF-8 is named before a JSON error of a .json file or list."""
-    if _starts_with_bracket(path):
-        yield from _json_list(path, block)
-        return
-    value = _single_value(path, block) if path.endswith(".json") else _LINES
-    if value is _LINES:
-        yield from _json_lines(path, utf8_first=path.endswith(".json"))
-    else:
-        yield 1, value
+    file:line; a byte that is not UTF-8 is named before a JSON error of a .json file or list. The file is
+    opened once and read once, its shape told from its first block: a FIFO (train_dataset_path=/dev/fd/63)
+    or a file replaced while it is read gives one consistent text."""
+    with _binary(path) as f:
+        text = _JsonText(path, f, block)
+        if text.starts_list():
+            yield from _json_list(text)
+            return
+        value = _single_value(text) if path.endswith(".json") else _LINES
+        if value is _LINES:
+            yield from _json_lines(text, utf8_first=path.endswith(".json"))
+        else:
+            yield 1, value
 
 
 _TYPO_CUTOFF = 0.8  # difflib ratio: "inputs"/"input" 0.91, "sytem"/"system" 0.91, "lable"/"label" 0.8

@@ -28,6 +28,7 @@ import json
 import os
 import shutil
 import socket
+import stat
 import threading
 import time
 import uuid
@@ -91,6 +92,11 @@ def source_files(path: str) -> list[list]:
             out.append(["dataset", ref[1]])
         for f in files:
             st = os.stat(f)
+            if not stat.S_ISREG(st.st_mode):  # a pipe's size and name say nothing of what it carries
+                raise DataError(
+                    f"tokenized_path: {f} is not a regular file (a pipe or device); its tokens cannot be "
+                    "matched to a later run: write the stream to a file, or drop tokenized_path"
+                )
             out.append([os.path.abspath(f), st.st_size, st.st_mtime_ns])
     return out
 

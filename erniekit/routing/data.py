@@ -5,6 +5,7 @@ max_seq_len tokens. Memory holds one example and one window of pieces, never the
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from itertools import islice
 from typing import Any
@@ -21,6 +22,11 @@ def _is_text_file(path: str) -> bool:
     conversations; only the first record is read."""
     if not path.endswith((".jsonl", ".json")):
         return True
+    if os.path.exists(path) and not os.path.isfile(path):  # read twice below: a pipe gives its data once
+        raise DataError(
+            f"{path}: not a regular file (a pipe?); the routing report reads a JSON file twice (its kind, "
+            "then its examples): write it to a file first"
+        )
     from erniekit.data.formats import iter_records
 
     first = next(iter_records(path), (0, None))[1]

@@ -90,10 +90,9 @@ class RLStage(Stage):
             return None
         examples = load_prompts(cfg.eval_dataset_path, cfg.eval_dataset_type)
         ids = _encode_prompts(examples, tokenizer, cfg, "eval")
-        return {
-            "examples": [e for e, i in zip(examples, ids) if i is not None],
-            "prompt_ids": [i for i in ids if i is not None],
-        }
+        kept = [e for e, i in zip(examples, ids) if i is not None]
+        self.check_held_out_controls([e.conv for e in kept[: cfg.eval_max_samples]], cfg)  # evaluate()'s prompts
+        return {"examples": kept, "prompt_ids": [i for i in ids if i is not None]}
 
     def collate(self, rows, pad_id):
         return {"prompt_index": np.array([int(r["prompt_index"]) for r in rows], np.int64)}

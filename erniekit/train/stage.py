@@ -148,6 +148,19 @@ class Stage:
             self._starting_record = (path, read_control_record(path))
         return self._starting_record[1]
 
+    def check_held_out_controls(self, convs: list, cfg) -> None:
+        """Held-out conversations' control attributes against what the model learnt (with do_train: this
+        run's record, the starting model's plus the training data's; else the starting model's): a
+        misspelled attribute would be scored as a prefix the model never trained on."""
+        from erniekit.data.control import CONTROL_RECORD_NAME, check_conversation_controls
+
+        if cfg.do_train:
+            record, source = self.control_record, "trained: train_dataset_path and model_name_or_path's record"
+        else:
+            record = self.starting_control_record(cfg)
+            source = f"{cfg.model_name_or_path}/{CONTROL_RECORD_NAME}"
+        check_conversation_controls(convs, record, f"eval_dataset_path {cfg.eval_dataset_path}", source)
+
     def collate(self, rows: list[dict[str, np.ndarray]], pad_id: int) -> dict[str, np.ndarray]:
         from erniekit.train.batching import collate
 

@@ -12,8 +12,6 @@ weights, in every checkpoint and the final model, as control_attributes.json (do
 from __future__ import annotations
 
 from erniekit.data.control import (
-    CONTROL_RECORD_NAME,
-    check_conversation_controls,
     count_controls,
     drop_controls,
     merge_records,
@@ -104,15 +102,9 @@ class SFTStage(Stage):
         if not cfg.eval_dataset_path:
             return None
         convs = load_sft_examples(cfg.eval_dataset_path, cfg.eval_dataset_type)
-        if cfg.do_train:  # what this run trains on
-            record, source = self.control_record, "trained: train_dataset_path and model_name_or_path's record"
-        else:
-            record = self.starting_control_record(cfg)
-            source = f"{cfg.model_name_or_path}/{CONTROL_RECORD_NAME}"
         if cfg.eval_generation:  # the examples evaluate() generates for (a loss is a loss)
             dialogs = [c for c in convs if c.dialog is not None]
-            scored = (dialogs or convs)[: cfg.eval_max_samples]
-            check_conversation_controls(scored, record, f"eval_dataset_path {cfg.eval_dataset_path}", source)
+            self.check_held_out_controls((dialogs or convs)[: cfg.eval_max_samples], cfg)
         return {"convs": convs, "rows": _rows(convs, cfg, tokenizer, False, cfg.eval_dataset_path)}
 
     def evaluate(self, model, tokenizer, eval_data, cfg):
