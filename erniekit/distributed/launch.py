@@ -2,8 +2,8 @@
 
 The launcher starts N workers (each runs `erniekit train` with the same arguments), sets their
 rank variables, shows rank 0's output and writes every rank's log under
-`<output_dir>/launch_logs/` (workerlog.0, workerlog.1, ...). Gloo on CPU, NCCL on GPU: Paddle
-picks from the build, nothing else changes.
+`<output_dir>/launch_logs/` (workerlog.0, workerlog.1, ...; with nnodes > 1 in a folder per node,
+worker_log_dir). Gloo on CPU, NCCL on GPU: Paddle picks from the build, nothing else changes.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import contextlib
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -36,7 +37,7 @@ def launch_command(cfg, train_args: list[str]) -> list[str]:
         "--nproc_per_node",
         str(cfg.nproc_per_node),
         "--log_dir",
-        os.path.join(cfg.output_dir, "launch_logs"),
+        worker_log_dir(cfg.output_dir, cfg.nnodes),
         "--max_restart",
         "0",
     ]
@@ -45,8 +46,24 @@ def launch_command(cfg, train_args: list[str]) -> list[str]:
     return cmd + [ENTRY, "train", *train_args]
 
 
+def notes_dir(output_dir: str) -> str:
+    """Where `erniekit train` reads its ranks' notes (and, on one node, paddle writes their logs)."""
+    return os.path.join(output_dir, "launch_logs")
+
+
+def worker_log_dir(output_dir: str, nnodes: int) -> str:
+    """Paddle's --log_dir. It names logs by the rank on the node (workerlog.0 on every node), so with
+    nnodes > 1 each node's `erniekit train` gets a folder of its own: on a shared output_dir two
+    nodes' workerlog.0 would otherwise be one file. Host name + this process's id: unique per node
+    (two launchers on one host too) and the same across this process's restarts."""
+    if nnodes <= 1:
+        return notes_dir(output_dir)
+    return os.path.join(notes_dir(output_dir), f"{socket.gethostname()}-{os.getpid()}")
+
+
 LAUNCHER_FLAG = "--launcher"
 JOB_ENV = "ERNIEKIT_JOB"  # in the environment of every process of one launched job: how it is found
+NOTES_ENV = "ERNIEKIT_LAUNCH_NOTES"  # the folder (on the rank's own node) where `erniekit train` reads its ranks' notes
 STOP_GRACE_S = 600.0  # after a stop signal: time the ranks get to finish their step and checkpoint
 REAP_GRACE_S = 30.0  # after the launcher is gone: SIGTERM to any process of the job left, then SIGKILL
 
@@ -187,13 +204,24 @@ def stop_signal_of_run(output_dir: str, since: float) -> tuple[int, int | None]:
     return int(res.get("stop_signal") or 0), res.get("stopped_at_step")
 
 
+def _wrote_results(output_dir: str, since: float) -> bool:
+    """Whether rank 0 wrote train_results.json into output_dir after `since` (time.time()): not when
+    it runs on another node whose output_dir is not this one."""
+    try:
+        return os.stat(os.path.join(output_dir, "train_results.json")).st_mtime >= since
+    except FileNotFoundError:
+        return False
+
+
 _EARLY_STOP = "stopped-before-first-step.rank-"  # + rank: a rank's note in launch_logs/
 _EARLY_FAILURE = "failed-before-first-step.rank-"  # + rank: the one-line error a rank stopped on while starting
 
 
 def _leave_note(output_dir: str, prefix: str, text: str) -> None:
-    """This rank's note to `relaunch`, in launch_logs/ (the parent reads it after the launcher ends)."""
-    logs = os.path.join(output_dir, "launch_logs")
+    """This rank's note to `relaunch`, in the folder its `erniekit train` reads (NOTES_ENV, which that
+    parent created on this node), else in output_dir's launch_logs/ (a cluster process of
+    launch_clusters). Not output_dir first: the error being noted may be that output_dir."""
+    logs = os.environ.get(NOTES_ENV) or notes_dir(output_dir)
     os.makedirs(logs, exist_ok=True)
     with open(os.path.join(logs, prefix + os.environ.get("PADDLE_TRAINER_ID", "0")), "w", encoding="utf-8") as f:
         f.write(text)
@@ -204,7 +232,7 @@ def _take_notes(output_dir: str, prefix: str, since: float) -> list[tuple[str, s
     Older notes (an earlier launch's) are removed; this launch's stay, since on a shared output_dir
     the `erniekit train` parent of every node reads them (the first to read must not hide a rank's
     config error from the others, which would restart alone toward a master that has gone)."""
-    logs = os.path.join(output_dir, "launch_logs")
+    logs = notes_dir(output_dir)
     try:
         names = [n for n in os.listdir(logs) if n.startswith(prefix)]
     except FileNotFoundError:
@@ -266,14 +294,9 @@ def relaunch(cfg, train_args: list[str], user_threads: str | None = None) -> int
     128 + the signal (run_control.stopped_exit_code). Nor is a configuration, data or checkpoint
     error a rank met before its first step: its one line, exit code 2, no restart.
     """
-    env = dict(os.environ)
-    env["OMP_NUM_THREADS"] = user_threads or str(max(1, (os.cpu_count() or 1) // cfg.nproc_per_node))
-    env.setdefault("PYTHONWARNINGS", "ignore:No ccache found")  # the launcher imports paddle too
-    env.setdefault("GLOG_minloglevel", "1")  # gloo's connection chatter is INFO
-    job = f"{os.getpid()}-{uuid.uuid4().hex[:12]}"
-    env[JOB_ENV] = job
-    os.makedirs(cfg.output_dir, exist_ok=True)
-    logs = os.path.join(cfg.output_dir, "launch_logs")
+    env = _job_env(cfg, user_threads)
+    job = env[JOB_ENV]
+    logs = worker_log_dir(cfg.output_dir, cfg.nnodes)
     print(
         f"erniekit: launching {cfg.nproc_per_node} processes x {cfg.nnodes} node(s) through "
         f"paddle.distributed.launch; logs of every rank in {logs}",
@@ -285,7 +308,7 @@ def relaunch(cfg, train_args: list[str], user_threads: str | None = None) -> int
         for attempt in range(cfg.max_restart + 1):
             started = time.time()
             rc = sup.run(launch_command(cfg, args), env)
-            code = launch_outcome(cfg.output_dir, rc, started, sup.signum)
+            code = launch_outcome(cfg.output_dir, rc, started, sup.signum, cfg.nnodes)
             if code is not None:
                 return code
             if attempt == cfg.max_restart:
@@ -306,11 +329,24 @@ def relaunch(cfg, train_args: list[str], user_threads: str | None = None) -> int
     return rc
 
 
-def launch_outcome(output_dir: str, rc: int, started: float, signum: int = 0) -> int | None:
+def _job_env(cfg, user_threads: str | None) -> dict:
+    """The launcher's (and so every rank's) environment: OpenMP threads, the job's id, and the notes
+    folder, created here on this node so that a rank refusing its output_dir can still leave its note."""
+    env = dict(os.environ)
+    env["OMP_NUM_THREADS"] = user_threads or str(max(1, (os.cpu_count() or 1) // cfg.nproc_per_node))
+    env.setdefault("PYTHONWARNINGS", "ignore:No ccache found")  # the launcher imports paddle too
+    env.setdefault("GLOG_minloglevel", "1")  # gloo's connection chatter is INFO
+    env[JOB_ENV] = f"{os.getpid()}-{uuid.uuid4().hex[:12]}"
+    env[NOTES_ENV] = os.path.abspath(notes_dir(cfg.output_dir))
+    os.makedirs(env[NOTES_ENV], exist_ok=True)
+    return env
+
+
+def launch_outcome(output_dir: str, rc: int, started: float, signum: int = 0, nnodes: int = 1) -> int | None:
     """What one launch that began at `started` (time.time()) and ended with launcher exit code rc
     means for the job: the exit code of `erniekit train` when it is over (finished, stopped, or a
     rank's configuration error before its first step), None when it failed and may be restarted.
-    `signum`: a stop signal `erniekit train` received meanwhile (0: none)."""
+    `signum`: a stop signal `erniekit train` received meanwhile (0: none); `nnodes`: the job's nodes."""
     from erniekit.utils.run_control import stopped_exit_code
 
     logs = os.path.join(output_dir, "launch_logs")
@@ -336,6 +372,13 @@ def launch_outcome(output_dir: str, rc: int, started: float, signum: int = 0) ->
         )
         return stopped_exit_code(early)
     if signum:
+        if rc == 0 and nnodes > 1 and not _wrote_results(output_dir, started):  # rank 0 on another node, own disk
+            print(
+                f"erniekit: {signal.Signals(signum).name}: this node's ranks ended; rank 0 runs on another node, "
+                "whose output_dir says whether the job stopped (with a checkpoint) or finished",
+                flush=True,
+            )
+            return stopped_exit_code(signum)
         if rc == 0:  # the signal came after the last step: the run is complete
             print(f"erniekit: {signal.Signals(signum).name} came after the last step; the run finished", flush=True)
             return 0

@@ -1,0 +1,82 @@
+"""`erniekit train`'s side of a launched job on one or several nodes (erniekit/distributed/launch.py):
+where ranks leave their notes, where paddle writes their logs, what a stop means on a node without
+rank 0; and the ranks' agreement on the checkpoint they resume from (erniekit/distributed/join.py)."""
+
+import os
+import signal
+import socket
+import sys
+import time
+from types import SimpleNamespace
+
+from erniekit.distributed import launch
+from erniekit.distributed.join import resume_found, resume_mismatch
+
+
+def test_a_rank_that_cannot_write_its_output_dir_still_leaves_its_note(tmp_path, monkeypatch, capsys):
+    """The rank refuses its output_dir (here a path under a file: not creatable) before its first step.
+    Its note goes to the folder the parent passed in the environment, so `erniekit train` reports the
+    error once and exits 2 instead of restarting the job max_restart times."""
+    out, starts = tmp_path / "o", tmp_path / "starts"
+    (tmp_path / "a-file").write_text("")
+    bad = tmp_path / "a-file" / "out"
+    rank = (
+        "import os, sys; from erniekit.distributed.launch import note_failure_before_first_step as note; "
+        f"open({str(starts)!r}, 'a').write('x'); os.environ['PADDLE_TRAINER_ID'] = '1'; "
+        f"note({str(bad)!r}, 'output_dir={bad}: not a directory'); sys.exit(1)"
+    )
+    monkeypatch.setattr(launch, "launch_command", lambda cfg, args: [sys.executable, "-c", rank])
+    cfg = SimpleNamespace(nproc_per_node=2, nnodes=1, output_dir=str(out), max_restart=2)
+    assert launch.relaunch(cfg, []) == 2
+    assert starts.read_text() == "x"  # no restart
+    assert capsys.readouterr().err.strip().splitlines()[-1] == f"error: output_dir={bad}: not a directory"
+    assert os.listdir(out / "launch_logs") == ["failed-before-first-step.rank-1"]
+
+
+def test_without_a_parent_the_note_goes_to_the_output_dir(tmp_path, monkeypatch):
+    """A cluster process of launch_clusters (no relaunch parent, no NOTES_ENV) notes into its own
+    output_dir's launch_logs/, which launch_clusters reads."""
+    monkeypatch.delenv(launch.NOTES_ENV, raising=False)
+    monkeypatch.setenv("PADDLE_TRAINER_ID", "0")
+    launch.note_failure_before_first_step(str(tmp_path), "bad data")
+    assert launch.failure_before_first_step(str(tmp_path), time.time() - 5) == ("0", "bad data")
+
+
+def test_each_node_gets_a_log_folder_of_its_own():
+    """Paddle names logs by the rank on the node: two nodes sharing an output_dir both wrote
+    launch_logs/workerlog.0 into one file. One node keeps launch_logs/ itself."""
+    one = SimpleNamespace(nproc_per_node=2, nnodes=1, output_dir="/o", master=None)
+    two = SimpleNamespace(nproc_per_node=1, nnodes=2, output_dir="/o", master="10.0.0.1:8090")
+    log_dir = lambda cmd: cmd[cmd.index("--log_dir") + 1]  # noqa: E731
+    assert log_dir(launch.launch_command(one, [])) == "/o/launch_logs"
+    cmd = launch.launch_command(two, ["x=1"])
+    assert log_dir(cmd) == f"/o/launch_logs/{socket.gethostname()}-{os.getpid()}"
+    assert cmd[cmd.index("--nnodes") + 1 :][:3] == ["2", "--master", "10.0.0.1:8090"]
+
+
+def test_a_stop_on_a_node_without_rank_0_is_not_reported_as_finished(tmp_path, capsys):
+    """SIGTERM to the `erniekit train` of a node whose output_dir rank 0 does not write: its ranks
+    stop after the agreed step and exit 0. That node cannot tell a stop from the end of the run, so
+    it exits 143 and says where to look, instead of 'the run finished' and 0."""
+    started = time.time() - 1
+    assert launch.launch_outcome(str(tmp_path), 0, started, signal.SIGTERM, nnodes=2) == 143
+    assert "rank 0 runs on another node" in capsys.readouterr().out
+    (tmp_path / "train_results.json").write_text('{"global_step": 4}')  # rank 0 here: it finished
+    assert launch.launch_outcome(str(tmp_path), 0, started, signal.SIGTERM, nnodes=2) == 0
+    assert "the run finished" in capsys.readouterr().out
+
+
+def test_ranks_that_would_resume_from_different_checkpoints_are_refused(tmp_path):
+    """Rank 0 alone writes checkpoints: with an output_dir on each node's own disk, a restart found
+    checkpoint-N on rank 0's node and nothing on the others."""
+    ckpt = tmp_path / "checkpoint-4"
+    ckpt.mkdir()
+    (ckpt / "trainer_state.json").write_text("{}")
+    assert resume_found("auto", str(tmp_path)) == 4
+    assert resume_found("auto", str(tmp_path / "other")) == -1
+    assert resume_found(str(ckpt), "unused") == 0 and resume_found(str(tmp_path / "none"), "unused") == -1
+    assert resume_mismatch("auto", "/o", [4, 4, 4]) is None
+    error = resume_mismatch("auto", "/o", [4, -1])
+    assert error.startswith("resume_from_checkpoint=auto: the ranks see different checkpoints in output_dir=/o ")
+    assert "(rank 0: checkpoint-4, rank 1: none)" in error and "\n" not in error
+    assert "(rank 0: none, rank 1: found)" in resume_mismatch("/c", "/o", [-1, 0])
