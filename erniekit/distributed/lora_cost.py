@@ -5,9 +5,11 @@ target patterns match and freezes every base parameter. A 21B model cannot be bu
 that, so this module lists the modules the model would have (`model_modules`: names and shapes
 as `named_sublayers` gives them), matches them as `apply_lora` does (`adapted`), and sums what the
 adapters add (`count_adapters`): their parameters (split as the planner splits the base: over
-tp and pp, routed experts over ep), their tensors, and per decoder layer the forward FLOPs,
-saved activations and op launches of their two small GEMMs. The planner turns that into
-gradients, optimizer state and gradient traffic for the adapters only (planner.py).
+tp and pp, routed experts over ep, and over tp as runtime.py places them beside their base), their
+tensors, the adapted base weights (held in `lora_base_dtype`), and per decoder layer, MTP token and image token the forward FLOPs, saved
+activations and op launches of their two small GEMMs (with DoRA: its column scale and norms).
+The planner turns that into gradients, optimizer state and gradient traffic for the adapters
+only (planner.py).
 tests/unit/distributed/test_lora_cost.py checks the list and the counts against built models.
 """
 
@@ -26,10 +28,11 @@ class Module:
 
     name: str
     projs: tuple[tuple[str, int, int], ...]  # (projection, fan_in, fan_out)
-    part: str  # attn | mlp (dense MLP, shared experts) | experts (routed) | head | other (MTP, vision)
+    part: str  # attn | mlp (dense MLP, shared experts) | experts (routed) | head | mtp | vision
     layer: int = -1  # the trunk's decoder layer; -1 outside it
     experts: int = 0
     offset: int = 0
+    rows: int = 1  # rows it runs per token (vision: per image token, the patches merged into it)
 
 
 def _linear(name: str, fan_in: int, fan_out: int, part: str, layer: int = -1) -> Module:
@@ -65,11 +68,14 @@ def _vision(c) -> list[Module]:
     if v is None:
         return []
     d, inner = v.hidden_size, v.intermediate_size
-    out = [_linear("vision_model.patch_embed.proj", v.in_channels * v.patch_size**2, d, "other")]
+    out = [_linear("vision_model.patch_embed.proj", v.in_channels * v.patch_size**2, d, "vision")]
     for j in range(v.depth):
         b = f"vision_model.blocks.{j}"
-        out += [_linear(f"{b}.attn.qkv", d, 3 * d, "other"), _linear(f"{b}.attn.proj", d, d, "other")]
-        out += [_linear(f"{b}.mlp.fc1", d, inner, "other"), _linear(f"{b}.mlp.fc2", inner, d, "other")]
+        out += [_linear(f"{b}.attn.qkv", d, 3 * d, "vision"), _linear(f"{b}.attn.proj", d, d, "vision")]
+        out += [_linear(f"{b}.mlp.fc1", d, inner, "vision"), _linear(f"{b}.mlp.fc2", inner, d, "vision")]
+    # an image token is spatial_merge_size^2 patches of one frame (the resampler pairs the frame with
+    # itself): the transformer runs that many rows for it, the resampler one
+    out = [replace(m, rows=v.spatial_merge_size**2) for m in out]
     sp = d * v.spatial_merge_size**2
     shapes = [
         ("spatial_linear.fc1", sp, sp),
@@ -78,7 +84,7 @@ def _vision(c) -> list[Module]:
         ("temporal_linear.fc2", sp, sp),
         ("mlp", sp, c.hidden_size),
     ]
-    return out + [_linear(f"resampler_model.{n}", i, o, "other") for n, i, o in shapes]
+    return out + [_linear(f"resampler_model.{n}", i, o, "vision") for n, i, o in shapes]
 
 
 def model_modules(c) -> list[Module]:
@@ -91,9 +97,9 @@ def model_modules(c) -> list[Module]:
     if not c.tie_word_embeddings:
         out.append(_linear("lm_head", c.hidden_size, c.vocab_size, "head"))
     depths = range(c.num_nextn_predict_layers)
-    out += [_linear(f"mtp.mtp_linear_proj.{j}", 2 * c.hidden_size, c.hidden_size, "other") for j in depths]
+    out += [_linear(f"mtp.mtp_linear_proj.{j}", 2 * c.hidden_size, c.hidden_size, "mtp") for j in depths]
     for j in depths:
-        out += [replace(m, part="other") for m in _decoder(f"mtp.mtp_block.{j}", c, False, -1)]
+        out += [replace(m, part="mtp") for m in _decoder(f"mtp.mtp_block.{j}", c, False, -1)]
     return out + _vision(c)
 
 
@@ -133,18 +139,60 @@ def _expert_proj_adapted(m: Module, proj: str, whole: bool, match) -> bool:
     return whole or all(per)
 
 
+BASE_DTYPE_BYTES = {None: 4, "float32": 4, "bfloat16": 2, "float16": 2}  # lora_base_dtype -> bytes an element
+
+# Routed experts split over tp by width (erniekit/distributed/collective/runtime.py `_EXPERT_TP_DIM`):
+# gate/up by output columns, down by input rows. An adapter follows its base: of gate/up, B and
+# DoRA's magnitude are split and A is whole on every tp rank; of down, A is split, B and the
+# magnitude whole. (Not imported from runtime.py: planning imports no paddle.)
+EXPERT_ROW_PROJS = ("down_proj",)
+# Linears over tp (runtime.py `_COLUMN`, `_ROW` and the head, by name): a column-parallel one's A, B
+# and DoRA magnitude are split; a row-parallel one's and the head's A and B split, the magnitude
+# ([out], one dim) whole; any other Linear (the vision model's, the MTP input projections) whole
+TP_COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "qkv_proj", "up_gate_proj")
+TP_ROW = ("o_proj", "down_proj", "lm_head")
+
+
+def linear_whole_over_tp(name: str, r: int, fan_in: int, fan_out: int, dora: bool) -> tuple[int, int]:
+    """(adapter elements, base elements) of a Linear that are whole on every tp rank."""
+    if "lm_head" not in name and any(k in name for k in TP_COLUMN):
+        return 0, 0
+    if any(k in name for k in TP_ROW):
+        return (fan_out if dora else 0), 0
+    return r * (fan_in + fan_out) + (fan_out if dora else 0), fan_in * fan_out
+
+
+def expert_adapter_split(proj: str, r: int, fan_in: int, fan_out: int, dora: bool) -> tuple[int, int]:
+    """(elements split over tp, elements whole on every tp rank) of one expert's adapter of `proj`."""
+    a, b = r * fan_in, r * fan_out + (fan_out if dora else 0)  # A; B and the magnitude
+    return (a, b) if proj in EXPERT_ROW_PROJS else (b, a)
+
+
 @dataclass(frozen=True)
 class LayerAdapters:
-    """What one decoder layer's adapters add per token to its LayerCost (planner.py)."""
+    """What one decoder layer's adapters add per token to its LayerCost (planner.py); also what one
+    MTP token (`Adapters.mtp`) or image token (`Adapters.vision`) adds (attention parts and MLP
+    parts summed as one there)."""
 
     attn_flops: float = 0.0
     mlp_flops: float = 0.0  # dense MLP, shared experts, and k routed experts
     routed: float = 0.0  # of mlp_flops / 2: the routed experts' adapter weights one token multiplies
+    # of routed: those of tensors whole on every tp rank (gate/up A, down B), which each tp rank
+    # multiplies in full (the rest is split over tp with the experts' width)
+    routed_whole: float = 0.0
     attn_saved: float = 0.0  # float32 elements the backward keeps
     mlp_saved: float = 0.0
     attn_ops: int = 0  # op launches, forward
     mlp_ops: int = 0  # the dense MLP's and shared experts', and each routed group's fixed ones
     expert_ops: int = 0  # the routed experts' per-expert launches, of all experts: a rank runs its E / ep
+    # a 16-bit base (lora_base_dtype): on GPU the base GEMM keeps its input cast to that dtype
+    # (float32 elements: half the input); on CPU each call upcasts the weight to float32 and the
+    # backward keeps that copy: elements per micro-batch, of modules split over tp / routed experts
+    attn_cast_saved: float = 0.0
+    mlp_cast_saved: float = 0.0
+    attn_upcast: int = 0
+    mlp_upcast: int = 0
+    expert_upcast: int = 0
 
 
 @dataclass(frozen=True)
@@ -153,10 +201,31 @@ class Adapters:
 
     rank: int
     params_dense: int  # adapters of modules split over tp (everything but routed experts)
-    params_experts: int  # adapters of routed experts (split over ep, whole on every tp rank)
+    params_experts: int  # adapters of routed experts (split over ep; over tp: params_experts_split)
     tensors: int  # adapter parameter tensors: A and B (and DoRA's magnitude) per adapted module
     layers: tuple[LayerAdapters, ...]  # per decoder layer of the trunk
     head_flops: float = 0.0  # an untied head's adapter, forward FLOPs per token
+    # the adapted base weights (the base held in `base_bytes` a element; the rest of the model and
+    # the adapters in float32): elements of modules split over tp, and of routed experts
+    base_bytes: int = 4
+    base_dense: int = 0
+    base_experts: int = 0
+    mtp: LayerAdapters = LayerAdapters()  # all MTP blocks' adapters, per token
+    vision: LayerAdapters = LayerAdapters()  # the vision transformer's and resampler's, per image token
+    head_upcast: int = 0  # the head's (CPU, 16-bit base): elements per micro-batch, as layers' upcast
+    # DoRA: forward FLOPs per micro-batch of the column norms ||W + s A B|| (no gradient), and the
+    # bytes the largest module's norm holds while it is computed (s A B, W + s A B and its square,
+    # float32; a routed-experts projection: all its experts at once)
+    dora_flops: float = 0.0
+    dora_transient: float = 0.0  # of a Linear (split over tp)
+    dora_transient_experts: float = 0.0  # of a routed-experts projection (split over ep and tp)
+    # of params_experts: split over tp as well (gate/up: B and the magnitude; down: A); and the
+    # routed-expert adapter tensors whole on every tp rank, whose gradients a hook sums over tp
+    params_experts_split: int = 0
+    tensors_experts_whole: int = 0
+    # of params_dense and base_dense: whole on every tp rank (linear_whole_over_tp)
+    params_dense_whole: int = 0
+    base_dense_whole: int = 0
 
     @property
     def params(self) -> int:
@@ -164,65 +233,149 @@ class Adapters:
 
 
 def count_adapters(
-    c, rank: int, patterns: list[str] | None = None, dora: bool = False, dropout: float = 0.0
+    c,
+    rank: int,
+    patterns: list[str] | None = None,
+    dora: bool = False,
+    dropout: float = 0.0,
+    base_dtype: str | None = None,
 ) -> Adapters:
     """The adapters `apply_lora` would add to the model of config `c` for rank r, target patterns
-    (None: erniekit/nn/lora.py's default), DoRA and adapter dropout."""
-    layers = [_LayerSum() for _ in range(c.num_hidden_layers)]
-    dense = experts = tensors = 0
-    head = 0.0
+    (None: erniekit/nn/lora.py's default), DoRA, adapter dropout and the base's dtype
+    (lora_base_dtype: None or float32, bfloat16, float16)."""
+    if base_dtype not in BASE_DTYPE_BYTES:
+        raise ConfigError(f"lora_base_dtype={base_dtype!r}: use null, bfloat16, float16 or float32")
+    how = _How(rank, c.moe_k, dora, dropout, BASE_DTYPE_BYTES[base_dtype] < 4)
+    layers = [_LayerSum(how) for _ in range(c.num_hidden_layers)]
+    outside = {"mtp": _LayerSum(how), "vision": _LayerSum(how), "head": _LayerSum(how)}
+    total = _Totals()
     for m, projs in adapted(c, list(patterns or DEFAULT_TARGET_MODULES)):
+        for proj, fan_in, fan_out in projs:
+            total.add(m, proj, rank, fan_in, fan_out, dora)
+            sums = layers[m.layer] if m.layer >= 0 else outside.get(m.part)
+            if sums is not None:
+                sums.add(m, proj, fan_in, fan_out)
+    head = outside["head"].done()
+    return Adapters(
+        rank,
+        total.dense,
+        total.experts,
+        total.tensors,
+        tuple(s.done() for s in layers),
+        head_flops=head.attn_flops + head.mlp_flops,
+        base_bytes=BASE_DTYPE_BYTES[base_dtype],
+        base_dense=total.base_dense,
+        base_experts=total.base_experts,
+        mtp=outside["mtp"].done(),
+        vision=outside["vision"].done(),
+        head_upcast=head.attn_upcast + head.mlp_upcast,
+        dora_flops=total.dora_flops,
+        dora_transient=total.dora_transient[0],
+        dora_transient_experts=total.dora_transient[1],
+        params_experts_split=total.experts_split,
+        tensors_experts_whole=total.experts_whole_tensors,
+        params_dense_whole=total.dense_whole[0],
+        base_dense_whole=total.dense_whole[1],
+    )
+
+
+class _Totals:
+    """The model-wide sums: parameters and tensors of the adapters, the adapted base, DoRA's norms."""
+
+    def __init__(self) -> None:
+        self.dense = self.experts = self.tensors = self.base_dense = self.base_experts = 0
+        self.experts_split = self.experts_whole_tensors = 0
+        self.dense_whole = [0, 0]  # adapter and base elements of Linears whole on every tp rank
+        self.dora_flops = 0.0
+        self.dora_transient = [0.0, 0.0]  # a Linear's, a routed-experts projection's
+
+    def add(self, m: Module, proj: str, r: int, fan_in: int, fan_out: int, dora: bool) -> None:
         E = max(m.experts, 1)
-        for _, fan_in, fan_out in projs:
-            n = E * (rank * (fan_in + fan_out) + (fan_out if dora else 0))
-            if m.experts:
-                experts += n
-            else:
-                dense += n
-            tensors += 3 if dora else 2
-            if m.part == "head":
-                head += 2.0 * rank * (fan_in + fan_out)
-            elif m.layer >= 0:
-                layers[m.layer].add(m, rank, fan_in, fan_out, c.moe_k, dropout)
-    return Adapters(rank, dense, experts, tensors, tuple(s.done() for s in layers), head)
+        n = E * (r * (fan_in + fan_out) + (fan_out if dora else 0))
+        if m.experts:
+            self.experts += n
+            self.experts_split += E * expert_adapter_split(proj, r, fan_in, fan_out, dora)[0]
+            # whole on every tp rank: gate/up A; down B (and the magnitude)
+            self.experts_whole_tensors += 2 if dora and proj in EXPERT_ROW_PROJS else 1
+            self.base_experts += E * fan_in * fan_out
+        else:
+            self.dense += n
+            self.base_dense += fan_in * fan_out
+            whole = linear_whole_over_tp(m.name, r, fan_in, fan_out, dora)
+            self.dense_whole = [self.dense_whole[0] + whole[0], self.dense_whole[1] + whole[1]]
+        self.tensors += 3 if dora else 2
+        if dora:  # s A B [in, out] (a GEMM), W + it, its square, the column sums: every forward
+            self.dora_flops += E * (2.0 * r + 3.0) * fan_in * fan_out
+            i = 1 if m.experts else 0
+            self.dora_transient[i] = max(self.dora_transient[i], 3.0 * 4 * E * fan_in * fan_out)
+
+
+@dataclass(frozen=True)
+class _How:
+    rank: int
+    k: int  # routed experts per token
+    dora: bool
+    dropout: float
+    half: bool  # the base held in 16 bits
 
 
 class _LayerSum:
     """One layer's adapter costs while they are summed; routed experts per modality group, of which
     a token runs k experts of its own (the largest group bounds it, as planner.layer_costs does)."""
 
-    def __init__(self) -> None:
-        self.attn = [0.0, 0.0, 0]  # flops, saved, ops
-        self.mlp = [0.0, 0.0, 0]
-        self.routed: dict[str, list] = {}  # stack name -> [weights per token, saved, ops, per-expert ops]
+    def __init__(self, how: _How) -> None:
+        self.how = how
+        self.attn = [0.0, 0.0, 0, 0.0, 0]  # flops, saved, ops, cast saved, upcast elements
+        self.mlp = [0.0, 0.0, 0, 0.0, 0]
+        # stack name -> [weights per token, saved, ops, per-expert ops, upcast elements, cast saved,
+        # weights per token of tensors whole on every tp rank]
+        self.routed: dict[str, list] = {}
 
-    def add(self, m: Module, r: int, fan_in: int, fan_out: int, k: int, dropout: float) -> None:
+    def add(self, m: Module, proj: str, fan_in: int, fan_out: int) -> None:
+        r, h = self.how.rank, self.how
         # x A then (x A) B: the backward keeps x A ([r]); with dropout also the dropped copy of x
         # and its mask (1 byte an element: a quarter of a float32)
-        saved = r + (1.25 * fan_in if dropout > 0 else 0.0)
+        saved = r + (1.25 * fan_in if h.dropout > 0 else 0.0)
+        upcast = fan_in * fan_out * max(m.experts, 1) if h.half else 0
         if m.experts:  # per expert group: two GEMMs and a scale each, and the split, unbind, concat, add
-            acc = self.routed.setdefault(m.name, [0.0, 0.0, 0, 0])
-            acc[0] += k * r * (fan_in + fan_out)
-            acc[1] += k * saved
-            acc[2] += 5
-            acc[3] += (4 if dropout > 0 else 3) * m.experts  # a loop over the experts that got rows
+            acc = self.routed.setdefault(m.name, [0.0, 0.0, 0, 0, 0, 0.0, 0.0])
+            acc[0] += h.k * r * (fan_in + fan_out)
+            acc[6] += h.k * r * (fan_out if proj in EXPERT_ROW_PROJS else fan_in)
+            # DoRA: the pre-scale output and its per-row scales ([out] each) for the product's gradient
+            acc[1] += h.k * (saved + (2 * fan_out if h.dora else 0))
+            # DoRA: the norms (6), the scale, concat, product; a 16-bit base: split, unbind, concat
+            acc[2] += 5 + (9 if h.dora else 0) + (3 if h.half else 0)
+            # a loop over the experts that got rows (DoRA: an expand each; 16-bit: a cast and a GEMM each)
+            acc[3] += (3 + (h.dropout > 0) + h.dora + 2 * h.half) * m.experts
+            acc[4] += upcast
+            acc[5] += h.k * 0.5 * fan_in if h.half else 0.0
             return
         acc = self.attn if m.part == "attn" else self.mlp
-        acc[0] += 2.0 * r * (fan_in + fan_out)
-        acc[1] += saved
-        acc[2] += 5 if dropout > 0 else 4  # (dropout,) two GEMMs, the scale, the add
+        acc[0] += 2.0 * r * (fan_in + fan_out) * m.rows
+        acc[1] += (saved + (fan_out if h.dora else 0)) * m.rows  # DoRA: the pre-scale output
+        # (dropout,) two GEMMs, the scale, the add; DoRA: the norms (6), the scale, the product;
+        # a 16-bit base: the cast (CPU: of the weight, GPU: of the input)
+        acc[2] += 4 + (h.dropout > 0) + (8 if h.dora else 0) + h.half
+        acc[3] += (0.5 * fan_in if h.half else 0.0) * m.rows
+        acc[4] += upcast
 
     def done(self) -> LayerAdapters:
-        routed = max(self.routed.values(), key=lambda a: a[0], default=[0.0, 0.0, 0, 0])
+        routed = max(self.routed.values(), key=lambda a: a[0], default=[0.0, 0.0, 0, 0, 0, 0.0, 0.0])
         return LayerAdapters(
             attn_flops=self.attn[0],
             mlp_flops=self.mlp[0] + 2.0 * routed[0],
             routed=routed[0],
+            routed_whole=routed[6],
             attn_saved=self.attn[1],
             mlp_saved=self.mlp[1] + routed[1],
             attn_ops=self.attn[2],
             mlp_ops=self.mlp[2] + routed[2],
             expert_ops=routed[3],
+            attn_cast_saved=self.attn[3],
+            mlp_cast_saved=self.mlp[3] + routed[5],
+            attn_upcast=self.attn[4],
+            mlp_upcast=self.mlp[4],
+            expert_upcast=sum(a[4] for a in self.routed.values()),
         )
 
 
@@ -234,7 +387,7 @@ def trains_adapters(cfg) -> bool:
 
 
 def adapters_from_config(cfg, c) -> Adapters:
-    """The adapters a LoRA training config (lora_rank, lora_target_modules, use_dora, lora_dropout)
-    adds to its model, of config `c`."""
+    """The adapters a LoRA training config (lora_rank, lora_target_modules, use_dora, lora_dropout,
+    lora_base_dtype) adds to its model, of config `c`."""
     patterns = [cfg.lora_target_modules] if cfg.lora_target_modules else None
-    return count_adapters(c, cfg.lora_rank, patterns, cfg.use_dora, cfg.lora_dropout)
+    return count_adapters(c, cfg.lora_rank, patterns, cfg.use_dora, cfg.lora_dropout, cfg.lora_base_dtype)

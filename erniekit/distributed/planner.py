@@ -20,17 +20,23 @@ Step time = compute + communication, per optimizer step:
             host_sum_*; DistTensors: one call per parameter tensor, as the optimizer issues them;
             sharding: reduce-scatter + all-gather,
             the same bytes in twice the calls), tp all-reduces of activations (4 per
-            layer per micro-batch), expert all-to-all (dispatch + combine, forward and backward),
+            layer per micro-batch; per MoE layer 2 more, the routed experts' partial output and
+            its input's gradient, and the gate weights' gradient), expert all-to-all (dispatch +
+            combine, forward and backward),
             stage-3 parameter all-gathers, pipeline send/recv of activations. Links inside a node
             use the intra-node figures, a group that spans nodes the inter-node ones.
 Memory (per device, float32 training) = params + grads + Adam moments (split by the sharding
-stage) + the activations the forward keeps for the backward (per layer and token, counted from
+stage; over tp as runtime.py places them: projections and routed experts split, norms, routers
+and the vision model whole on every tp rank) + the activations the forward keeps for the backward (per layer and token, counted from
 the tensors this model's forward saves; recompute keeps only the recomputed part's input) x the
 micro-batches in flight (1F1B: pp on the first stage) + the logits + the buffer whole-model
 replicas sum their gradients through + the CPU heap's holes + runtime overhead.
 LoRA (`Workload.lora`, counted by lora_cost.py): the base is held and frozen; gradients, moments,
 the optimizer step and the gradient traffic are the adapters'; a frozen weight's backward computes
 its input's gradient only (2 x forward instead of 3 x), the adapters' own GEMMs are added.
+The adapted base is held in lora_base_dtype (on the CPU its float32 upcasts kept for the
+backward); DoRA's output scale and norms, and the adapters of the MTP blocks and of the vision
+model (per image token, Workload.image_tokens) are added too.
 """
 
 from __future__ import annotations
@@ -198,6 +204,9 @@ class Workload:
     # fine_tuning: LoRA: what the adapters train (lora_cost.py); the base is frozen. None: every
     # parameter trains
     lora: Adapters | None = None
+    # image placeholder tokens per sequence (VL): what the vision adapters run on (the frozen vision
+    # model's own compute is not modelled)
+    image_tokens: float = 0.0
 
 
 # ---- the model's costs ----------------------------------------------------------------------
@@ -210,7 +219,9 @@ class LayerCost:
     mlp_flops: float  # active MLP / experts (k of E) + shared experts + router
     attn_params: int
     mlp_params: int  # all experts
-    expert_params: int  # of mlp_params: routed experts (split by ep; replicated over tp, as runtime places them)
+    expert_params: (
+        int  # of mlp_params: routed experts (split by ep, and by tp over their width, as runtime places them)
+    )
     attn_saved: float  # saved elements outside the [S, S] part
     core_saved_per_s: float  # the attention probabilities: heads per position
     mlp_saved: float
@@ -220,12 +231,16 @@ class LayerCost:
     is_moe: bool = False
     num_experts: int = 0
     routed_per_token: int = 0  # weights one token's routed experts multiply (the larger modality's size)
+    router_params: int = 0  # of mlp_params: the routers (whole on every tp rank)
+    # held, never trained (stop_gradient; the aux-loss-free balancing moves it): the routers'
+    # e_score_correction_bias, E per MoE layer, whole on every tp rank
+    frozen_params: int = 0
 
 
 def layer_costs(c) -> list[LayerCost]:
     """LayerCost of every layer of an Ernie4_5Config (dense or MoE)."""
     H, q, kv = c.hidden_size, c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
-    attn_params = H * (q + 2 * kv) + q * H
+    attn_params = _attn_params(c)
     out = []
     for i in range(c.num_hidden_layers):
         common = dict(
@@ -255,6 +270,8 @@ def layer_costs(c) -> list[LayerCost]:
                     is_moe=True,
                     num_experts=E,
                     routed_per_token=routed,
+                    router_params=H * E,
+                    frozen_params=E,
                 )
             )
         else:
@@ -270,6 +287,57 @@ def layer_costs(c) -> list[LayerCost]:
                 )
             )
     return out
+
+
+def _attn_params(c) -> int:
+    """q, k, v and o of one decoder layer (no biases: use_bias is not counted)."""
+    H, q, kv = c.hidden_size, c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+    return H * (q + 2 * kv) + q * H
+
+
+def mtp_params(c) -> tuple[int, int]:
+    """(split over tp, whole on every tp rank) parameters of the MTP depths (erniekit/nn/mtp.py):
+    each a dense decoder layer (its projections split; its two norms whole), an embedding and a
+    hidden norm and the 2H -> H input projection (whole: runtime.py splits no `mtp_linear_proj`)."""
+    d, H = getattr(c, "num_nextn_predict_layers", 0), c.hidden_size
+    return d * (_attn_params(c) + 3 * H * c.intermediate_size), d * (4 * H + 2 * H * H)
+
+
+@dataclass(frozen=True)
+class ParamCounts:
+    """The model's parameters by how erniekit/distributed/collective/runtime.py `param_placements`
+    places them over tp, which sets each part's share on a rank."""
+
+    split: int  # over tp: projections (attention, dense MLP, shared experts, MTP blocks), embedding, untied head
+    whole: int  # on every tp rank: norms, routers, the MTP input projections, the vision model
+    experts: int  # routed experts: split over tp (their width) and over ep (by expert)
+    frozen: int  # held, never trained, whole on every tp rank: the routers' e_score_correction_bias
+
+    @property
+    def total(self) -> int:
+        return self.split + self.whole + self.experts + self.frozen
+
+    def on_rank(self, p: Plan, trained_only: bool = False) -> float:
+        """One rank's share (a pipeline stage taken as 1 / pp of each part); trained_only: without
+        the frozen ones."""
+        whole = self.whole + (0 if trained_only else self.frozen)
+        return self.split / (p.tp * p.pp) + whole / p.pp + self.experts / (p.tp * p.pp * p.ep)
+
+
+def param_counts(c) -> ParamCounts:
+    """Every parameter of the model built from Ernie4_5Config `c` (no biases: use_bias is not
+    counted), by placement over tp."""
+    layers = layer_costs(c)
+    H, V = c.hidden_size, c.vocab_size
+    mtp_split, mtp_whole = mtp_params(c)
+    routers = sum(l.router_params for l in layers)
+    split = sum(l.attn_params + l.mlp_params - l.expert_params for l in layers) - routers
+    return ParamCounts(
+        split=split + V * H * (1 if c.tie_word_embeddings else 2) + mtp_split,
+        whole=routers + (2 * len(layers) + 1) * H + vision_params(c) + mtp_whole,
+        experts=sum(l.expert_params for l in layers),
+        frozen=sum(l.frozen_params for l in layers),
+    )
 
 
 def vision_params(c) -> int:
@@ -357,27 +425,29 @@ def predict(c, cluster: Cluster, work: Workload, p: Plan) -> Prediction:
     """Step time and peak memory of plan `p` for model config `c` (see the module docstring)."""
     lora = work.lora
     base = layer_costs(c)
-    layers = _with_adapters(base, lora, p.ep)
+    gpu = cluster.device == "gpu"
+    layers = _with_adapters(base, lora, p.ep, gpu)
     L, S, H, V = len(layers), work.seq_len, c.hidden_size, c.vocab_size
     tokens = work.global_batch * S
+    outside = _outside_adapters(lora, work, gpu)  # the MTP blocks' and vision model's adapters, per token
     # ---- compute
     attn = sum(l.attn_flops + l.core_flops_per_s * S for l in layers)
     core = sum(l.core_flops_per_s * S for l in layers)
     mlp = sum(l.mlp_flops for l in layers)
-    head = 2.0 * H * V + (lora.head_flops if lora else 0.0)
+    head = 2.0 * H * V + (lora.head_flops + outside.flops if lora else 0.0)
     fwd = (attn + mlp + head) * tokens
     again = {"none": 0.0, "core_attn": core, "full_attn": attn, "mlp": mlp, "full": attn + mlp}[p.recompute] * tokens
     flops = 3 * fwd + again
     if lora:  # frozen weights: the backward computes their inputs' gradients (1 x forward), not theirs
         flops -= _weight_flops(base, H, V) * tokens
+        flops += lora.dora_flops * p.accumulation * p.dp  # DoRA's column norms: every forward of every replica
     workers = p.dp * p.tp * p.pp
-    # routed experts are replicated over tp (erniekit/distributed/collective/runtime.py): every tp rank runs them
-    routed = sum(2.0 * l.routed_per_token for l in layers if l.is_moe) * tokens
-    frozen_routed = sum(2.0 * l.routed_per_token for l in base if l.is_moe) * tokens if lora else 0.0
-    flops += (p.tp - 1) * (3 * routed - frozen_routed + (routed if p.recompute in ("mlp", "full") else 0.0))
+    # routed experts split over tp by width (runtime.py): each tp rank runs 1/tp of their GEMMs, as of
+    # the rest; their adapters' tensors whole on every tp rank run in full on each
+    flops += (p.tp - 1) * _whole_adapter_flops(lora, p.recompute) * tokens
     m = p.accumulation
     bubble = (m + p.pp - 1) / m
-    ops_per_micro = sum(l.ops for l in layers) / p.pp + 10  # this stage's layers + embedding/head/loss
+    ops_per_micro = sum(l.ops for l in layers) / p.pp + 10 + outside.ops  # + embedding/head/loss
     ops_again = {"none": 0, "core_attn": 4, "full_attn": 12, "mlp": 20, "full": 30}[p.recompute] * L / p.pp
     ops_again += _adapter_ops_again(lora, p.recompute, p.ep) / p.pp
     replicas = _runs_as_replicas(p, work)
@@ -394,24 +464,20 @@ def predict(c, cluster: Cluster, work: Workload, p: Plan) -> Prediction:
     written = _saved_per_token(layers, p.pp, p.tp, S, H, scores, "none")
     again_written = written - _saved_per_token(layers, p.pp, p.tp, S, H, scores, p.recompute)
     traffic = BYTES * (3 * written + again_written) * p.micro_batch * S * m
+    traffic += _upcast_traffic(lora, p, gpu)
     compute = (flops / (workers * cluster.device_flops) + op_time + traffic / cluster.memory_bandwidth) * bubble
     # ---- communication (per step)
     per_node = cluster.devices_per_node
     tp_span = p.tp > per_node
     dp_span = p.tp * p.dp > per_node  # data ranks are strided by tp (tp innermost)
-    n_params_dense = (
-        sum(l.attn_params + l.mlp_params - l.expert_params for l in layers)
-        + V * H * (1 if c.tie_word_embeddings else 2)
-        + (2 * L + 1) * H
-        + vision_params(c)
-    )
-    n_experts = sum(l.expert_params for l in layers)
-    tensors = 9 * L + 2 + sum(3 for l in layers if l.is_moe)  # parameter tensors (one all-reduce each)
+    counts = param_counts(c)
+    tensors = _trained_tensors(c, layers)  # one all-reduce each
     # this rank's share of the model's parameters, and of those that train (LoRA: the adapters only,
     # which tp, pp and ep split as they split the modules they adapt)
-    params = n_params_dense / (p.tp * p.pp) + n_experts / (p.pp * p.ep)
-    trainable = params if lora is None else lora.params_dense / (p.tp * p.pp) + lora.params_experts / (p.pp * p.ep)
+    params = counts.on_rank(p)
+    trainable = counts.on_rank(p, trained_only=True) if lora is None else _adapters_on_rank(lora, p)
     held = params + (trainable if lora else 0.0)  # the base and the adapters
+    held_bytes = BYTES * held - _base_bytes_saved(lora, p)  # lora_base_dtype: the adapted base in 16 bits
     train_tensors = lora.tensors if lora else tensors
     all_tensors = tensors + (lora.tensors if lora else 0)
     bw, lat = _link(cluster, p.dp, dp_span)
@@ -423,10 +489,11 @@ def predict(c, cluster: Cluster, work: Workload, p: Plan) -> Prediction:
     if p.sharding_stage and p.dp > 1:  # reduce-scatter + all-gather: the same bytes, twice the calls
         comm_dp += math.ceil(train_tensors / p.pp) * lat
     if p.sharding_stage == 3:  # every parameter (frozen too) gathered for the forward and again for the backward
-        comm_dp += 2 * _allreduce_s(BYTES * held / 2, p.dp, bw, lat, calls=math.ceil(all_tensors / p.pp))
+        comm_dp += 2 * _allreduce_s(held_bytes / 2, p.dp, bw, lat, calls=math.ceil(all_tensors / p.pp))
     bw, lat = _link(cluster, p.tp, tp_span)
     act_bytes = BYTES * p.micro_batch * S * H
     comm_tp = (4 * L / p.pp + 2) * m * _allreduce_s(act_bytes, p.tp, bw, lat) if p.tp > 1 else 0.0
+    comm_tp += sum(m * _allreduce_s(n, p.tp, bw, lat, calls) for n, calls in _expert_tp_sums(layers, lora, p, S, H))
     comm_ep = 0.0
     if p.ep > 1:
         bw, lat = _link(cluster, p.ep, p.tp * p.ep > per_node)
@@ -440,7 +507,7 @@ def predict(c, cluster: Cluster, work: Workload, p: Plan) -> Prediction:
     comm = comm_dp + comm_tp + comm_ep + comm_pp
     # ---- memory on the first pipeline stage (the fullest under 1F1B)
     shard = p.dp if p.sharding_stage else 1
-    weights = BYTES * held / (shard if p.sharding_stage == 3 else 1)
+    weights = held_bytes / (shard if p.sharding_stage == 3 else 1)
     grads = BYTES * trainable / (shard if p.sharding_stage >= 2 else 1)
     moments = 2 * BYTES * trainable / shard
     # the optimizer step (not in the bubble): AdamW reads weight, gradient and both moments and writes
@@ -448,9 +515,9 @@ def predict(c, cluster: Cluster, work: Workload, p: Plan) -> Prediction:
     # share, and one launch per trained tensor
     optimizer = 8 * BYTES * trainable / shard / cluster.memory_bandwidth + math.ceil(train_tensors / p.pp) * per_op
     compute += optimizer
-    per_token = _saved_per_token(layers, p.pp, p.tp, S, H, scores, p.recompute)
+    per_token = _saved_per_token(layers, p.pp, p.tp, S, H, scores, p.recompute) + outside.saved
     in_flight = min(p.pp, m)
-    activations = BYTES * per_token * p.micro_batch * S * in_flight
+    activations = BYTES * per_token * p.micro_batch * S * in_flight + BYTES * _upcast_kept(lora, p, gpu) * in_flight
     biggest_layer = max(
         (l.attn_saved + (l.core_saved_per_s * S if scores else 0.0) + l.mlp_saved) / p.tp for l in layers
     )
@@ -458,7 +525,7 @@ def predict(c, cluster: Cluster, work: Workload, p: Plan) -> Prediction:
     # made whole and then added into the weight's (the tied head's dW, or an accumulated gradient);
     # none under LoRA (the embedding is frozen)
     embedding_grad = BYTES * V * H / p.tp if lora is None and (c.tie_word_embeddings or m > 1) else 0.0
-    transient = max(BYTES * biggest_layer * p.micro_batch * S, embedding_grad)
+    transient = max(BYTES * biggest_layer * p.micro_batch * S, embedding_grad, _dora_norm_bytes(lora, p))
     # (a pipeline's last stage and MTP read the whole logits)
     if work.fused_head and not spmd and p.pp == 1 and not getattr(c, "num_nextn_predict_layers", 0):
         # one chunk's logits, their gradient written over them; the head's dW, made in the forward,
@@ -492,7 +559,7 @@ def predict(c, cluster: Cluster, work: Workload, p: Plan) -> Prediction:
         "sum_buffer_bytes": sum_buffer,
         "heap_slack_bytes": slack,
         "trainable_params": trainable,
-        "comm_bytes": _comm_bytes(grad_bytes, BYTES * held, act_bytes, p, L, layers, m, S, H),
+        "comm_bytes": _comm_bytes(grad_bytes, held_bytes, act_bytes, p, L, layers, m, S, H, lora),
     }
     pred = Prediction(p, compute + comm, memory, parts)
     if memory > cluster.device_memory:
@@ -500,10 +567,11 @@ def predict(c, cluster: Cluster, work: Workload, p: Plan) -> Prediction:
     return pred
 
 
-def _with_adapters(layers: list[LayerCost], lora: Adapters | None, ep: int) -> list[LayerCost]:
+def _with_adapters(layers: list[LayerCost], lora: Adapters | None, ep: int, gpu: bool = False) -> list[LayerCost]:
     """The layers' costs with what their LoRA adapters add per token (forward FLOPs, saved
     activations, op launches: the routed experts' per expert, of this rank's E / ep); the parameter
-    counts stay the base's (the adapters' are apart)."""
+    counts stay the base's (the adapters' are apart). On a GPU a 16-bit base's GEMMs keep their
+    input cast to it (lora_cost.LayerAdapters)."""
     if lora is None:
         return layers
     return [
@@ -512,12 +580,138 @@ def _with_adapters(layers: list[LayerCost], lora: Adapters | None, ep: int) -> l
             attn_flops=l.attn_flops + a.attn_flops,
             mlp_flops=l.mlp_flops + a.mlp_flops,
             routed_per_token=l.routed_per_token + a.routed,
-            attn_saved=l.attn_saved + a.attn_saved,
-            mlp_saved=l.mlp_saved + a.mlp_saved,
+            attn_saved=l.attn_saved + a.attn_saved + (a.attn_cast_saved if gpu else 0.0),
+            mlp_saved=l.mlp_saved + a.mlp_saved + (a.mlp_cast_saved if gpu else 0.0),
             ops=l.ops + a.attn_ops + a.mlp_ops + a.expert_ops / ep,
         )
         for l, a in zip(layers, lora.layers, strict=True)
     ]
+
+
+@dataclass(frozen=True)
+class _Outside:
+    """The adapters outside the trunk's layers, per text token: forward FLOPs, saved float32
+    elements, op launches per micro-batch."""
+
+    flops: float = 0.0
+    saved: float = 0.0
+    ops: float = 0.0
+
+
+def _outside_adapters(lora: Adapters | None, work: Workload, gpu: bool) -> _Outside:
+    """The MTP blocks' adapters (every token runs them) and the vision model's (per image token:
+    `work.image_tokens` of each sequence); their frozen base's compute is not modelled, in LoRA
+    as in a full fine-tune."""
+    if lora is None:
+        return _Outside()
+    share = work.image_tokens / work.seq_len
+    flops = saved = ops = 0.0
+    for a, per_token in ((lora.mtp, 1.0), (lora.vision, share)):
+        flops += (a.attn_flops + a.mlp_flops) * per_token
+        cast = a.attn_cast_saved + a.mlp_cast_saved if gpu else 0.0
+        saved += (a.attn_saved + a.mlp_saved + cast) * per_token
+        ops += (a.attn_ops + a.mlp_ops) if per_token else 0
+    return _Outside(flops, saved, ops)
+
+
+def _base_bytes_saved(lora: Adapters | None, p: Plan) -> float:
+    """What holding the adapted base weights in lora_base_dtype saves on this rank (0: float32)."""
+    if lora is None:
+        return 0.0
+    return (BYTES - lora.base_bytes) * _adapted_base_on_rank(lora, p)
+
+
+def _upcast_total(lora: Adapters | None, p: Plan) -> float:
+    """float32 elements a CPU rank upcasts per micro-batch from a 16-bit base (every adapted weight
+    of its share: erniekit/nn/lora.py `_mm` casts the weight for each call)."""
+    if lora is None or lora.base_bytes == BYTES:
+        return 0.0
+    return _adapted_base_on_rank(lora, p)
+
+
+def _adapted_base_on_rank(lora: Adapters, p: Plan) -> float:
+    """This rank's share of the adapted base weights: split over tp as runtime.py places them (the
+    vision model's and the MTP input projections whole), over pp, routed experts' over ep."""
+    split = lora.base_dense - lora.base_dense_whole
+    return split / (p.tp * p.pp) + lora.base_dense_whole / p.pp + lora.base_experts / (p.tp * p.pp * p.ep)
+
+
+def _upcast_traffic(lora: Adapters | None, p: Plan, gpu: bool) -> float:
+    """Bytes the CPU's upcasts move per step: the 16-bit weight read, its float32 copy written, each
+    forward (recompute: the recomputed layers' again)."""
+    if gpu or not _upcast_total(lora, p):
+        return 0.0
+    again = _upcast_kept(lora, replace(p, recompute="none"), gpu) - _upcast_kept(lora, p, gpu)
+    return (lora.base_bytes + BYTES) * (_upcast_total(lora, p) + again) * p.accumulation
+
+
+def _upcast_kept(lora: Adapters | None, p: Plan, gpu: bool) -> float:
+    """float32 elements of upcast base weights a CPU micro-batch keeps for its backward (matmul keeps
+    its operands): every adapted module's, but of a recomputed part one layer's only."""
+    if gpu or not _upcast_total(lora, p):
+        return 0.0
+    split = p.tp * p.pp
+    attn = [a.attn_upcast / split for a in lora.layers]
+    mlp = [a.mlp_upcast / split + a.expert_upcast / (split * p.ep) for a in lora.layers]
+    outside = _upcast_total(lora, p) - sum(attn) - sum(mlp)  # head, MTP, vision: never recomputed
+    kept = {
+        "none": sum(attn) + sum(mlp),
+        "core_attn": sum(attn) + sum(mlp),
+        "full_attn": max(attn) + sum(mlp),
+        "mlp": sum(attn) + max(mlp),
+        "full": max(a + b for a, b in zip(attn, mlp)),
+    }[p.recompute]
+    return kept + outside
+
+
+def _dora_norm_bytes(lora: Adapters | None, p: Plan) -> float:
+    """DoRA's norm working set, W + s A B of the largest adapted module (no gradient, freed after):
+    a Linear split over tp, a routed-experts projection over ep and tp."""
+    if lora is None:
+        return 0.0
+    return max(lora.dora_transient / p.tp, lora.dora_transient_experts / (p.tp * p.ep))
+
+
+def _adapters_on_rank(lora: Adapters, p: Plan) -> float:
+    """This rank's share of the adapters: over tp as runtime.py places them (lora_cost.py
+    `linear_whole_over_tp`, `expert_adapter_split`), over pp, routed experts' over ep."""
+    dense = (lora.params_dense - lora.params_dense_whole) / (p.tp * p.pp) + lora.params_dense_whole / p.pp
+    whole = lora.params_experts - lora.params_experts_split
+    return dense + whole / (p.pp * p.ep) + lora.params_experts_split / (p.tp * p.pp * p.ep)
+
+
+def _whole_adapter_flops(lora: Adapters | None, recompute: str) -> float:
+    """FLOPs per token, forward + backward (+ recompute's forward), of the routed experts' adapter
+    tensors whole on every tp rank (gate/up A, down B): each tp rank runs them in full."""
+    if lora is None:
+        return 0.0
+    passes = 3 + (1 if recompute in ("mlp", "full") else 0)
+    return passes * sum(2.0 * a.routed_whole for a in lora.layers)
+
+
+def _expert_tp_sums(layers: list[LayerCost], lora: Adapters | None, p: Plan, S: int, H: int) -> list[tuple[float, int]]:
+    """(bytes, calls) of the all-reduces over tp a micro-batch adds for routed experts split by
+    width (erniekit/distributed/collective/local_experts.py), on this stage: per MoE layer the
+    experts' partial output [tokens, H] (forward, again under mlp / full recompute), its input's
+    gradient [tokens, H] and the gate weights' [tokens, k] (backward); LoRA: the gradients of the
+    expert adapter tensors whole on every tp rank, one call per tensor."""
+    moe = [l for l in layers[: math.ceil(len(layers) / p.pp)] if l.is_moe]
+    if p.tp == 1 or not moe:
+        return []
+    rows = p.micro_batch * S
+    hidden = (2 + (1 if p.recompute in ("mlp", "full") else 0)) * len(moe)
+    out = [(BYTES * rows * H * hidden, hidden), (BYTES * rows * sum(l.moe_k for l in moe), len(moe))]
+    if lora is not None and lora.tensors_experts_whole:
+        whole = lora.params_experts - lora.params_experts_split
+        out.append((BYTES * whole / (p.pp * p.ep), math.ceil(lora.tensors_experts_whole / p.pp)))
+    return out
+
+
+def _trained_tensors(c, layers: list[LayerCost]) -> int:
+    """Trained parameter tensors of a full fine-tune: 9 per dense layer, 12 per MoE layer (router,
+    three routed stacks, three shared), the embedding and final norm, 12 per MTP depth (its layer's
+    9, two norms, the input projection); the vision model's are not counted."""
+    return 9 * len(layers) + 2 + sum(3 for l in layers if l.is_moe) + 12 * getattr(c, "num_nextn_predict_layers", 0)
 
 
 def _weight_flops(layers: list[LayerCost], H: int, V: int) -> float:
@@ -599,7 +793,16 @@ def _saved_per_token(layers, pp: int, tp: int, S: int, H: int, scores: bool, rec
 
 
 def _comm_bytes(
-    grad_bytes: float, param_bytes: float, act_bytes: float, p: Plan, L: int, layers, m: int, S: int, H: int
+    grad_bytes: float,
+    param_bytes: float,
+    act_bytes: float,
+    p: Plan,
+    L: int,
+    layers,
+    m: int,
+    S: int,
+    H: int,
+    lora: Adapters | None = None,
 ) -> float:
     """Bytes one device sends per step (ring collectives: 2(n-1)/n of the buffer); stage 3 adds the
     parameters' gathers, counted at twice the buffer (forward and backward)."""
@@ -607,6 +810,7 @@ def _comm_bytes(
     out = 2.0 * (p.dp - 1) / p.dp * (grad_bytes + gathers) if p.dp > 1 else 0.0
     if p.tp > 1:
         out += (4 * L / p.pp + 2) * m * 2.0 * (p.tp - 1) / p.tp * act_bytes
+        out += sum(m * 2.0 * (p.tp - 1) / p.tp * n for n, _ in _expert_tp_sums(layers, lora, p, S, H))
     if p.ep > 1:
         k = max(l.moe_k for l in layers)
         out += 4 * sum(l.is_moe for l in layers) / p.pp * m * act_bytes * k * (p.ep - 1) / p.ep
@@ -628,15 +832,17 @@ def _divisors(n: int) -> tuple[int, ...]:
     return tuple(small + large[::-1])
 
 
-def why_not(c, p: Plan) -> str:
+def why_not(c, p: Plan, fp8_block: int = 0) -> str:
     """'' when plan p splits the model and batch evenly, else the reason: the same checks as a launch
-    (`layout.check_model_fits`). What this version does not run for a config is `config_refusal`'s."""
+    (`layout.check_model_fits`; fp8_block: the run's fp8_block_size, 0 without FP8, which must tile
+    each tp rank's slice of the experts). What this version does not run for a config is
+    `config_refusal`'s."""
     from erniekit.distributed.collective.layout import check_model_fits
 
     if p.ep not in (1, p.dp):
         return f"ep={p.ep} is neither 1 nor the {p.dp} data ranks"
     try:
-        check_model_fits(_layout(p), c)
+        check_model_fits(_layout(p), c, fp8_block=fp8_block)
     except ConfigError as e:
         return str(e)
     return ""
@@ -766,15 +972,27 @@ def workload_from_config(cfg, world: int | None = None, device: str = "cpu", mod
         fused_attention=device == "gpu",
         replicas=supports.row_losses,
         fused_head=device == "cpu" and supports.fused_head and fused_head_wanted(cfg),
-        lora=_adapters(cfg, model),
+        **_lora_work(cfg, model),
     )
 
 
-def _adapters(cfg, model) -> Adapters | None:
-    """The adapters a LoRA config trains on `model` (None: the config's model config); None for Full."""
+def _lora_work(cfg, model) -> dict:
+    """A LoRA config's Workload fields: the adapters it trains on `model` (None: the config's model
+    config) and a VL model's image tokens per sequence; none for Full."""
     if not trains_adapters(cfg):
-        return None
-    return adapters_from_config(cfg, model if model is not None else model_config_of(cfg))
+        return {}
+    c = model if model is not None else model_config_of(cfg)
+    return {"lora": adapters_from_config(cfg, c), "image_tokens": image_tokens(cfg, c)}
+
+
+def image_tokens(cfg, c) -> float:
+    """Image tokens per sequence of a VL model, taken as one image of `image_max_pixels` (each
+    (patch_size x spatial_merge_size)^2 pixels one token), at most the sequence; 0 for a text model.
+    The data's own count is not read: it is a bound for rows of one image."""
+    v = getattr(c, "vision", None)
+    if v is None:
+        return 0.0
+    return float(min(cfg.max_seq_len, cfg.image_max_pixels // (v.patch_size * v.spatial_merge_size) ** 2))
 
 
 def with_plan(cfg, p: Plan):
@@ -782,13 +1000,19 @@ def with_plan(cfg, p: Plan):
     return replace(cfg, **p.config_overrides())
 
 
-def config_refusal(cfg, device: str) -> Callable[[Plan], str]:
+def config_refusal(cfg, device: str, model=None) -> Callable[[Plan], str]:
     """Why `erniekit train` refuses a plan for this (normalised) training config on `device` ("cpu"
-    or "gpu"); "" when it runs it: the check train runs (config/checks.py layout_refusal)."""
+    or "gpu"); "" when it runs it: the checks train runs, in its order (config/checks.py
+    layout_refusal, then train/model_checks.py's check_model_fits with the config's fp8_block_size
+    on `model`, the model config; default: the config's, `model_config_of`)."""
     from erniekit.config.checks import layout_refusal
 
+    fp8_block = cfg.fp8_block_size if cfg.fp8 else 0
+    c = (model if model is not None else model_config_of(cfg)) if fp8_block else None
+
     def refusal(p: Plan) -> str:
-        return layout_refusal(cfg, _layout(p), cuda=device == "gpu") or ""
+        why = layout_refusal(cfg, _layout(p), cuda=device == "gpu") or ""
+        return why or (why_not(c, p, fp8_block) if fp8_block else "")
 
     return refusal
 
@@ -835,5 +1059,5 @@ def auto_plan(cfg) -> Prediction:
         cluster,
         workload_from_config(cfg, device=runs_on, model=c),
         pipeline=pipeline_refusal(cfg) is None,  # not even enumerated
-        refusal=config_refusal(cfg, runs_on),
+        refusal=config_refusal(cfg, runs_on, model=c),
     )

@@ -281,6 +281,7 @@ class LoraStackedExperts(_LoraMixin, StackedExperts):
         self.fp8_block, self.fp8_grad_format = base.fp8_block, base.fp8_grad_format
         self.expert_offset = base.expert_offset
         self.expert_parallel, self.replicated, self._local = base.expert_parallel, base.replicated, {}
+        self.tensor_parallel = base.tensor_parallel
         self.projs = tuple(projs)
         for p in EXPERT_PROJS:
             setattr(self, p, getattr(base, p))
@@ -333,10 +334,18 @@ class LoraStackedExperts(_LoraMixin, StackedExperts):
         if not self.use_dora:
             return y + lora.astype(y.dtype)
         with paddle.no_grad():  # all experts' column scales at once: m / ||W + s A B||
-            norm = _col_norm(self.param(p).astype(self.compute_dtype) + self._delta(p))
+            norm = self._col_norm(p)
         scale = self.param(f"{p}_lora_magnitude_vector") / norm  # [E, out]
         rows = concat_rows([scale[e].expand([n, scale.shape[-1]]) for n, e in zip(sizes, used)])
         return ((y.astype(self.compute_dtype) + lora) * rows).astype(y.dtype)
+
+    def _col_norm(self, p: str) -> paddle.Tensor:
+        """||W + s A B|| per expert column of this forward's weights; under tensor parallelism the
+        down projection's rows are split over the tp ranks, so its squares are summed over them."""
+        w = self.param(p).astype(self.compute_dtype) + self._delta(p)
+        if p != "down_proj" or self.tensor_parallel is None or not self._local:
+            return _col_norm(w)
+        return paddle.sqrt(self.tensor_parallel.sum((w * w).sum(axis=-2)))
 
     @paddle.no_grad()
     def merge(self) -> None:

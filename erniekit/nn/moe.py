@@ -56,6 +56,15 @@ class ReplicatedExperts(Protocol):
     def run(self, fn, x, topk_idx, topk_weight, keep, params: dict) -> paddle.Tensor: ...
 
 
+class TensorParallel(Protocol):
+    """What a StackedExperts split over tensor-parallel ranks needs from the runtime
+    (erniekit/distributed/collective/local_experts.py): gate/up split by output columns, down by
+    input rows; `sum` adds a non-differentiable partial over the tp ranks (DoRA's column norms of
+    the row-split down projection)."""
+
+    def sum(self, t: paddle.Tensor) -> paddle.Tensor: ...
+
+
 _MASKED = -1e9  # logit of an expert outside the active (elastic) subset: softmax gives ~1e-28
 
 
@@ -202,6 +211,8 @@ class StackedExperts(nn.Layer):
         # gradients summed over the data ranks (erniekit/distributed/collective/replicated_experts.py)
         self.replicated: "ReplicatedExperts | None" = None
         self._local: dict[str, paddle.Tensor] = {}  # during an expert-parallel forward: this process's slices
+        # tensor parallelism: the tp ranks that split every expert's width (set by the runtime)
+        self.tensor_parallel: "TensorParallel | None" = None
         self.gate_proj = self.create_parameter([num_experts, hidden_size, intermediate_size])
         self.up_proj = self.create_parameter([num_experts, hidden_size, intermediate_size])
         self.down_proj = self.create_parameter([num_experts, intermediate_size, hidden_size])

@@ -251,18 +251,24 @@ def cpu_build() -> bool:
     return not paddle.is_compiled_with_cuda() and not paddle.is_compiled_with_xpu()
 
 
-def versions(*tensors) -> tuple[int, ...]:
-    """The in-place versions of tensors a kernel's PyLayer saves (its own inputs, not copies)."""
-    return tuple(t._inplace_version() for t in tensors)
+def versions(*tensors) -> tuple[int, ...] | None:
+    """The in-place versions of tensors a kernel's PyLayer saves (its own inputs, not copies); None
+    (not checked) inside a recomputed part (erniekit/nn/recompute.py): the backward gets the
+    tensors of its second run, run just before, which Paddle's recompute hands back as new tensors
+    of version 0 (a tp slice of an expert weight, updated in place by the optimizer, read as
+    modified after the forward)."""
+    from erniekit.nn.recompute import in_checkpoint
+
+    return None if in_checkpoint() else tuple(t._inplace_version() for t in tensors)
 
 
-def check_versions(op: str, saved: tuple[int, ...], *tensors) -> None:
+def check_versions(op: str, saved: tuple[int, ...] | None, *tensors) -> None:
     """Refuse a backward whose saved inputs were modified in place after the forward (Paddle's
     autograd refuses that too): the gradient would be computed from the new values."""
-    if versions(*tensors) != saved:
+    if saved is not None and tuple(t._inplace_version() for t in tensors) != saved:
         raise RuntimeError(
             f"{op}: an input was modified in place after the forward (versions {saved} -> "
-            f"{versions(*tensors)}), so its gradient would be wrong; modify a copy (x.clone()) instead"
+            f"{tuple(t._inplace_version() for t in tensors)}), so its gradient would be wrong; modify a copy (x.clone()) instead"
         )
 
 

@@ -21,11 +21,18 @@ from typing import Any, Callable
 GRANULARITIES = ("full", "full_attn", "core_attn", "mlp")
 
 _second_run = False
+_inside = 0  # wrapped parts running now, first or second run
 
 
 def recomputing() -> bool:
     """True while a wrapped part runs again in the backward pass."""
     return _second_run
+
+
+def in_checkpoint() -> bool:
+    """True while a wrapped part runs, in the forward or again in the backward: what it saves for
+    the backward comes back from Paddle's recompute as new tensors over the second run's memory."""
+    return _inside > 0
 
 
 def checkpoint(fn: Callable[..., Any], *args: Any) -> Any:
@@ -36,13 +43,15 @@ def checkpoint(fn: Callable[..., Any], *args: Any) -> Any:
     calls = 0
 
     def run(*a):
-        global _second_run
+        global _second_run, _inside
         nonlocal calls
         calls += 1
         prev, _second_run = _second_run, calls > 1
+        _inside += 1
         try:
             return fn(*a)
         finally:
             _second_run = prev
+            _inside -= 1
 
     return recompute(run, *args, use_reentrant=False)

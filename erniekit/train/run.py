@@ -337,7 +337,7 @@ def _place_model(cfg, ctx, model, stage, log) -> None:
     from erniekit.distributed.collective.layout import check_model_fits
     from erniekit.distributed.collective.replicas import host_floats
 
-    check_model_fits(ctx.layout, model.config, stage_layers=cfg.pipeline_stage_layers)
+    check_model_fits(ctx.layout, model.config, cfg.pipeline_stage_layers, cfg.fp8_block_size if cfg.fp8 else 0)
     if stage.supports.row_losses and ctx.use_replicas():  # its losses split by rows
         how = ctx.replicas.choose_transport(host_floats(model.parameters()))
         log(f"data parallelism: {ctx.layout.world} whole-model replicas, gradients summed by one all-reduce ({how})")

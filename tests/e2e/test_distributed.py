@@ -118,13 +118,22 @@ def reference(tmp_path_factory):
         ),
         # data parallel over 2 sharding ranks, ZeRO-1: batch split, optimizer moments split by rows
         ("sharding", "tiny-dense", 4, ["sharding=stage1"], {}),
-        # tensor parallel on MoE: attention and embedding split, routed experts whole on each tp rank
+        # tensor parallel on MoE: attention, embedding and the routed experts' width split
         (
             "tp-moe",
             "tiny-moe",
             8,
             ["tensor_parallel_degree=2"],
-            {"model.layers.0.self_attn.q_proj.weight": [128, 64], "model.layers.1.mlp.experts.up_proj": [8, 128, 128]},
+            {"model.layers.0.self_attn.q_proj.weight": [128, 64], "model.layers.1.mlp.experts.up_proj": [8, 128, 64]},
+        ),
+        # the same, its MoE blocks recomputed in the backward: the recomputed expert GEMMs get their
+        # saved tp slices back as new tensors (erniekit/nn/native.py versions: not read as modified)
+        (
+            "tp-moe-recompute",
+            "tiny-moe",
+            8,
+            ["tensor_parallel_degree=2", "recompute=true", "recompute_granularity=mlp"],
+            {},
         ),
         # data parallel: whole-model replicas on plain tensors, each rank on its rows, gradients
         # summed by one all-reduce (erniekit/distributed/collective/replicas.py); on MoE the router
@@ -432,7 +441,8 @@ def test_tensor_and_expert_parallel_on_four_processes(reference, tmp_path):
     np.testing.assert_allclose(_losses(out), _losses(reference / "moe"), rtol=1e-5)
     plan = json.load(open(out / "parallel_plan.json"))
     assert plan["expert_all_to_all"] == [[0, 2]]  # rank 0's group: tp coordinate 0 of both data ranks
-    assert plan["parameters"]["model.layers.1.mlp.experts.up_proj"]["local_shape"] == [4, 128, 128]
+    # half the experts (ep) and half of each one's width (tp)
+    assert plan["parameters"]["model.layers.1.mlp.experts.up_proj"]["local_shape"] == [4, 128, 64]
 
 
 def test_expert_parallel_over_four_ranks(reference, tmp_path):

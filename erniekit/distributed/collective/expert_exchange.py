@@ -24,7 +24,7 @@ import paddle
 import paddle.distributed as dist
 from paddle.autograd import PyLayer
 
-from erniekit.distributed.collective.local_experts import run_local
+from erniekit.distributed.collective.local_experts import TensorParallelExperts, run_local
 
 
 def pair_rounds(n: int) -> list[list[tuple[int, int]]]:
@@ -60,9 +60,17 @@ class ExpertExchange:
     that split the experts: they are the data ranks with this process's pipeline and tensor
     coordinates. Injected into each StackedExperts as `expert_parallel`."""
 
-    def __init__(self, ranks: list[int], me: int, mesh, pair_groups: dict | None = None):
-        """pair_groups: (lower, higher) exchange index -> the pair's process group (`make_pair_groups`)."""
-        self.ranks, self.mesh = list(ranks), mesh
+    def __init__(
+        self,
+        ranks: list[int],
+        me: int,
+        mesh,
+        pair_groups: dict | None = None,
+        tensor: TensorParallelExperts | None = None,
+    ):
+        """pair_groups: (lower, higher) exchange index -> the pair's process group (`make_pair_groups`);
+        tensor: the tp ranks that split the experts' width (None: no tensor parallelism)."""
+        self.ranks, self.mesh, self.tensor = list(ranks), mesh, tensor
         self.rank, self.size = self.ranks.index(me), len(self.ranks)
         self.pair_groups = pair_groups or {}
         # this rank's partner in each round (None: a bye)
@@ -74,7 +82,7 @@ class ExpertExchange:
     def run(self, fn, x, topk_idx, topk_weight, keep, params: dict) -> paddle.Tensor:
         """fn(x, topk_idx, topk_weight, keep, params) on this process's shards of the (dist)
         tensors; the result is placed as x (its rows are this process's tokens)."""
-        return run_local(fn, self.mesh, x, topk_idx, topk_weight, keep, params)
+        return run_local(fn, self.mesh, x, topk_idx, topk_weight, keep, params, tensor=self.tensor)
 
     def exchange_counts(self, counts: np.ndarray) -> np.ndarray:
         """counts [n, ...] (row r: what this rank sends to rank r) -> [n, ...] (row r: what rank r

@@ -10,6 +10,7 @@ divide the expert count.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from erniekit.errors import ConfigError
@@ -118,9 +119,23 @@ def check_stage_layers(stage_layers: list[int] | None, num_layers: int) -> None:
         )
 
 
-def check_model_fits(lay: Layout, config, stage_layers: list[int] | None = None) -> None:
+def _check_fp8_expert_slices(tp: int, config, fp8_block: int) -> None:
+    """Each tp rank quantises its slice of a routed expert's width in fp8_block tiles."""
+    if not fp8_block or not config.is_moe:
+        return
+    for size in config.expert_sizes:
+        if (size // tp) % fp8_block:
+            raise ConfigError(
+                f"fp8_block_size {fp8_block} does not divide moe_intermediate_size {size} / "
+                f"tensor_parallel_degree {tp} = {size // tp} (each tp rank's slice of the experts); "
+                f"set fp8_block_size to a divisor of {size // tp}, e.g. {math.gcd(size // tp, fp8_block)}"
+            )
+
+
+def check_model_fits(lay: Layout, config, stage_layers: list[int] | None = None, fp8_block: int = 0) -> None:
     """Each degree must split the model evenly: one line naming the key, the sizes and the fix (what
-    this version does not run is config/checks.py layout_refusal's)."""
+    this version does not run is config/checks.py layout_refusal's). fp8_block: the run's
+    fp8_block_size (0: no FP8), which must also tile each tp rank's slice of the experts."""
     if lay.tp > 1:
         sizes = [
             ("num_attention_heads", config.num_attention_heads),
@@ -128,7 +143,7 @@ def check_model_fits(lay: Layout, config, stage_layers: list[int] | None = None)
             ("vocab_size", config.vocab_size),
             ("intermediate_size", config.intermediate_size),
         ]
-        if config.is_moe and config.moe_num_shared_experts:  # shared experts split; routed ones stay whole
+        if config.is_moe:  # shared and routed experts split their width as the dense MLP
             sizes += [("moe_intermediate_size", s) for s in config.expert_sizes]
         for name, size in sizes:
             if size % lay.tp:
@@ -136,6 +151,7 @@ def check_model_fits(lay: Layout, config, stage_layers: list[int] | None = None)
                     f"tensor_parallel_degree {lay.tp} does not divide the model's {name} {size}; "
                     f"use a tensor_parallel_degree that divides it"
                 )
+        _check_fp8_expert_slices(lay.tp, config, fp8_block)
     if lay.ep > 1:
         if not config.is_moe:
             raise ConfigError(f"expert_parallel_degree {lay.ep}: the model is dense (no experts); set it to 1")

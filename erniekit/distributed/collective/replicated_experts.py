@@ -7,8 +7,9 @@ which only exist for local tensors. So a MoE layer's experts run inside `dist.lo
 process's tokens and the whole weights; each trainable weight's local gradient (a sum over this
 rank's tokens) is all-reduced over the data ranks on its way out, so it leaves as the Replicate
 gradient of the global loss, as Paddle's own data parallelism would give it. Over tensor-parallel
-ranks the activations are replicated (a partial sum is reduced first), every tp rank computes the
-same thing, and nothing more is summed.
+ranks the activations are replicated (a partial sum is reduced first) and each tp rank holds a
+slice of every expert's width: outputs and input gradients are summed over the tp ranks
+(local_experts.py).
 
 With FP8 the weight-gradient GEMM's token-run tiles hold this rank's tokens only (as any data-
 parallel FP8 training quantises its local GEMM), so its scales, and the last bits of the curve,
@@ -20,14 +21,15 @@ from __future__ import annotations
 import paddle
 import paddle.distributed as dist
 
-from erniekit.distributed.collective.local_experts import run_local
+from erniekit.distributed.collective.local_experts import TensorParallelExperts, run_local
 
 
 class ReplicatedExperts:
-    def __init__(self, mesh, group, size: int):
+    def __init__(self, mesh, group, size: int, tensor: TensorParallelExperts | None = None):
         """group: the process group of this rank's data ranks (None: the whole job); size: how many
-        they are (1: nothing to sum, e.g. tensor parallelism alone)."""
-        self.mesh, self.group, self.size = mesh, group, size
+        they are (1: nothing to sum, e.g. tensor parallelism alone); tensor: the tp ranks that
+        split the experts' width (None: no tensor parallelism)."""
+        self.mesh, self.group, self.size, self.tensor = mesh, group, size, tensor
 
     def _sum_over_data_ranks(self, grad: paddle.Tensor) -> paddle.Tensor:
         grad = grad.contiguous()
@@ -45,4 +47,4 @@ class ReplicatedExperts:
             for w in params.values():
                 w.grad_sums_over_ranks = True
         hook = self._hook_weights if self.size > 1 and self.group is not None else None  # a subgroup
-        return run_local(fn, self.mesh, x, topk_idx, topk_weight, keep, params, on_weights=hook)
+        return run_local(fn, self.mesh, x, topk_idx, topk_weight, keep, params, on_weights=hook, tensor=self.tensor)

@@ -7,8 +7,9 @@ op that needs the full tensor). The loop builds the same global batch on every r
 rank keeps its slice, so a 2-process run trains on exactly the batches of a 1-process run.
 
 Placements over the mesh dims (pp, dp, sharding, tp):
-  tp  column-parallel q/k/v/gate/up (and shared experts'), row-parallel o/down (their input
-      width), vocab-parallel embedding (tied to the LM head); routed experts replicated;
+  tp  column-parallel q/k/v/gate/up (shared and routed experts' too), row-parallel o/down (their
+      input width), vocab-parallel embedding (tied to the LM head); the routed experts' partial
+      sums and input gradients are summed over the tp ranks (local_experts.py);
   dp, sharding  experts split by expert over all the data ranks when expert_parallel_degree > 1,
       tokens moved to them and back by all-to-all (erniekit/distributed/collective/expert_exchange.py);
   sharding  optimizer moments split by rows (ZeRO stage 1; `optimizer_state_placements`);
@@ -30,6 +31,7 @@ import paddle.distributed as dist
 
 from erniekit.distributed.collective.expert_exchange import ExpertExchange, make_pair_groups
 from erniekit.distributed.collective.layout import DIMS, Layout
+from erniekit.distributed.collective.local_experts import TensorParallelExperts
 from erniekit.distributed.collective.pipeline import PipelineTopology, new_group
 from erniekit.distributed.collective.replicas import DataReplicas
 from erniekit.distributed.collective.replicated_experts import ReplicatedExperts
@@ -38,9 +40,27 @@ from erniekit.nn.moe import StackedExperts
 _COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "qkv_proj", "up_gate_proj")
 _ROW = ("o_proj", "down_proj")
 
+# routed experts' [E, in, out] tensors over tp, as the dense MLP: gate/up column-parallel (their
+# output width), down row-parallel (its input width); a LoRA adapter follows its base (column: B
+# and DoRA's magnitude split, A whole; row: A split, B and the magnitude whole)
+_EXPERT_TP_DIM = {
+    "column": {"": 2, "_lora_A": None, "_lora_B": 2, "_lora_magnitude_vector": 1},
+    "row": {"": 1, "_lora_A": 1, "_lora_B": None, "_lora_magnitude_vector": None},
+}
+
 # the context whose data ranks split the batches built while a run is in progress: set for the
 # duration of one run by `placing_batches` (never left behind for the next run in this process)
 _PLACING: ContextVar["ParallelContext | None"] = ContextVar("erniekit_placing_batches", default=None)
+
+
+def expert_tp_dim(name: str) -> int | None:
+    """The dim a routed-expert parameter (`...experts.<proj>[_lora_A|_lora_B|_lora_magnitude_vector]`)
+    splits over tp; None: whole on every tp rank."""
+    leaf = name.rsplit(".", 1)[-1]
+    for proj, kind in (("gate_proj", "column"), ("up_proj", "column"), ("down_proj", "row")):
+        if leaf.startswith(proj) and leaf[len(proj) :] in _EXPERT_TP_DIM[kind]:
+            return _EXPERT_TP_DIM[kind][leaf[len(proj) :]]
+    return None
 
 
 class ParallelContext:
@@ -53,6 +73,7 @@ class ParallelContext:
         self.pipeline: PipelineTopology | None = None
         self._exchange: ExpertExchange | None = None
         self._replicated: ReplicatedExperts | None = None
+        self._tensor: list[TensorParallelExperts | None] = []  # [the tp ranks of this one], once made
         # plain data parallelism on whole-model replicas (set by `use_replicas` before shard_model)
         self.replicas: DataReplicas | None = None
 
@@ -89,8 +110,8 @@ class ParallelContext:
         if lay.tp > 1:
             if "embed_tokens" in name or "lm_head" in name:
                 dims["tp"] = 0 if p.shape[0] % lay.tp == 0 and p.ndim == 2 else None
-            elif is_expert:  # routed experts stay whole on each tp rank (split them with ep): split over
-                pass  # tp, the ranks routed differently after the first update (gloo size mismatch)
+            elif is_expert:
+                dims["tp"] = expert_tp_dim(name)
             elif any(k in name for k in _COLUMN):
                 dims["tp"] = p.ndim - 1
             elif any(k in name for k in _ROW) and p.ndim == 2:
@@ -135,6 +156,7 @@ class ParallelContext:
             if isinstance(layer, StackedExperts):
                 layer.expert_parallel = exchange
                 layer.replicated = replicated
+                layer.tensor_parallel = self.tensor_experts()
 
         dist.shard_layer(model, self.mesh, shard_fn)
 
@@ -151,7 +173,9 @@ class ParallelContext:
             c = lay.coords(me)
             every = [self._data_ranks_at(pp, tp) for pp in range(lay.pp) for tp in range(lay.tp)]
             groups = make_pair_groups(every, me) if lay.ep > 2 else {}  # 2 ranks: each group's ops pair up
-            self._exchange = ExpertExchange(self._data_ranks_at(c["pp"], c["tp"]), me, self.mesh, groups)
+            self._exchange = ExpertExchange(
+                self._data_ranks_at(c["pp"], c["tp"]), me, self.mesh, groups, self.tensor_experts()
+            )
         return self._exchange
 
     def _data_ranks_at(self, pp: int, tp: int) -> list[int]:
@@ -177,8 +201,27 @@ class ParallelContext:
                     g = new_group(ranks)
                     if me in ranks:
                         group = g
-            self._replicated = ReplicatedExperts(self.mesh, group, self.data_ranks)
+            self._replicated = ReplicatedExperts(self.mesh, group, self.data_ranks, self.tensor_experts())
         return self._replicated
+
+    def tensor_experts(self) -> TensorParallelExperts | None:
+        """The tp ranks that split every routed expert's width with this process, None without tp.
+        The first call creates the tp groups when the job has more ranks than tp (collective:
+        every rank makes them all, from shard_model)."""
+        lay = self.layout
+        if lay.tp == 1:
+            return None
+        if not self._tensor:
+            group = None  # the tp ranks are the whole job
+            if lay.world > lay.tp:
+                me = dist.get_rank()
+                for start in range(0, lay.world, lay.tp):  # tp innermost: consecutive ranks
+                    ranks = list(range(start, start + lay.tp))
+                    g = new_group(ranks)
+                    if me in ranks:
+                        group = g
+            self._tensor.append(TensorParallelExperts(group, self.axis["tp"]))
+        return self._tensor[0]
 
     def plan(self, model: paddle.nn.Layer) -> dict:
         if self.pipeline is not None:  # rank 0 writes it: the first stage's parameters

@@ -78,7 +78,15 @@ def test_model_that_splits_evenly_passes():
 
 
 def test_tensor_parallel_moe_is_accepted():
-    check_model_fits(Layout(tp=2), get_preset("tiny-moe"))  # routed experts stay whole on each tp rank
+    check_model_fits(Layout(tp=2), get_preset("tiny-moe"))  # the experts' width 128 splits in two
+
+
+def test_fp8_blocks_must_tile_each_tp_ranks_slice_of_the_experts():
+    moe = get_preset("tiny-moe")  # moe_intermediate_size 128: 64 per rank at tp=2
+    check_model_fits(Layout(tp=2), moe, fp8_block=64)
+    check_model_fits(Layout(dp=2), moe, fp8_block=128)  # no tp: the whole width
+    with pytest.raises(ConfigError, match=r"fp8_block_size 128 does not divide .* = 64 .* e\.g\. 64"):
+        check_model_fits(Layout(tp=2), moe, fp8_block=128)
 
 
 def test_config_validation_of_launch_keys():

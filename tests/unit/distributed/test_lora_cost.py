@@ -74,6 +74,17 @@ def test_the_modules_listed_from_the_config_are_the_built_models(args):
         # per-expert names select a routed projection; shared experts; DoRA's magnitude vectors
         ["model_name_or_path=tiny-moe", "lora_target_modules=.*experts\\.\\d+\\.down_proj|.*shared.*", "use_dora=true"],
         ["model_name_or_path=tiny-vl", "lora_target_modules=.*\\.(qkv|o_proj)|.*experts_1"],  # vision, 2nd group
+        # the base held in 16 bits: DoRA on routed experts and attention; vision, MTP blocks and a head
+        ["model_name_or_path=tiny-moe", "use_dora=true", "lora_base_dtype=bfloat16"],
+        ["model_name_or_path=tiny-vl", "lora_target_modules=.*\\.(qkv|fc1|q_proj|mlp)", "lora_base_dtype=float16"],
+        [
+            "model_name_or_path=tiny-dense",
+            "model_overrides.num_nextn_predict_layers=1",
+            "model_overrides.tie_word_embeddings=false",
+            "lora_target_modules=.*(q_proj|down_proj|lm_head|linear_proj.*)",
+            "use_dora=true",
+            "lora_base_dtype=bfloat16",
+        ],
     ],
 )
 def test_the_trainable_parameters_the_planner_assumes_are_the_built_lora_models(args):
@@ -85,6 +96,197 @@ def test_the_trainable_parameters_the_planner_assumes_are_the_built_lora_models(
     assert 0 < trainable < total / 2
     assert pred.parts["trainable_params"] == trainable
     assert pred.parts["grads_bytes"] == 4 * trainable and pred.parts["moments_bytes"] == 8 * trainable
+    # the bytes held: the adapted base in lora_base_dtype, everything else as built (float32 here),
+    # the MoE gates' e_score_correction_bias and the MTP blocks included
+    assert pred.parts["params_bytes"] == _bytes(model)
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["model_name_or_path=tiny-moe", "lora_rank=16"],  # the default targets: attention, MLPs, experts
+        # routed experts (gate/up: B and the magnitude split; down: A split), shared experts, o_proj's
+        # magnitude (whole: one dim of a row-parallel Linear)
+        [
+            "model_name_or_path=tiny-moe",
+            "lora_target_modules=.*experts|.*shared.*|.*o_proj",
+            "use_dora=true",
+            "lora_base_dtype=bfloat16",
+        ],
+        ["model_name_or_path=tiny-vl", "lora_target_modules=.*\\.(qkv|o_proj|fc1|mlp)|.*experts_1"],  # vision: whole
+        [  # the MTP input projection (whole), an untied head (its magnitude whole)
+            "model_name_or_path=tiny-dense",
+            "model_overrides.num_nextn_predict_layers=1",
+            "model_overrides.tie_word_embeddings=false",
+            "lora_target_modules=.*(q_proj|down_proj|lm_head|linear_proj.*)",
+            "use_dora=true",
+            "lora_base_dtype=bfloat16",
+        ],
+    ],
+)
+def test_a_tp_ranks_share_of_base_and_adapters_is_what_the_runtime_places_on_it(args):
+    """At tp=2 (with ep=2 on MoE) each rank holds and trains what runtime.py's placements leave it:
+    the adapters follow their base over tp, routed experts' split by width (lora_cost.py)."""
+    from rank_shares import local_bytes, local_elements
+
+    from erniekit.distributed.collective.layout import Layout
+
+    cfg = _cfg("fine_tuning=LoRA", *args)
+    model, c = _built(cfg), P.model_config_of(cfg)
+    ep = 2 if c.is_moe else 1
+    for lay, plan in (
+        (Layout(tp=2), P.Plan(1, 2, 1, 1, 0, "none", 2, 1)),
+        (Layout(dp=2, tp=2, ep=ep), P.Plan(2, 2, 1, ep, 0, "none", 2, 1)),
+    ):
+        pred = P.predict(c, CLUSTER, P.workload_from_config(cfg, plan.dp * plan.tp, "gpu"), plan)
+        assert pred.parts["trainable_params"] == local_elements(model, lay)[1], lay
+        assert pred.parts["params_bytes"] == local_bytes(model, lay), lay  # the adapted base in its dtype
+
+
+def test_tp_ranks_run_the_whole_expert_adapter_tensors_in_full_and_sum_their_gradients():
+    """Of a routed projection's adapter, gate/up A and down B are whole on every tp rank: each rank
+    multiplies them in full (forward, both backward GEMMs), the rest of the model's GEMMs are halved
+    at tp=2; a hook all-reduces their gradients over tp, one call per tensor, each micro-batch."""
+    free = dataclasses.replace(CLUSTER, op_overhead_s=0.0, memory_bandwidth=1e30, intra_node_latency_s=1e-4)
+    pred = {}
+    for ft in ("Full", "LoRA"):
+        cfg = _cfg(f"fine_tuning={ft}", "model_name_or_path=tiny-moe", "lora_target_modules=.*experts")
+        work = P.workload_from_config(cfg, 1, "gpu")  # one global batch for both layouts
+        for tp in (1, 2):
+            pred[ft, tp] = P.predict(P.model_config_of(cfg), free, work, P.Plan(1, tp, 1, 1, 0, "none", 2, 1))
+    E, k, r, H, moe, tokens = 8, 2, 8, 128, 3, 2 * S
+    whole_flops = 3 * moe * 2 * k * r * 3 * H * tokens  # 3 passes, 2 FLOPs a weight, gate A, up A, down B
+    one, two = pred["LoRA", 1].parts["compute_s"], pred["LoRA", 2].parts["compute_s"]
+    assert two == pytest.approx((one + whole_flops / free.device_flops) / 2, rel=1e-12)
+    whole = 4 * moe * E * r * 3 * H  # bytes of the whole tensors' gradients
+    hooks = 3 * moe * 1e-4 + whole / free.intra_node_bandwidth  # ring of 2: the buffer once
+    added = pred["LoRA", 2].parts["comm_tp_s"] - pred["Full", 2].parts["comm_tp_s"]
+    assert added == pytest.approx(hooks, rel=1e-12)
+
+
+def _bytes(model) -> int:
+    return sum(int(p.numel()) * p.element_size() for p in model.parameters())
+
+
+def test_a_16_bit_base_is_counted_as_held_and_its_upcasts_as_the_device_keeps_them():
+    """lora_base_dtype: the adapted base weights take 2 bytes, everything else 4. Paddle's CPU build
+    has no bf16 matmul, so each adapted GEMM upcasts its weight and the backward keeps that float32
+    copy (erniekit/nn/lora.py `_mm`): 4 bytes per adapted base element per micro-batch (and in the
+    heap's holes after it). On a GPU the activations are cast instead: half of each input kept."""
+    cfgs = {
+        bd: _cfg("model_name_or_path=tiny-dense", "fine_tuning=LoRA", *bd) for bd in ((), ("lora_base_dtype=bfloat16",))
+    }
+    model = _built(cfgs[("lora_base_dtype=bfloat16",)])
+    half = sum(int(p.numel()) for p in model.parameters() if str(p.dtype).endswith("bfloat16"))
+    assert half == 4 * (128 * (128 + 64 + 64) + 128 * 128 + 3 * 128 * 384)  # q, k, v, o; gate, up, down
+    preds = {}
+    for device in ("cpu", "gpu"):
+        cluster = dataclasses.replace(CLUSTER, device=device)
+        for bd, cfg in cfgs.items():
+            preds[device, bd] = P.predict(P.model_config_of(cfg), cluster, P.workload_from_config(cfg, 1, device), ONE)
+    for device in ("cpu", "gpu"):
+        f32, b16 = preds[device, ()].parts, preds[device, ("lora_base_dtype=bfloat16",)].parts
+        assert f32["params_bytes"] - b16["params_bytes"] == 2 * half
+        assert f32["trainable_params"] == b16["trainable_params"]
+    cpu = [preds["cpu", bd].parts for bd in cfgs]
+    assert cpu[1]["activations_bytes"] - cpu[0]["activations_bytes"] == 4 * half
+    assert cpu[1]["heap_slack_bytes"] - cpu[0]["heap_slack_bytes"] == 4 * half
+    gpu = [preds["gpu", bd].parts for bd in cfgs]
+    fan_in = 4 * 128 + 2 * 128 + 384  # q, k, v, o; gate, up; down
+    cast = 4 * 0.5 * fan_in * 4 * ONE.micro_batch * S  # float32 bytes: half the input, 4 layers
+    assert gpu[1]["activations_bytes"] - gpu[0]["activations_bytes"] == pytest.approx(cast, rel=1e-12)
+
+
+def test_a_recomputed_part_keeps_one_layers_upcast_weights():
+    cfg = _cfg("model_name_or_path=tiny-dense", "fine_tuning=LoRA", "lora_base_dtype=bfloat16")
+    work = P.workload_from_config(cfg, 1)
+    kept = {rc: P._upcast_kept(work.lora, dataclasses.replace(ONE, recompute=rc), False) for rc in P.RECOMPUTE_MODES}
+    attn, mlp = 128 * (128 + 64 + 64) + 128 * 128, 3 * 128 * 384  # per layer
+    assert kept["none"] == kept["core_attn"] == 4 * (attn + mlp)
+    assert (kept["full_attn"], kept["mlp"], kept["full"]) == (attn + 4 * mlp, 4 * attn + mlp, attn + mlp)
+
+
+def test_dora_keeps_each_adapted_output_before_its_scale_and_computes_its_norms_every_forward():
+    """DoRA: y = m / ||W + s A B|| (x W + s x A B): the product's backward keeps the pre-scale output
+    ([out] per token, per routed token also its row scales), and every forward computes s A B and
+    the column norms of W + s A B (2r + 3 FLOPs per base weight) without a gradient."""
+    free = dataclasses.replace(CLUSTER, op_overhead_s=0.0, memory_bandwidth=1e30)
+    preds = []
+    for dora in ("false", "true"):
+        cfg = _cfg("model_name_or_path=tiny-dense", "fine_tuning=LoRA", f"use_dora={dora}", "lora_rank=8")
+        preds.append(P.predict(P.model_config_of(cfg), free, P.workload_from_config(cfg, 1, "gpu"), ONE).parts)
+    fan_out = 128 + 64 + 64 + 128 + 384 + 384 + 128
+    tokens = ONE.micro_batch * S
+    assert preds[1]["activations_bytes"] - preds[0]["activations_bytes"] == pytest.approx(4 * fan_out * 4 * tokens)
+    base = 4 * (128 * (128 + 64 + 64) + 128 * 128 + 3 * 128 * 384)
+    assert preds[1]["compute_s"] - preds[0]["compute_s"] == pytest.approx((2 * 8 + 3) * base / free.device_flops)
+    assert preds[1]["trainable_params"] - preds[0]["trainable_params"] == fan_out * 4  # the magnitudes
+    moe = LC.count_adapters(P.model_config_of(_cfg("model_name_or_path=tiny-moe")), 8, dora=True)
+    assert moe.dora_transient_experts == 3 * 4 * 8 * 128 * 128  # all 8 experts' [128, 128] at once
+
+
+def _trainable_rows(model, names: str) -> int:
+    return sum(int(p.numel()) for n, p in model.named_parameters() if not p.stop_gradient and n.startswith(names))
+
+
+def test_the_mtp_blocks_adapters_train_on_every_token():
+    """Every token runs the MTP blocks: their adapters' 2 r (in + out) FLOPs per token (twice their
+    parameters, counted on the built model) at 3 x for forward and backward."""
+    free = dataclasses.replace(CLUSTER, op_overhead_s=0.0, memory_bandwidth=1e30)
+    computes = {}
+    for ft in ("Full", "LoRA"):
+        for depth in (0, 2):
+            cfg = _cfg(
+                "model_name_or_path=tiny-dense",
+                f"fine_tuning={ft}",
+                f"model_overrides.num_nextn_predict_layers={depth}",
+            )
+            pred = P.predict(P.model_config_of(cfg), free, P.workload_from_config(cfg, 1, "gpu"), ONE)
+            computes[ft, depth] = pred.parts["compute_s"]
+    assert computes["Full", 2] == computes["Full", 0]  # the MTP blocks' own compute is not modelled
+    cfg = _cfg("model_name_or_path=tiny-dense", "fine_tuning=LoRA", "model_overrides.num_nextn_predict_layers=2")
+    mtp = _trainable_rows(_built(cfg), "mtp.")
+    assert mtp == 2 * 8 * (2 * (128 + 128) + 2 * (128 + 64) + 3 * (128 + 384))
+    added = 3 * 2 * mtp * ONE.micro_batch * S / free.device_flops
+    assert computes["LoRA", 2] - computes["LoRA", 0] == pytest.approx(added, rel=1e-9)
+
+
+def test_the_vision_adapters_run_on_each_image_tokens_patches():
+    """An image token is spatial_merge_size^2 patches in the vision transformer and one row in the
+    resampler: the rows each adapted vision module of the built tiny-vl sees for one image."""
+    import numpy as np
+    import paddle
+
+    args = ("model_name_or_path=tiny-vl", "fine_tuning=LoRA", r"lora_target_modules=.*\.(qkv|fc2|mlp)")
+    cfg = _cfg(*args)
+    c = P.model_config_of(cfg)
+    model = _built(cfg)
+    rows: dict[str, int] = {}
+    for name, layer in model.named_sublayers():
+        if name.startswith(("vision_model", "resampler_model")) and hasattr(layer, "lora_A"):
+            layer.register_forward_post_hook(
+                lambda l, i, o, name=name: rows.__setitem__(name, int(np.prod(o.shape[:-1])))
+            )
+    v, merge = c.vision, c.vision.spatial_merge_size
+    grid = np.array([[1, 2 * merge, 3 * merge]])  # 24 patches, 6 image tokens
+    pixels = paddle.randn([int(grid.prod()), v.in_channels * v.patch_size**2])
+    model.visual_features(pixels, grid)
+    image_tokens = int(grid.prod()) // merge**2
+    counted = {m.name: m.rows for m, _ in LC.adapted(c, [cfg.lora_target_modules])}
+    assert rows and rows == {n: r * image_tokens for n, r in counted.items() if n in rows}
+    assert set(rows) == {n for n in counted if n.startswith(("vision_model", "resampler_model"))}
+    # the step: 3 x 2 r (in + out) x rows per image token; the config's bound is one image of
+    # image_max_pixels per row (84 x 84: 9 tokens)
+    work = P.workload_from_config(_cfg(*args, "image_max_pixels=7056"), 1, "gpu")
+    assert work.image_tokens == 9
+    free = dataclasses.replace(CLUSTER, op_overhead_s=0.0, memory_bandwidth=1e30)
+    with_images = P.predict(c, free, work, ONE).parts["compute_s"]
+    without = P.predict(c, free, dataclasses.replace(work, image_tokens=0.0), ONE).parts["compute_s"]
+    vision = [(m, projs) for m, projs in LC.adapted(c, [cfg.lora_target_modules]) if m.part == "vision"]
+    per_image_token = sum(2 * 8 * (i + o) * m.rows for m, projs in vision for _, i, o in projs)
+    assert with_images - without == pytest.approx(
+        3 * per_image_token * 9 * ONE.micro_batch / free.device_flops, rel=1e-9
+    )
 
 
 def test_targets_that_apply_lora_refuses_are_refused_by_the_planner_too():

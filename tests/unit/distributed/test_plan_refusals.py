@@ -27,6 +27,14 @@ def _cluster(tmp_path, extra: str = "") -> str:
     return str(f)
 
 
+def _train_checks(cfg) -> None:
+    """What `erniekit train` checks before any process starts (train/start.py): the config, then the
+    model-dependent checks of a multi-process launch (check_model_fits with the FP8 block)."""
+    from erniekit.train.model_checks import check_model_before_launch
+
+    check_model_before_launch(validate(cfg))
+
+
 def _plan_rows(tmp_path, capsys, *args) -> tuple[list[dict], str]:
     out = tmp_path / "plans.json"
     assert main(["plan", SFT, f"cluster={_cluster(tmp_path)}", "--json", str(out), *args]) == 0
@@ -46,8 +54,8 @@ def test_plan_leaves_out_the_pipeline_layouts_train_refuses_for_the_config_and_s
 
 
 def test_every_layout_plan_lists_is_refused_or_run_by_train_exactly_as_it_says(tmp_path, capsys, monkeypatch):
-    """--all marks each refused layout with train's own one-line error: validating the config with
-    that layout applied raises exactly it, and passes for every layout left unmarked."""
+    """--all marks each refused layout with train's own one-line error: checking the config with
+    that layout applied as train does raises exactly it, and passes for every layout left unmarked."""
     monkeypatch.chdir(ROOT)  # the config's data paths
     rows, _ = _plan_rows(tmp_path, capsys, "--all")
     layouts = {}
@@ -60,10 +68,33 @@ def test_every_layout_plan_lists_is_refused_or_run_by_train_exactly_as_it_says(t
         cfg = P.with_plan(base, P.Plan(**r["plan"]))
         if r["refused"]:
             with pytest.raises(ConfigError) as e:
-                validate(cfg)
+                _train_checks(cfg)
             assert str(e.value) == r["refused"], r["layout"]
         else:
-            validate(cfg)
+            _train_checks(cfg)
+
+
+FP8_TP2 = "fp8_block_size 128 does not divide moe_intermediate_size 128 / tensor_parallel_degree 2 = 64"
+
+
+def test_plan_refuses_tp_where_the_fp8_block_does_not_tile_each_ranks_slice_of_the_experts(
+    tmp_path, capsys, monkeypatch
+):
+    """The tiny SFT config runs tiny-moe's experts in FP8 with 128-wide blocks; tp=2 splits each
+    expert to 64 columns, which train refuses before any process starts (layout.check_model_fits).
+    The plan marks those layouts with train's line; with 64-wide blocks it ranks them."""
+    rows, text = _plan_rows(tmp_path, capsys, "--all")
+    tp2 = [r for r in rows if r["plan"]["tp"] == 2]
+    assert tp2 and all(r["refused"].startswith(FP8_TP2) for r in tp2)
+    assert not any(FP8_TP2 in r["refused"] for r in rows if r["plan"]["tp"] == 1)
+    monkeypatch.chdir(ROOT)  # the config's data paths
+    cfg = P.with_plan(load_config(SFT, ["nproc_per_node=2", f"output_dir={tmp_path / 'o'}"]), P.Plan(**tp2[0]["plan"]))
+    with pytest.raises(ConfigError) as e:
+        _train_checks(cfg)
+    assert str(e.value) == tp2[0]["refused"]
+    rows, _ = _plan_rows(tmp_path, capsys, "--all", "fp8_block_size=64")
+    assert any(r["plan"]["tp"] == 2 and not r["refused"] for r in rows)
+    assert not any("fp8_block_size" in r["refused"] for r in rows)
 
 
 def test_parallel_auto_picks_the_fastest_layout_train_runs(tmp_path):

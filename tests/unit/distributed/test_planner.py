@@ -7,6 +7,7 @@ import os
 from pathlib import Path
 
 import pytest
+from rank_shares import local_elements
 
 from erniekit.cli import main
 from erniekit.config import load_config, validate
@@ -105,7 +106,7 @@ def test_replicas_sum_through_shared_memory_on_one_host_and_distensors_pay_per_o
     shm = dataclasses.replace(CLUSTER, host_sum_bandwidth=2e10, host_sum_latency_s=5e-6)
     dp = P.Plan(4, 1, 1, 1, 0, "none", 4, 1)
     r = P.predict(c, shm, WORK, dp)
-    grads = r.parts["params_bytes"]
+    grads = r.parts["grads_bytes"]  # the parameters less the routers' correction biases (never trained)
     assert r.parts["comm_dp_s"] == pytest.approx(5e-6 + grads / 2e10, rel=1e-9)
     # two nodes: the data ranks span them, gloo's one all-reduce over the inter-node link
     two = dataclasses.replace(shm, nodes=2, devices_per_node=2)
@@ -387,17 +388,67 @@ def test_parallel_auto_applies_the_best_plan_keeping_the_global_batch(tmp_path):
         validate(load_config(None, base + ["parallel=auto", f"cluster={cluster}"]))
 
 
-@pytest.mark.parametrize("name", ["tiny-moe", "tiny-vl"])
-def test_parameter_count_is_the_built_models(name):
-    """Text and vision expert groups of their own sizes, the vision transformer and resampler:
-    the planner's count is the model's, less the routers' correction biases (E per MoE layer)."""
+@pytest.mark.parametrize(
+    "name, overrides",
+    [
+        ("tiny-moe", None),
+        ("tiny-vl", None),
+        ("tiny-dense", {"num_nextn_predict_layers": 1}),
+        ("tiny-moe", {"num_nextn_predict_layers": 2}),
+    ],
+)
+def test_parameter_count_is_the_built_models_on_every_rank(name, overrides):
+    """Text and vision expert groups of their own sizes, the vision transformer and resampler, the
+    routers' correction biases (held, never trained: stop_gradient) and the MTP depths: the planner's
+    count is the built model's, and at tp=2 (with ep=2 on MoE) each rank's share is what the
+    runtime's placements leave it (routed experts split by width, norms and routers whole)."""
+    from erniekit.distributed.collective.layout import Layout
     from erniekit.models.registry import load_model, model_config
 
-    c = model_config(name)
-    real = sum(int(p.numel()) for p in load_model(name).parameters())
-    biases = c.total_experts * sum(1 for i in range(c.num_hidden_layers) if c.is_moe_layer(i))
-    pred = P.predict(c, CLUSTER, WORK, P.Plan(1, 1, 1, 1, 0, "none", 16, 1))
-    assert pred.parts["params_bytes"] / 4 == real - biases
+    c = model_config(name, overrides)
+    model = load_model(name, overrides) if overrides else load_model(name)
+    held, trained = local_elements(model, Layout())
+    assert (held > trained) == c.is_moe  # the correction biases are parameters the optimizer skips
+    ep = 2 if c.is_moe else 1
+    layouts = [(Layout(), P.Plan(1, 1, 1, 1, 0, "none", 16, 1)), (Layout(tp=2), P.Plan(1, 2, 1, 1, 0, "none", 16, 1))]
+    layouts.append((Layout(dp=2, tp=2, ep=ep), P.Plan(2, 2, 1, ep, 0, "none", 8, 1)))
+    for lay, plan in layouts:
+        pred = P.predict(c, CLUSTER, WORK, plan)
+        assert (pred.parts["params_bytes"] / 4, pred.parts["trainable_params"]) == local_elements(model, lay), lay
+    # tp=2 halves the projections and the routed experts: their weights, gradients and moments
+    one, two = (P.predict(c, CLUSTER, WORK, P.Plan(1, tp, 1, 1, 0, "none", 16, 1)) for tp in (1, 2))
+    counts = P.param_counts(c)
+    assert counts.total == held and (counts.experts > 0) == c.is_moe
+    for part, per_element in (("params_bytes", 4), ("grads_bytes", 4), ("moments_bytes", 8)):
+        assert one.parts[part] - two.parts[part] == per_element * (counts.split + counts.experts) / 2
+
+
+def test_tp_splits_the_routed_experts_gemms_and_sums_their_partial_outputs():
+    """Routed experts split by width (runtime.py): each tp rank runs half of every GEMM, routed ones
+    included, so with free launches and memory traffic tp=2 halves the compute; each MoE layer adds
+    per micro-batch an all-reduce of the experts' partial output [tokens, H] (forward; again when
+    recompute reruns the MLP), of its input's gradient [tokens, H] and of the gate weights' [tokens, k]."""
+    c = get_preset("tiny-moe")
+    free = dataclasses.replace(CLUSTER, op_overhead_s=0.0, memory_bandwidth=1e30)
+    work = dataclasses.replace(WORK, fused_attention=True)  # neither layout keeps the [S, S] scores
+    for rc in ("none", "full_attn"):  # full_attn: recomputed attention, the experts' GEMMs once
+        one, two = (P.predict(c, free, work, P.Plan(1, tp, 1, 1, 0, rc, 8, 2)) for tp in (1, 2))
+        assert two.parts["compute_s"] - two.parts["optimizer_s"] == pytest.approx(
+            (one.parts["compute_s"] - one.parts["optimizer_s"]) / 2, rel=1e-12
+        )
+    L, moe, k, H, rows, m = 4, 3, 2, 128, 8 * 128, 2
+    act = 4 * rows * H
+
+    def allreduce(nbytes: float) -> float:  # 2 ranks: latency + 2 (n - 1) / n x bytes / bandwidth
+        return 1e-4 + nbytes / 1e10
+
+    for rc, hidden in (("none", 2), ("mlp", 3)):
+        r = P.predict(c, CLUSTER, WORK, P.Plan(2, 2, 1, 1, 0, rc, 8, 1))
+        want = (4 * L + 2) * allreduce(act) + moe * (hidden * allreduce(act) + allreduce(4 * rows * k))
+        assert r.parts["comm_tp_s"] == pytest.approx(want, rel=1e-12), rc
+    two = P.predict(c, CLUSTER, WORK, P.Plan(1, 2, 1, 1, 0, "none", 8, m))
+    sent = m * ((4 * L + 2 + 2 * moe) * act + moe * 4 * rows * k)  # ring of 2: the buffer once
+    assert two.parts["comm_bytes"] == sent
 
 
 def test_vl_424b_preset_has_its_published_size():
