@@ -12,19 +12,23 @@ experts (erniekit/nn/lora_fused.py). Formulas, layouts and references: docs/lora
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import math
 import os
 import re
+import threading
 import warnings
 from dataclasses import dataclass, field, replace
 from typing import Iterator
 
+import numpy as np
 import paddle
 import paddle.nn as nn
 import paddle.nn.functional as F
+from paddle.autograd import PyLayer
 
 from erniekit.errors import CheckpointError, ConfigError
-from erniekit.nn import lora_fused
+from erniekit.nn import lora_fused, native
 from erniekit.nn.linear import linear
 from erniekit.nn.lora_targets import (
     DEFAULT_TARGET_MODULES,
@@ -126,14 +130,80 @@ def _cast_param_(p: paddle.Tensor, dtype: str) -> None:
         holder.to(dtype=dtype)
 
 
+class _UpcastMatmul(PyLayer):
+    """x @ w.astype(x.dtype) (x @ w[index].astype(x.dtype): one expert of a stacked [E, in, out]
+    weight) for a frozen weight held in 16 bits, keeping only w for the backward.
+
+    Autograd through `matmul(x, w.astype(...))` keeps the float32 copy of w until the backward
+    (dx = dy @ w^T): every adapted weight of the step in 4 bytes an element, more than the 16-bit
+    base saves (4 LoRA Linears [4096, 4096]: 256 MB kept). Here the parameter itself is kept (no
+    new bytes; an expert's slice is taken again, not kept: with FLAGS_use_stride_kernel=0, as
+    erniekit runs, a slice is a copy) and upcast again in the backward, one weight at a time. The
+    same casts and GEMMs on the same values as autograd's, so the same bits
+    (tests/unit/nn/test_lora_upcast.py)."""
+
+    @staticmethod
+    def forward(ctx, x, w, index=None):
+        ctx.save_for_backward(w)
+        ctx.versions = native.versions(w)
+        ctx.index = index
+        return paddle.matmul(x, _upcast(w, index, x.dtype))
+
+    @staticmethod
+    def backward(ctx, dy):
+        (w,) = ctx.saved_tensor()
+        native.check_versions("lora upcast matmul", ctx.versions, w)
+        return paddle.matmul(dy, _upcast(w, ctx.index, dy.dtype), transpose_y=True), None
+
+
+_scratch = threading.local()  # .buf: the float32 buffer _upcast writes bf16 weights into, per thread (a
+# server may run forwards on several), grown on demand to the largest weight upcast
+
+
+def _upcast(w: paddle.Tensor, index: int | None, dtype) -> paddle.Tensor:
+    """w (w[index]) in `dtype`, for one GEMM. A contiguous bf16 CPU weight to float32 is written into
+    one buffer reused by every call (bf16 is float32's upper 16 bits: the same values as astype):
+    no allocation per call, so the step's heap does not fragment around weight-sized blocks
+    (dense-1024's peak: docs/lora.md), by kernels/bf16_upcast.c in 2.2 ms for 16M elements where
+    Paddle's astype takes 4-8. The result aliases that buffer: consume it before the next call
+    (_UpcastMatmul's GEMM does)."""
+    if not (_is_bf16(w) and dtype == paddle.float32 and w.is_contiguous() and not w.is_dist()):
+        return (w if index is None else w[index]).astype(dtype)
+    shape = list(w.shape) if index is None else list(w.shape[1:])
+    n = math.prod(shape)
+    if getattr(_scratch, "buf", None) is None or _scratch.buf.size < n:
+        _scratch.buf = np.empty(n, np.uint32)
+    out = _scratch.buf[:n]
+    src = w.data_ptr() + (0 if index is None else index * n * 2)
+    kernel = native.function("bf16_upcast", "erniekit_bf16_upcast", [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64])
+    if kernel is not None:
+        kernel(src, out.ctypes.data, n)
+    else:  # the same bits, ~2x slower
+        np.left_shift(np.ctypeslib.as_array((ctypes.c_uint16 * n).from_address(src)), 16, out=out, dtype=np.uint32)
+    return paddle.from_dlpack(out.view(np.float32).reshape(shape))
+
+
+def _is_bf16(t: paddle.Tensor) -> bool:
+    return t.dtype == paddle.bfloat16
+
+
+def _upcasts(x: paddle.Tensor, w: paddle.Tensor) -> bool:
+    """_UpcastMatmul's case: a frozen weight in another dtype than x, on the CPU, in dynamic mode
+    (a trained 16-bit weight's gradient needs x anyway; static graphs keep autograd's ops)."""
+    return w.dtype != x.dtype and w.stop_gradient and not x.place.is_gpu_place() and paddle.in_dynamic_mode()
+
+
 def _mm(x: paddle.Tensor, w: paddle.Tensor) -> paddle.Tensor:
     """x @ w for a base weight possibly held in another dtype (bf16). Paddle's CPU build has no
-    bf16 matmul, so on CPU the weight is upcast per call (the saving is the memory it is held in);
-    on GPU the activations are cast down to use bf16 tensor cores."""
+    bf16 matmul, so on CPU the weight is upcast per call, and a frozen one again in the backward
+    rather than kept (_UpcastMatmul: the memory saving holds during the step too); on GPU the
+    activations are cast down to use bf16 tensor cores."""
     if w.dtype == x.dtype:
         return paddle.matmul(x, w)
     if x.place.is_gpu_place():
         return paddle.matmul(x.astype(w.dtype), w).astype(x.dtype)
+    if _upcasts(x, w):
+        return _UpcastMatmul.apply(x, w)
     return paddle.matmul(x, w.astype(x.dtype))
 
 
@@ -319,7 +389,24 @@ class LoraStackedExperts(_LoraMixin, StackedExperts):
         self, ps: tuple[str, ...], x: paddle.Tensor, sizes: list[int], used: list[int]
     ) -> list[paddle.Tensor]:
         """StackedExperts' grouped projections, plus each group's expert adapter (and DoRA scale)."""
-        return [self._adapted(p, x, y, sizes, used) for p, y in zip(ps, super().grouped_many(ps, x, sizes, used))]
+        return [self._adapted(p, x, y, sizes, used) for p, y in zip(ps, self._base_grouped(ps, x, sizes, used))]
+
+    def _base_grouped(self, ps: tuple[str, ...], x: paddle.Tensor, sizes: list[int], used: list[int]):
+        """StackedExperts' per-group loop, except that a frozen 16-bit weight on the CPU goes through
+        _UpcastMatmul with its expert index: the backward keeps the stacked parameter, not each
+        expert's unbound slice (a bf16 copy) or its float32 upcast."""
+        ws = [self.param(p) for p in ps]
+        if self.fp8_block or not any(_upcasts(x, w) for w in ws):
+            return super().grouped_many(ps, x, sizes, used)
+        xs = split_rows(x, sizes)
+        out = []
+        for w in ws:
+            if _upcasts(x, w):
+                out.append(concat_rows([_UpcastMatmul.apply(g, w, e) for g, e in zip(xs, used)]))
+            else:
+                W = paddle.unbind(w)
+                out.append(concat_rows([self.base_matmul(g, W[e]) for g, e in zip(xs, used)]))
+        return out
 
     def _adapted(self, p: str, x: paddle.Tensor, y: paddle.Tensor, sizes: list[int], used: list[int]) -> paddle.Tensor:
         if not (self._active() and p in self.projs):
