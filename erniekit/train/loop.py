@@ -286,12 +286,19 @@ class Trainer:
         return self.model.moe_layers() if hasattr(self.model, "moe_layers") else []
 
     def moe_metrics(self) -> dict[str, float]:
-        """Unweighted router losses of the last micro-batch, averaged over MoE layers."""
+        """Unweighted router losses of the last micro-batch, averaged over MoE layers. Beside data ranks
+        (MoEBlock.data_sum: every rank calls this at the same logged step) each rank's parts are its
+        tokens' share of the batch's losses, so they are summed over the ranks to be the batch's."""
         layers = self._moe_layers()
         out: dict[str, float] = {}
         for m in layers:
             for k, v in m.loss_parts.items():
                 out[f"train/moe_{k}_loss"] = out.get(f"train/moe_{k}_loss", 0.0) + scalar(v) / len(layers)
+        data_sum = next((m.data_sum for m in layers if m.data_sum is not None), None)
+        if out and data_sum is not None:
+            keys = sorted(out)
+            summed = data_sum(paddle.to_tensor([out[k] for k in keys], dtype="float64")).numpy().tolist()
+            out.update(zip(keys, summed))
         if layers and layers[0].capacity_factor > 0:
             out["train/moe_dropped_fraction"] = sum(m.last_dropped for m in layers) / len(layers)
         return out

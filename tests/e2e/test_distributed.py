@@ -162,6 +162,9 @@ def test_two_processes_follow_the_one_process_loss_curve(reference, shared_run, 
     ref_norm = _losses(reference / ("moe" if model == "tiny-moe" else "dense"), "train/grad_norm")
     np.testing.assert_allclose(_losses(out, "train/grad_norm"), ref_norm, rtol=1e-4)
     plan = json.load(open(out / "parallel_plan.json"))
+    if name == "dp-moe":  # each replica's router losses are its share: logged summed over the ranks
+        ref_aux = _losses(reference / "moe", "train/moe_aux_loss")
+        np.testing.assert_allclose(_losses(out, "train/moe_aux_loss"), ref_aux, rtol=1e-4)
     if name in ("dp", "dp-moe"):
         assert "replicas" in plan["data_parallel"]
         assert "data parallelism: 2 whole-model replicas" in r.stdout
