@@ -186,8 +186,9 @@ class LayerAdapters:
     mlp_ops: int = 0  # the dense MLP's and shared experts', and each routed group's fixed ones
     expert_ops: int = 0  # the routed experts' per-expert launches, of all experts: a rank runs its E / ep
     # a 16-bit base (lora_base_dtype): on GPU the base GEMM keeps its input cast to that dtype
-    # (float32 elements: half the input); on CPU each call upcasts the weight to float32 and the
-    # backward keeps that copy: elements per micro-batch, of modules split over tp / routed experts
+    # (float32 elements: half the input); on CPU each call upcasts the weight to float32, in the
+    # forward and again in the backward (erniekit/nn/lora.py `_UpcastMatmul`, which keeps the 16-bit
+    # weight only): elements upcast per pass of a micro-batch, of modules split over tp / routed experts
     attn_cast_saved: float = 0.0
     mlp_cast_saved: float = 0.0
     attn_upcast: int = 0
@@ -213,6 +214,12 @@ class Adapters:
     mtp: LayerAdapters = LayerAdapters()  # all MTP blocks' adapters, per token
     vision: LayerAdapters = LayerAdapters()  # the vision transformer's and resampler's, per image token
     head_upcast: int = 0  # the head's (CPU, 16-bit base): elements per micro-batch, as layers' upcast
+    # the largest single adapted base weight, whose float32 upcast the CPU's one reused buffer is
+    # sized to (erniekit/nn/lora.py `_upcast`): of a Linear split over tp, of a Linear whole on every
+    # tp rank, of one routed expert's projection (split over tp by width)
+    base_largest: int = 0
+    base_largest_whole: int = 0
+    base_largest_expert: int = 0
     # DoRA: forward FLOPs per micro-batch of the column norms ||W + s A B|| (no gradient), and the
     # bytes the largest module's norm holds while it is computed (s A B, W + s A B and its square,
     # float32; a routed-experts projection: all its experts at once)
@@ -276,6 +283,9 @@ def count_adapters(
         tensors_experts_whole=total.experts_whole_tensors,
         params_dense_whole=total.dense_whole[0],
         base_dense_whole=total.dense_whole[1],
+        base_largest=total.largest[0],
+        base_largest_whole=total.largest[1],
+        base_largest_expert=total.largest[2],
     )
 
 
@@ -288,6 +298,7 @@ class _Totals:
         self.dense_whole = [0, 0]  # adapter and base elements of Linears whole on every tp rank
         self.dora_flops = 0.0
         self.dora_transient = [0.0, 0.0]  # a Linear's, a routed-experts projection's
+        self.largest = [0, 0, 0]  # one adapted base weight's elements: Linear split over tp, whole, an expert's
 
     def add(self, m: Module, proj: str, r: int, fan_in: int, fan_out: int, dora: bool) -> None:
         E = max(m.experts, 1)
@@ -298,11 +309,14 @@ class _Totals:
             # whole on every tp rank: gate/up A; down B (and the magnitude)
             self.experts_whole_tensors += 2 if dora and proj in EXPERT_ROW_PROJS else 1
             self.base_experts += E * fan_in * fan_out
+            self.largest[2] = max(self.largest[2], fan_in * fan_out)
         else:
             self.dense += n
             self.base_dense += fan_in * fan_out
             whole = linear_whole_over_tp(m.name, r, fan_in, fan_out, dora)
             self.dense_whole = [self.dense_whole[0] + whole[0], self.dense_whole[1] + whole[1]]
+            i = 1 if whole[1] else 0
+            self.largest[i] = max(self.largest[i], fan_in * fan_out)
         self.tensors += 3 if dora else 2
         if dora:  # s A B [in, out] (a GEMM), W + it, its square, the column sums: every forward
             self.dora_flops += E * (2.0 * r + 3.0) * fan_in * fan_out

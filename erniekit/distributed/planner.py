@@ -30,13 +30,15 @@ stage; over tp as runtime.py places them: projections and routed experts split, 
 and the vision model whole on every tp rank) + the activations the forward keeps for the backward (per layer and token, counted from
 the tensors this model's forward saves; recompute keeps only the recomputed part's input) x the
 micro-batches in flight (1F1B: pp on the first stage) + the logits + the buffer whole-model
-replicas sum their gradients through + the CPU heap's holes + runtime overhead.
+replicas sum their gradients through + the CPU heap's holes (+ a 16-bit LoRA base's upcast
+buffer) + runtime overhead.
 LoRA (`Workload.lora`, counted by lora_cost.py): the base is held and frozen; gradients, moments,
 the optimizer step and the gradient traffic are the adapters'; a frozen weight's backward computes
 its input's gradient only (2 x forward instead of 3 x), the adapters' own GEMMs are added.
-The adapted base is held in lora_base_dtype (on the CPU its float32 upcasts kept for the
-backward); DoRA's output scale and norms, and the adapters of the MTP blocks and of the vision
-model (per image token, Workload.image_tokens) are added too.
+The adapted base is held in lora_base_dtype (on the CPU the forward and the backward each upcast
+its weights, one at a time, into one float32 buffer the size of the largest); DoRA's output scale
+and norms, and the adapters of the MTP blocks and of the vision model (per image token,
+Workload.image_tokens) are added too.
 """
 
 from __future__ import annotations
@@ -517,7 +519,8 @@ def predict(c, cluster: Cluster, work: Workload, p: Plan) -> Prediction:
     compute += optimizer
     per_token = _saved_per_token(layers, p.pp, p.tp, S, H, scores, p.recompute) + outside.saved
     in_flight = min(p.pp, m)
-    activations = BYTES * per_token * p.micro_batch * S * in_flight + BYTES * _upcast_kept(lora, p, gpu) * in_flight
+    activations = BYTES * per_token * p.micro_batch * S * in_flight
+    upcast_buffer = _upcast_buffer(lora, p, gpu)
     biggest_layer = max(
         (l.attn_saved + (l.core_saved_per_s * S if scores else 0.0) + l.mlp_saved) / p.tp for l in layers
     )
@@ -541,7 +544,8 @@ def predict(c, cluster: Cluster, work: Workload, p: Plan) -> Prediction:
     # rows, the resident peak exceeded the other terms by up to 0.98x the activations + logits; the
     # bound taken is 1x (docs/planner.md). GPU allocators were not measured
     slack = activations + logits if cluster.device == "cpu" else 0.0
-    memory = weights + grads + moments + activations + transient + logits + sum_buffer + slack + cluster.memory_overhead
+    memory = weights + grads + moments + activations + transient + logits + sum_buffer + upcast_buffer + slack
+    memory += cluster.memory_overhead
     parts = {
         "compute_s": compute,
         "optimizer_s": optimizer,
@@ -557,6 +561,7 @@ def predict(c, cluster: Cluster, work: Workload, p: Plan) -> Prediction:
         "activations_bytes": activations,
         "logits_bytes": logits,
         "sum_buffer_bytes": sum_buffer,
+        "upcast_buffer_bytes": upcast_buffer,
         "heap_slack_bytes": slack,
         "trainable_params": trainable,
         "comm_bytes": _comm_bytes(grad_bytes, held_bytes, act_bytes, p, L, layers, m, S, H, lora),
@@ -622,8 +627,8 @@ def _base_bytes_saved(lora: Adapters | None, p: Plan) -> float:
 
 
 def _upcast_total(lora: Adapters | None, p: Plan) -> float:
-    """float32 elements a CPU rank upcasts per micro-batch from a 16-bit base (every adapted weight
-    of its share: erniekit/nn/lora.py `_mm` casts the weight for each call)."""
+    """float32 elements a CPU rank upcasts per pass of a micro-batch from a 16-bit base (every adapted
+    weight of its share: erniekit/nn/lora.py `_UpcastMatmul` casts the weight for each GEMM)."""
     if lora is None or lora.base_bytes == BYTES:
         return 0.0
     return _adapted_base_on_rank(lora, p)
@@ -637,31 +642,34 @@ def _adapted_base_on_rank(lora: Adapters, p: Plan) -> float:
 
 
 def _upcast_traffic(lora: Adapters | None, p: Plan, gpu: bool) -> float:
-    """Bytes the CPU's upcasts move per step: the 16-bit weight read, its float32 copy written, each
-    forward (recompute: the recomputed layers' again)."""
+    """Bytes the CPU's upcasts move per step: the 16-bit weight read, its float32 copy written, in the
+    forward and again in the backward (`_UpcastMatmul` keeps the 16-bit weight only), and a third time
+    for the recomputed parts' weights (their forward runs again)."""
     if gpu or not _upcast_total(lora, p):
         return 0.0
-    again = _upcast_kept(lora, replace(p, recompute="none"), gpu) - _upcast_kept(lora, p, gpu)
-    return (lora.base_bytes + BYTES) * (_upcast_total(lora, p) + again) * p.accumulation
+    passes = 2 * _upcast_total(lora, p) + _upcast_recomputed(lora, p)
+    return (lora.base_bytes + BYTES) * passes * p.accumulation
 
 
-def _upcast_kept(lora: Adapters | None, p: Plan, gpu: bool) -> float:
-    """float32 elements of upcast base weights a CPU micro-batch keeps for its backward (matmul keeps
-    its operands): every adapted module's, but of a recomputed part one layer's only."""
-    if gpu or not _upcast_total(lora, p):
-        return 0.0
+def _upcast_recomputed(lora: Adapters, p: Plan) -> float:
+    """This rank's adapted base elements in the parts `p.recompute` runs forward again (the head, MTP
+    and vision modules never are; core attention has no adapted weight)."""
     split = p.tp * p.pp
-    attn = [a.attn_upcast / split for a in lora.layers]
-    mlp = [a.mlp_upcast / split + a.expert_upcast / (split * p.ep) for a in lora.layers]
-    outside = _upcast_total(lora, p) - sum(attn) - sum(mlp)  # head, MTP, vision: never recomputed
-    kept = {
-        "none": sum(attn) + sum(mlp),
-        "core_attn": sum(attn) + sum(mlp),
-        "full_attn": max(attn) + sum(mlp),
-        "mlp": sum(attn) + max(mlp),
-        "full": max(a + b for a, b in zip(attn, mlp)),
-    }[p.recompute]
-    return kept + outside
+    attn = sum(a.attn_upcast for a in lora.layers) / split
+    mlp = sum(a.mlp_upcast / split + a.expert_upcast / (split * p.ep) for a in lora.layers)
+    return {"none": 0.0, "core_attn": 0.0, "full_attn": attn, "mlp": mlp, "full": attn + mlp}[p.recompute]
+
+
+def _upcast_buffer(lora: Adapters | None, p: Plan, gpu: bool) -> float:
+    """Bytes of the one float32 buffer a CPU rank upcasts a 16-bit base into (erniekit/nn/lora.py
+    `_upcast`: per thread, grown to the largest adapted weight and reused by every call, so nothing
+    per micro-batch): a Linear's weight over tp where runtime.py splits it, one routed expert's over tp.
+    A float16 base takes Paddle's cast, a block freed after each GEMM: the same bytes at a time.
+    Model-wide: LoRA runs no pipeline, so every rank holds the largest."""
+    if gpu or not _upcast_total(lora, p):
+        return 0.0
+    largest = max(lora.base_largest / p.tp, lora.base_largest_whole, lora.base_largest_expert / p.tp)
+    return BYTES * largest
 
 
 def _dora_norm_bytes(lora: Adapters | None, p: Plan) -> float:

@@ -168,42 +168,96 @@ def _bytes(model) -> int:
     return sum(int(p.numel()) * p.element_size() for p in model.parameters())
 
 
-def test_a_16_bit_base_is_counted_as_held_and_its_upcasts_as_the_device_keeps_them():
+def _upcast_buffer_grown(model, monkeypatch) -> int:
+    """float32 elements of the buffer erniekit/nn/lora.py `_upcast` grows over one forward and
+    backward of `model` (started empty: other tests' calls in this process grew theirs)."""
+    import threading
+
+    import paddle
+
+    from erniekit.nn import lora
+
+    monkeypatch.setattr(lora, "_scratch", threading.local())
+    ids = paddle.randint(0, model.config.vocab_size, [2, S])
+    model(ids).logits.sum().backward()
+    return lora._scratch.buf.size
+
+
+def test_a_16_bit_base_is_counted_as_held_and_upcast_into_one_buffer_on_the_cpu(monkeypatch):
     """lora_base_dtype: the adapted base weights take 2 bytes, everything else 4. Paddle's CPU build
-    has no bf16 matmul, so each adapted GEMM upcasts its weight and the backward keeps that float32
-    copy (erniekit/nn/lora.py `_mm`): 4 bytes per adapted base element per micro-batch (and in the
-    heap's holes after it). On a GPU the activations are cast instead: half of each input kept."""
+    has no bf16 matmul: each adapted GEMM upcasts its weight, in the forward and again in the
+    backward, into one float32 buffer reused by every call (erniekit/nn/lora.py `_UpcastMatmul`,
+    `_upcast`): the largest adapted weight's, once per rank; nothing kept per micro-batch, so no
+    activations and no heap holes more than a float32 base. On a GPU the activations are cast
+    instead: half of each input kept."""
     cfgs = {
         bd: _cfg("model_name_or_path=tiny-dense", "fine_tuning=LoRA", *bd) for bd in ((), ("lora_base_dtype=bfloat16",))
     }
     model = _built(cfgs[("lora_base_dtype=bfloat16",)])
     half = sum(int(p.numel()) for p in model.parameters() if str(p.dtype).endswith("bfloat16"))
     assert half == 4 * (128 * (128 + 64 + 64) + 128 * 128 + 3 * 128 * 384)  # q, k, v, o; gate, up, down
+    largest = 128 * 384  # gate, up [128, 384]; down [384, 128]
+    assert _upcast_buffer_grown(model, monkeypatch) == largest  # what the runtime holds
     preds = {}
     for device in ("cpu", "gpu"):
         cluster = dataclasses.replace(CLUSTER, device=device)
         for bd, cfg in cfgs.items():
-            preds[device, bd] = P.predict(P.model_config_of(cfg), cluster, P.workload_from_config(cfg, 1, device), ONE)
+            for plan in (ONE, dataclasses.replace(ONE, accumulation=2)):
+                work = P.workload_from_config(cfg, 1, device)
+                preds[device, bd, plan.accumulation] = P.predict(P.model_config_of(cfg), cluster, work, plan)
     for device in ("cpu", "gpu"):
-        f32, b16 = preds[device, ()].parts, preds[device, ("lora_base_dtype=bfloat16",)].parts
+        f32, b16 = preds[device, (), 1].parts, preds[device, ("lora_base_dtype=bfloat16",), 1].parts
         assert f32["params_bytes"] - b16["params_bytes"] == 2 * half
         assert f32["trainable_params"] == b16["trainable_params"]
-    cpu = [preds["cpu", bd].parts for bd in cfgs]
-    assert cpu[1]["activations_bytes"] - cpu[0]["activations_bytes"] == 4 * half
-    assert cpu[1]["heap_slack_bytes"] - cpu[0]["heap_slack_bytes"] == 4 * half
-    gpu = [preds["gpu", bd].parts for bd in cfgs]
+    for m in (1, 2):  # the buffer once, whatever the micro-batches
+        f32, b16 = preds["cpu", (), m], preds["cpu", ("lora_base_dtype=bfloat16",), m]
+        assert b16.parts["upcast_buffer_bytes"] == 4 * largest and f32.parts["upcast_buffer_bytes"] == 0
+        for part in ("activations_bytes", "heap_slack_bytes", "logits_bytes"):
+            assert b16.parts[part] == f32.parts[part], part
+        assert b16.memory - f32.memory == pytest.approx(4 * largest - 2 * half, rel=1e-12)
+    gpu = [preds["gpu", bd, 1].parts for bd in cfgs]
+    assert gpu[1]["upcast_buffer_bytes"] == 0
     fan_in = 4 * 128 + 2 * 128 + 384  # q, k, v, o; gate, up; down
     cast = 4 * 0.5 * fan_in * 4 * ONE.micro_batch * S  # float32 bytes: half the input, 4 layers
     assert gpu[1]["activations_bytes"] - gpu[0]["activations_bytes"] == pytest.approx(cast, rel=1e-12)
 
 
-def test_a_recomputed_part_keeps_one_layers_upcast_weights():
-    cfg = _cfg("model_name_or_path=tiny-dense", "fine_tuning=LoRA", "lora_base_dtype=bfloat16")
-    work = P.workload_from_config(cfg, 1)
-    kept = {rc: P._upcast_kept(work.lora, dataclasses.replace(ONE, recompute=rc), False) for rc in P.RECOMPUTE_MODES}
-    attn, mlp = 128 * (128 + 64 + 64) + 128 * 128, 3 * 128 * 384  # per layer
-    assert kept["none"] == kept["core_attn"] == 4 * (attn + mlp)
-    assert (kept["full_attn"], kept["mlp"], kept["full"]) == (attn + 4 * mlp, 4 * attn + mlp, attn + mlp)
+def test_the_upcast_buffer_is_one_routed_experts_weight_over_tp(monkeypatch):
+    """Routed experts go through _UpcastMatmul one expert at a time (by index into the stacked
+    weight): the buffer is one expert's [in, out], split over tp by width (runtime.py), whatever ep."""
+    routed = ("model_name_or_path=tiny-moe", "fine_tuning=LoRA", r"lora_target_modules=.*mlp\.experts")
+    cfg, bf16 = _cfg(*routed), _cfg(*routed, "lora_base_dtype=bfloat16")
+    expert = 128 * 128  # hidden x moe_intermediate_size
+    assert _upcast_buffer_grown(_built(bf16), monkeypatch) == expert
+    cpu = dataclasses.replace(CLUSTER, device="cpu")
+    c = P.model_config_of(cfg)
+    for tp, ep in ((1, 1), (1, 2), (2, 1), (2, 2)):
+        plan = P.Plan(1, tp, 1, ep, 0, "none", 2, 1)
+        work = P.workload_from_config(bf16, tp * ep, "cpu")
+        assert P.predict(c, cpu, work, plan).parts["upcast_buffer_bytes"] == 4 * expert / tp, (tp, ep)
+        work = P.workload_from_config(cfg, tp * ep, "cpu")
+        assert P.predict(c, cpu, work, plan).parts["upcast_buffer_bytes"] == 0
+
+
+@pytest.mark.parametrize("m", [1, 2])
+def test_a_16_bit_bases_casts_run_in_forward_and_backward_and_again_in_recomputed_parts(m):
+    """The CPU's upcast traffic per micro-batch: each adapted weight read in 16 bits and written in
+    float32 (6 bytes an element) twice, forward and backward, and a third time for the recomputed
+    parts' weights (their forward runs again; core attention has none). With free op launches the
+    compute differs from a float32 base's by that traffic alone."""
+    cpu = dataclasses.replace(CLUSTER, device="cpu", op_overhead_s=0.0, memory_bandwidth=1e9)
+    plans = {rc: dataclasses.replace(ONE, recompute=rc, accumulation=m) for rc in P.RECOMPUTE_MODES}
+    compute = {}
+    for bd in ("float32", "bfloat16"):
+        cfg = _cfg("model_name_or_path=tiny-dense", "fine_tuning=LoRA", f"lora_base_dtype={bd}")
+        work, c = P.workload_from_config(cfg, 1, "cpu"), P.model_config_of(cfg)
+        compute[bd] = {rc: P.predict(c, cpu, work, plan).parts["compute_s"] for rc, plan in plans.items()}
+    attn, mlp = 4 * (128 * (128 + 64 + 64) + 128 * 128), 4 * 3 * 128 * 384  # the 4 layers' elements
+    again = {"none": 0, "core_attn": 0, "full_attn": attn, "mlp": mlp, "full": attn + mlp}
+    for rc in P.RECOMPUTE_MODES:
+        traffic = 6 * (2 * (attn + mlp) + again[rc]) * m
+        added = compute["bfloat16"][rc] - compute["float32"][rc]
+        assert added == pytest.approx(traffic / cpu.memory_bandwidth, rel=1e-9), rc
 
 
 def test_dora_keeps_each_adapted_output_before_its_scale_and_computes_its_norms_every_forward():
