@@ -651,17 +651,9 @@ def _splits_model(lay) -> bool:
 
 def _parallel_refusal(cfg: TrainConfig, lay, cuda: bool) -> str | None:
     """What the collective runtime does not run in this version, for this stage on layout `lay`."""
-    images = stage_supports(cfg).images
-    if images and (lay.tp > 1 or lay.pp > 1 or lay.sharding_stage):
-        return (
-            f"stage {cfg.stage} runs on several processes with data and expert parallelism only in this version "
-            f"({lay.describe()} asked); set tensor_parallel_degree and pipeline_parallel_degree to 1 and no sharding"
-        )
-    if images and lay.ep > 1 and float((cfg.model_overrides or {}).get("moe_capacity_factor") or 0) > 0:
-        return (
-            "model_overrides.moe_capacity_factor: stage "
-            f"{cfg.stage} with expert parallelism routes without a capacity limit in this version; set it to 0"
-        )
+    why = _picture_layout_refusal(cfg, lay) if stage_supports(cfg).images else None
+    if why:
+        return why
     if lay.world > 1 and lay.sharding_stage == 3 and not cuda:
         return (
             "sharding=stage3 needs reduce-scatter, which Paddle's CPU build does not have "
@@ -674,6 +666,28 @@ def _parallel_refusal(cfg: TrainConfig, lay, cuda: bool) -> str | None:
             "on CPU train LoRA with data parallelism (tensor_parallel_degree=1)"
         )
     return _pipeline_layout_refusal(cfg, lay) if lay.pp > 1 else None
+
+
+def _picture_layout_refusal(cfg: TrainConfig, lay) -> str | None:
+    """What a picture stage (VL-SFT) does not run on layout `lay`: data, tensor and expert
+    parallelism and sharding stage1/2 do (tests/e2e/test_vl_sft.py, against one process)."""
+    if lay.pp > 1:
+        return (
+            f"stage {cfg.stage} does not run with pipeline parallelism in this version ({lay.describe()} asked): "
+            "the pipeline schedule runs the decoder layers from token ids, with no step for the vision encoder "
+            "and its features; set pipeline_parallel_degree=1 (data, tensor and expert parallelism run)"
+        )
+    if lay.world > 1 and lay.sharding_stage == 3:
+        return (
+            f"sharding=stage3: stage {cfg.stage} runs with sharding=stage1 or stage2 in this version "
+            "(parameters split over the sharding ranks are not tested with the vision model); use stage1"
+        )
+    if _splits_model(lay) and float((cfg.model_overrides or {}).get("moe_capacity_factor") or 0) > 0:
+        return (
+            f"model_overrides.moe_capacity_factor: stage {cfg.stage} on {lay.describe()} has no capacity limit "
+            "in this version (one process and plain data parallelism apply it); set it to 0"
+        )
+    return None
 
 
 def _check_init_layers(cfg: TrainConfig) -> None:

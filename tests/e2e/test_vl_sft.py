@@ -1,7 +1,7 @@
 """stage VL-SFT through `erniekit train`: a tiny ERNIE-4.5-VL model on synthetic pictures learns
-(loss falls, held-out exact match above the majority answer), 2 data-parallel or 2
-expert-parallel processes follow the 1-process curve, and freezing keeps the vision encoder and
-resampler as initialised."""
+(loss falls, held-out exact match above the majority answer), 2 data-parallel, expert-parallel,
+tensor-parallel or ZeRO-1 sharded processes follow the 1-process curve, and freezing keeps the
+vision encoder and resampler as initialised."""
 
 import json
 import os
@@ -82,6 +82,49 @@ def test_two_expert_parallel_processes_follow_one(one, tmp_path):
     norms = _scalars(tmp_path / "ep", "train/grad_norm")
     assert len(norms) == 12
     np.testing.assert_allclose(norms, _scalars(out, "train/grad_norm"), rtol=1e-4)
+
+
+@pytest.mark.parametrize(
+    "name, batch, extra, local",
+    [
+        # text model split over tp (the vision experts of 64 too: up by columns, down by rows), the
+        # vision transformer and resampler whole on both ranks, the batch whole on both
+        ("tp", 8, ["tensor_parallel_degree=2"], [[64, 192], [256, 256], [8, 128, 32], [8, 32, 128]]),
+        # ZeRO-1: data parallel over 2 sharding ranks, every parameter whole, the moments split
+        ("zero1", 4, ["sharding=stage1"], [[64, 192], [256, 256], [8, 128, 64], [8, 64, 128]]),
+    ],
+)
+def test_tensor_parallel_and_sharded_processes_follow_one(one, tmp_path, name, batch, extra, local):
+    """2 processes against 1: the losses and gradient norms, the local shapes of a vision
+    transformer, a resampler and two vision-expert parameters, the saved model's logits for a
+    prompt with a picture; tp: its step-6 checkpoint finishes in one process on the same curve."""
+    out, _ = one
+    r = _train(_args(tmp_path, batch=batch) + ["nproc_per_node=2", "save_steps=6", *extra])
+    np.testing.assert_allclose(_losses(tmp_path), _losses(out), rtol=1e-5)
+    np.testing.assert_allclose(_scalars(tmp_path, "train/grad_norm"), _scalars(out, "train/grad_norm"), rtol=1e-4)
+    plan = json.load(open(tmp_path / "parallel_plan.json"))["parameters"]
+    names = ("vision_model.blocks.0.attn.qkv.weight", "resampler_model.spatial_linear.fc1.weight")
+    names += ("model.layers.1.mlp.experts_1.up_proj", "model.layers.1.mlp.experts_1.down_proj")
+    assert [plan[n]["local_shape"] for n in names] == local
+    assert _picture_logits_differ(tmp_path, out) < 1e-4
+    if name == "zero1":
+        assert "optimizer state on rank 0:" in r.stdout and "(50%)" in r.stdout
+    else:
+        resume = [f"resume_from_checkpoint={tmp_path / 'checkpoint-6'}", "do_eval=false"]
+        _train(_args(tmp_path / "resumed") + resume)
+        np.testing.assert_allclose(_losses(tmp_path / "resumed"), _losses(out)[6:], rtol=1e-5)
+
+
+def _picture_logits_differ(a, b) -> float:
+    """Largest |difference| of two saved VL models' logits for a prompt with a picture, over their
+    largest |logit|: rank 0 saves the whole model (a tp rank's slice left out would show)."""
+    from erniekit.export.vl_check import our_logits, vl_probe
+    from erniekit.models.registry import load_model, load_tokenizer
+
+    ma, mb = load_model(str(a)), load_model(str(b))
+    probe = vl_probe(ma, load_tokenizer(str(a)))
+    la, lb = our_logits(ma, probe), our_logits(mb, probe)
+    return float(np.abs(la - lb).max() / np.abs(lb).max())
 
 
 @pytest.mark.parametrize("encoder, resampler", [(True, True), (True, False), (False, True)])

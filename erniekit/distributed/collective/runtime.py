@@ -9,7 +9,8 @@ rank keeps its slice, so a 2-process run trains on exactly the batches of a 1-pr
 Placements over the mesh dims (pp, dp, sharding, tp):
   tp  column-parallel q/k/v/gate/up (shared and routed experts' too), row-parallel o/down (their
       input width), vocab-parallel embedding (tied to the LM head); the routed experts' partial
-      sums and input gradients are summed over the tp ranks (local_experts.py);
+      sums and input gradients are summed over the tp ranks (local_experts.py); a VL model's vision
+      transformer and resampler whole (`whole_over_tp`);
   dp, sharding  experts split by expert over all the data ranks when expert_parallel_degree > 1,
       tokens moved to them and back by all-to-all (erniekit/distributed/collective/expert_exchange.py);
   sharding  optimizer moments split by rows (ZeRO stage 1; `optimizer_state_placements`);
@@ -48,9 +49,19 @@ _EXPERT_TP_DIM = {
     "row": {"": 1, "_lora_A": 1, "_lora_B": None, "_lora_magnitude_vector": None},
 }
 
+# a VL model's vision transformer and resampler stay whole on every tp rank (as the planner counts
+# them): every tp rank encodes the same pictures; their layer names (qkv, proj, fc1, fc2, mlp) are
+# kept from matching the text model's by this rule, not by luck
+_WHOLE_OVER_TP = ("vision_model", "resampler_model")
+
 # the context whose data ranks split the batches built while a run is in progress: set for the
 # duration of one run by `placing_batches` (never left behind for the next run in this process)
 _PLACING: ContextVar["ParallelContext | None"] = ContextVar("erniekit_placing_batches", default=None)
+
+
+def whole_over_tp(name: str) -> bool:
+    """A parameter of a VL model's vision transformer or resampler: replicated over tp."""
+    return any(part in _WHOLE_OVER_TP for part in name.split(".")[:-1])
 
 
 def expert_tp_dim(name: str) -> int | None:
@@ -107,7 +118,7 @@ class ParallelContext:
         lay = self.layout
         dims: dict[str, int] = {}
         is_expert = p.ndim == 3 if is_expert is None else is_expert
-        if lay.tp > 1:
+        if lay.tp > 1 and not whole_over_tp(name):
             if "embed_tokens" in name or "lm_head" in name:
                 dims["tp"] = 0 if p.shape[0] % lay.tp == 0 and p.ndim == 2 else None
             elif is_expert:

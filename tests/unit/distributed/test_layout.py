@@ -159,14 +159,31 @@ def test_only_a_job_that_only_splits_the_batch_runs_whole_model_replicas(lay, wh
     assert lay.data_only is whole
 
 
-def test_picture_stages_take_synthetic_datasets_and_data_or_expert_parallelism_only(tmp_path):
+def test_picture_stages_take_synthetic_datasets_and_every_parallelism_but_pipeline_and_stage3(tmp_path):
+    """VL-SFT runs with data, tensor and expert parallelism and sharding stage1/2 (each checked
+    against one process in tests/e2e/test_vl_sft.py); pipeline and stage3 are refused, and so is a
+    capacity limit wherever the tokens are DistTensors (only plain data replicas apply one)."""
     vl = dict(stage="vl_sft", model_name_or_path="tiny-vl", output_dir=str(tmp_path))
     vl |= dict(train_dataset_path="synthetic:shapes/train?n=8", eval_dataset_path=None)
-    assert validate(cfg(**vl, nproc_per_node=2)).stage == "VL-SFT"  # plain data parallelism
-    assert validate(cfg(**vl, nproc_per_node=2, expert_parallel_degree=2)).stage == "VL-SFT"
-    with pytest.raises(ConfigError, match="VL-SFT runs on several processes with data and expert parallelism only"):
-        validate(cfg(**vl, nproc_per_node=2, tensor_parallel_degree=2))
-    with pytest.raises(ConfigError, match="moe_capacity_factor"):
-        validate(cfg(**vl, nproc_per_node=2, expert_parallel_degree=2, model_overrides={"moe_capacity_factor": 1.5}))
+    for layout in (
+        {},  # plain data parallelism
+        {"expert_parallel_degree": 2},
+        {"tensor_parallel_degree": 2},
+        {"sharding": "stage1"},
+        {"sharding": "stage2"},
+        {"nproc_per_node": 4, "tensor_parallel_degree": 2, "expert_parallel_degree": 2},
+    ):
+        assert validate(cfg(**vl, **{"nproc_per_node": 2, **layout})).stage == "VL-SFT", layout
+    capped = {"model_overrides": {"moe_capacity_factor": 1.5}}
+    assert validate(cfg(**vl, nproc_per_node=2, **capped)).stage == "VL-SFT"  # replicas apply it
+    for layout, why in (
+        ({"pipeline_parallel_degree": 2}, "VL-SFT does not run with pipeline parallelism"),
+        ({"sharding": "stage3"}, "sharding=stage3: stage VL-SFT runs with sharding=stage1 or stage2"),
+        ({"expert_parallel_degree": 2, **capped}, "moe_capacity_factor: stage VL-SFT on dp=2 ep=2 has no capacity"),
+        ({"tensor_parallel_degree": 2, **capped}, "moe_capacity_factor: stage VL-SFT on tp=2 has no capacity"),
+        ({"sharding": "stage1", **capped}, "moe_capacity_factor: stage VL-SFT on sharding=2 sharding stage1"),
+    ):
+        with pytest.raises(ConfigError, match=why):
+            validate(cfg(**vl, nproc_per_node=2, **layout))
     with pytest.raises(ConfigError, match="synthetic picture dataset; it trains with stage: VL-SFT"):
         validate(cfg(train_dataset_path="synthetic:shapes/train", output_dir=str(tmp_path)))
