@@ -66,6 +66,8 @@ JOB_ENV = "ERNIEKIT_JOB"  # in the environment of every process of one launched 
 NOTES_ENV = "ERNIEKIT_LAUNCH_NOTES"  # the folder (on the rank's own node) where `erniekit train` reads its ranks' notes
 STOP_GRACE_S = 600.0  # after a stop signal: time the ranks get to finish their step and checkpoint
 REAP_GRACE_S = 30.0  # after the launcher is gone: SIGTERM to any process of the job left, then SIGKILL
+RESTART_RENDEZVOUS_S = 300.0  # a restart (nnodes > 1) whose ranks have not started by then: the other nodes gave up
+LAUNCHER_STOP_S = 5.0  # a launcher without ranks that a SIGTERM has not ended by then is SIGKILLed
 
 
 def job_pids(job: str) -> list[int]:
@@ -85,6 +87,22 @@ def job_pids(job: str) -> list[int]:
         except OSError:  # gone meanwhile, or another user's process
             continue
     return found
+
+
+def _runs_entry(pid: int) -> bool:
+    """Whether process `pid` runs launch_entry.py (as a rank does: `python -u ENTRY train ...`)."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return os.fsencode(ENTRY) in f.read().split(b"\0")
+    except OSError:  # gone meanwhile
+        return False
+
+
+def rank_pids(job: str, launcher_pid: int | None) -> list[int]:
+    """The job's ranks on this node (and their children): its processes that run ENTRY, the launcher
+    excepted. Not job_pids alone: paddle's launcher runs helpers in the job's environment too
+    (nvidia-smi every 5 s for its GPU log, also while it waits at the rendezvous)."""
+    return [p for p in job_pids(job) if p != launcher_pid and _runs_entry(p)]
 
 
 def _signal(pids, sig: int) -> None:
@@ -113,8 +131,12 @@ class Supervisor:
 
     SIGTERM / SIGINT here are forwarded to every rank (not to paddle's launcher: it would SIGKILL
     them 30 s later); the ranks agree on a step, checkpoint and exit 0, the launcher follows. A
-    second signal, or STOP_GRACE_S without an end, kills the job. Whatever happens, no process of
-    the job is left when `run` returns."""
+    second signal, or STOP_GRACE_S without an end, kills the job. Before this node's ranks start
+    (the launcher waits at the rendezvous for the other nodes) a stop ends the launcher at once:
+    there is nothing to save. Whatever happens, no process of the job is left when `run` returns.
+
+    After `run`: `ranks_started` (this node's ranks appeared) and `gave_up_waiting` (the
+    rendezvous did not complete within `rendezvous_s`)."""
 
     def __init__(self, job: str):
         self.job = job
@@ -122,6 +144,8 @@ class Supervisor:
         self.signal_time = 0.0
         self.launcher = None
         self.forwarded: set[int] = set()
+        self.ranks_started = False
+        self.gave_up_waiting = False
 
     @contextlib.contextmanager
     def handling_signals(self):
@@ -155,38 +179,64 @@ class Supervisor:
         _signal(fresh, self.signum)
         self.forwarded.update(fresh)
 
-    def run(self, cmd: list[str], env: dict) -> int:
-        """Run the launcher to its end; returns its exit code."""
+    def run(self, cmd: list[str], env: dict, rendezvous_s: float | None = None) -> int:
+        """Run the launcher to its end; returns its exit code. `rendezvous_s`: how long this node's
+        ranks may take to appear (None: no limit) before the launcher is stopped (gave_up_waiting)."""
         self.launcher = subprocess.Popen(cmd, env=env, start_new_session=True)
+        self.ranks_started = self.gave_up_waiting = False
+        began = time.monotonic()
         try:
             while True:
                 try:
                     return self.launcher.wait(timeout=0.5)
                 except subprocess.TimeoutExpired:
                     pass
+                self.ranks_started = self.ranks_started or bool(rank_pids(self.job, self.launcher.pid))
+                if self.signum and not self.ranks_started:
+                    return self._stop_launcher(
+                        f"{signal.Signals(self.signum).name} before any rank of this node started"
+                    )
                 if self.signum:
                     self._forward()
-                    if time.monotonic() - self.signal_time > STOP_GRACE_S:
-                        print(
-                            f"erniekit: the job did not stop within {STOP_GRACE_S:.0f} s of the signal; killing it",
-                            flush=True,
-                        )
-                        _signal(job_pids(self.job), signal.SIGKILL)
+                    self._kill_after_grace()
+                elif rendezvous_s is not None and not self.ranks_started and time.monotonic() - began > rendezvous_s:
+                    self.gave_up_waiting = True
+                    return self._stop_launcher(f"no rank of this node started within {rendezvous_s:.0f} s")
         finally:
-            if self.launcher.poll() is None:  # an error here: the launcher goes first, with its ranks
-                _signal([self.launcher.pid], signal.SIGTERM)
-                with contextlib.suppress(subprocess.TimeoutExpired):
-                    self.launcher.wait(timeout=REAP_GRACE_S)
-            left = reap(self.job)
-            if left:
-                print(
-                    f"erniekit: {len(left)} process(es) of the job were still running after the launcher "
-                    f"ended; stopped them (pids {', '.join(map(str, left))})",
-                    flush=True,
-                )
-            if self.launcher.poll() is None:
-                self.launcher.kill()
-                self.launcher.wait()
+            self._end_job()
+
+    def _kill_after_grace(self) -> None:
+        if time.monotonic() - self.signal_time > STOP_GRACE_S:
+            print(f"erniekit: the job did not stop within {STOP_GRACE_S:.0f} s of the signal; killing it", flush=True)
+            _signal(job_pids(self.job), signal.SIGKILL)
+
+    def _stop_launcher(self, why: str) -> int:
+        """The launcher ends now, as no rank of this node would stop or save anything: SIGTERM, then
+        SIGKILL after LAUNCHER_STOP_S. Its exit code."""
+        print(f"erniekit: {why}; stopping the launcher", flush=True)
+        _signal([self.launcher.pid], signal.SIGTERM)
+        try:
+            return self.launcher.wait(timeout=LAUNCHER_STOP_S)
+        except subprocess.TimeoutExpired:
+            self.launcher.kill()
+            return self.launcher.wait()
+
+    def _end_job(self) -> None:
+        """No process of the job outlives `run`."""
+        if self.launcher.poll() is None:  # an error here: the launcher goes first, with its ranks
+            _signal([self.launcher.pid], signal.SIGTERM)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.launcher.wait(timeout=REAP_GRACE_S)
+        left = reap(self.job)
+        if left:
+            print(
+                f"erniekit: {len(left)} process(es) of the job were still running after the launcher "
+                f"ended; stopped them (pids {', '.join(map(str, left))})",
+                flush=True,
+            )
+        if self.launcher.poll() is None:
+            self.launcher.kill()
+            self.launcher.wait()
 
 
 def stop_signal_of_run(output_dir: str, since: float) -> tuple[int, int | None]:
@@ -215,6 +265,7 @@ def _wrote_results(output_dir: str, since: float) -> bool:
 
 _EARLY_STOP = "stopped-before-first-step.rank-"  # + rank: a rank's note in launch_logs/
 _EARLY_FAILURE = "failed-before-first-step.rank-"  # + rank: the one-line error a rank stopped on while starting
+_STOPPED = "stopped-after-step.rank-"  # + rank: "SIGNAL STEP", left by a rank that returned after an agreed stop
 
 
 def _leave_note(output_dir: str, prefix: str, text: str) -> None:
@@ -282,6 +333,25 @@ def failure_before_first_step(output_dir: str, since: float) -> tuple[str, str] 
     return found[0] if found else None
 
 
+def note_stop_after_step(output_dir: str, signum: int, step: int | None) -> None:
+    """Left by every rank that returns after the stop all ranks agreed on (train/start.py): it exits 0,
+    as paddle's launcher needs, and rank 0 alone writes train_results.json, which a node without rank 0
+    and with an output_dir of its own cannot see; the note tells that node's `relaunch` it was a stop."""
+    _leave_note(output_dir, _STOPPED, f"{int(signum)} {step if step is not None else -1}")
+
+
+def stop_after_step(output_dir: str, since: float) -> tuple[int, int | None]:
+    """(stop signal, step) a rank of this node noted after `since` (time.time()) when it returned after
+    an agreed stop; (0, None) when none did (_take_notes: earlier launches' notes are removed)."""
+    for _, text in _take_notes(output_dir, _STOPPED, since):
+        try:
+            signum, step = (int(v) for v in text.split())
+        except ValueError:
+            continue
+        return signum, (step if step >= 0 else None)
+    return 0, None
+
+
 def relaunch(cfg, train_args: list[str], user_threads: str | None = None) -> int:
     """Run the job's workers on this machine and return the exit code of `erniekit train`.
 
@@ -292,7 +362,8 @@ def relaunch(cfg, train_args: list[str], user_threads: str | None = None) -> int
     Checkpoints are unsharded, so a restart may also use another process count.
     A stop (SIGTERM / SIGINT here or to any rank) is not a failure: no restart, exit code
     128 + the signal (run_control.stopped_exit_code). Nor is a configuration, data or checkpoint
-    error a rank met before its first step: its one line, exit code 2, no restart.
+    error a rank met before its first step: its one line, exit code 2, no restart. With nnodes > 1
+    a restart that the other nodes do not join within RESTART_RENDEZVOUS_S ends the job as failed.
     """
     env = _job_env(cfg, user_threads)
     job = env[JOB_ENV]
@@ -303,12 +374,15 @@ def relaunch(cfg, train_args: list[str], user_threads: str | None = None) -> int
         flush=True,
     )
     args = list(train_args)
-    sup = Supervisor(job)
+    sup, rc = Supervisor(job), 0
     with sup.handling_signals():
         for attempt in range(cfg.max_restart + 1):
             started = time.time()
-            rc = sup.run(launch_command(cfg, args), env)
-            code = launch_outcome(cfg.output_dir, rc, started, sup.signum, cfg.nnodes)
+            rc_now = sup.run(launch_command(cfg, args), env, restart_rendezvous_limit(cfg, attempt))
+            if sup.gave_up_waiting and not sup.signum:
+                return _restart_not_joined(cfg, attempt, rc)  # rc: the failed launch before this restart
+            rc = rc_now
+            code = launch_outcome(cfg.output_dir, rc, started, sup.signum, cfg.nnodes, sup.ranks_started)
             if code is not None:
                 return code
             if attempt == cfg.max_restart:
@@ -329,6 +403,25 @@ def relaunch(cfg, train_args: list[str], user_threads: str | None = None) -> int
     return rc
 
 
+def restart_rendezvous_limit(cfg, attempt: int) -> float | None:
+    """How long a launch may wait at the rendezvous before its ranks start: a restart of a job of
+    several nodes is bounded (a node that gave up, e.g. on a start-up error only its own disk holds,
+    never joins); a first launch is not (the nodes are started by hand, in any order)."""
+    return RESTART_RENDEZVOUS_S if attempt > 0 and cfg.nnodes > 1 else None
+
+
+def _restart_not_joined(cfg, attempt: int, rc: int) -> int:
+    """One line for a restart the other nodes did not join; the exit code of the failed launch before it."""
+    print(
+        f"erniekit: restart {attempt} of {cfg.max_restart}: the other nodes did not join at master={cfg.master} "
+        f"within {RESTART_RENDEZVOUS_S:.0f} s; a node that gave up does not restart (a rank's start-up error, "
+        f"printed by that node's erniekit train with exit code 2, or a stop): check the other nodes' output, then "
+        f"start every node again with resume_from_checkpoint=auto (exit code {rc})",
+        flush=True,
+    )
+    return rc
+
+
 def _job_env(cfg, user_threads: str | None) -> dict:
     """The launcher's (and so every rank's) environment: OpenMP threads, the job's id, and the notes
     folder, created here on this node so that a rank refusing its output_dir can still leave its note."""
@@ -342,19 +435,24 @@ def _job_env(cfg, user_threads: str | None) -> dict:
     return env
 
 
-def launch_outcome(output_dir: str, rc: int, started: float, signum: int = 0, nnodes: int = 1) -> int | None:
+def launch_outcome(
+    output_dir: str, rc: int, started: float, signum: int = 0, nnodes: int = 1, ranks_started: bool = True
+) -> int | None:
     """What one launch that began at `started` (time.time()) and ended with launcher exit code rc
     means for the job: the exit code of `erniekit train` when it is over (finished, stopped, or a
     rank's configuration error before its first step), None when it failed and may be restarted.
-    `signum`: a stop signal `erniekit train` received meanwhile (0: none); `nnodes`: the job's nodes."""
+    `signum`: a stop signal `erniekit train` received meanwhile (0: none); `nnodes`: the job's nodes;
+    `ranks_started`: whether this node's ranks had started (Supervisor.ranks_started)."""
     from erniekit.utils.run_control import stopped_exit_code
 
-    logs = os.path.join(output_dir, "launch_logs")
     stopped, step = stop_signal_of_run(output_dir, started)
-    if stopped:
+    noted, noted_step = stop_after_step(output_dir, started)  # read either way: the notes are this launch's
+    if stopped or noted:
+        where = output_dir if stopped else "rank 0's output_dir, on another node"
+        stopped, step = (stopped, step) if stopped else (noted, noted_step)
         print(
             f"erniekit: the job stopped on {signal.Signals(stopped).name} after step {step} with "
-            f"checkpoint-{step} in {output_dir}; continue with resume_from_checkpoint=auto "
+            f"checkpoint-{step} in {where}; continue with resume_from_checkpoint=auto "
             f"(exit code {stopped_exit_code(stopped)})",
             flush=True,
         )
@@ -371,22 +469,37 @@ def launch_outcome(output_dir: str, rc: int, started: float, signum: int = 0, nn
             flush=True,
         )
         return stopped_exit_code(early)
-    if signum:
-        if rc == 0 and nnodes > 1 and not _wrote_results(output_dir, started):  # rank 0 on another node, own disk
-            print(
-                f"erniekit: {signal.Signals(signum).name}: this node's ranks ended; rank 0 runs on another node, "
-                "whose output_dir says whether the job stopped (with a checkpoint) or finished",
-                flush=True,
-            )
-            return stopped_exit_code(signum)
-        if rc == 0:  # the signal came after the last step: the run is complete
-            print(f"erniekit: {signal.Signals(signum).name} came after the last step; the run finished", flush=True)
-            return 0
+    if signum and not ranks_started:  # the launcher was starting, or waiting at the rendezvous
         print(
-            f"erniekit: the job ended on {signal.Signals(signum).name} before a checkpoint of the stop "
-            f"(launcher exit code {rc}); every rank's log is in {logs}; resume_from_checkpoint=auto "
-            f"continues from the latest checkpoint in {output_dir}",
+            f"erniekit: the job stopped on {signal.Signals(signum).name} before any rank of this node started; "
+            f"this launch saved nothing (exit code {stopped_exit_code(signum)})",
             flush=True,
         )
         return stopped_exit_code(signum)
+    if signum:
+        return _signalled_outcome(output_dir, rc, started, signum, nnodes)
     return 0 if rc == 0 else None
+
+
+def _signalled_outcome(output_dir: str, rc: int, started: float, signum: int, nnodes: int) -> int:
+    """The exit code of a launch this process passed a stop signal to, when no rank noted a stop."""
+    from erniekit.utils.run_control import stopped_exit_code
+
+    name = signal.Signals(signum).name
+    if rc == 0 and nnodes > 1 and not _wrote_results(output_dir, started):  # rank 0 elsewhere, no note here
+        print(
+            f"erniekit: {name}: this node's ranks ended; rank 0 runs on another node, whose output_dir says "
+            "whether the job stopped (with a checkpoint) or finished",
+            flush=True,
+        )
+        return stopped_exit_code(signum)
+    if rc == 0:  # the signal came after the last step: the run is complete
+        print(f"erniekit: {name} came after the last step; the run finished", flush=True)
+        return 0
+    print(
+        f"erniekit: the job ended on {name} before a checkpoint of the stop (launcher exit code {rc}); every "
+        f"rank's log is in {os.path.join(output_dir, 'launch_logs')}; resume_from_checkpoint=auto continues from "
+        f"the latest checkpoint in {output_dir}",
+        flush=True,
+    )
+    return stopped_exit_code(signum)

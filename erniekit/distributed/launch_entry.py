@@ -24,8 +24,12 @@ if __name__ == "__main__":
     sys.path.pop(0)
     _die_with_parent()
     if sys.argv[1:2] == ["--launcher"]:
+        import logging
         import runpy
 
+        # paddle's rendezvous polls the master over httpx, which logs each request at INFO (two lines
+        # every 0.5 s while a node waits for the others)
+        logging.getLogger("httpx").setLevel(logging.WARNING)
         sys.argv = ["paddle.distributed.launch", *sys.argv[2:]]
         runpy.run_module("paddle.distributed.launch", run_name="__main__", alter_sys=True)
         sys.exit(0)

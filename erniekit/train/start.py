@@ -50,12 +50,23 @@ def start_training(cfg, path: str | None, overrides: list[str], user_threads: st
     except StoppedBeforeFirstStep as e:
         return stopped_at_start(cfg, e)
     if isinstance(result, dict) and result.get("stop_signal"):
-        if in_launched_worker():  # paddle.distributed.launch reads any other code as a failure and kills
-            return 0  # the other ranks; `erniekit train` (the parent) reports the stop
-        from erniekit.utils.run_control import stopped_exit_code
-
-        return stopped_exit_code(result["stop_signal"])  # stopped, not finished: 143 (SIGTERM) / 130 (SIGINT)
+        return stopped_after_step(cfg, result)
     return result if isinstance(result, int) and not isinstance(result, bool) else 0
+
+
+def stopped_after_step(cfg, result: dict) -> int:
+    """A run that stopped after a step, with a checkpoint: 128 + N (143 SIGTERM / 130 SIGINT), stopped,
+    not finished. A launched rank exits 0 instead (paddle.distributed.launch reads any other code as a
+    failure and kills the other ranks) and leaves a note, so that its node's `erniekit train` reports
+    the stop even where rank 0's train_results.json is on another node's disk (distributed/launch.py
+    stop_after_step)."""
+    from erniekit.distributed.launch import in_launched_worker, note_stop_after_step
+    from erniekit.utils.run_control import stopped_exit_code
+
+    if in_launched_worker():
+        note_stop_after_step(cfg.output_dir, result["stop_signal"], result.get("stopped_at_step"))
+        return 0
+    return stopped_exit_code(result["stop_signal"])
 
 
 def stopped_at_start(cfg, stop: StoppedBeforeFirstStep) -> int:

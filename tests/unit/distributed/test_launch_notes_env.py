@@ -80,3 +80,34 @@ def test_ranks_that_would_resume_from_different_checkpoints_are_refused(tmp_path
     assert error.startswith("resume_from_checkpoint=auto: the ranks see different checkpoints in output_dir=/o ")
     assert "(rank 0: checkpoint-4, rank 1: none)" in error and "\n" not in error
     assert "(rank 0: none, rank 1: found)" in resume_mismatch("/c", "/o", [-1, 0])
+
+
+def test_a_stop_sent_to_another_node_is_reported_as_a_stop_on_every_node(tmp_path, monkeypatch, capsys):
+    """Nodes with output_dirs of their own, the stop sent to rank 0's node: this node (not signalled,
+    rank 0 elsewhere) saw its ranks return 0 and exited 0, 'the run finished'. Each rank that returns
+    after the agreed stop leaves a note (train/start.py), so this node exits 143 too."""
+    from erniekit.train.start import stopped_after_step
+
+    out, started = tmp_path / "node-b", time.time() - 1
+    cfg = SimpleNamespace(output_dir=str(out))
+    monkeypatch.setenv(launch.NOTES_ENV, str(out / "launch_logs"))
+    monkeypatch.setenv("PADDLE_TRAINER_ID", "1")
+    monkeypatch.setenv("PADDLE_TRAINERS_NUM", "2")
+    assert stopped_after_step(cfg, {"stop_signal": int(signal.SIGTERM), "stopped_at_step": 6}) == 0  # for paddle
+    assert os.listdir(out / "launch_logs") == ["stopped-after-step.rank-1"]
+    assert launch.launch_outcome(str(out), 0, started, 0, nnodes=2) == 143
+    assert (
+        "erniekit: the job stopped on SIGTERM after step 6 with checkpoint-6 in rank 0's output_dir, on another node"
+        in capsys.readouterr().out
+    )
+    assert launch.launch_outcome(str(out), 0, time.time() + 1, 0, nnodes=2) == 0  # a later launch: the note is old
+    assert os.listdir(out / "launch_logs") == []
+
+
+def test_a_single_process_run_stopped_after_a_step_exits_128_plus_the_signal(tmp_path, monkeypatch):
+    from erniekit.train.start import stopped_after_step
+
+    monkeypatch.delenv("PADDLE_TRAINER_ID", raising=False)
+    cfg = SimpleNamespace(output_dir=str(tmp_path))
+    assert stopped_after_step(cfg, {"stop_signal": int(signal.SIGINT), "stopped_at_step": 3}) == 130
+    assert os.listdir(tmp_path) == []  # no note outside a launched job

@@ -1,0 +1,103 @@
+"""`erniekit train` while its launcher waits at the rendezvous (erniekit/distributed/launch.py), with
+`python -c` children in place of paddle's launcher and the ranks: a restart that the other nodes never
+join ends within a bound, and a stop before any rank started ends the launcher at once."""
+
+import os
+import signal
+import sys
+import threading
+import time
+from types import SimpleNamespace
+
+from erniekit.distributed import launch
+
+PY = sys.executable
+# a launcher at the rendezvous: deaf to SIGTERM, no rank, a helper in the job's environment (paddle's
+# runs nvidia-smi every 5 s for its GPU log) that must not be taken for a rank
+WAITING = (
+    "import signal, subprocess, sys, time; subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(30)']); "
+    "signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(30)"
+)
+
+
+def _env(job: str) -> dict:
+    return dict(os.environ, **{launch.JOB_ENV: job})
+
+
+def _signal_me_after(seconds: float, sig: int = signal.SIGTERM) -> threading.Timer:
+    timer = threading.Timer(seconds, os.kill, (os.getpid(), sig))
+    timer.start()
+    return timer
+
+
+def test_a_restart_the_other_nodes_never_join_ends_with_one_line(tmp_path, monkeypatch, capsys):
+    """Nodes with output_dirs of their own: a start-up error on node A ends A (exit 2, its note is on
+    A's disk only); node B's launch fails and B restarts, and its launcher waited at the rendezvous
+    for A forever. The restart's wait is bounded: one line that says what to check, B's failed
+    launch's exit code, and no further restart."""
+    launches = []
+
+    def command(cfg, args):
+        launches.append(args)
+        return [PY, "-c", "import sys; sys.exit(1)" if len(launches) == 1 else WAITING]
+
+    monkeypatch.setattr(launch, "launch_command", command)
+    monkeypatch.setattr(launch, "RESTART_RENDEZVOUS_S", 1.0)
+    monkeypatch.setattr(launch, "LAUNCHER_STOP_S", 0.5)
+    cfg = SimpleNamespace(nproc_per_node=1, nnodes=2, master="10.0.0.1:8090", output_dir=str(tmp_path), max_restart=3)
+    t0 = time.monotonic()
+    assert launch.relaunch(cfg, ["x=1"]) == 1
+    assert time.monotonic() - t0 < 15  # not the deaf launcher's 30 s
+    assert len(launches) == 2 and launches[1][-1] == "resume_from_checkpoint=auto"
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert last.startswith("erniekit: restart 1 of 3: the other nodes did not join at master=10.0.0.1:8090 within 1 s")
+    assert "check the other nodes' output" in last and last.endswith("(exit code 1)")
+
+
+def test_only_a_restart_of_several_nodes_has_a_bounded_rendezvous():
+    """The first launch waits as long as the nodes take to be started by hand; one node has no rendezvous."""
+    two = SimpleNamespace(nnodes=2)
+    assert launch.restart_rendezvous_limit(two, 0) is None
+    assert launch.restart_rendezvous_limit(two, 1) == launch.RESTART_RENDEZVOUS_S
+    assert launch.restart_rendezvous_limit(SimpleNamespace(nnodes=1), 1) is None
+
+
+def test_a_stop_before_any_rank_started_ends_the_launcher_at_once(tmp_path, monkeypatch, capsys):
+    """SIGTERM while the launcher waits at the rendezvous: there is no rank to pass it to, and the
+    Supervisor waited STOP_GRACE_S (600 s) for ranks that never came. It ends the launcher (SIGKILL
+    when SIGTERM does not do it) and the launch is reported as a stop that saved nothing."""
+    monkeypatch.setattr(launch, "LAUNCHER_STOP_S", 0.5)
+    sup = launch.Supervisor("test-rendezvous-stop")
+    t0 = time.monotonic()
+    with sup.handling_signals():
+        timer = _signal_me_after(1.0)
+        rc = sup.run([PY, "-c", WAITING], _env(sup.job))
+        timer.join()
+    assert time.monotonic() - t0 < 10 and rc == -signal.SIGKILL
+    assert not sup.ranks_started and not sup.gave_up_waiting
+    assert launch.launch_outcome(str(tmp_path), rc, time.time() - 20, sup.signum, 2, sup.ranks_started) == 143
+    out = capsys.readouterr().out
+    assert "erniekit: SIGTERM before any rank of this node started; stopping the launcher" in out
+    assert "the job stopped on SIGTERM before any rank of this node started; this launch saved nothing" in out
+
+
+def test_a_stop_with_ranks_running_goes_to_the_ranks_and_the_launcher_stays(tmp_path):
+    """Once a rank runs (a process of the job running launch_entry.py), the stop is passed to it and
+    the launcher is left to end with it; nor does the rendezvous bound stop a launch whose ranks run."""
+    marker = tmp_path / "rank-got"
+    rank = (
+        "import signal, sys, time; "
+        f"signal.signal(signal.SIGTERM, lambda s, f: (open({str(marker)!r}, 'w').write(str(s)), sys.exit(0))); "
+        "time.sleep(30)"
+    )
+    launcher = (
+        "import signal, subprocess, sys; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+        f"sys.exit(subprocess.call([sys.executable, '-c', {rank!r}, {launch.ENTRY!r}, 'train']))"
+    )
+    sup = launch.Supervisor("test-rendezvous-ranks")
+    with sup.handling_signals():
+        timer = _signal_me_after(2.5)
+        rc = sup.run([PY, "-c", launcher], _env(sup.job), rendezvous_s=1.0)
+        timer.join()
+    assert rc == 0 and marker.read_text() == str(int(signal.SIGTERM))
+    assert sup.ranks_started and not sup.gave_up_waiting
