@@ -20,7 +20,9 @@ def fifo(tmp_path):
 
 
 def test_the_token_store_refuses_a_pipe_it_could_not_match_later(fifo, tmp_path):
-    with pytest.raises(DataError, match=r"tokenized_path: .*stream\.jsonl is not a regular file .* drop tokenized_path"):
+    with pytest.raises(
+        DataError, match=r"tokenized_path: .*stream\.jsonl is not a regular file .* drop tokenized_path"
+    ):
         source_files(fifo)
     text = tmp_path / "a.jsonl"
     text.write_text('{"text": "x"}\n')
