@@ -16,6 +16,7 @@ from erniekit.train.stages import get_stage
 from erniekit.utils.device import cuda_visible
 from erniekit.utils.dtensor import is_main_process, launched_world
 from erniekit.utils.io import atomic_write_json
+from erniekit.utils.malloc import release_freed_heap
 
 
 def select_device() -> str:
@@ -261,6 +262,7 @@ def _run_joined(cfg, topology, device: str, log, start: _StartUp) -> dict:
         train_rows, eval_data = _build_data(stage, cfg, tokenizer)
     stage.prepare(model, train_rows, eval_data, cfg, tokenizer)  # before any resume: model = reference
     data_prep += time.perf_counter() - t0
+    release_freed_heap()  # what loading, casting and placing the model freed (utils/malloc.py)
     n_params = sum(int(p.numel()) for p in model.parameters())
     n_train = sum(int(p.numel()) for p in model.parameters() if not p.stop_gradient)
     log(

@@ -92,3 +92,20 @@ def keep_freed_memory() -> bool:
     except (OSError, AttributeError):  # musl and others have no mallopt
         return False
     return bool(mallopt(_M_MMAP_THRESHOLD, mmap_threshold())) and bool(mallopt(_M_TRIM_THRESHOLD, _KEEP))
+
+
+def release_freed_heap() -> bool:
+    """Give the pages of freed heap blocks back to the OS once (glibc's malloc_trim). True if applied.
+
+    keep_freed_memory keeps every freed block for reuse, so what the start-up freed stays resident
+    through the run: the float32 weights a model built in float32 drops when its LoRA base is cast to
+    bf16, the parts of the model a rank does not hold once it is placed. Called once before the
+    first step; the step's own blocks are then allocated again and kept as before."""
+    if not sys.platform.startswith("linux"):
+        return False
+    name = ctypes.util.find_library("c")
+    try:
+        trim = ctypes.CDLL(name).malloc_trim if name else None
+    except (OSError, AttributeError):  # musl and others
+        return False
+    return trim is not None and bool(trim(0))
