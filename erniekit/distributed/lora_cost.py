@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from erniekit.distributed.collective.layout import whole_over_tp
 from erniekit.errors import ConfigError
 from erniekit.nn.lora_targets import DEFAULT_TARGET_MODULES, TargetMatcher, hf_experts_name, module_sample
 
@@ -155,6 +156,8 @@ TP_ROW = ("o_proj", "down_proj", "lm_head")
 
 def linear_whole_over_tp(name: str, r: int, fan_in: int, fan_out: int, dora: bool) -> tuple[int, int]:
     """(adapter elements, base elements) of a Linear that are whole on every tp rank."""
+    if whole_over_tp(name):  # the vision model's, whatever its layers are called
+        return r * (fan_in + fan_out) + (fan_out if dora else 0), fan_in * fan_out
     if "lm_head" not in name and any(k in name for k in TP_COLUMN):
         return 0, 0
     if any(k in name for k in TP_ROW):

@@ -16,6 +16,17 @@ from dataclasses import dataclass
 from erniekit.errors import ConfigError
 
 DIMS = ("pp", "dp", "sharding", "tp")
+# a VL model's vision transformer and resampler stay whole on every tp rank (runtime.py places them,
+# lora_cost.py and the planner count them so): every tp rank encodes the same pictures; their layer
+# names (qkv, proj, fc1, fc2, mlp) are kept from matching the text model's by this rule, not by luck
+WHOLE_OVER_TP = ("vision_model", "resampler_model")
+
+
+def whole_over_tp(name: str) -> bool:
+    """A parameter (or module) of a VL model's vision transformer or resampler: replicated over tp."""
+    return any(part in WHOLE_OVER_TP for part in name.split(".")[:-1])
+
+
 SHARDING_STAGES = {"": 0, "stage1": 1, "stage2": 2, "stage3": 3}
 
 

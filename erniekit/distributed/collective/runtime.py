@@ -31,7 +31,7 @@ import paddle
 import paddle.distributed as dist
 
 from erniekit.distributed.collective.expert_exchange import ExpertExchange, make_pair_groups
-from erniekit.distributed.collective.layout import DIMS, Layout
+from erniekit.distributed.collective.layout import DIMS, Layout, whole_over_tp
 from erniekit.distributed.collective.local_experts import TensorParallelExperts
 from erniekit.distributed.collective.pipeline import PipelineTopology, new_group
 from erniekit.distributed.collective.replicas import DataReplicas
@@ -49,19 +49,9 @@ _EXPERT_TP_DIM = {
     "row": {"": 1, "_lora_A": 1, "_lora_B": None, "_lora_magnitude_vector": None},
 }
 
-# a VL model's vision transformer and resampler stay whole on every tp rank (as the planner counts
-# them): every tp rank encodes the same pictures; their layer names (qkv, proj, fc1, fc2, mlp) are
-# kept from matching the text model's by this rule, not by luck
-_WHOLE_OVER_TP = ("vision_model", "resampler_model")
-
 # the context whose data ranks split the batches built while a run is in progress: set for the
 # duration of one run by `placing_batches` (never left behind for the next run in this process)
 _PLACING: ContextVar["ParallelContext | None"] = ContextVar("erniekit_placing_batches", default=None)
-
-
-def whole_over_tp(name: str) -> bool:
-    """A parameter of a VL model's vision transformer or resampler: replicated over tp."""
-    return any(part in _WHOLE_OVER_TP for part in name.split(".")[:-1])
 
 
 def expert_tp_dim(name: str) -> int | None:

@@ -7,6 +7,7 @@ import pytest
 
 from erniekit.distributed.collective.layout import Layout
 from erniekit.distributed.collective.runtime import ParallelContext
+from erniekit.distributed.lora_cost import linear_whole_over_tp
 
 
 @pytest.mark.parametrize(
@@ -24,3 +25,6 @@ def test_vision_parameters_stay_whole_over_tp(name, split):
     ctx = ParallelContext(Layout(tp=2))
     placements = ctx.param_placements(name, paddle.zeros([64, 128]), is_expert=False)
     assert placements[-1].is_shard() is split, placements  # the tp dim is innermost
+    # the planner's LoRA count (Paddle-free) places the same module's base the same way
+    base_whole = linear_whole_over_tp(name.rsplit(".", 1)[0], 8, 64, 128, dora=False)[1]
+    assert base_whole == (0 if split else 64 * 128)
