@@ -6,6 +6,7 @@ import dataclasses
 import json
 import math
 import os
+import stat
 import sys
 import tempfile
 
@@ -453,6 +454,19 @@ def _check_length(cfg: TrainConfig) -> None:
         )
 
 
+def _check_stream(cfg: TrainConfig, key: str, path: str) -> None:
+    """A dataset that is not a regular file: a pipe (process substitution) is read once, by one
+    process; a device never ends."""
+    mode = os.stat(path).st_mode
+    if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
+        raise ConfigError(f"{key}: {path} is a device, not a dataset file; point it at a .jsonl/.json/.txt file")
+    if cfg.nproc_per_node * cfg.nnodes > 1:
+        raise ConfigError(
+            f"{key}: {path} is a pipe, which one process can read once; each of the {cfg.nproc_per_node * cfg.nnodes} "
+            "processes reads the data itself: write the stream to a file first"
+        )
+
+
 def _check_paths(cfg: TrainConfig) -> None:
     datasets = [("eval_dataset_path", cfg.eval_dataset_path)]
     if cfg.do_train:
@@ -477,6 +491,8 @@ def _check_paths(cfg: TrainConfig) -> None:
                 continue
             if not os.path.exists(p):
                 raise ConfigError(f"{key}: file not found: {p}; fix the path (relative paths start at {os.getcwd()})")
+            if not os.path.isfile(p) and not os.path.isdir(p):
+                _check_stream(cfg, key, p)
     _check_model(cfg.model_name_or_path)
     check_writable_dir("output_dir", cfg.output_dir)
     if cfg.tokenized_path and not os.path.isfile(os.path.join(cfg.tokenized_path, "train", "store.json")):

@@ -42,6 +42,7 @@ import functools
 import json
 import os
 import re
+import stat
 import warnings
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -140,6 +141,8 @@ def split_paths(path: str) -> list[str]:
         elif os.path.isdir(p) or not os.path.exists(p):
             where = "is a directory, not a file" if os.path.isdir(p) else "not found"
             raise DataError(f"dataset file {where}: {p} (cwd {os.getcwd()}); check the path or its spelling")
+        elif stat.S_ISCHR(os.stat(p).st_mode) or stat.S_ISBLK(os.stat(p).st_mode):  # /dev/zero never ends
+            raise DataError(f"dataset path is a device, not a file: {p}; point it at a .jsonl/.json/.txt file")
     return paths
 
 

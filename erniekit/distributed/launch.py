@@ -447,8 +447,9 @@ def launch_outcome(
 
     stopped, step = stop_signal_of_run(output_dir, started)
     noted, noted_step = stop_after_step(output_dir, started)  # read either way: the notes are this launch's
+    noted = noted if rc == 0 else 0  # a rank notes its stop before rank 0 has saved: only a clean end proves it
     if stopped or noted:
-        where = output_dir if stopped else "rank 0's output_dir, on another node"
+        where = output_dir if stopped else "rank 0's output_dir" + (", on another node" if nnodes > 1 else "")
         stopped, step = (stopped, step) if stopped else (noted, noted_step)
         print(
             f"erniekit: the job stopped on {signal.Signals(stopped).name} after step {step} with "
@@ -498,7 +499,7 @@ def _signalled_outcome(output_dir: str, rc: int, started: float, signum: int, nn
         return 0
     print(
         f"erniekit: the job ended on {name} before a checkpoint of the stop (launcher exit code {rc}); every "
-        f"rank's log is in {os.path.join(output_dir, 'launch_logs')}; resume_from_checkpoint=auto continues from "
+        f"rank's log is in {worker_log_dir(output_dir, nnodes)}; resume_from_checkpoint=auto continues from "
         f"the latest checkpoint in {output_dir}",
         flush=True,
     )

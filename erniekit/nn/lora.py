@@ -153,7 +153,11 @@ class _UpcastMatmul(PyLayer):
     def backward(ctx, dy):
         (w,) = ctx.saved_tensor()
         native.check_versions("lora upcast matmul", ctx.versions, w)
-        return paddle.matmul(dy, _upcast(w, ctx.index, dy.dtype), transpose_y=True), None
+        if paddle.is_grad_enabled():  # create_graph: the GEMM is recorded, so its weight must not be the shared buffer
+            wt = (w if ctx.index is None else w[ctx.index]).astype(dy.dtype)
+        else:
+            wt = _upcast(w, ctx.index, dy.dtype)
+        return paddle.matmul(dy, wt, transpose_y=True), None
 
 
 _scratch = threading.local()  # .buf: the float32 buffer _upcast writes bf16 weights into, per thread (a

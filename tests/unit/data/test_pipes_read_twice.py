@@ -35,3 +35,22 @@ def test_the_routing_report_refuses_a_pipe_before_reading_it(fifo, tmp_path):
     text = tmp_path / "b.jsonl"
     text.write_text('{"text": "x"}\n')
     assert _is_text_file(str(text))
+
+
+def test_a_pipe_is_refused_for_several_processes_and_a_device_always(fifo, tmp_path):
+    """A pipe gives its data once: with several processes one rank read it all and the others hung at
+    open, then the job failed in a collective; /dev/zero was read forever."""
+    from erniekit.config import TrainConfig, validate
+    from erniekit.data.formats import split_paths
+    from erniekit.errors import ConfigError
+
+    def cfg(**kw):
+        return TrainConfig(model_name_or_path="tiny-dense", output_dir=str(tmp_path / "out"), **kw)
+
+    validate(cfg(train_dataset_path=fifo))  # one process reads it once
+    with pytest.raises(ConfigError, match=r"train_dataset_path: .*stream\.jsonl is a pipe, .* each of the 2 processes"):
+        validate(cfg(train_dataset_path=fifo, nproc_per_node=2))
+    with pytest.raises(ConfigError, match=r"eval_dataset_path: /dev/zero is a device"):
+        validate(cfg(train_dataset_path=fifo, eval_dataset_path="/dev/zero", do_eval=True))
+    with pytest.raises(DataError, match=r"dataset path is a device, not a file: /dev/zero"):
+        split_paths("/dev/zero")

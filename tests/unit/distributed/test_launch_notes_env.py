@@ -95,6 +95,9 @@ def test_a_stop_sent_to_another_node_is_reported_as_a_stop_on_every_node(tmp_pat
     monkeypatch.setenv("PADDLE_TRAINERS_NUM", "2")
     assert stopped_after_step(cfg, {"stop_signal": int(signal.SIGTERM), "stopped_at_step": 6}) == 0  # for paddle
     assert os.listdir(out / "launch_logs") == ["stopped-after-step.rank-1"]
+    # a rank notes its stop before rank 0 has saved: a launch that then failed is no stop with a checkpoint
+    assert launch.launch_outcome(str(out), 1, started, 0, nnodes=2) is None
+    assert "checkpoint-6" not in capsys.readouterr().out
     assert launch.launch_outcome(str(out), 0, started, 0, nnodes=2) == 143
     assert (
         "erniekit: the job stopped on SIGTERM after step 6 with checkpoint-6 in rank 0's output_dir, on another node"

@@ -107,3 +107,23 @@ def test_bf16_base_keeps_no_float32_copy_for_the_backward():
         del y, ye
     assert grown < upcast / 8, f"the forward kept {grown} bytes; the float32 upcasts are {upcast}"
     assert x.grad is not None and xe.grad is not None
+
+
+def test_a_double_backward_does_not_read_the_shared_upcast_buffer():
+    """Under create_graph the backward's GEMM is recorded; its weight must be a copy, not the buffer
+    every later upcast writes (another layer's backward would change this one's second derivative)."""
+    a = paddle.randn([4, 4]).astype("bfloat16")
+    other = paddle.randn([4, 4]).astype("bfloat16")
+
+    def second_derivative(matmul, interfere):
+        x = paddle.ones([3, 4])
+        x.stop_gradient = False
+        y = matmul(x)
+        (g,) = paddle.grad((y * y).sum(), [x], create_graph=True)
+        if interfere:
+            lora._upcast(other, None, paddle.float32)  # as the next layer's backward does
+        (gg,) = paddle.grad(g.sum(), [x])
+        return gg.numpy()
+
+    want = second_derivative(lambda x: paddle.matmul(x, a.astype("float32")), False)
+    np.testing.assert_array_equal(second_derivative(lambda x: lora._UpcastMatmul.apply(x, a), True), want)
