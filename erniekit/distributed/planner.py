@@ -28,7 +28,8 @@ Step time = compute + communication, per optimizer step:
 Memory (per device, float32 training) = params + grads + Adam moments (split by the sharding
 stage; over tp as runtime.py places them: projections and routed experts split, norms, routers
 and the vision model whole on every tp rank) + the activations the forward keeps for the backward (per layer and token, counted from
-the tensors this model's forward saves; recompute keeps only the recomputed part's input) x the
+the tensors this model's forward saves, split over tp but a MoE layer's of width H, E or k, whole on
+every tp rank: `moe_saved`; recompute keeps only the recomputed part's input) x the
 micro-batches in flight (1F1B: pp on the first stage) + the logits + the buffer whole-model
 replicas sum their gradients through + the CPU heap's holes (+ a 16-bit LoRA base's upcast
 buffer) + runtime overhead.
@@ -226,7 +227,7 @@ class LayerCost:
     )
     attn_saved: float  # saved elements outside the [S, S] part
     core_saved_per_s: float  # the attention probabilities: heads per position
-    mlp_saved: float
+    mlp_saved: float  # split over tp but for `mlp_saved_whole`
     other_saved: float  # residual adds, norms' inputs
     ops: int  # op launches forward (backward counted twice that)
     moe_k: int = 0
@@ -237,6 +238,9 @@ class LayerCost:
     # held, never trained (stop_gradient; the aux-loss-free balancing moves it): the routers'
     # e_score_correction_bias, E per MoE layer, whole on every tp rank
     frozen_params: int = 0
+    # of mlp_saved: what every tp rank keeps whole (a MoE layer's tensors of width H, E or k, which
+    # each tp rank computes on the same tokens: `moe_saved`)
+    mlp_saved_whole: float = 0.0
 
 
 def layer_costs(c) -> list[LayerCost]:
@@ -266,7 +270,8 @@ def layer_costs(c) -> list[LayerCost]:
                     mlp_flops=2.0 * (routed + 3 * H * shared + H * E),
                     mlp_params=experts + 3 * H * shared + H * E,
                     expert_params=experts,
-                    mlp_saved=2 * H + 3 * E + k * H + 4 * k * inter + k * H + H + 4 * shared + H,
+                    mlp_saved=sum(moe_saved(H, E, k, inter, shared)),
+                    mlp_saved_whole=moe_saved(H, E, k, inter, shared)[0],
                     ops=60,
                     moe_k=k,
                     is_moe=True,
@@ -289,6 +294,18 @@ def layer_costs(c) -> list[LayerCost]:
                 )
             )
     return out
+
+
+def moe_saved(H: int, E: int, k: int, inter: int, shared: int) -> tuple[float, float]:
+    """(whole on every tp rank, split over tp) float32 elements per token a MoE layer's forward keeps
+    for the backward. Routed experts split over tp by width (local_experts.py) run every tp rank's
+    slice on the same tokens, so only their width-`inter` activations are split: the whole part is
+    the block's input and the routed, shared and combined outputs [T, H] (4H; the routed ones are
+    partial sums before the tp all-reduce), the routing tensors (3E), the dispatched rows and the
+    experts' outputs [T x k, H] (2kH); the split part the routed experts' gate, up and SwiGLU
+    activations (4k inter) and the shared experts' (4 shared, as a dense MLP's). One process running
+    a tp=2 rank's slices keeps half of the split part and all of the rest (docs/planner.md)."""
+    return 4 * H + 3 * E + 2 * k * H, 4 * k * inter + 4 * shared
 
 
 def _attn_params(c) -> int:
@@ -522,7 +539,8 @@ def predict(c, cluster: Cluster, work: Workload, p: Plan) -> Prediction:
     activations = BYTES * per_token * p.micro_batch * S * in_flight
     upcast_buffer = _upcast_buffer(lora, p, gpu)
     biggest_layer = max(
-        (l.attn_saved + (l.core_saved_per_s * S if scores else 0.0) + l.mlp_saved) / p.tp for l in layers
+        (l.attn_saved + (l.core_saved_per_s * S if scores else 0.0)) / p.tp + _mlp_saved_on_rank(l, p.tp)
+        for l in layers
     )
     # the backward's working set: one layer's, or at its end the embedding's dense [V, H] gradient,
     # made whole and then added into the weight's (the tied head's dW, or an accumulated gradient);
@@ -789,7 +807,7 @@ def _saved_per_token(layers, pp: int, tp: int, S: int, H: int, scores: bool, rec
     for l in layers[: math.ceil(len(layers) / pp)]:
         core_s = l.core_saved_per_s * S if scores else 0.0
         attn_s = (l.attn_saved + core_s) / tp
-        mlp_s = l.mlp_saved / tp
+        mlp_s = _mlp_saved_on_rank(l, tp)
         out += {
             "none": attn_s + mlp_s + l.other_saved,
             "core_attn": attn_s - core_s / tp + 3 * H + mlp_s + l.other_saved,
@@ -798,6 +816,11 @@ def _saved_per_token(layers, pp: int, tp: int, S: int, H: int, scores: bool, rec
             "full": H,
         }[recompute]
     return out
+
+
+def _mlp_saved_on_rank(l: LayerCost, tp: int) -> float:
+    """A tp rank's share of the MLP's saved elements per token: the MoE's whole part on every rank."""
+    return (l.mlp_saved - l.mlp_saved_whole) / tp + l.mlp_saved_whole
 
 
 def _comm_bytes(

@@ -2,8 +2,9 @@
 and the sync interval and compression that keep the link out of the way (docs/cross_cluster.md).
 
 Every site runs the same layout (dp, tp, pp, ...) on its own devices; rank r of one site exchanges
-its chunk (its trainable parameters / dp: replica i syncs chunk i) with rank r of every other
-site, then the site all-gathers the chunks on its own fast link. Per optimizer step:
+its chunk (its trainable parameters / dp, in local mode with the routers' correction biases when
+moe_bias_update_rate > 0 moves them: replica i syncs chunk i) with rank r of every other site,
+then the site all-gathers the chunks on its own fast link. Per optimizer step:
 
   step_s     = intra_s + (sync_s - hidden_s) / H + gather_s / H
   intra_s    = planner.predict's step time of the config's layout on the slowest site
@@ -166,12 +167,22 @@ def _site(entry, where: str, base: str, before: list[Site]) -> Site:
 @dataclass(frozen=True)
 class Job:
     """What every site trains per optimizer step: the model config, one site's workload, the layout,
-    and the trainable parameters of one rank (what a sync moves)."""
+    and the parameters of one rank a sync moves: the trainable ones, and in local mode the frozen
+    ones each site moves on its own."""
 
     model: object  # Ernie4_5Config
     work: planner.Workload  # one site's global batch x seq_len
     plan: planner.Plan
     rank_trainable: int
+    # the routers' e_score_correction_bias on one rank when moe_bias_update_rate > 0: never trained, but
+    # each site moves them by its own loads, so the runner's local sync averages them too
+    rank_frozen_synced: int = 0
+
+    def synced(self, mode: str) -> int:
+        """Elements one rank syncs: its trainable parameters (gradients: their gradients), and in
+        local mode the frozen ones the sites move apart (erniekit/train/runners/cross_cluster.py
+        `_synced_tensors`)."""
+        return self.rank_trainable + (self.rank_frozen_synced if mode == "local" else 0)
 
 
 def job_from_config(cfg, cluster: planner.Cluster) -> Job:
@@ -195,7 +206,16 @@ def job_from_config(cfg, cluster: planner.Cluster) -> Job:
     work = planner.workload_from_config(cfg, cluster.world, cluster.device, model=c)
     # what one rank trains and so syncs: its share of every parameter, or with LoRA of the adapters
     # (the planner's count of what apply_lora builds for lora_target_modules; erniekit/distributed/lora_cost.py)
-    return Job(c, work, p, round(planner.predict(c, cluster, work, p).parts["trainable_params"]))
+    trainable = round(planner.predict(c, cluster, work, p).parts["trainable_params"])
+    return Job(c, work, p, trainable, _frozen_synced(c, p))
+
+
+def _frozen_synced(c, p: planner.Plan) -> int:
+    """The routers' correction biases one rank holds (whole over tp and ep, its pipeline stage's share)
+    when moe_bias_update_rate > 0 moves them during training; 0 otherwise."""
+    if getattr(c, "moe_bias_update_rate", 0.0) <= 0:
+        return 0
+    return round(planner.param_counts(c).frozen / p.pp)
 
 
 # ---- the prediction -------------------------------------------------------------------------
@@ -296,7 +316,7 @@ def predict_cross_cluster(
     slowest = max(sites.sites, key=lambda s: preds[s.name].step_s)
     intra = measured_step_s if measured_step_s is not None else preds[slowest.name].step_s
     p = job.plan
-    chunk = math.ceil(job.rank_trainable / p.dp)
+    chunk = math.ceil(job.synced(mode) / p.dp)
     if mode == "gradients":
         H, overlap, kind, payload = 1, 0, "none", planner.BYTES * chunk
     else:

@@ -226,6 +226,45 @@ def test_job_from_config_syncs_the_rank_parameters_or_only_the_adapters():
         X.job_from_config(load_config(None, [*q_only, "lora_target_modules=.*nothing"]), sites.sites[0].cluster)
 
 
+def test_local_sync_moves_the_router_biases_the_sites_update_as_the_runner_sends_them():
+    """moe_bias_update_rate > 0: each site moves its routers' e_score_correction_bias by its own loads
+    and the runner's local sync averages them with the trainable parameters (`_synced_tensors`); the
+    plan's chunk is the vector the runner builds, split over the dp replicas (tp: the biases whole
+    on every rank). Gradients mode (which the runner refuses with biases that move) sums gradients only."""
+    import types
+
+    import numpy as np
+
+    from erniekit.config import load_config
+    from erniekit.distributed.cross_cluster.compress import FlatCompressor
+    from erniekit.models.registry import load_model
+    from erniekit.train.runners.cross_cluster import CrossClusterRunner, FlatParams
+
+    sites = X.load_sites(os.path.join(ROOT, "examples/clusters/two_sites.yaml"))
+    base = ["model_name_or_path=tiny-moe", "per_device_train_batch_size=4", "max_seq_len=64"]
+    rate = ["model_overrides.moe_bias_update_rate=0.01"]
+    model = load_model("tiny-moe", {"moe_bias_update_rate": 0.01})
+    trainer = types.SimpleNamespace(model=model, params=[p for p in model.parameters() if not p.stop_gradient])
+    runner = CrossClusterRunner.__new__(CrossClusterRunner)
+    runner.mode = "local"
+    sent = FlatParams(runner._synced_tensors(trainer)).n  # what one rank of a whole-model replica syncs
+    trained = sum(int(p.numel()) for p in trainer.params)
+    assert sent == trained + 3 * 8  # 3 MoE layers' 8 biases
+    for extra, dp, biases in (([], 2, 24), (["tensor_parallel_degree=2"], 1, 24), ([], 2, 0)):
+        job = X.job_from_config(load_config(None, base + extra + (rate if biases else [])), sites.sites[0].cluster)
+        assert job.plan.dp == dp and job.rank_frozen_synced == biases
+        for kind in ("none", "int8"):
+            local = X.predict_cross_cluster(job, sites, 4, kind, mode="local", measured_step_s=1.0)
+            assert local.chunk == math.ceil((job.rank_trainable + biases) / dp)
+        grads = X.predict_cross_cluster(job, sites, mode="gradients", measured_step_s=1.0)
+        assert grads.chunk == math.ceil(job.rank_trainable / dp)
+    one = X.job_from_config(load_config(None, base + rate), sites.sites[0].cluster)
+    for kind in ("none", "int8"):  # the payload the runner's codec makes of its chunk
+        r = X.predict_cross_cluster(one, sites, 4, kind, mode="local")
+        chunk = -(-sent // 2)  # CrossClusterRunner.bind: each of the 2 replicas' share
+        assert r.chunk == chunk and r.payload_bytes == len(FlatCompressor(kind, chunk).encode(np.zeros(chunk)))
+
+
 # ---- the CLI ----------------------------------------------------------------------------------
 def test_plan_cli_prints_the_config_prediction_and_the_recommendation_table(tmp_path, capsys):
     out = tmp_path / "cc.json"
