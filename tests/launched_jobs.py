@@ -141,3 +141,32 @@ def job_processes(out) -> list[int]:
         if f"output_dir={out}" in cmd:
             found.append(int(d))
     return found
+
+
+def run_two_rank_script(script: str, out, cwd: str) -> None:
+    """`python -m paddle.distributed.launch --nproc_per_node 2 SCRIPT OUT` (a worker that writes
+    OUT/rank<r>.json); asserts it succeeded, with the ranks' log tails as the message."""
+    import subprocess
+    import sys
+
+    logs = os.path.join(str(out), "logs")
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "paddle.distributed.launch",
+            "--nproc_per_node",
+            "2",
+            "--log_dir",
+            logs,
+            script,
+            str(out),
+        ],
+        cwd=cwd,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    tails = "".join(open(os.path.join(logs, f)).read()[-3000:] for f in os.listdir(logs) if f.startswith("workerlog"))
+    assert r.returncode == 0, tails

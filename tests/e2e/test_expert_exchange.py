@@ -5,12 +5,11 @@ and 2 processes against the same layer run whole."""
 import itertools
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+from launched_jobs import run_two_rank_script
 
 from erniekit.distributed.collective.expert_exchange import pair_rounds
 from erniekit.nn.moe import source_to_expert_order
@@ -44,29 +43,7 @@ def test_two_process_expert_parallel_layer_equals_the_whole_layer(tmp_path):
     """Outputs and gradients (input, gate weights, every expert parameter, DoRA adapters too) for
     random routing, routing that never leaves a rank, one-way routing (a rank receives nothing)
     and capacity drops."""
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    r = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "paddle.distributed.launch",
-            "--nproc_per_node",
-            "2",
-            "--log_dir",
-            str(tmp_path / "logs"),
-            os.path.join(ROOT, "tests", "e2e", "ep_exchange_worker.py"),
-            str(tmp_path),
-        ],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    logs = "".join(
-        open(tmp_path / "logs" / f).read()[-3000:] for f in os.listdir(tmp_path / "logs") if f.startswith("workerlog")
-    )
-    assert r.returncode == 0, logs
+    run_two_rank_script(os.path.join(ROOT, "tests", "e2e", "ep_exchange_worker.py"), tmp_path, ROOT)
     for rank in (0, 1):
         result = json.load(open(tmp_path / f"rank{rank}.json"))
         assert len(result) == 8

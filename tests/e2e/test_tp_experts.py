@@ -5,11 +5,10 @@ left with its half of that gradient moved its router away from the other's after
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from launched_jobs import run_two_rank_script
 
 from erniekit.distributed.collective.runtime import expert_tp_dim
 
@@ -38,28 +37,7 @@ def test_two_tensor_parallel_ranks_equal_the_whole_expert_layer(tmp_path):
     """Float32, LoRA, DoRA (whose down-projection column norms span both ranks) and FP8 experts,
     with and without capacity drops: every rank's output and gradients within 1e-5 of the whole
     layer's (relative to the largest value)."""
-    r = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "paddle.distributed.launch",
-            "--nproc_per_node",
-            "2",
-            "--log_dir",
-            str(tmp_path / "logs"),
-            os.path.join(ROOT, "tests", "e2e", "tp_experts_worker.py"),
-            str(tmp_path),
-        ],
-        cwd=ROOT,
-        env=dict(os.environ, OMP_NUM_THREADS="1"),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    logs = "".join(
-        open(tmp_path / "logs" / f).read()[-3000:] for f in os.listdir(tmp_path / "logs") if f.startswith("workerlog")
-    )
-    assert r.returncode == 0, logs
+    run_two_rank_script(os.path.join(ROOT, "tests", "e2e", "tp_experts_worker.py"), tmp_path, ROOT)
     for rank in (0, 1):
         result = json.load(open(tmp_path / f"rank{rank}.json"))
         assert len(result) == 8
