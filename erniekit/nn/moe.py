@@ -604,7 +604,7 @@ class MoEBlock(nn.Layer):
             own = mod == m
             r = self.router(m)(x)
             keep = own.unsqueeze(-1).expand(r.topk_idx.shape)
-            out = self.expert_set(m)(x, r.topk_idx, r.topk_weight, keep)
+            out = self.expert_set(m)(self._after(x, y, m), r.topk_idx, r.topk_weight, keep)
             y = out if y is None else y + out
             topk = paddle.where(keep, r.topk_idx + self.offsets[m], topk)
             probs = probs + own.unsqueeze(-1).astype("float32") * self._global_probs(m, r.probs)
@@ -619,6 +619,15 @@ class MoEBlock(nn.Layer):
             self._router_losses(parts, routed, topk)
         self.last_topk_idx, self.last_probs, self.last_modality = topk.detach(), probs.detach(), mod.detach()
         return y
+
+    def _after(self, x: paddle.Tensor, y: paddle.Tensor | None, m: int) -> paddle.Tensor:
+        """x for expert set m, made to depend on the sets before it when they exchange tokens between
+        ranks: each set's all-to-alls are blocking pairs on one group, so every rank must run them in
+        the same order in the backward too, and Paddle's autograd orders independent branches by the
+        graph's shape, which differs on a rank whose experts got no rows (it hung in a recv)."""
+        if y is None or self.expert_set(m).expert_parallel is None:
+            return x
+        return x + 0 * y  # the same values; set m's backward now ends before set m-1's begins
 
     def _route(
         self, m: int, x: paddle.Tensor, ref: RoutingReference | None = None
