@@ -681,6 +681,12 @@ def _parallel_refusal(cfg: TrainConfig, lay, cuda: bool) -> str | None:
             "reduce-scatter, which Paddle's CPU build does not have (Unimplemented cpu kernel for CReduceScatterOp); "
             "on CPU train LoRA with data parallelism (tensor_parallel_degree=1)"
         )
+    if lay.tp > 1 and cfg.elastic_sandwich:
+        return (
+            f"elastic_sandwich with tensor_parallel_degree={lay.tp}: the sub-models' soft-label cross entropy over "
+            "vocab-split logits is not in Paddle's auto-parallel rules (it stopped at the first step); use data or "
+            "expert parallelism, or elastic_sandwich=false"
+        )
     return _pipeline_layout_refusal(cfg, lay) if lay.pp > 1 else None
 
 

@@ -64,6 +64,7 @@ def worker_log_dir(output_dir: str, nnodes: int) -> str:
 LAUNCHER_FLAG = "--launcher"
 JOB_ENV = "ERNIEKIT_JOB"  # in the environment of every process of one launched job: how it is found
 NOTES_ENV = "ERNIEKIT_LAUNCH_NOTES"  # the folder (on the rank's own node) where `erniekit train` reads its ranks' notes
+RELAYED_TWICE_S = 0.5  # the same signal again within this: one stop request delivered twice, not a second
 STOP_GRACE_S = 600.0  # after a stop signal: time the ranks get to finish their step and checkpoint
 REAP_GRACE_S = 30.0  # after the launcher is gone: SIGTERM to any process of the job left, then SIGKILL
 RESTART_RENDEZVOUS_S = 300.0  # a restart (nnodes > 1) whose ranks have not started by then: the other nodes gave up
@@ -160,6 +161,8 @@ class Supervisor:
 
     def _on_signal(self, signum, frame) -> None:
         name = signal.Signals(signum).name
+        if self.signum == signum and time.monotonic() - self.signal_time < RELAYED_TWICE_S:
+            return  # one Ctrl-C relayed twice (e.g. `timeout` sends it to its child and to its group)
         if self.signum:  # a second signal: no more waiting
             os.write(2, f"erniekit: {name} again: killing every process of the job\n".encode())
             _signal(job_pids(self.job), signal.SIGKILL)
@@ -369,7 +372,9 @@ def relaunch(cfg, train_args: list[str], user_threads: str | None = None) -> int
     job = env[JOB_ENV]
     logs = worker_log_dir(cfg.output_dir, cfg.nnodes)
     print(
-        f"erniekit: launching {cfg.nproc_per_node} processes x {cfg.nnodes} node(s) through "
+        f"erniekit: launching {cfg.nproc_per_node} processes on this node"
+        + (f" (one of {cfg.nnodes} nodes)" if cfg.nnodes > 1 else "")
+        + " through "
         f"paddle.distributed.launch; logs of every rank in {logs}",
         flush=True,
     )

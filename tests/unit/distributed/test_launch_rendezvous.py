@@ -101,3 +101,21 @@ def test_a_stop_with_ranks_running_goes_to_the_ranks_and_the_launcher_stays(tmp_
         timer.join()
     assert rc == 0 and marker.read_text() == str(int(signal.SIGTERM))
     assert sup.ranks_started and not sup.gave_up_waiting
+
+
+def test_one_stop_request_relayed_twice_is_not_a_second_signal(monkeypatch, capfd):
+    """`timeout` (and some schedulers) deliver one SIGINT to erniekit train and again to its process
+    group: read as a second signal, it killed the job without its checkpoint."""
+    sup = launch.Supervisor("test-relayed-twice")
+    killed = []
+    monkeypatch.setattr(launch, "_signal", lambda pids, sig: killed.append(sig))
+    monkeypatch.setattr(launch, "job_pids", lambda job: [])
+    clock = [100.0]
+    monkeypatch.setattr(launch.time, "monotonic", lambda: clock[0])
+    sup._on_signal(signal.SIGINT, None)
+    clock[0] += 0.1
+    sup._on_signal(signal.SIGINT, None)  # the same press, relayed
+    assert signal.SIGKILL not in killed and "again" not in capfd.readouterr().err
+    clock[0] += 2.0
+    sup._on_signal(signal.SIGINT, None)  # a second press
+    assert signal.SIGKILL in killed

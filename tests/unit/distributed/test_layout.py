@@ -100,6 +100,10 @@ def test_config_validation_of_launch_keys():
         validate(cfg(nproc_per_node=2, sharding="stage3"))
     with pytest.raises(ConfigError, match="LoRA with tensor_parallel_degree=2: .* CReduceScatterOp"):
         validate(cfg(nproc_per_node=2, tensor_parallel_degree=2, fine_tuning="LoRA"))
+    elastic = {"elastic_sandwich": True, "elastic_top_k": [1, 2], "fp8": False}
+    with pytest.raises(ConfigError, match="elastic_sandwich with tensor_parallel_degree=2: .* soft-label"):
+        validate(cfg(nproc_per_node=2, tensor_parallel_degree=2, **elastic))
+    assert validate(cfg(nproc_per_node=2, expert_parallel_degree=2, **elastic)).elastic_sandwich
     with pytest.raises(ConfigError, match="max_restart=-1 is invalid"):
         validate(cfg(max_restart=-1))
     with pytest.raises(ConfigError, match="nnodes=2 needs master=HOST:PORT"):
