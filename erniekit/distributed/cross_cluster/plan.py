@@ -276,6 +276,14 @@ def _job(job, sites: Sites) -> Job:
     return job if isinstance(job, Job) else job_from_config(job, sites.sites[0].cluster)
 
 
+# the runner (erniekit/train/runners/cross_cluster.py) and the plan refuse the same combination
+BIASES_WITH_GRADIENTS = (
+    "moe_bias_update_rate > 0 with cross_cluster_sync=gradients: each cluster would move its router "
+    "biases by its own rows' loads; use cross_cluster_sync=local (they are averaged at each sync) "
+    "or model_overrides.moe_bias_update_rate=0"
+)
+
+
 def _check_sync(mode: str, sync_every: int, compress: str, overlap_steps: int, measured_step_s: float | None) -> None:
     if mode not in MODES:
         raise ConfigError(f"cross_cluster_sync={mode!r}: use one of {', '.join(MODES)}")
@@ -312,6 +320,8 @@ def predict_cross_cluster(
         c = adaptive_choice(job, sites, max_sync_fraction, topk_ratio, overlap_steps, measured_step_s)
         return predict_cross_cluster(job, sites, c.interval, c.kind, topk_ratio, mode, overlap_steps, measured_step_s)
     _check_sync(mode, sync_every, compress, overlap_steps, measured_step_s)
+    if mode == "gradients" and job.rank_frozen_synced:  # set when moe_bias_update_rate > 0
+        raise ConfigError(BIASES_WITH_GRADIENTS)
     preds = {s.name: planner.predict(job.model, s.cluster, job.work, job.plan) for s in sites.sites}
     slowest = max(sites.sites, key=lambda s: preds[s.name].step_s)
     intra = measured_step_s if measured_step_s is not None else preds[slowest.name].step_s
@@ -404,16 +414,18 @@ def recommend(
         raise ConfigError(f"tokens/s target {tokens_per_s!r} must be > 0")
     job = _job(job, sites)
     kw = dict(topk_ratio=topk_ratio, measured_step_s=measured_step_s)
-    table = [predict_cross_cluster(job, sites, mode="gradients", **kw)]
+    # gradients mode first, for comparison; not with router biases that move (BIASES_WITH_GRADIENTS)
+    table = [] if job.rank_frozen_synced else [predict_cross_cluster(job, sites, mode="gradients", **kw)]
+    first_local = len(table)
     for h in sorted(intervals):
         for kind in [k for k in KINDS if k in kinds]:
             table.append(predict_cross_cluster(job, sites, h, kind, overlap_steps=min(overlap_steps, h), **kw))
     if tokens_per_s is not None:
         target = f"at least {tokens_per_s:.0f} tokens/s"
-        meets = [r for r in table[1:] if r.tokens_per_s >= tokens_per_s]
+        meets = [r for r in table[first_local:] if r.tokens_per_s >= tokens_per_s]
     else:
         target = f"visible sync at most {max_sync_fraction:.0%} of the step"
-        meets = [r for r in table[1:] if r.sync_fraction <= max_sync_fraction]
+        meets = [r for r in table[first_local:] if r.sync_fraction <= max_sync_fraction]
     if meets:  # as the adaptive run chooses: a dense codec at any interval before top-k
         return Recommendation(target, min(meets, key=lambda r: r.compress == "topk"), table)
     best = max(table, key=lambda r: r.tokens_per_s)

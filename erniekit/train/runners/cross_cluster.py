@@ -34,6 +34,7 @@ import numpy as np
 import paddle
 import paddle.distributed as dist
 
+from erniekit.distributed.cross_cluster.plan import BIASES_WITH_GRADIENTS
 from erniekit.errors import CheckpointError, ConfigError
 from erniekit.train.runners.base import StepRunner, StepSums
 from erniekit.utils.dtensor import host_view
@@ -204,11 +205,7 @@ class CrossClusterRunner(StepRunner):
         tensors = list(trainer.params)
         if getattr(trainer.model.config, "moe_bias_update_rate", 0.0) > 0:
             if self.mode == "gradients":
-                raise ConfigError(
-                    "moe_bias_update_rate > 0 with cross_cluster_sync=gradients: each cluster would move its router "
-                    "biases by its own rows' loads; use cross_cluster_sync=local (they are averaged at each sync) "
-                    "or model_overrides.moe_bias_update_rate=0"
-                )
+                raise ConfigError(BIASES_WITH_GRADIENTS)
             tensors += [p for n, p in trainer.model.named_parameters() if n.endswith("e_score_correction_bias")]
         return tensors
 

@@ -5,6 +5,7 @@ import dataclasses
 import json
 import math
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -256,8 +257,21 @@ def test_local_sync_moves_the_router_biases_the_sites_update_as_the_runner_sends
         for kind in ("none", "int8"):
             local = X.predict_cross_cluster(job, sites, 4, kind, mode="local", measured_step_s=1.0)
             assert local.chunk == math.ceil((job.rank_trainable + biases) / dp)
-        grads = X.predict_cross_cluster(job, sites, mode="gradients", measured_step_s=1.0)
-        assert grads.chunk == math.ceil(job.rank_trainable / dp)
+        if biases:  # refused as the runner refuses it, with its line
+            with pytest.raises(ConfigError, match=re.escape(X.BIASES_WITH_GRADIENTS)):
+                X.predict_cross_cluster(job, sites, mode="gradients", measured_step_s=1.0)
+        else:
+            grads = X.predict_cross_cluster(job, sites, mode="gradients", measured_step_s=1.0)
+            assert grads.chunk == math.ceil(job.rank_trainable / dp)
+    runner.mode = "gradients"
+    with pytest.raises(ConfigError, match=re.escape(X.BIASES_WITH_GRADIENTS)):
+        runner._synced_tensors(trainer)
+    moving = X.job_from_config(load_config(None, base + rate), sites.sites[0].cluster)
+    rec = X.recommend(moving, sites, measured_step_s=1.0)  # recommends among local syncs only
+    assert rec.table and all(r.mode == "local" for r in rec.table)
+    assert [
+        r.mode for r in X.recommend(X.job_from_config(load_config(None, base), sites.sites[0].cluster), sites).table
+    ][0] == "gradients"
     one = X.job_from_config(load_config(None, base + rate), sites.sites[0].cluster)
     for kind in ("none", "int8"):  # the payload the runner's codec makes of its chunk
         r = X.predict_cross_cluster(one, sites, 4, kind, mode="local")
