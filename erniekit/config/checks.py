@@ -6,7 +6,6 @@ import dataclasses
 import json
 import math
 import os
-import stat
 import sys
 import tempfile
 
@@ -457,8 +456,9 @@ def _check_length(cfg: TrainConfig) -> None:
 def _check_stream(cfg: TrainConfig, key: str, path: str) -> None:
     """A dataset that is not a regular file: a pipe (process substitution) is read once, by one
     process; a device never ends."""
-    mode = os.stat(path).st_mode
-    if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
+    from erniekit.data.formats import is_device
+
+    if is_device(path):
         raise ConfigError(f"{key}: {path} is a device, not a dataset file; point it at a .jsonl/.json/.txt file")
     if cfg.nproc_per_node * cfg.nnodes > 1:
         raise ConfigError(

@@ -141,9 +141,15 @@ def split_paths(path: str) -> list[str]:
         elif os.path.isdir(p) or not os.path.exists(p):
             where = "is a directory, not a file" if os.path.isdir(p) else "not found"
             raise DataError(f"dataset file {where}: {p} (cwd {os.getcwd()}); check the path or its spelling")
-        elif stat.S_ISCHR(os.stat(p).st_mode) or stat.S_ISBLK(os.stat(p).st_mode):  # /dev/zero never ends
+        elif is_device(p):
             raise DataError(f"dataset path is a device, not a file: {p}; point it at a .jsonl/.json/.txt file")
     return paths
+
+
+def is_device(path: str) -> bool:
+    """A character or block device (/dev/zero): a stream that never ends, never a dataset."""
+    mode = os.stat(path).st_mode
+    return stat.S_ISCHR(mode) or stat.S_ISBLK(mode)
 
 
 def _unreadable(path: str, e: OSError) -> DataError:

@@ -246,24 +246,23 @@ def stop_signal_of_run(output_dir: str, since: float) -> tuple[int, int | None]:
     """(stop signal, step) from the train_results.json rank 0 wrote after `since` (time.time()):
     a stop any rank received ends the job like one sent here. (0, None) when the run did not stop
     (or wrote no results)."""
-    path = os.path.join(output_dir, "train_results.json")
-    try:
-        if os.stat(path).st_mtime < since:
-            return 0, None
-        with open(path, encoding="utf-8") as f:
-            res = json.load(f)
-    except FileNotFoundError:
+    res = _results_since(output_dir, since)
+    if res is None:
         return 0, None
     return int(res.get("stop_signal") or 0), res.get("stopped_at_step")
 
 
-def _wrote_results(output_dir: str, since: float) -> bool:
-    """Whether rank 0 wrote train_results.json into output_dir after `since` (time.time()): not when
-    it runs on another node whose output_dir is not this one."""
+def _results_since(output_dir: str, since: float) -> dict | None:
+    """The train_results.json rank 0 wrote into output_dir after `since` (time.time()); None when there
+    is none that new (also when rank 0 runs on another node whose output_dir is not this one)."""
+    path = os.path.join(output_dir, "train_results.json")
     try:
-        return os.stat(os.path.join(output_dir, "train_results.json")).st_mtime >= since
+        if os.stat(path).st_mtime < since:
+            return None
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
     except FileNotFoundError:
-        return False
+        return None
 
 
 _EARLY_STOP = "stopped-before-first-step.rank-"  # + rank: a rank's note in launch_logs/
@@ -492,7 +491,7 @@ def _signalled_outcome(output_dir: str, rc: int, started: float, signum: int, nn
     from erniekit.utils.run_control import stopped_exit_code
 
     name = signal.Signals(signum).name
-    if rc == 0 and nnodes > 1 and not _wrote_results(output_dir, started):  # rank 0 elsewhere, no note here
+    if rc == 0 and nnodes > 1 and _results_since(output_dir, started) is None:  # rank 0 elsewhere, no note here
         print(
             f"erniekit: {name}: this node's ranks ended; rank 0 runs on another node, whose output_dir says "
             "whether the job stopped (with a checkpoint) or finished",

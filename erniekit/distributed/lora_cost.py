@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from erniekit.distributed.collective.layout import whole_over_tp
+from erniekit.distributed.collective.layout import COLUMN_PARALLEL, ROW_PARALLEL, whole_over_tp
 from erniekit.errors import ConfigError
 from erniekit.nn.lora_targets import DEFAULT_TARGET_MODULES, TargetMatcher, hf_experts_name, module_sample
 
@@ -147,11 +147,11 @@ BASE_DTYPE_BYTES = {None: 4, "float32": 4, "bfloat16": 2, "float16": 2}  # lora_
 # DoRA's magnitude are split and A is whole on every tp rank; of down, A is split, B and the
 # magnitude whole. (Not imported from runtime.py: planning imports no paddle.)
 EXPERT_ROW_PROJS = ("down_proj",)
-# Linears over tp (runtime.py `_COLUMN`, `_ROW` and the head, by name): a column-parallel one's A, B
-# and DoRA magnitude are split; a row-parallel one's and the head's A and B split, the magnitude
-# ([out], one dim) whole; any other Linear (the vision model's, the MTP input projections) whole
-TP_COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "qkv_proj", "up_gate_proj")
-TP_ROW = ("o_proj", "down_proj", "lm_head")
+# Linears over tp (layout.py COLUMN_PARALLEL, ROW_PARALLEL and the head, by name): a column-parallel
+# one's A, B and DoRA magnitude are split; a row-parallel one's and the head's A and B split, the
+# magnitude ([out], one dim) whole; any other Linear (the vision model's, the MTP input projections) whole
+TP_COLUMN = COLUMN_PARALLEL
+TP_ROW = (*ROW_PARALLEL, "lm_head")
 
 
 def linear_whole_over_tp(name: str, r: int, fan_in: int, fan_out: int, dora: bool) -> tuple[int, int]:

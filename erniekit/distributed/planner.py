@@ -656,7 +656,7 @@ def _adapted_base_on_rank(lora: Adapters, p: Plan) -> float:
     """This rank's share of the adapted base weights: split over tp as runtime.py places them (the
     vision model's and the MTP input projections whole), over pp, routed experts' over ep."""
     split = lora.base_dense - lora.base_dense_whole
-    return split / (p.tp * p.pp) + lora.base_dense_whole / p.pp + lora.base_experts / (p.tp * p.pp * p.ep)
+    return ParamCounts(split, lora.base_dense_whole, lora.base_experts, frozen=0).on_rank(p)
 
 
 def _upcast_traffic(lora: Adapters | None, p: Plan, gpu: bool) -> float:

@@ -259,16 +259,20 @@ def versions(*tensors) -> tuple[int, ...] | None:
     modified after the forward)."""
     from erniekit.nn.recompute import in_checkpoint
 
-    return None if in_checkpoint() else tuple(t._inplace_version() for t in tensors)
+    return None if in_checkpoint() else _versions_now(tensors)
+
+
+def _versions_now(tensors) -> tuple[int, ...]:
+    return tuple(t._inplace_version() for t in tensors)
 
 
 def check_versions(op: str, saved: tuple[int, ...] | None, *tensors) -> None:
     """Refuse a backward whose saved inputs were modified in place after the forward (Paddle's
     autograd refuses that too): the gradient would be computed from the new values."""
-    if saved is not None and tuple(t._inplace_version() for t in tensors) != saved:
+    if saved is not None and (now := _versions_now(tensors)) != saved:
         raise RuntimeError(
-            f"{op}: an input was modified in place after the forward (versions {saved} -> "
-            f"{tuple(t._inplace_version() for t in tensors)}), so its gradient would be wrong; modify a copy (x.clone()) instead"
+            f"{op}: an input was modified in place after the forward (versions {saved} -> {now}), so its "
+            "gradient would be wrong; modify a copy (x.clone()) instead"
         )
 
 

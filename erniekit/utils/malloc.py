@@ -82,16 +82,24 @@ def keep_freed_memory() -> bool:
     keeps freed blocks in the heap for reuse. Same effect as MALLOC_MMAP_THRESHOLD_ in the
     environment, but applied at run time. Other platforms and C libraries are left alone.
     """
-    if not sys.platform.startswith("linux"):
-        return False
-    name = ctypes.util.find_library("c")
-    if not name:
-        return False
-    try:
-        mallopt = ctypes.CDLL(name).mallopt
-    except (OSError, AttributeError):  # musl and others have no mallopt
+    mallopt = _linux_libc("mallopt")
+    if mallopt is None:
         return False
     return bool(mallopt(_M_MMAP_THRESHOLD, mmap_threshold())) and bool(mallopt(_M_TRIM_THRESHOLD, _KEEP))
+
+
+def _linux_libc(symbol: str):
+    """The C library's function `symbol` on Linux; None elsewhere, or where the library lacks it (musl
+    has no mallopt or malloc_trim)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    name = ctypes.util.find_library("c")
+    if not name:
+        return None
+    try:
+        return getattr(ctypes.CDLL(name), symbol)
+    except (OSError, AttributeError):
+        return None
 
 
 def release_freed_heap() -> bool:
@@ -101,13 +109,7 @@ def release_freed_heap() -> bool:
     through the run: the float32 weights a model built in float32 drops when its LoRA base is cast to
     bf16, the parts of the model a rank does not hold once it is placed. Called once before the
     first step; the step's own blocks are then allocated again and kept as before."""
-    if not sys.platform.startswith("linux"):
-        return False
-    name = ctypes.util.find_library("c")
-    try:
-        trim = ctypes.CDLL(name).malloc_trim if name else None
-    except (OSError, AttributeError):  # musl and others
-        return False
+    trim = _linux_libc("malloc_trim")
     if trim is None:
         return False
     trim(0)  # its result says whether pages were released, not whether it ran

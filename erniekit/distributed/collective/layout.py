@@ -16,6 +16,10 @@ from dataclasses import dataclass
 from erniekit.errors import ConfigError
 
 DIMS = ("pp", "dp", "sharding", "tp")
+# Linears split over tp, by name (runtime.py places them, lora_cost.py counts them so): column-parallel
+# (their output width) and row-parallel (their input width)
+COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "qkv_proj", "up_gate_proj")
+ROW_PARALLEL = ("o_proj", "down_proj")
 # a VL model's vision transformer and resampler stay whole on every tp rank (runtime.py places them,
 # lora_cost.py and the planner count them so): every tp rank encodes the same pictures; their layer
 # names (qkv, proj, fc1, fc2, mlp) are kept from matching the text model's by this rule, not by luck

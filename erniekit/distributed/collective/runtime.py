@@ -31,15 +31,12 @@ import paddle
 import paddle.distributed as dist
 
 from erniekit.distributed.collective.expert_exchange import ExpertExchange, make_pair_groups
-from erniekit.distributed.collective.layout import DIMS, Layout, whole_over_tp
+from erniekit.distributed.collective.layout import COLUMN_PARALLEL, DIMS, ROW_PARALLEL, Layout, whole_over_tp
 from erniekit.distributed.collective.local_experts import TensorParallelExperts
 from erniekit.distributed.collective.pipeline import PipelineTopology, new_group
 from erniekit.distributed.collective.replicas import DataReplicas
 from erniekit.distributed.collective.replicated_experts import ReplicatedExperts
 from erniekit.nn.moe import StackedExperts
-
-_COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "qkv_proj", "up_gate_proj")
-_ROW = ("o_proj", "down_proj")
 
 # routed experts' [E, in, out] tensors over tp, as the dense MLP: gate/up column-parallel (their
 # output width), down row-parallel (its input width); a LoRA adapter follows its base (column: B
@@ -113,9 +110,9 @@ class ParallelContext:
                 dims["tp"] = 0 if p.shape[0] % lay.tp == 0 and p.ndim == 2 else None
             elif is_expert:
                 dims["tp"] = expert_tp_dim(name)
-            elif any(k in name for k in _COLUMN):
+            elif any(k in name for k in COLUMN_PARALLEL):
                 dims["tp"] = p.ndim - 1
-            elif any(k in name for k in _ROW) and p.ndim == 2:
+            elif any(k in name for k in ROW_PARALLEL) and p.ndim == 2:
                 dims["tp"] = 0
         if is_expert and lay.ep > 1:  # experts over every data rank: nested Shard(0), dp outer
             dims["dp"] = dims["sharding"] = 0
