@@ -9,7 +9,7 @@ import os
 import sys
 import tempfile
 
-from erniekit.config.cross_cluster_checks import check_cross_cluster, normalise_cross_cluster
+from erniekit.config.cross_cluster_checks import MAX_TIMEOUT_S, check_cross_cluster, normalise_cross_cluster
 from erniekit.config.loader import default, typed_list
 from erniekit.config.schema import SECTION_KEYS, TrainConfig, fields
 from erniekit.data.dataset_info import load_entry, parse_ref
@@ -630,6 +630,12 @@ def _check_parallel(cfg: TrainConfig) -> None:
     from erniekit.distributed.collective.layout import layout_from_config
 
     _require(cfg.max_restart >= 0, "max_restart", cfg.max_restart, ">= 0")
+    _require(
+        0 < cfg.restart_rendezvous_s <= MAX_TIMEOUT_S,
+        "restart_rendezvous_s",
+        cfg.restart_rendezvous_s,
+        f"in (0, {MAX_TIMEOUT_S:g}] seconds",
+    )
     if cfg.pipeline_stage_layers:
         n = len(cfg.pipeline_stage_layers)
         if n != cfg.pipeline_parallel_degree:

@@ -415,6 +415,11 @@ class TrainConfig:
     max_restart: int = _opt(
         0, "times paddle.distributed.launch restarts failed workers (they resume from the latest checkpoint)"
     )
+    restart_rendezvous_s: float = _opt(
+        300.0,
+        "nnodes > 1: seconds a restart waits for the other nodes to join (their ranks started) before the job "
+        "ends as failed; the first launch waits without a limit",
+    )
     dataloader_num_workers: int = _opt(0, "data loading worker processes; 0 loads in the main process")
 
     # ### heterogeneous parameter-server mode (docs/ps.md)
@@ -515,6 +520,12 @@ class TrainConfig:
     cross_cluster_timeout_s: float = _opt(
         600.0, "longest wait for a message from the other cluster before the job stops"
     )
+
+    @property
+    def expert_fp8_block(self) -> int:
+        """The FP8 tile the experts' GEMMs split their widths by (every layout must divide them by it);
+        0 without FP8."""
+        return self.fp8_block_size if self.fp8 else 0
 
 
 def field_types() -> dict[str, Any]:
@@ -684,6 +695,7 @@ SECTION_KEYS: dict[str, tuple[str, ...]] = {
         "nnodes",
         "master",
         "max_restart",
+        "restart_rendezvous_s",
         "dataloader_num_workers",
     ),
     "ps": (

@@ -67,7 +67,6 @@ NOTES_ENV = "ERNIEKIT_LAUNCH_NOTES"  # the folder (on the rank's own node) where
 RELAYED_TWICE_S = 0.5  # the same signal again within this: one stop request delivered twice, not a second
 STOP_GRACE_S = 600.0  # after a stop signal: time the ranks get to finish their step and checkpoint
 REAP_GRACE_S = 30.0  # after the launcher is gone: SIGTERM to any process of the job left, then SIGKILL
-RESTART_RENDEZVOUS_S = 300.0  # a restart (nnodes > 1) whose ranks have not started by then: the other nodes gave up
 LAUNCHER_STOP_S = 5.0  # a launcher without ranks that a SIGTERM has not ended by then is SIGKILLed
 
 
@@ -365,7 +364,7 @@ def relaunch(cfg, train_args: list[str], user_threads: str | None = None) -> int
     A stop (SIGTERM / SIGINT here or to any rank) is not a failure: no restart, exit code
     128 + the signal (run_control.stopped_exit_code). Nor is a configuration, data or checkpoint
     error a rank met before its first step: its one line, exit code 2, no restart. With nnodes > 1
-    a restart that the other nodes do not join within RESTART_RENDEZVOUS_S ends the job as failed.
+    a restart that the other nodes do not join within `restart_rendezvous_s` ends the job as failed.
     """
     env = _job_env(cfg, user_threads)
     job = env[JOB_ENV]
@@ -411,14 +410,14 @@ def restart_rendezvous_limit(cfg, attempt: int) -> float | None:
     """How long a launch may wait at the rendezvous before its ranks start: a restart of a job of
     several nodes is bounded (a node that gave up, e.g. on a start-up error only its own disk holds,
     never joins); a first launch is not (the nodes are started by hand, in any order)."""
-    return RESTART_RENDEZVOUS_S if attempt > 0 and cfg.nnodes > 1 else None
+    return cfg.restart_rendezvous_s if attempt > 0 and cfg.nnodes > 1 else None
 
 
 def _restart_not_joined(cfg, attempt: int, rc: int) -> int:
     """One line for a restart the other nodes did not join; the exit code of the failed launch before it."""
     print(
         f"erniekit: restart {attempt} of {cfg.max_restart}: the other nodes did not join at master={cfg.master} "
-        f"within {RESTART_RENDEZVOUS_S:.0f} s; a node that gave up does not restart (a rank's start-up error, "
+        f"within {cfg.restart_rendezvous_s:g} s (restart_rendezvous_s); a node that gave up does not restart (a rank's start-up error, "
         f"printed by that node's erniekit train with exit code 2, or a stop): check the other nodes' output, then "
         f"start every node again with resume_from_checkpoint=auto (exit code {rc})",
         flush=True,

@@ -1038,7 +1038,7 @@ def config_refusal(cfg, device: str, model=None) -> Callable[[Plan], str]:
     on `model`, the model config; default: the config's, `model_config_of`)."""
     from erniekit.config.checks import layout_refusal
 
-    fp8_block = cfg.fp8_block_size if cfg.fp8 else 0
+    fp8_block = cfg.expert_fp8_block
     c = (model if model is not None else model_config_of(cfg)) if fp8_block else None
 
     def refusal(p: Plan) -> str:

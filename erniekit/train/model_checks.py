@@ -50,5 +50,4 @@ def check_model_before_launch(cfg) -> None:
         if pp > 1:  # the workers' pipeline splits the layers as a collective one does
             check_model_fits(Layout(pp=pp), config, stage_layers=cfg.pipeline_stage_layers)
         return
-    fp8_block = cfg.fp8_block_size if cfg.fp8 else 0
-    check_model_fits(layout_from_config(cfg.parallelism), config, cfg.pipeline_stage_layers, fp8_block)
+    check_model_fits(layout_from_config(cfg.parallelism), config, cfg.pipeline_stage_layers, cfg.expert_fp8_block)

@@ -339,7 +339,7 @@ def _place_model(cfg, ctx, model, stage, log) -> None:
     from erniekit.distributed.collective.layout import check_model_fits
     from erniekit.distributed.collective.replicas import host_floats
 
-    check_model_fits(ctx.layout, model.config, cfg.pipeline_stage_layers, cfg.fp8_block_size if cfg.fp8 else 0)
+    check_model_fits(ctx.layout, model.config, cfg.pipeline_stage_layers, cfg.expert_fp8_block)
     if stage.supports.row_losses and ctx.use_replicas():  # its losses split by rows
         how = ctx.replicas.choose_transport(host_floats(model.parameters()))
         log(f"data parallelism: {ctx.layout.world} whole-model replicas, gradients summed by one all-reduce ({how})")

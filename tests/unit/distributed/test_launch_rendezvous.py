@@ -9,6 +9,8 @@ import threading
 import time
 from types import SimpleNamespace
 
+import pytest
+
 from erniekit.distributed import launch
 
 PY = sys.executable
@@ -42,24 +44,47 @@ def test_a_restart_the_other_nodes_never_join_ends_with_one_line(tmp_path, monke
         return [PY, "-c", "import sys; sys.exit(1)" if len(launches) == 1 else WAITING]
 
     monkeypatch.setattr(launch, "launch_command", command)
-    monkeypatch.setattr(launch, "RESTART_RENDEZVOUS_S", 1.0)
     monkeypatch.setattr(launch, "LAUNCHER_STOP_S", 0.5)
-    cfg = SimpleNamespace(nproc_per_node=1, nnodes=2, master="10.0.0.1:8090", output_dir=str(tmp_path), max_restart=3)
+    cfg = SimpleNamespace(
+        nproc_per_node=1,
+        nnodes=2,
+        master="10.0.0.1:8090",
+        output_dir=str(tmp_path),
+        max_restart=3,
+        restart_rendezvous_s=1.0,
+    )
     t0 = time.monotonic()
     assert launch.relaunch(cfg, ["x=1"]) == 1
     assert time.monotonic() - t0 < 15  # not the deaf launcher's 30 s
     assert len(launches) == 2 and launches[1][-1] == "resume_from_checkpoint=auto"
     last = capsys.readouterr().out.strip().splitlines()[-1]
-    assert last.startswith("erniekit: restart 1 of 3: the other nodes did not join at master=10.0.0.1:8090 within 1 s")
+    assert last.startswith(
+        "erniekit: restart 1 of 3: the other nodes did not join at master=10.0.0.1:8090 within 1 s (restart_rendezvous_s)"
+    )
     assert "check the other nodes' output" in last and last.endswith("(exit code 1)")
 
 
 def test_only_a_restart_of_several_nodes_has_a_bounded_rendezvous():
-    """The first launch waits as long as the nodes take to be started by hand; one node has no rendezvous."""
-    two = SimpleNamespace(nnodes=2)
+    """The first launch waits as long as the nodes take to be started by hand; one node has no rendezvous;
+    the bound is the config's restart_rendezvous_s (default 300 s)."""
+    from erniekit.config import load_config
+
+    assert load_config(None, ["nnodes=2", "master=10.0.0.1:8090"]).restart_rendezvous_s == 300.0
+    two = SimpleNamespace(nnodes=2, restart_rendezvous_s=42.0)
     assert launch.restart_rendezvous_limit(two, 0) is None
-    assert launch.restart_rendezvous_limit(two, 1) == launch.RESTART_RENDEZVOUS_S
-    assert launch.restart_rendezvous_limit(SimpleNamespace(nnodes=1), 1) is None
+    assert launch.restart_rendezvous_limit(two, 1) == 42.0
+    assert launch.restart_rendezvous_limit(SimpleNamespace(nnodes=1, restart_rendezvous_s=42.0), 1) is None
+
+
+def test_restart_rendezvous_s_must_be_a_positive_time():
+    from erniekit.config import load_config, validate
+    from erniekit.errors import ConfigError
+
+    base = ["nnodes=2", "master=10.0.0.1:8090", "nproc_per_node=1"]
+    assert validate(load_config(None, [*base, "restart_rendezvous_s=30"])).restart_rendezvous_s == 30.0
+    for bad in ("0", "-5", "1e9"):
+        with pytest.raises(ConfigError, match=r"restart_rendezvous_s=.* in \(0, 1e\+08\] seconds"):
+            validate(load_config(None, [*base, f"restart_rendezvous_s={bad}"]))
 
 
 def test_a_stop_before_any_rank_started_ends_the_launcher_at_once(tmp_path, monkeypatch, capsys):
