@@ -154,15 +154,41 @@ TP_COLUMN = COLUMN_PARALLEL
 TP_ROW = (*ROW_PARALLEL, "lm_head")
 
 
+def linear_tp_kind(name: str) -> str:
+    """How runtime.py places a Linear over tp: "column" (output split), "row" (input split) or "whole"."""
+    if whole_over_tp(name):  # the vision model's, whatever its layers are called
+        return "whole"
+    if "lm_head" not in name and any(k in name for k in TP_COLUMN):
+        return "column"
+    return "row" if any(k in name for k in TP_ROW) else "whole"
+
+
 def linear_whole_over_tp(name: str, r: int, fan_in: int, fan_out: int, dora: bool) -> tuple[int, int]:
     """(adapter elements, base elements) of a Linear that are whole on every tp rank."""
-    if whole_over_tp(name):  # the vision model's, whatever its layers are called
-        return r * (fan_in + fan_out) + (fan_out if dora else 0), fan_in * fan_out
-    if "lm_head" not in name and any(k in name for k in TP_COLUMN):
+    kind = linear_tp_kind(name)
+    if kind == "column":
         return 0, 0
-    if any(k in name for k in TP_ROW):
+    if kind == "row":
         return (fan_out if dora else 0), 0
     return r * (fan_in + fan_out) + (fan_out if dora else 0), fan_in * fan_out
+
+
+def saved_whole_over_tp(kind: str, expert: bool, r: int, fan_in: int, fan_out: int, how: _How) -> tuple[float, float]:
+    """(saved, GPU cast saved) float32 elements per row of one adapted projection that every tp rank
+    keeps whole (the rest of `_LayerSum.add`'s count is split), as runtime.py places it (`kind`
+    "column", "row" or "whole"; a routed expert's by its projection). Eager auto-parallel keeps an
+    op's inputs as given, before its reshard (tools/measure_saved_activations.py --list): x A [r] is
+    split beside a column-parallel Linear (A split by its r columns: measured at tp=2), whole beside a
+    row-parallel one (a partial sum [T, r]) and in routed experts (gate/up A whole; down a partial
+    sum); the dropped copy of the input and its mask, and a 16-bit base's cast input, whole where the
+    input is (column: measured); DoRA's pre-scale output (and an expert's row scales) whole where the
+    output is a partial sum of width H (row)."""
+    whole_in = kind != "row"  # the input is whole on every tp rank (column-parallel, or no split)
+    whole_out = kind != "column"  # the output is whole, or a partial sum of its full width
+    saved = r if expert or whole_out else 0
+    saved += 1.25 * fan_in if how.dropout > 0 and whole_in else 0.0
+    saved += (2 if expert else 1) * fan_out if how.dora and whole_out else 0
+    return saved, (0.5 * fan_in if how.half and whole_in else 0.0)
 
 
 def expert_adapter_split(proj: str, r: int, fan_in: int, fan_out: int, dora: bool) -> tuple[int, int]:
@@ -194,6 +220,12 @@ class LayerAdapters:
     # weight only): elements upcast per pass of a micro-batch, of modules split over tp / routed experts
     attn_cast_saved: float = 0.0
     mlp_cast_saved: float = 0.0
+    # of attn_saved, mlp_saved, attn_cast_saved and mlp_cast_saved: what every tp rank keeps whole
+    # (`saved_whole_over_tp`); the rest is split over tp
+    attn_saved_whole: float = 0.0
+    mlp_saved_whole: float = 0.0
+    attn_cast_saved_whole: float = 0.0
+    mlp_cast_saved_whole: float = 0.0
     attn_upcast: int = 0
     mlp_upcast: int = 0
     expert_upcast: int = 0
@@ -342,10 +374,11 @@ class _LayerSum:
 
     def __init__(self, how: _How) -> None:
         self.how = how
-        self.attn = [0.0, 0.0, 0, 0.0, 0]  # flops, saved, ops, cast saved, upcast elements
-        self.mlp = [0.0, 0.0, 0, 0.0, 0]
+        # flops, saved, ops, cast saved, upcast elements, saved whole over tp, cast saved whole over tp
+        self.attn = [0.0, 0.0, 0, 0.0, 0, 0.0, 0.0]
+        self.mlp = [0.0, 0.0, 0, 0.0, 0, 0.0, 0.0]
         # stack name -> [weights per token, saved, ops, per-expert ops, upcast elements, cast saved,
-        # weights per token of tensors whole on every tp rank]
+        # weights per token of tensors whole on every tp rank, saved whole, cast saved whole]
         self.routed: dict[str, list] = {}
 
     def add(self, m: Module, proj: str, fan_in: int, fan_out: int) -> None:
@@ -355,7 +388,8 @@ class _LayerSum:
         saved = r + (1.25 * fan_in if h.dropout > 0 else 0.0)
         upcast = fan_in * fan_out * max(m.experts, 1) if h.half else 0
         if m.experts:  # per expert group: two GEMMs and a scale each, and the split, unbind, concat, add
-            acc = self.routed.setdefault(m.name, [0.0, 0.0, 0, 0, 0, 0.0, 0.0])
+            whole = saved_whole_over_tp("row" if proj in EXPERT_ROW_PROJS else "column", True, r, fan_in, fan_out, h)
+            acc = self.routed.setdefault(m.name, [0.0, 0.0, 0, 0, 0, 0.0, 0.0, 0.0, 0.0])
             acc[0] += h.k * r * (fan_in + fan_out)
             acc[6] += h.k * r * (fan_out if proj in EXPERT_ROW_PROJS else fan_in)
             # DoRA: the pre-scale output and its per-row scales ([out] each) for the product's gradient
@@ -366,7 +400,10 @@ class _LayerSum:
             acc[3] += (3 + (h.dropout > 0) + h.dora + 2 * h.half) * m.experts
             acc[4] += upcast
             acc[5] += h.k * 0.5 * fan_in if h.half else 0.0
+            acc[7] += h.k * whole[0]
+            acc[8] += h.k * whole[1]
             return
+        whole = saved_whole_over_tp(linear_tp_kind(m.name), False, r, fan_in, fan_out, h)
         acc = self.attn if m.part == "attn" else self.mlp
         acc[0] += 2.0 * r * (fan_in + fan_out) * m.rows
         acc[1] += (saved + (fan_out if h.dora else 0)) * m.rows  # DoRA: the pre-scale output
@@ -375,9 +412,11 @@ class _LayerSum:
         acc[2] += 4 + (h.dropout > 0) + (8 if h.dora else 0) + h.half
         acc[3] += (0.5 * fan_in if h.half else 0.0) * m.rows
         acc[4] += upcast
+        acc[5] += whole[0] * m.rows
+        acc[6] += whole[1] * m.rows
 
     def done(self) -> LayerAdapters:
-        routed = max(self.routed.values(), key=lambda a: a[0], default=[0.0, 0.0, 0, 0, 0, 0.0, 0.0])
+        routed = max(self.routed.values(), key=lambda a: a[0], default=[0.0, 0.0, 0, 0, 0, 0.0, 0.0, 0.0, 0.0])
         return LayerAdapters(
             attn_flops=self.attn[0],
             mlp_flops=self.mlp[0] + 2.0 * routed[0],
@@ -390,6 +429,10 @@ class _LayerSum:
             expert_ops=routed[3],
             attn_cast_saved=self.attn[3],
             mlp_cast_saved=self.mlp[3] + routed[5],
+            attn_saved_whole=self.attn[5],
+            mlp_saved_whole=self.mlp[5] + routed[7],
+            attn_cast_saved_whole=self.attn[6],
+            mlp_cast_saved_whole=self.mlp[6] + routed[8],
             attn_upcast=self.attn[4],
             mlp_upcast=self.mlp[4],
             expert_upcast=sum(a[4] for a in self.routed.values()),

@@ -196,6 +196,14 @@ def ps_plan(items: list[str], top: int, target: float | None, json_path: str | N
     return 0
 
 
+def _synced_biases(job) -> str:
+    """The routers' correction biases a rank's local sync averages beside its trainable parameters
+    (moe_bias_update_rate > 0: never trained, moved by each site's own loads); '' without."""
+    if not job.rank_frozen_synced:
+        return ""
+    return f" + {job.rank_frozen_synced} router correction biases its local syncs average (moe_bias_update_rate > 0)"
+
+
 def cross_cluster_plan(
     path: str | None,
     overrides: list[str],
@@ -229,7 +237,7 @@ def cross_cluster_plan(
     sync = cc.config_sync(cfg)
     print(
         f"model {cfg.model_name_or_path}: {job.rank_trainable / 1e6:.2f}M trainable parameters per rank "
-        f"({cfg.fine_tuning}); each site {job.plan.describe()}, global batch {job.work.global_batch} x "
+        f"({cfg.fine_tuning}){_synced_biases(job)}; each site {job.plan.describe()}, global batch {job.work.global_batch} x "
         f"{job.work.seq_len} tokens; {sites.name}: {', '.join(s.name for s in sites.sites)} over "
         f"{sites.link.bandwidth_mbit:g} Mbit/s, {sites.link.latency_ms:g} ms"
         f"{' per rank pair' if sites.link.per_rank_pair else ' shared by each site'}"

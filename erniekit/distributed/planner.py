@@ -28,8 +28,10 @@ Step time = compute + communication, per optimizer step:
 Memory (per device, float32 training) = params + grads + Adam moments (split by the sharding
 stage; over tp as runtime.py places them: projections and routed experts split, norms, routers
 and the vision model whole on every tp rank) + the activations the forward keeps for the backward (per layer and token, counted from
-the tensors this model's forward saves, split over tp but a MoE layer's of width H, E or k, whole on
-every tp rank: `moe_saved`; recompute keeps only the recomputed part's input) x the
+the tensors this model's forward saves, split over tp but what every tp rank keeps whole, measured:
+the tensors of width H, rope's expanded cos and sin, a MoE layer's of width E or k, LoRA factors'
+products beside a partial sum or a replicated input: `attention_saved`, `dense_mlp_saved`,
+`moe_saved`, lora_cost.saved_whole_over_tp; recompute keeps only the recomputed part's input) x the
 micro-batches in flight (1F1B: pp on the first stage) + the logits + the buffer whole-model
 replicas sum their gradients through + the CPU heap's holes (+ a 16-bit LoRA base's upcast
 buffer) + runtime overhead.
@@ -225,7 +227,7 @@ class LayerCost:
     expert_params: (
         int  # of mlp_params: routed experts (split by ep, and by tp over their width, as runtime places them)
     )
-    attn_saved: float  # saved elements outside the [S, S] part
+    attn_saved: float  # saved elements outside the [S, S] part; split over tp but for `attn_saved_whole`
     core_saved_per_s: float  # the attention probabilities: heads per position
     mlp_saved: float  # split over tp but for `mlp_saved_whole`
     other_saved: float  # residual adds, norms' inputs
@@ -239,8 +241,10 @@ class LayerCost:
     # e_score_correction_bias, E per MoE layer, whole on every tp rank
     frozen_params: int = 0
     # of mlp_saved: what every tp rank keeps whole (a MoE layer's tensors of width H, E or k, which
-    # each tp rank computes on the same tokens: `moe_saved`)
+    # each tp rank computes on the same tokens: `moe_saved`; a dense MLP's of width H: `dense_mlp_saved`)
     mlp_saved_whole: float = 0.0
+    # of attn_saved: what every tp rank keeps whole (`attention_saved`; LoRA: lora_cost.py)
+    attn_saved_whole: float = 0.0
 
 
 def layer_costs(c) -> list[LayerCost]:
@@ -253,7 +257,8 @@ def layer_costs(c) -> list[LayerCost]:
             attn_flops=2.0 * attn_params,
             core_flops_per_s=4.0 * q,
             attn_params=attn_params,
-            attn_saved=2 * H + 3 * q + 3 * kv + H,
+            attn_saved=sum(attention_saved(H, q, kv)),
+            attn_saved_whole=attention_saved(H, q, kv)[0],
             core_saved_per_s=float(c.num_attention_heads),
             other_saved=2.0 * H,
         )
@@ -289,11 +294,30 @@ def layer_costs(c) -> list[LayerCost]:
                     mlp_flops=2.0 * 3 * H * I,
                     mlp_params=3 * H * I,
                     expert_params=0,
-                    mlp_saved=2 * H + 4 * I,
+                    mlp_saved=sum(dense_mlp_saved(H, I)),
+                    mlp_saved_whole=dense_mlp_saved(H, I)[0],
                     ops=30,
                 )
             )
     return out
+
+
+def attention_saved(H: int, q: int, kv: int) -> tuple[float, float]:
+    """(whole on every tp rank, split over tp) float32 elements per token the attention block keeps
+    for the backward, outside its [S, S] part: 2H + 3q + 3kv + H in all. Measured at tp=2 (runtime.py's
+    placements, 2 processes: tools/measure_saved_activations.py --launch, docs/planner.md): each tp
+    rank keeps whole the tensors of width H (the block's input, the norm's normalized input and
+    output; o_proj's output is a partial sum of width H, freed by the residual add) and rope's cos and
+    sin expanded to q's and k's shape (nn/attention.py apply_rope expands the plain, replicated
+    tensors to the global shape: 2q + 2kv); the rest of the count (q + kv) is split with the heads."""
+    return 3 * H + 2 * q + 2 * kv, q + kv
+
+
+def dense_mlp_saved(H: int, I: int) -> tuple[float, float]:
+    """(whole on every tp rank, split over tp) float32 elements per token a dense MLP keeps for the
+    backward: its norm's of width H whole, gate, up, their SwiGLU and product (4I) split (measured at
+    tp=2 as `attention_saved`)."""
+    return 2 * H, 4 * I
 
 
 def moe_saved(H: int, E: int, k: int, inter: int, shared: int) -> tuple[float, float]:
@@ -539,7 +563,7 @@ def predict(c, cluster: Cluster, work: Workload, p: Plan) -> Prediction:
     activations = BYTES * per_token * p.micro_batch * S * in_flight
     upcast_buffer = _upcast_buffer(lora, p, gpu)
     biggest_layer = max(
-        (l.attn_saved + (l.core_saved_per_s * S if scores else 0.0)) / p.tp + _mlp_saved_on_rank(l, p.tp)
+        _attn_saved_on_rank(l, p.tp, l.core_saved_per_s * S if scores else 0.0) + _mlp_saved_on_rank(l, p.tp)
         for l in layers
     )
     # the backward's working set: one layer's, or at its end the embedding's dense [V, H] gradient,
@@ -605,6 +629,8 @@ def _with_adapters(layers: list[LayerCost], lora: Adapters | None, ep: int, gpu:
             routed_per_token=l.routed_per_token + a.routed,
             attn_saved=l.attn_saved + a.attn_saved + (a.attn_cast_saved if gpu else 0.0),
             mlp_saved=l.mlp_saved + a.mlp_saved + (a.mlp_cast_saved if gpu else 0.0),
+            attn_saved_whole=l.attn_saved_whole + a.attn_saved_whole + (a.attn_cast_saved_whole if gpu else 0.0),
+            mlp_saved_whole=l.mlp_saved_whole + a.mlp_saved_whole + (a.mlp_cast_saved_whole if gpu else 0.0),
             ops=l.ops + a.attn_ops + a.mlp_ops + a.expert_ops / ep,
         )
         for l, a in zip(layers, lora.layers, strict=True)
@@ -806,16 +832,22 @@ def _saved_per_token(layers, pp: int, tp: int, S: int, H: int, scores: bool, rec
     out = 0.0
     for l in layers[: math.ceil(len(layers) / pp)]:
         core_s = l.core_saved_per_s * S if scores else 0.0
-        attn_s = (l.attn_saved + core_s) / tp
+        attn_s = _attn_saved_on_rank(l, tp, core_s)
         mlp_s = _mlp_saved_on_rank(l, tp)
         out += {
             "none": attn_s + mlp_s + l.other_saved,
-            "core_attn": attn_s - core_s / tp + 3 * H + mlp_s + l.other_saved,
+            "core_attn": attn_s - core_s / tp + 3 * H / tp + mlp_s + l.other_saved,
             "full_attn": H + mlp_s + l.other_saved,
             "mlp": attn_s + H + l.other_saved,
             "full": H,
         }[recompute]
     return out
+
+
+def _attn_saved_on_rank(l: LayerCost, tp: int, core_s: float) -> float:
+    """A tp rank's share of the attention's saved elements per token, with `core_s` of [S, S]
+    probabilities (split with the heads): `attn_saved_whole` on every rank."""
+    return (l.attn_saved - l.attn_saved_whole + core_s) / tp + l.attn_saved_whole
 
 
 def _mlp_saved_on_rank(l: LayerCost, tp: int) -> float:

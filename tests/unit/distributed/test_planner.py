@@ -493,15 +493,16 @@ def test_a_tp_rank_keeps_the_moe_activations_of_width_h_e_and_k_whole():
     """Routed experts split over tp by width run every rank's slice on the same tokens: each tp rank
     keeps the MoE's input and outputs [T, H] (4H), routing tensors (3E), dispatched rows and expert
     outputs [T k, H] (2kH) whole; only the gate / up / SwiGLU activations of the routed (4k I_e) and
-    shared (4 I_s) experts are split. Attention, dense MLP and residuals as before."""
+    shared (4 I_s) experts are split. Attention and dense MLP: their whole parts too (the next test)."""
     c = get_preset("tiny-moe")
     H, q, kv, I, E, k, Ie, Is = 128, 128, 64, 384, 8, 2, 128, 128
     assert (c.hidden_size, c.intermediate_size, c.total_experts, c.moe_k, c.moe_intermediate_size) == (H, I, E, k, Ie)
     work = dataclasses.replace(WORK, fused_attention=True)  # no [S, S] probabilities on either side
-    attn, dense, residual = 2 * H + 3 * q + 3 * kv + H, 2 * H + 4 * I, 2 * H
+    residual = 2 * H
     moe_whole, moe_split = 4 * H + 3 * E + 2 * k * H, 4 * k * Ie + 4 * Is
     tokens = 8 * 128  # one micro-batch of 8 rows in flight
     for tp in (1, 2):
         r = P.predict(c, CLUSTER, work, P.Plan(1, tp, 1, 1, 0, "none", 8, 2))
-        per_token = (attn + dense) / tp + residual + 3 * (attn / tp + moe_whole + moe_split / tp + residual)
+        attn, dense = 3 * H + 2 * q + 2 * kv + (q + kv) / tp, 2 * H + 4 * I / tp
+        per_token = attn + dense + residual + 3 * (attn + moe_whole + moe_split / tp + residual)
         assert r.parts["activations_bytes"] == pytest.approx(4 * per_token * tokens, rel=1e-12), tp
