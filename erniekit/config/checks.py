@@ -1012,14 +1012,21 @@ def _pipeline_layout_refusal(cfg: TrainConfig, lay) -> str | None:
     return f"pipeline_parallel_degree={lay.pp} {why}" if why else None
 
 
+# the stages whose LoRA/DoRA adapters train in a pipeline (docs/lora.md "Pipeline parallelism")
+_PIPELINE_LORA_STAGES = ("pretrain", "SFT")
+
+
 def pipeline_refusal(cfg: TrainConfig) -> str | None:
     """Why this config's stage or options cannot run in a pipeline (None: they can); the planner
     leaves pipeline layouts out of `parallel: auto` for such a config."""
     why = None
     if not stage_supports(cfg).pipeline:
         why = f"runs the {_stages_that('pipeline')} stages, not stage={cfg.stage}; set pipeline_parallel_degree=1"
-    elif cfg.fine_tuning != "Full":
-        why = f"runs full fine-tuning, not fine_tuning={cfg.fine_tuning}; set pipeline_parallel_degree=1"
+    elif cfg.fine_tuning != "Full" and cfg.stage not in _PIPELINE_LORA_STAGES:
+        why = (
+            f"trains fine_tuning={cfg.fine_tuning} in the {' and '.join(_PIPELINE_LORA_STAGES)} stages only, not "
+            f"stage={cfg.stage}; set fine_tuning=Full or pipeline_parallel_degree=1"
+        )
     elif cfg.elastic_depth or cfg.elastic_experts or cfg.elastic_top_k:
         why = "does not train elastic sub-models; drop elastic_depth/elastic_experts/elastic_top_k"
     elif cfg.do_eval and cfg.eval_generation and cfg.eval_dataset_path:

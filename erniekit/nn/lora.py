@@ -491,10 +491,26 @@ class LoraStackedExperts(_LoraMixin, StackedExperts):
 # ---- applying, matching ----------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class _Module:
+    """An adaptable module (a Linear or routed experts) as apply_lora found it. The saved
+    adapter_config.json's targets and layout are computed from these, so a model that later holds
+    only some layers (a pipeline stage) writes the whole model's config."""
+
+    name: str
+    experts: int = 0  # routed experts (StackedExperts); 0: a Linear
+    offset: int = 0  # the first expert's number in checkpoints (modality experts: expert_module_name)
+    adapted: tuple[str, ...] = ()  # a Linear: ("weight",) when adapted; experts: the adapted projections
+
+    def expert_name(self, e: int) -> str:
+        return f"{hf_experts_name(self.name)}.{self.offset + e}"
+
+
 @dataclass
 class _State:
     config: LoraConfig
     stop_gradient: dict[str, bool]  # every base parameter's flag before apply_lora froze it
+    modules: tuple[_Module, ...]  # the whole model's adaptable modules, once adapted (_inventory)
 
 
 def _state(model: nn.Layer, what: str) -> _State:
@@ -510,12 +526,31 @@ def expert_module_name(name: str, layer: StackedExperts, e: int) -> str:
     """HF/PEFT name of expert e of the routed-experts module `name`: modality m's experts
     (`mlp.experts_m`) are numbered after the experts of modalities < m (`mlp.experts.<offset+e>`),
     as ERNIE-VL checkpoints number them, so adapters name the tensors the checkpoint names."""
-    return f"{hf_experts_name(name)}.{layer.expert_offset + e}"
+    return _Module(name, layer.num_experts, layer.expert_offset).expert_name(e)
+
+
+def _inventory(model: nn.Layer) -> tuple[_Module, ...]:
+    """The model's Linear and routed-experts modules in model order, with what is adapted."""
+    layers = dict(lora_layers(model))
+    out = []
+    for name, layer in model.named_sublayers():
+        if isinstance(layer, (nn.Linear, LoraLinear)):
+            out.append(_Module(name, adapted=("weight",) if name in layers else ()))
+        elif isinstance(layer, StackedExperts):
+            projs = tuple(layer.projs) if name in layers else ()
+            out.append(_Module(name, layer.num_experts, layer.expert_offset, projs))
+    return tuple(out)
 
 
 def lora_layers(model: nn.Layer) -> list[tuple[str, LoraLinear | LoraStackedExperts]]:
     """(module name, adapter layer) for every adapted module, in model order."""
     return [(n, l) for n, l in model.named_sublayers() if isinstance(l, (LoraLinear, LoraStackedExperts))]
+
+
+def has_lora(model: nn.Layer) -> bool:
+    """apply_lora (or load_adapter) ran on the model: it saves an adapter, also where it holds none
+    of the adapted layers (a pipeline stage whose layers no target selects)."""
+    return model.__dict__.get(_STATE_ATTR) is not None
 
 
 def _candidates(model: nn.Layer) -> list[tuple[str, nn.Layer]]:
@@ -557,7 +592,7 @@ def _plan(model: nn.Layer, config: LoraConfig) -> list[tuple[str, nn.Layer, tupl
 def apply_lora(model: nn.Layer, config: LoraConfig) -> list[str]:
     """Wrap matched Linear / StackedExperts layers with adapters and freeze every base parameter.
     B starts at zero, so the adapted model computes exactly the base model at first."""
-    if model.__dict__.get(_STATE_ATTR) is not None or lora_layers(model):
+    if has_lora(model) or lora_layers(model):
         raise ConfigError("apply_lora: the model already has LoRA adapters; call merge_and_unload(model) first")
     plan = _plan(model, config)  # validates before anything is changed
     frozen = {}
@@ -570,7 +605,7 @@ def apply_lora(model: nn.Layer, config: LoraConfig) -> list[str]:
         new.training = layer.training  # a new Layer starts in train mode: keep the model's (eval: no dropout)
         parent, attr = (subs[name.rsplit(".", 1)[0]], name.rsplit(".", 1)[1]) if "." in name else (model, name)
         setattr(parent, attr, new)
-    model.__dict__[_STATE_ATTR] = _State(config, frozen)
+    model.__dict__[_STATE_ATTR] = _State(config, frozen, _inventory(model))
     return [name for name, _, _ in plan]
 
 
@@ -643,22 +678,21 @@ def lora_param_groups(model: nn.Layer, lora_plus_scale: float | None = None) -> 
 # ---- PEFT layout io --------------------------------------------------------------------------
 
 
-def _peft_targets(model: nn.Layer, config: LoraConfig) -> list[str] | str:
+def _peft_targets(modules: tuple[_Module, ...], config: LoraConfig) -> list[str] | str:
     """PEFT's `target_modules` for what is adapted: the usual suffix list when it selects exactly
     the adapted modules of the HF model (per-expert Linears), else an exact regex."""
     known, adapted = [], set()
-    layers = dict(lora_layers(model))
-    for name, layer in model.named_sublayers():
-        if isinstance(layer, (nn.Linear, LoraLinear)):
-            known.append(name)
-            if name in layers:
-                adapted.add(name)
-        elif isinstance(layer, StackedExperts):
-            for e in range(layer.num_experts):
-                for p in EXPERT_PROJS:
-                    known.append(f"{expert_module_name(name, layer, e)}.{p}")
-                    if name in layers and p in layer.projs:
-                        adapted.add(f"{expert_module_name(name, layer, e)}.{p}")
+    for m in modules:
+        if not m.experts:
+            known.append(m.name)
+            if m.adapted:
+                adapted.add(m.name)
+            continue
+        for e in range(m.experts):
+            for p in EXPERT_PROJS:
+                known.append(f"{m.expert_name(e)}.{p}")
+                if p in m.adapted:
+                    adapted.add(f"{m.expert_name(e)}.{p}")
 
     def exact(sel) -> bool:
         return {n for n in known if sel(n)} == adapted
@@ -673,13 +707,9 @@ def _peft_targets(model: nn.Layer, config: LoraConfig) -> list[str] | str:
     return "|".join(re.escape(n) for n in known if n in adapted)
 
 
-def _has_experts(model: nn.Layer) -> bool:
-    return any(isinstance(l, StackedExperts) for _, l in model.named_sublayers())
-
-
-def _multimodal(model: nn.Layer) -> bool:
+def _multimodal(modules: tuple[_Module, ...]) -> bool:
     """Modality experts (ERNIE-VL `mlp.experts_<m>`): transformers 5 names them differently again."""
-    return any(re.search(r"\.experts_\d+$", n) for n, l in model.named_sublayers() if isinstance(l, StackedExperts))
+    return any(re.search(r"\.experts_\d+$", m.name) for m in modules if m.experts)
 
 
 def _param_target(name: str) -> bool:
@@ -687,27 +717,29 @@ def _param_target(name: str) -> bool:
     return name.rsplit(".", 1)[-1] in lora_fused.PEFT_REMAPPED_LEAVES
 
 
-def _save_layout(model: nn.Layer, config: LoraConfig, requested: str) -> str:
+def _save_layout(modules: tuple[_Module, ...], config: LoraConfig, requested: str, warn: bool = True) -> str:
     """'fused' or 'per_expert'. The layouts differ only for a model with routed experts. Where the
     fused layout cannot hold the adapter, asking for it is an error and 'auto' writes per-expert
     tensors with a warning (the adapter stays exact for erniekit and PEFT on transformers < 5)."""
     if requested not in lora_fused.PEFT_LAYOUTS:
         raise ConfigError(f"save_adapter: peft_layout={requested!r}: use one of {lora_fused.PEFT_LAYOUTS}")
-    if lora_fused.resolve_layout(requested) == "per_expert" or not _has_experts(model):
+    if lora_fused.resolve_layout(requested) == "per_expert" or not any(m.experts for m in modules):
         return "per_expert"
     why = None
-    if _multimodal(model):
+    if _multimodal(modules):
         why = "modality experts (mlp.experts_<m>, ERNIE-VL)"
-    elif config.use_dora and any(isinstance(l, LoraStackedExperts) or _param_target(n) for n, l in lora_layers(model)):
+    elif config.use_dora and any(m.adapted and (m.experts or _param_target(m.name)) for m in modules):
         why = "DoRA on MLP projections (PEFT's ParamWrapper for target_parameters has no DoRA)"
     if why is None:
         return "fused"
     msg = f"the fused-expert PEFT layout (target_parameters, transformers >= 5) cannot hold {why}"
     if requested == "fused":
         raise ConfigError(f"save_adapter: {msg}; use peft_layout='per_expert'")
-    warnings.warn(
-        f"save_adapter: {msg}; wrote the per-expert layout, which PEFT loads with transformers < 5 only", stacklevel=3
-    )
+    if warn:
+        warnings.warn(
+            f"save_adapter: {msg}; wrote the per-expert layout, which PEFT loads with transformers < 5 only",
+            stacklevel=3,
+        )
     return "per_expert"
 
 
@@ -716,49 +748,96 @@ def _torch_pair(layer: LoraStackedExperts, p: str) -> tuple[paddle.Tensor, paddl
     return tuple(getattr(layer, f"{p}_lora_{k}").detach().transpose([0, 2, 1]) for k in ("A", "B"))
 
 
-def _fused_layout(model: nn.Layer, config: LoraConfig) -> tuple[dict[str, paddle.Tensor], dict]:
-    """Tensors and adapter_config.json entries of PEFT's fused-expert layout (erniekit/nn/lora_fused.py)."""
-    G, D = lora_fused.GATE_UP, lora_fused.DOWN
-    layers = dict(lora_layers(model))
+def _fused_tensors(model: nn.Layer) -> dict[str, paddle.Tensor]:
+    """This model's adapter tensors in PEFT's fused-expert layout (erniekit/nn/lora_fused.py)."""
     tensors: dict[str, paddle.Tensor] = {}
-    modules, params, on, gate_ups, doubled = [], [], set(), [], []
-    for name, layer in model.named_sublayers():
-        if isinstance(layer, (nn.Linear, LoraLinear)):
-            key = f"{name}.weight" if _param_target(name) else name
-            (params if key != name else modules).append(key)
-            if name in layers:
+    for name, layer in lora_layers(model):
+        if isinstance(layer, LoraLinear):
+            for k, (p, tr) in layer.peft_tensors(name).items():
+                tensors[k] = p.detach().T if tr else p.detach()
+            continue
+        gate, up = (_torch_pair(layer, p) if p in layer.projs else None for p in ("gate_proj", "up_proj"))
+        fused = {}
+        if gate is not None or up is not None:
+            fused[lora_fused.GATE_UP] = lora_fused.fuse_gate_up(gate, up)
+        if "down_proj" in layer.projs:
+            fused[lora_fused.DOWN] = _torch_pair(layer, "down_proj")
+        prefixes = lora_fused.wrapper_prefixes(name, list(fused))
+        for q, (a, b) in fused.items():
+            a_key, b_key = (f"{PEFT_PREFIX}{prefixes[q]}.lora_{k}.weight" for k in "AB")
+            tensors[a_key], tensors[b_key] = lora_fused.pack(a, b)
+    return tensors
+
+
+def _fused_entries(modules: tuple[_Module, ...], config: LoraConfig) -> dict:
+    """adapter_config.json entries of PEFT's fused-expert layout for the whole model."""
+    G, D = lora_fused.GATE_UP, lora_fused.DOWN
+    names, params, on, gate_ups, doubled = [], [], set(), [], []
+    for m in modules:
+        if not m.experts:
+            key = f"{m.name}.weight" if _param_target(m.name) else m.name
+            (params if key != m.name else names).append(key)
+            if m.adapted:
                 on.add(key)
-                for k, (p, tr) in layer.peft_tensors(name).items():
-                    tensors[k] = p.detach().T if tr else p.detach()
-        elif isinstance(layer, StackedExperts):
-            params += [f"{name}.{q}" for q in lora_fused.FUSED_PARAMS]
-            if name not in layers:
-                continue
-            gate, up = (_torch_pair(layer, p) if p in layer.projs else None for p in ("gate_proj", "up_proj"))
-            fused = {}
-            if gate is not None or up is not None:
-                fused[G] = lora_fused.fuse_gate_up(gate, up)
-                gate_ups.append(f"{name}.{G}")
-                if gate is not None and up is not None:
-                    doubled.append(f"{name}.{G}")
-            if "down_proj" in layer.projs:
-                fused[D] = _torch_pair(layer, "down_proj")
-            prefixes = lora_fused.wrapper_prefixes(name, list(fused))
-            for q, (a, b) in fused.items():
-                on.add(f"{name}.{q}")
-                (
-                    tensors[f"{PEFT_PREFIX}{prefixes[q]}.lora_A.weight"],
-                    tensors[f"{PEFT_PREFIX}{prefixes[q]}.lora_B.weight"],
-                ) = lora_fused.pack(a, b)
+            continue
+        params += [f"{m.name}.{q}" for q in lora_fused.FUSED_PARAMS]
+        gate_up = [p for p in ("gate_proj", "up_proj") if p in m.adapted]
+        if gate_up:
+            on.add(f"{m.name}.{G}")
+            gate_ups.append(f"{m.name}.{G}")
+            if len(gate_up) == 2:
+                doubled.append(f"{m.name}.{G}")
+        if "down_proj" in m.adapted:
+            on.add(f"{m.name}.{D}")
     # gate and up at rank r each are one rank-2r update: its scaling must stay alpha/r (rsLoRA alpha/sqrt(r))
     keys = [r"experts\.gate_up_proj"] if doubled and doubled == gate_ups else [re.escape(k) for k in doubled]
     alpha2 = config.lora_alpha * (math.sqrt(2) if config.use_rslora else 2)
-    return tensors, {
-        "target_modules": lora_fused.peft_list(modules, on & set(modules), 1),
+    return {
+        "target_modules": lora_fused.peft_list(names, on & set(names), 1),
         "target_parameters": lora_fused.peft_list(params, on & set(params), 2) or None,
         "rank_pattern": {k: 2 * config.r for k in keys},
         "alpha_pattern": {k: alpha2 for k in keys},
     }
+
+
+def _per_expert_tensors(model: nn.Layer) -> dict[str, paddle.Tensor]:
+    """This model's adapter tensors with routed experts one Linear per expert."""
+    tensors = {}
+    for name, layer in lora_layers(model):
+        for key, spec in layer.peft_tensors(name).items():
+            t = spec[0].detach()
+            if isinstance(layer, LoraStackedExperts):
+                t = t[spec[1]]
+            tensors[key] = t.T if spec[-1] else t
+    return tensors
+
+
+def _saved_config(model: nn.Layer, config: LoraConfig | None, what: str) -> tuple[_State, LoraConfig]:
+    """The applied state and the config to save with, which must be the applied one's numbers."""
+    st = _state(model, what)
+    config = config or st.config
+    for k in ("r", "lora_alpha", "use_rslora", "use_dora"):
+        if getattr(config, k) != getattr(st.config, k):
+            raise ConfigError(
+                f"{what}: config {k}={getattr(config, k)!r} differs from the applied {getattr(st.config, k)!r}; "
+                "pass the config given to apply_lora (or none)"
+            )
+    return st, config
+
+
+def adapter_tensors(
+    model: nn.Layer, config: LoraConfig | None = None, peft_layout: str | None = None
+) -> dict[str, paddle.Tensor]:
+    """The adapter tensors this model holds (PEFT names, torch orientation, float32), in the layout
+    the whole model saves in: a pipeline stage's share of its run's adapter (save_adapter's `tensors`)."""
+    st, config = _saved_config(model, config, "adapter_tensors")
+    layout = _save_layout(st.modules, config, peft_layout or config.peft_layout)
+    return _tensors_in(model, layout)
+
+
+def _tensors_in(model: nn.Layer, layout: str) -> dict[str, paddle.Tensor]:
+    tensors = _fused_tensors(model) if layout == "fused" else _per_expert_tensors(model)
+    return {k: t.astype("float32").contiguous() for k, t in tensors.items()}
 
 
 def save_adapter(
@@ -767,34 +846,24 @@ def save_adapter(
     config: LoraConfig | None = None,
     base_model_name_or_path: str | None = None,
     peft_layout: str | None = None,
+    tensors: dict[str, paddle.Tensor] | None = None,
 ) -> None:
     """Write adapter_config.json + adapter_model.safetensors as PEFT's `save_pretrained` does.
     peft_layout (default: the config's): routed experts as transformers >= 5 fuses them ('fused')
-    or one Linear per expert ('per_expert'); 'auto' follows the installed transformers."""
+    or one Linear per expert ('per_expert'); 'auto' follows the installed transformers.
+    tensors: the whole model's `adapter_tensors`, gathered from the pipeline stages (None: this
+    model's); the config's targets are always the whole model's, as apply_lora found it."""
     from safetensors.paddle import save_file
 
     from erniekit.utils.io import atomic_write, atomic_write_json
 
-    st = _state(model, "save_adapter")
-    config = config or st.config
-    applied = st.config
-    for k in ("r", "lora_alpha", "use_rslora", "use_dora"):
-        if getattr(config, k) != getattr(applied, k):
-            raise ConfigError(
-                f"save_adapter: config {k}={getattr(config, k)!r} differs from the applied {getattr(applied, k)!r}; "
-                "pass the config given to apply_lora (or none)"
-            )
-    if _save_layout(model, config, peft_layout or config.peft_layout) == "fused":
-        tensors, entries = _fused_layout(model, config)
+    st, config = _saved_config(model, config, "save_adapter")
+    layout = _save_layout(st.modules, config, peft_layout or config.peft_layout, warn=tensors is None)
+    if layout == "fused":
+        entries = _fused_entries(st.modules, config)
     else:
-        tensors, entries = {}, {"target_modules": _peft_targets(model, config), "rank_pattern": {}, "alpha_pattern": {}}
-        for name, layer in lora_layers(model):
-            for key, spec in layer.peft_tensors(name).items():
-                t = spec[0].detach()
-                if isinstance(layer, LoraStackedExperts):
-                    t = t[spec[1]]
-                tensors[key] = t.T if spec[-1] else t
-    tensors = {k: t.astype("float32").contiguous() for k, t in tensors.items()}
+        entries = {"target_modules": _peft_targets(st.modules, config), "rank_pattern": {}, "alpha_pattern": {}}
+    tensors = _tensors_in(model, layout) if tensors is None else tensors
     cfg = {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
@@ -879,7 +948,7 @@ def _target_patterns(model: nn.Layer, d: dict, file: str) -> list[str]:
         if isinstance(tm, list) and tm:  # PEFT list: exact name or a '.'-separated suffix
             return [r"(?:.*\.)?" + re.escape(k) for k in tm]
         raise CheckpointError(f"{file}: target_modules={tm!r}: expected a list of module names or a regex")
-    if _multimodal(model):
+    if _multimodal(_inventory(model)):
         raise CheckpointError(
             f"{file}: target_parameters (PEFT's fused-expert layout) on a model with modality experts: "
             "only text MoE models are supported; save the adapter per expert (transformers < 5 names)"
@@ -1099,6 +1168,8 @@ def load_adapter_weights(model: nn.Layer, path: str) -> None:
 
     file = os.path.join(path, ADAPTER_WEIGHTS_NAME)
     layers = lora_layers(model)
+    if not layers and has_lora(model):
+        return  # a pipeline stage whose layers hold no adapter: the file's tensors are the other stages'
     if not layers:
         raise CheckpointError(f"{path}: holds a LoRA adapter but the model has none; set fine_tuning=LoRA")
     first = layers[0][1]

@@ -31,14 +31,16 @@ def save_model_or_adapter(
 ) -> None:
     """Full model in HF layout, or, for a LoRA run, only the adapter (PEFT layout) + tokenizer.
     runner: the run's step runner when this process holds part of the model (it gathers the rest)."""
-    from erniekit.nn.lora import lora_layers, save_adapter
+    from erniekit.nn.lora import adapter_tensors, has_lora, save_adapter
 
-    if lora_layers(model):
+    if has_lora(model):
+        # a pipeline stage holds its layers' adapters: every stage sends its share, rank 0 gets them all
+        tensors = runner.full_tensors(adapter_tensors(model)) if runner is not None and runner.partial else None
         if is_main_process():  # staged and published like a full model: old adapter or new, never none
-            needed = sum(int(p.numel()) * p.element_size() for p in model.parameters() if not p.stop_gradient)
+            needed = _model_bytes(model) if tensors is None else _tensor_bytes(tensors)
             with write_errors("the LoRA adapter", path, needed, partial=os.path.join(path, STAGING_NAME)):
                 staging = start_staging(path)
-                save_adapter(model, staging, base_model_name_or_path=base_model_name_or_path)
+                save_adapter(model, staging, base_model_name_or_path=base_model_name_or_path, tensors=tensors)
                 model.config.save_pretrained(staging)  # shapes of the base, so the directory is self-describing
                 tokenizer.save_pretrained(staging)
                 publish_model_files(staging, path)
@@ -109,9 +111,9 @@ def _tensor_bytes(tensors: dict) -> int:
 
 def _model_bytes(model) -> int:
     """Bytes the model part of a checkpoint takes: the adapter of a LoRA run, else every parameter."""
-    from erniekit.nn.lora import lora_layers
+    from erniekit.nn.lora import has_lora
 
-    params = [p for p in model.parameters() if not p.stop_gradient] if lora_layers(model) else model.parameters()
+    params = [p for p in model.parameters() if not p.stop_gradient] if has_lora(model) else model.parameters()
     return sum(int(math.prod(p.shape)) * p.element_size() for p in params)
 
 

@@ -76,6 +76,14 @@ def run_layers(model, batch: dict[str, np.ndarray], x: paddle.Tensor | None, lay
     return h
 
 
+def activation_dtype(model, layers: range) -> paddle.dtype:
+    """The dtype activations cross the stages in: the model's own, as its norms hold it. Not the
+    stage's first parameter: a LoRA base held in bfloat16 (lora_base_dtype) is an untied model's
+    later stages' first parameter, and the stages then disagreed (measured: the job aborted at its
+    first send)."""
+    return model.model.layers[layers[0]].input_layernorm.weight.dtype
+
+
 def router_loss(model) -> paddle.Tensor | None:
     """Sum of the weighted router losses of the model's MoE layers in the last forward (training)."""
     if not (model.training and model.config.is_moe):
@@ -88,7 +96,7 @@ class PipelineStep:
         self.topo, self.model = topo, model
         self.loss_fn = token_balanced_loss_sum if token_balance else causal_lm_loss_sum
         self.batch_loss = None  # (logits, batch) -> loss sum: a stage's own loss on the last stage (None: loss_fn)
-        self.dtype = model.parameters()[0].dtype
+        self.dtype = activation_dtype(model, topo.layers)
         self.hidden = model.config.hidden_size
 
     # ---- data ------------------------------------------------------------------------------

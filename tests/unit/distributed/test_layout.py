@@ -119,7 +119,6 @@ def test_config_validation_of_launch_keys():
         ({"tensor_parallel_degree": 2}, "combines with data parallelism only"),
         ({"sharding": "stage1"}, "combines with data parallelism only"),
         ({"stage": "DPO"}, "runs the Distill, pretrain and SFT stages, not stage=DPO"),
-        ({"fine_tuning": "LoRA"}, "runs full fine-tuning, not fine_tuning=LoRA"),
         ({"elastic_depth": [2, 4]}, "does not train elastic sub-models"),
         (
             {"do_eval": True, "eval_dataset_path": "examples/data/arithmetic/eval.jsonl"},
