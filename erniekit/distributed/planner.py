@@ -29,7 +29,7 @@ Memory (per device, float32 training) = params + grads + Adam moments (split by 
 stage; over tp as runtime.py places them: projections and routed experts split, norms, routers
 and the vision model whole on every tp rank) + the activations the forward keeps for the backward (per layer and token, counted from
 the tensors this model's forward saves, split over tp but what every tp rank keeps whole, measured:
-the tensors of width H, rope's expanded cos and sin, a MoE layer's of width E or k, LoRA factors'
+the tensors of width H, a MoE layer's of width E or k, LoRA factors'
 products beside a partial sum or a replicated input: `attention_saved`, `dense_mlp_saved`,
 `moe_saved`, lora_cost.saved_whole_over_tp; recompute keeps only the recomputed part's input) x the
 micro-batches in flight (1F1B: pp on the first stage) + the logits + the buffer whole-model
@@ -307,10 +307,9 @@ def attention_saved(H: int, q: int, kv: int) -> tuple[float, float]:
     for the backward, outside its [S, S] part: 2H + 3q + 3kv + H in all. Measured at tp=2 (runtime.py's
     placements, 2 processes: tools/measure_saved_activations.py --launch, docs/planner.md): each tp
     rank keeps whole the tensors of width H (the block's input, the norm's normalized input and
-    output; o_proj's output is a partial sum of width H, freed by the residual add) and rope's cos and
-    sin expanded to q's and k's shape (nn/attention.py apply_rope expands the plain, replicated
-    tensors to the global shape: 2q + 2kv); the rest of the count (q + kv) is split with the heads."""
-    return 3 * H + 2 * q + 2 * kv, q + kv
+    output; o_proj's output is a partial sum of width H, freed by the residual add); the q- and
+    kv-wide ones are split with the heads (rope's cos and sin broadcast there, nn/attention.py)."""
+    return 3 * H, 3 * q + 3 * kv
 
 
 def dense_mlp_saved(H: int, I: int) -> tuple[float, float]:

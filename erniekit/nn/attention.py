@@ -81,19 +81,27 @@ def apply_rope(x: paddle.Tensor, cos: paddle.Tensor, sin: paddle.Tensor) -> padd
     (GLM style, not the half-split of LLaMA). x: [B, S, H, D].
 
     The pair rotation is a 2x2 matmul rather than slicing: Paddle's CPU slice backward is
-    slow (measured 2x on the whole rope). cos/sin [B, S, 1, D] are expanded to x's heads first:
-    Paddle's CPU kernels broadcasting over a middle axis are ~20x slower than same-shape ones
-    (rope forward + backward 9.4 -> 1.1 ms on the embedded default's shapes, same values)."""
+    slow (measured 2x on the whole rope). On plain CPU tensors cos/sin [B, S, 1, D] are expanded
+    to x's heads first: Paddle's CPU kernels broadcasting over a middle axis are ~20x slower than
+    same-shape ones (rope forward + backward 9.4 -> 1.1 ms on the embedded default's shapes, same
+    values). Elsewhere they broadcast: the products keep cos and sin for the backward, and expanded
+    they cost 2 x (q + kv) floats a token and layer (on GPUs; on a tp rank whole, since the expand
+    of a replicated tensor to x's global shape is replicated)."""
     if rope.usable(x, cos, sin):  # float32 on the CPU: one C pass each way, the same bits
         return rope.apply_rope(x, cos, sin)
     dtype = x.dtype
     xf = x if dtype == paddle.float32 else x.astype("float32")
-    if paddle.in_dynamic_mode() and cos.shape != xf.shape:  # (a static export keeps the broadcast)
+    if _expand_rope(xf, cos):  # (a static export keeps the broadcast)
         cos, sin = cos.expand(xf.shape).contiguous(), sin.expand(xf.shape).contiguous()
     pair = _pair_rotation() if paddle.in_dynamic_mode() else paddle.to_tensor(_PAIR_ROTATION)
     rot = paddle.matmul(xf.reshape(x.shape[:-1] + [x.shape[-1] // 2, 2]), pair)
     out = xf * cos + rot.reshape(x.shape) * sin
     return out if dtype == paddle.float32 else out.astype(dtype)
+
+
+def _expand_rope(x: paddle.Tensor, cos: paddle.Tensor) -> bool:
+    """Expand cos/sin to x's shape: plain CPU tensors in dynamic mode only (the speed above)."""
+    return paddle.in_dynamic_mode() and cos.shape != x.shape and not x.is_dist() and x.place.is_cpu_place()
 
 
 def build_attention_mask(

@@ -36,13 +36,13 @@ def _per_token(c, work, tp: int, recompute: str = "none") -> float:
 
 def test_a_tp_rank_keeps_the_attention_and_dense_mlp_tensors_of_width_h_whole():
     """Measured at tp=2 (2 processes, runtime.py's placements): each rank keeps the H-wide tensors
-    whole (the block's input, the norm's normalized input and output) and rope's cos and sin expanded
-    to q's and k's shape (replicated, 2q + 2kv); the rest of the attention's count (q + kv) and the
+    whole (the block's input, the norm's normalized input and output); the attention's q- and kv-wide
+    ones (3q + 3kv: rope's cos and sin broadcast, not expanded to the replicated global shape) and the
     dense MLP's I-wide activations (4I) are split. tp=1 is the count it always was."""
     c, H, q, kv, I = _dense_shapes()
     L = c.num_hidden_layers
     assert _per_token(c, WORK, 1) == pytest.approx(L * ((2 * H + 3 * q + 3 * kv + H) + (2 * H + 4 * I) + 2 * H))
-    attn = 3 * H + 2 * q + 2 * kv + (q + kv) / 2
+    attn = 3 * H + 3 * (q + kv) / 2
     mlp = 2 * H + 4 * I / 2
     assert _per_token(c, WORK, 2) == pytest.approx(L * (attn + mlp + 2 * H), rel=1e-12)
 
@@ -53,7 +53,7 @@ def test_the_recompute_modes_keep_the_whole_parts_whole_and_the_core_inputs_spli
     as at tp=1); full_attn / mlp keep the other block's share and the recomputed block's input whole."""
     c, H, q, kv, I = _dense_shapes()
     L = c.num_hidden_layers
-    attn = 3 * H + 2 * q + 2 * kv + (q + kv) / 2
+    attn = 3 * H + 3 * (q + kv) / 2
     mlp, other = 2 * H + 4 * I / 2, 2 * H
     expected = {
         "core_attn": attn + 3 * H / 2 + mlp + other,
@@ -73,7 +73,7 @@ def test_the_backward_working_set_takes_one_layers_whole_parts_whole():
     work = dataclasses.replace(WORK, global_batch=8, seq_len=2048)  # one layer's working set above the embedding's
     p = P.Plan(1, 2, 1, 1, 0, "none", 8, 1)
     r = P.predict(c, CLUSTER, work, p)
-    layer = 3 * H + 2 * q + 2 * kv + (q + kv) / 2 + 2 * H + 4 * I / 2
+    layer = 3 * H + 3 * (q + kv) / 2 + 2 * H + 4 * I / 2
     assert 4 * layer * 8 * 2048 > 4 * c.vocab_size * H / 2
     expected = r.parts["activations_bytes"] + 4 * layer * 8 * 2048
     parts = ("params_bytes", "grads_bytes", "moments_bytes", "logits_bytes", "sum_buffer_bytes", "upcast_buffer_bytes")
@@ -131,7 +131,7 @@ def test_the_planner_splits_only_the_adapters_split_part_over_tp():
     lora = _adapters(c, dropout=0.1)
     work = dataclasses.replace(WORK, lora=lora)
     a = lora.layers[0]
-    base = 3 * H + 2 * q + 2 * kv + (q + kv) / 2 + 2 * H + 4 * I / 2 + 2 * H
+    base = 3 * H + 3 * (q + kv) / 2 + 2 * H + 4 * I / 2 + 2 * H
     adapters = a.attn_saved_whole + a.mlp_saved_whole
     adapters += (a.attn_saved - a.attn_saved_whole + a.mlp_saved - a.mlp_saved_whole) / 2
     assert _per_token(c, work, 2) == pytest.approx(L * (base + adapters), rel=1e-12)

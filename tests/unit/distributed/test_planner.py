@@ -503,6 +503,6 @@ def test_a_tp_rank_keeps_the_moe_activations_of_width_h_e_and_k_whole():
     tokens = 8 * 128  # one micro-batch of 8 rows in flight
     for tp in (1, 2):
         r = P.predict(c, CLUSTER, work, P.Plan(1, tp, 1, 1, 0, "none", 8, 2))
-        attn, dense = 3 * H + 2 * q + 2 * kv + (q + kv) / tp, 2 * H + 4 * I / tp
+        attn, dense = 3 * H + 3 * (q + kv) / tp, 2 * H + 4 * I / tp
         per_token = attn + dense + residual + 3 * (attn + moe_whole + moe_split / tp + residual)
         assert r.parts["activations_bytes"] == pytest.approx(4 * per_token * tokens, rel=1e-12), tp

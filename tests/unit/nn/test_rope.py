@@ -82,3 +82,26 @@ def test_only_float32_cpu_with_per_position_cos_sin_take_it():
     moving = cos.clone()
     moving.stop_gradient = False
     assert not rope.usable(t, moving, sin)
+
+
+def test_a_distributed_tensor_keeps_cos_and_sin_unexpanded_for_the_backward():
+    """On DistTensors (tp ranks, and GPUs) cos / sin broadcast over the heads: expanded, the products
+    kept [B, S, heads, D] copies for the backward, replicated on every tp rank (2 (q + kv) floats a
+    token and layer, measured by tools/measure_saved_activations.py --launch --list). The values are
+    the expanded path's."""
+    import paddle.distributed as dist
+
+    x, cos, sin, g = _case(5, 2, 6, 4, 16)
+    mesh = dist.ProcessMesh([0], dim_names=["tp"])
+    t = dist.shard_tensor(paddle.to_tensor(x), mesh, [dist.Replicate()])
+    t.stop_gradient = False
+    cos, sin = (dist.shard_tensor(c, mesh, [dist.Replicate()]) for c in (cos, sin))  # as a tp rank has them
+    kept = []
+    with paddle.autograd.saved_tensors_hooks(lambda s: kept.append(list(s.shape)) or s, lambda s: s):
+        y = attention.apply_rope(t, cos, sin)
+    assert [2, 6, 1, 16] in kept and kept.count([2, 6, 4, 16]) <= 2  # x and its rotated pairs, not cos / sin
+    (y * paddle.to_tensor(g)).sum().backward()
+    with pytest.MonkeyPatch.context() as mp:
+        want_y, want_grad = _grad_run(x, *_case(5, 2, 6, 4, 16)[1:3], g, mp, eager=True)
+    np.testing.assert_allclose(y.numpy(), want_y, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(t.grad.numpy(), want_grad, rtol=1e-6, atol=1e-6)
