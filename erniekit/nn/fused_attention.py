@@ -68,6 +68,9 @@ class _FusedAttention(PyLayer):
         ctx.save_for_backward(q, k, v, bias, p, stats)
         ctx.scale = scale
         ctx.versions = native.versions(q, k, v, *([bias] if p is None else []))  # the mask: read again
+        # a LoRA adapter on q_proj alone leaves k and v of a frozen layer's input without a gradient:
+        # Paddle refuses a gradient for them (the kernel computes all three; the unwanted are dropped)
+        ctx.need = tuple(not t.stop_gradient for t in (q, k, v))
         return o
 
     @staticmethod
@@ -93,7 +96,7 @@ class _FusedAttention(PyLayer):
             int(bias.shape[0] > 1),
             min_bytes=1 << 16,
         )
-        return dq, dk, dv, None
+        return (*(g if need else None for g, need in zip((dq, dk, dv), ctx.need)), None)
 
 
 @native.eager_only

@@ -231,3 +231,20 @@ def test_sdpa_path_leaves_the_default_scale_unnamed_and_matches_the_math(monkeyp
     bias = A.additive_mask(None, 5, 5, paddle.float32)
     want = math_attention(q, k, v, bias, scale)
     np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("wants", [(True, False, False), (True, False, True), (False, True, False)])
+def test_inputs_without_a_gradient_get_none(kernel, wants):
+    """LoRA on q_proj alone (or q and v, PEFT's classic targets) over a frozen first layer: k (and v)
+    take no gradient, and Paddle refused the kernel's gradient for them at the first backward. Those
+    that want one get the formula's."""
+    q, k, v, bias, do = _inputs(CASES[1])
+    ts = [paddle.to_tensor(a, stop_gradient=not want) for a, want in zip((q, k, v), wants)]
+    o = fa.fused_attention(*ts, paddle.to_tensor(bias), 0.25)
+    o.backward(paddle.to_tensor(do))
+    ref = _reference(q, k, v, bias, do, 0.25)
+    for t, want, r in zip(ts, wants, ref[1:]):
+        if want:
+            np.testing.assert_allclose(t.grad.numpy(), r, rtol=2e-4, atol=2e-4)
+        else:
+            assert t.grad is None

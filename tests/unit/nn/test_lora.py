@@ -409,3 +409,17 @@ def test_peft_layout_matches_transformers_names_shapes_and_logits(tmp_path, moe,
     np.testing.assert_allclose(got, ref, atol=1e-4 * max(1.0, np.abs(ref).max()), rtol=0)
     with adapters_disabled(ours):  # and the adapters really changed the output
         assert np.abs(ours(paddle.to_tensor(ids.numpy())).logits.numpy() - ref).max() > 1e-2
+
+
+@pytest.mark.parametrize("targets", [r".*\.q_proj", r".*\.(q_proj|v_proj)"])
+def test_adapters_on_some_attention_projections_train(targets):
+    """PEFT's classic targets (q and v, or q alone): in the first layer k (and v) come from the frozen
+    embedding and take no gradient; the CPU attention kernel's backward gave them one anyway and
+    Paddle stopped the first backward."""
+    m = _model("tiny-dense")
+    m.train()
+    names = apply_lora(m, LoraConfig(r=4, target_modules=targets))
+    assert names and all(n.endswith(("q_proj", "v_proj")) for n in names)
+    m(input_ids=IDS).logits.square().mean().backward()
+    grads = [p.grad for n, p in m.named_parameters() if "lora_B" in n]
+    assert grads and all(g is not None and float(g.abs().sum()) > 0 for g in grads)
