@@ -116,6 +116,14 @@ def _quiet(*args, **kwargs) -> None:
     pass
 
 
+def _param_note(model, partial: bool) -> str:
+    """The banner's parameter counts; a pipeline stage or PS worker holds part of the model, and says so."""
+    n_params = sum(int(p.numel()) for p in model.parameters())
+    n_train = sum(int(p.numel()) for p in model.parameters() if not p.stop_gradient)
+    where = " on this rank (its part of the model)" if partial else ""
+    return f"{n_params / 1e6:.2f}M params, {n_train / 1e6:.2f}M trainable{where}"
+
+
 def _parallel_note(ctx) -> str:
     return "" if ctx is None else f" processes={ctx.layout.world} ({ctx.layout.describe()})"
 
@@ -263,10 +271,9 @@ def _run_joined(cfg, topology, device: str, log, start: _StartUp) -> dict:
     stage.prepare(model, train_rows, eval_data, cfg, tokenizer)  # before any resume: model = reference
     data_prep += time.perf_counter() - t0
     release_freed_heap()  # what loading, casting and placing the model freed (utils/malloc.py)
-    n_params = sum(int(p.numel()) for p in model.parameters())
-    n_train = sum(int(p.numel()) for p in model.parameters() if not p.stop_gradient)
+    partial = ps is not None or (ctx is not None and ctx.pipeline is not None)
     log(
-        f"erniekit: stage={cfg.stage} model={cfg.model_name_or_path} ({n_params / 1e6:.2f}M params, {n_train / 1e6:.2f}M trainable, "
+        f"erniekit: stage={cfg.stage} model={cfg.model_name_or_path} ({_param_note(model, partial)}, "
         f"{model.config.model_type}) device={device}{_parallel_note(ctx)} threads={os.environ.get('OMP_NUM_THREADS', '1')} "
         f"train_rows={len(train_rows)} data_prep={data_prep:.1f}s"
     )
@@ -293,6 +300,8 @@ def _wrap_up(cfg, trainer, results: dict, main: bool, log) -> dict:
         atomic_write_json(os.path.join(cfg.output_dir, "train_results.json"), {"global_step": trainer.step, **results})
     trainer.logger.close()
     what = "LoRA adapter (PEFT layout)" if cfg.fine_tuning == "LoRA" else "model (Hugging Face layout)"
+    if trainer.stop_requested:  # stopped early (a signal): not the finished run's model
+        what += f" of step {trainer.step} of {trainer.total_steps} (stopped early; resume_from_checkpoint=auto goes on)"
     log(f"saved {what} to {cfg.output_dir}; VisualDL logs in {trainer.logger_dir}")
     return results
 

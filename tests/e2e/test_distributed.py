@@ -317,6 +317,7 @@ def test_pipeline_follows_the_one_process_curve_and_checkpoints_move_both_ways(t
     ref, pp = tmp_path / "one", tmp_path / "pp"
     _, r = _train_all(_pp_args(ref, model), _pp_args(pp, model) + ["nproc_per_node=2", "pipeline_parallel_degree=2"])
     assert "pipeline stage 1/2: layers 0-1" in r.stdout and r.stdout.count("step 12/12") == 1
+    assert "M trainable on this rank (its part of the model)" in r.stdout  # rank 0's count is its stage's
     np.testing.assert_allclose(_losses(pp), _losses(ref), rtol=1e-5)
     assert _final_eval(pp) == pytest.approx(_final_eval(ref), rel=1e-5)  # held-out loss through the stages
     plan = json.load(open(pp / "parallel_plan.json"))

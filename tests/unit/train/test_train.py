@@ -388,6 +388,8 @@ def test_sigterm_ends_the_run_with_a_checkpoint_and_it_resumes(tmp_path):
     m = re.search(r"stopping at step (\d+)/500 on SIGTERM: writing checkpoint-(\d+)", stdout)
     assert m and m[1] == m[2], stdout[-2000:]
     n = int(m[1])
+    # the last line says the saved model is the stopped step's, not a finished run's
+    assert f"saved model (Hugging Face layout) of step {n} of 500 (stopped early; " in stdout, stdout[-2000:]
     assert (out / f"checkpoint-{n}" / "optimizer.safetensors").exists() and (out / "model.safetensors").exists()
     assert json.loads((out / "train_results.json").read_text())["stopped_at_step"] == n
     assert not (out / ".erniekit-run.lock").exists()
