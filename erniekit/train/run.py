@@ -378,7 +378,8 @@ def _train_and_evaluate(cfg, trainer, eval_data, collective: bool, log) -> dict:
         results["peak_memory_bytes"] = peak_memory_bytes()
         if collective:
             local, total = trainer.optimizer.state_numel()
-            log(f"optimizer state on rank 0: {local} of {total} values ({100 * local / max(total, 1):.0f}%)")
+            where = " (of its part of the model)" if trainer.runner.partial else ""
+            log(f"optimizer state on rank 0{where}: {local} of {total} values ({100 * local / max(total, 1):.0f}%)")
     if cfg.do_eval and eval_data is not None and not trainer.stop_requested:
         results["eval"] = trainer.evaluate()
         if "exact_match" in results["eval"]:
