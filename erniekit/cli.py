@@ -766,6 +766,15 @@ VERBS: dict[str, tuple[Callable[[list[str]], int], str]] = {
 _python_formatwarning = warnings.formatwarning
 
 
+def drop_paddle_ccache_warning() -> None:
+    """Hide the UserWarning paddle gives on every import when ccache is not installed: it concerns
+    compiling C++ extensions, which erniekit never does. Only that message from that module: every
+    other warning still shows. Call before paddle is imported."""
+    warnings.filterwarnings(
+        "ignore", message=r"No ccache found\.", category=UserWarning, module=r"paddle\.utils\.cpp_extension\."
+    )
+
+
 def _one_line_warning(message, category, filename, lineno, line=None) -> str:
     """erniekit's own warnings (data notes: truncated conversations, ignored fields, a rebuilt token
     store) as one `WARNING: ...` line, like the config's; not `file:line: UserWarning:` plus the
@@ -778,6 +787,7 @@ def _one_line_warning(message, category, filename, lineno, line=None) -> str:
 def main(argv: list[str] | None = None) -> int:
     """Entry point; returns the process exit code (2 for user errors, printed as one line)."""
     warnings.formatwarning = _one_line_warning
+    drop_paddle_ccache_warning()
     args = list(sys.argv[1:] if argv is None else argv)
     verb = args.pop(0) if args else "help"
     verb = {"-h": "help", "--help": "help", "-V": "version", "--version": "version"}.get(verb, verb)

@@ -27,6 +27,9 @@ if __name__ == "__main__":
         import logging
         import runpy
 
+        from erniekit.cli import drop_paddle_ccache_warning
+
+        drop_paddle_ccache_warning()  # the ranks run main(), which drops it too
         # paddle's rendezvous polls the master over httpx, which logs each request at INFO (two lines
         # every 0.5 s while a node waits for the others)
         logging.getLogger("httpx").setLevel(logging.WARNING)

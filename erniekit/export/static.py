@@ -77,15 +77,21 @@ def save_onnx(out: str) -> None:
         import paddle2onnx
     except ImportError:
         raise CheckpointError("export --format onnx needs paddle2onnx (pip install paddle2onnx onnxruntime)") from None
+    from paddle2onnx.utils import logging as p2o_log
+
     model_file, params = (os.path.join(out, MODEL_PREFIX + ext) for ext in (".json", ".pdiparams"))
-    paddle2onnx.export(
-        model_file,
-        params,
-        os.path.join(out, MODEL_PREFIX + ".onnx"),
-        opset_version=17,
-        enable_onnx_checker=True,
-        optimize_tool="None",
-    )
+    level, p2o_log.log_level = p2o_log.log_level, min(p2o_log.log_level, 1)  # warnings and errors only:
+    try:  # its INFO line names the staging path, not where the model ends up (the caller says that)
+        paddle2onnx.export(
+            model_file,
+            params,
+            os.path.join(out, MODEL_PREFIX + ".onnx"),
+            opset_version=17,
+            enable_onnx_checker=True,
+            optimize_tool="None",
+        )
+    finally:
+        p2o_log.log_level = level
     os.remove(model_file)
     os.remove(params)
 
@@ -110,8 +116,10 @@ class StepRunner:
                 import onnxruntime as ort
             except ImportError:
                 raise CheckpointError("running an onnx export needs onnxruntime (pip install onnxruntime)") from None
+            options = ort.SessionOptions()
+            options.log_severity_level = 3  # errors only: not a warning per unused initializer paddle2onnx left
             self.sess = ort.InferenceSession(
-                os.path.join(out, MODEL_PREFIX + ".onnx"), providers=["CPUExecutionProvider"]
+                os.path.join(out, MODEL_PREFIX + ".onnx"), sess_options=options, providers=["CPUExecutionProvider"]
             )
             self.names = [i.name for i in self.sess.get_inputs()]
         else:

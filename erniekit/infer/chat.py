@@ -236,6 +236,12 @@ class ChatSession:
             p.top_p,
         )
         best, _ = rerank(self.model, self.head, self.tokenizer, self.messages, answers)
+        if not answers[best].strip():  # rerank keeps a blank only when all are: say so, not a silent blank
+            self._write(
+                f"(all {len(answers)} sampled answers were empty: the model ended each reply at once; "
+                "ask again, or raise --rerank or --temperature)"
+            )
+            return ""
         self._write(answers[best])
         return answers[best]
 

@@ -164,11 +164,15 @@ def rerank(
     model, head: CredibilityHead, tokenizer, messages: list[dict], candidates: list[str], batch_size: int = 16
 ) -> tuple[int, np.ndarray]:
     """Index of the most credible of `candidates` (replies to `messages`, which end with a user turn)
-    and every candidate's probability."""
+    and every candidate's probability. A candidate with no visible text (empty or whitespace) is
+    chosen only when every candidate is one: the head can score a blank highest, and a blank
+    answers nothing."""
     system = messages[0]["content"] if messages and messages[0]["role"] == "system" else None
     body = messages[1:] if system is not None else messages
     turns = [(body[k]["content"], body[k + 1]["content"]) for k in range(0, len(body) - 1, 2)]
     conv = Conversation(system, [*turns, (body[-1]["content"], "")], [True] * (len(turns) + 1), "chat")
     seqs = [reply_sequence(conv, c, tokenizer) for c in candidates]
     logits = score_sequences(model, head, seqs, tokenizer.pad_token_id or 0, batch_size)
-    return int(np.argmax(logits)), 1 / (1 + np.exp(-logits))
+    visible = np.array([bool(c.strip()) for c in candidates])
+    choose = np.where(visible, logits, -np.inf) if visible.any() else logits
+    return int(np.argmax(choose)), 1 / (1 + np.exp(-logits))

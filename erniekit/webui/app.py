@@ -390,5 +390,33 @@ def run_webui(
         f"erniekit: WebUI at http://{host}:{port}{login}; files inside {', '.join(paths.roots)} (Ctrl-C to quit)",
         flush=True,
     )
-    app.queue().launch(**kwargs)
+    return _serve_until_stopped(app, kwargs)
+
+
+class _Terminated(BaseException):
+    """SIGTERM arrived; a BaseException, like KeyboardInterrupt, so no `except Exception` on its way
+    out of gradio's launch() swallows it."""
+
+
+def _serve_until_stopped(app, kwargs: dict) -> int:
+    """Serve until Ctrl-C (KeyboardInterrupt: the CLI prints "interrupted", exit 130) or SIGTERM
+    (docker stop, systemd): then close the server, say so in one line and exit 128 + 15, as a stopped
+    `erniekit train` does. Without this handler paddle's C++ one took SIGTERM and dumped a
+    `FatalError` report."""
+    import signal
+
+    from erniekit.utils.run_control import STOPPED_EXIT_BASE
+
+    def on_sigterm(signum, frame):
+        raise _Terminated
+
+    previous = signal.signal(signal.SIGTERM, on_sigterm)
+    try:
+        app.queue().launch(**kwargs)
+    except _Terminated:
+        app.close(verbose=False)
+        print("erniekit: WebUI stopped on SIGTERM", file=sys.stderr, flush=True)
+        return STOPPED_EXIT_BASE + signal.SIGTERM
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     return 0

@@ -16,7 +16,7 @@ from erniekit.export.formats import (
 
 
 def _write(model, tokenizer, out: str, info: dict, options: ExportOptions) -> None:
-    from erniekit.export.static import save_onnx, save_static
+    from erniekit.export.static import MODEL_PREFIX, save_onnx, save_static
     from erniekit.models.hf_files import STAGING_NAME, publish_model_files, start_staging
     from erniekit.utils.io import atomic_write_json, write_errors
 
@@ -31,6 +31,8 @@ def _write(model, tokenizer, out: str, info: dict, options: ExportOptions) -> No
             save_onnx(staging)
         atomic_write_json(os.path.join(staging, INFO_NAME), info)
         publish_model_files(staging, out)
+    if fmt == "onnx":  # in place of paddle2onnx's line, which named the staging directory
+        print(f"ONNX model saved in {os.path.join(out, MODEL_PREFIX + '.onnx')}", flush=True)
 
 
 def _verify(out: str, info: dict, ref_model, tokenizer, atol: float | None) -> dict:

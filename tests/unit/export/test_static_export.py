@@ -18,6 +18,7 @@ from erniekit.infer.generate import generate
 from erniekit.infer.sampling import SamplingParams
 from erniekit.models.ernie4_5 import Ernie4_5ForCausalLM, from_pretrained, get_preset, save_pretrained
 from erniekit.models.ernie4_5.tokenizer import default_tokenizer
+from erniekit.models.hf_files import STAGING_NAME
 from erniekit.nn.moe import StackedExperts
 
 ROOT = str(Path(__file__).resolve().parents[3])
@@ -57,6 +58,9 @@ def test_static_step_decodes_like_eager(tmp_path, preset, fmt):
     )
     assert r.returncode == 0, r.stderr[-3000:]
     assert not any(f.endswith(".safetensors") for f in os.listdir(out))
+    assert STAGING_NAME not in r.stdout + r.stderr  # no line names the temporary directory
+    if fmt == "onnx":  # our line, naming where the model is, in place of paddle2onnx's
+        assert f"ONNX model saved in {os.path.join(out, 'model.onnx')}\n" in r.stdout, r.stdout
     r = subprocess.run(
         [sys.executable, "-m", "erniekit", "export", "--verify", out],
         cwd=ROOT,
@@ -66,6 +70,7 @@ def test_static_step_decodes_like_eager(tmp_path, preset, fmt):
         timeout=300,
     )
     assert r.returncode == 0 and ": OK" in r.stdout, r.stdout + r.stderr[-2000:]
+    assert "Removing initializer" not in r.stderr, r.stderr[-2000:]  # onnxruntime's warnings are off
     model = from_pretrained(src)
     model.eval()
     runner = StepRunner(out, fmt, model.config)

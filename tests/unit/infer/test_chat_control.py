@@ -160,3 +160,19 @@ def test_eval_credibility_on_tool_data_is_one_line(ckpt, tmp_path, capsys):
     assert main(["eval", ckpt, "--credibility", "--data", str(data), "--out", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert f"--data {data}: no plain conversations to score" in err and err.count("\n") == 1
+
+
+def test_rerank_with_only_blank_samples_says_so(ckpt, capsys, monkeypatch):
+    """Every sample blank (the model ended each reply at once): one line saying so, not an empty
+    reply; the samples come from a stand-in sampler, the scoring and the choice are real."""
+    import erniekit.infer.credibility as credibility
+
+    monkeypatch.setattr(
+        credibility, "sample_replies", lambda model, tok, prompts, *a: ["", " "] + [""] * (len(prompts) - 2)
+    )
+    assert run_chat(_args(ckpt, control={}, rerank=3, temperature=1.0, seed=5)) == 0
+    out = capsys.readouterr().out
+    assert (
+        out
+        == "(all 3 sampled answers were empty: the model ended each reply at once; ask again, or raise --rerank or --temperature)\n"
+    )

@@ -128,3 +128,25 @@ def test_rerank_picks_the_highest_scoring_candidate(model, tok):
     conv = Conversation("<control>style=words</control>", [("2+2=", "")], [True])
     logits = sequence_logits(model, head, [reply_sequence(conv, c, tok) for c in cands], 0).numpy()
     assert best == int(np.argmax(logits)) and probs == pytest.approx(1 / (1 + np.exp(-logits)), rel=1e-5)
+
+
+def test_rerank_passes_over_blank_candidates_unless_all_are_blank(model, tok):
+    """A blank sample ('' or whitespace after the stop) the head scores highest is not the answer
+    while a candidate with text exists (`chat --rerank` printed an empty reply)."""
+    msgs = [{"role": "user", "content": "17+25="}]
+    cands = ["", "42", "  ", "forty-two", "4"]
+    conv = Conversation(None, [("17+25=", "")], [True])
+    seqs = [reply_sequence(conv, c, tok) for c in cands]
+    for seed in range(40):  # a head that prefers a blank: the case to handle
+        head = _head(model.config.hidden_size, seed)
+        logits = sequence_logits(model, head, seqs, 0).numpy()
+        if int(np.argmax(logits)) in (0, 2):
+            break
+    else:
+        pytest.fail("no head among 40 seeds scored a blank candidate highest")
+    best, probs = rerank(model, head, tok, msgs, cands)
+    assert best == max((1, 3, 4), key=lambda i: logits[i])
+    assert probs == pytest.approx(1 / (1 + np.exp(-logits)), rel=1e-5)  # every candidate is still scored
+    blanks = ["", " ", "\n"]  # all blank: the highest scored, and the caller says so (ChatSession._reranked)
+    best, _ = rerank(model, head, tok, msgs, blanks)
+    assert best == int(np.argmax(sequence_logits(model, head, [reply_sequence(conv, c, tok) for c in blanks], 0)))

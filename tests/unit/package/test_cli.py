@@ -188,3 +188,25 @@ def test_erniekit_warnings_print_as_one_line_and_other_packages_keep_pythons_for
     assert got == "WARNING: 3 of 9 conversations truncated\n"
     theirs = warnings.formatwarning("old API", DeprecationWarning, "/x/paddle/a.py", 5, "code")
     assert "DeprecationWarning: old API" in theirs and theirs.count("\n") == 2
+
+
+def test_paddles_ccache_warning_is_dropped_and_other_warnings_still_show(tmp_path):
+    """Paddle warns "No ccache found" on every import when ccache is not on PATH (here: PATH is an
+    empty directory, so it would); the CLI drops that one warning, not the others."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT), PATH=str(tmp_path))
+    run = lambda code: subprocess.run(  # noqa: E731
+        [sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120
+    )
+    bare = run("import paddle")
+    assert "No ccache found" in bare.stderr, bare.stderr[-2000:]  # the warning the CLI must drop
+    cli = run(
+        "import sys, warnings\n"
+        "from erniekit.cli import main\n"
+        "rc = main(['help', 'train'])\n"
+        "assert 'paddle' in sys.modules, 'help train no longer imports paddle: pick a verb that does'\n"
+        "warnings.warn('No ccache found. (not paddle: still shown)')\n"
+        "sys.exit(rc)\n"
+    )
+    assert cli.returncode == 0, cli.stderr[-2000:]
+    assert "No ccache found. Please" not in cli.stderr, cli.stderr[-2000:]
+    assert "UserWarning: No ccache found. (not paddle: still shown)" in cli.stderr, cli.stderr[-2000:]

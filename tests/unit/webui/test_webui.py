@@ -347,3 +347,23 @@ def test_exit_code_of_a_run_becomes_its_state(tmp_path, code, stop_sent, state):
         stop_sent=stop_sent,
     )
     assert runs.status(str(tmp_path))["state"] == state
+
+
+def test_sigterm_stops_the_webui_in_one_line_with_143(tmp_path):
+    """docker stop / systemd send SIGTERM: the WebUI ends as `erniekit train` stopped by it does, one
+    line and exit 128 + 15; paddle's C++ handler used to dump a `FatalError` report and die by signal."""
+    import signal
+
+    from launched_jobs import free_port, serve
+
+    port = free_port()
+    webui = serve(["webui", "--port", str(port)], f"http://127.0.0.1:{port}/", str(tmp_path), timeout=120)
+    proc = next(webui)  # it answers: gradio waits in launch()
+    try:
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        webui.close()
+    assert proc.returncode == 128 + signal.SIGTERM, out[-3000:]
+    assert "FatalError" not in out and "Traceback" not in out, out[-3000:]
+    assert out.splitlines()[-1] == "erniekit: WebUI stopped on SIGTERM", out[-3000:]
