@@ -717,6 +717,24 @@ def _param_target(name: str) -> bool:
     return name.rsplit(".", 1)[-1] in lora_fused.PEFT_REMAPPED_LEAVES
 
 
+def _fused_obstacle(modules: tuple[_Module, ...], config: LoraConfig) -> str | None:
+    """What of this adapter the fused-expert layout cannot hold (None: nothing, or no routed experts)."""
+    if not any(m.experts for m in modules):
+        return None
+    if _multimodal(modules):
+        return "modality experts (mlp.experts_<m>, ERNIE-VL)"
+    if config.use_dora and any(m.adapted and (m.experts or _param_target(m.name)) for m in modules):
+        return "DoRA on MLP projections (PEFT's ParamWrapper for target_parameters has no DoRA)"
+    return None
+
+
+def fused_layout_obstacle(model: nn.Layer) -> str | None:
+    """Why save_adapter(peft_layout='fused') would refuse the adapter apply_lora gave `model` (None: it
+    would not), so a training run can refuse that layout before its first step instead of at its first save."""
+    st = _state(model, "fused_layout_obstacle")
+    return _fused_obstacle(st.modules, st.config)
+
+
 def _save_layout(modules: tuple[_Module, ...], config: LoraConfig, requested: str, warn: bool = True) -> str:
     """'fused' or 'per_expert'. The layouts differ only for a model with routed experts. Where the
     fused layout cannot hold the adapter, asking for it is an error and 'auto' writes per-expert
@@ -725,11 +743,7 @@ def _save_layout(modules: tuple[_Module, ...], config: LoraConfig, requested: st
         raise ConfigError(f"save_adapter: peft_layout={requested!r}: use one of {lora_fused.PEFT_LAYOUTS}")
     if lora_fused.resolve_layout(requested) == "per_expert" or not any(m.experts for m in modules):
         return "per_expert"
-    why = None
-    if _multimodal(modules):
-        why = "modality experts (mlp.experts_<m>, ERNIE-VL)"
-    elif config.use_dora and any(m.adapted and (m.experts or _param_target(m.name)) for m in modules):
-        why = "DoRA on MLP projections (PEFT's ParamWrapper for target_parameters has no DoRA)"
+    why = _fused_obstacle(modules, config)
     if why is None:
         return "fused"
     msg = f"the fused-expert PEFT layout (target_parameters, transformers >= 5) cannot hold {why}"

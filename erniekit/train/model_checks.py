@@ -35,6 +35,23 @@ def check_ps_model(config) -> None:
         )
 
 
+def check_lora_layout(model, fine_tuning: str, peft_layout: str, use_dora: bool) -> None:
+    """lora_peft_layout=fused that the adapter cannot be saved in (DoRA on routed experts, modality
+    experts) is refused once apply_lora has run, before the first step, not by the first save."""
+    if fine_tuning != "LoRA" or peft_layout != "fused":
+        return
+    from erniekit.nn.lora import fused_layout_obstacle
+
+    why = fused_layout_obstacle(model)
+    if why is None:
+        return
+    alternative = ", or use_dora=false" if use_dora and "DoRA" in why else ""
+    raise ConfigError(
+        f"lora_peft_layout=fused: the fused-expert PEFT layout (transformers >= 5) cannot hold this run's {why}; "
+        f"set lora_peft_layout=per_expert (or auto: per-expert tensors with a warning){alternative}"
+    )
+
+
 def check_model_before_launch(cfg) -> None:
     """The model-dependent checks of a multi-process job's ranks, on the model config the ranks
     build (registry.load_model's: the checkpoint's config.json or the preset, plus

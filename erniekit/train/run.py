@@ -11,7 +11,7 @@ import paddle
 from erniekit.config import dump_config
 from erniekit.errors import CheckpointError, ConfigError, DataError, ErniekitError
 from erniekit.train.loop import Trainer
-from erniekit.train.model_checks import check_ps_model, check_stop_ids
+from erniekit.train.model_checks import check_lora_layout, check_ps_model, check_stop_ids
 from erniekit.train.stages import get_stage
 from erniekit.utils.device import cuda_visible
 from erniekit.utils.dtensor import is_main_process, launched_world
@@ -236,6 +236,7 @@ def _checked_model(cfg, tokenizer):
     model = load_model(cfg)
     check_vocab(model, tokenizer)
     check_stop_ids(cfg.stop_token_ids, model.config.vocab_size)
+    check_lora_layout(model, cfg.fine_tuning, cfg.lora_peft_layout, cfg.use_dora)
     return model
 
 

@@ -108,6 +108,28 @@ def test_local_sync_keeps_the_clusters_identical_and_resumes_from_a_common_check
     assert all(np.array_equal(a[k], b[k]) for k in a)
 
 
+def test_pipeline_lora_with_a_stage_that_holds_no_adapter(tmp_path):
+    """LoRA on layers 2-3 of a 4-layer model at pp=2: stage 0 has nothing to train, yet its rank takes part in
+    every sync with an empty payload (it once stopped at start-up), and the clusters end with the same adapter."""
+    out = tmp_path / "pp-lora"
+    extra = dict(cross_cluster_sizes="[2,2]", cross_cluster_sync_every=2, cross_cluster_compress="int8")
+    _run(
+        _args(out, steps=4, batch=4, nproc_per_node=2, pipeline_parallel_degree=2, fused_head_loss="false", **extra)
+        + [
+            "model_overrides.num_hidden_layers=4",
+            "fine_tuning=LoRA",
+            r"lora_target_modules=model\.layers\.[23]\..*_proj",
+        ]
+    )
+    a, b = (load_file(os.path.join(d, "adapter_model.safetensors")) for d in (out, out / "cluster-1"))
+    assert a and all(".layers.2." in k or ".layers.3." in k for k in a)
+    assert all(np.array_equal(a[k], b[k]) for k in a)  # the final sync: the same adapter in both clusters
+    assert json.loads((out / "train_results.json").read_text())["cross_cluster"]["syncs"] == 2
+    state = out / "cross_cluster_state" / "checkpoint-4"
+    sizes = [load_file(str(state / f"rank-{r}.safetensors"))["residual"].size for r in (0, 1)]
+    assert sizes[0] == 0 and sizes[1] > 0  # stage 0 synced nothing, stage 1 its adapters
+
+
 def _site(out, cid, peers, key_file, steps, **extra):
     args = _args(
         out,

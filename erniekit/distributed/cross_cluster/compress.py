@@ -38,8 +38,10 @@ def _index_dtype(row: int) -> type:
 def _check(kind: str, n: int, row: int) -> None:
     if kind not in KINDS:
         raise ErniekitError(f"cross-cluster compression {kind!r}: use one of {', '.join(KINDS)}")
-    if n < 1 or row < 1 or row >= 1 << 31:
-        raise ErniekitError(f"cross-cluster payload of n={n}, row={row}: need n >= 1 and 1 <= row < 2^31")
+    # n = 0: a rank with nothing to train (a pipeline stage no LoRA target reaches) still sends its
+    # header at every sync, so its link stays in step with the other ranks' links
+    if n < 0 or row < 1 or row >= 1 << 31:
+        raise ErniekitError(f"cross-cluster payload of n={n}, row={row}: need n >= 0 and 1 <= row < 2^31")
 
 
 def payload_nbytes(kind: str, n: int, topk_ratio: float, row: int = ROW) -> int:

@@ -285,3 +285,35 @@ def test_decode_refuses_a_broken_peers_payload(kind):
         bad[13 + 4 * count : 13 + 4 * count + 2] = (ROW + 5).to_bytes(2, "little")
     with pytest.raises(ErniekitError, match="cross-cluster .*payload .*(non-finite|column index outside)"):
         comp.decode(bytes(bad))
+
+
+@pytest.mark.parametrize("kind,outer", [("none", "average"), ("int8", "nesterov"), ("topk", "average")])
+def test_a_rank_with_nothing_to_train_takes_part_in_every_sync_with_an_empty_payload(kind, outer):
+    """A pipeline stage that no LoRA target reaches has an empty vector: it still exchanges a header-only
+    payload at every sync (so the link stays in step), in the local, overlapped, gradients and adaptive paths,
+    and its state saves and loads."""
+    from erniekit.distributed.cross_cluster.adaptive import choose
+
+    empty = np.zeros(0, np.float32)
+
+    def body(c, ag):
+        sync = OuterSync(empty, ag, 2, c, compress=kind, topk_ratio=0.1, outer=outer, outer_lr=0.7, outer_momentum=0.9)  # fmt: skip
+        got = [sync.sync(2, empty)]
+        sync.begin(4, empty)  # overlapped: applied a step later
+        got.append(sync.end(empty))
+        total = gradient_sum(ag, np.array([1.0 + c, 2.0], np.float32), tag="grad/5")  # only the two loss sums
+        return got, sync.history, sync.state_dict(), total
+
+    out = _run_clusters(2, body)
+    for got, history, _state, total in out:
+        assert [g.shape for g in got] == [(0,), (0,)]
+        assert [h.payload_bytes for h in history] == [13, 13] == [h.bytes_received for h in history]
+        np.testing.assert_array_equal(total, [3.0, 4.0])
+    resumed = OuterSync(empty, lambda tag, p: [p, p], 2, 0, compress=kind, outer=outer, outer_momentum=0.9)
+    resumed.load_state_dict(out[0][2])
+    assert resumed.sync(6, empty).shape == (0,)
+    assert payload_nbytes(kind, 0, 0.1) == 13
+    pick = choose(0.1, 0, 12.5e6, 0.05, max_fraction=0.1, overlap_steps=0)  # the adaptive choice of such a rank
+    assert pick.payload_bytes == 13 and pick.kind in ("none", "int8")
+    with pytest.raises(ErniekitError, match="need n >= 0"):
+        FlatCompressor(kind, -1)
