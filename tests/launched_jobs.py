@@ -20,11 +20,16 @@ def worker_pids(out) -> dict[int, int]:
 
 def train(args: list[str], cwd: str, timeout: float = 600.0):
     """`python -m erniekit train ARGS` at 1 OpenMP thread, which must succeed: its CompletedProcess."""
+    return erniekit("train", args, cwd, timeout)
+
+
+def erniekit(command: str, args: list[str], cwd: str, timeout: float = 600.0):
+    """`python -m erniekit COMMAND ARGS` at 1 OpenMP thread, which must succeed: its CompletedProcess."""
     import subprocess
     import sys
 
     r = subprocess.run(
-        [sys.executable, "-m", "erniekit", "train", *args],
+        [sys.executable, "-m", "erniekit", command, *args],
         cwd=cwd,
         env=dict(os.environ, OMP_NUM_THREADS="1"),
         capture_output=True,

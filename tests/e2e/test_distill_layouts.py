@@ -12,14 +12,12 @@ peaked and the divergence is most of the loss (~1.9 of ~3.3 at step 1)."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
-from launched_jobs import head_of
+from launched_jobs import head_of, train
 
 ROOT = Path(__file__).resolve().parents[2]
 DATA = ROOT / "examples" / "data" / "arithmetic"
@@ -75,16 +73,7 @@ def _args(teacher: str, out: Path, global_batch: int = 8, ranks: int = 1) -> lis
 
 
 def _train(args: list[str]) -> subprocess.CompletedProcess:
-    r = subprocess.run(
-        [sys.executable, "-m", "erniekit", "train", *args],
-        cwd=ROOT,
-        env=dict(os.environ, OMP_NUM_THREADS="1"),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    return r
+    return train(args, ROOT, timeout=300)
 
 
 def _scalars(out: Path, key: str) -> np.ndarray:
