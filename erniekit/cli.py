@@ -682,9 +682,8 @@ def version(args: list[str]) -> int:
     if args:
         raise ErniekitError(f"erniekit version takes no arguments (got {' '.join(args)!r})")
     try:
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="No ccache found")
-            import paddle
+        import paddle  # main() dropped its ccache warning
+
         paddle_version = f"paddlepaddle {paddle.__version__}"
     except (ImportError, OSError):
         paddle_version = "paddlepaddle not installed"

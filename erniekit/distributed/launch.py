@@ -430,7 +430,6 @@ def _job_env(cfg, user_threads: str | None) -> dict:
     folder, created here on this node so that a rank refusing its output_dir can still leave its note."""
     env = dict(os.environ)
     env["OMP_NUM_THREADS"] = user_threads or str(max(1, (os.cpu_count() or 1) // cfg.nproc_per_node))
-    env.setdefault("PYTHONWARNINGS", "ignore:No ccache found")  # the launcher imports paddle too
     env.setdefault("GLOG_minloglevel", "1")  # gloo's connection chatter is INFO
     env[JOB_ENV] = f"{os.getpid()}-{uuid.uuid4().hex[:12]}"
     env[NOTES_ENV] = os.path.abspath(notes_dir(cfg.output_dir))
