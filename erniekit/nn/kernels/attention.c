@@ -30,18 +30,30 @@
 
 #include "lanes.h"
 
-typedef float v16 __attribute__((vector_size(64)));
+/* The row blocks' sums are elementwise, so the vector width changes no bit: 16 floats with AVX-512,
+ * else 8 (AVX2's ymm). With 64-byte vectors on AVX2, GCC kept the blocks' accumulators on the stack
+ * (283 of the kernel's 613 ymm instructions touched it). */
+#ifdef __AVX512F__
+#define VF 16
+#else
+#define VF 8
+#endif
+typedef float vec __attribute__((vector_size(VF * 4)));
 #define ROWS 4 /* query rows per block: their 4 x 16 score lanes stay in registers */
 
-static inline v16 load16(const float *p) {
-    v16 v;
+static inline vec loadv(const float *p) {
+    vec v;
     memcpy(&v, p, sizeof v);
     return v;
 }
 
-static inline void store16(float *p, v16 v) { memcpy(p, &v, sizeof v); }
+static inline void storev(float *p, vec v) { memcpy(p, &v, sizeof v); }
 
-static inline v16 splat(float x) { return (v16){x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; }
+#if VF == 16
+static inline vec splat(float x) { return (vec){x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; }
+#else
+static inline vec splat(float x) { return (vec){x, x, x, x, x, x, x, x}; }
+#endif
 
 /* n rounded up to a whole number of 16-float vectors (key rows are padded to it) */
 static inline int64_t up16(int64_t n) { return (n + 15) / 16 * 16; }
@@ -65,14 +77,14 @@ static inline int64_t up16(int64_t n) { return (n + 15) / 16 * 16; }
  * (a: R x D, rows `lda` apart; bT: D x Skp) */
 INLINE void rows_times_t(const float *restrict a, int64_t lda, const int R, const float *restrict bT, int64_t D,
                          int64_t Skp, float *restrict out, int64_t j0, int64_t j1) {
-    for (int64_t jb = j0; jb < j1; jb += 16) {
-        v16 acc[ROWS];
+    for (int64_t jb = j0; jb < j1; jb += VF) {
+        vec acc[ROWS];
         for (int t = 0; t < R; t++) acc[t] = splat(0.0f);
         for (int64_t d = 0; d < D; d++) {
-            const v16 b = load16(bT + d * Skp + jb);
+            const vec b = loadv(bT + d * Skp + jb);
             for (int t = 0; t < R; t++) acc[t] += splat(a[t * lda + d]) * b;
         }
-        for (int t = 0; t < R; t++) store16(out + t * Skp + jb, acc[t]);
+        for (int t = 0; t < R; t++) storev(out + t * Skp + jb, acc[t]);
     }
 }
 
@@ -80,27 +92,27 @@ INLINE void rows_times_t(const float *restrict a, int64_t lda, const int R, cons
  * times `scale` when `scaled` */
 INLINE void rows_times(const float *restrict w, int64_t Skp, const int R, const float *restrict m, int64_t ldm,
                        int64_t j0, int64_t j1, int64_t D, float *restrict out, int64_t ldo, float scale, int scaled) {
-    for (int64_t c = 0; c < D; c += 16) {
-        v16 acc[ROWS];
+    for (int64_t c = 0; c < D; c += VF) {
+        vec acc[ROWS];
         for (int t = 0; t < R; t++) acc[t] = splat(0.0f);
         for (int64_t j = j0; j < j1; j++) {
-            const v16 x = load16(m + j * ldm + c);
+            const vec x = loadv(m + j * ldm + c);
             for (int t = 0; t < R; t++) acc[t] += splat(w[t * Skp + j]) * x;
         }
-        for (int t = 0; t < R; t++) store16(out + t * ldo + c, scaled ? acc[t] * splat(scale) : acc[t]);
+        for (int t = 0; t < R; t++) storev(out + t * ldo + c, scaled ? acc[t] * splat(scale) : acc[t]);
     }
 }
 
 /* acc[j][:] += sum_t w[t][j] * x[t][:] (in order of t) for j in [j0, j1) (w rows `ldw` apart, x rows `ldx` apart) */
 INLINE void add_outer(float *restrict acc, const float *restrict w, int64_t ldw, const int R, const float *restrict x,
                       int64_t ldx, int64_t j0, int64_t j1, int64_t D) {
-    for (int64_t c = 0; c < D; c += 16) {
-        v16 xs[ROWS];
-        for (int t = 0; t < R; t++) xs[t] = load16(x + t * ldx + c);
+    for (int64_t c = 0; c < D; c += VF) {
+        vec xs[ROWS];
+        for (int t = 0; t < R; t++) xs[t] = loadv(x + t * ldx + c);
         for (int64_t j = j0; j < j1; j++) {
-            v16 a = load16(acc + j * D + c);
+            vec a = loadv(acc + j * D + c);
             for (int t = 0; t < R; t++) a += splat(w[t * ldw + j]) * xs[t];
-            store16(acc + j * D + c, a);
+            storev(acc + j * D + c, a);
         }
     }
 }

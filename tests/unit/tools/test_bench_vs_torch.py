@@ -359,7 +359,13 @@ def test_the_thirteenth_round_tables_quote_their_records():
 
 def test_the_fourteenth_round_load_table_quotes_its_records():
     """Load times before and after loading stopped drawing random weights, as the records have them."""
-    section = (ROOT / "docs" / "performance.md").read_text().split("### Fourteenth round", 1)[1].split("\n## ", 1)[0]
+    section = (
+        (ROOT / "docs" / "performance.md")
+        .read_text()
+        .split("### Fourteenth round", 1)[1]
+        .split("\n## ", 1)[0]
+        .split("\n### ", 1)[0]
+    )
     rows = _table_rows(section)
     runs = {
         k: json.loads((ROOT / "bench_results" / f"vs_torch_amd_round14_load{k}.json").read_text())["cases"]
@@ -377,3 +383,23 @@ def test_the_fourteenth_round_load_table_quotes_its_records():
             f"{before['load_speedup']:.2f}x",
             f"{now['load_speedup']:.2f}x",
         ], row
+
+
+def test_the_fifteenth_round_table_quotes_the_avx2_records():
+    """The AVX2-only host's table: the decode and server rows, then the training rows, as recorded."""
+    doc = (ROOT / "docs" / "performance.md").read_text()
+    fifteenth = doc.split("### Fifteenth round", 1)[1].split("\n### ", 1)[0].split("\n## ", 1)[0]
+    rows = _table_rows(fifteenth)
+    got = [
+        json.loads((ROOT / "bench_results" / f"vs_torch_amd_avx2_{part}.json").read_text())
+        for part in ("decode", "train")
+    ]
+    cases = [case for record in got for case in record["cases"].values()]
+    assert all(r["cpu"].startswith("AMD") and r["threads"] == 2 and r["repeats"] == 3 for r in got)
+    assert len(rows) == len(cases) == 7
+    for row, case in zip(rows, cases):
+        assert float(row[1].split("(")[0]) == round(case["torch_tokens_per_s"]["median"], 1), row
+        assert float(row[2].split("(")[0]) == round(case["erniekit_tokens_per_s"]["median"], 1), row
+        assert row[3].strip() == f"**{case['ratio_erniekit_over_torch']:.2f}**", row
+    for case in got[0]["cases"].values():  # auto chose the plain kernels on this CPU
+        assert all(r["packing"].startswith("packed weights off: no AVX-512") for r in case["runs"]["erniekit"])
