@@ -1,8 +1,8 @@
-"""The tool-calling demo (examples/configs/tiny/sft_tools.yaml), shortened to 300 steps of batch 8
-(~4.5 min in the suite on 2 Intel cores) and trained once, then driven as a user would: the run
+"""The tool-calling demo (examples/configs/tiny/sft_tools.yaml), shortened to 150 steps of batch 8
+(~2 min alone at 1 thread on an AMD EPYC without AVX-512) and trained once, then driven as a user would: the run
 ends with its held-out tool-call and final-answer lines, and the `openai` client's tools API
 against `erniekit server` on the trained model, whole and streamed, gives a tool call with its
-reasoning, takes the result back and answers. 300 steps learn the format and when to call, not the
+reasoning, takes the result back and answers. 150 steps learn the format and when to call, not the
 copying of numbers: the assertions are about what the format and the API promise (the full config's
 accuracy over seeds is recorded in bench_results/tools_default_matrix*.json, held to docs/tools.md's
 floor below)."""
@@ -78,8 +78,8 @@ def test_the_recorded_runs_of_the_full_demo_meet_the_floor_the_docs_state():
 @pytest.fixture(scope="module")
 def demo(tmp_path_factory):
     out = tmp_path_factory.mktemp("tools")
-    args = ["examples/configs/tiny/sft_tools.yaml", "max_steps=300", "warmup_steps=30", "eval_steps=300"]
-    args += ["per_device_train_batch_size=8", "save_steps=300", "eval_max_samples=40", "disable_tqdm=true"]
+    args = ["examples/configs/tiny/sft_tools.yaml", "max_steps=150", "warmup_steps=30", "eval_steps=150"]
+    args += ["per_device_train_batch_size=8", "save_steps=150", "eval_max_samples=40", "disable_tqdm=true"]
     args += [f"output_dir={out}"]
     r = train(args, ROOT, timeout=900)
     return str(out), r.stdout
@@ -90,8 +90,10 @@ def test_the_run_ends_with_the_tool_lines(demo):
     call = re.search(r"held-out tool-call exact match: ([0-9.]+)", stdout)
     final = re.search(r"held-out final-answer accuracy: ([0-9.]+)", stdout)
     assert call and final, stdout[-2000:]
-    # measured at 300 steps of 8 (seed 42): call match 0.575, final 0.05; the format and the
-    # call/answer choice are learned, copying the numbers has begun, not finished
+    # measured at 150 steps of 8: call match 0.575 at seeds 1 and 2 (final 0.125 / 0.075); every
+    # test of this file passed there, and at 120 and 160 steps with seed 42 (300 steps gave the
+    # same 0.575); the format and the call/answer choice are learned, copying the numbers has
+    # begun, not finished
     assert float(call[1]) >= 0.25, stdout[-2000:]
 
 
