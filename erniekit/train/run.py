@@ -133,10 +133,10 @@ def run_train(cfg, log=print) -> dict:
     SIGTERM / SIGINT to any process of the run end it after a step every rank agrees on, with
     checkpoint-N (docs/training.md "Stopping and preemption")."""
     from erniekit.distributed.cross_cluster.launch import noted_for_launch_clusters
-    from erniekit.utils.run_control import output_dir_lock, stop_on_signal
+    from erniekit.utils.run_control import output_dir_lock, stop_on_signal, stops_once
 
     with (
-        stop_on_signal(launched=launched_world() > 1),
+        stop_on_signal(launched=stops_once(launched_world())),
         noting_start_failure(cfg.output_dir, noted_for_launch_clusters(cfg.cross_cluster_id)) as start,
     ):
         if os.environ.get("PADDLE_TRAINER_ID", "0") != "0":

@@ -56,6 +56,11 @@ def output_dir_lock(output_dir: str):
                 os.remove(path)
 
 
+# set by a parent that forwards its own SIGTERM to the run (the WebUI): a later stop signal is then
+# ignored, as in a launched rank, since the run may get the same SIGTERM twice (systemd signals
+# every process of the service, the WebUI forwards it too) and a second one would kill it before
+# its checkpoint; SIGKILL still ends it
+STOP_ONCE_ENV = "ERNIEKIT_STOP_ONCE"
 STOPPED_EXIT_BASE = 128  # a run stopped by signal N exits 128 + N (143 SIGTERM, 130 SIGINT), as shells report it
 
 _requested = {"signal": 0}  # the first stop signal this process got (0: none); the trainer polls it
@@ -76,6 +81,12 @@ def stopped_exit_code(signum: int) -> int:
     """What `erniekit train` exits with after a stop by `signum`: the shell's 128 + N, which schedulers
     read as "terminated by signal N", never 0 (finished), 1 (failed) or 2 (user error)."""
     return STOPPED_EXIT_BASE + int(signum)
+
+
+def stops_once(launched_world: int, environ=os.environ) -> bool:
+    """Whether later stop signals are ignored once one arrived: a launched rank, or a run whose
+    parent set STOP_ONCE_ENV."""
+    return launched_world > 1 or environ.get(STOP_ONCE_ENV) == "1"
 
 
 @contextlib.contextmanager
@@ -111,8 +122,11 @@ def stop_on_signal(launched: bool = False):
     try:
         yield
     finally:
+        stopping = launched and _requested["signal"]
         for s, h in previous.items():
-            signal.signal(s, h if h is not None else signal.SIG_DFL)
+            # a stopping rank (or WebUI run) is about to exit 128 + N: a repeat of the signal that
+            # lands after its checkpoint must not turn that into death by signal
+            signal.signal(s, signal.SIG_IGN if stopping else h if h is not None else signal.SIG_DFL)
         _requested["signal"] = 0
 
 

@@ -384,13 +384,14 @@ def run_webui(
 ) -> int:
     kwargs, warning = prepare_launch(host, port, share, auth)
     paths = paths or PathPolicy()
-    app = build_app(Runs(paths), paths, warning)
+    runs = Runs(paths)
+    app = build_app(runs, paths, warning)
     login = f", login required ({len(auth)} account{'s' if len(auth) > 1 else ''})" if auth else ""
     print(
         f"erniekit: WebUI at http://{host}:{port}{login}; files inside {', '.join(paths.roots)} (Ctrl-C to quit)",
         flush=True,
     )
-    return _serve_until_stopped(app, kwargs)
+    return _serve_until_stopped(app, kwargs, runs)
 
 
 class _Terminated(BaseException):
@@ -398,11 +399,12 @@ class _Terminated(BaseException):
     out of gradio's launch() swallows it."""
 
 
-def _serve_until_stopped(app, kwargs: dict) -> int:
+def _serve_until_stopped(app, kwargs: dict, runs: Runs | None = None) -> int:
     """Serve until Ctrl-C (KeyboardInterrupt: the CLI prints "interrupted", exit 130) or SIGTERM
-    (docker stop, systemd): then close the server, say so in one line and exit 128 + 15, as a stopped
-    `erniekit train` does. Without this handler paddle's C++ one took SIGTERM and dumped a
-    `FatalError` report."""
+    (docker stop, systemd): then close the server, stop the training runs it started (each ends
+    after its step with a checkpoint; Ctrl-C reaches them from the terminal itself), say so in a line
+    each and exit 128 + 15, as a stopped `erniekit train` does. Without this handler paddle's C++
+    one took SIGTERM and dumped a `FatalError` report."""
     import signal
 
     from erniekit.utils.run_control import STOPPED_EXIT_BASE
@@ -415,6 +417,8 @@ def _serve_until_stopped(app, kwargs: dict) -> int:
         app.queue().launch(**kwargs)
     except _Terminated:
         app.close(verbose=False)
+        for line in runs.stop_all() if runs is not None else []:
+            print(f"erniekit: {line}", file=sys.stderr, flush=True)
         print("erniekit: WebUI stopped on SIGTERM", file=sys.stderr, flush=True)
         return STOPPED_EXIT_BASE + signal.SIGTERM
     finally:

@@ -17,6 +17,7 @@ import time
 from dataclasses import dataclass, field
 
 from erniekit.errors import ErniekitError
+from erniekit.utils.run_control import STOP_ONCE_ENV
 from erniekit.webui.access import AUTH_ENV, PathPolicy
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -36,6 +37,7 @@ LOG_NAME = "webui_train.log"
 SERIES = {"train/loss": "loss", "train/reward": "reward", "eval/loss": "eval loss"}
 # a run stopped by SIGTERM / SIGINT exits 128 + N after writing its checkpoint (not 0: it did not finish)
 STOPPED_CODES = (128 + signal.SIGTERM, 128 + signal.SIGINT)
+STOP_ALL_WAIT_S = 60.0  # how long a stopping WebUI waits for its runs' checkpoints (systemd's default grace is 90 s)
 
 
 def base_config(stage: str) -> str:
@@ -179,7 +181,7 @@ class Runs:
         os.makedirs(out, exist_ok=True)
         log_path = os.path.join(out, LOG_NAME)
         log = open(log_path, "a" if resume else "w", encoding="utf-8")
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        env = dict(os.environ, PYTHONUNBUFFERED="1", **{STOP_ONCE_ENV: "1"})  # stop_all may repeat a SIGTERM
         env.pop(AUTH_ENV, None)  # the WebUI's password has no business in the trainer's environment
         proc = subprocess.Popen(
             [sys.executable, "-m", "erniekit", "train", *args],
@@ -200,6 +202,34 @@ class Runs:
         r.proc.send_signal(signal.SIGTERM)  # the trainer ends after its step, with a checkpoint
         r.stop_sent = True
         return "stopping: the run ends after its current step and writes a checkpoint"
+
+    def stop_all(self, wait_s: float = STOP_ALL_WAIT_S) -> list[str]:
+        """SIGTERM every run still going (the stop button's stop; none twice) and wait up to `wait_s`
+        in all for them to end; a line for each. Where the WebUI alone gets SIGTERM (docker stop,
+        kill) its runs would otherwise train on unwatched, or be killed with the container without
+        a checkpoint."""
+        going = [r for r in self.runs.values() if r.proc.poll() is None]
+        for r in going:
+            if not r.stop_sent:
+                r.proc.send_signal(signal.SIGTERM)
+                r.stop_sent = True
+        deadline = time.monotonic() + wait_s
+        lines = []
+        for r in going:
+            try:
+                rc = r.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                lines.append(f"training run in {r.output_dir} still stopping after {wait_s:g} s (pid {r.proc.pid})")
+                continue
+            if rc == 0:
+                lines.append(f"training run in {r.output_dir} finished")
+            elif rc in STOPPED_CODES:
+                lines.append(
+                    f"training run in {r.output_dir} stopped with its checkpoint (resume_from_checkpoint=auto goes on)"
+                )
+            else:
+                lines.append(f"training run in {r.output_dir} ended with exit code {rc} (its log: {r.log_path})")
+        return lines
 
     def status(self, output_dir: str) -> dict:
         """{state, step, total, eta_s, points [(step, value, series)], log} of the run in output_dir

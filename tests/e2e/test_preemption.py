@@ -312,3 +312,29 @@ def test_sigterm_stops_the_ps_example_with_a_checkpoint_and_no_survivors(tmp_pat
         got, want = _by_step(out), _by_step(ref)
         assert sorted(got) == list(range(1, steps + 1))
         np.testing.assert_allclose([got[s] for s in sorted(got)], [want[s] for s in sorted(got)], rtol=1e-5)
+
+
+def test_a_run_started_by_the_webui_takes_a_repeated_sigterm_as_one(tmp_path):
+    """systemd signals every process of the service and the WebUI forwards its own SIGTERM to its
+    runs (webui/runs.py stop_all): a run started with STOP_ONCE_ENV, as the WebUI starts them, takes
+    the second SIGTERM as the first and still ends after its step with the checkpoint (without it
+    the second one kills the run before its checkpoint)."""
+    from erniekit.utils.run_control import STOP_ONCE_ENV
+
+    out = tmp_path / "run"
+    p = subprocess.Popen(
+        [sys.executable, "-m", "erniekit", "train", *_args(out, steps=500)],
+        cwd=ROOT,
+        env=dict(ENV, **{STOP_ONCE_ENV: "1"}),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    _wait_for_steps(out, p, 3)
+    p.send_signal(signal.SIGTERM)
+    time.sleep(0.3)  # handled apart, not coalesced into one
+    p.send_signal(signal.SIGTERM)
+    stdout, _ = p.communicate(timeout=120)
+    assert p.returncode == 143, stdout[-2000:]
+    (n,) = _stop_steps(stdout)
+    _assert_complete_checkpoint(out, n)

@@ -367,3 +367,107 @@ def test_sigterm_stops_the_webui_in_one_line_with_143(tmp_path):
     assert proc.returncode == 128 + signal.SIGTERM, out[-3000:]
     assert "FatalError" not in out and "Traceback" not in out, out[-3000:]
     assert out.splitlines()[-1] == "erniekit: WebUI stopped on SIGTERM", out[-3000:]
+
+
+def _child(tmp_path, name: str, on_term: str, then: str = "time.sleep(30)"):
+    """A stand-in training run: `on_term` is its SIGTERM handler's body; after it is ready (a file
+    appears) it runs `then`."""
+    import subprocess
+
+    ready = tmp_path / f"{name}.ready"
+    code = (
+        "import signal, sys, time, pathlib\n"
+        f"def h(s, f):\n    {on_term}\n"
+        "signal.signal(signal.SIGTERM, h)\n"
+        f"pathlib.Path({str(ready)!r}).touch()\n"
+        f"{then}\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", code])
+    deadline = time.time() + 30
+    while not ready.exists():
+        assert time.time() < deadline and proc.poll() is None
+        time.sleep(0.02)
+    return proc
+
+
+def test_stop_all_signals_each_run_once_and_says_how_each_ended(tmp_path):
+    """A stopping WebUI (SIGTERM) stops its runs: each gets one SIGTERM (a run already stopped by the
+    button gets none more: a second signal kills an `erniekit train` before its checkpoint) and a
+    line says how it ended, or that it is still stopping when the wait runs out."""
+    from erniekit.webui.runs import Run
+
+    cfg = check_form(Form(output_dir=str(tmp_path)))
+    term = _child(tmp_path, "term", "sys.exit(143)")  # ends as `erniekit train` does on SIGTERM
+    # already sent SIGTERM by the stop button: a second one would make it exit 9, not 143 later
+    button = _child(tmp_path, "button", "sys.exit(9)", then="time.sleep(0.5); sys.exit(143)")
+    stuck = _child(tmp_path, "stuck", "pass")  # takes longer than the wait
+    runs = Runs()
+    for name, proc, sent in (("a", term, False), ("b", button, True), ("c", stuck, False)):
+        runs.runs[str(tmp_path / name)] = Run(str(tmp_path / name), proc, time.time(), cfg, "log", stop_sent=sent)
+    try:
+        lines = runs.stop_all(wait_s=3.0)
+        assert term.returncode == 143 and button.returncode == 143 and stuck.poll() is None
+        assert lines == [
+            f"training run in {tmp_path / 'a'} stopped with its checkpoint (resume_from_checkpoint=auto goes on)",
+            f"training run in {tmp_path / 'b'} stopped with its checkpoint (resume_from_checkpoint=auto goes on)",
+            f"training run in {tmp_path / 'c'} still stopping after 3 s (pid {stuck.pid})",
+        ]
+        assert all(r.stop_sent for r in runs.runs.values())
+        assert runs.stop_all(wait_s=0.1) == [
+            f"training run in {tmp_path / 'c'} still stopping after 0.1 s (pid {stuck.pid})"
+        ]
+    finally:
+        stuck.kill()
+        stuck.wait()
+
+
+def test_runs_start_their_trainer_to_take_a_repeated_stop_signal_as_one(tmp_path, monkeypatch):
+    from erniekit.utils.run_control import STOP_ONCE_ENV, stops_once
+    from erniekit.webui import runs as runs_mod
+
+    seen = {}
+
+    class FakePopen:
+        def __init__(self, cmd, **kw):
+            seen.update(kw["env"])
+
+        def poll(self):
+            return None
+
+    monkeypatch.setattr(runs_mod.subprocess, "Popen", FakePopen)
+    Runs().start(Form(output_dir=str(tmp_path / "out")))
+    assert seen[STOP_ONCE_ENV] == "1"
+    assert stops_once(1, seen) and stops_once(2, {}) and not stops_once(1, {})
+
+
+def test_a_sigterm_to_the_webui_stops_its_runs_before_it_exits(capsys):
+    import signal
+
+    from erniekit.webui.app import _serve_until_stopped
+
+    class App:  # gradio's Blocks as _serve_until_stopped uses it; SIGTERM arrives while it serves
+        closed = False
+
+        def queue(self):
+            return self
+
+        def launch(self, **kw):
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(5)
+
+        def close(self, verbose=True):
+            App.closed = True
+
+    class StubRuns:
+        asked = 0
+
+        def stop_all(self):
+            StubRuns.asked += 1
+            return ["training run in /r stopped with its checkpoint (resume_from_checkpoint=auto goes on)"]
+
+    assert _serve_until_stopped(App(), {}, StubRuns()) == 128 + signal.SIGTERM
+    assert App.closed and StubRuns.asked == 1
+    assert capsys.readouterr().err.splitlines() == [
+        "erniekit: training run in /r stopped with its checkpoint (resume_from_checkpoint=auto goes on)",
+        "erniekit: WebUI stopped on SIGTERM",
+    ]
