@@ -416,6 +416,7 @@ def _serve_until_stopped(app, kwargs: dict, runs: Runs | None = None) -> int:
     try:
         app.queue().launch(**kwargs)
     except _Terminated:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a repeat while the runs stop (up to 60 s) changes nothing
         app.close(verbose=False)
         for line in runs.stop_all() if runs is not None else []:
             print(f"erniekit: {line}", file=sys.stderr, flush=True)

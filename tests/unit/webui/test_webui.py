@@ -463,6 +463,8 @@ def test_a_sigterm_to_the_webui_stops_its_runs_before_it_exits(capsys):
 
         def stop_all(self):
             StubRuns.asked += 1
+            os.kill(os.getpid(), signal.SIGTERM)  # repeated while the runs stop: nothing more happens
+            time.sleep(0.2)
             return ["training run in /r stopped with its checkpoint (resume_from_checkpoint=auto goes on)"]
 
     assert _serve_until_stopped(App(), {}, StubRuns()) == 128 + signal.SIGTERM
