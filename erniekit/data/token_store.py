@@ -44,8 +44,8 @@ from erniekit.data.dataset_info import load_entry, parse_ref
 from erniekit.data.encode import PRETRAIN_PIECE_CHARS
 from erniekit.data.formats import split_paths
 from erniekit.errors import DataError, ErniekitError
+from erniekit.utils import run_control  # read at call time: a test may replace stop_signal
 from erniekit.utils.io import atomic_write_json, replace_dir, write_errors
-from erniekit.utils.run_control import stop_signal
 
 if TYPE_CHECKING:  # importing the model package would pull in paddle
     from erniekit.models.ernie4_5.tokenizer import ErnieTokenizer
@@ -291,7 +291,7 @@ def _wait_for_lock(lock: str, directory: str, deadline: float) -> None:
         if _owner_gone(owner) or now - since > STALE_S:
             _break_lock(lock, owner)
             return
-        if stop_signal():  # a stop request (SIGTERM) ends the wait; the builder stops on its own
+        if run_control.stop_signal():  # a stop request (SIGTERM) ends the wait; the builder stops on its own
             raise ErniekitError(f"tokenized_path: stopped while waiting for {directory} (locked by {lock})")
         if now > deadline:
             raise DataError(

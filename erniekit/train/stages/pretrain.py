@@ -14,7 +14,7 @@ from erniekit.data.token_store import corpus_fingerprint, open_or_build
 from erniekit.errors import DataError, ErniekitError
 from erniekit.train.stage import LM, Stage
 from erniekit.train.stages import register_stage
-from erniekit.utils.run_control import stop_signal
+from erniekit.utils import run_control  # read at call time: a test may replace stop_signal
 
 STOP_POLL_DOCS = 256
 
@@ -24,7 +24,7 @@ def _documents(path: str, tokenizer) -> Iterator[np.ndarray]:
     is never held whole, and a long document is tokenized in pieces. A stop request (SIGTERM) ends
     the tokenizing of a large corpus within STOP_POLL_DOCS documents instead of after it."""
     for i, text in enumerate(iter_pretrain_texts(path)):
-        if i % STOP_POLL_DOCS == 0 and stop_signal():
+        if i % STOP_POLL_DOCS == 0 and run_control.stop_signal():
             raise ErniekitError(f"{path}: stopped while tokenizing document {i + 1}")
         yield encode_pretrain_array(text, tokenizer)
 
