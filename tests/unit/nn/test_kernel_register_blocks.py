@@ -14,7 +14,9 @@ import pytest
 from erniekit.nn import native
 
 KERNELS = Path(native.__file__).resolve().parent / "kernels"
-MAX_FRAME = 2048  # bytes; the fixed kernels' largest frame is 1,936 (the packed loop, x86-64-v4)
+# bytes, by target: with gcc 12 the largest frames are 1,224 (attention's backward, v3) and 1,936
+# (the packed loop, v4); the spilled v3 builds had 2,728 (nk), 3,624 (attention) and 24,320 (packed)
+MAX_FRAME = {"x86-64-v3": 2048, "x86-64-v4": 4096}
 
 
 @pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86 vector widths only")
@@ -43,4 +45,4 @@ def test_no_kernel_function_spills_its_register_block(tmp_path, arch, kernel):
     for line in (tmp_path / f"{kernel}.su").read_text().splitlines():
         where, size, _ = line.split("\t")
         frames[where.rsplit(":", 1)[-1]] = int(size)
-    assert frames and max(frames.values()) <= MAX_FRAME, frames
+    assert frames and max(frames.values()) <= MAX_FRAME[arch], frames
