@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from erniekit.errors import ErniekitError
 from erniekit.nn import small_gemm
-from erniekit.utils.mkl import AVX512, read_cpuinfo
+from erniekit.utils.mkl import has_avx512
 
 MODES = ("auto", "on", "off")
 AUTO_SHARE = 0.25  # auto packs when the copy takes at most this share of the memory available
@@ -28,11 +28,6 @@ def available_memory() -> int | None:
     except OSError:
         return None
     return None
-
-
-def has_avx512() -> bool:
-    """Whether this CPU has the AVX-512 the packed kernel's wide tiles are built for (Linux flags)."""
-    return all(f in read_cpuinfo()[1] for f in AVX512)
 
 
 def packing_choice(model, mode: str, available: int | None = None, avx512: bool | None = None) -> tuple[bool, str]:

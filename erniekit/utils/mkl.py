@@ -39,6 +39,12 @@ def read_cpuinfo(path: str = "/proc/cpuinfo") -> tuple[str, set[str]]:
     return vendor, flags
 
 
+def has_avx512(flags: set[str] | None = None) -> bool:
+    """Whether the CPU (`flags`, default this machine's) has the AVX-512 subsets MKL's kernels and
+    erniekit's wide decode tiles assume."""
+    return all(f in (read_cpuinfo()[1] if flags is None else flags) for f in AVX512)
+
+
 def mkl_cpu_type(environ: Mapping[str, str], vendor: str, flags: set[str]) -> str | None:
     """The MKL_DEBUG_CPU_TYPE to set, or None to leave MKL alone.
 
@@ -51,7 +57,7 @@ def mkl_cpu_type(environ: Mapping[str, str], vendor: str, flags: set[str]) -> st
     asked = {environ.get(k, "").strip().upper() for k in ("MKL_ENABLE_INSTRUCTIONS", "ONEDNN_MAX_CPU_ISA")}
     if asked & set(_CAPS["none"]):
         return None
-    if all(f in flags for f in AVX512) and not asked & set(_CAPS["avx2"]):
+    if has_avx512(flags) and not asked & set(_CAPS["avx2"]):
         return "7"
     if all(f in flags for f in AVX2):
         return "5"
