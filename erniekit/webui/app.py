@@ -399,7 +399,7 @@ class _Terminated(BaseException):
     out of gradio's launch() swallows it."""
 
 
-def _serve_until_stopped(app, kwargs: dict, runs: Runs | None = None) -> int:
+def _serve_until_stopped(app, kwargs: dict, runs: Runs) -> int:
     """Serve until Ctrl-C (KeyboardInterrupt: the CLI prints "interrupted", exit 130) or SIGTERM
     (docker stop, systemd): then close the server, stop the training runs it started (each ends
     after its step with a checkpoint; Ctrl-C reaches them from the terminal itself), say so in a line
@@ -418,7 +418,7 @@ def _serve_until_stopped(app, kwargs: dict, runs: Runs | None = None) -> int:
     except _Terminated:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a repeat while the runs stop (up to 60 s) changes nothing
         app.close(verbose=False)
-        for line in runs.stop_all() if runs is not None else []:
+        for line in runs.stop_all():
             print(f"erniekit: {line}", file=sys.stderr, flush=True)
         print("erniekit: WebUI stopped on SIGTERM", file=sys.stderr, flush=True)
         return STOPPED_EXIT_BASE + signal.SIGTERM
