@@ -1,18 +1,15 @@
 """Whether a serving engine keeps packed copies of the weights (`--packed-weights auto|on|off`).
 
 The packed panels (erniekit/nn/small_gemm.py) make 8-64-row decode steps ~1.5x faster on a CPU with
-AVX-512 (docs/performance.md, the eighth round) for a second copy of the projections. `auto` takes
-that trade where the copy is small against the memory the machine has free, and says so in one
-line. Without AVX-512 the panels' tiles are a quarter as wide and decode was slower packed than not
-(an AMD EPYC with AVX2 only, dense-1024: batch 1 20.7 against 26.5 tokens/s, batch 8 75.6 against
-108.6, batch 32 even), so `auto` leaves such a CPU unpacked.
+AVX-512 (docs/performance.md, the eighth round) and ~2x on one with AVX2 only (the sixteenth round)
+for a second copy of the projections. `auto` takes that trade where the copy is small against the
+memory the machine has free, and says so in one line.
 """
 
 from __future__ import annotations
 
 from erniekit.errors import ErniekitError
 from erniekit.nn import small_gemm
-from erniekit.utils.mkl import has_avx512
 
 MODES = ("auto", "on", "off")
 AUTO_SHARE = 0.25  # auto packs when the copy takes at most this share of the memory available
@@ -30,9 +27,8 @@ def available_memory() -> int | None:
     return None
 
 
-def packing_choice(model, mode: str, available: int | None = None, avx512: bool | None = None) -> tuple[bool, str]:
-    """(pack or not, the reason in words) for `mode`; `available` and `avx512` override the measured
-    memory and CPU."""
+def packing_choice(model, mode: str, available: int | None = None) -> tuple[bool, str]:
+    """(pack or not, the reason in words) for `mode`; `available` overrides the measured memory."""
     if mode not in MODES:
         raise ErniekitError(f"--packed-weights {mode}: choose one of {', '.join(MODES)}")
     if mode == "off":
@@ -43,8 +39,6 @@ def packing_choice(model, mode: str, available: int | None = None, avx512: bool 
         return False, "packed weights: none to pack, no float32 CPU projection of 256 KiB or more"
     if mode == "on":
         return True, f"packed weights on (+{mib}, --packed-weights on)"
-    if not (has_avx512() if avx512 is None else avx512):
-        return False, f"packed weights off: no AVX-512 here, where they decode slower (+{mib} with --packed-weights on)"
     available = available_memory() if available is None else available
     if available is None:
         return False, f"packed weights off: the memory available is unknown here (+{mib} with --packed-weights on)"

@@ -251,17 +251,10 @@ def test_auto_packs_when_the_copy_is_small_against_the_memory_available(kernel, 
     model = _tiny_lm(1024, 2, seed=0)
     need = sg.packable_bytes(model)
     assert need == 4 * (2 * 3 * 64 * 128 + 2 * 2 * 64 * 64 + 1024 * 64)  # what the engine test packs
-    pack, why = packing_choice(model, "auto", available=4 * need, avx512=True)  # exactly a quarter
+    pack, why = packing_choice(model, "auto", available=4 * need)  # exactly a quarter
     assert pack and why.startswith("packed weights on (+0.5 MiB") and "--packed-weights off saves it" in why
-    pack, why = packing_choice(model, "auto", available=4 * need - 1, avx512=True)
+    pack, why = packing_choice(model, "auto", available=4 * need - 1)
     assert not pack and "over a quarter" in why and "--packed-weights on" in why
-    # without AVX-512 the packed tiles decode slower than the plain kernels: auto leaves them off
-    pack, why = packing_choice(model, "auto", available=1 << 40, avx512=False)
-    assert (
-        not pack
-        and why == "packed weights off: no AVX-512 here, where they decode slower (+0.5 MiB with --packed-weights on)"
-    )
-    assert packing_choice(model, "on", available=1 << 40, avx512=False)[0] is True
     assert packing_choice(model, "on", available=1)[0] is True
     assert packing_choice(model, "off")[0] is False
     assert sg.packable_bytes(model) == need  # deciding packs nothing

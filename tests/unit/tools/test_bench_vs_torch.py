@@ -401,5 +401,27 @@ def test_the_fifteenth_round_table_quotes_the_avx2_records():
         assert float(row[1].split("(")[0]) == round(case["torch_tokens_per_s"]["median"], 1), row
         assert float(row[2].split("(")[0]) == round(case["erniekit_tokens_per_s"]["median"], 1), row
         assert row[3].strip() == f"**{case['ratio_erniekit_over_torch']:.2f}**", row
-    for case in got[0]["cases"].values():  # auto chose the plain kernels on this CPU
+    for case in got[0]["cases"].values():  # auto chose the plain kernels on this CPU then
         assert all(r["packing"].startswith("packed weights off: no AVX-512") for r in case["runs"]["erniekit"])
+
+
+def test_the_sixteenth_round_table_quotes_both_avx2_runs():
+    """Packed (the default) and unpacked, side by side, as recorded; auto packed in the first run."""
+    doc = (ROOT / "docs" / "performance.md").read_text()
+    sixteenth = doc.split("### Sixteenth round", 1)[1].split("\n### ", 1)[0].split("\n## ", 1)[0]
+    rows = [r for r in _table_rows(sixteenth) if r[0].strip().startswith(("greedy", "server"))]
+    got = [
+        json.loads((ROOT / "bench_results" / f"vs_torch_amd_avx2_{part}.json").read_text())
+        for part in ("packed", "unpacked")
+    ]
+    assert [r["packed_weights"] for r in got] == ["auto", "off"]
+    assert all(r["cpu"].startswith("AMD") and r["threads"] == 2 and r["repeats"] == 3 for r in got)
+    assert len(rows) == 5 and all(list(r["cases"]) == list(got[0]["cases"]) for r in got)
+    for row, *cases in zip(rows, *(r["cases"].values() for r in got)):
+        for i, case in enumerate(cases):
+            torch, ours, ratio = row[1 + 3 * i : 4 + 3 * i]
+            assert float(torch.split("(")[0]) == round(case["torch_tokens_per_s"]["median"], 1), row
+            assert float(ours.split("(")[0]) == round(case["erniekit_tokens_per_s"]["median"], 1), row
+            assert ratio.strip() == f"**{case['ratio_erniekit_over_torch']:.2f}**", row
+        assert all(r["packing"].startswith("packed weights on") for r in cases[0]["runs"]["erniekit"])
+        assert all(r["packing"].startswith("packed weights off") for r in cases[1]["runs"]["erniekit"])
