@@ -212,17 +212,45 @@ INLINE void scaled_rows(const float *restrict q0, int64_t ldq, const int R, int6
         for (int64_t d = 0; d < D; d++) qs[t * D + d] = q0[t * ldq + d] * scale;
 }
 
-/* A row block's keys and scores: the range [*j0, *j1) its mask lets it see, and s = qs kT over it (to
- * *j1 rounded up to 16). The forward and the backward that recomputes take this one path, so the
- * backward's scores are the forward's bits. */
-static void block_scores(const float *restrict qs, const int R, const float *restrict brows, int64_t Sk,
-                         const float *restrict kT, int64_t D, int64_t Skp, float *restrict s, int64_t *j0,
-                         int64_t *j1) {
-    key_range(brows, Sk, R, Sk, 1, j0, j1);
+/* A row block's keys and scores: the range [*j0, *j1) its mask lets it see (its mask rows `ldb`
+ * apart), and s = qs kT over it (to *j1 rounded up to 16). The forward and the backward that
+ * recomputes take this one path, so the backward's scores are the forward's bits. */
+static void block_scores(const float *restrict qs, const int R, const float *restrict brows, int64_t ldb,
+                         int64_t Sk, const float *restrict kT, int64_t D, int64_t Skp, float *restrict s,
+                         int64_t *j0, int64_t *j1) {
+    key_range(brows, ldb, R, Sk, 1, j0, j1);
     BY_ROWS(R, rows_times_t(qs, D, R_, kT, D, Skp, s, *j0, up16(*j1)));
 }
 
 static float *scratch(int64_t n) { return aligned_alloc(64, sizeof(float) * (size_t)up16(n)); }
+
+/* The forward of one (batch, kv head) of a decode step (Sq = 1): its rep query heads, whose rows lie
+ * D apart, go through the blocks as rows, all against the one mask row. Every row's operations
+ * are those of a block of its own (each sum runs over d or j alone, and all its rows see the same
+ * keys), so the bits are the same as one head at a time; the rows' sums fill the registers. */
+static void decode_heads(const float *q, const float *vg, const float *brow, float *o, float *p, float *stats,
+                         const float *kT, float *s, float *qs, float scale, int64_t Sk, int64_t Skp, int64_t H,
+                         int64_t KVH, int64_t D, int64_t b, int64_t g) {
+    const int64_t rep = H / KVH;
+    for (int64_t h0 = g * rep; h0 < (g + 1) * rep; h0 += ROWS) {
+        const int R = (int)((g + 1) * rep - h0 < ROWS ? (g + 1) * rep - h0 : ROWS);
+        const int64_t r0 = b * H + h0; /* = (b * H + h) * Sq + 0 for Sq = 1 */
+        BY_ROWS(R, scaled_rows(q + r0 * D, D, R_, D, scale, qs));
+        int64_t j0, j1;
+        block_scores(qs, R, brow, 0, Sk, kT, D, Skp, s, &j0, &j1);
+        for (int t = 0; t < R; t++) {
+            float *row = s + t * Skp;
+            softmax_row(row, brow, j0, j1, stats ? stats + 2 * (r0 + t) : NULL);
+            if (p) {
+                float *pr = p + (r0 + t) * Sk;
+                memset(pr, 0, sizeof(float) * j0);
+                memcpy(pr + j0, row + j0, sizeof(float) * (j1 - j0));
+                memset(pr + j1, 0, sizeof(float) * (Sk - j1));
+            }
+        }
+        BY_ROWS(R, rows_times(s, Skp, R_, vg, KVH * D, j0, j1, D, o + r0 * D, D, 0.0f, 0));
+    }
+}
 
 void erniekit_attention_fwd(const float *q, const float *k, const float *v, const float *bias, float *o, float *p,
                             float *stats, float scale, int64_t Sq, int64_t Sk, int64_t H, int64_t KVH, int64_t D,
@@ -233,13 +261,18 @@ void erniekit_attention_fwd(const float *q, const float *k, const float *v, cons
         const int64_t b = task / KVH, g = task % KVH;
         pack_t(k + (b * Sk * KVH + g) * D, KVH * D, Sk, D, Skp, kT);
         const float *vg = v + (b * Sk * KVH + g) * D;
+        if (Sq == 1) { /* a decode step: the kv head's query heads are the blocks' rows (one mask row) */
+            decode_heads(q, vg, bias + (bias_batched ? b : 0) * Sk, o, p, stats, kT, s, qs, scale, Sk, Skp, H, KVH,
+                         D, b, g);
+            continue;
+        }
         for (int64_t h = g * rep; h < (g + 1) * rep; h++)
             for (int64_t i0 = 0; i0 < Sq; i0 += ROWS) {
                 const int R = (int)(Sq - i0 < ROWS ? Sq - i0 : ROWS);
                 BY_ROWS(R, scaled_rows(q + ((b * Sq + i0) * H + h) * D, H * D, R_, D, scale, qs));
                 const float *brows = bias + ((bias_batched ? b : 0) * Sq + i0) * Sk;
                 int64_t j0, j1;
-                block_scores(qs, R, brows, Sk, kT, D, Skp, s, &j0, &j1);
+                block_scores(qs, R, brows, Sk, Sk, kT, D, Skp, s, &j0, &j1);
                 for (int t = 0; t < R; t++) {
                     float *row = s + t * Skp;
                     const int64_t r = (b * H + h) * Sq + i0 + t;
@@ -285,7 +318,7 @@ void erniekit_attention_bwd(const float *q, const float *k, const float *v, cons
                     for (int t = 0; t < R; t++) memcpy(pr + t * Skp, p + (r0 + t) * Sk, sizeof(float) * Sk);
                 } else { /* the forward's scores and probabilities over the forward's key range */
                     const float *brows = bias + ((bias_batched ? b : 0) * Sq + i0) * Sk;
-                    block_scores(qs, R, brows, Sk, kT, D, Skp, pr, &j0, &j1);
+                    block_scores(qs, R, brows, Sk, Sk, kT, D, Skp, pr, &j0, &j1);
                     for (int t = 0; t < R; t++)
                         softmax_row_again(pr + t * Skp, brows + t * Sk, j0, j1, Skp, stats + 2 * (r0 + t));
                 }

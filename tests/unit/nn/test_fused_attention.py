@@ -124,6 +124,36 @@ def test_inference_gives_the_training_forward_bits(kernel, bits):
     np.testing.assert_array_equal(bits(infer), bits(train))
 
 
+@pytest.mark.parametrize("rep", [1, 3, 4, 5, 8])  # query heads per kv head: blocks of 4 heads, full or not
+def test_a_decode_row_gives_the_bits_of_a_row_of_a_longer_query(kernel, bits, monkeypatch, rep):
+    """A decode step (one query row) runs its query heads as one block's rows; a query of two equal
+    rows runs them one head at a time. Row 0 of the latter must be the former, bit for bit: outputs,
+    probabilities and softmax statistics, with padding, a fully masked row and a per-row mask."""
+    rng = np.random.default_rng(rep)
+    B, Sk, KVH, D = 3, 41, 2, 32
+    H = KVH * rep
+    q1 = rng.standard_normal((B, 1, H, D)).astype(np.float32)
+    k, v = (rng.standard_normal((B, Sk, KVH, D)).astype(np.float32) for _ in range(2))
+    bias1 = rng.standard_normal((B, 1, 1, Sk)).astype(np.float32)
+    bias1[0, ..., :17] = NEG  # padding over a whole key block and part of the next
+    bias1[1] = NEG  # a row that may see nothing
+    q2 = np.repeat(q1, 2, axis=1)
+
+    def both(row_bias):
+        one = fa._forward(*(paddle.to_tensor(a) for a in (q1, k, v, row_bias)), 0.125, keep=True)
+        two = fa._forward(*(paddle.to_tensor(a) for a in (q2, k, v, np.repeat(row_bias, 2, axis=2))), 0.125, keep=True)
+        np.testing.assert_array_equal(bits(one[0].numpy()), bits(two[0].numpy()[:, :1]))
+        return one, two
+
+    for row_bias in (bias1, bias1[:1]):  # batched and shared
+        one, two = both(row_bias)
+        assert one[1] is not None  # the probabilities are kept at these sizes
+        np.testing.assert_array_equal(bits(one[1].numpy()), bits(two[1].numpy()[:, :, :1]))
+    monkeypatch.setattr(kernel_memory, "keeps_probs", lambda *_: False)  # long rows: softmax statistics
+    one, two = both(bias1)
+    np.testing.assert_array_equal(bits(one[2].numpy()), bits(two[2].numpy()[:, :, :1]))
+
+
 def test_threads_do_not_change_the_bits(kernel, bits, monkeypatch):
     case = (4, 64, 64, 4, 2, 32, True)  # big enough to be cut over the threads
     q, k, v, bias, do = _inputs(case)
