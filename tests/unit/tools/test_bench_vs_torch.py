@@ -405,11 +405,13 @@ def test_the_fifteenth_round_table_quotes_the_avx2_records():
         assert all(r["packing"].startswith("packed weights off: no AVX-512") for r in case["runs"]["erniekit"])
 
 
-def test_the_sixteenth_round_table_quotes_both_avx2_runs():
-    """Packed (the default) and unpacked, side by side, as recorded; auto packed in the first run."""
+def test_the_sixteenth_round_tables_quote_the_avx2_runs():
+    """Packed (the default) and unpacked side by side, then the run after the attention's change, as
+    recorded; auto packed in the packed runs."""
     doc = (ROOT / "docs" / "performance.md").read_text()
     sixteenth = doc.split("### Sixteenth round", 1)[1].split("\n### ", 1)[0].split("\n## ", 1)[0]
     rows = [r for r in _table_rows(sixteenth) if r[0].strip().startswith(("greedy", "server"))]
+    rows, after = [r for r in rows if len(r) == 7], [r for r in rows if len(r) == 4]
     got = [
         json.loads((ROOT / "bench_results" / f"vs_torch_amd_avx2_{part}.json").read_text())
         for part in ("packed", "unpacked")
@@ -425,3 +427,12 @@ def test_the_sixteenth_round_table_quotes_both_avx2_runs():
             assert ratio.strip() == f"**{case['ratio_erniekit_over_torch']:.2f}**", row
         assert all(r["packing"].startswith("packed weights on") for r in cases[0]["runs"]["erniekit"])
         assert all(r["packing"].startswith("packed weights off") for r in cases[1]["runs"]["erniekit"])
+    # the run after the decode attention's change (3f02a22): packed by default, its own table
+    record = json.loads((ROOT / "bench_results" / "vs_torch_amd_avx2_decode_attention.json").read_text())
+    assert record["packed_weights"] == "auto" and record["cpu"].startswith("AMD") and record["repeats"] == 3
+    assert len(after) == len(record["cases"]) == 5
+    for row, case in zip(after, record["cases"].values()):
+        assert float(row[1].split("(")[0]) == round(case["torch_tokens_per_s"]["median"], 1), row
+        assert float(row[2].split("(")[0]) == round(case["erniekit_tokens_per_s"]["median"], 1), row
+        assert row[3].strip() == f"**{case['ratio_erniekit_over_torch']:.2f}**", row
+        assert all(r["packing"].startswith("packed weights on") for r in case["runs"]["erniekit"])
