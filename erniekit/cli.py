@@ -79,8 +79,8 @@ def add_packed_weights_flag(p: argparse.ArgumentParser, where: str) -> None:
         default="auto",
         choices=("auto", "on", "off"),
         help=f"{where}: keep a packed copy of the projections for faster decode steps (docs/deploy.md; costs a "
-        "second copy of those weights). auto (default): when the copy takes at most a quarter of the memory "
-        "available",
+        "second copy of those weights). auto (default): on x86 CPUs with AVX2 or AVX-512, when the copy takes "
+        "at most a quarter of the memory available",
     )
 
 

@@ -243,7 +243,8 @@ static inline __attribute__((always_inline)) void packed_tile(const float *x, co
         }
 }
 
-/* y [M, N] = x [M, K] @ w (+ b), w packed by erniekit_small_gemm_pack; N a multiple of 64 */
+/* y [M, N] = x [M, K] @ w (+ b), w packed by erniekit_small_gemm_pack; N a multiple of PANEL
+ * (nn/small_gemm.py packs only weights with N a multiple of 64, either width's multiple) */
 void erniekit_small_gemm_packed(const float *x, const float *p, const float *b, float *y, int64_t M, int64_t K,
                                 int64_t N, int64_t threads) {
     int64_t panels = N / PANEL;

@@ -251,10 +251,21 @@ def test_auto_packs_when_the_copy_is_small_against_the_memory_available(kernel, 
     model = _tiny_lm(1024, 2, seed=0)
     need = sg.packable_bytes(model)
     assert need == 4 * (2 * 3 * 64 * 128 + 2 * 2 * 64 * 64 + 1024 * 64)  # what the engine test packs
-    pack, why = packing_choice(model, "auto", available=4 * need)  # exactly a quarter
+    avx2 = {"avx2", "fma"}
+    pack, why = packing_choice(model, "auto", available=4 * need, cpu_flags=avx2)  # exactly a quarter
     assert pack and why.startswith("packed weights on (+0.5 MiB") and "--packed-weights off saves it" in why
-    pack, why = packing_choice(model, "auto", available=4 * need - 1)
+    pack, why = packing_choice(model, "auto", available=4 * need - 1, cpu_flags=avx2)
     assert not pack and "over a quarter" in why and "--packed-weights on" in why
+    assert packing_choice(model, "auto", available=1 << 40, cpu_flags={"avx512f", "avx512bw", "avx512dq", "avx512vl"})[
+        0
+    ]
+    # no AVX2 (an SSE-only x86, an ARM machine, no /proc/cpuinfo): the tiles' registers are not there
+    pack, why = packing_choice(model, "auto", available=1 << 40, cpu_flags={"sse4_2", "avx"})
+    assert not pack and why == (
+        "packed weights off: measured only on x86 CPUs with AVX2 or AVX-512, which this one is not "
+        "(+0.5 MiB with --packed-weights on)"
+    )
+    assert packing_choice(model, "on", available=1 << 40, cpu_flags=set())[0] is True
     assert packing_choice(model, "on", available=1)[0] is True
     assert packing_choice(model, "off")[0] is False
     assert sg.packable_bytes(model) == need  # deciding packs nothing
