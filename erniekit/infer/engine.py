@@ -124,6 +124,12 @@ class SlotCache:
         self.v = [paddle.zeros(shape, dtype=dtype) for _ in range(config.num_hidden_layers)]
         self.max_len, self.length, self.n = max_len, 0, 0
 
+    def reserve(self, end: int) -> None:
+        """The buffers hold max_len columns from the start: only a step past them is refused (the
+        engine makes room first, `_decode_step`)."""
+        if end > self.max_len:
+            raise ValueError(f"KV cache full: {end} tokens > max_len={self.max_len}")
+
     def update(self, layer: int, k: paddle.Tensor, v: paddle.Tensor) -> tuple[paddle.Tensor, paddle.Tensor]:
         n, start, end = k.shape[0], self.length, self.length + k.shape[1]
         self.k[layer][:n, start:end] = k

@@ -231,12 +231,16 @@ class KVCache:
                     new[:, : self.length] = old[:, : self.length]
                 bufs[i] = new
 
-    def update(self, layer: int, k: paddle.Tensor, v: paddle.Tensor) -> tuple[paddle.Tensor, paddle.Tensor]:
-        start, end = self.length, self.length + k.shape[1]
+    def reserve(self, end: int) -> None:
+        """Room for `end` tokens in every layer's buffers (ValueError past max_len)."""
         if end > self.max_len:
             raise ValueError(f"KV cache full: {end} tokens > max_len={self.max_len}")
         if end > self.capacity:  # every layer's buffers at once, before layer 0 writes its tokens
             self._grow(end)
+
+    def update(self, layer: int, k: paddle.Tensor, v: paddle.Tensor) -> tuple[paddle.Tensor, paddle.Tensor]:
+        start, end = self.length, self.length + k.shape[1]
+        self.reserve(end)
         self.k[layer][:, start:end] = k
         self.v[layer][:, start:end] = v
         return self.k[layer][:, :end], self.v[layer][:, :end]

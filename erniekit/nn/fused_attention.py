@@ -31,7 +31,7 @@ def _kernels():
     P, I64, F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
     return native.functions(
         "attention",
-        ("erniekit_attention_fwd", [P] * 7 + [F32] + [I64] * 8),
+        ("erniekit_attention_fwd", [P] * 7 + [F32] + [I64] * 9),
         ("erniekit_attention_bwd", [P] * 10 + [F32] + [I64] * 8),
     )
 
@@ -46,7 +46,7 @@ def _forward(q, k, v, bias, scale: float, keep: bool):
         p = paddle.empty([B, H, Sq, Sk], dtype=q.dtype)
     elif keep:
         stats = paddle.empty([B, H, Sq, 2], dtype=q.dtype)
-    shape = (scale, Sq, Sk, H, KVH, D, int(bias.shape[0] > 1))
+    shape = (scale, Sq, Sk, Sk, H, KVH, D, int(bias.shape[0] > 1))
     ptrs = (q.data_ptr(), k.data_ptr(), v.data_ptr(), bias.data_ptr(), o.data_ptr())
     native.over_chunks(
         _kernels()[0],
@@ -61,6 +61,53 @@ def _forward(q, k, v, bias, scale: float, keep: bool):
         min_bytes=1 << 16 if Sq > 1 else native.PARALLEL_BYTES,
     )
     return o, p, stats
+
+
+def decode_ready(head_dim: int) -> bool:
+    """Whether `decode_forward` can run heads this wide (the kernel built, `usable`'s head check)."""
+    return native.cpu_build() and kernel_memory.kernel_head_dim(head_dim) and _kernels() is not None
+
+
+def decode_forward(
+    q: int,
+    k: int,
+    v: int,
+    bias: int,
+    o: int,
+    B: int,
+    Sk: int,
+    kv_rows: int,
+    H: int,
+    KVH: int,
+    D: int,
+    scale: float,
+    bias_batched: bool,
+) -> None:
+    """`_forward` of one new token per sequence (Sq = 1, nothing kept) on buffers given by address:
+    q, o [B, 1, H, D]; k, v [B, kv_rows, KVH, D] of which the first Sk rows of each entry are read (a
+    KV cache's buffers in place); bias [B if bias_batched else 1, 1, 1, Sk]. The kernel must be built
+    (`usable`); the same arithmetic as `fused_attention`, so the same bits."""
+    native.over_chunks(
+        _kernels()[0],
+        B * KVH,
+        B * H * D * 4 + B * Sk * KVH * D * 8,
+        q,
+        k,
+        v,
+        bias,
+        o,
+        None,
+        None,
+        scale,
+        1,
+        Sk,
+        kv_rows,
+        H,
+        KVH,
+        D,
+        int(bias_batched),
+        min_bytes=native.PARALLEL_BYTES,
+    )
 
 
 class _FusedAttention(PyLayer):

@@ -55,6 +55,13 @@ def _kernels():
     )
 
 
+def forward_kernel():
+    """kernels/rms_norm.c's forward (x, w, y, r, H, eps, r0, r1), or None without the build: for a
+    caller running it on buffers of its own (models/ernie4_5/decode_step.py)."""
+    k = _kernels()
+    return None if k is None else k[0]
+
+
 def _rows(t: paddle.Tensor) -> np.ndarray:
     a = host_array(t)
     return a.reshape(-1, a.shape[-1])

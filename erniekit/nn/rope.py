@@ -48,6 +48,12 @@ def _kernels():
     return native.functions("rope", ("erniekit_rope_fwd", args), ("erniekit_rope_bwd", args))
 
 
+def forward_kernel():
+    """kernels/rope.c's forward (x, cos, sin, y, H, D, r0, r1), or None without the build (as norm.py's)."""
+    k = _kernels()
+    return None if k is None else k[0]
+
+
 def _run(which: int, x: paddle.Tensor, cos: paddle.Tensor, sin: paddle.Tensor) -> paddle.Tensor:
     R, H, D = math.prod(x.shape[:2]), x.shape[2], x.shape[3]
     k = _kernels()

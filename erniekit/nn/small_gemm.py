@@ -88,12 +88,33 @@ def takes_kn(x: paddle.Tensor, w: paddle.Tensor, bias: paddle.Tensor | None) -> 
     """Whether x @ w (+ bias) runs in a kernel: CPU float32, no gradient, a weight of KN_MIN_BYTES or
     more, and <= KN_ROWS rows (<= PACKED_ROWS with the weight packed by `pack_weights`)."""
     rows = PACKED_ROWS if _packed_of(w) is not None else KN_ROWS
-    return (
-        _eligible(x, w, bias, rows)
-        and x.shape[-1] == w.shape[0]
-        and w.shape[1] % 16 == 0
-        and 4 * w.shape[0] * w.shape[1] >= KN_MIN_BYTES
-    )
+    return _eligible(x, w, bias, rows) and x.shape[-1] == w.shape[0] and _kn_shape(w)
+
+
+def _kn_shape(w: paddle.Tensor) -> bool:
+    return w.shape[1] % 16 == 0 and 4 * w.shape[0] * w.shape[1] >= KN_MIN_BYTES
+
+
+def product(w: paddle.Tensor, bias: paddle.Tensor | None, rows: int):
+    """A function (x, y) of two buffer addresses computing y [rows, N] = x [rows, K] @ w (+ bias) as
+    `matmul_kn` would for a float32 x of that shape under no_grad, or None where `takes_kn` would say
+    no (the product then goes to Paddle's GEMM, which sums in its own order). For callers that run a
+    step on buffers of their own (models/ernie4_5/decode_step.py)."""
+    packed = _packed_of(w)
+    if not (0 < rows <= (KN_ROWS if packed is None else PACKED_ROWS) and w.ndim == 2 and w.shape[0] % 16 == 0):
+        return None
+    if not (native.cpu_build() and _kn_shape(w) and w.is_contiguous() and _kernels() is not None):
+        return None
+    if not native.dense_cpu_float32(w, *(() if bias is None else (bias,))):
+        return None
+    K, N = w.shape
+    b = None if bias is None else bias.data_ptr()
+    if packed is not None:
+        fn, p, threads = _kernels()[3], packed.data_ptr(), native.threads()
+        return lambda x, y: fn(x, p, b, y, rows, K, N, threads)
+    fn, wp, threads = _kernels()[0], w.data_ptr(), _threads(w)
+    # the scratch looked up per call: a later, wider product may have replaced (freed) the buffer
+    return lambda x, y: fn(x, wp, b, y, _scratch_for(rows * N), rows, K, N, threads)
 
 
 @native.eager_only

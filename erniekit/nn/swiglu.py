@@ -55,6 +55,12 @@ def _kernels():
     )
 
 
+def forward_kernel():
+    """kernels/swiglu.c's forward (g, u, h, i0, i1), or None without the build (as norm.py's)."""
+    k = _kernels()
+    return None if k is None else k[0]
+
+
 def _forward(g: paddle.Tensor, u: paddle.Tensor) -> paddle.Tensor:
     k = _kernels()
     if k is None:

@@ -14,6 +14,7 @@ import paddle
 import paddle.nn as nn
 
 from erniekit.errors import CheckpointError
+from erniekit.models.ernie4_5 import decode_step
 from erniekit.models.ernie4_5.configuration import Ernie4_5Config
 from erniekit.nn import small_gemm
 from erniekit.nn.attention import (
@@ -163,6 +164,9 @@ class Ernie4_5Model(nn.Layer):
         """token_type_ids [B, S]: modality id per token (0 = text) for modality-isolated MoE routing;
         inputs_embeds [B, S, H]: instead of embedding input_ids (a VL model's text with image
         features in place); position_ids may then be [3, B, S] (3-D rope, `mrope_section`)."""
+        if cache is not None and position_ids is None and segment_ids is None and token_type_ids is None:
+            if inputs_embeds is None and (h := decode_step.run(self, input_ids, attention_mask, cache)) is not None:
+                return h  # a dense model's decode step, on the kernels directly (same bits)
         past = cache.length if cache is not None else 0
         cos, sin, mask = self.rope_and_mask(input_ids, position_ids, segment_ids, attention_mask, past)
         h = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds

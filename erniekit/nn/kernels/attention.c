@@ -249,15 +249,17 @@ INLINE void forward_rows(const float *q0, float *o0, int64_t ld, const int R, co
     BY_ROWS(R, rows_times(s, Skp, R_, vg, KVH * D, j0, j1, D, o0, ld, 0.0f, 0));
 }
 
+/* kv_rows: the rows of k and v per batch entry, Sk or more (a decode step reads a KV cache's
+ * buffers [B, capacity, KVH, D] in place, where the first Sk of each entry's rows are valid) */
 void erniekit_attention_fwd(const float *q, const float *k, const float *v, const float *bias, float *o, float *p,
-                            float *stats, float scale, int64_t Sq, int64_t Sk, int64_t H, int64_t KVH, int64_t D,
-                            int64_t bias_batched, int64_t t0, int64_t t1) {
+                            float *stats, float scale, int64_t Sq, int64_t Sk, int64_t kv_rows, int64_t H,
+                            int64_t KVH, int64_t D, int64_t bias_batched, int64_t t0, int64_t t1) {
     const int64_t rep = H / KVH, Skp = up16(Sk);
     float *kT = scratch(D * Skp), *s = scratch(ROWS * Skp), *qs = scratch(ROWS * D);
     for (int64_t task = t0; task < t1; task++) {
         const int64_t b = task / KVH, g = task % KVH;
-        pack_t(k + (b * Sk * KVH + g) * D, KVH * D, Sk, D, Skp, kT);
-        const float *vg = v + (b * Sk * KVH + g) * D;
+        pack_t(k + (b * kv_rows * KVH + g) * D, KVH * D, Sk, D, Skp, kT);
+        const float *vg = v + (b * kv_rows * KVH + g) * D;
         if (Sq == 1) { /* a decode step: the kv head's query heads are the blocks' rows */
             const float *brow = bias + (bias_batched ? b : 0) * Sk;
             for (int64_t h0 = g * rep; h0 < (g + 1) * rep; h0 += ROWS) {

@@ -1,0 +1,152 @@
+"""A dense model's decode step on the kernels directly (erniekit/models/ernie4_5/decode_step.py):
+the logits and the KV cache get the layer-by-layer forward's bits, through KVCache (growing) and
+the engine's SlotCache, packed or not, padded or not; what it does not cover takes the layers."""
+
+import numpy as np
+import paddle
+import pytest
+
+from erniekit.infer.engine import SlotCache
+from erniekit.models.ernie4_5 import decode_step
+from erniekit.models.ernie4_5.configuration import Ernie4_5Config
+from erniekit.models.ernie4_5.modeling import Ernie4_5ForCausalLM
+from erniekit.nn import norm, small_gemm
+from erniekit.nn.attention import KVCache
+
+V = 128
+
+
+@pytest.fixture(autouse=True)
+def kernels(monkeypatch):
+    if norm.forward_kernel() is None or small_gemm._kernels() is None:
+        pytest.skip("no C kernels here")
+    monkeypatch.setattr(small_gemm, "KN_MIN_BYTES", 0)  # the tiny model's projections take the kernels
+    yield
+    small_gemm._PACKED.clear()
+
+
+def _model(seed=0, bias=False, **extra):
+    paddle.seed(seed)
+    cfg = Ernie4_5Config(
+        vocab_size=V, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=8,
+        num_key_value_heads=4, head_dim=16, tie_word_embeddings=True, use_bias=bias, **extra,
+    )  # fmt: skip
+    model = Ernie4_5ForCausalLM(cfg)
+    if bias:  # non-zero biases, so that adding them is seen
+        for name, p in model.named_parameters():
+            if name.endswith(".bias"):
+                p.set_value(paddle.randn(p.shape) * 0.1)
+    model.eval()
+    return model
+
+
+def _roll(model, monkeypatch, fast: bool, B: int, pad: bool, steps: int, cache):
+    """Logits (as bits) of a prefill and `steps` decode steps, the number of steps the decode step
+    took, and the cache's valid keys and values."""
+    real = decode_step.run
+    taken = []
+
+    def step(*a):
+        out = real(*a) if fast else None
+        taken.append(out is not None)
+        return out
+
+    monkeypatch.setattr(decode_step, "run", step)
+    rng = np.random.default_rng(3)
+    L = 6
+    ids = rng.integers(0, V, (B, L))
+    mask = np.ones((B, L + steps), np.int64)
+    if pad:
+        for i in range(B):
+            mask[i, : i % L] = 0  # row i's prompt is L - i tokens (left padding)
+    out = []
+    with paddle.no_grad():
+        x = paddle.to_tensor(ids)
+        for s in range(steps + 1):
+            am = paddle.to_tensor(mask[:, : L + s]) if pad else None
+            logits = model(x, attention_mask=am, cache=cache, logits_to_keep=1).logits
+            out.append(logits.numpy().view(np.uint32))
+            x = paddle.to_tensor(rng.integers(0, V, (B, 1)))
+    monkeypatch.setattr(decode_step, "run", real)
+    n = cache.length
+    kv = [t[:B, :n].numpy().view(np.uint32) for t in (*cache.k, *cache.v)]
+    return out, sum(taken), kv
+
+
+def _compare(model, monkeypatch, B, pad, steps, make_cache):
+    fast, taken, kv = _roll(model, monkeypatch, True, B, pad, steps, make_cache())
+    slow, none, kv_slow = _roll(model, monkeypatch, False, B, pad, steps, make_cache())
+    assert taken == steps and none == 0  # every decode step (not the prefill) took it
+    for a, b in zip(fast, slow):
+        np.testing.assert_array_equal(a, b)
+    for a, b in zip(kv, kv_slow):
+        np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize(
+    "B,pad,packed,bias", [(1, False, False, False), (3, True, False, True), (3, True, True, False), (9, True, True, True)]
+)
+def test_decode_steps_give_the_layers_bits(monkeypatch, B, pad, packed, bias):
+    model = _model(bias=bias)
+    if packed:
+        assert small_gemm.pack_weights(model) > 0  # 9 rows: only packed weights take the kernels
+    _compare(model, monkeypatch, B, pad, 5, lambda: KVCache(model.config, B, 40))
+
+
+def test_the_cache_grows_between_steps_and_old_buffers_are_let_go(monkeypatch):
+    model = _model(seed=1)
+    monkeypatch.setattr(KVCache, "GROW", 1)  # capacity 7 after the prompt, then 14, 28: growth mid-decode
+    _compare(model, monkeypatch, 2, True, 12, lambda: KVCache(model.config, 2, 40))
+    cache = KVCache(model.config, 2, 40)
+    _roll(model, monkeypatch, True, 2, False, 12, cache)
+    assert cache.capacity == 28
+    held = decode_step._BUFFERS[cache].views
+    assert len(held) == 4 and {id(t) for t in (*cache.k, *cache.v)} == set(held)
+
+
+def test_the_engines_slot_cache_with_fewer_running_rows_than_slots(monkeypatch):
+    model = _model(seed=2)
+    _compare(model, monkeypatch, 3, True, 4, lambda: SlotCache(model.config, 5, 20, "float32"))
+
+
+def test_a_step_past_the_caches_end_is_refused_as_the_layers_refuse_it(monkeypatch):
+    model = _model()
+    for fast in (True, False):
+        with pytest.raises(ValueError, match="KV cache full: 8 tokens > max_len=7"):
+            _roll(model, monkeypatch, fast, 1, False, 2, KVCache(model.config, 1, 7))
+
+
+def _step_taken(model, cache_len=6, B=2, **kw) -> bool:
+    cache = KVCache(model.config, B, 20)
+    with paddle.no_grad():
+        model(paddle.randint(0, V, [B, cache_len]), cache=cache)
+    before = cache.length
+    with paddle.no_grad():
+        out = decode_step.run(model.model, paddle.randint(0, V, [B, 1]), None, cache)
+    assert out is not None or cache.length == before  # refused: nothing written
+    return out is not None
+
+
+def test_what_the_step_does_not_cover_takes_the_layers(monkeypatch):
+    model = _model()
+    assert _step_taken(model)
+    moe = _model(moe_num_experts=4, moe_k=2, moe_intermediate_size=64, moe_layer_start_index=1)
+    assert not _step_taken(moe)
+    handle = model.model.layers[1].mlp.register_forward_post_hook(lambda layer, args, out: out)
+    assert not _step_taken(model)
+    handle.remove()
+    model.train()
+    assert not _step_taken(model)
+    model.eval()
+    monkeypatch.setattr(small_gemm, "KN_ROWS", 1)  # 2 rows unpacked: Paddle's GEMM sums in its own order
+    assert not _step_taken(model) and _step_taken(model, B=1)
+    model.model.active_layers = [0]
+    assert not _step_taken(model, B=1)
+    model.model.active_layers = None
+    cache = KVCache(model.config, 1, 20)
+    with paddle.no_grad():
+        model(paddle.randint(0, V, [1, 4]), cache=cache)
+    assert decode_step.run(model.model, paddle.randint(0, V, [1, 1]), None, cache) is None  # gradient mode
+    with paddle.no_grad():
+        assert decode_step.run(model.model, paddle.to_tensor([[V]]), None, cache) is None  # the embedding reports it
+        assert decode_step.run(model.model, paddle.randint(0, V, [1, 2]), None, cache) is None  # two tokens
