@@ -84,7 +84,8 @@ def _compare(model, monkeypatch, B, pad, steps, make_cache):
 
 
 @pytest.mark.parametrize(
-    "B,pad,packed,bias", [(1, False, False, False), (3, True, False, True), (3, True, True, False), (9, True, True, True)]
+    "B,pad,packed,bias",
+    [(1, False, False, False), (3, True, False, True), (3, True, True, False), (9, True, True, True)],
 )
 def test_decode_steps_give_the_layers_bits(monkeypatch, B, pad, packed, bias):
     model = _model(bias=bias)
