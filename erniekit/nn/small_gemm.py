@@ -157,7 +157,9 @@ _PACKED: dict[int, tuple[paddle.Tensor, int, paddle.Tensor]] = {}
 
 
 def _packed_of(w: paddle.Tensor) -> paddle.Tensor | None:
-    """w's packed copy while it is current; a weight changed in place since (a training step) has none."""
+    """w's packed copy while it is current: one of Paddle's in-place ops on w since (which bump its
+    version) drops it. `set_value` and the optimizers' updates do not bump it (Paddle 3.3), so a
+    process that trains must `unpack_weights` first; packing is for the server and chat."""
     entry = _PACKED.get(id(w))
     if entry is None or entry[0] is not w:
         return None
@@ -165,6 +167,11 @@ def _packed_of(w: paddle.Tensor) -> paddle.Tensor | None:
         del _PACKED[id(w)]
         return None
     return entry[2]
+
+
+def packed_of(w: paddle.Tensor) -> paddle.Tensor | None:
+    """w's packed copy (`pack_weights`) while it is current, else None."""
+    return _packed_of(w)
 
 
 def pack_weights(model) -> int:

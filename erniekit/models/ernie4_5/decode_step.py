@@ -34,7 +34,7 @@ _F32 = np.float32
 def _layer_types() -> tuple:
     from erniekit.models.ernie4_5 import modeling  # it imports this module
 
-    return modeling.DecoderLayer, modeling.Attention, modeling.MLP, modeling.RMSNorm
+    return modeling.DecoderLayer, modeling.Attention, modeling.MLP, modeling.RMSNorm, modeling.Linear
 
 
 class _Buffers:
@@ -74,20 +74,22 @@ def _no_hooks(*layers) -> bool:
     return not any(layer._forward_pre_hooks or layer._forward_post_hooks for layer in layers)
 
 
-def _plain_layer(layer, types) -> bool:
-    """A decoder layer the step reproduces: dense SwiGLU MLP, no GPAS, plain projections, no hooks."""
-    decoder, attention, mlp, rms = types
-    if type(layer) is not decoder or type(layer.self_attn) is not attention or type(layer.mlp) is not mlp:
-        return False
-    if (
-        layer.gpas is not None
-        or type(layer.input_layernorm) is not rms
-        or type(layer.post_attention_layernorm) is not rms
-    ):
-        return False
-    a, m = layer.self_attn, layer.mlp
-    projections = (a.q_proj, a.k_proj, a.v_proj, a.o_proj, m.gate_proj, m.up_proj, m.down_proj)
-    return _no_hooks(layer, a, m, layer.input_layernorm, layer.post_attention_layernorm, *projections)
+def _parts(layer, types) -> tuple | None:
+    """(input norm, post-attention norm, the seven projections q, k, v, o, gate, up, down) of a
+    decoder layer the step reproduces (dense SwiGLU MLP, no GPAS, plain Linear projections: no
+    adapter, no quantized layer; no hooks), else None. Read from the Layers' own dicts: Paddle's
+    Layer.__getattr__ costs ~2 us an access, and this runs every step."""
+    decoder, attention, mlp, rms, linear = types
+    subs = layer._sub_layers if type(layer) is decoder else {}
+    a, m = subs.get("self_attn"), subs.get("mlp")
+    n1, n2 = subs.get("input_layernorm"), subs.get("post_attention_layernorm")
+    if type(a) is not attention or type(m) is not mlp or type(n1) is not rms or type(n2) is not rms:
+        return None
+    names = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    projections = tuple((a if i < 4 else m)._sub_layers.get(name) for i, name in enumerate(names))
+    if any(type(p) is not linear for p in projections) or layer.gpas is not None:
+        return None
+    return (n1, n2, *projections) if _no_hooks(layer, a, m, n1, n2, *projections) else None
 
 
 def _cache_buffers_fit(cache, layers: int, B: int, end: int, KVH: int, D: int) -> bool:
@@ -102,39 +104,71 @@ def _cache_buffers_fit(cache, layers: int, B: int, end: int, KVH: int, D: int) -
     return True
 
 
-def _products(layer, B: int, H: int, Hq: int, Hkv: int) -> list | None:
-    """The layer's seven products as the kernels' calls for B rows, in the order q, k, v, o, gate,
-    up, down; None where a weight has another shape or `matmul_kn` would not take it."""
-    a, m = layer.self_attn, layer.mlp
-    inter = m.gate_proj.weight.shape[-1]
-    shapes = [(a.q_proj, H, Hq), (a.k_proj, H, Hkv), (a.v_proj, H, Hkv), (a.o_proj, Hq, H)]
-    shapes += [(m.gate_proj, H, inter), (m.up_proj, H, inter), (m.down_proj, inter, H)]
+def _weights(parts: list[tuple]) -> tuple:
+    """Every projection's (weight, bias, packed copy) in the order of `_products`' calls."""
+    out = []
+    for layer in parts:
+        for p in layer[2:]:
+            w, b = p._parameters["weight"], p._parameters.get("bias")
+            # the addresses too: the calls hold them, and a tensor may be given new storage in place
+            out.append((w, b, small_gemm.packed_of(w), w.data_ptr(), None if b is None else b.data_ptr()))
+    return tuple(out)
+
+
+def _products(weights: tuple, B: int, H: int, Hq: int, Hkv: int, inter: int) -> list | None:
+    """Each layer's seven products as the kernels' calls for B rows (q, k, v, o, gate, up, down);
+    None where a weight has another shape or `matmul_kn` would not take it."""
+    shapes = [(H, Hq), (H, Hkv), (H, Hkv), (Hq, H), (H, inter), (H, inter), (inter, H)]
     calls = []
-    for p, K, N in shapes:
-        call = small_gemm.product(p.weight, p.bias, B) if list(p.weight.shape) == [K, N] else None
+    for i, (w, bias, *_) in enumerate(weights):
+        call = small_gemm.product(w, bias, B) if list(w.shape) == list(shapes[i % 7]) else None
         if call is None:
             return None
         calls.append(call)
+    return [calls[i : i + 7] for i in range(0, len(calls), 7)]
+
+
+# model -> {(rows, limits): (weights, calls)}: the calls stand while every projection's weight, bias and packed
+# copy are the same tensors (building them is ~0.5 ms a step, checking ~30 us)
+_PLANS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _same(a: tuple, b: tuple) -> bool:
+    return a[0] is b[0] and a[1] is b[1] and a[2] is b[2] and a[3:] == b[3:]
+
+
+def _calls(model, parts: list[tuple], B: int, inter: int) -> list | None:
+    weights = _weights(parts)
+    plans = _PLANS.setdefault(model, {})
+    key = (B, small_gemm.KN_ROWS, small_gemm.PACKED_ROWS, small_gemm.KN_MIN_BYTES)  # (the limits: tests set them)
+    held = plans.get(key)
+    if held is not None and len(held[0]) == len(weights):
+        if all(_same(a, b) for a, b in zip(held[0], weights)):
+            return held[1]
+    c = model.config
+    D = c.head_dim
+    calls = _products(weights, B, c.hidden_size, c.num_attention_heads * D, c.num_key_value_heads * D, inter)
+    if calls is None:
+        plans.pop(key, None)
+        return None
+    plans[key] = (weights, calls)
     return calls
 
 
-def _covered(model) -> bool:
-    """Whether every module the step stands in for is the plain one it reproduces."""
+def _covered(model) -> list[tuple] | None:
+    """Each layer's `_parts` when every module the step stands in for is the plain one it reproduces."""
     types = _layer_types()
-    emb = model.embed_tokens
+    emb, final = model._sub_layers.get("embed_tokens"), model._sub_layers.get("norm")
     if type(emb) is not paddle.nn.Embedding or emb._padding_idx is not None or emb._max_norm is not None:
-        return False
-    if type(model.norm) is not types[3] or not _no_hooks(emb, model.norm) or model.active_layers is not None:
-        return False
-    norms = [model.norm.weight] + [
-        n.weight for l in model.layers for n in (l.input_layernorm, l.post_attention_layernorm)
-    ]
-    weights = [emb.weight, *norms]
-    return (
-        all(_plain_layer(layer, types) for layer in model.layers)
-        and native.dense_cpu_float32(*weights)
-        and all(w.is_contiguous() for w in weights)
-    )
+        return None
+    if type(final) is not types[3] or not _no_hooks(emb, final) or model.active_layers is not None:
+        return None
+    parts = [_parts(layer, types) for layer in model._sub_layers["layers"]]
+    if None in parts:
+        return None
+    weights = [emb._parameters["weight"], final._parameters["weight"]]
+    weights += [n._parameters["weight"] for p in parts for n in p[:2]]
+    return parts if native.dense_cpu_float32(*weights) and all(w.is_contiguous() for w in weights) else None
 
 
 def run(model, input_ids: paddle.Tensor, attention_mask: paddle.Tensor | None, cache) -> paddle.Tensor | None:
@@ -143,21 +177,25 @@ def run(model, input_ids: paddle.Tensor, attention_mask: paddle.Tensor | None, c
     apply (nothing is changed then, and the caller runs the layers)."""
     if not (native.cpu_build() and paddle.in_dynamic_mode()) or paddle.is_grad_enabled() or model.training:
         return None
-    if input_ids.ndim != 2 or input_ids.shape[1] != 1 or not _covered(model):
+    if input_ids.ndim != 2 or input_ids.shape[1] != 1:
+        return None
+    parts = _covered(model)
+    if not parts:
         return None
     c = model.config
     B, D, KVH, past = input_ids.shape[0], c.head_dim, c.num_key_value_heads, cache.length
     kernels = (norm.forward_kernel(), rope.forward_kernel(), swiglu.forward_kernel())
     if None in kernels or not fused_attention.decode_ready(D):
         return None
-    if not _cache_buffers_fit(cache, len(model.layers), B, past, KVH, D):
+    inter = {p[6]._parameters["weight"].shape[-1] for p in parts}  # gate_proj's width
+    if len(inter) > 1 or not _cache_buffers_fit(cache, len(parts), B, past, KVH, D):
         return None
-    Hq, Hkv = c.num_attention_heads * D, KVH * D
-    steps = [_products(layer, B, c.hidden_size, Hq, Hkv) for layer in model.layers]
-    if None in steps or len({layer.mlp.gate_proj.weight.shape[-1] for layer in model.layers}) > 1:
+    calls = _calls(model, parts, B, inter.pop())
+    if calls is None:
         return None
+    emb = model._sub_layers["embed_tokens"]._parameters["weight"]
     ids = input_ids.numpy().reshape(B)
-    if ids.size and (ids.min() < 0 or ids.max() >= model.embed_tokens.weight.shape[0]):
+    if ids.size and (ids.min() < 0 or ids.max() >= emb.shape[0]):
         return None  # the layers' embedding reports it
     cos, sin, mask = model.rope_and_mask(input_ids, None, None, attention_mask, past)
     bias, Sk = (mask[1] if isinstance(mask, tuple) else None), past + 1
@@ -166,13 +204,14 @@ def run(model, input_ids: paddle.Tensor, attention_mask: paddle.Tensor | None, c
     if list(bias.shape) not in ([1, 1, 1, Sk], [B, 1, 1, Sk]) or not list(cos.shape) == list(sin.shape) == [B, 1, 1, D]:
         return None
     cache.reserve(Sk)  # may grow the buffers (KVCache), or refuse a step past max_len as `update` does
-    return _layers(model, steps, ids, cos.contiguous(), sin.contiguous(), bias.contiguous(), cache, kernels)
+    rope_mask = (cos.contiguous(), sin.contiguous(), bias.contiguous())
+    return _layers(model, parts, calls, emb, ids, rope_mask, cache, kernels)
 
 
-def _layers(model, steps, ids, cos, sin, bias, cache, kernels) -> paddle.Tensor:
-    c, layers = model.config, list(model.layers)
+def _layers(model, parts, calls, emb, ids, rope_mask, cache, kernels) -> paddle.Tensor:
+    c = model.config
     B, H, D, heads, KVH = len(ids), c.hidden_size, c.head_dim, c.num_attention_heads, c.num_key_value_heads
-    inter = layers[0].mlp.gate_proj.weight.shape[-1] if layers else H
+    inter = parts[0][6]._parameters["weight"].shape[-1] if parts else H
     buf = _BUFFERS.get(cache)
     if buf is None:
         buf = _BUFFERS[cache] = _Buffers()
@@ -181,14 +220,14 @@ def _layers(model, steps, ids, cos, sin, bias, cache, kernels) -> paddle.Tensor:
     P = buf.ptrs
     rms, rot, act = kernels
     h = arr["h"][:B]
-    np.take(host_view(model.embed_tokens.weight), ids, axis=0, out=h)
+    np.take(host_view(emb), ids, axis=0, out=h)
     past = cache.length
+    cos, sin, bias = rope_mask
     scale, batched = D**-0.5, bias.shape[0] > 1
     cs, sn, mb = cos.data_ptr(), sin.data_ptr(), bias.data_ptr()
     kr, vv = arr["kr"][:B].reshape(B, KVH, D), arr["v"][:B].reshape(B, KVH, D)
-    for i, (layer, (q, k, v, o, gate, up, down)) in enumerate(zip(layers, steps)):
-        n1, n2 = layer.input_layernorm, layer.post_attention_layernorm
-        native.over_chunks(rms, B, B * H * 4, P["h"], n1.weight.data_ptr(), P["x"], P["r"], H, n1.eps)
+    for i, ((n1, n2, *_), (q, k, v, o, gate, up, down)) in enumerate(zip(parts, calls)):
+        native.over_chunks(rms, B, B * H * 4, P["h"], n1._parameters["weight"].data_ptr(), P["x"], P["r"], H, n1.eps)
         q(P["x"], P["q"])
         k(P["x"], P["k"])
         v(P["x"], P["v"])
@@ -201,7 +240,7 @@ def _layers(model, steps, ids, cos, sin, bias, cache, kernels) -> paddle.Tensor:
         fused_attention.decode_forward(P["qr"], *kv, heads, KVH, D, scale, batched)
         o(P["o"], P["a"])
         np.add(h, arr["a"][:B], out=h)
-        native.over_chunks(rms, B, B * H * 4, P["h"], n2.weight.data_ptr(), P["x"], P["r"], H, n2.eps)
+        native.over_chunks(rms, B, B * H * 4, P["h"], n2._parameters["weight"].data_ptr(), P["x"], P["r"], H, n2.eps)
         gate(P["x"], P["g"])
         up(P["x"], P["u"])
         native.over_chunks(act, B * inter, 4 * B * inter, P["g"], P["u"], P["s"])
@@ -209,6 +248,6 @@ def _layers(model, steps, ids, cos, sin, bias, cache, kernels) -> paddle.Tensor:
         np.add(h, arr["a"][:B], out=h)
     cache.length = past + 1
     out = paddle.empty([B, 1, H], dtype="float32")
-    f = model.norm
-    native.over_chunks(rms, B, B * H * 4, P["h"], f.weight.data_ptr(), out.data_ptr(), P["r"], H, f.eps)
+    f = model._sub_layers["norm"]
+    native.over_chunks(rms, B, B * H * 4, P["h"], f._parameters["weight"].data_ptr(), out.data_ptr(), P["r"], H, f.eps)
     return out

@@ -151,3 +151,46 @@ def test_what_the_step_does_not_cover_takes_the_layers(monkeypatch):
     with paddle.no_grad():
         assert decode_step.run(model.model, paddle.to_tensor([[V]]), None, cache) is None  # the embedding reports it
         assert decode_step.run(model.model, paddle.randint(0, V, [1, 2]), None, cache) is None  # two tokens
+
+
+def test_an_adapter_is_never_skipped(monkeypatch):
+    from erniekit.nn.lora import LoraConfig, apply_lora
+
+    model = _model(seed=4)
+    apply_lora(model, LoraConfig(r=4, target_modules=[".*v_proj"]))
+    for name, p in model.named_parameters():
+        if "lora_B" in name:  # B starts at zero: a non-zero one changes the logits
+            p.set_value(paddle.randn(p.shape) * 0.5)
+    model.eval()
+    assert not _step_taken(model)
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_weights_changed_in_place_between_steps_are_read_again(monkeypatch, packed):
+    """The step keeps its kernels' calls while the weights are the same tensors; a weight changed in
+    place after a step must still be read: the kernels read it as it is, and a packed copy made stale
+    by one of Paddle's in-place ops (which bump the tensor's version) is dropped."""
+    model = _model(seed=5)
+    if packed:
+        small_gemm.pack_weights(model)
+    real = decode_step.run
+
+    def logits(fast):
+        monkeypatch.setattr(decode_step, "run", real if fast else (lambda *a: None))
+        cache = KVCache(model.config, 3, 20)
+        with paddle.no_grad():
+            model(paddle.to_tensor([[1, 2, 3]] * 3), cache=cache)
+            return model(paddle.to_tensor([[4], [5], [6]]), cache=cache).logits.numpy().view(np.uint32)
+
+    before = logits(True)
+    w = model.model.layers[1].mlp.down_proj.weight
+    if packed:
+        with paddle.no_grad():
+            w.scale_(1.5)
+        assert small_gemm.packed_of(w) is None
+    else:
+        w.set_value(w * 1.5)
+    after = logits(True)
+    want = logits(False)
+    assert not np.array_equal(before, after)
+    np.testing.assert_array_equal(after, want)
