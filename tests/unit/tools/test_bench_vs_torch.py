@@ -433,3 +433,20 @@ def test_the_sixteenth_round_tables_quote_the_avx2_runs():
     for row, case in zip(after, record["cases"].values()):
         _check_cells(row[1:4], case, row)
         assert all(r["packing"].startswith("packed weights on") for r in case["runs"]["erniekit"])
+
+
+def test_the_seventeenth_round_table_quotes_its_two_runs():
+    """The decode step's two runs side by side, as recorded: packed by default on the AVX2 host."""
+    doc = (ROOT / "docs" / "performance.md").read_text()
+    section = doc.split("### Seventeenth round", 1)[1].split("\n### ", 1)[0].split("\n## ", 1)[0]
+    rows = [r for r in _table_rows(section) if r[0].strip().startswith(("greedy", "server"))]
+    got = [
+        json.loads((ROOT / "bench_results" / f"vs_torch_amd_avx2_decode_step{tail}.json").read_text())
+        for tail in ("", "_2")
+    ]
+    assert all(r["packed_weights"] == "auto" and r["cpu"].startswith("AMD") and r["repeats"] == 3 for r in got)
+    assert len(rows) == 5 and all(len(r) == 7 for r in rows)
+    for row, *cases in zip(rows, *(r["cases"].values() for r in got)):
+        for i, case in enumerate(cases):
+            _check_cells(row[1 + 3 * i : 4 + 3 * i], case, row)
+            assert all(r["packing"].startswith("packed weights on") for r in case["runs"]["erniekit"])
