@@ -118,6 +118,8 @@ class SlotCache:
     """KV buffers of `rows` requests on one time axis; the model sees the first `n` rows
     (the running ones) and `length` columns through the KVCache interface."""
 
+    first_rows = True  # `update` writes the first rows of a batch smaller than the buffers (decode_step.py)
+
     def __init__(self, config, rows: int, max_len: int, dtype: str):
         shape = [rows, max_len, config.num_key_value_heads, config.head_dim]
         self.k = [paddle.zeros(shape, dtype=dtype) for _ in range(config.num_hidden_layers)]

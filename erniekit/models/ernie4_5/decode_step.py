@@ -43,7 +43,7 @@ class _Buffers:
 
     def __init__(self) -> None:
         self.shape: tuple = ()
-        self.views: dict[int, tuple[paddle.Tensor, np.ndarray]] = {}
+        self.views: dict[int, tuple[paddle.Tensor, int, list, np.ndarray]] = {}
 
     def activations(self, rows: int, H: int, Hq: int, Hkv: int, inter: int) -> dict[str, np.ndarray]:
         if not self.shape or rows > self.shape[0] or self.shape[1:] != (H, Hq, Hkv, inter):
@@ -55,10 +55,13 @@ class _Buffers:
         return self.arrays
 
     def view(self, t: paddle.Tensor) -> np.ndarray:
+        """A numpy view of t's memory, made again when t is another tensor or was given new storage
+        in place (`paddle.assign(..., output=t)` moves it)."""
         entry = self.views.get(id(t))
-        if entry is None or entry[0] is not t:
-            entry = self.views[id(t)] = (t, host_view(t))
-        return entry[1]
+        ptr, shape = t.data_ptr(), t.shape
+        if entry is None or entry[0] is not t or entry[1] != ptr or entry[2] != shape:
+            entry = self.views[id(t)] = (t, ptr, shape, host_view(t))
+        return entry[3]
 
     def keep_only(self, live: list[paddle.Tensor]) -> None:
         """Drop the views of buffers the cache no longer holds (it grew): they would keep them alive."""
@@ -93,11 +96,16 @@ def _parts(layer, types) -> tuple | None:
 
 
 def _cache_buffers_fit(cache, layers: int, B: int, end: int, KVH: int, D: int) -> bool:
+    """Float32 buffers [rows, >= end, KVH, D] per layer, rows = B (KVCache's `update` writes every
+    row) or, for a cache whose `update` writes the first B (`first_rows`, the engine's), rows >= B."""
     if not (hasattr(cache, "reserve") and len(cache.k) == layers == len(cache.v)):
         return False
+    fewer = getattr(cache, "first_rows", False)
     for t in (*cache.k, *cache.v):
         s = t.shape
-        if not (native.dense_cpu_float32(t) and t.is_contiguous() and len(s) == 4 and s[0] >= B and s[1] >= end):
+        if not (native.dense_cpu_float32(t) and t.is_contiguous() and len(s) == 4 and s[1] >= end):
+            return False
+        if s[0] < B or (s[0] > B and not fewer):
             return False
         if s[2] != KVH or s[3] != D:
             return False
@@ -105,7 +113,8 @@ def _cache_buffers_fit(cache, layers: int, B: int, end: int, KVH: int, D: int) -
 
 
 def _weights(parts: list[tuple]) -> tuple:
-    """Every projection's (weight, bias, packed copy) in the order of `_products`' calls."""
+    """Every projection's (weight, bias, packed copy, weight's address, bias's address) in the
+    order of `_products`' calls."""
     out = []
     for layer in parts:
         for p in layer[2:]:
@@ -128,30 +137,37 @@ def _products(weights: tuple, B: int, H: int, Hq: int, Hkv: int, inter: int) -> 
     return [calls[i : i + 7] for i in range(0, len(calls), 7)]
 
 
-# model -> {(rows, limits): (weights, calls)}: the calls stand while every projection's weight, bias and packed
-# copy are the same tensors (building them is ~0.5 ms a step, checking ~30 us)
+# model -> (key, weak references to every projection's weight, bias and packed copy, the calls):
+# the calls stand while those are the same tensors at the same addresses (building them is ~0.5 ms
+# a step, checking ~60 us). One plan per model, held weakly: `unpack_weights` frees the packed copies.
 _PLANS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def _same(a: tuple, b: tuple) -> bool:
-    return a[0] is b[0] and a[1] is b[1] and a[2] is b[2] and a[3:] == b[3:]
+def _refs(weights: tuple) -> tuple:
+    return tuple((*(None if t is None else weakref.ref(t) for t in entry[:3]), *entry[3:]) for entry in weights)
+
+
+def _held(refs: tuple, now: tuple) -> bool:
+    """Whether `refs` (from `_refs`) are the tensors of `now`: a freed one never matches."""
+    for r, t in zip(refs[:3], now[:3]):
+        if (r is None) != (t is None) or (r is not None and r() is not t):
+            return False
+    return refs[3:] == now[3:]
 
 
 def _calls(model, parts: list[tuple], B: int, inter: int) -> list | None:
     weights = _weights(parts)
-    plans = _PLANS.setdefault(model, {})
     key = (B, small_gemm.KN_ROWS, small_gemm.PACKED_ROWS, small_gemm.KN_MIN_BYTES)  # (the limits: tests set them)
-    held = plans.get(key)
-    if held is not None and len(held[0]) == len(weights):
-        if all(_same(a, b) for a, b in zip(held[0], weights)):
-            return held[1]
+    plan = _PLANS.get(model)
+    if plan is not None and plan[0] == key and len(plan[1]) == len(weights):
+        if all(_held(a, b) for a, b in zip(plan[1], weights)):
+            return plan[2]
+    _PLANS.pop(model, None)
     c = model.config
     D = c.head_dim
     calls = _products(weights, B, c.hidden_size, c.num_attention_heads * D, c.num_key_value_heads * D, inter)
-    if calls is None:
-        plans.pop(key, None)
-        return None
-    plans[key] = (weights, calls)
+    if calls is not None:
+        _PLANS[model] = (key, _refs(weights), calls)
     return calls
 
 
@@ -171,6 +187,7 @@ def _covered(model) -> list[tuple] | None:
     return parts if native.dense_cpu_float32(*weights) and all(w.is_contiguous() for w in weights) else None
 
 
+@native.eager_only  # a static program (the export) calls it unconverted: it answers None there
 def run(model, input_ids: paddle.Tensor, attention_mask: paddle.Tensor | None, cache) -> paddle.Tensor | None:
     """`model`'s (an Ernie4_5Model) final normed hidden states [B, 1, H] for `input_ids` [B, 1] after
     `cache.length` cached tokens, updating the cache as the layers do; None where the step does not
@@ -216,7 +233,6 @@ def _layers(model, parts, calls, emb, ids, rope_mask, cache, kernels) -> paddle.
     if buf is None:
         buf = _BUFFERS[cache] = _Buffers()
     arr = buf.activations(B, H, heads * D, KVH * D, inter)
-    buf.keep_only([*cache.k, *cache.v])
     P = buf.ptrs
     rms, rot, act = kernels
     h = arr["h"][:B]
@@ -247,6 +263,7 @@ def _layers(model, parts, calls, emb, ids, rope_mask, cache, kernels) -> paddle.
         down(P["s"], P["a"])
         np.add(h, arr["a"][:B], out=h)
     cache.length = past + 1
+    buf.keep_only([*cache.k, *cache.v])
     out = paddle.empty([B, 1, H], dtype="float32")
     f = model._sub_layers["norm"]
     native.over_chunks(rms, B, B * H * 4, P["h"], f._parameters["weight"].data_ptr(), out.data_ptr(), P["r"], H, f.eps)

@@ -165,8 +165,11 @@ class Ernie4_5Model(nn.Layer):
         inputs_embeds [B, S, H]: instead of embedding input_ids (a VL model's text with image
         features in place); position_ids may then be [3, B, S] (3-D rope, `mrope_section`)."""
         if cache is not None and position_ids is None and segment_ids is None and token_type_ids is None:
-            if inputs_embeds is None and (h := decode_step.run(self, input_ids, attention_mask, cache)) is not None:
-                return h  # a dense model's decode step, on the kernels directly (same bits)
+            # a dense model's decode step on the kernels directly (same bits); no walrus here: the
+            # static export converts this function, and its AST transformer rejects one
+            stepped = decode_step.run(self, input_ids, attention_mask, cache) if inputs_embeds is None else None
+            if stepped is not None:
+                return stepped
         past = cache.length if cache is not None else 0
         cos, sin, mask = self.rope_and_mask(input_ids, position_ids, segment_ids, attention_mask, past)
         h = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds

@@ -99,10 +99,56 @@ def test_the_cache_grows_between_steps_and_old_buffers_are_let_go(monkeypatch):
     monkeypatch.setattr(KVCache, "GROW", 1)  # capacity 7 after the prompt, then 14, 28: growth mid-decode
     _compare(model, monkeypatch, 2, True, 12, lambda: KVCache(model.config, 2, 40))
     cache = KVCache(model.config, 2, 40)
-    _roll(model, monkeypatch, True, 2, False, 12, cache)
+    _roll(model, monkeypatch, True, 2, False, 9, cache)  # the last step (the 15th token) grows it
     assert cache.capacity == 28
     held = decode_step._BUFFERS[cache].views
     assert len(held) == 4 and {id(t) for t in (*cache.k, *cache.v)} == set(held)
+
+
+class _GrowsInPlace(KVCache):
+    """A cache whose buffers get new, larger storage in place: the same tensors at new addresses."""
+
+    def _grow(self, end: int) -> None:
+        cap = min(self.max_len, max(end + (self.GROW if self.capacity == 0 else 0), 2 * self.capacity))
+        for t in (*self.k, *self.v):
+            new = paddle.zeros([t.shape[0], cap, *t.shape[2:]], dtype=t.dtype)
+            if self.length:
+                new[:, : self.length] = t[:, : self.length]
+            paddle.assign(new, output=t)
+
+
+def test_a_cache_buffer_given_new_storage_in_place_is_viewed_again(monkeypatch):
+    model = _model(seed=6)
+    monkeypatch.setattr(KVCache, "GROW", 1)
+    _compare(model, monkeypatch, 2, False, 10, lambda: _GrowsInPlace(model.config, 2, 40))
+
+
+def test_a_batch_smaller_than_a_kv_caches_rows_takes_the_layers():
+    """KVCache's `update` writes every row: the layers refuse 2 new tokens for a 3-row cache, and the
+    step must not answer for them (the engine's SlotCache, which writes the first rows, may)."""
+    model = _model()
+    cache = KVCache(model.config, 3, 20)
+    with paddle.no_grad():
+        model(paddle.randint(0, V, [3, 4]), cache=cache)
+        assert decode_step.run(model.model, paddle.randint(0, V, [2, 1]), None, cache) is None
+    assert cache.length == 4
+
+
+def test_unpacking_frees_the_packed_copies_the_step_used(monkeypatch):
+    import gc
+    import weakref
+
+    model = _model(seed=7)
+    small_gemm.pack_weights(model)
+    packed = [weakref.ref(entry[2]) for entry in small_gemm._PACKED.values()]
+    for B in (1, 8):
+        cache = KVCache(model.config, B, 20)
+        with paddle.no_grad():
+            model(paddle.randint(0, V, [B, 4]), cache=cache)
+            assert decode_step.run(model.model, paddle.randint(0, V, [B, 1]), None, cache) is not None
+    small_gemm.unpack_weights(model)
+    gc.collect()
+    assert packed and not any(r() is not None for r in packed)
 
 
 def test_the_engines_slot_cache_with_fewer_running_rows_than_slots(monkeypatch):
