@@ -18,7 +18,6 @@ its own order), a prefill, a gradient, `ERNIEKIT_NATIVE_KERNELS=0`.
 
 from __future__ import annotations
 
-import functools
 import weakref
 
 import numpy as np
@@ -28,13 +27,6 @@ from erniekit.nn import fused_attention, native, norm, rope, small_gemm, swiglu
 from erniekit.utils.dtensor import host_view
 
 _F32 = np.float32
-
-
-@functools.cache
-def _layer_types() -> tuple:
-    from erniekit.models.ernie4_5 import modeling  # it imports this module
-
-    return modeling.DecoderLayer, modeling.Attention, modeling.MLP, modeling.RMSNorm, modeling.Linear
 
 
 class _Buffers:
@@ -173,7 +165,9 @@ def _calls(model, parts: list[tuple], B: int, inter: int) -> list | None:
 
 def _covered(model) -> list[tuple] | None:
     """Each layer's `_parts` when every module the step stands in for is the plain one it reproduces."""
-    types = _layer_types()
+    types = getattr(type(model), "decode_step_types", None)  # modeling.py's classes (it imports this module)
+    if types is None:
+        return None
     emb, final = model._sub_layers.get("embed_tokens"), model._sub_layers.get("norm")
     if type(emb) is not paddle.nn.Embedding or emb._padding_idx is not None or emb._max_norm is not None:
         return None
