@@ -107,14 +107,7 @@ def product(w: paddle.Tensor, bias: paddle.Tensor | None, rows: int):
         return None
     if not native.dense_cpu_float32(w, *(() if bias is None else (bias,))):
         return None
-    K, N = w.shape
-    b = None if bias is None else bias.data_ptr()
-    if packed is not None:
-        fn, p, threads = _kernels()[3], packed.data_ptr(), native.threads()
-        return lambda x, y: fn(x, p, b, y, rows, K, N, threads)
-    fn, wp, threads = _kernels()[0], w.data_ptr(), _threads(w)
-    # the scratch looked up per call: a later, wider product may have replaced (freed) the buffer
-    return lambda x, y: fn(x, wp, b, y, _scratch_for(rows * N), rows, K, N, threads)
+    return _kn_call(w, bias, packed, rows)
 
 
 @native.eager_only
@@ -142,14 +135,22 @@ def matmul_kn(x: paddle.Tensor, w: paddle.Tensor, bias: paddle.Tensor | None = N
     x = x.contiguous()
     rows = math.prod(x.shape[:-1])
     y = _C_ops.empty([*x.shape[:-1], N], _F32, _CPU)
-    b = None if bias is None else bias.data_ptr()
-    packed = _packed_of(w)
-    if packed is not None:
-        _kernels()[3](x.data_ptr(), packed.data_ptr(), b, y.data_ptr(), rows, K, N, native.threads())
-        return y
-    kn = _kernels()[0]
-    kn(x.data_ptr(), w.data_ptr(), b, y.data_ptr(), _scratch_for(rows * N), rows, K, N, _threads(w))
+    _kn_call(w, bias, _packed_of(w), rows)(x.data_ptr(), y.data_ptr())
     return y
+
+
+def _kn_call(w: paddle.Tensor, bias: paddle.Tensor | None, packed: paddle.Tensor | None, rows: int):
+    """The kernel call of x [rows, K] @ w (+ bias) as a function of x's and y's addresses, through
+    w's packed copy when there is one. It holds addresses, not tensors (decode_step.py keeps these
+    calls and must not keep a packed copy alive after `unpack_weights`)."""
+    K, N = w.shape
+    b = None if bias is None else bias.data_ptr()
+    if packed is not None:
+        fn, p, threads = _kernels()[3], packed.data_ptr(), native.threads()
+        return lambda x, y: fn(x, p, b, y, rows, K, N, threads)
+    fn, wp, threads = _kernels()[0], w.data_ptr(), _threads(w)
+    # the scratch looked up per call: a later, wider product may have replaced (freed) the buffer
+    return lambda x, y: fn(x, wp, b, y, _scratch_for(rows * N), rows, K, N, threads)
 
 
 # weight id -> (the weight, its in-place version when packed, the packed copy); see pack_weights

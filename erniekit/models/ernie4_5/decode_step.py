@@ -201,7 +201,8 @@ def run(model, input_ids: paddle.Tensor, attention_mask: paddle.Tensor | None, c
     inter = {p[6]._parameters["weight"].shape[-1] for p in parts}  # gate_proj's width
     if len(inter) > 1 or not _cache_buffers_fit(cache, len(parts), B, past, KVH, D):
         return None
-    calls = _calls(model, parts, B, inter.pop())
+    inter = inter.pop()
+    calls = _calls(model, parts, B, inter)
     if calls is None:
         return None
     emb = model._sub_layers["embed_tokens"]._parameters["weight"]
@@ -216,13 +217,12 @@ def run(model, input_ids: paddle.Tensor, attention_mask: paddle.Tensor | None, c
         return None
     cache.reserve(Sk)  # may grow the buffers (KVCache), or refuse a step past max_len as `update` does
     rope_mask = (cos.contiguous(), sin.contiguous(), bias.contiguous())
-    return _layers(model, parts, calls, emb, ids, rope_mask, cache, kernels)
+    return _layers(model, parts, calls, inter, emb, ids, rope_mask, cache, kernels)
 
 
-def _layers(model, parts, calls, emb, ids, rope_mask, cache, kernels) -> paddle.Tensor:
+def _layers(model, parts, calls, inter, emb, ids, rope_mask, cache, kernels) -> paddle.Tensor:
     c = model.config
     B, H, D, heads, KVH = len(ids), c.hidden_size, c.head_dim, c.num_attention_heads, c.num_key_value_heads
-    inter = parts[0][6]._parameters["weight"].shape[-1] if parts else H
     buf = _BUFFERS.get(cache)
     if buf is None:
         buf = _BUFFERS[cache] = _Buffers()
