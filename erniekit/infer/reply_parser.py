@@ -87,14 +87,14 @@ class ReplyParser:
     thinking_open: bool = True
     tools_allowed: bool = True  # False (tool_choice none): a <tool_call> the model writes stays answer text
     state: str = field(init=False)
-    buf: str = field(init=False, default="")
-    scanned: int = field(init=False, default=0)  # chars of an open call searched for </tool_call> already
+    buf: str = field(init=False, default="")  # text not consumed yet; in a call, only what came since the last feed
+    parts: list[str] = field(init=False, default_factory=list)  # an open call's text searched already, joined once
 
     def __post_init__(self) -> None:
         self.state = "think" if self.thinking_open else "after"
 
     def feed(self, text: str) -> list[tuple[str, object]]:
-        self.buf += text
+        self.buf += text  # short: an open call's text moves to `parts`, so nothing long is re-copied per piece
         events: list[tuple[str, object]] = []
         while self._step(events, final=False):
             pass
@@ -104,14 +104,23 @@ class ReplyParser:
         """The events still held back. `cut`: the reply ended at the length limit, so a tool call
         still open is a call cut short (arguments as written), not answer text."""
         events: list[tuple[str, object]] = []
-        if cut and self.state == "call" and CALL_END not in self.buf:
-            call = cut_tool_call(self.buf)
+        if cut and self.state == "call" and CALL_END not in self._call_tail() + self.buf:
+            call = cut_tool_call("".join(self.parts) + self.buf)
             if call is not None:
-                self.buf, self.state = "", "after"
+                self.buf, self.parts, self.state = "", [], "after"
                 return [("tool_call", call)]
         while self._step(events, final=True):
             pass
         return events
+
+    def _call_tail(self) -> str:
+        """The last characters of the open call's searched text that could start </tool_call>."""
+        tail, need = "", len(CALL_END) - 1
+        for part in reversed(self.parts):
+            tail = part[-(need - len(tail)) :] + tail
+            if len(tail) >= need:
+                break
+        return tail
 
     def _emit(self, events: list, kind: str, text: str) -> None:
         if text:
@@ -152,7 +161,7 @@ class ReplyParser:
                 if rest.startswith(tag):
                     rest = rest[len(tag) :]
                     self.buf, self.state = rest.removeprefix("\n") if nxt == "response" else rest, nxt
-                    self.scanned = 0
+                    self.parts = []
                     if nxt == "response" and rest == "" and not final:
                         self.state = "response_nl"  # the newline after <response> may still come
                     return True
@@ -170,18 +179,24 @@ class ReplyParser:
         if state == "response":
             return self._until(events, "content", RESPONSE_END, final)
         if state == "call":
-            end = buf.find(CALL_END, max(0, self.scanned - len(CALL_END) + 1))  # only the new text: linear
+            tail = self._call_tail()  # </tool_call> may straddle what was searched and the new text
+            end = (tail + buf).find(CALL_END)
             if end < 0 and not final:
-                self.scanned = len(buf)
+                if buf:
+                    self.parts.append(buf)
+                self.buf = ""
                 return False
-            body = buf if end < 0 else buf[:end]
+            text = "".join(self.parts) + buf
+            end = -1 if end < 0 else len(text) - len(tail) - len(buf) + end
+            self.parts = []
+            body = text if end < 0 else text[:end]
             call = parse_tool_call(body.strip())
             if call is None:  # not a tool call: what the model wrote is the answer
-                self._emit(events, "content", CALL_START + buf)
+                self._emit(events, "content", CALL_START + text)
                 self.buf, self.state = "", "raw"
                 return False
             events.append(("tool_call", call))
-            self.buf, self.state = ("" if end < 0 else buf[end + len(CALL_END) :]), "after"
+            self.buf, self.state = ("" if end < 0 else text[end + len(CALL_END) :]), "after"
             return end >= 0
         # raw: plain answer text
         self._emit(events, "content", buf)

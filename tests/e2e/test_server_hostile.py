@@ -575,13 +575,13 @@ def _get_health(port: int) -> float:
 
 
 def test_tokenising_runs_off_the_event_loop(inproc, monkeypatch):
-    """A prompt whose tokenising takes 3 s does not delay /health or a normal request."""
+    """A prompt whose tokenising takes 5 s does not delay /health or a normal request."""
     port, srv, _ = inproc
     real = srv.tokenizer.encode
 
     def slow(text, *a, **kw):
         if "SLOW" in text:
-            time.sleep(3.0)
+            time.sleep(5.0)
         return real(text, *a, **kw)
 
     monkeypatch.setattr(srv.tokenizer, "encode", slow)
@@ -591,9 +591,8 @@ def test_tokenising_runs_off_the_event_loop(inproc, monkeypatch):
     t.start()
     time.sleep(0.3)  # the slow one is being tokenised
     assert _get_health(port) < 1.5
-    t0 = time.time()
     assert post(port, P, enc({**OKP, "temperature": 0}))[1]["choices"][0]["text"] == solo
-    assert time.time() - t0 < 2.0 and not out  # done while the slow one still tokenises
+    assert not out  # done while the slow one still tokenises, not queued behind it
     t.join(30)
     assert out[0][0] == 200
 
