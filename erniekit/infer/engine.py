@@ -268,7 +268,7 @@ class Engine:
                 if self.rows:
                     self._decode_step()
             except Exception as e:  # noqa: BLE001 - the shared forward failed: no single row to blame
-                log.error("decode step failed, failing its %d requests: %s", len(self.rows), _describe(e))
+                log.error("decode step failed, failing its %d requests: %s", len(self.rows), _describe(e), exc_info=e)
                 for req in self.rows:
                     self._finish(req, "error", _describe(e))
                 self.rows, self.cache.n, self.cache.length = [], 0, 0
@@ -296,6 +296,7 @@ class Engine:
             batch, logits, deltas, scored = self._prefill_forward(reqs)
         except Exception as e:  # noqa: BLE001 - isolate the request that caused it
             if len(reqs) == 1:
+                log.error("prefill failed, failing its request: %s", _describe(e), exc_info=e)
                 self._finish(reqs[0], "error", _describe(e))
                 return
             for r in reqs:
@@ -458,6 +459,7 @@ class Engine:
             try:
                 out[i] = self._choose(req, logits[i])
             except Exception as e:  # noqa: BLE001 - this row fails, the batch goes on
+                log.error("sampling failed for one request, failing it: %s", _describe(e), exc_info=e)
                 failed[i] = f"sampling failed: {_describe(e)}"
         return out, failed
 
@@ -516,6 +518,7 @@ class Engine:
         try:
             return self._advance(req, tok)
         except Exception as e:  # noqa: BLE001 - this request fails, its neighbours go on
+            log.error("a request's next token failed, failing it: %s", _describe(e), exc_info=e)
             return self._finish(req, "error", _describe(e))
 
     def _advance(self, req: Request, tok: int) -> bool:

@@ -15,6 +15,7 @@ import select
 import socket
 import threading
 import time
+import traceback
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -597,10 +598,10 @@ def test_tokenising_runs_off_the_event_loop(inproc, monkeypatch):
     assert out[0][0] == 200
 
 
-def test_a_fault_inside_generation_fails_only_its_request_over_http(inproc, monkeypatch):
+def test_a_fault_inside_generation_fails_only_its_request_over_http(inproc, monkeypatch, caplog):
     """The engine raises while processing one request's tokens: that request gets a 500 in
-    OpenAI's shape (whole) or an error event in the stream; the request beside it in the batch
-    gets its solo text."""
+    OpenAI's shape (whole) or an error event in the stream, the server's log the traceback; the
+    request beside it in the batch gets its solo text."""
     port, srv, engine = inproc
     solo = _innocent(port, 1)
     real = engine._advance
@@ -624,9 +625,12 @@ def test_a_fault_inside_generation_fails_only_its_request_over_http(inproc, monk
         events = [json.loads(line[6:]) for line in text.splitlines() if line.startswith("data: {")]
         assert "injected fault" in assert_openai_error(500, events[-1])
         assert [f.result() for f in innocent] == [solo, solo]
+    logged = [r for r in caplog.records if r.name == "erniekit.engine" and r.exc_info]
+    assert len(logged) == 2 and all("injected fault" in str(r.exc_info[1]) for r in logged)
 
 
-def test_a_bug_in_a_handler_is_an_openai_shaped_500_and_the_server_goes_on(inproc, monkeypatch):
+def test_a_bug_in_a_handler_is_an_openai_shaped_500_and_the_server_goes_on(inproc, monkeypatch, caplog):
+    """The client gets one line; the server's log the traceback, which that line asks to report."""
     port, srv, _ = inproc
     real = srv.parse
 
@@ -639,6 +643,9 @@ def test_a_bug_in_a_handler_is_an_openai_shaped_500_and_the_server_goes_on(inpro
     status, body = post(port, P, enc({**OKP, "prompt": "BUG"}))
     assert status == 500 and body["error"]["type"] == "server_error" and body["error"]["code"] == "internal_error"
     assert "TypeError" in assert_openai_error(status, body)
+    (logged,) = [r for r in caplog.records if r.name == "erniekit.server"]
+    assert logged.levelname == "ERROR" and "/v1/completions" in logged.getMessage()
+    assert isinstance(logged.exc_info[1], TypeError) and "broken" in "".join(traceback.format_tb(logged.exc_info[2]))
     assert post(port, P, enc(OKP))[0] == 200
 
 
