@@ -201,8 +201,7 @@ def test_media_decoding_is_bounded_across_requests(http, monkeypatch):
         # parse every request: more of them than there are threads, and a text request still passes
         replies: list = []
         waiting = [
-            threading.Thread(target=lambda: replies.append(_post(http, _image_part(_png_uri()))))
-            for _ in range(10)
+            threading.Thread(target=lambda: replies.append(_post(http, _image_part(_png_uri())))) for _ in range(10)
         ]
         for t in waiting:
             t.start()
