@@ -166,15 +166,19 @@ def _packable(k: int, n: int, seed: int):
     return holder
 
 
-@pytest.mark.parametrize("rows", [1, 5, 8, 16, 32])
-def test_packed_weights_give_the_same_bits_up_to_packed_rows(kernel, bits, rows, monkeypatch):
+@pytest.mark.parametrize(
+    "rows,k", [(1, 256), (5, 256), (8, 256), (16, 256), (32, 256), (1, 400), (7, 400), (12, 400), (18, 400), (19, 400)]
+)
+def test_packed_weights_give_the_same_bits_up_to_packed_rows(kernel, bits, rows, k, monkeypatch):
+    """k 400: halves of 200, so the streamed chunks (kernels/small_gemm.c, STREAM_LINES 128) end
+    inside a half; 1-18 rows stream chunk by chunk, 19 and 32 go tile by tile."""
     monkeypatch.setattr(sg, "KN_MIN_BYTES", 0)
-    holder = _packable(256, 192, seed=rows)
+    holder = _packable(k, 192, seed=rows)
     w, b = holder.proj.weight, holder.proj.bias
-    x = paddle.to_tensor(_arrays((rows, 256), seed=rows)[0])
+    x = paddle.to_tensor(_arrays((rows, k), seed=rows)[0])
     with paddle.no_grad():
         assert sg.takes_kn(x, w, b) == (rows <= sg.KN_ROWS)
-        assert sg.pack_weights(holder) == 4 * 256 * 192
+        assert sg.pack_weights(holder) == 4 * k * 192
         assert sg.takes_kn(x, w, b)  # packed: up to PACKED_ROWS
         y = holder.proj(x)
     np.testing.assert_array_equal(bits(y), bits(sg.numpy_kn(x.numpy(), w.numpy(), b.numpy())))
