@@ -435,15 +435,17 @@ def test_the_sixteenth_round_tables_quote_the_avx2_runs():
         assert all(r["packing"].startswith("packed weights on") for r in case["runs"]["erniekit"])
 
 
-def test_the_seventeenth_round_table_quotes_its_two_runs():
-    """The decode step's two runs side by side, as recorded: packed by default on the AVX2 host."""
+@pytest.mark.parametrize(
+    "heading,recorded",
+    [("Seventeenth round", "vs_torch_amd_avx2_decode_step"), ("Eighteenth round", "vs_torch_amd_avx2_streamed")],
+)
+def test_the_decode_rounds_tables_quote_their_two_runs(heading, recorded):
+    """The decode step's and the streamed kernel's two runs side by side, as recorded: packed by
+    default on the AVX2 host."""
     doc = (ROOT / "docs" / "performance.md").read_text()
-    section = doc.split("### Seventeenth round", 1)[1].split("\n### ", 1)[0].split("\n## ", 1)[0]
+    section = doc.split(f"### {heading}", 1)[1].split("\n### ", 1)[0].split("\n## ", 1)[0]
     rows = [r for r in _table_rows(section) if r[0].strip().startswith(("greedy", "server"))]
-    got = [
-        json.loads((ROOT / "bench_results" / f"vs_torch_amd_avx2_decode_step{tail}.json").read_text())
-        for tail in ("", "_2")
-    ]
+    got = [json.loads((ROOT / "bench_results" / f"{recorded}{tail}.json").read_text()) for tail in ("", "_2")]
     assert all(r["packed_weights"] == "auto" and r["cpu"].startswith("AMD") and r["repeats"] == 3 for r in got)
     assert len(rows) == 5 and all(len(r) == 7 for r in rows)
     for row, *cases in zip(rows, *(r["cases"].values() for r in got)):
