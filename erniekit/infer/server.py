@@ -19,7 +19,6 @@ import asyncio
 import contextlib
 import hmac
 import json
-import logging
 import math
 import os
 import sys
@@ -35,8 +34,6 @@ from fastapi import Request as HTTPRequest  # module level: FastAPI resolves the
 from erniekit.infer.engine import Engine, Request
 from erniekit.infer.sampling import SamplingParams
 from erniekit.utils.text import is_text
-
-log = logging.getLogger("erniekit.server")
 
 DEFAULT_MAX_TOKENS = 256  # when a request sets none (capped by what the context leaves)
 DEFAULT_MAX_BODY_BYTES = 1 << 20  # 1 MiB: a context's worth of text many times over
@@ -1297,8 +1294,6 @@ def build_app(server: OpenAIServer):
 
     @app.exception_handler(Exception)
     async def internal(request: HTTPRequest, exc: Exception):
-        # the client gets one line; the operator, whom it asks to report it, gets the traceback
-        log.error("internal error on %s %s: %s", request.method, request.url.path, exc, exc_info=exc)
         return fail(
             BadRequest(
                 f"internal error ({type(exc).__name__}); the server keeps serving, please report it",

@@ -15,7 +15,6 @@ import select
 import socket
 import threading
 import time
-import traceback
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -629,8 +628,8 @@ def test_a_fault_inside_generation_fails_only_its_request_over_http(inproc, monk
     assert len(logged) == 2 and all("injected fault" in str(r.exc_info[1]) for r in logged)
 
 
-def test_a_bug_in_a_handler_is_an_openai_shaped_500_and_the_server_goes_on(inproc, monkeypatch, caplog):
-    """The client gets one line; the server's log the traceback, which that line asks to report."""
+def test_a_bug_in_a_handler_is_an_openai_shaped_500_and_the_server_goes_on(inproc, monkeypatch):
+    """The client gets one line (uvicorn logs the traceback: Starlette re-raises after the handler)."""
     port, srv, _ = inproc
     real = srv.parse
 
@@ -643,9 +642,6 @@ def test_a_bug_in_a_handler_is_an_openai_shaped_500_and_the_server_goes_on(inpro
     status, body = post(port, P, enc({**OKP, "prompt": "BUG"}))
     assert status == 500 and body["error"]["type"] == "server_error" and body["error"]["code"] == "internal_error"
     assert "TypeError" in assert_openai_error(status, body)
-    (logged,) = [r for r in caplog.records if r.name == "erniekit.server"]
-    assert logged.levelname == "ERROR" and "/v1/completions" in logged.getMessage()
-    assert isinstance(logged.exc_info[1], TypeError) and "broken" in "".join(traceback.format_tb(logged.exc_info[2]))
     assert post(port, P, enc(OKP))[0] == 200
 
 

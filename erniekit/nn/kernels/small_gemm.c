@@ -283,13 +283,13 @@ static void stream_panel(const float *x, const float *p, const float *b, float *
                          int64_t t, int64_t lines) {
     const float *panel = p + t * PANEL * K;
     int64_t j = t * PANEL, tiles = (M + 5) / 6, share = (STREAM_LINES + tiles - 1) / tiles;
-    static _Thread_local vt save[STREAM_TILES][6][VPT]; /* per thread, off the stack: 4.5 KB of zmm */
+    static _Thread_local vt save[STREAM_TILES][6][VPT] __attribute__((aligned(64))); /* per thread, off the stack */
     for (int h = 0; h < 2; h++) {
         int64_t k0 = h ? K / 2 : 0, k1 = h ? K : K / 2;
         for (int64_t kc = k0; kc < k1; kc += STREAM_LINES) {
             int64_t ke = kc + STREAM_LINES < k1 ? kc + STREAM_LINES : k1;
             for (int64_t tile = 0; tile < tiles; tile++) {
-                int64_t m0 = tile * 6, start = t * K + kc + STREAM_LINES + tile * share;
+                int64_t m0 = tile * 6, start = t * K + ke + tile * share; /* the next chunk: ke on */
                 int64_t n_ahead = start >= lines ? 0 : (lines - start < share ? lines - start : share);
                 const float *ahead = n_ahead ? p + start * PANEL : p;
                 int first = kc == k0;
