@@ -210,13 +210,15 @@ void erniekit_small_gemm_pack_t(const float *w, float *p, int64_t K, int64_t N) 
 static inline vt load_t(const float *p) { return *(const vt *)p; }
 static inline void store_t(float *p, vt v) { *(vt *)p = v; }
 
-static inline __attribute__((always_inline)) void packed_half(const float *x, const float *panel, vt acc[6][VPT],
-                                                              int64_t K, int64_t k0, int64_t k1, int64_t m0,
-                                                              const int MB) {
-    for (int i = 0; i < MB; i++)
-        for (int v = 0; v < VPT; v++) acc[i][v] = (vt){0};
+/* acc[i] += x[m0 + i, k] * panel row k for k in [k0, k1), in order; the first n_ahead of those
+ * iterations also prefetch a panel row each, from `ahead` on (stream_panel; 0 for the tile order) */
+static inline __attribute__((always_inline)) void sum_rows(const float *x, const float *panel, vt acc[6][VPT],
+                                                           int64_t K, int64_t k0, int64_t k1, int64_t m0,
+                                                           const int MB, const float *ahead, int64_t n_ahead) {
     for (int64_t k = k0; k < k1; k++) {
         const float *pk = panel + k * PANEL;
+        if (k - k0 < n_ahead) /* a panel row is one 64-byte line with AVX2, four with AVX-512 */
+            for (int c = 0; c < PANEL; c += 16) __builtin_prefetch(ahead + (k - k0) * PANEL + c, 0, 3);
         vt a[VPT];
         for (int v = 0; v < VPT; v++) a[v] = load_t(pk + VT_FLOATS * v);
         for (int i = 0; i < MB; i++) {
@@ -226,21 +228,33 @@ static inline __attribute__((always_inline)) void packed_half(const float *x, co
     }
 }
 
-static inline __attribute__((always_inline)) void packed_tile(const float *x, const float *panel, const float *b,
-                                                              float *y, int64_t K, int64_t N, int64_t j, int64_t m0,
-                                                              const int MB) {
-    vt acc[6][VPT]; /* P0 waits in y while P1 is summed */
-    packed_half(x, panel, acc, K, 0, K / 2, m0, MB);
-    for (int i = 0; i < MB; i++)
-        for (int v = 0; v < VPT; v++) store_t(y + (m0 + i) * N + j + VT_FLOATS * v, acc[i][v]);
-    packed_half(x, panel, acc, K, K / 2, K, m0, MB);
+/* a tile's sums of half h into y: P0 is stored, and waits there while P1 is summed; then P1 is
+ * added to it (+ b) */
+static inline __attribute__((always_inline)) void put_half(float *y, const float *b, vt acc[6][VPT], int64_t N,
+                                                           int64_t j, int64_t m0, const int MB, int h) {
     for (int i = 0; i < MB; i++)
         for (int v = 0; v < VPT; v++) {
             float *o = y + (m0 + i) * N + j + VT_FLOATS * v;
+            if (h == 0) {
+                store_t(o, acc[i][v]);
+                continue;
+            }
             vt s = load_t(o) + acc[i][v];
             if (b) s = s + load_t(b + j + VT_FLOATS * v);
             store_t(o, s);
         }
+}
+
+static inline __attribute__((always_inline)) void packed_tile(const float *x, const float *panel, const float *b,
+                                                              float *y, int64_t K, int64_t N, int64_t j, int64_t m0,
+                                                              const int MB) {
+    vt acc[6][VPT];
+    for (int h = 0; h < 2; h++) {
+        for (int i = 0; i < MB; i++)
+            for (int v = 0; v < VPT; v++) acc[i][v] = (vt){0};
+        sum_rows(x, panel, acc, K, h ? K / 2 : 0, h ? K : K / 2, m0, MB, panel, 0);
+        put_half(y, b, acc, N, j, m0, MB, h);
+    }
 }
 
 /* Up to STREAM_TILES row tiles (the server's batches of up to 18 rows, and batch-1 decoding) go a
@@ -262,17 +276,7 @@ static inline __attribute__((always_inline)) void stream_tile(const float *x, co
     vt acc[6][VPT];
     for (int i = 0; i < MB; i++)
         for (int v = 0; v < VPT; v++) acc[i][v] = first ? (vt){0} : save[i][v];
-    for (int64_t k = k0; k < k1; k++) {
-        const float *pk = panel + k * PANEL;
-        if (k - k0 < n_ahead) /* a panel row is one 64-byte line with AVX2, four with AVX-512 */
-            for (int c = 0; c < PANEL; c += 16) __builtin_prefetch(ahead + (k - k0) * PANEL + c, 0, 3);
-        vt a[VPT];
-        for (int v = 0; v < VPT; v++) a[v] = load_t(pk + VT_FLOATS * v);
-        for (int i = 0; i < MB; i++) {
-            float xv = x[(m0 + i) * K + k];
-            for (int v = 0; v < VPT; v++) acc[i][v] = acc[i][v] + xv * a[v];
-        }
-    }
+    sum_rows(x, panel, acc, K, k0, k1, m0, MB, ahead, n_ahead);
     for (int i = 0; i < MB; i++)
         for (int v = 0; v < VPT; v++) save[i][v] = acc[i][v];
 }
@@ -303,20 +307,8 @@ static void stream_panel(const float *x, const float *p, const float *b, float *
                 }
             }
         }
-        for (int64_t tile = 0; tile < tiles; tile++) { /* P0 waits in y while P1 is summed, as packed_tile */
-            int64_t m0 = tile * 6, MB = M - m0 < 6 ? M - m0 : 6;
-            for (int64_t i = 0; i < MB; i++)
-                for (int v = 0; v < VPT; v++) {
-                    float *o = y + (m0 + i) * N + j + VT_FLOATS * v;
-                    if (h == 0) {
-                        store_t(o, save[tile][i][v]);
-                        continue;
-                    }
-                    vt s = load_t(o) + save[tile][i][v];
-                    if (b) s = s + load_t(b + j + VT_FLOATS * v);
-                    store_t(o, s);
-                }
-        }
+        for (int64_t tile = 0; tile < tiles; tile++)
+            put_half(y, b, save[tile], N, j, tile * 6, M - tile * 6 < 6 ? M - tile * 6 : 6, h);
     }
 }
 
