@@ -124,10 +124,10 @@ def generate_stream(
         for step in range(params.max_new_tokens):
             cur = L + step
             am = paddle.to_tensor(mask[:, :cur]) if padded else None
-            logits = model(x, attention_mask=am, cache=cache, logits_to_keep=1).logits[:, -1].astype("float32")
+            logits = model(x, attention_mask=am, cache=cache, logits_to_keep=1).logits[:, -1]
             if on_forward is not None:
                 on_forward()
-            nxt = sample_or_flag(logits, params.temperature, params.top_p).numpy().astype(np.int64)
+            nxt = _next_ids(logits, params.temperature, params.top_p)
             _check_finite(nxt, done, step, params.max_new_tokens, dtype)
             nxt = np.where(done, pad_id, nxt)
             out = np.where(done, -1, nxt)
@@ -140,6 +140,16 @@ def generate_stream(
     finally:
         if was_training:
             model.train()
+
+
+def _next_ids(logits: paddle.Tensor, temperature: float, top_p: float) -> np.ndarray:
+    """sample_or_flag's ids as int64. Greedy on the CPU takes numpy's argmax over a host copy: the
+    same ids (the first maximum, -1 for a non-finite row) in ~20 us where Paddle's ops take ~120 at
+    a 32k vocabulary; a GPU keeps the argmax on the device (one row of ids crosses, not the logits)."""
+    if temperature == 0 and logits.place.is_cpu_place():
+        lg = logits.astype("float32").numpy() if logits.dtype != paddle.float32 else logits.numpy()
+        return np.where(np.isfinite(lg).all(axis=-1), lg.argmax(axis=-1), -1).astype(np.int64)
+    return sample_or_flag(logits.astype("float32"), temperature, top_p).numpy().astype(np.int64)
 
 
 def _check_finite(nxt: np.ndarray, done: np.ndarray, step: int, max_new_tokens: int, dtype: object) -> None:

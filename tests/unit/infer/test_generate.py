@@ -98,3 +98,23 @@ def test_a_vanishing_temperature_draws_the_argmax_not_nan():
     for t in (1e-308, 5e-324, 1e-30):
         for top_p in (1.0, 0.9):
             assert sample_next(logits, t, top_p).numpy().tolist() == [1, 3]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_greedy_ids_from_numpy_are_paddles_argmax_and_flags(dtype):
+    """A greedy step on the CPU picks its ids in numpy: the same ids as argmax_or_flag (the first of
+    tied maxima, -1 for a row with NaN or inf), as int64."""
+    from erniekit.infer.generate import _next_ids, argmax_or_flag
+
+    rng = np.random.default_rng(0)
+    lg = rng.standard_normal((6, 1000)).astype(np.float32)
+    lg[1, [3, 700]] = 9.0  # a tie: the first wins
+    lg[2, 5] = np.nan
+    lg[3, 9] = np.inf
+    lg[4, :] = 0.0  # all tied
+    lg[5, [998, 999]] = 7.0
+    t = paddle.to_tensor(lg).astype(dtype)
+    got = _next_ids(t, 0.0, 1.0)
+    want = argmax_or_flag(t.astype("float32")).numpy()
+    assert got.dtype == np.int64 and got.tolist() == want.tolist()
+    assert got.tolist()[1:5] == [3, -1, -1, 0] and got[5] == 998

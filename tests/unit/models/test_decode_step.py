@@ -85,7 +85,13 @@ def _compare(model, monkeypatch, B, pad, steps, make_cache):
 
 @pytest.mark.parametrize(
     "B,pad,packed,bias",
-    [(1, False, False, False), (3, True, False, True), (3, True, True, False), (9, True, True, True)],
+    [
+        (1, False, False, False),
+        (3, False, True, False),
+        (3, True, False, True),
+        (3, True, True, False),
+        (9, True, True, True),
+    ],
 )
 def test_decode_steps_give_the_layers_bits(monkeypatch, B, pad, packed, bias):
     model = _model(bias=bias)
@@ -240,3 +246,54 @@ def test_weights_changed_in_place_between_steps_are_read_again(monkeypatch, pack
     want = logits(False)
     assert not np.array_equal(before, after)
     np.testing.assert_array_equal(after, want)
+
+
+def _core(D, theta):
+    cfg = Ernie4_5Config(vocab_size=V, hidden_size=D * 2, num_attention_heads=2, num_key_value_heads=1,
+                         head_dim=D, rope_theta=theta, num_hidden_layers=1)  # fmt: skip
+    return cfg, Ernie4_5ForCausalLM(cfg).model
+
+
+def _same_bits(got, want, rows):
+    want = want.numpy().reshape(rows, -1)
+    assert got.dtype == np.float32 and got.shape == want.shape and got.flags.c_contiguous
+    np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
+
+
+@pytest.mark.parametrize("D,theta", [(16, 500000.0), (64, 10000.0), (128, 10000.0)])
+def test_the_rope_tables_rows_are_rope_and_masks_bits(monkeypatch, D, theta):
+    """A step reads cos / sin from a table grown by doubling (256, 512, 1024 rows here) and builds
+    its bias in numpy: each must be what `rope_and_mask` gives, bit for bit, at one row and at
+    several, without a mask and with a left-padding one (a row of padding only included); a table
+    is one (head_dim, theta)'s only."""
+    monkeypatch.setattr(decode_step, "_ROPE_ROWS", {})
+    cfg, core = _core(D, theta)
+    rng = np.random.default_rng(D)
+    for past in (0, 1, 255, 256, 257, 511, 700, 3):  # 3: a row of the rebuilt table
+        for B in (1, 3):
+            ids = paddle.zeros([B, 1], "int64")
+            cos, sin, bias = decode_step._rope_rows(cfg, past, B)
+            want = core.rope_and_mask(ids, None, None, None, past)
+            _same_bits(cos, want[0], B)
+            _same_bits(sin, want[1], B)
+            assert bias.shape[0] == 1 and not bias[0, : past + 1].any()
+            _same_bits(bias[:, : past + 1], want[2][1], 1)
+            starts = rng.integers(0, past + 2, (B, 1))
+            starts[-1] = past + 1  # the last row: padding only
+            mask = (np.arange(past + 1)[None] >= starts).astype(np.int64)
+            got = decode_step._rope_rows(cfg, past, B, mask)
+            want = core.rope_and_mask(ids, None, None, paddle.to_tensor(mask), past)
+            for g, w in zip(got, (*want[:2], want[2][1])):
+                _same_bits(g, w, B)
+    assert len(decode_step._ROPE_ROWS[(D, theta)][0]) == 1024
+    other, _ = _core(D, theta * 2)
+    assert not np.array_equal(decode_step._rope_rows(other, 5, 1)[0], decode_step._rope_rows(cfg, 5, 1)[0])
+
+
+def test_a_long_unmasked_generation_gives_the_layers_bits_across_the_tables_growth(monkeypatch):
+    """Past 256 positions the table is rebuilt at 512 rows mid-generation; every step's logits and
+    the cache stay the layers'."""
+    model = _model(seed=8)
+    monkeypatch.setattr(decode_step, "_ROPE_ROWS", {})
+    _compare(model, monkeypatch, 2, False, 260, lambda: KVCache(model.config, 2, 280))
+    assert len(decode_step._ROPE_ROWS[(16, float(model.config.rope_theta))][0]) == 512
