@@ -15,7 +15,7 @@
 static inline float sigmoid(float g) {
     const float e = exp_neg(g >= 0.0f ? -g : g);
     const float d = 1.0f + e;
-    return g >= 0.0f ? 1.0f / d : e / d;
+    return (g >= 0.0f ? 1.0f : e) / d; /* 1 / d or e / d: one division a lane, not two and a blend */
 }
 
 void erniekit_swiglu_fwd(const float *g, const float *u, float *h, int64_t i0, int64_t i1) {
@@ -25,11 +25,22 @@ void erniekit_swiglu_fwd(const float *g, const float *u, float *h, int64_t i0, i
     }
 }
 
-void erniekit_swiglu_bwd(const float *g, const float *u, const float *dh, float *dg, float *du, int64_t i0,
-                         int64_t i1) {
-    for (int64_t i = i0; i < i1; i++) {
-        const float gi = g[i], s = sigmoid(gi);
-        if (du) du[i] = dh[i] * (gi * s);
-        if (dg) dg[i] = (dh[i] * u[i]) * (s * (1.0f + gi * (1.0f - s)));
+/* One loop per case: with the NULL checks inside, GCC vectorised only one of the unswitched copies
+ * (the backward ran ~3x the forward's time on one thread; AMD EPYC, AVX2). */
+void erniekit_swiglu_bwd(const float *restrict g, const float *restrict u, const float *restrict dh, float *restrict dg,
+                         float *restrict du, int64_t i0, int64_t i1) {
+    if (dg && du) {
+        for (int64_t i = i0; i < i1; i++) {
+            const float gi = g[i], s = sigmoid(gi);
+            du[i] = dh[i] * (gi * s);
+            dg[i] = (dh[i] * u[i]) * (s * (1.0f + gi * (1.0f - s)));
+        }
+    } else if (dg) {
+        for (int64_t i = i0; i < i1; i++) {
+            const float gi = g[i], s = sigmoid(gi);
+            dg[i] = (dh[i] * u[i]) * (s * (1.0f + gi * (1.0f - s)));
+        }
+    } else if (du) {
+        for (int64_t i = i0; i < i1; i++) du[i] = dh[i] * (g[i] * sigmoid(g[i]));
     }
 }
