@@ -456,9 +456,10 @@ def test_fuzz_poison_requests_never_change_an_innocent_reply_and_the_server_stay
 
 
 # ---- bounded bodies ---------------------------------------------------------------------------
-def _slow_upload(port: int, total: int, chunked: bool, out: list, pace: float = 0.01) -> None:
+def _slow_upload(port: int, total: int, chunked: bool, out: list, pace: float = 0.01, hold=None) -> None:
     """Send a `total`-byte body in 64 KiB pieces (declared by Content-Length, or chunked) and
-    record the status line the server answers with, or the error if it hung up first."""
+    record the status line the server answers with, or the error if it hung up first. hold:
+    (paused, go) events: after 512 KiB (half the server's limit) set `paused` and wait for `go`."""
     s = socket.create_connection(("127.0.0.1", port), timeout=60)
     try:
         head = (
@@ -470,6 +471,9 @@ def _slow_upload(port: int, total: int, chunked: bool, out: list, pace: float = 
         piece, sent = b"x" * 65536, 0
         try:
             while sent < total and not select.select([s], [], [], 0)[0]:  # as clients do: stop once answered
+                if hold is not None and sent >= 1 << 19 and not hold[0].is_set():
+                    hold[0].set()
+                    hold[1].wait(300)
                 data = piece[: min(65536, total - sent)]
                 s.sendall(b"%x\r\n%s\r\n" % (len(data), data) if chunked else data)
                 sent += len(data)
@@ -499,19 +503,24 @@ def _rss_kib(pid: int) -> int:
 
 
 def test_a_10mb_body_gets_413_while_a_normal_request_completes(live):
+    """The chunked upload pauses half-way to the limit until a normal request has its reply. Queued
+    behind the upload, that request would get it only after the server gave up on the body (a 408
+    after 60 s, not a 413), or not within its own 120 s."""
     port = live["port"]
     solo = _innocent(port, 0)
     outs: list = []
+    paused, go = threading.Event(), threading.Event()
     uploads = [
         threading.Thread(target=_slow_upload, args=(port, 10_000_000, False, outs, 0.05)),
-        threading.Thread(target=_slow_upload, args=(port, 10_000_000, True, outs, 0.05)),
+        threading.Thread(target=_slow_upload, args=(port, 10_000_000, True, outs, 0.05, (paused, go))),
     ]
     for t in uploads:
         t.start()
-    time.sleep(0.3)  # both uploads are under way
-    t0 = time.time()
-    assert _innocent(port, 0) == solo
-    assert time.time() - t0 < 10  # not queued behind the uploads
+    try:
+        assert paused.wait(60)  # the chunked upload is under way, its body half read
+        assert _innocent(port, 0) == solo
+    finally:
+        go.set()
     for t in uploads:
         t.join(120)
     assert len(outs) == 2 and all(isinstance(o, tuple) and " 413 " in o[0] for o in outs), outs
@@ -565,23 +574,25 @@ def inproc(ckpt):  # noqa: F811
     engine.close()
 
 
-def _get_health(port: int) -> float:
-    t0 = time.time()
+def _get_health(port: int) -> None:
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
     conn.request("GET", "/health")
     assert conn.getresponse().status == 200
     conn.close()
-    return time.time() - t0
 
 
 def test_tokenising_runs_off_the_event_loop(inproc, monkeypatch):
-    """A prompt whose tokenising takes 5 s does not delay /health or a normal request."""
+    """A prompt whose tokenising is held until the test lets it go does not delay /health or a
+    normal request: both answer while it is held (on the event loop, it would hold them too, and
+    /health would time out after 30 s)."""
     port, srv, _ = inproc
     real = srv.tokenizer.encode
+    held, go = threading.Event(), threading.Event()
 
     def slow(text, *a, **kw):
         if "SLOW" in text:
-            time.sleep(5.0)
+            held.set()
+            go.wait(300)
         return real(text, *a, **kw)
 
     monkeypatch.setattr(srv.tokenizer, "encode", slow)
@@ -589,10 +600,13 @@ def test_tokenising_runs_off_the_event_loop(inproc, monkeypatch):
     out = []
     t = threading.Thread(target=lambda: out.append(post(port, P, enc({**OKP, "prompt": "SLOW 1+1="}))))
     t.start()
-    time.sleep(0.3)  # the slow one is being tokenised
-    assert _get_health(port) < 1.5
-    assert post(port, P, enc({**OKP, "temperature": 0}))[1]["choices"][0]["text"] == solo
-    assert not out  # done while the slow one still tokenises, not queued behind it
+    try:
+        assert held.wait(60)  # the slow one is being tokenised
+        _get_health(port)
+        assert post(port, P, enc({**OKP, "temperature": 0}), timeout=30)[1]["choices"][0]["text"] == solo
+        assert not out  # done while the slow one still tokenises, not queued behind it
+    finally:
+        go.set()
     t.join(30)
     assert out[0][0] == 200
 
@@ -669,16 +683,21 @@ def test_a_body_that_trickles_in_gets_408(inproc, monkeypatch):
 
 
 def test_a_client_that_leaves_a_whole_request_frees_its_row(inproc, monkeypatch):
+    """The server cancels the request of a client that left: its row ends before its 200 tokens (no
+    stop token can end it: they are biased away). Kept on, it would run its 10 s and not be cancelled."""
     port, _, engine = inproc
     real = engine._advance
+    reqs = []
 
     def slow(req, tok):
+        reqs.append(req)
         time.sleep(0.05)
         return real(req, tok)
 
     monkeypatch.setattr(engine, "_advance", slow)
     s = socket.create_connection(("127.0.0.1", port), timeout=30)
-    body = enc({**OKP, "max_tokens": 200, "stop": None})
+    no_stop = {str(t): -100 for t in engine.default_stops}
+    body = enc({**OKP, "max_tokens": 200, "stop": None, "logit_bias": no_stop})
     s.sendall(
         f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
         f"Content-Length: {len(body)}\r\n\r\n".encode()
@@ -689,10 +708,11 @@ def test_a_client_that_leaves_a_whole_request_frees_its_row(inproc, monkeypatch)
         assert time.time() < deadline
         time.sleep(0.05)
     s.close()  # gone after a few tokens of 200 (10 s of generation)
-    t0 = time.time()
+    deadline = time.time() + 60
     while engine.rows:
-        assert time.time() - t0 < 3, "the row of a client that left is still generating"
+        assert time.time() < deadline, "the row of a client that left is still generating after 60 s"
         time.sleep(0.05)
+    assert reqs[-1].cancelled and len(reqs[-1].completion) < 200  # ended because its client left
 
 
 def test_server_flags_are_checked_in_one_line(ckpt):  # noqa: F811

@@ -189,14 +189,14 @@ def _lock(store_dir, **owner):
 
 def test_the_lock_of_a_dead_process_is_taken_over_at_once(tmp_path, tok, monkeypatch):
     path, store_dir = _corpus(tmp_path), tmp_path / "tok" / "train"
-    monkeypatch.setattr(ts, "WAIT_S", 5.0)  # not taken over: a DataError after 5 s, not a 300 s wait
+    # not taken over at once: a DataError after WAIT_S = 5 s, before the lock could go stale (STALE_S = 300 s)
+    monkeypatch.setattr(ts, "WAIT_S", 5.0)
     pid = _dead_pid()
     lock = _lock(store_dir, pid=pid)
     leftover = Path(f"{store_dir}.tmp-{socket.gethostname()}-{pid}-abc")  # the dead build's partial files
     leftover.mkdir()
-    t0 = time.monotonic()
     store, notes = _open(store_dir, path, tok, _docs(path, tok))
-    assert time.monotonic() - t0 < ts.STALE_S / 10 and len(store.doc_offsets) == 41
+    assert len(store.doc_offsets) == 41
     assert notes == [
         f"tokenized_path: removed the stale lock {lock} (host {socket.gethostname()}, pid {pid}: gone, or silent for 300 s)"
     ]
@@ -282,11 +282,10 @@ def test_a_stop_request_ends_the_tokenizing_and_the_wait_for_a_lock(tmp_path, to
     assert len(seen) < 600  # stopped within STOP_POLL_DOCS documents, not at the end
     store_dir = tmp_path / "tok" / "train"
     _lock(store_dir, pid=os.getppid())  # a live builder elsewhere
-    monkeypatch.setattr(ts, "WAIT_S", 5.0)
-    t0 = time.monotonic()
-    with pytest.raises(run.StoppedBeforeFirstStep):
+    monkeypatch.setattr(ts, "WAIT_S", 5.0)  # a wait the stop did not end: "waited 5 s", a DataError, after 5 s
+    with pytest.raises(run.StoppedBeforeFirstStep) as e:
         run._build_data(pretrain.PretrainStage(), dataclasses.replace(cfg, tokenized_path=str(tmp_path / "tok")), tok)
-    assert time.monotonic() - t0 < 2.5  # the stop ended the wait, not WAIT_S
+    assert str(e.value.__cause__).startswith("tokenized_path: stopped while waiting for")  # the stop ended the wait
 
 
 def test_a_builder_whose_lock_was_taken_over_does_not_publish(tmp_path, tok, monkeypatch):

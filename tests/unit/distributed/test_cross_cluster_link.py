@@ -79,7 +79,7 @@ def open_all(addresses_of, n, rank=0, keys=None, shape=None, connect_timeout_s=1
 
 
 def pair(shape=None, timeout_s=10.0, rank=0):
-    bases = free_base_ports(2)
+    bases = free_base_ports(2, rank + 1)  # rank r listens on base + r: that port must be free too
     links = open_all(lambda c: [f"127.0.0.1:{b}" for b in bases], 2, rank=rank, shape=shape, timeout_s=timeout_s)
     for x in links:
         if isinstance(x, Exception):
@@ -288,11 +288,13 @@ def test_a_recorded_handshake_cannot_start_a_new_session():
 
 
 def test_recv_timeout_and_wrong_tag_raise_link_errors():
-    a, b = pair()
+    """recv(0.2) waits its own 0.2 s (at least that: the lower bound), not the link's default: that is
+    600 s here, so the upper bound can be as loose as a minute and still tell them apart."""
+    a, b = pair(timeout_s=600.0)
     t0 = time.monotonic()
     with pytest.raises(LinkError, match=r"no message from cluster 1 rank 0 .* in 0.2 s; raise cross_cluster_timeout_s"):
         a.peer(1).recv(0.2)
-    assert 0.18 < time.monotonic() - t0 < 2
+    assert 0.18 < time.monotonic() - t0 < 60  # not the link's 600 s
     b.peer(0).send("late", b"1")  # a timeout leaves the link usable
     b.peer(0).send("other", b"2")
     assert a.peer(1).recv(5.0) == ("late", b"1")
@@ -306,10 +308,9 @@ def test_peer_closing_its_side_ends_the_other_sides_recv_at_once():
     b.peer(0).send("last", b"z")
     b.close()
     assert a.peer(1).recv(5.0) == ("last", b"z")  # what was sent before closing still arrives
-    t0 = time.monotonic()
+    # recv's own timeout would be another message ("no message ... in 120 s"), after two minutes
     with pytest.raises(LinkError, match="cluster 1 rank 0 .* the other cluster stopped or the link dropped; restart"):
-        a.peer(1).recv(5.0)
-    assert time.monotonic() - t0 < 4.0  # not recv's 5 s timeout
+        a.peer(1).recv(120.0)
     a.close()
 
 
@@ -326,7 +327,8 @@ time.sleep(60)
 
 def test_killed_peer_process_stops_recv_quickly():
     """Cluster 1 is a real process (key from $ERNIEKIT_CROSS_CLUSTER_KEY); SIGKILL it while cluster 0
-    waits in recv with a long timeout: the LinkError comes at once, naming the peer."""
+    waits in recv with a long timeout: the LinkError comes at once, naming the peer (recv's own
+    timeout, 300 s, would leave the thread waiting past the test's join and say "no message")."""
     bases = free_base_ports(2)
     addresses = [f"127.0.0.1:{b}" for b in bases]
     env = dict(os.environ, ERNIEKIT_CROSS_CLUSTER_KEY=KEY.decode())
@@ -337,28 +339,24 @@ def test_killed_peer_process_stops_recv_quickly():
         text=True,
     )
     try:
-        links = CrossClusterLinks.open(0, 0, addresses, KEY, connect_timeout_s=20, timeout_s=60)
+        links = CrossClusterLinks.open(0, 0, addresses, KEY, connect_timeout_s=20, timeout_s=300)
         assert child.stdout.readline().strip() == "ready"
         result: list = []
 
         def wait():
-            t0 = time.monotonic()
             try:
-                links.peer(1).recv(60)
+                links.peer(1).recv(300)
             except LinkError as e:
-                result.append((e, time.monotonic() - t0))
+                result.append(e)
 
-        t = threading.Thread(target=wait)
+        t = threading.Thread(target=wait, daemon=True)
         t.start()
         time.sleep(0.2)
-        t_kill = time.monotonic()
         child.kill()
-        t.join(10)
+        t.join(60)
         assert result, "recv did not return after the peer was killed"
-        err, _ = result[0]
-        assert "cluster 1 rank 0" in str(err) and "restart both clusters" in str(err)
-        assert time.monotonic() - t_kill < 5
-        links.close()
+        assert "cluster 1 rank 0" in str(result[0]) and "restart both clusters" in str(result[0])
+        links.close(flush_s=0)
     finally:
         child.kill()
         child.wait()
@@ -372,13 +370,13 @@ def test_connect_timeouts_name_the_missing_cluster():
         CrossClusterLinks.open(1, 0, addresses, KEY, connect_timeout_s=0.3)
     with pytest.raises(LinkError, match=rf"cluster\(s\) \[1\] rank 0 did not connect to 127.0.0.1:{b0} in 0.3 s"):
         CrossClusterLinks.open(0, 0, addresses, KEY, connect_timeout_s=0.3)
-    assert time.monotonic() - t0 < 3
+    assert time.monotonic() - t0 < 60  # the 0.3 s given, not the 300 s default
 
 
 def test_emulated_link_delays_and_queues_messages():
     """100 Mbit/s + 50 ms: a 1.25 MB message takes latency + 8n/bandwidth = 0.15 s from send() to
     recv(); two sent back to back queue, the second arrives at 2 x 0.1 + 0.05 = 0.25 s. Every trial
-    must take at least that long; the best of 3 within 20% (the others may meet a busy CPU)."""
+    must take at least that long (a busy CPU only makes it longer, so there is no upper bound)."""
     shape = LinkShape(bandwidth_mbit=100, latency_ms=50)
     n = 1_250_000
     assert shape.seconds(n) == pytest.approx(0.15)
@@ -392,7 +390,6 @@ def test_emulated_link_delays_and_queues_messages():
         t0 = time.monotonic()
         for _ in range(k):
             tx.send("m", payload)
-        assert time.monotonic() - t0 < shape.transmit_seconds(wire)  # send() does not wait for the link
         arrivals = []
         for _ in range(k):
             rx.recv(5.0)
@@ -401,16 +398,31 @@ def test_emulated_link_delays_and_queues_messages():
 
     ones = [burst(1)[0] for _ in range(3)]
     twos = [burst(2) for _ in range(3)]
-    assert min(ones) >= shape.seconds(wire) and min(ones) == pytest.approx(0.15, rel=0.5)
+    assert min(ones) >= shape.seconds(wire)
     firsts, seconds = [t[0] for t in twos], [t[1] for t in twos]
-    assert min(firsts) >= shape.seconds(wire) and min(firsts) == pytest.approx(0.15, rel=0.5)
+    assert min(firsts) >= shape.seconds(wire)
     two = 0.05 + 2 * shape.transmit_seconds(wire)
-    assert min(seconds) >= two and min(seconds) == pytest.approx(0.25, rel=0.5)
+    assert min(seconds) >= two  # the second waited for the first
     busy = tx.stats().send_seconds  # each burst counted once (not per message): busy from send() to its last byte
     # the lower bound allows 10%: a message's end is stamped after sendall returns, so a sender thread
-    # descheduled there (a loaded machine) stamps it late and the next burst's overlap is not counted
-    assert 0.9 * (3 * shape.seconds(wire) + 3 * two) <= busy <= sum(ones) + sum(seconds)
+    # descheduled there (a loaded machine) stamps it late and the next burst's overlap is not counted.
+    # Counted per message, a burst of two would add its first message's time again (sum(firsts), at
+    # least 0.45 s): half of that is the room a late stamp gets above the measured arrivals
+    assert 0.9 * (3 * shape.seconds(wire) + 3 * two) <= busy < sum(ones) + sum(seconds) + sum(firsts) / 2
     a.close(), b.close()
+
+
+def test_send_returns_while_the_emulated_link_still_carries_the_message():
+    """send() queues the message for the sender thread and returns: over a link with 120 s of latency
+    the message is neither sent nor received when send() is back (a send() that waited for the link
+    would hold this test two minutes, then find the message delivered)."""
+    a, b = pair(shape=LinkShape(latency_ms=120_000))
+    tx, rx = b.peer(0), a.peer(1)
+    tx.send("m", bytes(1000))
+    assert tx.stats().messages_sent == 1  # the handshake's confirm only
+    with pytest.raises(LinkError, match="no message from cluster 1 rank 0"):
+        rx.recv(0.05)
+    a.close(), b.close(flush_s=0)
 
 
 def test_link_shape_and_stats_arithmetic():
@@ -460,8 +472,9 @@ def test_hmac_helpers_match_the_standard_library():
 
 def test_a_shared_emulated_link_carries_one_message_at_a_time_for_every_rank(tmp_path):
     """Ranks 0 and 1 of cluster 1 (two link pairs, as two processes would hold them) send 1.25 MB each at
-    once over a shared 100 Mbit/s link: the second message waits for the first (0.1 s each on the wire),
-    so the later arrival is ~0.25 s; over links of their own both arrive at ~0.15 s."""
+    once over a shared 20 Mbit/s link: the second message waits for the first (0.5 s each on the wire),
+    so the later arrival is at least 1.05 s; over links of their own both arrive at ~0.55 s, before
+    1.05 s with half a second to spare for a busy CPU (best of 2)."""
     n = 1_250_000
     wire = frame_bytes("m", n)
 
@@ -478,13 +491,13 @@ def test_a_shared_emulated_link_carries_one_message_at_a_time_for_every_rank(tmp
             a.close(), b.close()
         return max(arrivals)
 
-    shared = LinkShape(100, 50, shared_dir=str(tmp_path))
-    own = LinkShape(100, 50)
-    t_shared = min(both(shared) for _ in range(2))
+    shared = LinkShape(20, 50, shared_dir=str(tmp_path))
+    own = LinkShape(20, 50)
+    t_shared = both(shared)  # a lower bound: a busy CPU cannot make it pass
     t_own = min(both(own) for _ in range(2))
     two = 0.05 + 2 * own.transmit_seconds(wire)
-    assert t_shared >= two and t_shared == pytest.approx(0.25, rel=0.2)
-    assert t_own < two and t_own == pytest.approx(0.15, rel=0.25)
+    assert t_shared >= two
+    assert own.seconds(wire) <= t_own < two
     assert sorted(os.listdir(tmp_path)) == ["link-1-to-0"]  # one clock per direction
 
 
@@ -519,13 +532,13 @@ def _connect(port: int) -> socket.socket:
 def test_a_stray_connection_neither_blocks_nor_fails_the_real_peer(stray, capfd):
     """Anyone who reaches the listening port connects first: one that never speaks (slowloris), sends
     garbage, announces a 1 MB hello and stalls, or holds another key. The real cluster 1, connecting
-    after it, still links at once; the stranger is refused on stderr and its socket closed."""
+    after it, still links at once; the stranger is refused on stderr and its socket closed. A real
+    peer kept waiting behind the stranger's 300 s handshake fails: both sides give up after 120 s."""
     from erniekit.distributed.cross_cluster.link import _HELLO, _MAGIC
 
     bases = free_base_ports(2)
     addresses = [f"127.0.0.1:{b}" for b in bases]
-    t0 = time.monotonic()
-    t, out = _listen_in_thread(addresses, connect_timeout_s=8.0, timeout_s=5.0, handshake_timeout_s=30.0)
+    t, out = _listen_in_thread(addresses, connect_timeout_s=120.0, timeout_s=5.0, handshake_timeout_s=300.0)
     bad = _connect(bases[0])
     head = _HELLO.pack(_MAGIC, 1, 0, b"n" * 32, 1 << 20)
     bad.sendall(
@@ -536,11 +549,17 @@ def test_a_stray_connection_neither_blocks_nor_fails_the_real_peer(stray, capfd)
             "wrong_key": head[:-4] + b"\0\0\0\2" + bytes(32) + b"{}" + bytes(32),
         }[stray]
     )
-    time.sleep(0.2)  # the stranger is accepted first
-    real = CrossClusterLinks.open(1, 0, addresses, KEY, connect_timeout_s=5.0, timeout_s=5.0)
-    t.join(10)
-    assert isinstance(out[0], CrossClusterLinks), out
-    assert time.monotonic() - t0 < 5.0  # not the 30 s handshake timeout, nor the 8 s connect timeout
+    err, refused = "", stray in ("garbage", "wrong_key")
+    if refused:  # refused at once: its report comes before the real cluster (a sleep would race a busy CPU)
+        deadline = time.monotonic() + 60
+        while "refused a connection" not in err and time.monotonic() < deadline:
+            time.sleep(0.02)
+            err += capfd.readouterr().err
+    else:
+        time.sleep(0.2)  # the stranger is accepted first
+    real = CrossClusterLinks.open(1, 0, addresses, KEY, connect_timeout_s=120.0, timeout_s=5.0)
+    t.join(60)
+    assert isinstance(out[0], CrossClusterLinks), out  # not a LinkError after the 120 s connect timeout
     real.peer(0).send("x", b"1")
     assert out[0].peer(1).recv(2.0) == ("x", b"1")
     bad.settimeout(2.0)
@@ -550,26 +569,25 @@ def test_a_stray_connection_neither_blocks_nor_fails_the_real_peer(stray, capfd)
     except ConnectionResetError:
         pass
     bad.close()
-    if stray in ("garbage", "wrong_key"):
-        assert "refused a connection: handshake from a cluster at 127.0.0.1" in capfd.readouterr().err
+    if refused:
+        assert "refused a connection: handshake from a cluster at 127.0.0.1" in err + capfd.readouterr().err
     real.close(), out[0].close()
 
 
 def test_a_flood_of_silent_connections_does_not_lock_the_real_peer_out(capfd):
     """More silent connections than handshakes run at once: the newest makes the oldest stranger
-    room, so the real cluster, connecting last, still links; the refusals are reported, a few lines."""
+    room, so the real cluster, connecting last, still links; the refusals are reported, a few lines.
+    A real peer locked out until the strangers' 300 s handshakes end would fail at the 120 s timeout."""
     from erniekit.distributed.cross_cluster.link import _MAX_HANDSHAKES, _REPORTED
 
     bases = free_base_ports(2)
     addresses = [f"127.0.0.1:{b}" for b in bases]
-    t, out = _listen_in_thread(addresses, connect_timeout_s=8.0, timeout_s=5.0, handshake_timeout_s=30.0)
+    t, out = _listen_in_thread(addresses, connect_timeout_s=120.0, timeout_s=5.0, handshake_timeout_s=300.0)
     flood = [_connect(bases[0]) for _ in range(_MAX_HANDSHAKES + 8)]
     time.sleep(0.3)
-    t0 = time.monotonic()
-    real = CrossClusterLinks.open(1, 0, addresses, KEY, connect_timeout_s=5.0, timeout_s=5.0)
-    t.join(10)
+    real = CrossClusterLinks.open(1, 0, addresses, KEY, connect_timeout_s=120.0, timeout_s=5.0)
+    t.join(60)
     assert isinstance(out[0], CrossClusterLinks), out
-    assert time.monotonic() - t0 < 5.0
     # how many strangers were accepted (and evicted) before the real peer linked depends on the
     # machine's load; the report stays a few lines whatever the flood
     assert capfd.readouterr().err.count("refused a connection") <= _REPORTED
@@ -604,18 +622,33 @@ def test_the_connecting_cluster_retries_a_listener_that_closed_without_a_word():
     result[0].close(), zero.close()
 
 
-def test_a_stalled_handshake_is_dropped_and_named_when_nobody_else_comes():
+def test_a_stalled_handshake_is_dropped_and_named_when_nobody_else_comes(capfd):
     """A connection that never finishes its handshake is closed after handshake_timeout_s, and the
-    listening cluster's timeout names the refusals."""
+    listening cluster's timeout names the refusals. First with a listener that waits 120 s: the
+    stranger is closed and reported while it still waits, and the real cluster then links (kept
+    until the listener gave up, the stranger would not see its close within the minute it waits)."""
     bases = free_base_ports(2)
-    t0 = time.monotonic()
-    t, out = _listen_in_thread([f"127.0.0.1:{b}" for b in bases], connect_timeout_s=3.0, handshake_timeout_s=0.3)
+    addresses = [f"127.0.0.1:{b}" for b in bases]
+    t, out = _listen_in_thread(addresses, connect_timeout_s=120.0, handshake_timeout_s=0.3)
     bad = _connect(bases[0])
-    bad.settimeout(3.0)
+    bad.settimeout(60.0)
     while bad.recv(1 << 16):  # the listener's hello, then its close after 0.3 s
         pass
-    assert time.monotonic() - t0 < 2.5  # closed before the listener itself gave up
-    t.join(5)
+    bad.close()
+    err, deadline = "", time.monotonic() + 60
+    while "did not finish in time" not in err and time.monotonic() < deadline:
+        time.sleep(0.02)
+        err += capfd.readouterr().err
+    assert "refused a connection: handshake with a cluster at 127.0.0.1" in err and "did not finish in time" in err
+    real = CrossClusterLinks.open(1, 0, addresses, KEY, connect_timeout_s=120.0)
+    t.join(60)
+    assert isinstance(out[0], CrossClusterLinks), out  # the listener was still waiting
+    real.close(), out[0].close()
+    # nobody else comes: the listener's own timeout names what it refused
+    bases = free_base_ports(2)
+    t, out = _listen_in_thread([f"127.0.0.1:{b}" for b in bases], connect_timeout_s=3.0, handshake_timeout_s=0.3)
+    bad = _connect(bases[0])
+    t.join(60)
     (err,) = out
     assert isinstance(err, LinkError) and "did not connect" in str(err)
     assert "refused 1 connection(s), the last: handshake with a cluster at 127.0.0.1" in str(err)
@@ -673,10 +706,9 @@ def test_an_authenticated_absurd_length_stops_the_link_at_once():
 
     peer = _FakePeer(b"{}", after=huge)
     links = CrossClusterLinks.open(1, 0, [f"127.0.0.1:{peer.port}", "127.0.0.1:1"], KEY, connect_timeout_s=3.0)
-    t0 = time.monotonic()
+    # recv's own timeout would be another message ("no message ... in 120 s"), after two minutes
     with pytest.raises(LinkError, match=r"message 1 from cluster 0 rank 0 \(127.0.0.1:\d+\) claims 922337203685477580"):
-        links.peer(0).recv(5.0)
-    assert time.monotonic() - t0 < 3.0  # not recv's timeout
+        links.peer(0).recv(120.0)
     links.close(flush_s=0)
 
 
@@ -745,17 +777,16 @@ def test_a_peer_hello_missing_fields_is_one_config_error(broken):
 
 def test_a_stop_request_ends_the_wait_for_the_other_clusters():
     """SIGTERM while the listening cluster waits for the others (the runner passes run_control's
-    stop_signal): the wait ends within a poll, not after the 300 s connect timeout."""
+    stop_signal): the wait ends within a poll, not after the 300 s connect timeout (which would end
+    it with another message, "did not connect ... in 300 s")."""
     bases = free_base_ports(2)
     asked = time.monotonic() + 0.3
-    t0 = time.monotonic()
     with pytest.raises(LinkError, match=r"stopped \(signal 15\) while waiting for cluster\(s\) \[1\] to connect"):
         CrossClusterLinks.open(
             0,
             0,
             [f"127.0.0.1:{b}" for b in bases],
             KEY,
-            connect_timeout_s=30,
+            connect_timeout_s=300,
             stop=lambda: 15 * (time.monotonic() > asked),
         )
-    assert time.monotonic() - t0 < 10.0  # not the connect timeout

@@ -199,9 +199,10 @@ def test_media_decoding_is_bounded_across_requests(http, monkeypatch):
         assert r.status_code == 503 and err["type"] == "server_error" and err["code"] == "server_busy", err
         assert err["param"] == "messages[0].content[0]" and "\n" not in err["message"]
         assert _post(http).status_code == 200  # text only: no slot
-        monkeypatch.setattr(srv, "MEDIA_WAIT_S", 30.0)
+        monkeypatch.setattr(srv, "MEDIA_WAIT_S", 120.0)
         # image requests waiting for a slot wait on the event loop, not in the worker threads that
         # parse every request: more of them than there are threads, and a text request still passes
+        # (behind them, it would pass only once they gave up, with 503s, after MEDIA_WAIT_S)
         replies: list = []
         waiting = [
             threading.Thread(target=lambda: replies.append(_post(http, _image_part(_png_uri())))) for _ in range(10)
@@ -209,9 +210,8 @@ def test_media_decoding_is_bounded_across_requests(http, monkeypatch):
         for t in waiting:
             t.start()
         time.sleep(0.5)
-        t0 = time.monotonic()
         r = _post(http)
-        assert r.status_code == 200 and time.monotonic() - t0 < 10, r.text  # not after MEDIA_WAIT_S
+        assert r.status_code == 200, r.text
         assert replies == []  # they are still waiting
         slots.release()  # one of them finishes: the waiting requests run, one at a time
         for t in waiting:
