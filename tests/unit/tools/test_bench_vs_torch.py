@@ -407,6 +407,19 @@ def test_the_fifteenth_round_table_quotes_the_avx2_records():
         assert all(r["packing"].startswith("packed weights off: no AVX-512") for r in case["runs"]["erniekit"])
 
 
+def test_the_nineteenth_rounds_training_table_quotes_its_record():
+    """The training rows after the SwiGLU change, as recorded on the AVX2 host."""
+    doc = (ROOT / "docs" / "performance.md").read_text()
+    section = doc.split("### Nineteenth round", 1)[1].split("\n### ", 1)[0].split("\n## ", 1)[0]
+    rows = [r for r in _table_rows(section) if r[0].strip().startswith("train")]
+    got = json.loads((ROOT / "bench_results" / "vs_torch_amd_avx2_train_swiglu.json").read_text())
+    assert got["cpu"].startswith("AMD") and got["threads"] == 2 and got["repeats"] == 3
+    assert len(rows) == len(got["cases"]) == 3
+    for row, (name, case) in zip(rows, got["cases"].items()):
+        assert row[0].strip().startswith(name.replace(":", " ")), row
+        _check_cells(row[1:4], case, row)
+
+
 def test_the_sixteenth_round_tables_quote_the_avx2_runs():
     """Packed (the default) and unpacked side by side, then the run after the attention's change, as
     recorded; auto packed in the packed runs."""
@@ -437,7 +450,11 @@ def test_the_sixteenth_round_tables_quote_the_avx2_runs():
 
 @pytest.mark.parametrize(
     "heading,recorded",
-    [("Seventeenth round", "vs_torch_amd_avx2_decode_step"), ("Eighteenth round", "vs_torch_amd_avx2_streamed")],
+    [
+        ("Seventeenth round", "vs_torch_amd_avx2_decode_step"),
+        ("Eighteenth round", "vs_torch_amd_avx2_streamed"),
+        ("Nineteenth round", "vs_torch_amd_avx2_rope_rows"),
+    ],
 )
 def test_the_decode_rounds_tables_quote_their_two_runs(heading, recorded):
     """The decode step's and the streamed kernel's two runs side by side, as recorded: packed by
