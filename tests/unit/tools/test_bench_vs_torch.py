@@ -412,10 +412,14 @@ def test_the_nineteenth_rounds_training_table_quotes_its_record():
     doc = (ROOT / "docs" / "performance.md").read_text()
     section = doc.split("### Nineteenth round", 1)[1].split("\n### ", 1)[0].split("\n## ", 1)[0]
     rows = [r for r in _table_rows(section) if r[0].strip().startswith("train")]
-    got = json.loads((ROOT / "bench_results" / "vs_torch_amd_avx2_train_swiglu.json").read_text())
-    assert got["cpu"].startswith("AMD") and got["threads"] == 2 and got["repeats"] == 3
-    assert len(rows) == len(got["cases"]) == 3
-    for row, (name, case) in zip(rows, got["cases"].items()):
+    got = [
+        json.loads((ROOT / "bench_results" / f"vs_torch_amd_avx2_train_{p}.json").read_text())
+        for p in ("swiglu", "03b")
+    ]
+    assert all(r["cpu"].startswith("AMD") and r["threads"] == 2 and r["repeats"] == 3 for r in got)
+    cases = [item for record in got for item in record["cases"].items()]
+    assert len(rows) == len(cases) == 4
+    for row, (name, case) in zip(rows, cases):
         assert row[0].strip().startswith(name.replace(":", " ")), row
         _check_cells(row[1:4], case, row)
 
