@@ -18,6 +18,7 @@ its own order), a prefill, a gradient, `ERNIEKIT_NATIVE_KERNELS=0`.
 
 from __future__ import annotations
 
+import threading
 import weakref
 
 import numpy as np
@@ -222,8 +223,45 @@ def run(model, input_ids: paddle.Tensor, attention_mask: paddle.Tensor | None, c
     return _layers(model, parts, calls, inter, emb, ids, rope_mask, cache, kernels)
 
 
-# (head_dim, theta) -> (cos, sin) [n, head_dim] of positions 0..n-1, and zeros for a step's bias
-_ROPE_ROWS: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
+_ROW_BLOCK = 256  # the table is filled this many positions at a time
+
+
+class _RopeTable:
+    """cos / sin [n, D] of positions 0..n-1 for one (head_dim, theta), filled as positions are
+    reached (a block at a time, into a buffer that doubles), so it holds at most ~2x the rows the
+    longest sequence used and a step never rebuilds what is there. Rows are written once and never
+    moved in place: a step's views of the old buffer stay valid when it is replaced."""
+
+    def __init__(self, D: int, theta) -> None:
+        self.D, self.theta, self.n = D, theta, 0
+        self.cos = self.sin = np.zeros((0, D), _F32)
+        self.lock = threading.Lock()  # one filler at a time (the engine's thread, a chat's, ...)
+
+    def rows(self, end: int) -> tuple[np.ndarray, np.ndarray]:
+        """(cos, sin) holding at least positions [0, end); rows below `n` are final, so a reader
+        needs no lock."""
+        if end > self.n:
+            with self.lock:
+                if end > self.n:
+                    self._fill(end)
+        return self.cos, self.sin
+
+    def _fill(self, end: int) -> None:
+        new = -(-end // _ROW_BLOCK) * _ROW_BLOCK
+        cos, sin = rope_cos_sin(paddle.arange(self.n, new, dtype="int64").unsqueeze(0), self.D, self.theta)
+        if new > len(self.cos):
+            cap = max(new, 2 * len(self.cos))
+            grown = [np.empty((cap, self.D), _F32) for _ in range(2)]
+            for g, old in zip(grown, (self.cos, self.sin)):
+                g[: self.n] = old[: self.n]
+            self.cos, self.sin = grown
+        self.cos[self.n : new] = cos.numpy().reshape(-1, self.D)
+        self.sin[self.n : new] = sin.numpy().reshape(-1, self.D)
+        self.n = new  # last: the rows below are written
+
+
+# (head_dim, float(theta)) -> its table; zeros for a step's bias
+_ROPE_ROWS: dict[tuple, _RopeTable] = {}
 _ZEROS = np.zeros((1, 0), _F32)
 
 
@@ -231,30 +269,31 @@ def _rope_rows(config, past: int, B: int, mask: np.ndarray | None = None) -> tup
     """cos, sin [B, D] and the additive bias ([1 or B, past + 1]) of a step after `past` cached
     tokens, as `rope_and_mask` makes them: without a mask every row sits at `past` and sees every
     key; with one ([B, past + 1], 1 = a real token) a row sits at its mask's sum less one (as
-    rope_and_mask's cumsum has it) and sees its real keys and itself.
+    rope_and_mask's int64 cumsum has it) and sees its real keys and itself.
 
     Why: `rope_and_mask` spends ~15-25 small Paddle ops on this, ~0.35 ms of a ~21 ms batch-1 step;
-    here it is rows of a table. Same bits: the table is the model's own `rope_cos_sin` over positions
-    0..n-1 (Paddle's CPU cos and sin are scalar per element, so an element does not depend on its
+    here it is rows of a table. Same bits: the table is the model's own `rope_cos_sin` over the
+    positions (Paddle's CPU cos and sin are scalar per element, so an element does not depend on its
     neighbours), and the bias takes additive_mask's two values; tests compare them with rope_and_mask's."""
     global _ZEROS
-    D, theta = config.head_dim, float(config.rope_theta)
-    pos = np.full(B, past) if mask is None else np.maximum(mask.sum(axis=1) - 1, 0)
-    end = int(pos.max()) + 1
-    table = _ROPE_ROWS.get((D, theta))
-    if table is None or end > len(table[0]):  # grown by doubling: ~log2(max_len) builds over a generation
-        n = max(256, 1 << (end - 1).bit_length())
-        cos, sin = rope_cos_sin(paddle.arange(n, dtype="int64").unsqueeze(0), D, theta)
-        table = _ROPE_ROWS[(D, theta)] = (cos.numpy().reshape(n, D), sin.numpy().reshape(n, D))
-    cos, sin = table
+    D, theta, past = config.head_dim, config.rope_theta, int(past)  # theta as rope_and_mask passes it
+    if mask is None:
+        pos = np.full(B, past)
+    else:
+        pos = np.maximum(mask.astype(np.int64, copy=False).sum(axis=1) - 1, 0)
+    table = _ROPE_ROWS.get((D, float(theta)))
+    if table is None:
+        table = _ROPE_ROWS.setdefault((D, float(theta)), _RopeTable(D, theta))
+    cos, sin = table.rows(int(pos.max()) + 1)
     if mask is not None:
         sees = (mask != 0) | (np.arange(past + 1) == past)  # build_attention_mask's [B, 1, 1, past + 1]
         return cos[pos], sin[pos], np.where(sees, _F32(0), _F32(-1e30))
-    if _ZEROS.shape[1] < past + 1:
-        _ZEROS = np.zeros((1, max(256, 1 << past.bit_length())), _F32)
+    zeros = _ZEROS  # one read: another thread may replace it
+    if zeros.shape[1] < past + 1:
+        zeros = _ZEROS = np.zeros((1, max(256, 1 << past.bit_length())), _F32)
     if B == 1:
-        return cos[past : past + 1], sin[past : past + 1], _ZEROS
-    return cos[pos], sin[pos], _ZEROS
+        return cos[past : past + 1], sin[past : past + 1], zeros
+    return cos[pos], sin[pos], zeros
 
 
 def _layers(model, parts, calls, inter, emb, ids, rope_mask, cache, kernels) -> paddle.Tensor:

@@ -16,9 +16,9 @@ from erniekit.distributed import launch
 PY = sys.executable
 # a launcher at the rendezvous: deaf to SIGTERM, no rank, a helper in the job's environment (paddle's
 # runs nvidia-smi every 5 s for its GPU log) that must not be taken for a rank
-WAITING = (
-    "import signal, subprocess, sys, time; subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(30)']); "
-    "signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(30)"
+WAITING = (  # deaf first: a slow start must not leave a window where SIGTERM ends it (-15, not -9)
+    "import signal; signal.signal(signal.SIGTERM, signal.SIG_IGN); import subprocess, sys, time; "
+    "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(30)']); time.sleep(30)"
 )
 
 

@@ -11,7 +11,7 @@ from erniekit.models.ernie4_5 import decode_step
 from erniekit.models.ernie4_5.configuration import Ernie4_5Config
 from erniekit.models.ernie4_5.modeling import Ernie4_5ForCausalLM
 from erniekit.nn import norm, small_gemm
-from erniekit.nn.attention import KVCache
+from erniekit.nn.attention import KVCache, rope_cos_sin
 
 V = 128
 
@@ -262,7 +262,7 @@ def _same_bits(got, want, rows):
 
 @pytest.mark.parametrize("D,theta", [(16, 500000.0), (64, 10000.0), (128, 10000.0)])
 def test_the_rope_tables_rows_are_rope_and_masks_bits(monkeypatch, D, theta):
-    """A step reads cos / sin from a table grown by doubling (256, 512, 1024 rows here) and builds
+    """A step reads cos / sin from a table filled 256 rows at a time (to 768 here) and builds
     its bias in numpy: each must be what `rope_and_mask` gives, bit for bit, at one row and at
     several, without a mask and with a left-padding one (a row of padding only included); a table
     is one (head_dim, theta)'s only."""
@@ -285,7 +285,8 @@ def test_the_rope_tables_rows_are_rope_and_masks_bits(monkeypatch, D, theta):
             want = core.rope_and_mask(ids, None, None, paddle.to_tensor(mask), past)
             for g, w in zip(got, (*want[:2], want[2][1])):
                 _same_bits(g, w, B)
-    assert len(decode_step._ROPE_ROWS[(D, theta)][0]) == 1024
+    table = decode_step._ROPE_ROWS[(D, theta)]
+    assert table.n == 768 and len(table.cos) == 1024  # filled 256 rows at a time, its buffer doubled
     other, _ = _core(D, theta * 2)
     assert not np.array_equal(decode_step._rope_rows(other, 5, 1)[0], decode_step._rope_rows(cfg, 5, 1)[0])
 
@@ -296,4 +297,47 @@ def test_a_long_unmasked_generation_gives_the_layers_bits_across_the_tables_grow
     model = _model(seed=8)
     monkeypatch.setattr(decode_step, "_ROPE_ROWS", {})
     _compare(model, monkeypatch, 2, False, 260, lambda: KVCache(model.config, 2, 280))
-    assert len(decode_step._ROPE_ROWS[(16, float(model.config.rope_theta))][0]) == 512
+    assert decode_step._ROPE_ROWS[(16, float(model.config.rope_theta))].n == 512
+
+
+def test_the_rope_table_filled_from_several_threads_holds_the_positions_values(monkeypatch):
+    """The engine's thread and a chat's may fill one table at once: every row any of them reads is
+    the one-call table's, bit for bit."""
+    import threading
+
+    monkeypatch.setattr(decode_step, "_ROPE_ROWS", {})
+    cfg, core = _core(16, 10000.0)
+    want = [
+        t.numpy().reshape(-1, 16).view(np.uint32) for t in rope_cos_sin(paddle.arange(3000).unsqueeze(0), 16, 10000.0)
+    ]
+    bad = []
+
+    def reader(seed):
+        rng = np.random.default_rng(seed)
+        for past in [*np.sort(rng.integers(0, 2999, 60)), 2999]:
+            mask = (np.arange(past + 1)[None] >= rng.integers(0, past + 1, (3, 1))).astype(np.int64)
+            cos, sin, _ = decode_step._rope_rows(cfg, int(past), 3, mask)
+            pos = mask.sum(axis=1) - 1
+            if not (
+                np.array_equal(cos.view(np.uint32), want[0][pos]) and np.array_equal(sin.view(np.uint32), want[1][pos])
+            ):
+                bad.append(int(past))
+
+    threads = [threading.Thread(target=reader, args=(s,)) for s in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not bad and decode_step._ROPE_ROWS[(16, 10000.0)].n == 3072
+
+
+def test_a_float_or_uint8_mask_takes_the_table_as_an_int64_one():
+    """rope_and_mask sums the mask as int64: a float mask must index the table as well, and a uint8
+    one with a row of padding only must not wrap below zero."""
+    cfg, core = _core(16, 10000.0)
+    mask = np.array([[0, 1, 1, 1], [0, 0, 0, 0]], np.int64)
+    want = decode_step._rope_rows(cfg, 3, 2, mask)
+    for dtype in (np.float32, np.uint8, bool):
+        got = decode_step._rope_rows(cfg, 3, 2, mask.astype(dtype))
+        for g, w in zip(got, want):
+            np.testing.assert_array_equal(g, w)
