@@ -26,18 +26,25 @@ def _gone(pid: int, within: float = 5.0) -> bool:
     return False
 
 
-def test_a_cluster_that_fails_at_start_stops_the_others_at_once(capsys):
+def test_a_cluster_that_fails_at_start_stops_the_others_at_once(capsys, tmp_path):
     """One cluster exits 2 at start-up (a config error) while the others wait for their links: they
     are stopped after the grace period (SIGTERM, then SIGKILL to their whole process group, a child
     that ignores SIGTERM included) instead of waiting out the connect timeout, and the result names
     the cluster that failed first, its exit code and its last line. A cluster waited out would say
-    "slept out" after its 60 s."""
+    "slept out" after its 60 s. The failing cluster waits until the deaf one has started its child
+    (a file), so a slow start on a loaded host cannot kill it before it says which child."""
+    flag = tmp_path / "child-started"
     waits = [PY, "-c", "import time; time.sleep(60); print('slept out')"]
-    fails = [PY, "-c", "import sys, time; time.sleep(0.5); print('error: bad config'); sys.exit(2)"]
+    fails = [
+        PY,
+        "-c",
+        f"import os, sys, time; [time.sleep(0.05) for _ in range(1200) if not os.path.exists({str(flag)!r})]; "
+        "print('error: bad config'); sys.exit(2)",
+    ]
     deaf = (
         "import signal, subprocess, sys, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
         "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); "
-        "print('child', p.pid, flush=True); time.sleep(60); print('slept out')"
+        f"print('child', p.pid, flush=True); open({str(flag)!r}, 'w').close(); time.sleep(60); print('slept out')"
     )
     rc, stopped, why = run_clusters([waits, fails, [PY, "-c", deaf]], dict(os.environ), grace_s=0.3, kill_after_s=0.5)
     assert (rc, stopped) == (2, False)
