@@ -11,9 +11,10 @@ Same bits: every operation is the one the layer-by-layer forward runs on the sam
 kernels with the same arguments (nn/norm.py, nn/small_gemm.py, nn/rope.py, nn/fused_attention.py,
 nn/swiglu.py), the embedding's rows copied, numpy's float32 add for the residual adds (one rounding,
 as Paddle's), and the rows of a table of the model's own `rope_cos_sin` for the positions (with the
-mask's two values for its bias, `_rope_rows`). Tests compare the two bit for bit. Whatever the step does not cover takes the layers: MoE layers, adapters, hooks,
-GPAS, elastic depth, GPU or half precision, a projection Paddle's GEMM would take (which sums in
-its own order), a prefill, a gradient, `ERNIEKIT_NATIVE_KERNELS=0`.
+mask's two values for its bias, `_rope_rows`). Tests compare the two bit for bit. Whatever the step
+does not cover takes the layers: MoE layers, adapters, hooks, GPAS, elastic depth, GPU or half
+precision, a projection Paddle's GEMM would take (which sums in its own order), a prefill, a
+gradient, `ERNIEKIT_NATIVE_KERNELS=0`.
 """
 
 from __future__ import annotations
@@ -260,9 +261,7 @@ class _RopeTable:
         self.n = new  # last: the rows below are written
 
 
-# (head_dim, float(theta)) -> its table; zeros for a step's bias
-_ROPE_ROWS: dict[tuple, _RopeTable] = {}
-_ZEROS = np.zeros((1, 0), _F32)
+_ROPE_ROWS: dict[tuple, _RopeTable] = {}  # (head_dim, float(theta)) -> its table
 
 
 def _rope_rows(config, past: int, B: int, mask: np.ndarray | None = None) -> tuple:
@@ -275,25 +274,18 @@ def _rope_rows(config, past: int, B: int, mask: np.ndarray | None = None) -> tup
     here it is rows of a table. Same bits: the table is the model's own `rope_cos_sin` over the
     positions (Paddle's CPU cos and sin are scalar per element, so an element does not depend on its
     neighbours), and the bias takes additive_mask's two values; tests compare them with rope_and_mask's."""
-    global _ZEROS
     D, theta, past = config.head_dim, config.rope_theta, int(past)  # theta as rope_and_mask passes it
     if mask is None:
-        pos = np.full(B, past)
+        pos, bias = np.full(B, past), np.zeros((1, past + 1), _F32)
     else:
         pos = np.maximum(mask.astype(np.int64, copy=False).sum(axis=1) - 1, 0)
+        sees = (mask != 0) | (np.arange(past + 1) == past)  # build_attention_mask's [B, 1, 1, past + 1]
+        bias = np.where(sees, _F32(0), _F32(-1e30))
     table = _ROPE_ROWS.get((D, float(theta)))
     if table is None:
         table = _ROPE_ROWS.setdefault((D, float(theta)), _RopeTable(D, theta))
     cos, sin = table.rows(int(pos.max()) + 1)
-    if mask is not None:
-        sees = (mask != 0) | (np.arange(past + 1) == past)  # build_attention_mask's [B, 1, 1, past + 1]
-        return cos[pos], sin[pos], np.where(sees, _F32(0), _F32(-1e30))
-    zeros = _ZEROS  # one read: another thread may replace it
-    if zeros.shape[1] < past + 1:
-        zeros = _ZEROS = np.zeros((1, max(256, 1 << past.bit_length())), _F32)
-    if B == 1:
-        return cos[past : past + 1], sin[past : past + 1], zeros
-    return cos[pos], sin[pos], zeros
+    return cos[pos], sin[pos], bias
 
 
 def _layers(model, parts, calls, inter, emb, ids, rope_mask, cache, kernels) -> paddle.Tensor:
