@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, TextIO
 
 from erniekit.errors import CheckpointError, ErniekitError
 from erniekit.infer.detokenize import TextStream
-from erniekit.infer.stops import stop_ids  # noqa: F401 - where chat, server and WebUI take it from
+from erniekit.infer.stops import decodable_vocab, stop_ids  # noqa: F401 - stop_ids: where chat, server and WebUI take it from
 from erniekit.utils.text import is_text
 
 if TYPE_CHECKING:  # paddle is imported only when chat runs
@@ -275,7 +275,8 @@ class ChatSession:
         stops = set(params.stop_token_ids)
         text = TextStream(self.tokenizer)
         write = on_text or self._write
-        for step in stream(self.model, [ids], params, pad_id=self.tokenizer.pad_token_id or 0):
+        vocab = decodable_vocab(self.model, self.tokenizer)
+        for step in stream(self.model, [ids], params, pad_id=self.tokenizer.pad_token_id or 0, vocab=vocab):
             tok = int(step[0])
             if tok < 0 or tok in stops:
                 break

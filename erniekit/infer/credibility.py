@@ -52,7 +52,7 @@ def sample_replies(
     """One sampled reply text per prompt. seed: reseeds paddle first (None: the current RNG state,
     as training's per-step seed leaves it)."""
     from erniekit.infer.generate import SamplingParams, generate
-    from erniekit.infer.stops import stop_ids
+    from erniekit.infer.stops import decodable_vocab, stop_ids
 
     params = SamplingParams(
         max_new_tokens=max_new_tokens,
@@ -63,7 +63,10 @@ def sample_replies(
     )
     out: list[str] = []
     for i in range(0, len(prompts), batch_size):
-        ids = generate(model, prompts[i : i + batch_size], params, pad_id=tokenizer.pad_token_id or 0)
+        batch = prompts[i : i + batch_size]
+        ids = generate(
+            model, batch, params, pad_id=tokenizer.pad_token_id or 0, vocab=decodable_vocab(model, tokenizer)
+        )
         params = dataclasses.replace(params, seed=None)  # one seed for the whole report, not per batch
         out += [tokenizer.decode(o).strip() for o in ids]
     return out

@@ -33,6 +33,7 @@ from erniekit.errors import ErniekitError
 from erniekit.infer.detokenize import TextStream
 from erniekit.infer.generate import non_finite_error
 from erniekit.infer.sampling import SamplingParams
+from erniekit.infer.stops import decodable_vocab
 from erniekit.nn import small_gemm
 from erniekit.nn.attention import KVCache
 
@@ -46,7 +47,9 @@ def _describe(e: BaseException) -> str:
 @dataclass(frozen=True)
 class TokenLogprob:
     """A token's log-probability under the model (its raw distribution: before temperature,
-    penalties and logit_bias, as vLLM reports them) and the `top` most likely (id, logprob)."""
+    penalties and logit_bias, as vLLM reports them) and the `top` most likely (id, logprob). The
+    distribution is over the ids a reply can hold (`decodable_vocab`): a vocabulary padded past
+    the tokenizer loses its padding rows before anything is chosen or scored."""
 
     id: int
     logprob: float
@@ -199,6 +202,8 @@ class Engine:
         """pack_weights: keep packed copies of the projections for the CPU's decode kernels
         (erniekit/nn/small_gemm.py: faster steps at 8-64 rows, for a second copy of those weights)."""
         self.model, self.tokenizer = model, tokenizer
+        # ids a reply can hold; every logits row is cut to them before it is sampled or scored
+        self.vocab = decodable_vocab(model, tokenizer)
         model.eval()
         self.packed_bytes = small_gemm.pack_weights(model) if pack_weights else 0
         c = model.config
@@ -236,9 +241,10 @@ class Engine:
             )
 
     def check_ids(self, prompt: list[int], params: SamplingParams) -> None:
-        """ValueError when a prompt id or a logit_bias key is outside the model's vocabulary (an
-        out-of-range id would index past the embedding or the logits inside the shared step)."""
-        vocab = int(self.model.config.vocab_size)
+        """ValueError when a prompt id or a logit_bias key is outside the ids a reply can hold
+        (`self.vocab`: an id past the model's would index past the embedding or the logits inside
+        the shared step; one past the tokenizer's is no text)."""
+        vocab = self.vocab
         bad = next((t for t in prompt if not 0 <= int(t) < vocab), None)
         if bad is not None:
             raise ValueError(f"prompt token id {bad} is outside the vocabulary [0, {vocab})")
@@ -352,7 +358,7 @@ class Engine:
             self._prompt_logprobs(hidden[0][i, L - lens[i] :], r.prompt, r.prompt_logprobs) if want[i] else []
             for i, r in enumerate(reqs)
         ]
-        return batch, logits[:, -1].astype("float32").numpy(), deltas, scored
+        return batch, logits[:, -1, : self.vocab].astype("float32").numpy(), deltas, scored
 
     def _prompt_logprobs(self, h: paddle.Tensor, prompt: list[int], k: int) -> list[TokenLogprob]:
         """Prompt tokens 1.. scored from the final hidden states [p, H] of the positions before them."""
@@ -361,7 +367,7 @@ class Engine:
         step = _chunk_rows(int(self.model.config.vocab_size))  # positions whose vocabulary logits exist at once
         for a in range(0, len(nxt), step):
             b = min(a + step, len(nxt))
-            logits = self.model.head(h[a:b].unsqueeze(0))[0].astype("float32").numpy()
+            logits = self.model.head(h[a:b].unsqueeze(0))[0, :, : self.vocab].astype("float32").numpy()
             out.extend(token_logprobs(logits, nxt[a:b], k))
         return out
 
@@ -426,7 +432,7 @@ class Engine:
         with paddle.no_grad():
             logits = self.model(x, attention_mask=am, cache=cache, logits_to_keep=1, **kw).logits[:, -1]
         self.steps += 1
-        logits = logits.astype("float32").numpy()
+        logits = logits.astype("float32").numpy()[:, : self.vocab]
         nxt, failed = self._sample(logits, self.rows)
         self._record_logprobs(logits, nxt, self.rows, failed)
         done = []

@@ -89,6 +89,17 @@ def sample_or_flag(logits: paddle.Tensor, temperature: float, top_p: float) -> p
     return paddle.where(finite, nxt, paddle.full_like(nxt, -1))
 
 
+def choice_width(model, vocab: int | None) -> int:
+    """How many leading ids of the model's vocabulary a decoder may choose from (`vocab` ids, at
+    most the model's); ValueError for a `vocab` below 1."""
+    width = int(model.config.vocab_size)
+    if vocab is None:
+        return width
+    if isinstance(vocab, bool) or not isinstance(vocab, (int, np.integer)) or vocab < 1:
+        raise ValueError(f"vocab={vocab!r} must be a positive number of token ids")
+    return min(int(vocab), width)
+
+
 @paddle.no_grad()
 def generate_stream(
     model: Ernie4_5ForCausalLM,
@@ -96,13 +107,17 @@ def generate_stream(
     params: SamplingParams,
     pad_id: int = 0,
     on_forward: Callable[[], None] | None = None,
+    vocab: int | None = None,
 ) -> Iterator[np.ndarray]:
     """Yield the new token of every sequence at each step ([B] array; -1 once a sequence stopped).
     on_forward: called after every model forward (the prefill, then one per decode step), e.g. to
     record the MoE routing of the tokens just fed (erniekit/rl/rollout.py).
+    vocab: only ids below it are chosen; pass `decodable_vocab(model, tokenizer)` when the ids
+    will be decoded (a vocabulary padded past the tokenizer has ids no text stands for).
     RequestError for a prompt id outside the vocabulary; NonFiniteError when a running sequence's
     logits turn NaN or inf."""
     check_prompt_ids(prompts, int(model.config.vocab_size), pad_id if len(prompts) > 1 else None)
+    keep = choice_width(model, vocab)
     if params.seed is not None:
         paddle.seed(params.seed)
     was_training = model.training
@@ -125,6 +140,8 @@ def generate_stream(
             cur = L + step
             am = paddle.to_tensor(mask[:, :cur]) if padded else None
             logits = model(x, attention_mask=am, cache=cache, logits_to_keep=1).logits[:, -1]
+            if keep < logits.shape[-1]:
+                logits = logits[:, :keep]
             if on_forward is not None:
                 on_forward()
             nxt = _next_ids(logits, params.temperature, params.top_p)
@@ -166,12 +183,13 @@ def generate(
     params: SamplingParams,
     pad_id: int = 0,
     on_token: Callable[[np.ndarray], None] | None = None,
+    vocab: int | None = None,
 ) -> list[list[int]]:
-    """New tokens per prompt, stop token excluded."""
+    """New tokens per prompt, stop token excluded (vocab: as `generate_stream`)."""
     outs: list[list[int]] = [[] for _ in prompts]
     finished = [False] * len(prompts)
     stops = set(params.stop_token_ids)
-    for step_ids in generate_stream(model, prompts, params, pad_id):
+    for step_ids in generate_stream(model, prompts, params, pad_id, vocab=vocab):
         if on_token is not None:
             on_token(step_ids)
         for i, t in enumerate(step_ids.tolist()):

@@ -305,7 +305,7 @@ class OpenAIServer:
         self.max_images = max_images
         self._expected_auth = f"Bearer {api_key}".encode() if api_key else None  # the header bytes to expect
         self.max_body_bytes = max_body_bytes
-        self.vocab = min(len(tokenizer), int(engine.model.config.vocab_size))
+        self.vocab = engine.vocab  # ids a prompt, a logit_bias key or a reply may hold
         from erniekit.infer.openai_logprobs import TokenTexts
 
         pieces = tokenizer.convert_ids_to_tokens(range(len(tokenizer)))

@@ -21,7 +21,7 @@ import numpy as np
 import paddle
 
 from erniekit.errors import ErniekitError
-from erniekit.infer.generate import argmax_or_flag, check_prompt_ids, non_finite_error
+from erniekit.infer.generate import argmax_or_flag, check_prompt_ids, choice_width, non_finite_error
 from erniekit.infer.sampling import SamplingParams
 from erniekit.models.ernie4_5.modeling import Ernie4_5ForCausalLM
 from erniekit.nn.attention import KVCache, additive_mask, build_attention_mask, rope_cos_sin, use_fused_attention
@@ -62,9 +62,9 @@ def check_speculative(model: Ernie4_5ForCausalLM, params: SamplingParams) -> Non
 class _Speculator:
     """Caches and hidden-state buffers of one sequence."""
 
-    def __init__(self, model: Ernie4_5ForCausalLM, max_len: int, prompt_len: int):
+    def __init__(self, model: Ernie4_5ForCausalLM, max_len: int, prompt_len: int, vocab: int):
         self.model, self.mtp = model, model.mtp
-        self.prompt_len = prompt_len
+        self.prompt_len, self.vocab = prompt_len, vocab  # ids chosen: [0, vocab)
         c = model.config
         dtype = model.model.embed_tokens.weight.dtype
         self.cache = KVCache(c, 1, max_len, dtype=dtype)
@@ -90,7 +90,7 @@ class _Speculator:
         start = self.cache.length
         h = self.model.model(paddle.to_tensor([ids], dtype="int64"), cache=self.cache)
         self.hidden[0][:, start : start + len(ids)] = h
-        return argmax_or_flag(self.model.head(h[0, -1:] if last_only else h[0])).numpy()
+        return argmax_or_flag(self.model.head(h[0, -1:] if last_only else h[0])[:, : self.vocab]).numpy()
 
     def draft(self, tokens: list[int]) -> list[int]:
         """D draft tokens after tokens[-1] (m = len(tokens) - 1; the trunk has seen tokens[:m])."""
@@ -112,7 +112,7 @@ class _Speculator:
 
     def _draft_token(self, h: paddle.Tensor, j: int, step: int) -> int:
         """Depth j's greedy draft from its last hidden state; NonFiniteError when its logits are not finite."""
-        tok = int(argmax_or_flag(self.model.head(self.model.model.norm(h[0, -1]))))
+        tok = int(argmax_or_flag(self.model.head(self.model.model.norm(h[0, -1]))[: self.vocab]))
         if tok < 0:
             where = f"in MTP head {j + 1}'s draft of generation step {step} (decoding without --speculative skips it)"
             raise non_finite_error(where, self.dtype)
@@ -126,8 +126,10 @@ def speculative_stream(
     params: SamplingParams,
     pad_id: int = 0,
     stats: SpeculativeStats | None = None,
+    vocab: int | None = None,
 ) -> Iterator[np.ndarray]:
-    """Drop-in for `generate_stream` (batch of one, greedy): yields [1] arrays, the stop token last."""
+    """Drop-in for `generate_stream` (batch of one, greedy): yields [1] arrays, the stop token last;
+    `vocab` as there (the trunk and the drafts choose below it)."""
     check_speculative(model, params)
     if len(prompts) != 1:
         raise ErniekitError(f"speculative decoding takes one prompt at a time (got {len(prompts)})")
@@ -138,7 +140,9 @@ def speculative_stream(
     was_training = model.training
     model.eval()
     prompt, stops = list(prompts[0]), set(params.stop_token_ids)
-    spec = _Speculator(model, len(prompt) + params.max_new_tokens + model.mtp.depth + 1, len(prompt))
+    spec = _Speculator(
+        model, len(prompt) + params.max_new_tokens + model.mtp.depth + 1, len(prompt), choice_width(model, vocab)
+    )
     try:
         tokens, new = list(prompt), [int(spec.trunk(prompt, last_only=True)[-1])]
         n = 0
@@ -176,11 +180,15 @@ def _verify(spec: _Speculator, tokens: list[int], stats: SpeculativeStats) -> li
 
 
 def speculative_generate(
-    model: Ernie4_5ForCausalLM, prompt: list[int], params: SamplingParams, stats: SpeculativeStats | None = None
+    model: Ernie4_5ForCausalLM,
+    prompt: list[int],
+    params: SamplingParams,
+    stats: SpeculativeStats | None = None,
+    vocab: int | None = None,
 ) -> list[int]:
     """New tokens of one prompt, stop token excluded (as `generate`)."""
     stops, out = set(params.stop_token_ids), []
-    for step in speculative_stream(model, [prompt], params, stats=stats):
+    for step in speculative_stream(model, [prompt], params, stats=stats, vocab=vocab):
         tok = int(step[0])
         if tok in stops:
             break

@@ -14,7 +14,7 @@ from erniekit.data.encode import IGNORE_INDEX
 from erniekit.data.formats import Conversation
 from erniekit.data.vl import encode_vl_conversation
 from erniekit.errors import DataError
-from erniekit.infer.generate import argmax_or_flag, check_prompt_ids, non_finite_error
+from erniekit.infer.generate import argmax_or_flag, check_prompt_ids, choice_width, non_finite_error
 from erniekit.models.ernie4_5_vl.modeling import rope_index
 from erniekit.nn.attention import KVCache
 
@@ -43,13 +43,17 @@ def prompt_with_videos(conv: Conversation, tokenizer, config, settings, video_se
 
 
 @paddle.no_grad()
-def generate_vl(model, ids: list[int], images, max_new_tokens: int, stop_ids: list[int], videos=None) -> list[int]:
+def generate_vl(
+    model, ids: list[int], images, max_new_tokens: int, stop_ids: list[int], videos=None, vocab: int | None = None
+) -> list[int]:
     """New token ids (stop token excluded) after prompt `ids` whose images (and videos) are
-    (patches, grids). NonFiniteError when the logits turn NaN or inf; RequestError for an id
-    outside the vocabulary (a processor or tokenizer of another model)."""
+    (patches, grids); only ids below `vocab` are chosen (as `generate_stream`). NonFiniteError when
+    the logits turn NaN or inf; RequestError for an id outside the vocabulary (a processor or
+    tokenizer of another model)."""
     model.eval()
     c = model.config
     check_prompt_ids([ids], int(c.vocab_size))
+    keep = choice_width(model, vocab)
     x = np.asarray([ids], dtype=np.int64)
     dtype = model.model.embed_tokens.weight.dtype
     cache = KVCache(c, 1, len(ids) + max_new_tokens, dtype=dtype)
@@ -66,7 +70,7 @@ def generate_vl(model, ids: list[int], images, max_new_tokens: int, stop_ids: li
     out: list[int] = []
     logits = model(paddle.to_tensor(x), cache=cache, logits_to_keep=1, **kw).logits
     for step in range(max_new_tokens):
-        tok = int(argmax_or_flag(logits[0, -1]))  # -1: not finite; one host copy, as before
+        tok = int(argmax_or_flag(logits[0, -1, :keep]))  # -1: not finite; one host copy, as before
         if tok < 0:
             raise non_finite_error(f"at generation step {step + 1} of {max_new_tokens}", dtype)
         if tok in stop_ids:
@@ -80,7 +84,7 @@ def generate_vl(model, ids: list[int], images, max_new_tokens: int, stop_ids: li
 
 def answer(model, tokenizer, conv: Conversation, settings, max_new_tokens: int) -> str:
     """The model's greedy reply to `conv`'s last user turn (its images included)."""
-    from erniekit.infer.stops import stop_ids
+    from erniekit.infer.stops import decodable_vocab, stop_ids
 
     ids, images, videos = prompt_with_videos(conv, tokenizer, model.config, settings, model.video_settings)
     context = int(model.config.max_position_embeddings)
@@ -90,4 +94,7 @@ def answer(model, tokenizer, conv: Conversation, settings, max_new_tokens: int) 
             f"{context}; send fewer or smaller images (max_pixels in preprocessor_config.json) or a shorter history"
         )
     max_new_tokens = min(max_new_tokens, context - len(ids))
-    return tokenizer.decode(generate_vl(model, ids, images, max_new_tokens, stop_ids(model, tokenizer), videos))
+    out = generate_vl(
+        model, ids, images, max_new_tokens, stop_ids(model, tokenizer), videos, decodable_vocab(model, tokenizer)
+    )
+    return tokenizer.decode(out)

@@ -67,12 +67,18 @@ class _RoutingRecorder:
 
 
 def rollout(
-    model, prompts: list[list[int]], params: SamplingParams, pad_id: int, record_routing: bool = False
+    model,
+    prompts: list[list[int]],
+    params: SamplingParams,
+    pad_id: int,
+    record_routing: bool = False,
+    vocab: int | None = None,
 ) -> Rollout:
-    """Sample one completion per prompt (repeat prompts beforehand for several per prompt)."""
+    """Sample one completion per prompt (repeat prompts beforehand for several per prompt), of ids
+    below `vocab` (`generate_stream`'s: the tokenizer's, so rewards can decode every reply)."""
     B, L = len(prompts), max(len(p) for p in prompts)
     recorder = _RoutingRecorder(model, B) if record_routing else None
-    steps = [s for s in generate_stream(model, prompts, params, pad_id, on_forward=recorder)]
+    steps = [s for s in generate_stream(model, prompts, params, pad_id, on_forward=recorder, vocab=vocab)]
     N = len(steps)
     raw = np.stack(steps, axis=1)  # [B, N], -1 after a sequence stopped
     completion_mask = (raw >= 0).astype(np.int64)
@@ -106,11 +112,17 @@ def repeat_prompts(prompts: list[list[int]], num_generations: int) -> list[list[
 
 
 def greedy_completions(
-    model, prompts: list[list[int]], max_new_tokens: int, stop_token_ids: list[int], pad_id: int, batch_size: int
+    model,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    stop_token_ids: list[int],
+    pad_id: int,
+    batch_size: int,
+    vocab: int | None = None,
 ) -> list[list[int]]:
-    """Greedy completions (stop token excluded), batched: what evaluation scores."""
+    """Greedy completions (stop token excluded, ids below `vocab`), batched: what evaluation scores."""
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0, stop_token_ids=stop_token_ids)
     out: list[list[int]] = []
     for i in range(0, len(prompts), batch_size):
-        out += generate(model, prompts[i : i + batch_size], params, pad_id=pad_id)
+        out += generate(model, prompts[i : i + batch_size], params, pad_id=pad_id, vocab=vocab)
     return out

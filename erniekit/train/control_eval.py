@@ -7,7 +7,7 @@ from __future__ import annotations
 from erniekit.data.control import follows
 from erniekit.data.formats import Conversation
 from erniekit.infer.generate import SamplingParams, generate
-from erniekit.infer.stops import turn_end_ids
+from erniekit.infer.stops import decodable_vocab, turn_end_ids
 from erniekit.train.evaluation import prompt_ids
 
 FOLLOW_PREFIX = "follow:"  # metric keys: follow:style=words
@@ -21,7 +21,8 @@ def control_generation_eval(
     hits, counts, followed = 0, {}, {}
     for i in range(0, len(convs), batch_size):
         chunk = convs[i : i + batch_size]
-        outs = generate(model, [prompt_ids(c, tokenizer) for c in chunk], params, pad_id=tokenizer.pad_token_id)
+        prompts = [prompt_ids(c, tokenizer) for c in chunk]
+        outs = generate(model, prompts, params, pad_id=tokenizer.pad_token_id, vocab=decodable_vocab(model, tokenizer))
         for o, c in zip(outs, chunk):
             reply = tokenizer.decode(o).strip()
             hits += reply == c.turns[-1][1].strip()

@@ -7,7 +7,7 @@ from collections import Counter
 from erniekit.data.encode import IGNORE_INDEX, encode_conversation
 from erniekit.data.formats import Conversation
 from erniekit.infer.generate import SamplingParams, generate
-from erniekit.infer.stops import turn_end_ids
+from erniekit.infer.stops import decodable_vocab, turn_end_ids
 
 
 def majority_reply(convs: list[Conversation]) -> str:
@@ -36,6 +36,7 @@ def exact_match_eval(model, tokenizer, convs: list[Conversation], batch_size: in
     hits = 0
     for i in range(0, len(convs), batch_size):
         chunk = convs[i : i + batch_size]
-        outs = generate(model, [prompt_ids(c, tokenizer) for c in chunk], params, pad_id=tokenizer.pad_token_id)
+        prompts = [prompt_ids(c, tokenizer) for c in chunk]
+        outs = generate(model, prompts, params, pad_id=tokenizer.pad_token_id, vocab=decodable_vocab(model, tokenizer))
         hits += sum(tokenizer.decode(o).strip() == c.turns[-1][1].strip() for o, c in zip(outs, chunk))
     return hits / max(len(convs), 1)

@@ -19,6 +19,7 @@ import paddle
 
 from erniekit.errors import DataError
 from erniekit.infer.sampling import SamplingParams
+from erniekit.infer.stops import decodable_vocab
 from erniekit.rl.data import PromptExample, load_prompts
 from erniekit.rl.losses import token_entropy
 from erniekit.rl.rewards import accuracy, check_fields, compute_rewards, load_reward_functions
@@ -156,7 +157,12 @@ class RLStage(Stage):
             stop_token_ids=self.stop_ids,
         )
         ro = rollout(
-            model, repeat_prompts([self.prompt_ids[i] for i in idx], G), params, self.pad_id, record_routing=self.is_moe
+            model,
+            repeat_prompts([self.prompt_ids[i] for i in idx], G),
+            params,
+            self.pad_id,
+            record_routing=self.is_moe,
+            vocab=decodable_vocab(model, self.tokenizer),
         )
         rewards = self._rewards(examples, ro.completions(), G)  # [F, B]
         total = np.asarray([f.weight for f in self.reward_funcs]) @ rewards
@@ -280,7 +286,13 @@ class RLStage(Stage):
         n = min(len(eval_data["examples"]), cfg.eval_max_samples)
         examples, prompts = eval_data["examples"][:n], eval_data["prompt_ids"][:n]
         comp_ids = greedy_completions(
-            model, prompts, cfg.eval_max_new_tokens, self.stop_ids, self.pad_id, cfg.per_device_eval_batch_size
+            model,
+            prompts,
+            cfg.eval_max_new_tokens,
+            self.stop_ids,
+            self.pad_id,
+            cfg.per_device_eval_batch_size,
+            vocab=decodable_vocab(model, tokenizer),
         )
         rewards = self._rewards(examples, comp_ids)
         res = {"reward": float((np.asarray([f.weight for f in self.reward_funcs]) @ rewards).mean())}

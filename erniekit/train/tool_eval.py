@@ -12,7 +12,7 @@ from erniekit.data.synthetic_tools import calculate
 from erniekit.infer.chat import chat_prompt_ids
 from erniekit.infer.generate import SamplingParams, generate
 from erniekit.infer.reply_parser import ParsedReply, parse_reply
-from erniekit.infer.stops import turn_end_ids
+from erniekit.infer.stops import decodable_vocab, turn_end_ids
 
 # Tools the evaluation can run itself; other tools get the reference result when the call matches it.
 BUILTIN_TOOLS: dict[str, Callable[..., str]] = {"calculator": lambda expression="": calculate(str(expression))}
@@ -42,7 +42,7 @@ def _run_tool(name: str, args: dict, expected: dict[tuple, str]) -> str:
 
 def tool_eval(model, tokenizer, convs: list[Conversation], batch_size: int, max_new_tokens: int) -> dict[str, float]:
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0, stop_token_ids=turn_end_ids(tokenizer))
-    thinking = tokenizer.thinking
+    thinking, vocab = tokenizer.thinking, decodable_vocab(model, tokenizer)
     refs = [_reference(c) for c in convs]
 
     def replies(histories: list[list[dict]], tools: list[list[dict]]) -> list[ParsedReply]:
@@ -52,7 +52,7 @@ def tool_eval(model, tokenizer, convs: list[Conversation], batch_size: int, max_
                 chat_prompt_ids(tokenizer, h, t or None)
                 for h, t in zip(histories[i : i + batch_size], tools[i : i + batch_size])
             ]
-            for ids in generate(model, prompts, params, pad_id=tokenizer.pad_token_id):
+            for ids in generate(model, prompts, params, pad_id=tokenizer.pad_token_id, vocab=vocab):
                 out.append(parse_reply(tokenizer.decode(ids), thinking))
         return out
 

@@ -11,6 +11,7 @@ from erniekit.infer.chat import chat_prompt_ids
 from erniekit.infer.generate import generate_stream
 from erniekit.infer.reply_parser import ReplyParser, collect, parse_reply
 from erniekit.infer.sampling import SamplingParams
+from erniekit.infer.stops import decodable_vocab
 
 THOUGHT = "Thinking"  # the title of a gradio Chatbot "thought" message
 
@@ -65,7 +66,8 @@ def text_reply(model, tokenizer, history: list[dict], text: str, params: Samplin
     base = list(history) + [{"role": "user", "content": text}]
     thinking = bool(getattr(tokenizer, "thinking", False))
     stops, new = set(params.stop_token_ids or []), []
-    for step in generate_stream(model, [ids], params, pad_id=tokenizer.pad_token_id or 0):
+    vocab = decodable_vocab(model, tokenizer)
+    for step in generate_stream(model, [ids], params, pad_id=tokenizer.pad_token_id or 0, vocab=vocab):
         t = int(step[0])
         if t < 0 or t in stops:
             break

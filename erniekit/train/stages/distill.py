@@ -281,7 +281,7 @@ class DistillStage(Stage):
         """Prompt + the student's sampled reply (up to and with its stop token) per row, the reply
         trained; right-padded like a data batch (row_index -1: no cache entry)."""
         from erniekit.infer.sampling import SamplingParams
-        from erniekit.infer.stops import turn_end_ids
+        from erniekit.infer.stops import decodable_vocab, turn_end_ids
         from erniekit.rl.rollout import rollout
 
         cfg = self.cfg
@@ -298,7 +298,7 @@ class DistillStage(Stage):
             top_p=cfg.top_p,
             stop_token_ids=sorted({*turn_end_ids(self.tokenizer), *cfg.stop_token_ids}),
         )
-        ro = rollout(model, prompts, params, self.tokenizer.pad_token_id)
+        ro = rollout(model, prompts, params, self.tokenizer.pad_token_id, vocab=decodable_vocab(model, self.tokenizer))
         rows = []
         for p, comp, m in zip(prompts, ro.completion_ids, ro.completion_mask):
             reply = comp[: int(m.sum())]

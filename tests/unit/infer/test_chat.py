@@ -93,9 +93,9 @@ def test_interactive_keeps_history_clears_and_exits(ckpt, monkeypatch, capsys):
     prompts: list[list[int]] = []
     real_stream = gen.generate_stream
 
-    def stream_spy(model, ps, params, pad_id=0):
+    def stream_spy(model, ps, params, pad_id=0, vocab=None):
         prompts.append(list(ps[0]))
-        return real_stream(model, ps, params, pad_id)
+        return real_stream(model, ps, params, pad_id, vocab=vocab)
 
     monkeypatch.setattr(ErnieTokenizer, "apply_chat_template", spy)
     monkeypatch.setattr(gen, "generate_stream", stream_spy)
@@ -146,7 +146,9 @@ def test_streaming_writes_pieces_and_holds_back_partial_characters(ckpt, monkeyp
     ids = tok.encode(text)
     assert len(ids) > len(text) - 2  # multi-byte characters really are several ids here
     monkeypatch.setattr(
-        gen, "generate_stream", lambda model, ps, params, pad_id=0: iter([[i] for i in ids + [tok.sep_token_id]])
+        gen,
+        "generate_stream",
+        lambda model, ps, params, pad_id=0, vocab=None: iter([[i] for i in ids + [tok.sep_token_id]]),
     )
 
     class Recorder(io.StringIO):
@@ -208,9 +210,9 @@ def test_replies_stop_at_the_context_and_an_overlong_history_leaves_it_as_it_was
     asked: list[int] = []
     real_stream = gen.generate_stream
 
-    def stream_spy(model, ps, params, pad_id=0):
+    def stream_spy(model, ps, params, pad_id=0, vocab=None):
         asked.append(params.max_new_tokens)
-        return real_stream(model, ps, params, pad_id)
+        return real_stream(model, ps, params, pad_id, vocab=vocab)
 
     monkeypatch.setattr(gen, "generate_stream", stream_spy)
     session = ChatSession(model, tok, SamplingParams(max_new_tokens=10**6), out=io.StringIO())

@@ -40,7 +40,7 @@ class ScriptedEngine:
     def __init__(self, tokenizer, reply: str, finish: str = "stop"):
         self.tokenizer, self.reply, self.prompts, self.finish = tokenizer, reply, [], finish
         self.model = SimpleNamespace(config=SimpleNamespace(vocab_size=len(tokenizer)))
-        self.max_model_len, self.vl = 4096, False
+        self.max_model_len, self.vl, self.vocab = 4096, False, len(tokenizer)
 
     def check(self, prompt_len: int, max_new_tokens: int) -> None:
         pass

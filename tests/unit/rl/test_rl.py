@@ -124,6 +124,19 @@ def test_rollout_samples_each_group_independently(tmp_path):
     assert len({tuple(c) for c in ro.completions()}) > 1  # a random tiny model: 8 samples differ
 
 
+def test_a_vocabulary_padded_past_the_tokenizer_never_reaches_the_rewards(tmp_path):
+    """vocab_size 8192 for a 1024-token tokenizer: most of a random head's mass is on padding ids,
+    which no reward can decode (DataError before the rollouts were cut to the tokenizer's ids)."""
+    model, st, tok, _ = _prepared_stage(tmp_path, "model_overrides.vocab_size=8192", "temperature=1.0")
+    assert model.config.vocab_size == 8192 > len(tok)
+    batch = _rollout_batch(st, model)
+    real = batch["attention_mask"] > 0
+    assert batch["input_ids"][real].max() < len(tok)
+    cfg = _cfg(tmp_path, "model_overrides.vocab_size=8192")
+    res = st.evaluate(model, tok, st.build_eval_data(cfg, tok), cfg)  # greedy completions, decoded
+    assert np.isfinite(res["reward"])
+
+
 # ---- routing replay --------------------------------------------------------------------------
 def _rollout_batch(st, model):
     return st._make_batch(model, st.collate([{"prompt_index": np.array(i)} for i in range(4)], 0))

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import paddle
@@ -165,11 +166,13 @@ def test_control_eval_counts_replies_that_follow(monkeypatch):
     convs = load_sft_examples(str(DATA / "eval.jsonl"))[:10]  # 5 problems, digits then words
     replies = ["three", "7", "minus two", "12", "x"] * 2
 
-    def scripted(model, prompts, params, pad_id=0):
+    def scripted(model, prompts, params, pad_id=0, vocab=None):
+        assert vocab == len(tok)  # a vocabulary padded past the tokenizer is cut to it
         return [tok.encode(replies.pop(0)) for _ in prompts]
 
     monkeypatch.setattr(ce, "generate", scripted)
-    res = ce.control_generation_eval(None, tok, convs, batch_size=4, max_new_tokens=4)
+    padded = SimpleNamespace(config=SimpleNamespace(vocab_size=len(tok) + 8))
+    res = ce.control_generation_eval(padded, tok, convs, batch_size=4, max_new_tokens=4)
     sent = ["three", "7", "minus two", "12", "x"] * 2
     digits = [r for c, r in zip(convs, sent) if c.control["style"] == "digits"]
     words = [r for c, r in zip(convs, sent) if c.control["style"] == "words"]

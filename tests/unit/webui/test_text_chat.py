@@ -5,6 +5,8 @@ model's tokens are scripted (generation itself is tested elsewhere)."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 
 from erniekit.infer.chat import chat_prompt_ids
@@ -14,6 +16,8 @@ from erniekit.webui import text_chat
 
 REASONING = "47*86: use the calculator."
 REPLY = f"{REASONING}\n</think>\n\n<response>\n4042\n</response>\n"
+# a model whose vocabulary is padded past the tokenizer: generation is cut to the tokenizer's ids
+PADDED = SimpleNamespace(config=SimpleNamespace(vocab_size=len(default_tokenizer()) + 8))
 
 
 @pytest.fixture
@@ -23,7 +27,8 @@ def scripted(monkeypatch):
     seen: list[list[int]] = []
 
     def install(tok, reply: str, stop: int):
-        def fake(model, batch, params, pad_id=0):
+        def fake(model, batch, params, pad_id=0, vocab=None):
+            assert vocab == len(tok)  # replies hold only ids the tokenizer writes
             seen.append(list(batch[0]))
             for t in tok.encode(reply) + [stop]:
                 yield [t]
@@ -39,7 +44,7 @@ def test_the_reasoning_is_a_thought_and_goes_back_into_the_next_prompt(scripted)
     stop = tok.convert_tokens_to_ids("<|im_end|>")
     seen = scripted(tok, REPLY, stop)
     params = SamplingParams(max_new_tokens=64, stop_token_ids=[stop])
-    states = list(text_chat.text_reply(None, tok, [], "47*86=?", params))
+    states = list(text_chat.text_reply(PADDED, tok, [], "47*86=?", params))
     final = states[-1]
     assert final == [
         {"role": "user", "content": "47*86=?"},
@@ -54,7 +59,7 @@ def test_the_reasoning_is_a_thought_and_goes_back_into_the_next_prompt(scripted)
     gr = pytest.importorskip("gradio")
     page = gr.Chatbot()
     history = page.preprocess(page.postprocess(final))  # as the page hands the history back: parts, metadata
-    list(text_chat.text_reply(None, tok, history, "and 2+2?", params))
+    list(text_chat.text_reply(PADDED, tok, history, "and 2+2?", params))
     want = [
         {"role": "user", "content": "47*86=?"},
         {"role": "assistant", "content": "4042", "reasoning_content": REASONING},
@@ -69,7 +74,7 @@ def test_a_model_without_the_thinking_format_shows_its_text_as_it_is(scripted):
     stop = tok.eos_token_id
     scripted(tok, "12</think>", stop)
     params = SamplingParams(max_new_tokens=64, stop_token_ids=[stop])
-    final = list(text_chat.text_reply(None, tok, [], "hi", params))[-1]
+    final = list(text_chat.text_reply(PADDED, tok, [], "hi", params))[-1]
     assert final == [
         {"role": "user", "content": "hi"},
         {"role": "assistant", "content": tok.decode(tok.encode("12</think>"))},

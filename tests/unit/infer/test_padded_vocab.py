@@ -1,0 +1,186 @@
+"""A checkpoint whose vocabulary is padded past its tokenizer (ERNIE 4.5: 103424 rows for ~101k
+tokens): every decoder chooses among the ids the tokenizer can write, so a reply never holds an id
+that decodes to nothing (the engine used to fail such a request with an error, an RL rollout's
+reward could not decode it). The reference: the same weights with the padding rows cut off.
+
+The padded model's padding columns of the head are 20x the others, so without the cut every choice
+would be a padding id: each test fails if the decoder it covers looks past the tokenizer."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import paddle
+import pytest
+
+from erniekit.infer.engine import Engine, Request, complete
+from erniekit.infer.generate import choice_width, generate, generate_stream
+from erniekit.infer.sampling import SamplingParams
+from erniekit.infer.speculative import speculative_generate
+from erniekit.infer.stops import decodable_vocab
+from erniekit.models.ernie4_5 import Ernie4_5ForCausalLM, get_preset
+from erniekit.models.ernie4_5.tokenizer import default_tokenizer
+from erniekit.rl.rollout import greedy_completions, rollout
+
+PAD = 96  # padding rows past the tokenizer
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return default_tokenizer()
+
+
+def _config(vocab: int):
+    return get_preset("tiny-dense").replace(
+        vocab_size=vocab,
+        initializer_range=0.5,  # peaked logits: greedy choices not decided by rounding
+        tie_word_embeddings=False,
+        num_nextn_predict_layers=1,
+    )
+
+
+@pytest.fixture(scope="module")
+def models(tok):
+    """(padded, cut): the padded model and the same weights without its padding rows."""
+    V = len(tok)
+    paddle.seed(0)
+    padded = Ernie4_5ForCausalLM(_config(V + PAD))
+    with paddle.no_grad():
+        w = padded.lm_head.weight.numpy()  # [hidden, vocab]
+        w[:, V:] *= 20.0
+        padded.lm_head.weight.set_value(paddle.to_tensor(w))
+    cut = Ernie4_5ForCausalLM(_config(V))
+    state = padded.state_dict()
+    rows = {"model.embed_tokens.weight": lambda w: w[:V], "lm_head.weight": lambda w: w[:, :V]}
+    cut.set_state_dict({k: rows.get(k, lambda w: w)(v) for k, v in state.items()})
+    padded.eval()
+    cut.eval()
+    return padded, cut
+
+
+def _prompts(n: int, seed: int = 0) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [list(map(int, rng.integers(5, 1000, size=int(rng.integers(3, 12))))) for _ in range(n)]
+
+
+def test_the_fixture_prefers_padding_ids_when_nothing_cuts_them(models, tok):
+    padded, _ = models
+    out = generate(padded, _prompts(2), SamplingParams(max_new_tokens=4))
+    assert all(t >= len(tok) for o in out for t in o)
+
+
+def test_decodable_vocab_is_the_smaller_of_tokenizer_and_model(models, tok):
+    padded, cut = models
+    assert decodable_vocab(padded, tok) == len(tok) == decodable_vocab(cut, tok)
+    assert choice_width(padded, None) == len(tok) + PAD
+    assert choice_width(padded, 10**9) == len(tok) + PAD
+    for bad in (0, -3, True, 2.5):
+        with pytest.raises(ValueError, match="vocab="):
+            choice_width(padded, bad)
+
+
+def test_greedy_generation_cut_to_the_tokenizer_equals_the_model_without_padding(models, tok):
+    padded, cut = models
+    prompts, params = _prompts(3, seed=1), SamplingParams(max_new_tokens=10)
+    assert generate(padded, prompts, params, vocab=len(tok)) == generate(cut, prompts, params)
+
+
+def test_sampled_generation_and_rollouts_hold_only_decodable_ids(models, tok):
+    padded, cut = models
+    V = len(tok)
+    params = SamplingParams(max_new_tokens=12, temperature=1.5, seed=3)
+    steps = np.stack(list(generate_stream(padded, _prompts(4, seed=2), params, vocab=V)))
+    assert steps.max() < V and (steps >= 0).all()
+    ro = rollout(padded, _prompts(4, seed=4), params, pad_id=0, vocab=V)
+    assert ro.completion_ids.max() < V
+    tok.decode([t for c in ro.completions() for t in c])  # raised for a padding id before
+    prompts = _prompts(3, seed=5)
+    assert greedy_completions(padded, prompts, 8, [], 0, 2, vocab=V) == generate(cut, prompts, SamplingParams(8))
+
+
+def test_speculative_decoding_cut_to_the_tokenizer_equals_plain_greedy(models, tok):
+    padded, cut = models
+    prompt, params = _prompts(1, seed=6)[0], SamplingParams(max_new_tokens=12)
+    assert speculative_generate(padded, prompt, params, vocab=len(tok)) == generate(cut, [prompt], params)[0]
+
+
+def _requests(engine, reqs):
+    done = [threading.Event() for _ in reqs]
+    for r, d in zip(reqs, done):
+        r.emit = lambda _t, f, d=d: d.set() if f is not None else None
+        engine.submit(r)
+    for d in done:
+        assert d.wait(120)
+    return reqs
+
+
+def test_the_engine_never_fails_a_request_on_a_padding_id_and_scores_as_the_cut_model(models, tok):
+    """Sampled and greedy requests with log-probabilities (prompt and generated) on the padded
+    model: every request ends normally with decodable ids, and greedy ids and every
+    log-probability equal the cut model's."""
+    padded, cut = models
+    V = len(tok)
+
+    def batch():
+        prompts = _prompts(4, seed=7)
+        sampled = [
+            Request(p, SamplingParams(max_new_tokens=10, temperature=1.0, seed=i), None) for i, p in enumerate(prompts)
+        ]
+        greedy = [Request(p, SamplingParams(max_new_tokens=6), None, logprobs=3, prompt_logprobs=2) for p in prompts]
+        return sampled, greedy
+
+    got, ref = {}, {}
+    for model, out in ((padded, got), (cut, ref)):
+        e = Engine(model, tok, max_batch=4, max_model_len=64)
+        try:
+            assert e.vocab == V
+            sampled, greedy = batch()
+            out["sampled"], out["greedy"] = _requests(e, sampled), _requests(e, greedy)
+        finally:
+            e.close()
+    for r in got["sampled"] + got["greedy"]:
+        assert r.error is None and max(r.completion) < V
+    for g, c in zip(got["greedy"], ref["greedy"]):
+        assert g.completion == c.completion
+        for a, b in ((g.token_logprobs, c.token_logprobs), (g.prompt_token_logprobs, c.prompt_token_logprobs)):
+            assert [x.id for x in a] == [x.id for x in b]
+            assert [[t for t, _ in x.top] for x in a] == [[t for t, _ in x.top] for x in b]
+            np.testing.assert_allclose([x.logprob for x in a], [x.logprob for x in b], rtol=1e-5, atol=1e-5)
+
+
+def test_the_engine_refuses_ids_past_the_tokenizer(models, tok):
+    padded, _ = models
+    e = Engine(padded, tok, max_batch=1, max_model_len=32)
+    try:
+        with pytest.raises(ValueError, match=rf"logit_bias key {len(tok)} is outside the vocabulary \[0, {len(tok)}\)"):
+            e.submit(Request([5, 6], SamplingParams(max_new_tokens=2, logit_bias={len(tok): 5.0}), None))
+        with pytest.raises(ValueError, match="prompt token id"):
+            e.submit(Request([5, len(tok) + 1], SamplingParams(max_new_tokens=2), None))
+        assert complete(e, [5, 6, 7], SamplingParams(max_new_tokens=3))[2] == "length"
+    finally:
+        e.close()
+
+
+def test_vision_language_generation_chooses_below_the_tokenizer(tok):
+    """The tiny VL model's ids past the tokenizer (its image / video placeholders) made the most
+    likely: a text prompt's greedy reply still holds only the tokenizer's ids."""
+    from erniekit.infer.vl_generate import generate_vl
+    from erniekit.models.ernie4_5_vl.modeling import Ernie4_5_VLForConditionalGeneration
+    from erniekit.models.registry import model_config
+
+    V = len(tok)
+    paddle.seed(0)
+    m = Ernie4_5_VLForConditionalGeneration(
+        model_config("tiny-vl").replace(initializer_range=0.5, tie_word_embeddings=False)
+    )
+    m.eval()
+    assert m.config.vocab_size > V
+    with paddle.no_grad():
+        w = m.lm_head.weight.numpy()
+        w[:, V:] *= 20.0
+        m.lm_head.weight.set_value(paddle.to_tensor(w))
+    prompt = _prompts(1, seed=8)[0]
+    assert min(generate_vl(m, prompt, None, 4, [])) >= V  # the fixture: padding ids win uncut
+    out = generate_vl(m, prompt, None, 8, [], vocab=decodable_vocab(m, tok))
+    assert len(out) == 8 and max(out) < V
