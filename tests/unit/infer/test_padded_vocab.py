@@ -184,3 +184,54 @@ def test_vision_language_generation_chooses_below_the_tokenizer(tok):
     assert min(generate_vl(m, prompt, None, 4, [])) >= V  # the fixture: padding ids win uncut
     out = generate_vl(m, prompt, None, 8, [], vocab=decodable_vocab(m, tok))
     assert len(out) == 8 and max(out) < V
+
+
+def test_chat_evaluation_and_sampled_reports_decode_the_padded_models_replies(models, tok):
+    """What decodes generated ids (chat, with and without speculative decoding; exact match, the
+    control and tool evaluations; the credibility report's samples) raised a DataError on the
+    padded model's first reply before."""
+    from pathlib import Path
+
+    from erniekit.data.formats import load_sft_examples
+    from erniekit.infer.chat import ChatSession
+    from erniekit.infer.credibility import sample_replies
+    from erniekit.train.control_eval import control_generation_eval
+    from erniekit.train.evaluation import exact_match_eval
+    from erniekit.train.tool_eval import tool_eval
+
+    padded, cut = models
+    data = Path(__file__).resolve().parents[3] / "examples" / "data"
+    params = SamplingParams(max_new_tokens=6)
+    for speculative in (False, True):
+        reply = ChatSession(padded, tok, params, speculative=speculative).reply("1+2=")
+        assert reply == ChatSession(cut, tok, params).reply("1+2=")
+    convs = load_sft_examples(str(data / "arithmetic" / "eval.jsonl"))[:3]
+    assert 0.0 <= exact_match_eval(padded, tok, convs, batch_size=3, max_new_tokens=4) <= 1.0
+    controls = load_sft_examples(str(data / "control" / "eval.jsonl"))[:3]
+    assert "exact_match" in control_generation_eval(padded, tok, controls, batch_size=3, max_new_tokens=4)
+    thinking = default_tokenizer().with_thinking_template()
+    tools = load_sft_examples(str(data / "tools" / "eval.jsonl"))[:2]
+    assert tool_eval(padded, thinking, tools, batch_size=2, max_new_tokens=4)
+    replies = sample_replies(padded, tok, [[5, 6, 7], [8, 9]], temperature=1.0, max_new_tokens=5, batch_size=2, seed=0)
+    assert len(replies) == 2
+
+
+def test_the_server_answers_sampled_requests_with_their_logprobs_on_the_padded_model(models, tok):
+    pytest.importorskip("fastapi")
+    from starlette.testclient import TestClient
+
+    from erniekit.infer.server import OpenAIServer, build_app
+
+    padded, _ = models
+    e = Engine(padded, tok, max_batch=2, max_model_len=64)
+    try:
+        with TestClient(build_app(OpenAIServer(e, tok, "m"))) as http:
+            body = {"model": "m", "prompt": "1+2=", "max_tokens": 6, "temperature": 1.0, "seed": 1, "logprobs": 3}
+            r = http.post("/v1/completions", json=body)
+            assert r.status_code == 200, r.text
+            lp = r.json()["choices"][0]["logprobs"]
+            assert len(lp["tokens"]) == 6 and all(len(top) == 3 for top in lp["top_logprobs"])
+            bad = http.post("/v1/completions", json={**body, "logit_bias": {str(len(tok)): 1}})
+            assert bad.status_code == 400 and "outside the vocabulary" in bad.text
+    finally:
+        e.close()

@@ -285,6 +285,18 @@ def test_on_policy_batches_are_the_students_own_samples_and_deterministic(tmp_pa
     assert not np.array_equal(a["input_ids"], c["input_ids"])
 
 
+def test_on_policy_samples_choose_among_the_tokenizers_ids(tmp_path, teacher, monkeypatch):
+    """The student's rollouts are cut to the ids its tokenizer writes (a vocabulary padded past it
+    would otherwise train on ids no text stands for)."""
+    import erniekit.rl.rollout as rl
+
+    stage, model, tok, rows = _stage(_cfg(tmp_path, teacher, "on_policy_ratio=1.0", "temperature=1.0"))
+    asked, real = [], rl.rollout
+    monkeypatch.setattr(rl, "rollout", lambda *a, **k: (asked.append(k.get("vocab")), real(*a, **k))[1])
+    stage.sampled_batch(model, stage.collate(rows[:4], tok.pad_token_id))
+    assert asked == [len(tok)]
+
+
 def _scalars(out):
     return [json.loads(line) for line in open(os.path.join(out, "vdl_log", "scalars.jsonl"))]
 
