@@ -241,16 +241,16 @@ class Engine:
             )
 
     def check_ids(self, prompt: list[int], params: SamplingParams) -> None:
-        """ValueError when a prompt id or a logit_bias key is outside the ids a reply can hold
-        (`self.vocab`: an id past the model's would index past the embedding or the logits inside
-        the shared step; one past the tokenizer's is no text)."""
-        vocab = self.vocab
+        """ValueError when a prompt id is outside the model's vocabulary (it would index past the
+        embedding inside the shared step; a VL prompt's placeholders may lie past the tokenizer)
+        or a logit_bias key outside the ids a reply can hold (`self.vocab`)."""
+        vocab = int(self.model.config.vocab_size)
         bad = next((t for t in prompt if not 0 <= int(t) < vocab), None)
         if bad is not None:
             raise ValueError(f"prompt token id {bad} is outside the vocabulary [0, {vocab})")
-        bad = next((t for t in params.logit_bias if not 0 <= int(t) < vocab), None)
+        bad = next((t for t in params.logit_bias if not 0 <= int(t) < self.vocab), None)
         if bad is not None:
-            raise ValueError(f"logit_bias key {bad} is outside the vocabulary [0, {vocab})")
+            raise ValueError(f"logit_bias key {bad} is outside the vocabulary [0, {self.vocab})")
 
     def submit(self, req: Request) -> None:
         if (req.images is not None or req.videos is not None) and not self.vl:

@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import paddle
 import pytest
@@ -162,7 +163,8 @@ def test_streaming_writes_pieces_and_holds_back_partial_characters(ckpt, monkeyp
 
     out = Recorder()
     params = SamplingParams(max_new_tokens=64, stop_token_ids=[tok.sep_token_id])
-    session = ChatSession(None, tok, params, out=out)
+    model = SimpleNamespace(config=SimpleNamespace(vocab_size=len(tok), max_position_embeddings=4096))  # scripted
+    session = ChatSession(model, tok, params, out=out)
     assert session.reply("hi") == text
     assert "".join(out.writes) == text
     assert len(out.writes) >= 8 and not any("\ufffd" in w for w in out.writes)

@@ -72,7 +72,10 @@ def test_image_and_text_requests_decoded_together_get_their_single_request_token
     shapes = [[(84, 84)], [(112, 56), (56, 56)], [], [(60, 100)], []]
     reqs = [_request(model, rng, s) for s in shapes]
     lengths = [9, 6, 11, 7, 5]
-    ref = [generate_vl(model, ids, im, n, stop_ids=[]) for (ids, im), n in zip(reqs, lengths)]
+    ref = [
+        generate_vl(model, ids, im, n, stop_ids=[], vocab=len(default_tokenizer()))
+        for (ids, im), n in zip(reqs, lengths)
+    ]
     engine = Engine(model, default_tokenizer(), max_batch=3, max_model_len=128)
     out = _concurrently(engine, [(ids, n, {"images": im}) for (ids, im), n in zip(reqs, lengths)])
     assert out == ref
@@ -100,8 +103,10 @@ def test_a_video_request_batched_with_an_image_request_gets_its_single_request_t
     patches, grid = preprocess_video(frames, None, VideoSettings(min_pixels=56 * 84, max_pixels=56 * 84))
     video_ids = [7, 8] + video_tokens(grid, model.config) + [9, 10, 11]
     image_ids, images = _request(model, rng, [(84, 84)])
-    ref_video = generate_vl(model, video_ids, None, 8, stop_ids=[], videos=(patches, grid))
-    ref_image = generate_vl(model, image_ids, images, 8, stop_ids=[])
+    ref_video = generate_vl(
+        model, video_ids, None, 8, stop_ids=[], videos=(patches, grid), vocab=len(default_tokenizer())
+    )
+    ref_image = generate_vl(model, image_ids, images, 8, stop_ids=[], vocab=len(default_tokenizer()))
     engine = Engine(model, default_tokenizer(), max_batch=2, max_model_len=128)
     out = _concurrently(engine, [(video_ids, 8, {"videos": (patches, grid)}), (image_ids, 8, {"images": images})])
     assert out == [ref_video, ref_image]

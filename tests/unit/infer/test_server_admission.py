@@ -22,7 +22,7 @@ class HoldingEngine:
 
     def __init__(self, vocab: int, refuse: int | None = None):
         self.model = SimpleNamespace(config=SimpleNamespace(vocab_size=vocab))
-        self.max_model_len, self.vl, self.reqs, self.refuse = 64, False, [], refuse
+        self.max_model_len, self.vl, self.reqs, self.refuse, self.vocab = 64, False, [], refuse, vocab
 
     def check(self, prompt_len: int, max_new_tokens: int) -> None:
         pass
