@@ -16,8 +16,9 @@ def turn_end_ids(tokenizer) -> list[int]:
 
 def decodable_vocab(model, tokenizer) -> int:
     """The ids [0, n) a reply may be made of: those the tokenizer can write. A checkpoint's
-    vocabulary is often padded past its tokenizer (ERNIE 4.5: 103424 rows for ~101k tokens); a
-    padding id is a legal argmax of the head but no text, so the decoders choose below n."""
+    vocabulary is often padded past its tokenizer (to a multiple that shards evenly, or with rows
+    kept for tokens added later); a padding id is a legal argmax of the head but no text, so the
+    decoders choose below n."""
     return min(len(tokenizer), int(model.config.vocab_size))
 
 

@@ -1,5 +1,5 @@
-"""A checkpoint whose vocabulary is padded past its tokenizer (ERNIE 4.5: 103424 rows for ~101k
-tokens): every decoder chooses among the ids the tokenizer can write, so a reply never holds an id
+"""A checkpoint whose vocabulary is padded past its tokenizer (to a multiple that shards evenly, or
+with rows kept for tokens added later): every decoder chooses among the ids the tokenizer can write, so a reply never holds an id
 that decodes to nothing (the engine used to fail such a request with an error, an RL rollout's
 reward could not decode it). The reference: the same weights with the padding rows cut off.
 
