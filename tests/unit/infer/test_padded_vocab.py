@@ -1,7 +1,8 @@
-"""A checkpoint whose vocabulary is padded past its tokenizer (to a multiple that shards evenly, or
-with rows kept for tokens added later): every decoder chooses among the ids the tokenizer can write, so a reply never holds an id
-that decodes to nothing (the engine used to fail such a request with an error, an RL rollout's
-reward could not decode it). The reference: the same weights with the padding rows cut off.
+"""A checkpoint whose vocabulary is padded past its tokenizer (to a multiple that shards evenly,
+or with rows kept for tokens added later): every decoder chooses among the ids the tokenizer can
+write, so a reply never holds an id that decodes to nothing (the engine used to fail such a
+request with an error, an RL rollout's reward could not decode it). The reference: the same
+weights with the padding rows cut off.
 
 The padded model's padding columns of the head are 20x the others, so without the cut every choice
 would be a padding id: each test fails if the decoder it covers looks past the tokenizer."""
