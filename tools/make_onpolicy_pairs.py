@@ -32,6 +32,7 @@ def main(argv: list[str] | None = None) -> None:
 
     from erniekit.data.formats import load_sft_examples
     from erniekit.infer.generate import SamplingParams, generate
+    from erniekit.infer.stops import decodable_vocab
     from erniekit.models.ernie4_5.tokenizer import ErnieTokenizer
     from erniekit.models.registry import load_model_or_adapter
     from erniekit.train.evaluation import prompt_ids
@@ -47,7 +48,8 @@ def main(argv: list[str] | None = None) -> None:
         )
         for i in range(0, len(convs), 250):
             chunk = convs[i : i + 250]
-            outs = generate(model, [prompt_ids(c, tok) for c in chunk], params, pad_id=tok.pad_token_id)
+            prompts = [prompt_ids(c, tok) for c in chunk]
+            outs = generate(model, prompts, params, pad_id=tok.pad_token_id, vocab=decodable_vocab(model, tok))
             for c, o in zip(chunk, outs):
                 problem, right, said = c.turns[-1][0], c.turns[-1][1].strip(), tok.decode(o).strip()
                 if said != right and said and (problem, said) not in seen:

@@ -49,7 +49,8 @@ class TokenLogprob:
     """A token's log-probability under the model (its raw distribution: before temperature,
     penalties and logit_bias, as vLLM reports them) and the `top` most likely (id, logprob). The
     distribution is over the ids a reply can hold (`decodable_vocab`): a vocabulary padded past
-    the tokenizer loses its padding rows before anything is chosen or scored."""
+    the tokenizer loses its padding rows before anything is chosen or scored, so for such a model
+    each value is log(1 - p(padding)) above a softmax over every row (nothing, without padding)."""
 
     id: int
     logprob: float
@@ -65,7 +66,8 @@ def token_logprobs(logits: np.ndarray, chosen: np.ndarray, k: int) -> list[Token
     """Rows of logits [n, V] -> the log-probability of `chosen` [n] in each row and its k most likely
     tokens (ties to the lower id). The chosen value and the top values of a row come from the same
     float32 array, so they compare exactly (lm-eval's greedy check); rows go a chunk at a time, so
-    the temporaries stay small for a large vocabulary."""
+    the temporaries stay small for a large vocabulary. A chosen id at or past V (a prompt's VL
+    placeholder past the ids a reply can hold) has probability 0 under these rows: -inf."""
     n, V = logits.shape
     k = min(k, V)
     out: list[TokenLogprob] = []
@@ -75,7 +77,7 @@ def token_logprobs(logits: np.ndarray, chosen: np.ndarray, k: int) -> list[Token
         m = z.max(axis=-1, keepdims=True)
         lse = m + np.log(np.exp(z - m).sum(axis=-1, keepdims=True))
         c = chosen[a : a + step]
-        chosen_lp = (z[np.arange(len(z)), c] - lse[:, 0]).tolist()
+        chosen_lp = np.where(c < V, z[np.arange(len(z)), np.minimum(c, V - 1)] - lse[:, 0], -np.inf).tolist()
         top = [()] * len(z)
         if k:
             cand = np.argpartition(z, V - k, axis=-1)[:, V - k :]

@@ -386,7 +386,10 @@ class ErnieTokenizer:
             i = operator.index(ids)  # int or numpy integer
         except TypeError:
             return [self.convert_ids_to_tokens(i) for i in ids]
-        return self._id_to_added[i] if i in self._id_to_added else self.sp.id_to_piece(i)
+        if i in self._id_to_added:
+            return self._id_to_added[i]
+        # an id between the sentencepiece pieces and a later added token names nothing: no text
+        return self.sp.id_to_piece(i) if i < self.sp.get_piece_size() or i >= self.vocab_size else ""
 
     # ---------------------------------------------------------------- encode / decode
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
@@ -418,12 +421,14 @@ class ErnieTokenizer:
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
         """Ids to text; special tokens are dropped or written out as their strings."""
         out, run = [], []
-        size = self.vocab_size
+        size, pieces = self.vocab_size, self.sp.get_piece_size()
         for i in (int(x) for x in ids):
             if not 0 <= i < size:
                 raise DataError(
                     f"decode: token id {i} outside the vocabulary [0, {size}); check the model's vocab_size"
                 )
+            if i >= pieces and i not in self._id_to_added:
+                continue  # between the pieces and a later added token: an id with no text (as transformers')
             if i in self.all_special_ids or i in self._id_to_added:
                 out.append(self.sp.decode(run))
                 run = []

@@ -236,3 +236,38 @@ def test_the_server_answers_sampled_requests_with_their_logprobs_on_the_padded_m
             assert bad.status_code == 400 and "outside the vocabulary" in bad.text
     finally:
         e.close()
+
+
+def test_a_prompt_id_past_the_cut_scores_minus_infinity_and_the_request_goes_on(tok):
+    """A VL prompt's image placeholders lie past the tokenizer (the model embeds them): scored
+    under the cut distribution they have probability 0; the request still answers (it failed
+    with an IndexError when the cut row was indexed by them)."""
+    from PIL import Image
+
+    from erniekit.infer.engine import token_logprobs
+    from erniekit.models.ernie4_5_vl.modeling import Ernie4_5_VLForConditionalGeneration
+    from erniekit.models.ernie4_5_vl.processor import ImageSettings, image_tokens, preprocess_image
+    from erniekit.models.registry import model_config
+
+    rows = np.random.default_rng(0).normal(size=(3, 8)).astype(np.float32)
+    got = token_logprobs(rows, np.array([2, 8, 11]), 2)
+    assert got[1].logprob == got[2].logprob == -np.inf and np.isfinite(got[0].logprob)
+    assert all(t < 8 for e in got for t, _ in e.top)
+
+    paddle.seed(0)
+    m = Ernie4_5_VLForConditionalGeneration(model_config("tiny-vl"))
+    m.eval()
+    rng = np.random.default_rng(0)
+    pixels = Image.fromarray(rng.integers(0, 256, (56, 56, 3), dtype=np.uint8))
+    patches, grid = preprocess_image(pixels, ImageSettings(min_pixels=56 * 56, max_pixels=56 * 56))
+    ids = [5, 6, 7] + image_tokens(grid, m.config) + [8, 9]
+    e = Engine(m, tok, max_batch=1, max_model_len=128)
+    try:
+        (r,) = _requests(
+            e, [Request(ids, SamplingParams(max_new_tokens=2), None, images=(patches, grid), prompt_logprobs=1)]
+        )
+    finally:
+        e.close()
+    assert r.error is None and len(r.prompt_token_logprobs) == len(ids) - 1
+    for t, lp in zip(ids[1:], r.prompt_token_logprobs):
+        assert (lp.logprob == -np.inf) == (t >= len(tok)) and lp.id == t

@@ -128,6 +128,23 @@ def test_added_tokens_past_the_sentencepiece_vocab(tok, tmp_path):
     assert ext.decode(ids, skip_special_tokens=False) == "a<|IMAGE_PLACEHOLDER|>b"
 
 
+def test_ids_between_the_pieces_and_a_later_added_token_have_no_text(tok, tmp_path):
+    """An added token 40 ids past the sentencepiece pieces leaves a gap of ids naming nothing: a
+    model may still emit one; it decodes to no text (as transformers' tokenizers do) instead of
+    sentencepiece's IndexError, and its token string is empty (the server lists every id's)."""
+    tok.save_pretrained(tmp_path)
+    base = tok.sp.get_piece_size()
+    (tmp_path / "added_tokens.json").write_text(json.dumps({"<extra>": base + 40}))
+    ext = ErnieTokenizer.from_pretrained(str(tmp_path))
+    assert len(ext) == base + 41
+    ids = tok.encode("ab") + [base + 3] + tok.encode(" c") + [base + 40]
+    assert ext.decode(ids, skip_special_tokens=False) == tok.decode(tok.encode("ab") + tok.encode(" c")) + "<extra>"
+    texts = ext.convert_ids_to_tokens(range(len(ext)))
+    assert texts[base + 3] == "" and texts[base + 40] == "<extra>" and texts[5] == tok.convert_ids_to_tokens(5)
+    with pytest.raises(DataError, match="outside the vocabulary"):
+        ext.decode([base + 41])
+
+
 def test_missing_tokenizer_model_is_a_checkpoint_error(tmp_path):
     shutil.copy(os.path.join(RESOURCE_DIR, "tokenizer_config.json"), tmp_path)
     with pytest.raises(CheckpointError) as err:
