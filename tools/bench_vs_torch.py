@@ -17,6 +17,7 @@ Cases
   prefill         dense-1024, one no-grad forward of batch 4 x 256; tokens/s
   decode-b{1,8,32} dense-1024, greedy, 32-token prompts, 128 new tokens; new tokens/s (erniekit
                   packs its weights as `erniekit chat` does: --packed-weights)
+  decode-moe-b{1,8} the same on moe16-top4 (a MoE model's decode)
   server-c{16,64} dense-1024: the built-in engine (continuous batching) with 16 / 64 concurrent
                   requests of 32-token prompts and 64 new tokens, against transformers batched
                   `generate` of the same prompts; generated tokens/s over the wall time
@@ -98,6 +99,7 @@ MODELS = {
 }
 TRAIN_SHAPES = {"dense-1024": (4, 256), "0.3b-2l": (2, 256), "tiny-moe": (64, 32), "moe16-top4": (4, 256)}
 CASES = [f"train:{m}" for m in MODELS] + ["prefill", "decode-b1", "decode-b8", "decode-b32", "server-c16", "server-c64"]
+CASES += ["decode-moe-b1", "decode-moe-b8"]
 # not in `all` (a step of ~10-25 s): where the batch's logits outgrow the model (1 x 4096 tokens x
 # 103,424 ids: 1.7 GB of float32 logits), the memory fused_head_loss saves
 LONG_CASES = {"train:0.3b-2l-4k": ("0.3b-2l", (1, 4096))}
@@ -167,6 +169,8 @@ def train_flops_per_token(model: str, seq: int) -> float:
 def _model_of(case: str) -> str:
     if case in LONG_CASES:
         return LONG_CASES[case][0]
+    if case.startswith("decode-moe-"):
+        return "moe16-top4"
     return case.split(":", 1)[1] if case.startswith("train:") else "dense-1024"
 
 
@@ -268,12 +272,12 @@ def erniekit_case(case: str, ckpt: str, steps: int) -> dict:
                     logits.numpy()
 
         return {"tokens_per_s": 4 * 256 / _timed(fwd, 1, steps, _paddle_sync())}
-    if case.startswith("decode-b"):
+    if case.startswith("decode-"):
         from erniekit.infer.chat import pack_for_chat
         from erniekit.infer.generate import generate
         from erniekit.infer.sampling import SamplingParams
 
-        b = int(case.split("-b")[1])
+        b = int(case.rsplit("-b", 1)[1])
         prompts = _ids(model.config.vocab_size, b, PROMPT_LEN).tolist()
         params = SamplingParams(max_new_tokens=DECODE_NEW)  # greedy, no stop ids: fixed lengths
         packing = pack_for_chat(model, PACKED_WEIGHTS)  # as `erniekit chat` loads a model
@@ -452,8 +456,8 @@ def torch_case(case: str, ckpt: str, steps: int, threads: int) -> dict:
                     logits.numpy()
 
         return {"tokens_per_s": 4 * 256 / _timed(fwd, 1, steps, sync)}
-    n_new = DECODE_NEW if case.startswith("decode-b") else SERVER_NEW
-    b = int(case.split("-b")[1]) if case.startswith("decode-b") else int(case.split("-c")[1])
+    n_new = DECODE_NEW if case.startswith("decode-") else SERVER_NEW
+    b = int(case.rsplit("-b", 1)[1]) if case.startswith("decode-") else int(case.split("-c")[1])
     x = tensor(_ids(vocab, b, PROMPT_LEN))
 
     def gen(n):

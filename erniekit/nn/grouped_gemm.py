@@ -51,6 +51,16 @@ def usable(x: paddle.Tensor, weights: list[paddle.Tensor]) -> bool:
     )
 
 
+def run_batch(products: list) -> None:
+    """`_batch` for callers outside this module (MKL must be at hand: `available()`)."""
+    _batch(products)
+
+
+def available() -> bool:
+    """MKL's batched GEMM is at hand and the native kernels are on."""
+    return native.kernels_enabled() and _mkl() is not None
+
+
 def _batch(products: list[tuple[int, int, int, int, int, int, int, bool, bool]]) -> None:
     """One cblas_sgemm_batch over (A, B, C, m, n, k, ldb, trans_a, trans_b) products, C = op(A) op(B),
     row-major with lda / ldc implied by the transposes (A [m, k] or [k, m], C [m, n])."""
@@ -126,10 +136,16 @@ def _offsets(sizes: list[int]) -> list[int]:
 def _products(a, w, out, sizes: list[int], used: list[int], transpose_w: bool) -> list[tuple]:
     """out_g = a_g @ W_e (w [E, K, N], a [M, K], out [M, N]) or a_g @ W_e^T (a [M, N], out [M, K])
     for row group g of expert e = used[g]."""
+    return products_at(a.data_ptr(), w, out.data_ptr(), sizes, used, transpose_w)
+
+
+def products_at(pa: int, w: paddle.Tensor, po: int, sizes: list[int], used: list[int], transpose_w: bool) -> list:
+    """`_products` for rows at addresses: a decode step's buffers (models/ernie4_5/decode_step.py)
+    hand the same products to `run_batch` as the experts' forward does, so they round alike."""
     E, K, N = w.shape
     width_a, width_out = (N, K) if transpose_w else (K, N)
     offs = _offsets(sizes)
-    pa, pw, po = a.data_ptr(), w.data_ptr(), out.data_ptr()
+    pw = w.data_ptr()
     return [
         (
             pa + offs[g] * width_a * 4,

@@ -1,5 +1,5 @@
-"""A dense ERNIE 4.5 model's decode step (one new token per sequence against a KV cache, under
-no_grad) as direct calls of the layers' C kernels on buffers of its own.
+"""An ERNIE 4.5 model's decode step (one new token per sequence against a KV cache, under no_grad)
+as direct calls of the layers' C kernels on buffers of its own, dense layers and MoE blocks.
 
 Why: in a batch-1 decode step of the dense-1024 benchmark model the kernels' products stream the
 weights in ~20 ms, and the layer-by-layer forward spent ~7 ms more around them: ~30 small Paddle ops
@@ -11,10 +11,17 @@ Same bits: every operation is the one the layer-by-layer forward runs on the sam
 kernels with the same arguments (nn/norm.py, nn/small_gemm.py, nn/rope.py, nn/fused_attention.py,
 nn/swiglu.py), the embedding's rows copied, numpy's float32 add for the residual adds (one rounding,
 as Paddle's), and the rows of a table of the model's own `rope_cos_sin` for the positions (with the
-mask's two values for its bias, `_rope_rows`). Tests compare the two bit for bit. Whatever the step
-does not cover takes the layers: MoE layers, adapters, hooks, GPAS, elastic depth, GPU or half
-precision, a projection Paddle's GEMM would take (which sums in its own order), a prefill, a
-gradient, `ERNIEKIT_NATIVE_KERNELS=0`.
+mask's two values for its bias, `_rope_rows`). A MoE block (`_moe_mlp`) runs its own router (a few
+Paddle ops), sorts the assignments as `dispatch` does and hands MKL the same grouped-GEMM products
+as the experts' forward (nn/grouped_gemm.py), then sums the weighted rows in index_add's order; it
+records its routing as the block does (RL rollouts read it). The moe16-top4 benchmark model's
+decode step: 12.6 ms here against the layers' 20.4 at batch 1, 33.3 against 44.8 at batch 8
+(medians of 4 alternating runs, AMD EPYC without AVX-512, 2 threads).
+Tests compare the two bit for bit. Whatever the step does not cover takes the layers: modality-
+isolated (VL) or capacity-limited MoE blocks, routing replay, elastic sub-models, FP8 or LoRA
+experts, experts split over processes, adapters, hooks, GPAS, elastic depth, GPU or half precision,
+a projection Paddle's GEMM would take (which sums in its own order), a prefill, a gradient,
+`ERNIEKIT_NATIVE_KERNELS=0`.
 """
 
 from __future__ import annotations
@@ -25,8 +32,9 @@ import weakref
 import numpy as np
 import paddle
 
-from erniekit.nn import fused_attention, native, norm, rope, small_gemm, swiglu
+from erniekit.nn import fused_attention, grouped_gemm, native, norm, rope, small_gemm, swiglu
 from erniekit.nn.attention import rope_cos_sin, use_fused_attention
+from erniekit.nn.moe import StackedExperts, TopKRouter
 from erniekit.utils.dtensor import host_view
 
 _F32 = np.float32
@@ -40,13 +48,13 @@ class _Buffers:
         self.shape: tuple = ()
         self.views: dict[int, tuple[paddle.Tensor, int, list, np.ndarray]] = {}
 
-    def activations(self, rows: int, H: int, Hq: int, Hkv: int, inter: int) -> dict[str, np.ndarray]:
-        if not self.shape or rows > self.shape[0] or self.shape[1:] != (H, Hq, Hkv, inter):
-            widths = {"h": H, "x": H, "a": H, "q": Hq, "qr": Hq, "o": Hq, "k": Hkv, "kr": Hkv, "v": Hkv}
-            widths.update(g=inter, u=inter, s=inter, r=1)
-            self.arrays = {name: np.zeros((rows, w), _F32) for name, w in widths.items()}
+    def activations(self, rows: int, widths: dict[str, tuple[int, int]]) -> dict[str, np.ndarray]:
+        """Float32 arrays by name, [rows * per_row, width] for widths[name] = (per_row, width)."""
+        key = tuple(sorted(widths.items()))
+        if not self.shape or rows > self.shape[0] or self.shape[1] != key:
+            self.arrays = {name: np.zeros((rows * n, w), _F32) for name, (n, w) in widths.items()}
             self.ptrs = {name: a.ctypes.data for name, a in self.arrays.items()}
-            self.shape = (rows, H, Hq, Hkv, inter)
+            self.shape = (rows, key)
         return self.arrays
 
     def view(self, t: paddle.Tensor) -> np.ndarray:
@@ -73,21 +81,52 @@ def _no_hooks(*layers) -> bool:
 
 
 def _parts(layer, types) -> tuple | None:
-    """(input norm, post-attention norm, the seven projections q, k, v, o, gate, up, down) of a
-    decoder layer the step reproduces (dense SwiGLU MLP, no GPAS, plain Linear projections: no
-    adapter, no quantized layer; no hooks), else None. Read from the Layers' own dicts: Paddle's
-    Layer.__getattr__ costs ~2 us an access, and this runs every step."""
-    decoder, attention, mlp, rms, linear = types
+    """(input norm, post-attention norm, the MoE block or None, the projections: q, k, v, o, then the
+    MLP's gate, up, down, or the MoE block's shared experts' (none without them)) of a decoder layer
+    the step reproduces (a dense SwiGLU MLP or a text MoE block `_moe_covered` takes, no GPAS, plain
+    Linear projections: no adapter, no quantized layer; no hooks), else None. Read from the Layers'
+    own dicts: Paddle's Layer.__getattr__ costs ~2 us an access, and this runs every step."""
+    decoder, attention, mlp, rms, linear, moe = types
     subs = layer._sub_layers if type(layer) is decoder else {}
     a, m = subs.get("self_attn"), subs.get("mlp")
     n1, n2 = subs.get("input_layernorm"), subs.get("post_attention_layernorm")
-    if type(a) is not attention or type(m) is not mlp or type(n1) is not rms or type(n2) is not rms:
+    if type(a) is not attention or type(n1) is not rms or type(n2) is not rms or layer.gpas is not None:
         return None
-    names = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-    projections = tuple((a if i < 4 else m)._sub_layers.get(name) for i, name in enumerate(names))
-    if any(type(p) is not linear for p in projections) or layer.gpas is not None:
+    block = m if type(m) is moe else None
+    if block is not None:
+        shared = block._sub_layers.get("shared_experts")
+        if not _moe_covered(block) or (shared is not None and type(shared) is not mlp):
+            return None
+        inner = [] if shared is None else [shared]
+    elif type(m) is mlp:
+        inner = [m]
+    else:
         return None
-    return (n1, n2, *projections) if _no_hooks(layer, a, m, n1, n2, *projections) else None
+    names = ("q_proj", "k_proj", "v_proj", "o_proj")
+    projections = tuple(a._sub_layers.get(name) for name in names)
+    projections += tuple(f._sub_layers.get(name) for f in inner for name in ("gate_proj", "up_proj", "down_proj"))
+    if any(type(p) is not linear for p in projections) or not _no_hooks(layer, a, m, n1, n2, *inner, *projections):
+        return None
+    return (n1, n2, block, projections)
+
+
+def _moe_covered(block) -> bool:
+    """A text-only MoE block in its plain inference form: one router and one StackedExperts of float32
+    CPU weights on MKL's grouped GEMM (what `_moe_mlp` reproduces), no capacity limit, no elastic
+    sub-model, no routing replay, no FP8, nothing split over processes, no hooks."""
+    gate, experts = block._sub_layers.get("gate"), block._sub_layers.get("experts")
+    if block.num_modalities != 1 or block.capacity_factor > 0 or block.routing_reference is not None:
+        return False
+    if type(gate) is not TopKRouter or gate.active_experts is not None or gate.active_k is not None:
+        return False
+    if type(experts) is not StackedExperts or experts.fp8_block or experts._local:
+        return False
+    if experts.expert_parallel is not None or experts.replicated is not None or experts.tensor_parallel is not None:
+        return False
+    ws = [experts._parameters[p] for p in StackedExperts.PROJS] + [gate._parameters["weight"]]
+    if not (native.dense_cpu_float32(*ws) and all(w.is_contiguous() for w in ws) and grouped_gemm.available()):
+        return False
+    return _no_hooks(gate, experts)
 
 
 def _cache_buffers_fit(cache, layers: int, B: int, end: int, KVH: int, D: int) -> bool:
@@ -112,24 +151,33 @@ def _weights(parts: list[tuple]) -> tuple:
     order of `_products`' calls."""
     out = []
     for layer in parts:
-        for p in layer[2:]:
+        for p in layer[3]:
             w, b = p._parameters["weight"], p._parameters.get("bias")
             # the addresses too: the calls hold them, and a tensor may be given new storage in place
             out.append((w, b, small_gemm.packed_of(w), w.data_ptr(), None if b is None else b.data_ptr()))
     return tuple(out)
 
 
-def _products(weights: tuple, B: int, H: int, Hq: int, Hkv: int, inter: int) -> list | None:
-    """Each layer's seven products as the kernels' calls for B rows (q, k, v, o, gate, up, down);
-    None where a weight has another shape or `matmul_kn` would not take it."""
-    shapes = [(H, Hq), (H, Hkv), (H, Hkv), (Hq, H), (H, inter), (H, inter), (inter, H)]
-    calls = []
-    for i, (w, bias, *_) in enumerate(weights):
-        call = small_gemm.product(w, bias, B) if list(w.shape) == list(shapes[i % 7]) else None
-        if call is None:
-            return None
-        calls.append(call)
-    return [calls[i : i + 7] for i in range(0, len(calls), 7)]
+def _products(weights: tuple, counts: list[int], B: int, H: int, Hq: int, Hkv: int) -> list | None:
+    """Each layer's products as the kernels' calls for B rows (q, k, v, o, then gate, up, down where
+    the layer has them; `counts` per layer); None where a weight has another shape or `matmul_kn`
+    would not take it."""
+    calls, at = [], 0
+    for n in counts:
+        layer = weights[at : at + n]
+        at += n
+        shapes = [(H, Hq), (H, Hkv), (H, Hkv), (Hq, H)]
+        if n > 4:  # the MLP's width: its gate projection's
+            inter = layer[4][0].shape[-1]
+            shapes += [(H, inter), (H, inter), (inter, H)]
+        row = []
+        for (w, bias, *_), shape in zip(layer, shapes):
+            call = small_gemm.product(w, bias, B) if list(w.shape) == list(shape) else None
+            if call is None:
+                return None
+            row.append(call)
+        calls.append(row)
+    return calls
 
 
 # model -> (key, weak references to every projection's weight, bias and packed copy, the calls):
@@ -150,7 +198,7 @@ def _held(refs: tuple, now: tuple) -> bool:
     return refs[3:] == now[3:]
 
 
-def _calls(model, parts: list[tuple], B: int, inter: int) -> list | None:
+def _calls(model, parts: list[tuple], B: int) -> list | None:
     weights = _weights(parts)
     key = (B, small_gemm.KN_ROWS, small_gemm.PACKED_ROWS, small_gemm.KN_MIN_BYTES)  # (the limits: tests set them)
     plan = _PLANS.get(model)
@@ -160,7 +208,8 @@ def _calls(model, parts: list[tuple], B: int, inter: int) -> list | None:
     _PLANS.pop(model, None)
     c = model.config
     D = c.head_dim
-    calls = _products(weights, B, c.hidden_size, c.num_attention_heads * D, c.num_key_value_heads * D, inter)
+    counts = [len(p[3]) for p in parts]
+    calls = _products(weights, counts, B, c.hidden_size, c.num_attention_heads * D, c.num_key_value_heads * D)
     if calls is not None:
         _PLANS[model] = (key, _refs(weights), calls)
     return calls
@@ -201,11 +250,9 @@ def run(model, input_ids: paddle.Tensor, attention_mask: paddle.Tensor | None, c
     kernels = (norm.forward_kernel(), rope.forward_kernel(), swiglu.forward_kernel())
     if None in kernels or not fused_attention.decode_ready(D):
         return None
-    inter = {p[6]._parameters["weight"].shape[-1] for p in parts}  # gate_proj's width
-    if len(inter) > 1 or not _cache_buffers_fit(cache, len(parts), B, past, KVH, D):
+    if not _cache_buffers_fit(cache, len(parts), B, past, KVH, D):
         return None
-    inter = inter.pop()
-    calls = _calls(model, parts, B, inter)
+    calls = _calls(model, parts, B)
     if calls is None:
         return None
     emb = model._sub_layers["embed_tokens"]._parameters["weight"]
@@ -221,7 +268,7 @@ def run(model, input_ids: paddle.Tensor, attention_mask: paddle.Tensor | None, c
     else:
         return None
     cache.reserve(past + 1)  # may grow the buffers (KVCache), or refuse a step past max_len as `update` does
-    return _layers(model, parts, calls, inter, emb, ids, rope_mask, cache, kernels)
+    return _layers(model, parts, calls, emb, ids, rope_mask, cache, kernels)
 
 
 _ROW_BLOCK = 256  # the table is filled this many positions at a time
@@ -288,13 +335,29 @@ def _rope_rows(config, past: int, B: int, mask: np.ndarray | None = None) -> tup
     return cos[pos], sin[pos], bias
 
 
-def _layers(model, parts, calls, inter, emb, ids, rope_mask, cache, kernels) -> paddle.Tensor:
+def _widths(parts: list[tuple], H: int, Hq: int, Hkv: int) -> dict[str, tuple[int, int]]:
+    """The step's buffers: (rows per sequence, width) by name. g / u / s hold the widest dense MLP or
+    shared experts; a MoE block's routed rows (k per sequence) go through xe / ge / ue / se / ye."""
+    widths = {
+        name: (1, w) for name, w in dict(h=H, x=H, a=H, m=H, q=Hq, qr=Hq, o=Hq, k=Hkv, kr=Hkv, v=Hkv, r=1).items()
+    }
+    inter = max([p[3][4]._parameters["weight"].shape[-1] for p in parts if len(p[3]) > 4], default=1)
+    widths.update(g=(1, inter), u=(1, inter), s=(1, inter))
+    blocks = [p[2] for p in parts if p[2] is not None]
+    if blocks:
+        k = max(b._sub_layers["gate"].k for b in blocks)
+        ie = max(b._sub_layers["experts"]._parameters["gate_proj"].shape[-1] for b in blocks)
+        widths.update(xe=(k, H), ye=(k, H), ge=(k, ie), ue=(k, ie), se=(k, ie))
+    return widths
+
+
+def _layers(model, parts, calls, emb, ids, rope_mask, cache, kernels) -> paddle.Tensor:
     c = model.config
     B, H, D, heads, KVH = len(ids), c.hidden_size, c.head_dim, c.num_attention_heads, c.num_key_value_heads
     buf = _BUFFERS.get(cache)
     if buf is None:
         buf = _BUFFERS[cache] = _Buffers()
-    arr = buf.activations(B, H, heads * D, KVH * D, inter)
+    arr = buf.activations(B, _widths(parts, H, heads * D, KVH * D))
     P = buf.ptrs
     rms, rot, act = kernels
     h = arr["h"][:B]
@@ -304,7 +367,7 @@ def _layers(model, parts, calls, inter, emb, ids, rope_mask, cache, kernels) -> 
     scale, batched = D**-0.5, bias.shape[0] > 1
     cs, sn, mb = cos.ctypes.data, sin.ctypes.data, bias.ctypes.data
     kr, vv = arr["kr"][:B].reshape(B, KVH, D), arr["v"][:B].reshape(B, KVH, D)
-    for i, ((n1, n2, *_), (q, k, v, o, gate, up, down)) in enumerate(zip(parts, calls)):
+    for i, ((n1, n2, block, projs), (q, k, v, o, *mlp)) in enumerate(zip(parts, calls)):
         native.over_chunks(rms, B, B * H * 4, P["h"], n1._parameters["weight"].data_ptr(), P["x"], P["r"], H, n1.eps)
         q(P["x"], P["q"])
         k(P["x"], P["k"])
@@ -319,14 +382,55 @@ def _layers(model, parts, calls, inter, emb, ids, rope_mask, cache, kernels) -> 
         o(P["o"], P["a"])
         np.add(h, arr["a"][:B], out=h)
         native.over_chunks(rms, B, B * H * 4, P["h"], n2._parameters["weight"].data_ptr(), P["x"], P["r"], H, n2.eps)
-        gate(P["x"], P["g"])
-        up(P["x"], P["u"])
-        native.over_chunks(act, B * inter, 4 * B * inter, P["g"], P["u"], P["s"])
-        down(P["s"], P["a"])
-        np.add(h, arr["a"][:B], out=h)
+        if mlp:  # the dense MLP, or the MoE block's shared experts: into `a`
+            gate, up, down = mlp
+            inter = projs[4]._parameters["weight"].shape[-1]
+            gate(P["x"], P["g"])
+            up(P["x"], P["u"])
+            native.over_chunks(act, B * inter, 4 * B * inter, P["g"], P["u"], P["s"])
+            down(P["s"], P["a"])
+        if block is None:
+            np.add(h, arr["a"][:B], out=h)
+            continue
+        routed = _moe_mlp(block, arr, P, act, B)  # into `m`
+        if mlp:  # MoEBlock: routed + shared
+            np.add(routed, arr["a"][:B], out=routed)
+        np.add(h, routed, out=h)
     cache.length = past + 1
     buf.keep_only([*cache.k, *cache.v])
     out = paddle.empty([B, 1, H], dtype="float32")
     f = model._sub_layers["norm"]
     native.over_chunks(rms, B, B * H * 4, P["h"], f._parameters["weight"].data_ptr(), out.data_ptr(), P["r"], H, f.eps)
     return out
+
+
+def _moe_mlp(block, arr: dict, P: dict, act, B: int) -> np.ndarray:
+    """A MoE block's routed experts on the step's normed rows `x`, into `m`, as MoEBlock.forward
+    makes them: its own router (a few Paddle ops; it records the routing as the block does), the
+    assignments sorted by expert as `dispatch` sorts them, each projection the same list of MKL
+    products `grouped_gemm` hands its batch call (so they round alike), the SwiGLU kernel, and the
+    weighted rows summed into their tokens in index_add's order."""
+    gate, experts = block._sub_layers["gate"], block._sub_layers["experts"]
+    x = arr["x"][:B]
+    r = gate(paddle.to_tensor(x))
+    block.last_topk_idx, block.last_probs, block.last_modality = r.topk_idx, r.probs, None
+    idx, weight = r.topk_idx.numpy(), r.topk_weight.numpy()
+    A = idx.size
+    flat = idx.reshape(A)
+    order = np.argsort(flat, kind="stable")
+    tok = order // idx.shape[1]
+    counts = np.bincount(flat, minlength=experts.num_experts)
+    used = np.flatnonzero(counts)
+    sizes, used = counts[used].tolist(), used.tolist()
+    np.take(x, tok, axis=0, out=arr["xe"][:A])
+    wg, wu, wd = (experts._parameters[p] for p in StackedExperts.PROJS)
+    products = grouped_gemm.products_at(P["xe"], wg, P["ge"], sizes, used, False)
+    grouped_gemm.run_batch(products + grouped_gemm.products_at(P["xe"], wu, P["ue"], sizes, used, False))
+    n = A * wg.shape[-1]
+    native.over_chunks(act, n, 4 * n, P["ge"], P["ue"], P["se"])
+    grouped_gemm.run_batch(grouped_gemm.products_at(P["se"], wd, P["ye"], sizes, used, False))
+    ye, m = arr["ye"][:A], arr["m"][:B]
+    np.multiply(ye, weight.reshape(A)[order][:, None], out=ye)
+    m.fill(0)
+    np.add.at(m, tok, ye)
+    return m

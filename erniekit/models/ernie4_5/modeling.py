@@ -143,7 +143,7 @@ class DecoderLayer(nn.Layer):
 
 class Ernie4_5Model(nn.Layer):
     # the modules decode_step.py reproduces, exactly these types (it cannot import this module)
-    decode_step_types = (DecoderLayer, Attention, MLP, RMSNorm, Linear)
+    decode_step_types = (DecoderLayer, Attention, MLP, RMSNorm, Linear, MoEBlock)
 
     def __init__(self, config: Ernie4_5Config):
         super().__init__()

@@ -1,6 +1,7 @@
-"""A dense model's decode step on the kernels directly (erniekit/models/ernie4_5/decode_step.py):
-the logits and the KV cache get the layer-by-layer forward's bits, through KVCache (growing) and
-the engine's SlotCache, packed or not, padded or not; what it does not cover takes the layers."""
+"""A model's decode step on the kernels directly (erniekit/models/ernie4_5/decode_step.py): the
+logits and the KV cache get the layer-by-layer forward's bits, through KVCache (growing) and the
+engine's SlotCache, packed or not, padded or not, dense layers and MoE blocks (with and without
+shared experts); what it does not cover takes the layers."""
 
 import numpy as np
 import paddle
@@ -183,8 +184,6 @@ def _step_taken(model, cache_len=6, B=2, **kw) -> bool:
 def test_what_the_step_does_not_cover_takes_the_layers(monkeypatch):
     model = _model()
     assert _step_taken(model)
-    moe = _model(moe_num_experts=4, moe_k=2, moe_intermediate_size=64, moe_layer_start_index=1)
-    assert not _step_taken(moe)
     handle = model.model.layers[1].mlp.register_forward_post_hook(lambda layer, args, out: out)
     assert not _step_taken(model)
     handle.remove()
@@ -203,6 +202,91 @@ def test_what_the_step_does_not_cover_takes_the_layers(monkeypatch):
     with paddle.no_grad():
         assert decode_step.run(model.model, paddle.to_tensor([[V]]), None, cache) is None  # the embedding reports it
         assert decode_step.run(model.model, paddle.randint(0, V, [1, 2]), None, cache) is None  # two tokens
+
+
+MOE = dict(moe_num_experts=8, moe_k=2, moe_intermediate_size=32, moe_layer_start_index=1)
+
+
+@pytest.mark.parametrize(
+    "B,pad,packed,shared",
+    [(1, False, False, 0), (3, True, True, 1), (9, True, True, 2), (4, False, False, 1)],
+)
+def test_moe_decode_steps_give_the_layers_bits_and_routing(monkeypatch, B, pad, packed, shared):
+    """A dense first layer, then MoE blocks of 8 experts (top-2), with 0-2 shared experts: the logits,
+    the cache and the routing each block records (RL's rollouts read it) are the layers'."""
+    from erniekit.nn import grouped_gemm
+
+    if not grouped_gemm.available():
+        pytest.skip("no MKL batched GEMM here: MoE blocks take the layers")
+    model = _model(seed=B, moe_num_shared_experts=shared, **MOE)
+    if packed:
+        assert small_gemm.pack_weights(model) > 0
+    _compare(model, monkeypatch, B, pad, 5, lambda: KVCache(model.config, B, 40))
+    blocks = [layer.mlp for layer in model.model.layers[1:]]
+    seen, real = {}, decode_step.run
+    for fast in (True, False):
+        taken = []
+        monkeypatch.setattr(decode_step, "run", lambda *a, f=fast, t=taken: t.append(1) or real(*a) if f else None)
+        cache = KVCache(model.config, B, 20)
+        with paddle.no_grad():
+            model(paddle.to_tensor(np.arange(B * 4).reshape(B, 4) % V), cache=cache)
+            taken.clear()
+            model(paddle.to_tensor(np.arange(B).reshape(B, 1) + 7), cache=cache)
+        assert len(taken) == fast
+        seen[fast] = [(b.last_topk_idx.numpy(), b.last_probs.numpy().view(np.uint32)) for b in blocks]
+    monkeypatch.setattr(decode_step, "run", real)
+    for (i, p), (j, q) in zip(seen[True], seen[False]):
+        np.testing.assert_array_equal(i, j)
+        np.testing.assert_array_equal(p, q)
+
+
+def test_moe_steps_in_the_engines_slot_cache(monkeypatch):
+    from erniekit.nn import grouped_gemm
+
+    if not grouped_gemm.available():
+        pytest.skip("no MKL batched GEMM here")
+    model = _model(seed=5, moe_num_shared_experts=1, **MOE)
+    _compare(model, monkeypatch, 3, True, 4, lambda: SlotCache(model.config, 5, 20, "float32"))
+
+
+def test_moe_blocks_the_step_does_not_reproduce_take_the_layers(monkeypatch):
+    from erniekit.nn import grouped_gemm
+    from erniekit.nn.lora import LoraConfig, apply_lora
+    from erniekit.nn.moe import RoutingReference
+
+    if not grouped_gemm.available():
+        pytest.skip("no MKL batched GEMM here")
+    model = _model(**MOE)
+    assert _step_taken(model)
+    block, gate = model.model.layers[1].mlp, model.model.layers[1].mlp.gate
+    for obj, name, value in (
+        (block, "capacity_factor", 1.0),  # assignments may be dropped
+        (gate, "active_k", 1),  # an elastic sub-model
+        (gate, "active_experts", 4),
+        (block.experts, "fp8_block", 16),  # FP8 experts
+    ):
+        before = getattr(obj, name)
+        setattr(obj, name, value)
+        assert not _step_taken(model), name
+        setattr(obj, name, before)
+    cache = KVCache(model.config, 2, 20)
+    with paddle.no_grad():
+        model(paddle.randint(0, V, [2, 6]), cache=cache)
+        block.routing_reference = RoutingReference(paddle.zeros([2, 2], "int64"), paddle.ones([2], "bool"), True)
+        assert decode_step.run(model.model, paddle.randint(0, V, [2, 1]), None, cache) is None  # routing replay
+        block.routing_reference = None
+    assert _step_taken(model)
+    monkeypatch.setattr(grouped_gemm, "available", lambda: False)
+    assert not _step_taken(model)
+    monkeypatch.undo()
+    small_gemm.KN_MIN_BYTES = 0  # (undo reset the fixture's setting)
+    handle = gate.register_forward_post_hook(lambda layer, args, out: out)
+    assert not _step_taken(model)
+    handle.remove()
+    lora = _model(**MOE)
+    apply_lora(lora, LoraConfig(r=4, target_modules=[".*experts"]))
+    lora.eval()
+    assert not _step_taken(lora)
 
 
 def test_an_adapter_is_never_skipped(monkeypatch):
