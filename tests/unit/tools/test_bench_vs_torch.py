@@ -473,3 +473,19 @@ def test_the_decode_rounds_tables_quote_their_two_runs(heading, recorded):
         for i, case in enumerate(cases):
             _check_cells(row[1 + 3 * i : 4 + 3 * i], case, row)
             assert all(r["packing"].startswith("packed weights on") for r in case["runs"]["erniekit"])
+
+
+def test_the_twentieth_rounds_moe_decode_table_quotes_its_two_runs():
+    """A MoE model's decode (decode-moe-b1 / b8 on moe16-top4) as the tool recorded it, twice."""
+    assert B._model_of("decode-moe-b8") == "moe16-top4" and B._model_of("decode-b8") == "dense-1024"
+    doc = (ROOT / "docs" / "performance.md").read_text()
+    section = doc.split("### Twentieth round", 1)[1].split("\n### ", 1)[0].split("\n## ", 1)[0]
+    rows = [r for r in _table_rows(section) if r[0].strip().startswith("greedy")]
+    tails = ("", "_2")
+    got = [json.loads((ROOT / "bench_results" / f"vs_torch_amd_avx2_moe_decode{t}.json").read_text()) for t in tails]
+    assert all(list(r["cases"]) == ["decode-moe-b1", "decode-moe-b8"] and r["repeats"] == 3 for r in got)
+    assert len(rows) == 2
+    for row, *cases in zip(rows, *(r["cases"].values() for r in got)):
+        for i, case in enumerate(cases):
+            _check_cells(row[1 + 3 * i : 4 + 3 * i], case, row)
+            assert all(r["packing"].startswith("packed weights on") for r in case["runs"]["erniekit"])
