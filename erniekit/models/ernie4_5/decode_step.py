@@ -40,6 +40,15 @@ from erniekit.utils.dtensor import host_view
 _F32 = np.float32
 
 
+def _aligned(shape: tuple[int, int]) -> np.ndarray:
+    """Zeros at a 64-byte boundary, as Paddle allocates: MKL's products may round by their operands'
+    alignment, and the MoE blocks hand it these buffers where the layers hand it Paddle's."""
+    n = shape[0] * shape[1]
+    raw = np.zeros(n + 16, _F32)
+    skip = (-raw.ctypes.data % 64) // 4
+    return raw[skip : skip + n].reshape(shape)
+
+
 class _Buffers:
     """One cache's step buffers: the activations (rows for the most sequences seen so far) and
     numpy views of the cache's key / value buffers (kept while those buffers are the cache's)."""
@@ -52,7 +61,7 @@ class _Buffers:
         """Float32 arrays by name, [rows * per_row, width] for widths[name] = (per_row, width)."""
         key = tuple(sorted(widths.items()))
         if not self.shape or rows > self.shape[0] or self.shape[1] != key:
-            self.arrays = {name: np.zeros((rows * n, w), _F32) for name, (n, w) in widths.items()}
+            self.arrays = {name: _aligned((rows * n, w)) for name, (n, w) in widths.items()}
             self.ptrs = {name: a.ctypes.data for name, a in self.arrays.items()}
             self.shape = (rows, key)
         return self.arrays
@@ -115,7 +124,7 @@ def _moe_covered(block) -> bool:
     CPU weights on MKL's grouped GEMM (what `_moe_mlp` reproduces), no capacity limit, no elastic
     sub-model, no routing replay, no FP8, nothing split over processes, no hooks."""
     gate, experts = block._sub_layers.get("gate"), block._sub_layers.get("experts")
-    if block.num_modalities != 1 or block.capacity_factor > 0 or block.routing_reference is not None:
+    if block.training or block.num_modalities != 1 or block.capacity_factor > 0 or block.routing_reference is not None:
         return False
     if type(gate) is not TopKRouter or gate.active_experts is not None or gate.active_k is not None:
         return False
@@ -413,7 +422,7 @@ def _moe_mlp(block, arr: dict, P: dict, act, B: int) -> np.ndarray:
     gate, experts = block._sub_layers["gate"], block._sub_layers["experts"]
     x = arr["x"][:B]
     r = gate(paddle.to_tensor(x))
-    block.last_topk_idx, block.last_probs, block.last_modality = r.topk_idx, r.probs, None
+    block.last_topk_idx, block.last_probs, block.last_modality = r.topk_idx.detach(), r.probs.detach(), None
     idx, weight = r.topk_idx.numpy(), r.topk_weight.numpy()
     A = idx.size
     flat = idx.reshape(A)

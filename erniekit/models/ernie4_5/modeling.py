@@ -168,8 +168,9 @@ class Ernie4_5Model(nn.Layer):
         inputs_embeds [B, S, H]: instead of embedding input_ids (a VL model's text with image
         features in place); position_ids may then be [3, B, S] (3-D rope, `mrope_section`)."""
         if cache is not None and position_ids is None and segment_ids is None and token_type_ids is None:
-            # a dense model's decode step on the kernels directly (same bits); no walrus here: the
-            # static export converts this function, and its AST transformer rejects one
+            # a text decode step on the kernels directly (same bits; not a VL model's, which passes
+            # inputs_embeds); no walrus here: the static export converts this function, and its AST
+            # transformer rejects one
             stepped = decode_step.run(self, input_ids, attention_mask, cache) if inputs_embeds is None else None
             if stepped is not None:
                 return stepped

@@ -208,21 +208,30 @@ MOE = dict(moe_num_experts=8, moe_k=2, moe_intermediate_size=32, moe_layer_start
 
 
 @pytest.mark.parametrize(
-    "B,pad,packed,shared",
-    [(1, False, False, 0), (3, True, True, 1), (9, True, True, 2), (4, False, False, 1)],
+    "B,pad,packed,shared,extra",
+    [
+        (1, False, False, 0, {}),
+        (3, True, True, 1, {}),
+        (9, True, True, 2, {}),
+        (4, False, False, 1, {}),
+        # top-4: a token's four rows are summed in index_add's order (top-2's two commute)
+        (5, True, False, 0, dict(moe_k=4, moe_layer_start_index=0)),
+        (5, False, True, 1, dict(moe_k=3, moe_layer_interval=2, moe_layer_start_index=0)),
+    ],
 )
-def test_moe_decode_steps_give_the_layers_bits_and_routing(monkeypatch, B, pad, packed, shared):
-    """A dense first layer, then MoE blocks of 8 experts (top-2), with 0-2 shared experts: the logits,
-    the cache and the routing each block records (RL's rollouts read it) are the layers'."""
+def test_moe_decode_steps_give_the_layers_bits_and_routing(monkeypatch, B, pad, packed, shared, extra):
+    """MoE blocks of 8 experts after a dense layer (or from layer 0, or every other layer), top-2 to
+    top-4, with 0-2 shared experts: the logits, the cache and the routing each block records (RL's
+    rollouts read it) are the layers'."""
     from erniekit.nn import grouped_gemm
 
     if not grouped_gemm.available():
         pytest.skip("no MKL batched GEMM here: MoE blocks take the layers")
-    model = _model(seed=B, moe_num_shared_experts=shared, **MOE)
+    model = _model(seed=B, moe_num_shared_experts=shared, **{**MOE, **extra})
     if packed:
         assert small_gemm.pack_weights(model) > 0
     _compare(model, monkeypatch, B, pad, 5, lambda: KVCache(model.config, B, 40))
-    blocks = [layer.mlp for layer in model.model.layers[1:]]
+    blocks = [layer.mlp for layer in model.model.layers if type(layer.mlp).__name__ == "MoEBlock"]
     seen, real = {}, decode_step.run
     for fast in (True, False):
         taken = []
@@ -247,6 +256,17 @@ def test_moe_steps_in_the_engines_slot_cache(monkeypatch):
         pytest.skip("no MKL batched GEMM here")
     model = _model(seed=5, moe_num_shared_experts=1, **MOE)
     _compare(model, monkeypatch, 3, True, 4, lambda: SlotCache(model.config, 5, 20, "float32"))
+
+
+def test_the_steps_buffers_start_at_64_bytes_as_paddles_do():
+    """MKL may round a product by its operands' alignment: the buffers the MoE blocks hand it are
+    aligned as Paddle's tensors are (numpy's own start 16 bytes past a boundary, or 32, or 48)."""
+    buf = decode_step._Buffers()
+    for rows in (1, 3, 9):
+        arrays = buf.activations(rows, {"a": (1, 5), "b": (3, 7), "c": (2, 64)})
+        assert all(a.ctypes.data % 64 == 0 and a.flags.c_contiguous for a in arrays.values())
+        assert [a.shape for a in arrays.values()] == [(rows, 5), (3 * rows, 7), (2 * rows, 64)]
+        assert all(not a.any() for a in arrays.values())
 
 
 def test_moe_blocks_the_step_does_not_reproduce_take_the_layers(monkeypatch):
@@ -280,9 +300,14 @@ def test_moe_blocks_the_step_does_not_reproduce_take_the_layers(monkeypatch):
     assert not _step_taken(model)
     monkeypatch.undo()
     small_gemm.KN_MIN_BYTES = 0  # (undo reset the fixture's setting)
-    handle = gate.register_forward_post_hook(lambda layer, args, out: out)
+    for hooked in (gate, block.experts, block):
+        handle = hooked.register_forward_post_hook(lambda layer, args, out: out)
+        assert not _step_taken(model)
+        handle.remove()
+    block.train()  # a block in training mode inside an eval model counts its load as the layers do
     assert not _step_taken(model)
-    handle.remove()
+    block.eval()
+    assert _step_taken(model)
     lora = _model(**MOE)
     apply_lora(lora, LoraConfig(r=4, target_modules=[".*experts"]))
     lora.eval()
