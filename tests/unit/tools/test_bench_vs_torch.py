@@ -489,3 +489,6 @@ def test_the_twentieth_rounds_moe_decode_table_quotes_its_two_runs():
         for i, case in enumerate(cases):
             _check_cells(row[1 + 3 * i : 4 + 3 * i], case, row)
             assert all(r["packing"].startswith("packed weights on") for r in case["runs"]["erniekit"])
+    before = json.loads((ROOT / "bench_results" / "vs_torch_amd_avx2_moe_decode_before.json").read_text())["cases"]
+    quoted = [f"**{before[c]['ratio_erniekit_over_torch']:.2f}x**" for c in ("decode-moe-b1", "decode-moe-b8")]
+    assert all(q in section for q in quoted), quoted  # the commit before, as the text quotes it
