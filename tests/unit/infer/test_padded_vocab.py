@@ -9,11 +9,10 @@ would be a padding id: each test fails if the decoder it covers looks past the t
 
 from __future__ import annotations
 
-import threading
-
 import numpy as np
 import paddle
 import pytest
+from engine_requests import submit_and_wait
 
 from erniekit.infer.engine import Engine, Request, complete
 from erniekit.infer.generate import choice_width, generate, generate_stream
@@ -106,16 +105,6 @@ def test_speculative_decoding_cut_to_the_tokenizer_equals_plain_greedy(models, t
     assert speculative_generate(padded, prompt, params, vocab=len(tok)) == generate(cut, [prompt], params)[0]
 
 
-def _requests(engine, reqs):
-    done = [threading.Event() for _ in reqs]
-    for r, d in zip(reqs, done):
-        r.emit = lambda _t, f, d=d: d.set() if f is not None else None
-        engine.submit(r)
-    for d in done:
-        assert d.wait(120)
-    return reqs
-
-
 def test_the_engine_never_fails_a_request_on_a_padding_id_and_scores_as_the_cut_model(models, tok):
     """Sampled and greedy requests with log-probabilities (prompt and generated) on the padded
     model: every request ends normally with decodable ids, and greedy ids and every
@@ -137,7 +126,7 @@ def test_the_engine_never_fails_a_request_on_a_padding_id_and_scores_as_the_cut_
         try:
             assert e.vocab == V
             sampled, greedy = batch()
-            out["sampled"], out["greedy"] = _requests(e, sampled), _requests(e, greedy)
+            out["sampled"], out["greedy"] = submit_and_wait(e, sampled), submit_and_wait(e, greedy)
         finally:
             e.close()
     for r in got["sampled"] + got["greedy"]:
@@ -263,7 +252,7 @@ def test_a_prompt_id_past_the_cut_scores_minus_infinity_and_the_request_goes_on(
     ids = [5, 6, 7] + image_tokens(grid, m.config) + [8, 9]
     e = Engine(m, tok, max_batch=1, max_model_len=128)
     try:
-        (r,) = _requests(
+        (r,) = submit_and_wait(
             e, [Request(ids, SamplingParams(max_new_tokens=2), None, images=(patches, grid), prompt_logprobs=1)]
         )
     finally:

@@ -10,6 +10,7 @@ import json
 import numpy as np
 import paddle
 import pytest
+from engine_requests import submit_and_wait
 
 from erniekit.infer.engine import Engine, Request, token_logprobs
 from erniekit.infer.sampling import SamplingParams
@@ -81,17 +82,6 @@ def test_token_logprobs_is_the_log_softmax_with_its_top_k_in_order():
     assert all(e.top == () for e in token_logprobs(logits, chosen, 0))
 
 
-def _run(engine, reqs):
-    import threading
-
-    done = [threading.Event() for _ in reqs]
-    for r, d in zip(reqs, done):
-        r.emit = lambda _t, f, d=d: d.set() if f is not None else None
-        engine.submit(r)
-    for d in done:
-        assert d.wait(60)
-
-
 def test_one_left_padded_prefill_scores_each_prompt_as_a_forward_over_it_alone(model, tok):
     """The prefill's own batch (not left to the engine thread's timing): three prompts of different
     lengths, left-padded into one forward, each scored from its own positions."""
@@ -121,7 +111,7 @@ def test_prompt_and_generated_logprobs_equal_a_direct_forward_in_a_mixed_batch(e
         Request(p, SamplingParams(max_new_tokens=6), None, logprobs=2, prompt_logprobs=2, prompt_only=(i == 1))
         for i, p in enumerate(prompts)
     ]
-    _run(engine, reqs)
+    submit_and_wait(engine, reqs)
     for r in reqs:
         full = r.prompt + r.completion
         ref = _direct(model, full)
