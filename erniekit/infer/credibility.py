@@ -62,11 +62,9 @@ def sample_replies(
         seed=seed,
     )
     out: list[str] = []
+    vocab = decodable_vocab(model, tokenizer)
     for i in range(0, len(prompts), batch_size):
-        batch = prompts[i : i + batch_size]
-        ids = generate(
-            model, batch, params, pad_id=tokenizer.pad_token_id or 0, vocab=decodable_vocab(model, tokenizer)
-        )
+        ids = generate(model, prompts[i : i + batch_size], params, pad_id=tokenizer.pad_token_id or 0, vocab=vocab)
         params = dataclasses.replace(params, seed=None)  # one seed for the whole report, not per batch
         out += [tokenizer.decode(o).strip() for o in ids]
     return out

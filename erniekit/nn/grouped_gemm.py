@@ -41,29 +41,20 @@ def _mkl() -> ctypes.CDLL | None:
     return _lib[0]
 
 
-def usable(x: paddle.Tensor, weights: list[paddle.Tensor]) -> bool:
-    """Float32 dense CPU tensors in dynamic mode, contiguous, and MKL's batched GEMM at hand."""
-    return (
-        native.kernels_enabled()
-        and native.dense_cpu_float32(x, *weights)
-        and all(t.is_contiguous() for t in (x, *weights))
-        and _mkl() is not None
-    )
-
-
-def run_batch(products: list) -> None:
-    """`_batch` for callers outside this module (MKL must be at hand: `available()`)."""
-    _batch(products)
-
-
 def available() -> bool:
     """MKL's batched GEMM is at hand and the native kernels are on."""
     return native.kernels_enabled() and _mkl() is not None
 
 
-def _batch(products: list[tuple[int, int, int, int, int, int, int, bool, bool]]) -> None:
+def usable(x: paddle.Tensor, weights: list[paddle.Tensor]) -> bool:
+    """Float32 dense CPU tensors in dynamic mode, contiguous, and MKL's batched GEMM at hand."""
+    return available() and native.dense_cpu_float32(x, *weights) and all(t.is_contiguous() for t in (x, *weights))
+
+
+def run_batch(products: list[tuple[int, int, int, int, int, int, int, bool, bool]]) -> None:
     """One cblas_sgemm_batch over (A, B, C, m, n, k, ldb, trans_a, trans_b) products, C = op(A) op(B),
-    row-major with lda / ldc implied by the transposes (A [m, k] or [k, m], C [m, n])."""
+    row-major with lda / ldc implied by the transposes (A [m, k] or [k, m], C [m, n]); MKL must be
+    at hand (`available()`)."""
     products = [q for q in products if min(q[3:6]) > 0]  # an empty group writes nothing (dW: zeros already)
     single = [q for q in products if min(q[3:6]) == 1]
     if single:  # MKL rounds a 1-row product in a batch unlike its sgemm alone (Paddle's): those go alone
@@ -181,7 +172,7 @@ def group_matmul(
     E, K, N = w.shape
     check_groups(a.shape, [[E, N, K] if transpose_w else [E, K, N]], sizes, used, distinct=False)
     out = paddle.empty([a.shape[0], w.shape[1] if transpose_w else w.shape[2]], dtype="float32")
-    _batch(_products(a, w, out, sizes, used, transpose_w))
+    run_batch(_products(a, w, out, sizes, used, transpose_w))
     return out
 
 
@@ -193,7 +184,7 @@ def group_weight_grads(
     if dy.ndim != 2 or dy.shape[0] != x.shape[0]:
         raise ValueError(f"group_weight_grads: dy {list(dy.shape)} must have x's {x.shape[0]} rows")
     dw = paddle.zeros([num_experts, x.shape[1], dy.shape[1]], dtype="float32")
-    _batch(_weight_grad_products(x, dy, dw, sizes, used))
+    run_batch(_weight_grad_products(x, dy, dw, sizes, used))
     return dw
 
 
@@ -204,7 +195,7 @@ class _GroupedMatmul(PyLayer):
     def forward(ctx, x, *args):
         *ws, sizes, used = args
         outs = [paddle.empty([x.shape[0], w.shape[2]], dtype=x.dtype) for w in ws]
-        _batch([q for w, out in zip(ws, outs) for q in _products(x, w, out, sizes, used, False)])
+        run_batch([q for w, out in zip(ws, outs) for q in _products(x, w, out, sizes, used, False)])
         ctx.save_for_backward(x, *ws)
         ctx.versions = native.versions(x, *ws)
         ctx.groups = (sizes, used)
@@ -227,7 +218,7 @@ class _GroupedMatmul(PyLayer):
                 products += _products(dy, w, dx, sizes, used, True)
             if dw is not None:
                 products += _weight_grad_products(x, dy, dw, sizes, used)
-        _batch(products)
+        run_batch(products)
         dx = None
         for d in dxs:  # the sum autograd forms over the projections sharing x
             if d is not None:

@@ -18,11 +18,11 @@ def control_generation_eval(
 ) -> dict[str, float]:
     """exact_match of greedy replies (as exact_match_eval) and `follow:KEY=VALUE` rates."""
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0, stop_token_ids=turn_end_ids(tokenizer))
-    hits, counts, followed = 0, {}, {}
+    hits, counts, followed, vocab = 0, {}, {}, decodable_vocab(model, tokenizer)
     for i in range(0, len(convs), batch_size):
         chunk = convs[i : i + batch_size]
         prompts = [prompt_ids(c, tokenizer) for c in chunk]
-        outs = generate(model, prompts, params, pad_id=tokenizer.pad_token_id, vocab=decodable_vocab(model, tokenizer))
+        outs = generate(model, prompts, params, pad_id=tokenizer.pad_token_id, vocab=vocab)
         for o, c in zip(outs, chunk):
             reply = tokenizer.decode(o).strip()
             hits += reply == c.turns[-1][1].strip()

@@ -33,10 +33,10 @@ def prompt_ids(conv: Conversation, tokenizer) -> list[int]:
 def exact_match_eval(model, tokenizer, convs: list[Conversation], batch_size: int, max_new_tokens: int) -> float:
     stops = turn_end_ids(tokenizer)
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0, stop_token_ids=stops)
-    hits = 0
+    hits, vocab = 0, decodable_vocab(model, tokenizer)
     for i in range(0, len(convs), batch_size):
         chunk = convs[i : i + batch_size]
         prompts = [prompt_ids(c, tokenizer) for c in chunk]
-        outs = generate(model, prompts, params, pad_id=tokenizer.pad_token_id, vocab=decodable_vocab(model, tokenizer))
+        outs = generate(model, prompts, params, pad_id=tokenizer.pad_token_id, vocab=vocab)
         hits += sum(tokenizer.decode(o).strip() == c.turns[-1][1].strip() for o, c in zip(outs, chunk))
     return hits / max(len(convs), 1)
