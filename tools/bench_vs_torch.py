@@ -18,6 +18,8 @@ Cases
   decode-b{1,8,32} dense-1024, greedy, 32-token prompts, 128 new tokens; new tokens/s (erniekit
                   packs its weights as `erniekit chat` does: --packed-weights)
   decode-moe-b{1,8} the same on moe16-top4 (a MoE model's decode)
+  decode-tiny-b{1,8} the same on tiny-moe (the embedded default's model: what `erniekit chat`
+                  and its held-out evaluation decode after the README's first command)
   server-c{16,64} dense-1024: the built-in engine (continuous batching) with 16 / 64 concurrent
                   requests of 32-token prompts and 64 new tokens, against transformers batched
                   `generate` of the same prompts; generated tokens/s over the wall time
@@ -99,7 +101,7 @@ MODELS = {
 }
 TRAIN_SHAPES = {"dense-1024": (4, 256), "0.3b-2l": (2, 256), "tiny-moe": (64, 32), "moe16-top4": (4, 256)}
 CASES = [f"train:{m}" for m in MODELS] + ["prefill", "decode-b1", "decode-b8", "decode-b32", "server-c16", "server-c64"]
-CASES += ["decode-moe-b1", "decode-moe-b8"]
+CASES += ["decode-moe-b1", "decode-moe-b8", "decode-tiny-b1", "decode-tiny-b8"]
 # not in `all` (a step of ~10-25 s): where the batch's logits outgrow the model (1 x 4096 tokens x
 # 103,424 ids: 1.7 GB of float32 logits), the memory fused_head_loss saves
 LONG_CASES = {"train:0.3b-2l-4k": ("0.3b-2l", (1, 4096))}
@@ -171,6 +173,8 @@ def _model_of(case: str) -> str:
         return LONG_CASES[case][0]
     if case.startswith("decode-moe-"):
         return "moe16-top4"
+    if case.startswith("decode-tiny-"):
+        return "tiny-moe"
     return case.split(":", 1)[1] if case.startswith("train:") else "dense-1024"
 
 

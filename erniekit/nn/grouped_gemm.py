@@ -120,6 +120,35 @@ def gemm_into(
     )
 
 
+def linear_call(w: paddle.Tensor, bias: paddle.Tensor | None, rows: int):
+    """A function (x, y) of two buffer addresses computing y [rows, N] = x [rows, K] @ w (+ bias) as
+    Paddle's CPU linear computes it: MKL's sgemm with these arguments, then the bias added in one
+    rounding (a rank-1 update by a column of ones). For decode steps on buffers of their own
+    (models/ernie4_5/decode_step.py) where a layer's product goes to Paddle's GEMM: a tiny model's
+    projections, or more rows than the kernels take. None without MKL or for a weight that is not a
+    contiguous float32 [K, N] on the CPU."""
+    tensors = (w,) if bias is None else (w, bias)
+    if not (available() and rows > 0 and w.ndim == 2 and native.dense_cpu_float32(*tensors)):
+        return None
+    if not all(t.is_contiguous() for t in tensors) or (bias is not None and list(bias.shape) != [w.shape[1]]):
+        return None
+    K, N = w.shape
+    lib, P = _mkl(), ctypes.c_void_p
+    sgemm, sger = lib.cblas_sgemm, lib.cblas_sger
+    one, zero, wp = ctypes.c_float(1.0), ctypes.c_float(0.0), P(w.data_ptr())  # an address, not the tensor
+    head = (_ROW_MAJOR, _NO_TRANS, _NO_TRANS, rows, N, K, one)
+    if bias is None:
+        return lambda x, y: sgemm(*head, P(x), K, wp, N, zero, P(y), N)
+    ones, bp = np.ones(rows, np.float32), P(bias.data_ptr())
+    op = P(ones.ctypes.data)
+
+    def call(x: int, y: int, _keep=ones) -> None:
+        sgemm(*head, P(x), K, wp, N, zero, P(y), N)
+        sger(_ROW_MAJOR, rows, N, one, op, 1, bp, 1, P(y), N)
+
+    return call
+
+
 def _offsets(sizes: list[int]) -> list[int]:
     return [0, *np.cumsum(sizes).tolist()]
 

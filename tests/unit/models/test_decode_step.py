@@ -141,6 +141,32 @@ def test_a_batch_smaller_than_a_kv_caches_rows_takes_the_layers():
     assert cache.length == 4
 
 
+@pytest.mark.parametrize(
+    "B,pad,min_bytes,packed,bias,moe",
+    [
+        (1, False, 1 << 18, False, False, False),  # the default floor: every projection is Paddle's (a tiny model)
+        (3, True, 1 << 18, False, True, False),
+        (4, True, 1 << 18, False, False, True),
+        (2, False, 1 << 15, False, False, False),  # q, o and the MLP on the kernels, k and v on Paddle's GEMM
+        (9, True, 0, False, True, False),  # more rows than the kernels take unpacked
+        (70, True, 0, True, False, True),  # more rows than packed weights take
+    ],
+)
+def test_products_paddles_gemm_takes_keep_its_bits_in_the_step(monkeypatch, B, pad, min_bytes, packed, bias, moe):
+    """Where a layer's product goes to Paddle's linear (MKL's sgemm) the step makes MKL's call with
+    Paddle's arguments: a tiny model (the embedded default's) decodes in the step with the layers'
+    bits, at any batch."""
+    from erniekit.nn import grouped_gemm
+
+    if not grouped_gemm.available():
+        pytest.skip("no MKL here: such products keep the layers")
+    monkeypatch.setattr(small_gemm, "KN_MIN_BYTES", min_bytes)
+    model = _model(seed=B, bias=bias, **(dict(moe_num_shared_experts=1, **MOE) if moe else {}))
+    if packed:
+        assert small_gemm.pack_weights(model) > 0
+    _compare(model, monkeypatch, B, pad, 4, lambda: KVCache(model.config, B, 40))
+
+
 def test_unpacking_frees_the_packed_copies_the_step_used(monkeypatch):
     import gc
     import weakref
@@ -190,8 +216,6 @@ def test_what_the_step_does_not_cover_takes_the_layers(monkeypatch):
     model.train()
     assert not _step_taken(model)
     model.eval()
-    monkeypatch.setattr(small_gemm, "KN_ROWS", 1)  # 2 rows unpacked: Paddle's GEMM sums in its own order
-    assert not _step_taken(model) and _step_taken(model, B=1)
     model.model.active_layers = [0]
     assert not _step_taken(model, B=1)
     model.model.active_layers = None

@@ -161,3 +161,33 @@ def test_gemm_into_adds_a_product_into_its_output_in_place(trans_a, trans_b, bet
     np.testing.assert_allclose(out.numpy(), want, rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match=r"gemm_into: \[5, 7\] x \[5, 3\]"):
         grouped_gemm.gemm_into(paddle.to_tensor(a if not trans_a else a.T), paddle.to_tensor(c), out, False, False, 0.0)
+
+
+@pytest.mark.parametrize("K,N", [(64, 128), (128, 384), (384, 128), (100, 36)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_linear_call_gives_paddles_linear_bits(K, N, bias):
+    """The decode step's stand-in for a product Paddle's GEMM takes (a tiny model's projections, more
+    rows than the kernels take): the bits of `_C_ops.linear` on the layer's [rows, 1, K] input, at
+    1-70 rows, with and without a bias (one rounding after the product)."""
+    from paddle import _C_ops
+
+    from erniekit.models.ernie4_5.decode_step import _aligned
+
+    rng = np.random.default_rng(K + N)
+    w = paddle.to_tensor(rng.standard_normal((K, N), dtype=np.float32))
+    b = paddle.to_tensor(rng.standard_normal(N, dtype=np.float32)) if bias else None
+    for rows in (1, 2, 5, 8, 17, 64, 70):
+        x, y = _aligned((rows, K)), _aligned((rows, N))
+        x[:] = rng.standard_normal((rows, K))
+        grouped_gemm.linear_call(w, b, rows)(x.ctypes.data, y.ctypes.data)
+        with paddle.no_grad():
+            want = _C_ops.linear(paddle.to_tensor(x).reshape([rows, 1, K]), w, b).numpy().reshape(rows, N)
+        np.testing.assert_array_equal(y.view(np.uint32), want.view(np.uint32))
+
+
+def test_linear_call_refuses_what_it_cannot_reproduce():
+    w = paddle.randn([16, 8])
+    assert grouped_gemm.linear_call(w.astype("float64"), None, 1) is None
+    assert grouped_gemm.linear_call(w, paddle.randn([4]), 1) is None  # a bias of another width
+    assert grouped_gemm.linear_call(w, None, 0) is None
+    assert grouped_gemm.linear_call(w, paddle.randn([8]), 3) is not None
