@@ -492,3 +492,22 @@ def test_the_twentieth_rounds_moe_decode_table_quotes_its_two_runs():
     before = json.loads((ROOT / "bench_results" / "vs_torch_amd_avx2_moe_decode_before.json").read_text())["cases"]
     quoted = [f"**{before[c]['ratio_erniekit_over_torch']:.2f}x**" for c in ("decode-moe-b1", "decode-moe-b8")]
     assert all(q in section for q in quoted), quoted  # the commit before, as the text quotes it
+
+
+def test_the_twenty_first_rounds_tiny_decode_table_quotes_its_two_runs():
+    """The embedded default's model's decode (decode-tiny-b1 / b8 on tiny-moe) as recorded, twice."""
+    assert B._model_of("decode-tiny-b1") == "tiny-moe" and "decode-tiny-b8" in B.CASES
+    doc = (ROOT / "docs" / "performance.md").read_text()
+    section = doc.split("### Twenty-first round", 1)[1].split("\n### ", 1)[0].split("\n## ", 1)[0]
+    rows = [r for r in _table_rows(section) if r[0].strip().startswith("greedy")]
+    got = [
+        json.loads((ROOT / "bench_results" / f"vs_torch_amd_avx2_tiny_decode{t}.json").read_text()) for t in ("", "_2")
+    ]
+    assert all(list(r["cases"]) == ["decode-tiny-b1", "decode-tiny-b8"] and r["repeats"] == 3 for r in got)
+    assert len(rows) == 2
+    for row, *cases in zip(rows, *(r["cases"].values() for r in got)):
+        for i, case in enumerate(cases):
+            _check_cells(row[1 + 3 * i : 4 + 3 * i], case, row)
+    before = json.loads((ROOT / "bench_results" / "vs_torch_amd_avx2_tiny_decode_before.json").read_text())["cases"]
+    quoted = [f"**{before[c]['ratio_erniekit_over_torch']:.2f}x**" for c in ("decode-tiny-b1", "decode-tiny-b8")]
+    assert all(q in section for q in quoted), quoted
