@@ -19,7 +19,8 @@ Cases
                   packs its weights as `erniekit chat` does: --packed-weights)
   decode-moe-b{1,8} the same on moe16-top4 (a MoE model's decode)
   decode-tiny-b{1,8} the same on tiny-moe (the embedded default's model: what `erniekit chat`
-                  and its held-out evaluation decode after the README's first command)
+                  decodes after the README's first command; its evaluation during training
+                  runs the experts in FP8, which the decode step leaves to the layers)
   server-c{16,64} dense-1024: the built-in engine (continuous batching) with 16 / 64 concurrent
                   requests of 32-token prompts and 64 new tokens, against transformers batched
                   `generate` of the same prompts; generated tokens/s over the wall time

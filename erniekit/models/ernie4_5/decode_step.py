@@ -11,8 +11,8 @@ Same bits: every operation is the one the layer-by-layer forward runs on the sam
 kernels with the same arguments (nn/norm.py, nn/small_gemm.py, nn/rope.py, nn/fused_attention.py,
 nn/swiglu.py), MKL's sgemm with Paddle's arguments where a layer's product goes to Paddle's linear
 (`grouped_gemm.linear_call`: a tiny model's projections, more rows than the kernels take; the
-embedded default's model decodes 2.5x faster in the step at batch 1), the embedding's rows copied, numpy's float32 add for the residual adds (one rounding,
-as Paddle's), and the rows of a table of the model's own `rope_cos_sin` for the positions (with the
+embedded default's model decodes 2.5x faster in the step at batch 1), the embedding's rows
+copied, numpy's float32 add for the residual adds (one rounding, as Paddle's), and the rows of a table of the model's own `rope_cos_sin` for the positions (with the
 mask's two values for its bias, `_rope_rows`). A MoE block (`_moe_mlp`) runs its own router (a few
 Paddle ops), sorts the assignments as `dispatch` does and hands MKL the same grouped-GEMM products
 as the experts' forward (nn/grouped_gemm.py), then sums the weighted rows in index_add's order; it

@@ -167,6 +167,17 @@ def test_products_paddles_gemm_takes_keep_its_bits_in_the_step(monkeypatch, B, p
     _compare(model, monkeypatch, B, pad, 4, lambda: KVCache(model.config, B, 40))
 
 
+def test_without_mkl_a_tiny_models_step_takes_the_layers(monkeypatch):
+    """A wheel without MKL: nothing reproduces Paddle's GEMM, so a model whose projections go there
+    decodes layer by layer."""
+    from erniekit.nn import grouped_gemm
+
+    monkeypatch.setattr(small_gemm, "KN_MIN_BYTES", 1 << 18)
+    assert _step_taken(_model(seed=11)) == grouped_gemm.available()
+    monkeypatch.setattr(grouped_gemm, "_lib", [None])
+    assert not _step_taken(_model(seed=12))  # a fresh model: no plan of the first one's
+
+
 def test_unpacking_frees_the_packed_copies_the_step_used(monkeypatch):
     import gc
     import weakref

@@ -190,4 +190,5 @@ def test_linear_call_refuses_what_it_cannot_reproduce():
     assert grouped_gemm.linear_call(w.astype("float64"), None, 1) is None
     assert grouped_gemm.linear_call(w, paddle.randn([4]), 1) is None  # a bias of another width
     assert grouped_gemm.linear_call(w, None, 0) is None
+    assert grouped_gemm.linear_call(w.reshape([2, 8, 8]), None, 1) is None
     assert grouped_gemm.linear_call(w, paddle.randn([8]), 3) is not None
