@@ -19,8 +19,9 @@ as the experts' forward (nn/grouped_gemm.py), then sums the weighted rows in ind
 records its routing as the block does (RL rollouts read it). The moe16-top4 benchmark model's
 decode step: 12.6 ms here against the layers' 20.4 at batch 1, 33.3 against 44.8 at batch 8
 (medians of 4 alternating runs, AMD EPYC without AVX-512, 2 threads).
-Tests compare the two bit for bit. Whatever the step does not cover takes the layers: modality-
-isolated (VL) or capacity-limited MoE blocks, routing replay, elastic sub-models, FP8 or LoRA
+Tests compare the two bit for bit. A VL model's text tokens take it too (their 3-D rope is the 1-D
+one, and its MoE blocks route text to their text experts). Whatever the step does not cover takes
+the layers: vision tokens, capacity-limited MoE blocks, routing replay, elastic sub-models, FP8 or LoRA
 experts, experts split over processes, adapters, hooks, GPAS, elastic depth, GPU or half precision,
 a wheel without MKL, a prefill, a gradient, `ERNIEKIT_NATIVE_KERNELS=0`.
 """
@@ -121,11 +122,13 @@ def _parts(layer, types) -> tuple | None:
 
 
 def _moe_covered(block) -> bool:
-    """A text-only MoE block in its plain inference form: one router and one StackedExperts of float32
-    CPU weights on MKL's grouped GEMM (what `_moe_mlp` reproduces), no capacity limit, no elastic
-    sub-model, no routing replay, no FP8, nothing split over processes, no hooks."""
+    """A MoE block in its plain inference form: one router and one StackedExperts of float32 CPU
+    weights on MKL's grouped GEMM (what `_moe_mlp` reproduces), no capacity limit, no elastic
+    sub-model, no routing replay, no FP8, nothing split over processes, no hooks. A VL model's
+    block qualifies by its text router and experts: the step runs on text tokens only (no
+    token_type_ids), which the block routes there."""
     gate, experts = block._sub_layers.get("gate"), block._sub_layers.get("experts")
-    if block.training or block.num_modalities != 1 or block.capacity_factor > 0 or block.routing_reference is not None:
+    if block.training or block.capacity_factor > 0 or block.routing_reference is not None:
         return False
     if type(gate) is not TopKRouter or gate.active_experts is not None or gate.active_k is not None:
         return False
@@ -250,10 +253,17 @@ def _covered(model) -> list[tuple] | None:
 
 
 @native.eager_only  # a static program (the export) calls it unconverted: it answers None there
-def run(model, input_ids: paddle.Tensor, attention_mask: paddle.Tensor | None, cache) -> paddle.Tensor | None:
+def run(
+    model,
+    input_ids: paddle.Tensor,
+    attention_mask: paddle.Tensor | None,
+    cache,
+    position_ids: paddle.Tensor | None = None,
+) -> paddle.Tensor | None:
     """`model`'s (an Ernie4_5Model) final normed hidden states [B, 1, H] for `input_ids` [B, 1] after
     `cache.length` cached tokens, updating the cache as the layers do; None where the step does not
-    apply (nothing is changed then, and the caller runs the layers)."""
+    apply (nothing is changed then, and the caller runs the layers). position_ids: [B, 1], or a VL
+    model's [3, B, 1] with its three rows equal (a text token: the 3-D rope is then the 1-D one)."""
     if not (native.cpu_build() and paddle.in_dynamic_mode()) or paddle.is_grad_enabled() or model.training:
         return None
     if input_ids.ndim != 2 or input_ids.shape[1] != 1:
@@ -277,14 +287,29 @@ def run(model, input_ids: paddle.Tensor, attention_mask: paddle.Tensor | None, c
         return None  # the layers' embedding reports it
     if use_fused_attention():
         return None  # (rope_and_mask's mask is then no bias: the layers run)
+    pos = None if position_ids is None else _text_positions(position_ids, B)
+    if position_ids is not None and pos is None:
+        return None
     if attention_mask is None:
-        rope_mask = _rope_rows(c, past, B)
+        rope_mask = _rope_rows(c, past, B, pos=pos)
     elif list(attention_mask.shape) == [B, past + 1]:
-        rope_mask = _rope_rows(c, past, B, attention_mask.numpy())
+        rope_mask = _rope_rows(c, past, B, attention_mask.numpy(), pos)
     else:
         return None
     cache.reserve(past + 1)  # may grow the buffers (KVCache), or refuse a step past max_len as `update` does
     return _layers(model, parts, calls, emb, ids, rope_mask, cache, kernels)
+
+
+def _text_positions(position_ids: paddle.Tensor, B: int) -> np.ndarray | None:
+    """[B] positions of a step's given position_ids ([B, 1], or [3, B, 1] with equal rows), or None
+    where the step cannot take them (another shape, a 3-D position of a vision token, a negative)."""
+    shape = list(position_ids.shape)
+    if shape not in ([B, 1], [3, B, 1]) or position_ids.dtype not in (paddle.int64, paddle.int32):
+        return None
+    p = position_ids.numpy().reshape(-1, B).astype(np.int64)
+    if (p != p[0]).any() or (p[0] < 0).any():
+        return None
+    return p[0]
 
 
 _ROW_BLOCK = 256  # the table is filled this many positions at a time
@@ -327,11 +352,12 @@ class _RopeTable:
 _ROPE_ROWS: dict[tuple, _RopeTable] = {}  # (head_dim, float(theta)) -> its table
 
 
-def _rope_rows(config, past: int, B: int, mask: np.ndarray | None = None) -> tuple:
+def _rope_rows(config, past: int, B: int, mask: np.ndarray | None = None, pos: np.ndarray | None = None) -> tuple:
     """cos, sin [B, D] and the additive bias ([1 or B, past + 1]) of a step after `past` cached
     tokens, as `rope_and_mask` makes them: without a mask every row sits at `past` and sees every
     key; with one ([B, past + 1], 1 = a real token) a row sits at its mask's sum less one (as
-    rope_and_mask's int64 cumsum has it) and sees its real keys and itself.
+    rope_and_mask's int64 cumsum has it) and sees its real keys and itself; `pos` ([B]), the
+    caller's position_ids, overrides where the rows sit.
 
     Why: `rope_and_mask` spends ~15-25 small Paddle ops on this, ~0.35 ms of a ~21 ms batch-1 step;
     here it is rows of a table. Same bits: the table is the model's own `rope_cos_sin` over the
@@ -339,9 +365,9 @@ def _rope_rows(config, past: int, B: int, mask: np.ndarray | None = None) -> tup
     neighbours), and the bias takes additive_mask's two values; tests compare them with rope_and_mask's."""
     D, theta, past = config.head_dim, config.rope_theta, int(past)  # theta as rope_and_mask passes it
     if mask is None:
-        pos, bias = np.full(B, past), np.zeros((1, past + 1), _F32)
+        pos, bias = np.full(B, past) if pos is None else pos, np.zeros((1, past + 1), _F32)
     else:
-        pos = np.maximum(mask.astype(np.int64, copy=False).sum(axis=1) - 1, 0)
+        pos = np.maximum(mask.astype(np.int64, copy=False).sum(axis=1) - 1, 0) if pos is None else pos
         sees = (mask != 0) | (np.arange(past + 1) == past)  # build_attention_mask's [B, 1, 1, past + 1]
         bias = np.where(sees, _F32(0), _F32(-1e30))
     table = _ROPE_ROWS.get((D, float(theta)))
@@ -429,7 +455,9 @@ def _moe_mlp(block, arr: dict, P: dict, act, B: int) -> np.ndarray:
     gate, experts = block._sub_layers["gate"], block._sub_layers["experts"]
     x = arr["x"][:B]
     r = gate(paddle.to_tensor(x))
-    block.last_topk_idx, block.last_probs, block.last_modality = r.topk_idx.detach(), r.probs.detach(), None
+    # a VL block's text router: its probabilities in the global columns, as the block records them
+    probs = block._global_probs(0, r.probs)
+    block.last_topk_idx, block.last_probs, block.last_modality = r.topk_idx.detach(), probs.detach(), None
     idx, weight = r.topk_idx.numpy(), r.topk_weight.numpy()
     A = idx.size
     flat = idx.reshape(A)

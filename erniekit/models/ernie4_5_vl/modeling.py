@@ -137,14 +137,17 @@ class Ernie4_5_VLForConditionalGeneration(Ernie4_5ForCausalLM):
         `rope_index` when there are images or videos, else the text model's own)."""
         c = self.config
         ids = input_ids.numpy() if isinstance(input_ids, paddle.Tensor) else np.asarray(input_ids)
-        x = self.model.embed_tokens(input_ids)
-        embedded = x  # kept: its layout over the ranks is the one the tokens keep
+        # without vision features the text model embeds the ids itself (and a decode step of text
+        # tokens can then take the kernels' step, models/ernie4_5/decode_step.py)
+        x = embedded = None
         for pixels, grid, token in (
             (pixel_values, image_grid_thw, c.image_token_id),
             (pixel_values_videos, video_grid_thw, c.video_token_id),
         ):
             if pixels is None:
                 continue
+            if x is None:
+                x = embedded = self.model.embed_tokens(input_ids)  # its layout over the ranks is the tokens'
             feats = self.visual_features(pixels, np.asarray(grid))
             where = np.nonzero(ids.reshape(-1) == token)[0]
             if len(where) != feats.shape[0]:
@@ -152,7 +155,7 @@ class Ernie4_5_VLForConditionalGeneration(Ernie4_5ForCausalLM):
             flat = x.reshape([-1, x.shape[-1]])
             flat = paddle.scatter(flat, paddle.to_tensor(where), feats.astype(flat.dtype))
             x = flat.reshape(x.shape)
-        if embedded.is_dist() and list(x.placements) != list(embedded.placements):
+        if x is not None and embedded.is_dist() and list(x.placements) != list(embedded.placements):
             # a collective job: the features came in whole; keep the tokens split over the ranks as
             # the embedding laid them out (replicated tokens would reach each expert once per rank)
             import paddle.distributed as dist

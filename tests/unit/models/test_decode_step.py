@@ -484,3 +484,91 @@ def test_a_float_or_uint8_mask_takes_the_table_as_an_int64_one():
         got = decode_step._rope_rows(cfg, 3, 2, mask.astype(dtype))
         for g, w in zip(got, want):
             np.testing.assert_array_equal(g, w)
+
+
+def _vl_roll(model, monkeypatch, fast: bool, steps: int, B: int, image: bool):
+    """A VL model's logits (as bits) over a prefill and `steps` decode steps of text tokens, as
+    generate_vl (one row with an image) or the engine (B rows, left padding, a 3-D position offset
+    per row) drive it; the steps taken, the cache and each MoE block's recorded routing."""
+    from erniekit.models.ernie4_5_vl.modeling import rope_index
+
+    real = decode_step.run
+    taken = []
+
+    def step(*a, **k):
+        out = real(*a, **k) if fast else None
+        taken.append(out is not None)
+        return out
+
+    monkeypatch.setattr(decode_step, "run", step)
+    c, rng = model.config, np.random.default_rng(5)
+    L = 12
+    ids = rng.integers(3, 1000, (B, L))
+    kw, delta = {}, np.zeros(B, np.int64)
+    if image:  # a 1 x 4 x 4 grid: 4 placeholders between its start and end tokens
+        ids[0, 3:9] = [c.image_start_token_id] + [c.image_token_id] * 4 + [c.image_end_token_id]
+        pixels = rng.standard_normal((16, 3 * 14 * 14)).astype(np.float32)
+        kw = dict(pixel_values=paddle.to_tensor(pixels), image_grid_thw=[[1, 4, 4]])
+        pos, deltas = rope_index(ids, c, kw["image_grid_thw"], None)
+        kw["position_ids"], delta = paddle.to_tensor(pos), np.asarray(deltas, np.int64)
+    mask = np.ones((B, L + steps), np.int64)
+    for i in range(B):
+        mask[i, : 2 * i] = 0
+    if B > 1:
+        delta = np.arange(B) * 3  # as the engine offsets a row's positions
+        pos = np.clip(np.cumsum(mask[:, :L], axis=1) - 1, 0, None) + delta[:, None]
+        kw["position_ids"] = paddle.to_tensor(np.broadcast_to(pos[None], (3, B, L)).copy())
+    cache = KVCache(c, B, L + steps)
+    out, routing = [], []
+    blocks = [layer.mlp for layer in model.model.layers if type(layer.mlp).__name__ == "MoEBlock"]
+    with paddle.no_grad():
+        am = paddle.to_tensor(mask[:, :L]) if B > 1 else None
+        logits = model(paddle.to_tensor(ids), attention_mask=am, cache=cache, logits_to_keep=1, **kw).logits
+        for s in range(steps):
+            out.append(logits.numpy().view(np.uint32))
+            p = mask[:, : L + s + 1].sum(axis=1) - 1 + delta if B > 1 else np.full(1, cache.length + delta[0])
+            pos3 = paddle.to_tensor(np.broadcast_to(p[None, :, None], (3, B, 1)).copy())
+            am = paddle.to_tensor(mask[:, : L + s + 1]) if B > 1 else None
+            x = paddle.to_tensor(rng.integers(3, 1000, (B, 1)))
+            logits = model(x, attention_mask=am, position_ids=pos3, cache=cache, logits_to_keep=1).logits
+            routing.append([(b.last_topk_idx.numpy(), b.last_probs.numpy().view(np.uint32)) for b in blocks])
+    monkeypatch.setattr(decode_step, "run", real)
+    out.append(logits.numpy().view(np.uint32))
+    kv = [t[:B, : cache.length].numpy().view(np.uint32) for t in (*cache.k, *cache.v)]
+    return out, sum(taken), kv, routing
+
+
+@pytest.mark.parametrize("B,image,min_bytes", [(1, True, 0), (1, True, 1 << 18), (3, False, 0)])
+def test_a_vl_models_text_tokens_take_the_step_with_the_layers_bits(monkeypatch, B, image, min_bytes):
+    """ERNIE-4.5-VL's decode of text tokens (3-D positions with equal rows, modality-isolated MoE
+    blocks routing them to the text experts): logits, cache and recorded routing (global expert
+    columns) are the layers', after a prompt with an image or, as the engine drives it, padded rows
+    at offset positions."""
+    from erniekit.models.ernie4_5_vl.modeling import Ernie4_5_VLForConditionalGeneration
+    from erniekit.models.registry import model_config
+    from erniekit.nn import grouped_gemm
+
+    if not grouped_gemm.available():
+        pytest.skip("no MKL here: MoE blocks take the layers")
+    monkeypatch.setattr(small_gemm, "KN_MIN_BYTES", min_bytes)
+    paddle.seed(B)
+    model = Ernie4_5_VLForConditionalGeneration(model_config("tiny-vl").replace(initializer_range=0.5))
+    model.eval()
+    fast = _vl_roll(model, monkeypatch, True, 4, B, image)
+    slow = _vl_roll(model, monkeypatch, False, 4, B, image)
+    assert fast[1] == 4 and slow[1] == 0
+    for a, b in zip(fast[0] + fast[2], slow[0] + slow[2]):
+        np.testing.assert_array_equal(a, b)
+    for step_a, step_b in zip(fast[3], slow[3]):
+        for (i, p), (j, q) in zip(step_a, step_b):
+            assert p.shape[1] == 16  # both modalities' columns, the vision ones zero
+            np.testing.assert_array_equal(i, j)
+            np.testing.assert_array_equal(p, q)
+
+
+def test_positions_the_step_cannot_take_leave_it_to_the_layers():
+    pos = paddle.to_tensor([[[4]], [[4]], [[5]]])  # a vision token's 3-D position: rows differ
+    assert decode_step._text_positions(pos, 1) is None
+    assert decode_step._text_positions(paddle.to_tensor([[-1]]), 1) is None
+    assert decode_step._text_positions(paddle.to_tensor([[2, 3]]), 1) is None
+    assert decode_step._text_positions(paddle.to_tensor([[[7]], [[7]], [[7]]]), 1).tolist() == [7]
