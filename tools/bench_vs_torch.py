@@ -18,6 +18,9 @@ Cases
   decode-b{1,8,32} dense-1024, greedy, 32-token prompts, 128 new tokens; new tokens/s (erniekit
                   packs its weights as `erniekit chat` does: --packed-weights)
   decode-moe-b{1,8} the same on moe16-top4 (a MoE model's decode)
+  decode-vl-b1    vl-moe16: greedy generation after a prompt of 16 text tokens, one image (8 x 8
+                  patches, 16 merged tokens) and 16 more, 128 new tokens (erniekit's `generate_vl`,
+                  transformers' `generate`; the vision encoder and prefill inside the time)
   decode-tiny-b{1,8} the same on tiny-moe (the embedded default's model: what `erniekit chat`
                   decodes after the README's first command; its evaluation during training
                   runs the experts in FP8, which the decode step leaves to the layers)
@@ -102,7 +105,41 @@ MODELS = {
 }
 TRAIN_SHAPES = {"dense-1024": (4, 256), "0.3b-2l": (2, 256), "tiny-moe": (64, 32), "moe16-top4": (4, 256)}
 CASES = [f"train:{m}" for m in MODELS] + ["prefill", "decode-b1", "decode-b8", "decode-b32", "server-c16", "server-c64"]
-CASES += ["decode-moe-b1", "decode-moe-b8", "decode-tiny-b1", "decode-tiny-b8"]
+CASES += ["decode-moe-b1", "decode-moe-b8", "decode-tiny-b1", "decode-tiny-b8", "decode-vl-b1"]
+# ERNIE-4.5-VL's shapes cut down: moe16-top4's text model with modality-isolated experts (16 text
+# of 512, 16 vision of 256, top-4, one shared) and a 2-layer vision encoder; transformers' keys
+VL_MODEL = "vl-moe16"
+VL_IDS = dict(image_start_token_id=500, image_end_token_id=501, image_token_id=502)
+VL_CONFIG = dict(
+    text_config=dict(
+        vocab_size=8192,
+        hidden_size=512,
+        intermediate_size=1536,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=64,
+        moe_intermediate_size=[512, 256],
+        moe_k=4,
+        moe_num_experts=16,
+        moe_num_shared_experts=1,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [14, 14, 4]},
+        mlp_layer_types=["dense"] + ["sparse"] * 3,
+        initializer_range=0.02,
+    ),
+    vision_config=dict(
+        depth=2,
+        hidden_size=64,
+        num_heads=2,
+        intermediate_size=128,
+        rope_parameters={"rope_type": "axial", "rope_theta": 10000.0},
+        initializer_range=0.02,
+    ),
+    video_start_token_id=503,
+    video_end_token_id=504,
+    video_token_id=505,
+    **VL_IDS,
+)
 # not in `all` (a step of ~10-25 s): where the batch's logits outgrow the model (1 x 4096 tokens x
 # 103,424 ids: 1.7 GB of float32 logits), the memory fused_head_loss saves
 LONG_CASES = {"train:0.3b-2l-4k": ("0.3b-2l", (1, 4096))}
@@ -176,6 +213,8 @@ def _model_of(case: str) -> str:
         return "moe16-top4"
     if case.startswith("decode-tiny-"):
         return "tiny-moe"
+    if case.startswith("decode-vl-"):
+        return VL_MODEL
     return case.split(":", 1)[1] if case.startswith("train:") else "dense-1024"
 
 
@@ -209,6 +248,12 @@ def write_checkpoint(model: str, path: str) -> None:
 
     if os.path.isfile(os.path.join(path, "model.safetensors")):
         return
+    if model == VL_MODEL:
+        torch.manual_seed(0)
+        transformers.Ernie4_5_VLMoeForConditionalGeneration(
+            transformers.Ernie4_5_VLMoeConfig(**VL_CONFIG)
+        ).save_pretrained(path)
+        return
     model_config(model).save_pretrained(path)
     torch.manual_seed(0)
     m = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(path))
@@ -227,6 +272,17 @@ def _ids(vocab: int, b: int, s: int, seed: int = 0):
     import numpy as np
 
     return np.random.default_rng(seed).integers(3, vocab, size=(b, s), dtype=np.int64)
+
+
+def _vl_prompt():
+    """The VL cases' prompt: ids [1, S] (16 text tokens, the image's start, 16 placeholders, its
+    end, 16 text tokens), the image's patches [64, 3 * 14 * 14] and its grid."""
+    import numpy as np
+
+    r = np.random.default_rng(0)
+    text = [r.integers(3, 400, 16).tolist() for _ in range(2)]
+    ids = text[0] + [VL_IDS["image_start_token_id"]] + [VL_IDS["image_token_id"]] * 16 + [VL_IDS["image_end_token_id"]]
+    return np.array([ids + text[1]]), r.standard_normal((64, 3 * 14 * 14)).astype(np.float32), [[1, 8, 8]]
 
 
 def _timed(step, warmup: int, steps: int, sync=None) -> float:
@@ -277,6 +333,18 @@ def erniekit_case(case: str, ckpt: str, steps: int) -> dict:
                     logits.numpy()
 
         return {"tokens_per_s": 4 * 256 / _timed(fwd, 1, steps, _paddle_sync())}
+    if case.startswith("decode-vl-"):
+        from erniekit.infer.chat import pack_for_chat
+        from erniekit.infer.vl_generate import generate_vl
+
+        ids, pixels, grid = _vl_prompt()
+        packing = pack_for_chat(model, PACKED_WEIGHTS)
+        generate_vl(model, ids[0].tolist(), (pixels, grid), 4, [])
+        t0 = time.perf_counter()
+        out = generate_vl(model, ids[0].tolist(), (pixels, grid), DECODE_NEW, [])  # no stop ids: fixed length
+        dt = time.perf_counter() - t0
+        assert len(out) == DECODE_NEW
+        return {"tokens_per_s": DECODE_NEW / dt, "packing": packing}
     if case.startswith("decode-"):
         from erniekit.infer.chat import pack_for_chat
         from erniekit.infer.generate import generate
@@ -408,10 +476,12 @@ def torch_case(case: str, ckpt: str, steps: int, threads: int) -> dict:
 
     torch.set_num_threads(threads)
     t0 = time.perf_counter()
-    model = transformers.AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32)
+    vl = _model_of(case) == VL_MODEL
+    auto = transformers.Ernie4_5_VLMoeForConditionalGeneration if vl else transformers.AutoModelForCausalLM
+    model = auto.from_pretrained(ckpt, dtype=torch.float32)
     global LOAD_S
     LOAD_S = time.perf_counter() - t0
-    vocab = model.config.vocab_size
+    vocab = model.config.text_config.vocab_size if vl else model.config.vocab_size
     ref = os.path.join(ckpt, "torch_logits.npy")
     if not os.path.isfile(ref):  # the reference is always the CPU's float32 logits
         model.eval()
@@ -461,6 +531,8 @@ def torch_case(case: str, ckpt: str, steps: int, threads: int) -> dict:
                     logits.numpy()
 
         return {"tokens_per_s": 4 * 256 / _timed(fwd, 1, steps, sync)}
+    if vl:
+        return _torch_vl_decode(model, tensor, sync)
     n_new = DECODE_NEW if case.startswith("decode-") else SERVER_NEW
     b = int(case.rsplit("-b", 1)[1]) if case.startswith("decode-") else int(case.split("-c")[1])
     x = tensor(_ids(vocab, b, PROMPT_LEN))
@@ -485,6 +557,41 @@ def torch_case(case: str, ckpt: str, steps: int, threads: int) -> dict:
     dt = time.perf_counter() - t0
     assert out.shape[1] == PROMPT_LEN + n_new
     return {"tokens_per_s": b * n_new / dt}
+
+
+def _torch_vl_decode(model, tensor, sync) -> dict:
+    """transformers' greedy `generate` of DECODE_NEW tokens after `_vl_prompt` (its token types as
+    its processor marks them: the placeholders vision, the image's start and end vision experts')."""
+    import numpy as np
+    import torch
+
+    ids, pixels, grid = _vl_prompt()
+    mm = (ids == VL_IDS["image_token_id"]).astype(np.int64)
+    moe = mm | np.isin(ids, [VL_IDS["image_start_token_id"], VL_IDS["image_end_token_id"]])
+    x = tensor(ids)
+    kw = dict(
+        input_ids=x,
+        attention_mask=torch.ones_like(x),
+        mm_token_type_ids=tensor(mm),
+        moe_mm_token_type_ids=tensor(moe.astype(np.int64)),
+        pixel_values=tensor(pixels),
+        image_grid_thw=tensor(np.array(grid)),
+    )
+
+    def gen(n):
+        with torch.no_grad():
+            return model.generate(
+                **kw, do_sample=False, max_new_tokens=n, min_new_tokens=n, pad_token_id=0, eos_token_id=None
+            )
+
+    gen(4)
+    t0 = time.perf_counter()
+    out = gen(DECODE_NEW)
+    if sync:
+        sync()
+    dt = time.perf_counter() - t0
+    assert out.shape[1] == ids.shape[1] + DECODE_NEW
+    return {"tokens_per_s": DECODE_NEW / dt}
 
 
 def probe(framework: str) -> dict:

@@ -511,3 +511,29 @@ def test_the_twenty_first_rounds_tiny_decode_table_quotes_its_two_runs():
     before = json.loads((ROOT / "bench_results" / "vs_torch_amd_avx2_tiny_decode_before.json").read_text())["cases"]
     quoted = [f"**{before[c]['ratio_erniekit_over_torch']:.2f}x**" for c in ("decode-tiny-b1", "decode-tiny-b8")]
     assert all(q in section for q in quoted), quoted
+
+
+def test_the_vl_case_runs_both_frameworks_on_one_checkpoint(tmp_path, monkeypatch):
+    """decode-vl-b1 on a VL checkpoint transformers wrote (a smaller one here): both frameworks
+    generate after the same image prompt, erniekit after checking its logits against theirs."""
+    import copy
+
+    small = copy.deepcopy(B.VL_CONFIG)
+    small["text_config"].update(hidden_size=64, intermediate_size=96, num_attention_heads=2, head_dim=32)
+    small["text_config"].update(
+        moe_intermediate_size=[32, 16],
+        rope_parameters=dict(small["text_config"]["rope_parameters"], mrope_section=[6, 6, 4]),
+    )
+    monkeypatch.setattr(B, "VL_CONFIG", small)
+    monkeypatch.setattr(B, "DECODE_NEW", 3)
+    assert B._model_of("decode-vl-b1") == B.VL_MODEL and "decode-vl-b1" in B.CASES
+    path = str(tmp_path / B.VL_MODEL)
+    B.write_checkpoint(B.VL_MODEL, path)
+    t = B.torch_case("decode-vl-b1", path, 1, 1)  # writes the reference logits
+    e = B.erniekit_case("decode-vl-b1", path, 1)
+    assert (tmp_path / B.VL_MODEL / "torch_logits.npy").is_file() and t["tokens_per_s"] > 0 and e["tokens_per_s"] > 0
+    ids, pixels, grid = B._vl_prompt()
+    assert 4 * int((ids == B.VL_IDS["image_token_id"]).sum()) == int(np.prod(grid[0])) == pixels.shape[0]
+    np.save(tmp_path / B.VL_MODEL / "torch_logits.npy", np.load(tmp_path / B.VL_MODEL / "torch_logits.npy") + 1.0)
+    with pytest.raises(SystemExit, match="logits differ"):
+        B.erniekit_case("decode-vl-b1", path, 1)
