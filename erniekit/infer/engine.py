@@ -23,6 +23,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -225,7 +226,8 @@ class Engine:
         self.rngs: dict[int, np.random.Generator] = {}
         self.biases: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # logit_bias as (ids, values) per request
         self.default_stops = sorted(set(stop_token_ids or []))
-        self.pending: queue.Queue[Request] = queue.Queue()
+        self.pending: queue.Queue[Request] = queue.Queue()  # submitted, not yet seen by the engine thread
+        self.waiting: deque[Request] = deque()  # seen, waiting for a row (the engine thread's alone)
         self.steps = 0  # decode forwards run (stats)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="erniekit-engine", daemon=True)
@@ -281,21 +283,36 @@ class Engine:
                     self._finish(req, "error", _describe(e))
                 self.rows, self.cache.n, self.cache.length = [], 0, 0
 
+    def queued(self) -> int:
+        """Requests submitted and not yet running (any thread; approximate while they move)."""
+        return self.pending.qsize() + len(self.waiting)
+
     @paddle.no_grad()
     def _admit(self, block: bool) -> None:
-        """Prefill waiting requests into free rows (between decode steps), all in one forward."""
+        """Prefill waiting requests into free rows (between decode steps), all in one forward.
+        Every step first ends the waiting requests whose client went away, so they give their
+        place back at once, not when a row frees (a full batch may run for minutes)."""
+        self._take_pending(block and not self.waiting)
+        if any(r.cancelled for r in self.waiting):
+            for r in [r for r in self.waiting if r.cancelled]:
+                self._finish(r, "cancelled")
+            self.waiting = deque(r for r in self.waiting if not r.cancelled)
         new: list[Request] = []
-        while len(self.rows) + len(new) < self.max_batch:
-            try:
-                req = self.pending.get(block=block and not new, timeout=0.5 if block and not new else None)
-            except queue.Empty:
-                break
-            if req is None:
-                break
-            if not req.cancelled:
-                new.append(req)
+        while self.waiting and len(self.rows) + len(new) < self.max_batch:
+            new.append(self.waiting.popleft())
         if new:
             self._prefill_isolated(new)
+
+    def _take_pending(self, block: bool) -> None:
+        """Move every submitted request into `waiting`; with `block`, wait up to 0.5 s for one."""
+        while True:
+            try:
+                req = self.pending.get(block=block, timeout=0.5 if block else None)
+            except queue.Empty:
+                return
+            block = False
+            if req is not None:  # None: close() waking the loop
+                self.waiting.append(req)
 
     def _prefill_isolated(self, reqs: list[Request]) -> None:
         """Prefill `reqs` together; when that forward raises, each request alone, so the one that

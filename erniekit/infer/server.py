@@ -848,6 +848,13 @@ class OpenAIServer:
         tokens = self._body(raw).get("tokens")
         if not isinstance(tokens, list) or not all(_is_id(t) and 0 <= t < self.vocab for t in tokens):
             raise BadRequest(f"tokens must be a list of token ids in [0, {self.vocab})", "tokens")
+        if len(tokens) > self.engine.max_model_len:  # a 1 MiB body holds ~500k ids: seconds of a shared worker
+            raise BadRequest(
+                f"tokens holds {len(tokens)} ids, more than the context of {self.engine.max_model_len}; "
+                "send at most that many per request",
+                "tokens",
+                "context_length_exceeded",
+            )
         return {"prompt": self.tokenizer.decode(tokens, skip_special_tokens=False)}
 
     def tokenizer_info(self) -> dict:
@@ -1203,7 +1210,7 @@ def build_app(server: OpenAIServer):
             "status": "ok",
             "model": server.model_name,
             "running": len(server.engine.rows),
-            "waiting": server.engine.pending.qsize(),
+            "waiting": server.engine.queued(),
         }
 
     @app.get("/v1/models")

@@ -142,6 +142,42 @@ def test_a_cancelled_request_leaves_and_frees_its_row(model, tokenizer):
         engine.close()
 
 
+def test_a_request_cancelled_while_it_waits_ends_at_once_behind_a_full_batch(model, tokenizer):
+    """A client that goes away while its request waits behind a full batch: the request ends
+    ("cancelled") at the next step, not when a row frees, so a server's queue place comes back
+    while the batch keeps running; the waiting ones that stay run as before."""
+    engine = Engine(model, tokenizer, max_batch=1, max_model_len=512)
+    ends: dict[int, str] = {}
+    waits = [threading.Event() for _ in range(4)]
+
+    def emit_for(i):
+        def emit(delta, finish):
+            if finish is not None:
+                ends[i] = finish
+                waits[i].set()
+
+        return emit
+
+    running = Request([5, 6, 7], SamplingParams(max_new_tokens=500), emit_for(0))
+    queued = [Request([8 + i, 9], SamplingParams(max_new_tokens=2), emit_for(i)) for i in (1, 2, 3)]
+    try:
+        engine.submit(running)
+        while len(running.completion) < 2:
+            pass
+        for r in queued:
+            engine.submit(r)
+        queued[0].cancelled = queued[1].cancelled = True
+        assert waits[1].wait(30) and waits[2].wait(30) and ends[1] == ends[2] == "cancelled"
+        assert queued[0].completion == queued[1].completion == []  # ended without a row
+        assert not waits[0].is_set() and not waits[3].is_set()  # the batch still runs; the third still waits
+        assert engine.queued() == 1
+        running.cancelled = True
+        assert waits[3].wait(60) and ends[3] == "length" and ends[0] == "cancelled"
+        assert engine.queued() == 0
+    finally:
+        engine.close()
+
+
 # ---- faults stay with the request that caused them (issue #23) --------------------------------
 
 

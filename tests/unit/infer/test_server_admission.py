@@ -72,3 +72,48 @@ def test_requests_beyond_the_bounds_get_a_429_and_finished_ones_free_their_place
 
     server = asyncio.run(scenario())
     assert server._in_flight == 2 and server._media_in_flight == 1  # the text and the last image request
+
+
+async def _until(cond, seconds: float = 30.0) -> None:
+    for _ in range(int(seconds / 0.05)):
+        if cond():
+            return
+        await asyncio.sleep(0.05)
+
+
+def test_a_client_gone_while_queued_gives_its_place_back_with_the_real_engine():
+    """The server's count through the built-in engine (not a stand-in that ends requests by hand):
+    requests queued behind a full batch whose client went away free their places while the batch
+    still runs, so new requests are admitted."""
+    import paddle
+
+    from erniekit.infer.engine import Engine
+    from erniekit.models.ernie4_5 import Ernie4_5ForCausalLM, get_preset
+
+    tok = default_tokenizer()
+    paddle.seed(0)
+    model = Ernie4_5ForCausalLM(get_preset("tiny-moe"))
+    model.eval()
+    engine = Engine(model, tok, max_batch=1, max_model_len=600)
+
+    async def scenario():
+        server = srv.OpenAIServer(engine, tok, "m", max_queued=3)
+        long = srv.Parsed([([5, 6, 7], None, None, None)], SamplingParams(max_new_tokens=590), [], False, False)
+        (running,), _ = server.start(long)
+        queued, _ = server.start(_parsed(2))
+        with pytest.raises(srv.BadRequest):
+            server.start(_parsed(1))  # 3 held
+        for r in queued:
+            r.cancelled = True  # their clients went away
+        await _until(lambda: server._in_flight == 1)
+        assert server._in_flight == 1 and not running.text  # the long one still runs
+        later, _ = server.start(_parsed(2))  # the places are back
+        for r in (running, *later):
+            r.cancelled = True
+        await _until(lambda: server._in_flight == 0)  # before the loop closes: the engine emits into it
+        assert server._in_flight == 0
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        engine.close()

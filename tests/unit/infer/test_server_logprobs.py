@@ -278,6 +278,10 @@ def test_tokenizer_endpoints_round_trip(http, tok):
     info = http.get("/tokenizer_info").json()
     assert info["eos_token"] == tok.special_tokens["eos_token"] and "{%" in info["chat_template"]
     assert http.post("/detokenize", json={"tokens": [10**9]}).status_code == 400
+    # more ids than the context (128 here): refused before the tokenizer's shared worker decodes them
+    r = http.post("/detokenize", json={"tokens": got["tokens"] * 40})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tokens" and "context of 128" in r.text
+    assert http.post("/detokenize", json={"tokens": [got["tokens"][0]] * 128}).status_code == 200
 
 
 @pytest.mark.parametrize(
