@@ -1482,8 +1482,30 @@ def run_server(ns) -> int:
         + f"; {packing}",
         flush=True,
     )
+    raise_open_files_limit()
     try:
         uvicorn.run(app, host=ns.host, port=ns.port, log_level=ns.log_level)
     finally:
         engine.close()
     return 0
+
+
+OPEN_FILES_TARGET = 65536
+
+
+def raise_open_files_limit() -> int:
+    """The soft limit on open files raised toward the hard one (at most OPEN_FILES_TARGET), as vLLM
+    does: each client connection holds a descriptor, and at a common soft limit of 1024 about a
+    thousand slow or idle connections (one misbehaving client) leave the server unreachable for
+    everyone. Returns the soft limit in force."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = OPEN_FILES_TARGET if hard == resource.RLIM_INFINITY else min(hard, OPEN_FILES_TARGET)
+    if soft != resource.RLIM_INFINITY and soft < want:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+            soft = want
+        except (ValueError, OSError) as e:  # a container may forbid it: serve with what there is
+            print(f"erniekit: could not raise the open-files limit from {soft} to {want} ({e})", flush=True)
+    return soft

@@ -117,3 +117,25 @@ def test_a_client_gone_while_queued_gives_its_place_back_with_the_real_engine():
         asyncio.run(scenario())
     finally:
         engine.close()
+
+
+def test_the_server_raises_its_open_files_limit_toward_the_hard_one(monkeypatch):
+    """Each connection holds a descriptor: at a soft limit of 1024 a thousand idle connections of
+    one client would leave the server unreachable; the server lifts it as far as it may."""
+    import resource
+
+    limits = {"now": (1024, 4096)}
+    monkeypatch.setattr(resource, "getrlimit", lambda what: limits["now"])
+    monkeypatch.setattr(resource, "setrlimit", lambda what, lim: limits.update(now=lim))
+    assert srv.raise_open_files_limit() == 4096 and limits["now"] == (4096, 4096)
+    limits["now"] = (1024, resource.RLIM_INFINITY)
+    assert srv.raise_open_files_limit() == srv.OPEN_FILES_TARGET
+    limits["now"] = (200000, 300000)  # already above the target: left alone
+    assert srv.raise_open_files_limit() == 200000 and limits["now"] == (200000, 300000)
+
+    def refuse(what, lim):
+        raise ValueError("not allowed")
+
+    limits["now"] = (1024, 4096)
+    monkeypatch.setattr(resource, "setrlimit", refuse)
+    assert srv.raise_open_files_limit() == 1024
