@@ -537,3 +537,19 @@ def test_the_vl_case_runs_both_frameworks_on_one_checkpoint(tmp_path, monkeypatc
     np.save(tmp_path / B.VL_MODEL / "torch_logits.npy", np.load(tmp_path / B.VL_MODEL / "torch_logits.npy") + 1.0)
     with pytest.raises(SystemExit, match="logits differ"):
         B.erniekit_case("decode-vl-b1", path, 1)
+
+
+def test_the_twenty_second_rounds_vl_decode_table_quotes_its_two_runs():
+    """A VL model's decode after an image (decode-vl-b1 on vl-moe16) as recorded, twice."""
+    doc = (ROOT / "docs" / "performance.md").read_text()
+    section = doc.split("### Twenty-second round", 1)[1].split("\n### ", 1)[0].split("\n## ", 1)[0]
+    rows = [r for r in _table_rows(section) if r[0].strip().startswith("greedy")]
+    got = [
+        json.loads((ROOT / "bench_results" / f"vs_torch_amd_avx2_vl_decode{t}.json").read_text()) for t in ("", "_2")
+    ]
+    assert all(list(r["cases"]) == ["decode-vl-b1"] and r["repeats"] == 3 for r in got)
+    assert len(rows) == 1
+    for i, case in enumerate(r["cases"]["decode-vl-b1"] for r in got):
+        _check_cells(rows[0][1 + 3 * i : 4 + 3 * i], case, rows[0])
+    before = json.loads((ROOT / "bench_results" / "vs_torch_amd_avx2_vl_decode_before.json").read_text())["cases"]
+    assert f"**{before['decode-vl-b1']['ratio_erniekit_over_torch']:.2f}x**" in section
