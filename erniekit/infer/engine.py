@@ -294,9 +294,13 @@ class Engine:
         place back at once, not when a row frees (a full batch may run for minutes)."""
         self._take_pending(block and not self.waiting)
         if any(r.cancelled for r in self.waiting):
-            for r in [r for r in self.waiting if r.cancelled]:
-                self._finish(r, "cancelled")
-            self.waiting = deque(r for r in self.waiting if not r.cancelled)
+            keep: deque[Request] = deque()
+            for r in self.waiting:  # one read of each flag: a client may hang up meanwhile
+                if r.cancelled:
+                    self._finish(r, "cancelled")
+                else:
+                    keep.append(r)
+            self.waiting = keep
         new: list[Request] = []
         while self.waiting and len(self.rows) + len(new) < self.max_batch:
             new.append(self.waiting.popleft())

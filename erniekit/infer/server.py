@@ -846,15 +846,15 @@ class OpenAIServer:
 
     def detokenize(self, raw: bytes) -> dict:
         tokens = self._body(raw).get("tokens")
-        if not isinstance(tokens, list) or not all(_is_id(t) and 0 <= t < self.vocab for t in tokens):
-            raise BadRequest(f"tokens must be a list of token ids in [0, {self.vocab})", "tokens")
-        if len(tokens) > self.engine.max_model_len:  # a 1 MiB body holds ~500k ids: seconds of a shared worker
+        if isinstance(tokens, list) and len(tokens) > self.engine.max_model_len:  # 1 MiB holds ~500k ids
             raise BadRequest(
                 f"tokens holds {len(tokens)} ids, more than the context of {self.engine.max_model_len}; "
                 "send at most that many per request",
                 "tokens",
                 "context_length_exceeded",
             )
+        if not isinstance(tokens, list) or not all(_is_id(t) and 0 <= t < self.vocab for t in tokens):
+            raise BadRequest(f"tokens must be a list of token ids in [0, {self.vocab})", "tokens")
         return {"prompt": self.tokenizer.decode(tokens, skip_special_tokens=False)}
 
     def tokenizer_info(self) -> dict:
@@ -1491,6 +1491,7 @@ def run_server(ns) -> int:
 
 
 OPEN_FILES_TARGET = 65536
+MACOS_OPEN_MAX = 10240  # the most a soft limit may be on macOS, whatever the hard one
 
 
 def raise_open_files_limit() -> int:
@@ -1502,10 +1503,16 @@ def raise_open_files_limit() -> int:
 
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     want = OPEN_FILES_TARGET if hard == resource.RLIM_INFINITY else min(hard, OPEN_FILES_TARGET)
-    if soft != resource.RLIM_INFINITY and soft < want:
+    if soft == resource.RLIM_INFINITY or soft >= want:
+        return soft
+    error = None
+    for target in dict.fromkeys((want, min(want, MACOS_OPEN_MAX))):  # macOS refuses more than OPEN_MAX
+        if target <= soft:
+            break
         try:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
-            soft = want
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            return target
         except (ValueError, OSError) as e:  # a container may forbid it: serve with what there is
-            print(f"erniekit: could not raise the open-files limit from {soft} to {want} ({e})", flush=True)
+            error = e
+    print(f"erniekit: could not raise the open-files limit from {soft} toward {want} ({error})", flush=True)
     return soft

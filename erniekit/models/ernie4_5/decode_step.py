@@ -287,7 +287,7 @@ def run(
         return None  # the layers' embedding reports it
     if use_fused_attention():
         return None  # (rope_and_mask's mask is then no bias: the layers run)
-    pos = None if position_ids is None else _text_positions(position_ids, B)
+    pos = None if position_ids is None else _text_positions(position_ids, B, model.mrope_section is not None)
     if position_ids is not None and pos is None:
         return None
     if attention_mask is None:
@@ -300,11 +300,12 @@ def run(
     return _layers(model, parts, calls, emb, ids, rope_mask, cache, kernels)
 
 
-def _text_positions(position_ids: paddle.Tensor, B: int) -> np.ndarray | None:
-    """[B] positions of a step's given position_ids ([B, 1], or [3, B, 1] with equal rows), or None
-    where the step cannot take them (another shape, a 3-D position of a vision token, a negative)."""
+def _text_positions(position_ids: paddle.Tensor, B: int, three_d: bool) -> np.ndarray | None:
+    """[B] positions of a step's given position_ids ([B, 1], or [3, B, 1] with equal rows where the
+    model has a 3-D rope: `three_d`), or None where the step cannot take them (another shape, a 3-D
+    position of a vision token, a negative; the layers then run, or refuse what they refuse)."""
     shape = list(position_ids.shape)
-    if shape not in ([B, 1], [3, B, 1]) or position_ids.dtype not in (paddle.int64, paddle.int32):
+    if shape not in ([B, 1], [3, B, 1] if three_d else None) or position_ids.dtype not in (paddle.int64, paddle.int32):
         return None
     p = position_ids.numpy().reshape(-1, B).astype(np.int64)
     if (p != p[0]).any() or (p[0] < 0).any():

@@ -178,6 +178,50 @@ def test_a_request_cancelled_while_it_waits_ends_at_once_behind_a_full_batch(mod
         engine.close()
 
 
+def test_a_client_hanging_up_while_the_engine_sweeps_the_waiting_requests_is_not_lost(model, tokenizer):
+    """B's client goes away in the middle of the engine's sweep of cancelled waiting requests (made
+    deterministic: reading A's flag the second time cancels B); B must still end ("cancelled"),
+    at that sweep or the next, and not vanish from the queue unended (its server place would leak)."""
+    ends: dict[str, str] = {}
+
+    def emit_for(k):
+        return lambda d, f: ends.__setitem__(k, f) if f is not None else None
+
+    b = Request([9, 9], SamplingParams(max_new_tokens=2), emit_for("B"))
+
+    class HangsUpB(Request):
+        reads = 0
+
+        @property
+        def cancelled(self):
+            self.reads += 1
+            if self.reads == 2:
+                b.cancelled = True
+            return True
+
+        @cancelled.setter
+        def cancelled(self, value):
+            pass
+
+    a = HangsUpB([8, 9], SamplingParams(max_new_tokens=2), emit_for("A"))
+    engine = Engine(model, tokenizer, max_batch=1, max_model_len=512)
+    running = Request([5, 6, 7], SamplingParams(max_new_tokens=500), emit_for("run"))
+    try:
+        engine.submit(running)
+        while len(running.completion) < 2:
+            pass
+        engine.submit(b)
+        engine.submit(a)
+        for _ in range(600):
+            if "B" in ends:
+                break
+            threading.Event().wait(0.05)
+        assert ends.get("A") == ends.get("B") == "cancelled" and engine.queued() == 0
+    finally:
+        running.cancelled = True
+        engine.close()
+
+
 # ---- faults stay with the request that caused them (issue #23) --------------------------------
 
 

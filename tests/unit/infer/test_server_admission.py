@@ -139,3 +139,12 @@ def test_the_server_raises_its_open_files_limit_toward_the_hard_one(monkeypatch)
     limits["now"] = (1024, 4096)
     monkeypatch.setattr(resource, "setrlimit", refuse)
     assert srv.raise_open_files_limit() == 1024
+
+    def macos(what, lim):  # an unlimited hard limit, but no soft one above OPEN_MAX
+        if lim[0] > srv.MACOS_OPEN_MAX:
+            raise ValueError("invalid argument")
+        limits.update(now=lim)
+
+    limits["now"] = (256, resource.RLIM_INFINITY)
+    monkeypatch.setattr(resource, "setrlimit", macos)
+    assert srv.raise_open_files_limit() == srv.MACOS_OPEN_MAX == limits["now"][0]

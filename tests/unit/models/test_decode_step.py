@@ -568,7 +568,17 @@ def test_a_vl_models_text_tokens_take_the_step_with_the_layers_bits(monkeypatch,
 
 def test_positions_the_step_cannot_take_leave_it_to_the_layers():
     pos = paddle.to_tensor([[[4]], [[4]], [[5]]])  # a vision token's 3-D position: rows differ
-    assert decode_step._text_positions(pos, 1) is None
-    assert decode_step._text_positions(paddle.to_tensor([[-1]]), 1) is None
-    assert decode_step._text_positions(paddle.to_tensor([[2, 3]]), 1) is None
-    assert decode_step._text_positions(paddle.to_tensor([[[7]], [[7]], [[7]]]), 1).tolist() == [7]
+    assert decode_step._text_positions(pos, 1, True) is None
+    assert decode_step._text_positions(paddle.to_tensor([[-1]]), 1, True) is None
+    assert decode_step._text_positions(paddle.to_tensor([[2, 3]]), 1, True) is None
+    equal = paddle.to_tensor([[[7]], [[7]], [[7]]])
+    assert decode_step._text_positions(equal, 1, True).tolist() == [7]
+    assert decode_step._text_positions(equal, 1, False) is None  # a text model: the layers refuse 3-D positions
+    model = _model()
+    cache = KVCache(model.config, 1, 20)
+    with paddle.no_grad():
+        model(paddle.randint(0, V, [1, 4]), cache=cache)
+        assert decode_step.run(model.model, paddle.randint(0, V, [1, 1]), None, cache, equal) is None
+        assert (
+            decode_step.run(model.model, paddle.randint(0, V, [1, 1]), None, cache, paddle.to_tensor([[4]])) is not None
+        )
