@@ -110,19 +110,11 @@ CASES += ["decode-moe-b1", "decode-moe-b8", "decode-tiny-b1", "decode-tiny-b8", 
 # of 512, 16 vision of 256, top-4, one shared) and a 2-layer vision encoder; transformers' keys
 VL_MODEL = "vl-moe16"
 VL_IDS = dict(image_start_token_id=500, image_end_token_id=501, image_token_id=502)
+_NOT_VL_TEXT = ("tie_word_embeddings", "moe_intermediate_size", "moe_layer_start_index", "router_aux_loss_coef")
 VL_CONFIG = dict(
     text_config=dict(
-        vocab_size=8192,
-        hidden_size=512,
-        intermediate_size=1536,
-        num_hidden_layers=4,
-        num_attention_heads=8,
-        num_key_value_heads=2,
-        head_dim=64,
+        {k: v for k, v in MODELS["moe16-top4"].items() if k not in _NOT_VL_TEXT},
         moe_intermediate_size=[512, 256],
-        moe_k=4,
-        moe_num_experts=16,
-        moe_num_shared_experts=1,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [14, 14, 4]},
         mlp_layer_types=["dense"] + ["sparse"] * 3,
         initializer_range=0.02,
@@ -549,14 +541,19 @@ def torch_case(case: str, ckpt: str, steps: int, threads: int) -> dict:
                 eos_token_id=None,
             )
 
-    gen(4)
-    t0 = time.perf_counter()
-    out = gen(n_new)
-    if sync:
-        sync()
-    dt = time.perf_counter() - t0
+    out, dt = _generate_timed(gen, n_new, sync)
     assert out.shape[1] == PROMPT_LEN + n_new
     return {"tokens_per_s": b * n_new / dt}
+
+
+def _generate_timed(gen, n: int, sync) -> tuple:
+    """(gen(n)'s output, its seconds) after a 4-token warm-up; `sync` waits for a GPU's queued work."""
+    gen(4)
+    t0 = time.perf_counter()
+    out = gen(n)
+    if sync:
+        sync()
+    return out, time.perf_counter() - t0
 
 
 def _torch_vl_decode(model, tensor, sync) -> dict:
@@ -584,12 +581,7 @@ def _torch_vl_decode(model, tensor, sync) -> dict:
                 **kw, do_sample=False, max_new_tokens=n, min_new_tokens=n, pad_token_id=0, eos_token_id=None
             )
 
-    gen(4)
-    t0 = time.perf_counter()
-    out = gen(DECODE_NEW)
-    if sync:
-        sync()
-    dt = time.perf_counter() - t0
+    out, dt = _generate_timed(gen, DECODE_NEW, sync)
     assert out.shape[1] == ids.shape[1] + DECODE_NEW
     return {"tokens_per_s": DECODE_NEW / dt}
 
