@@ -12,8 +12,9 @@ kernels with the same arguments (nn/norm.py, nn/small_gemm.py, nn/rope.py, nn/fu
 nn/swiglu.py), MKL's sgemm with Paddle's arguments where a layer's product goes to Paddle's linear
 (`grouped_gemm.linear_call`: a tiny model's projections, more rows than the kernels take; the
 embedded default's model decodes 2.5x faster in the step at batch 1), the embedding's rows
-copied, numpy's float32 add for the residual adds (one rounding, as Paddle's), and the rows of a table of the model's own `rope_cos_sin` for the positions (with the
-mask's two values for its bias, `_rope_rows`). A MoE block (`_moe_mlp`) runs its own router (a few
+copied, numpy's float32 add for the residual adds (one rounding, as Paddle's), and the rows of a
+table of the model's own `rope_cos_sin` for the positions (with the mask's two values for its
+bias, `_rope_rows`). A MoE block (`_moe_mlp`) runs its own router (a few
 Paddle ops), sorts the assignments as `dispatch` does and hands MKL the same grouped-GEMM products
 as the experts' forward (nn/grouped_gemm.py), then sums the weighted rows in index_add's order; it
 records its routing as the block does (RL rollouts read it). The moe16-top4 benchmark model's
@@ -304,8 +305,8 @@ def _text_positions(position_ids: paddle.Tensor, B: int, three_d: bool) -> np.nd
     """[B] positions of a step's given position_ids ([B, 1], or [3, B, 1] with equal rows where the
     model has a 3-D rope: `three_d`), or None where the step cannot take them (another shape, a 3-D
     position of a vision token, a negative; the layers then run, or refuse what they refuse)."""
-    shape = list(position_ids.shape)
-    if shape not in ([B, 1], [3, B, 1] if three_d else None) or position_ids.dtype not in (paddle.int64, paddle.int32):
+    shapes = ([B, 1], [3, B, 1]) if three_d else ([B, 1],)
+    if list(position_ids.shape) not in shapes or position_ids.dtype not in (paddle.int64, paddle.int32):
         return None
     p = position_ids.numpy().reshape(-1, B).astype(np.int64)
     if (p != p[0]).any() or (p[0] < 0).any():

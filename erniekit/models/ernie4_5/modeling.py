@@ -167,13 +167,11 @@ class Ernie4_5Model(nn.Layer):
         """token_type_ids [B, S]: modality id per token (0 = text) for modality-isolated MoE routing;
         inputs_embeds [B, S, H]: instead of embedding input_ids (a VL model's text with image
         features in place); position_ids may then be [3, B, S] (3-D rope, `mrope_section`)."""
-        if cache is not None and segment_ids is None and token_type_ids is None:
+        if cache is not None and inputs_embeds is None and segment_ids is None and token_type_ids is None:
             # a text decode step on the kernels directly (same bits; a VL model's text tokens too: it
             # passes inputs_embeds only with vision features in them); no walrus here: the static
             # export converts this function, and its AST transformer rejects one
-            stepped = (
-                decode_step.run(self, input_ids, attention_mask, cache, position_ids) if inputs_embeds is None else None
-            )
+            stepped = decode_step.run(self, input_ids, attention_mask, cache, position_ids)
             if stepped is not None:
                 return stepped
         past = cache.length if cache is not None else 0

@@ -41,18 +41,24 @@ def _model(seed=0, bias=False, **extra):
     return model
 
 
-def _roll(model, monkeypatch, fast: bool, B: int, pad: bool, steps: int, cache):
-    """Logits (as bits) of a prefill and `steps` decode steps, the number of steps the decode step
-    took, and the cache's valid keys and values."""
-    real = decode_step.run
-    taken = []
+def _count_steps(monkeypatch, fast: bool) -> list[bool]:
+    """decode_step.run patched to run (fast) or refuse every step; the list records, per call,
+    whether the step answered."""
+    real, taken = decode_step.run, []
 
-    def step(*a):
-        out = real(*a) if fast else None
+    def step(*a, **k):
+        out = real(*a, **k) if fast else None
         taken.append(out is not None)
         return out
 
     monkeypatch.setattr(decode_step, "run", step)
+    return taken
+
+
+def _roll(model, monkeypatch, fast: bool, B: int, pad: bool, steps: int, cache):
+    """Logits (as bits) of a prefill and `steps` decode steps, the number of steps the decode step
+    took, and the cache's valid keys and values."""
+    real, taken = decode_step.run, _count_steps(monkeypatch, fast)
     rng = np.random.default_rng(3)
     L = 6
     ids = rng.integers(0, V, (B, L))
@@ -492,15 +498,7 @@ def _vl_roll(model, monkeypatch, fast: bool, steps: int, B: int, image: bool):
     per row) drive it; the steps taken, the cache and each MoE block's recorded routing."""
     from erniekit.models.ernie4_5_vl.modeling import rope_index
 
-    real = decode_step.run
-    taken = []
-
-    def step(*a, **k):
-        out = real(*a, **k) if fast else None
-        taken.append(out is not None)
-        return out
-
-    monkeypatch.setattr(decode_step, "run", step)
+    real, taken = decode_step.run, _count_steps(monkeypatch, fast)
     c, rng = model.config, np.random.default_rng(5)
     L = 12
     ids = rng.integers(3, 1000, (B, L))
