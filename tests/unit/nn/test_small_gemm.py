@@ -186,6 +186,25 @@ def test_packed_weights_give_the_same_bits_up_to_packed_rows(kernel, bits, rows,
     assert sg._packed_of(w) is None
 
 
+@pytest.mark.parametrize("n", [64, 128, 192, 512, 576, 1024])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_one_packed_row_gives_kns_bits_at_any_panel_count_and_thread_count(kernel, bits, n, with_bias):
+    """One row (a batch-1 decode step) reads its panels in pairs or one by one, by how many panels
+    each thread gets (kernels/small_gemm.c, packed_one_row with AVX-512): 1-16 panels of 64, odd
+    counts leaving a single panel after the pairs, 1-4 threads, a k whose halves are not a multiple
+    of 16."""
+    pack, packed = kernel[2], kernel[3]
+    k = 400
+    x, w, b = _arrays((1, k), (k, n), (n,), seed=n)
+    X, W, B, P = (paddle.to_tensor(a) for a in (x, w, b, np.zeros(k * n, np.float32)))
+    pack(W.data_ptr(), P.data_ptr(), k, n)
+    want = bits(sg.numpy_kn(x, w, b if with_bias else None))
+    for threads in (1, 2, 3, 4):
+        y = paddle.to_tensor(np.full((1, n), np.nan, np.float32))
+        packed(X.data_ptr(), P.data_ptr(), B.data_ptr() if with_bias else None, y.data_ptr(), 1, k, n, threads)
+        np.testing.assert_array_equal(bits(y), want, err_msg=f"{threads} threads")
+
+
 def test_a_weight_changed_in_place_drops_its_packed_copy(kernel, monkeypatch):
     monkeypatch.setattr(sg, "KN_MIN_BYTES", 0)
     holder = _packable(64, 64, seed=1)
