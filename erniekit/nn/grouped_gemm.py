@@ -20,9 +20,10 @@ import numpy as np
 import paddle
 from paddle.autograd import PyLayer
 
-from erniekit.nn import native
+from erniekit.nn import native, small_gemm
 
 _ROW_MAJOR, _NO_TRANS, _TRANS = 101, 111, 112
+DECODE_ROWS = 64  # see decode_sized
 _lib: list = []  # [CDLL | None], filled on first use
 
 
@@ -62,6 +63,36 @@ def run_batch(products: list[tuple[int, int, int, int, int, int, int, bool, bool
         for q in single:
             _batch_call([q])
     _batch_call(products)
+
+
+def decode_sized(rows: int) -> bool:
+    """Whether experts' products over `rows` dispatched rows are a decode step's: no gradient, and
+    at most DECODE_ROWS rows (16 sequences at top-4). Those take `run_products(..., decode=True)`."""
+    return rows <= DECODE_ROWS and not paddle.is_grad_enabled()
+
+
+def run_products(products: list[tuple], decode: bool) -> None:
+    """`run_batch`, except that with `decode` every group of at most small_gemm.KN_ROWS rows the kn
+    kernel takes runs there (nn/small_gemm.py: the same sums at any thread count).
+
+    Why: MKL's batched GEMM streams groups of 2-5 rows slowly: in a batch-8 decode step of the
+    moe16-top4 benchmark model (1 MB experts) the batch calls read ~6 GB/s on an Intel Xeon (2
+    threads), where the kernel reads a weight at the memory's rate. The kernel sums in its own order,
+    so an expert's output differs from MKL's in the last bits: only inference of a few rows takes it
+    (the layers and models/ernie4_5/decode_step.py alike, by `decode_sized`), never a gradient's
+    forward (training and RL's log-probabilities keep MKL's bits)."""
+    if decode:
+        small: dict[tuple[int, int], list] = {}
+        rest = []
+        for q in products:  # (a, b, c, m, n, k, ldb, trans_a, trans_b)
+            if q[7] or q[8] or q[6] != q[4] or not small_gemm.kn_takes(q[3], q[5], q[4]):
+                rest.append(q)
+            else:
+                small.setdefault((q[5], q[4]), []).append(q[:4])
+        for (K, N), group in small.items():
+            small_gemm.kn_groups(group, K, N)
+        products = rest
+    run_batch(products)
 
 
 def _batch_call(products: list) -> None:
@@ -288,5 +319,10 @@ def grouped_matmuls(
     """x [M, K] in consecutive row groups of `sizes` -> for each weight [E, K, N], group g @ W[used[g]]
     as [M, N]; one batched GEMM each way for all projections and groups."""
     check_groups(x.shape, [w.shape for w in weights], sizes, used)
+    if decode_sized(x.shape[0]):  # no gradient: the products alone, a few rows' on the kernel
+        x = x.contiguous()
+        outs = [paddle.empty([x.shape[0], w.shape[2]], dtype=x.dtype) for w in weights]
+        run_products([q for w, out in zip(weights, outs) for q in _products(x, w, out, sizes, used, False)], True)
+        return outs
     out = _GroupedMatmul.apply(x, *weights, list(sizes), list(used))
     return list(out) if isinstance(out, (tuple, list)) else [out]

@@ -230,7 +230,8 @@ class StackedExperts(nn.Layer):
         """x [M, in] in expert-sorted groups (sizes) -> each group @ W_p[its expert], as [M, out].
 
         In FP8 all groups are quantised in one call (fp8_grouped_matmul); float32 on CPU takes one
-        MKL batched GEMM (nn/grouped_gemm.py); otherwise one GEMM per group.
+        MKL batched GEMM (nn/grouped_gemm.py; without a gradient, a decode step's groups of a few
+        rows take the kn kernel there); otherwise one GEMM per group.
         """
         return self.grouped_many((p,), x, sizes, used)[0]
 

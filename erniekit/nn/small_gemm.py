@@ -59,6 +59,7 @@ def _lookup():
         ("erniekit_small_gemm_pack", [_P, _P, _I64, _I64]),
         ("erniekit_small_gemm_packed", [_P, _P, _P, _P, _I64, _I64, _I64, _I64]),
         ("erniekit_small_gemm_pack_t", [_P, _P, _I64, _I64]),
+        ("erniekit_small_gemm_kn_groups", [_P, _P, _P, _P, _I64, _P, _I64, _I64, _I64]),
     )
 
 
@@ -116,6 +117,25 @@ def takes_nk(x: paddle.Tensor, w: paddle.Tensor) -> bool:
     with w packed by `pack_weights`)."""
     rows = PACKED_ROWS if _packed_of(w) is not None else NK_ROWS
     return _eligible(x, w, None, rows) and x.shape[-1] == w.shape[1]
+
+
+def kn_groups(products: list[tuple[int, int, int, int]], K: int, N: int) -> None:
+    """y_g [rows_g, N] = x_g [rows_g, K] @ w_g [K, N] by the kn kernel for each (x, w, y, rows) of
+    buffer addresses (float32, rows contiguous), in one call: a MoE block's expert groups of a few
+    rows (nn/grouped_gemm.py, `run_products`). Each product's bits are `matmul_kn`'s; `kn_takes`
+    must hold for every one."""
+    if not products:
+        return
+    x, w, y, rows = (np.array(c, np.int64) for c in zip(*products))
+    tmp = _scratch_for(int(rows.sum()) * N)
+    p = ctypes.c_void_p
+    fn = _kernels()[5]
+    fn(*(p(a.ctypes.data) for a in (x, w, y, rows)), len(products), tmp, K, N, native.threads())
+
+
+def kn_takes(rows: int, K: int, N: int) -> bool:
+    """Whether `kn_groups` takes a product of these sizes (the kernels' limits on a weight)."""
+    return 0 < rows <= KN_ROWS and K % 16 == 0 and N % 16 == 0 and 4 * K * N >= KN_MIN_BYTES and _kernels() is not None
 
 
 def _threads(w: paddle.Tensor) -> int:

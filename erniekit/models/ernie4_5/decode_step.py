@@ -15,8 +15,9 @@ embedded default's model decodes 2.5x faster in the step at batch 1), the embedd
 copied, numpy's float32 add for the residual adds (one rounding, as Paddle's), and the rows of a
 table of the model's own `rope_cos_sin` for the positions (with the mask's two values for its
 bias, `_rope_rows`). A MoE block (`_moe_mlp`) runs its own router (a few
-Paddle ops), sorts the assignments as `dispatch` does and hands MKL the same grouped-GEMM products
-as the experts' forward (nn/grouped_gemm.py), then sums the weighted rows in index_add's order; it
+Paddle ops), sorts the assignments as `dispatch` does and runs the same grouped-GEMM products as
+the experts' forward (nn/grouped_gemm.py: MKL's, a decode step's groups of a few rows the kn
+kernel's), then sums the weighted rows in index_add's order; it
 records its routing as the block does (RL rollouts read it). The moe16-top4 benchmark model's
 decode step: 12.6 ms here against the layers' 20.4 at batch 1, 33.3 against 44.8 at batch 8
 (medians of 4 alternating runs, AMD EPYC without AVX-512, 2 threads).
@@ -451,8 +452,8 @@ def _layers(model, parts, calls, emb, ids, rope_mask, cache, kernels) -> paddle.
 def _moe_mlp(block, arr: dict, P: dict, act, B: int) -> np.ndarray:
     """A MoE block's routed experts on the step's normed rows `x`, into `m`, as MoEBlock.forward
     makes them: its own router (a few Paddle ops; it records the routing as the block does), the
-    assignments sorted by expert as `dispatch` sorts them, each projection the same list of MKL
-    products `grouped_gemm` hands its batch call (so they round alike), the SwiGLU kernel, and the
+    assignments sorted by expert as `dispatch` sorts them, each projection the same list of
+    products the experts' forward runs (`grouped_gemm.run_products`, so they round alike), the SwiGLU kernel, and the
     weighted rows summed into their tokens in index_add's order."""
     gate, experts = block._sub_layers["gate"], block._sub_layers["experts"]
     x = arr["x"][:B]
@@ -470,11 +471,13 @@ def _moe_mlp(block, arr: dict, P: dict, act, B: int) -> np.ndarray:
     sizes, used = counts[used].tolist(), used.tolist()
     np.take(x, tok, axis=0, out=arr["xe"][:A])
     wg, wu, wd = (experts._parameters[p] for p in StackedExperts.PROJS)
+    decode = grouped_gemm.decode_sized(A)  # as the experts' forward decides it on these rows
     products = grouped_gemm.products_at(P["xe"], wg, P["ge"], sizes, used, False)
-    grouped_gemm.run_batch(products + grouped_gemm.products_at(P["xe"], wu, P["ue"], sizes, used, False))
+    products += grouped_gemm.products_at(P["xe"], wu, P["ue"], sizes, used, False)
+    grouped_gemm.run_products(products, decode)
     n = A * wg.shape[-1]
     native.over_chunks(act, n, 4 * n, P["ge"], P["ue"], P["se"])
-    grouped_gemm.run_batch(grouped_gemm.products_at(P["se"], wd, P["ye"], sizes, used, False))
+    grouped_gemm.run_products(grouped_gemm.products_at(P["se"], wd, P["ye"], sizes, used, False), decode)
     ye, m = arr["ye"][:A], arr["m"][:B]
     np.multiply(ye, weight.reshape(A)[order][:, None], out=ye)
     m.fill(0)

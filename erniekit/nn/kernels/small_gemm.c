@@ -83,6 +83,33 @@ void erniekit_small_gemm_kn(const float *x, const float *w, const float *b, floa
     }
 }
 
+/* G products y_g [M_g, N] = x_g [M_g, K] @ w_g [K, N] (addresses in xs, ws, ys; M_g in rows), each
+ * with kn's arithmetic, in one parallel region: the 2G halves spread over the threads, then each
+ * thread adds P0 + P1 for its share of the groups. For a MoE block's expert groups of a few rows
+ * (nn/grouped_gemm.py), where one call per group paid a fork and join per 1 MB expert.
+ * tmp: sum(M_g) x N floats. */
+void erniekit_small_gemm_kn_groups(const int64_t *xs, const int64_t *ws, const int64_t *ys, const int64_t *rows,
+                                   int64_t G, float *tmp, int64_t K, int64_t N, int64_t threads) {
+    int64_t kh = K / 2;
+#pragma omp parallel num_threads(threads)
+    {
+        int64_t t = omp_get_thread_num(), T = omp_get_num_threads();
+        for (int64_t u = t; u < 2 * G; u += T) {
+            int64_t g = u / 2, h = u % 2, at = 0;
+            for (int64_t i = 0; i < g; i++) at += rows[i];
+            const float *x = (const float *)xs[g], *w = (const float *)ws[g];
+            kn_part(x, w, h ? tmp + at * N : (float *)ys[g], rows[g], K, N, h ? kh : 0, h ? K : kh, 0, N);
+        }
+#pragma omp barrier
+        int64_t at = 0;
+        for (int64_t g = 0; g < G; at += rows[g], g++) {
+            if (g % T != t) continue;
+            float *y = (float *)ys[g];
+            for (int64_t j = 0; j < rows[g] * N; j += 16) store(y + j, load(y + j) + load(tmp + at * N + j));
+        }
+    }
+}
+
 /* the 16 lanes of v summed in order */
 static inline float lanes_sum(v16 v) {
     float s = v[0];
