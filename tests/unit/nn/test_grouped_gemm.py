@@ -6,7 +6,7 @@ import numpy as np
 import paddle
 import pytest
 
-from erniekit.nn import grouped_gemm, native
+from erniekit.nn import grouped_gemm, native, small_gemm
 from erniekit.nn.moe import StackedExperts
 from erniekit.nn.rows import concat_rows, split_rows
 
@@ -192,3 +192,58 @@ def test_linear_call_refuses_what_it_cannot_reproduce():
     assert grouped_gemm.linear_call(w, None, 0) is None
     assert grouped_gemm.linear_call(w.reshape([2, 8, 8]), None, 1) is None
     assert grouped_gemm.linear_call(w, paddle.randn([8]), 3) is not None
+
+
+def _bits(a) -> np.ndarray:
+    return np.asarray(a.numpy() if hasattr(a, "numpy") else a).view(np.uint32)
+
+
+def _mkl_products(x, ws, sizes, used):
+    """The MKL batch's outputs (what a gradient's forward computes)."""
+    outs = [paddle.empty([x.shape[0], w.shape[2]]) for w in ws]
+    grouped_gemm.run_batch([q for w, o in zip(ws, outs) for q in grouped_gemm._products(x, w, o, sizes, used, False)])
+    return outs
+
+
+@pytest.mark.skipif(small_gemm._kernels() is None, reason="no C kernels here")
+def test_a_decode_steps_small_groups_take_the_kn_kernel_and_larger_ones_mkl(monkeypatch):
+    """Without a gradient and with at most DECODE_ROWS rows, every group of at most KN_ROWS rows is
+    matmul_kn's sum (numpy_kn's bits) at any thread count; a larger group, a gradient or more rows
+    keep MKL's batch (a gradient's forward: training and RL log-probabilities)."""
+    monkeypatch.setattr(small_gemm, "KN_MIN_BYTES", 0)
+    sizes, used = [1, 3, 7, 8, 2], [4, 0, 2, 1, 5]  # 21 rows; the 8-row group stays MKL's
+    rng = np.random.default_rng(3)
+    x = paddle.to_tensor(rng.standard_normal((21, 96), dtype=np.float32))
+    ws = [paddle.to_tensor(rng.standard_normal((6, 96, n), dtype=np.float32)) for n in (160, 160)]
+    mkl = [_bits(o) for o in _mkl_products(x, ws, sizes, used)]
+    offs = np.cumsum([0, *sizes])
+    for threads in (1, 2, 3):
+        monkeypatch.setattr(native, "threads", lambda t=threads: t)
+        with paddle.no_grad():
+            assert grouped_gemm.decode_sized(21)
+            got = [_bits(o) for o in grouped_gemm.grouped_matmuls(x, ws, sizes, used)]
+        for w, g, m in zip(ws, got, mkl):
+            for i, (s, e) in enumerate(zip(sizes, used)):
+                rows = slice(offs[i], offs[i + 1])
+                want = m[rows] if s > small_gemm.KN_ROWS else _bits(small_gemm.numpy_kn(x.numpy()[rows], w.numpy()[e]))
+                np.testing.assert_array_equal(g[rows], want, err_msg=f"group {i}, {threads} threads")
+    x.stop_gradient = False
+    for w, o, m in zip(ws, grouped_gemm.grouped_matmuls(x, ws, sizes, used), mkl):  # a gradient: MKL's
+        np.testing.assert_array_equal(_bits(o), m)
+    assert not grouped_gemm.decode_sized(21)
+    with paddle.no_grad():
+        assert not grouped_gemm.decode_sized(grouped_gemm.DECODE_ROWS + 1)
+
+
+@pytest.mark.skipif(small_gemm._kernels() is None, reason="no C kernels here")
+def test_run_products_leaves_transposed_and_strided_products_to_mkl(monkeypatch):
+    """Only plain x @ W products of a contiguous weight go to the kernel: a transposed one (dx's) is
+    MKL's whatever its rows."""
+    monkeypatch.setattr(small_gemm, "KN_MIN_BYTES", 0)
+    rng = np.random.default_rng(4)
+    dy = paddle.to_tensor(rng.standard_normal((3, 64), dtype=np.float32))
+    w = paddle.to_tensor(rng.standard_normal((2, 32, 64), dtype=np.float32))
+    want, got = paddle.empty([3, 32]), paddle.empty([3, 32])
+    grouped_gemm.run_batch(grouped_gemm._products(dy, w, want, [3], [1], True))
+    grouped_gemm.run_products(grouped_gemm._products(dy, w, got, [3], [1], True), decode=True)
+    np.testing.assert_array_equal(_bits(got), _bits(want))
