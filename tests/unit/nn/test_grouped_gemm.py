@@ -228,7 +228,7 @@ def test_a_decode_steps_small_groups_take_the_kn_kernel_and_larger_ones_mkl(monk
                 want = m[rows] if s > small_gemm.KN_ROWS else _bits(small_gemm.numpy_kn(x.numpy()[rows], w.numpy()[e]))
                 np.testing.assert_array_equal(g[rows], want, err_msg=f"group {i}, {threads} threads")
     x.stop_gradient = False
-    for w, o, m in zip(ws, grouped_gemm.grouped_matmuls(x, ws, sizes, used), mkl):  # a gradient: MKL's
+    for o, m in zip(grouped_gemm.grouped_matmuls(x, ws, sizes, used), mkl):  # a gradient: MKL's
         np.testing.assert_array_equal(_bits(o), m)
     assert not grouped_gemm.decode_sized(21)
     with paddle.no_grad():
