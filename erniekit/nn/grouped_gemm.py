@@ -9,6 +9,8 @@ the thread count, so a group can round differently in the batch than alone (1-ro
 differ most, are sent alone): the results equal the eager loop's to float32 rounding, most of
 them bit for bit.
 Without that library (other wheels, other CPUs) `usable()` is False and the eager loop runs.
+Forwards without a gradient over at most DECODE_ROWS rows (a decode step, a short prefill or
+scoring pass) run their groups of a few rows on small_gemm's kn kernel instead (`run_products`).
 """
 
 from __future__ import annotations
@@ -66,8 +68,9 @@ def run_batch(products: list[tuple[int, int, int, int, int, int, int, bool, bool
 
 
 def decode_sized(rows: int) -> bool:
-    """Whether experts' products over `rows` dispatched rows are a decode step's: no gradient, and
-    at most DECODE_ROWS rows (16 sequences at top-4). Those take `run_products(..., decode=True)`."""
+    """Whether experts' products over `rows` dispatched rows take `run_products(..., decode=True)`:
+    no gradient, and at most DECODE_ROWS rows (a decode step of up to 16 sequences at top-4, but also
+    a prefill or scoring pass that small)."""
     return rows <= DECODE_ROWS and not paddle.is_grad_enabled()
 
 
@@ -77,10 +80,12 @@ def run_products(products: list[tuple], decode: bool) -> None:
 
     Why: MKL's batched GEMM streams groups of 2-5 rows slowly: in a batch-8 decode step of the
     moe16-top4 benchmark model (1 MB experts) the batch calls read ~6 GB/s on an Intel Xeon (2
-    threads), where the kernel reads a weight at the memory's rate. The kernel sums in its own order,
-    so an expert's output differs from MKL's in the last bits: only inference of a few rows takes it
-    (the layers and models/ernie4_5/decode_step.py alike, by `decode_sized`), never a gradient's
-    forward (training and RL's log-probabilities keep MKL's bits)."""
+    threads), the kernel ~16. The kernel sums in its own order, so an expert's output differs from
+    MKL's in the last bits: the layers and models/ernie4_5/decode_step.py decide alike
+    (`decode_sized`), and a forward with a gradient keeps MKL's. As with the dense projections'
+    kernels (at most small_gemm.KN_ROWS rows without a gradient), a no-gradient pass of that size
+    (RL's old or reference log-probabilities of a batch of a few tokens) then differs in the last
+    bits from the same pass with a gradient; larger passes are MKL's both ways."""
     if decode:
         small: dict[tuple[int, int], list] = {}
         rest = []
@@ -317,7 +322,8 @@ def grouped_matmuls(
     x: paddle.Tensor, weights: list[paddle.Tensor], sizes: list[int], used: list[int]
 ) -> list[paddle.Tensor]:
     """x [M, K] in consecutive row groups of `sizes` -> for each weight [E, K, N], group g @ W[used[g]]
-    as [M, N]; one batched GEMM each way for all projections and groups."""
+    as [M, N]; one batched GEMM each way for all projections and groups (without a gradient, at
+    most DECODE_ROWS rows: `run_products`, the small groups on the kn kernel)."""
     check_groups(x.shape, [w.shape for w in weights], sizes, used)
     if decode_sized(x.shape[0]):  # no gradient: the products alone, a few rows' on the kernel
         x = x.contiguous()

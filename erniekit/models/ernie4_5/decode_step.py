@@ -125,7 +125,7 @@ def _parts(layer, types) -> tuple | None:
 
 def _moe_covered(block) -> bool:
     """A MoE block in its plain inference form: one router and one StackedExperts of float32 CPU
-    weights on MKL's grouped GEMM (what `_moe_mlp` reproduces), no capacity limit, no elastic
+    weights on the grouped GEMM (nn/grouped_gemm.py: what `_moe_mlp` reproduces), no capacity limit, no elastic
     sub-model, no routing replay, no FP8, nothing split over processes, no hooks. A VL model's
     block qualifies by its text router and experts: the step runs on text tokens only (no
     token_type_ids), which the block routes there."""

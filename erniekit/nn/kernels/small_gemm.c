@@ -289,10 +289,11 @@ static inline __attribute__((always_inline)) void packed_tile(const float *x, co
  * weight where the streamed path below reads one. Same sums, in the same order (P0, P1, P0 + P1,
  * + b), so the same bits. Why: on an Intel Xeon (AVX-512 and AMX, 2 threads, weights out of cache,
  * medians of 21 interleaved runs) one stream a thread read 18-20 GB/s where the kn kernel's four
- * rows at a time read 22-24; with four streams [1, 1024] x [1024, 3072] 19.0 -> 22.5 GB/s, the
- * dense-1024 head [1, 1024] x [1024, 32000] 19.9 -> 25.7; a two-panel weight (N = 128) keeps one
- * panel a thread, two streams: 29.8 -> 33.5. The AVX2 build keeps the streamed path (measured on an
- * AMD EPYC without AVX-512, where it was the faster). */
+ * rows at a time read 22-24 (a plain 2-thread read: 20-23). With this: [1, 1024] x [1024, 3072]
+ * 19.8 -> 24.8 GB/s, [1, 3072] x [3072, 1024] 20.5 -> 23.5, the dense-1024 head [1, 1024] x
+ * [1024, 32000] 19.9 -> 23.3; a two-panel weight (N = 128) keeps one panel a thread (two
+ * streams), as fast as before. The AVX2 build keeps the streamed path (measured on an AMD EPYC
+ * without AVX-512, where it was the faster). */
 static inline __attribute__((always_inline)) void one_row(const float *x, const float *panel, const float *b,
                                                           float *y, int64_t K, int64_t j, const int P) {
     vt p0[2][VPT], p1[2][VPT];
@@ -332,7 +333,7 @@ static void packed_one_row(const float *x, const float *p, const float *b, float
 }
 #endif
 
-/* Up to STREAM_TILES row tiles (the server's batches of up to 18 rows, and batch-1 decoding) go a
+/* Up to STREAM_TILES row tiles (the server's batches of up to 18 rows; batch-1 decoding without AVX-512) go a
  * chunk of STREAM_LINES panel rows at a time through every tile, each tile asking the memory for its
  * share of the next chunk as it starts: the weights stream while the tiles compute on the chunk in
  * cache, where tile by tile the first tile waited on the memory and the others left it idle. Each

@@ -580,3 +580,17 @@ def test_positions_the_step_cannot_take_leave_it_to_the_layers():
         assert (
             decode_step.run(model.model, paddle.randint(0, V, [1, 1]), None, cache, paddle.to_tensor([[4]])) is not None
         )
+
+
+@pytest.mark.parametrize("B,k", [(32, 2), (33, 2), (16, 4), (17, 4)])
+def test_the_step_and_the_layers_pick_the_same_expert_products_on_either_side_of_decode_rows(monkeypatch, B, k):
+    """Up to grouped_gemm.DECODE_ROWS dispatched rows (B x top-k) the experts' small groups take the
+    kn kernel, past it MKL's batch: the step decides as the layers do, so the bits stay equal."""
+    from erniekit.nn import grouped_gemm
+
+    model = _model(seed=B, moe_num_shared_experts=1, **{**MOE, "moe_k": k, "moe_layer_start_index": 0})
+    decided = []
+    real = grouped_gemm.run_products
+    monkeypatch.setattr(grouped_gemm, "run_products", lambda p, d: decided.append(d) or real(p, d))
+    _compare(model, monkeypatch, B, True, 3, lambda: KVCache(model.config, B, 20))
+    assert decided and all(d == (B * k <= grouped_gemm.DECODE_ROWS) for d in decided[-4:])

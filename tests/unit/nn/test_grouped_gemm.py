@@ -217,6 +217,14 @@ def test_a_decode_steps_small_groups_take_the_kn_kernel_and_larger_ones_mkl(monk
     ws = [paddle.to_tensor(rng.standard_normal((6, 96, n), dtype=np.float32)) for n in (160, 160)]
     mkl = [_bits(o) for o in _mkl_products(x, ws, sizes, used)]
     offs = np.cumsum([0, *sizes])
+    big = [i for i, s in enumerate(sizes) if s > small_gemm.KN_ROWS]  # their batch alone, as run_products calls it
+    rows_big = np.concatenate([np.arange(offs[i], offs[i + 1]) for i in big])
+    alone = _mkl_products(x[rows_big], ws, [sizes[i] for i in big], [used[i] for i in big])
+    for m, a in zip(mkl, alone):
+        at = 0
+        for i in big:
+            m[offs[i] : offs[i + 1]] = _bits(a)[at : at + sizes[i]]
+            at += sizes[i]
     for threads in (1, 2, 3):
         monkeypatch.setattr(native, "threads", lambda t=threads: t)
         with paddle.no_grad():
@@ -228,7 +236,8 @@ def test_a_decode_steps_small_groups_take_the_kn_kernel_and_larger_ones_mkl(monk
                 want = m[rows] if s > small_gemm.KN_ROWS else _bits(small_gemm.numpy_kn(x.numpy()[rows], w.numpy()[e]))
                 np.testing.assert_array_equal(g[rows], want, err_msg=f"group {i}, {threads} threads")
     x.stop_gradient = False
-    for o, m in zip(grouped_gemm.grouped_matmuls(x, ws, sizes, used), mkl):  # a gradient: MKL's
+    whole = [_bits(o) for o in _mkl_products(x, ws, sizes, used)]
+    for o, m in zip(grouped_gemm.grouped_matmuls(x, ws, sizes, used), whole):  # a gradient: MKL's batch
         np.testing.assert_array_equal(_bits(o), m)
     assert not grouped_gemm.decode_sized(21)
     with paddle.no_grad():
