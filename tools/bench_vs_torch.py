@@ -401,10 +401,14 @@ def _erniekit_train(model, case: str, steps: int) -> dict:
 
 class _WrappedTokenizer:
     """The bundled tokenizer (1024 pieces) streaming the text of a 32000-id model: each id decodes as
-    the piece id % 1024, so the engine pays a real sentencepiece decode per token."""
+    the piece id % 1024, so the engine pays a real sentencepiece decode per token. Its length is the
+    model's vocabulary: the engine samples among the ids a tokenizer decodes (infer/stops.py)."""
 
-    def __init__(self, inner):
-        self.inner = inner
+    def __init__(self, inner, vocab: int):
+        self.inner, self.vocab = inner, vocab
+
+    def __len__(self) -> int:
+        return self.vocab
 
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
         return self.inner.decode([i % self.inner.vocab_size for i in ids], skip_special_tokens)
@@ -424,7 +428,7 @@ def _erniekit_server(model, concurrent: int) -> dict:
     pack, packing = packing_choice(model, PACKED_WEIGHTS)  # the server's own choice
     engine = Engine(
         model,
-        _WrappedTokenizer(default_tokenizer()),
+        _WrappedTokenizer(default_tokenizer(), model.config.vocab_size),
         max_batch=concurrent,
         max_model_len=PROMPT_LEN + SERVER_NEW + 8,
         pack_weights=pack,

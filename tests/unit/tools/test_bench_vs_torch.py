@@ -553,3 +553,21 @@ def test_the_twenty_second_rounds_vl_decode_table_quotes_its_two_runs():
         _check_cells(rows[0][1 + 3 * i : 4 + 3 * i], case, rows[0])
     before = json.loads((ROOT / "bench_results" / "vs_torch_amd_avx2_vl_decode_before.json").read_text())["cases"]
     assert f"**{before['decode-vl-b1']['ratio_erniekit_over_torch']:.2f}x**" in section
+
+
+def test_the_server_case_runs_the_engine_over_the_whole_vocabulary(monkeypatch):
+    """The server case on a small model whose ids run past the bundled tokenizer's 1024 pieces: the
+    engine takes the wrapped tokenizer (its length is the model's vocabulary) and every request
+    finishes (the case once failed at the engine's start, so the benchmark stopped there)."""
+    from erniekit.models.ernie4_5.configuration import Ernie4_5Config
+    from erniekit.models.ernie4_5.modeling import Ernie4_5ForCausalLM
+
+    paddle = pytest.importorskip("paddle")
+    paddle.seed(0)
+    cfg = Ernie4_5Config(
+        vocab_size=2048, hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, tie_word_embeddings=True,
+    )  # fmt: skip
+    monkeypatch.setattr(B, "SERVER_NEW", 4)
+    res = B._erniekit_server(Ernie4_5ForCausalLM(cfg), 2)
+    assert res["tokens_per_s"] > 0
