@@ -571,3 +571,10 @@ def test_the_server_case_runs_the_engine_over_the_whole_vocabulary(monkeypatch):
     monkeypatch.setattr(B, "SERVER_NEW", 4)
     res = B._erniekit_server(Ernie4_5ForCausalLM(cfg), 2)
     assert res["tokens_per_s"] > 0
+
+
+def test_the_twenty_third_rounds_intel_table_quotes_its_record():
+    """The Intel Xeon table of the twenty-third round: every case of the recorded run, as written."""
+    doc = (ROOT / "docs" / "performance.md").read_text()
+    section = doc.split("### Twenty-third round", 1)[1].split("\n### ", 1)[0].split("\n## ", 1)[0]
+    _check_table(section, "vs_torch_intel_xeon_round23.json", 15)
