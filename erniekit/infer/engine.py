@@ -230,6 +230,7 @@ class Engine:
         self.waiting: deque[Request] = deque()  # seen, waiting for a row (the engine thread's alone)
         self.steps = 0  # decode forwards run (stats)
         self._stop = threading.Event()
+        self._closing = threading.Lock()
         self._thread = threading.Thread(target=self._loop, name="erniekit-engine", daemon=True)
         self._thread.start()
 
@@ -261,14 +262,29 @@ class Engine:
             raise ValueError("this model reads no images or videos (it is not a vision-language model)")
         self.check(len(req.prompt), req.params.max_new_tokens)
         self.check_ids(req.prompt, req.params)
-        self.pending.put(req)
+        with self._closing:  # close() ends what was put before it: nothing may slip in after
+            if self._stop.is_set():
+                raise RuntimeError("the engine is closed: start a new one to serve more requests")
+            self.pending.put(req)
 
     def close(self) -> None:
-        self._stop.set()
+        with self._closing:
+            self._stop.set()
         self.pending.put(None)  # wake the loop
         self._thread.join(timeout=10)
+        if not self._thread.is_alive():  # else its step still runs: ending its requests here would race it
+            self._end_all("the engine was closed before this request finished")
         if self.packed_bytes:
             small_gemm.unpack_weights(self.model)
+
+    def _end_all(self, why: str) -> None:
+        """End every request still running, waiting or submitted, so no caller waits forever on an
+        engine that will not step again."""
+        self._take_pending(False)
+        for req in [*self.rows, *self.waiting]:
+            if req is not None:
+                self._finish(req, "error", why)
+        self.rows, self.waiting = [], type(self.waiting)()
 
     # ---- the engine thread --------------------------------------------------------------------
     def _loop(self) -> None:

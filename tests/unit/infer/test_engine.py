@@ -142,6 +142,34 @@ def test_a_cancelled_request_leaves_and_frees_its_row(model, tokenizer):
         engine.close()
 
 
+def test_close_ends_every_running_and_waiting_request_and_refuses_new_ones(model, tokenizer):
+    """close() with a request running and two waiting: each ends ("error", saying the engine was
+    closed), so no caller waits forever; a request submitted afterwards is refused in one line."""
+    engine = Engine(model, tokenizer, max_batch=1, max_model_len=512)
+    ends: dict[int, tuple] = {}
+    waits = [threading.Event() for _ in range(3)]
+
+    def emit_for(i):
+        def emit(delta, finish):
+            if finish is not None:
+                ends[i] = finish
+                waits[i].set()
+
+        return emit
+
+    reqs = [Request([5 + i, 6, 7], SamplingParams(max_new_tokens=500), emit_for(i)) for i in range(3)]
+    engine.submit(reqs[0])
+    while len(reqs[0].completion) < 2:
+        pass
+    engine.submit(reqs[1])
+    engine.submit(reqs[2])
+    engine.close()
+    assert all(w.wait(5) for w in waits), ends
+    assert all(ends[i] == "error" and "engine was closed" in reqs[i].error for i in range(3))
+    with pytest.raises(RuntimeError, match="engine is closed"):
+        engine.submit(Request([5, 6], SamplingParams(max_new_tokens=2), emit_for(0)))
+
+
 def test_a_request_cancelled_while_it_waits_ends_at_once_behind_a_full_batch(model, tokenizer):
     """A client that goes away while its request waits behind a full batch: the request ends
     ("cancelled") at the next step, not when a row frees, so a server's queue place comes back
