@@ -142,12 +142,11 @@ def test_a_cancelled_request_leaves_and_frees_its_row(model, tokenizer):
         engine.close()
 
 
-def test_close_ends_every_running_and_waiting_request_and_refuses_new_ones(model, tokenizer):
-    """close() with a request running and two waiting: each ends ("error", saying the engine was
-    closed), so no caller waits forever; a request submitted afterwards is refused in one line."""
-    engine = Engine(model, tokenizer, max_batch=1, max_model_len=512)
-    ends: dict[int, tuple] = {}
-    waits = [threading.Event() for _ in range(3)]
+def _endings(n: int):
+    """Each request i's finish reason (ends[i]) and an event set when it ends (waits[i]), and
+    emit_for(i), the emit that records them."""
+    ends: dict[int, str] = {}
+    waits = [threading.Event() for _ in range(n)]
 
     def emit_for(i):
         def emit(delta, finish):
@@ -156,6 +155,15 @@ def test_close_ends_every_running_and_waiting_request_and_refuses_new_ones(model
                 waits[i].set()
 
         return emit
+
+    return ends, waits, emit_for
+
+
+def test_close_ends_every_running_and_waiting_request_and_refuses_new_ones(model, tokenizer):
+    """close() with a request running and two waiting: each ends ("error", saying the engine was
+    closed), so no caller waits forever; a request submitted afterwards is refused in one line."""
+    engine = Engine(model, tokenizer, max_batch=1, max_model_len=512)
+    ends, waits, emit_for = _endings(3)
 
     reqs = [Request([5 + i, 6, 7], SamplingParams(max_new_tokens=500), emit_for(i)) for i in range(3)]
     engine.submit(reqs[0])
@@ -175,16 +183,7 @@ def test_a_request_cancelled_while_it_waits_ends_at_once_behind_a_full_batch(mod
     ("cancelled") at the next step, not when a row frees, so a server's queue place comes back
     while the batch keeps running; the waiting ones that stay run as before."""
     engine = Engine(model, tokenizer, max_batch=1, max_model_len=512)
-    ends: dict[int, str] = {}
-    waits = [threading.Event() for _ in range(4)]
-
-    def emit_for(i):
-        def emit(delta, finish):
-            if finish is not None:
-                ends[i] = finish
-                waits[i].set()
-
-        return emit
+    ends, waits, emit_for = _endings(4)
 
     running = Request([5, 6, 7], SamplingParams(max_new_tokens=500), emit_for(0))
     queued = [Request([8 + i, 9], SamplingParams(max_new_tokens=2), emit_for(i)) for i in (1, 2, 3)]
