@@ -98,6 +98,7 @@ void erniekit_small_gemm_kn_groups(const int64_t *xs, const int64_t *ws, const i
             int64_t g = u / 2, h = u % 2, at = 0;
             for (int64_t i = 0; i < g; i++) at += rows[i];
             const float *x = (const float *)xs[g], *w = (const float *)ws[g];
+            if (rows[g] <= 0) continue; /* nothing to write (kn_part sizes its chunks by the rows) */
             kn_part(x, w, h ? tmp + at * N : (float *)ys[g], rows[g], K, N, h ? kh : 0, h ? K : kh, 0, N);
         }
 #pragma omp barrier

@@ -321,3 +321,21 @@ def test_chat_packs_its_model_as_the_server_does(kernel, monkeypatch):
         assert sg._packed_of(up) is not None
     finally:
         sg.unpack_weights(model)
+
+
+def test_kn_groups_gives_kns_bits_per_group_and_skips_an_empty_one(kernel, bits):
+    """The grouped entry (a MoE block's expert groups): each group's rows are numpy_kn's bits; a
+    group of 0 rows writes nothing (its chunk width would divide by zero)."""
+    k, n = 96, 160
+    rows = [2, 0, 3]
+    xs = _arrays(*[(max(r, 1), k) for r in rows], seed=7)
+    ws = _arrays(*[(k, n)] * 3, seed=8)
+    X = [paddle.to_tensor(a) for a in xs]
+    W = [paddle.to_tensor(a) for a in ws]
+    Y = [paddle.to_tensor(np.full((max(r, 1), n), np.nan, np.float32)) for r in rows]
+    sg.kn_groups([(x.data_ptr(), w.data_ptr(), y.data_ptr(), r) for x, w, y, r in zip(X, W, Y, rows)], k, n)
+    for x, w, y, r in zip(xs, ws, Y, rows):
+        if r:
+            np.testing.assert_array_equal(bits(y), bits(sg.numpy_kn(x, w)))
+        else:
+            assert np.isnan(y.numpy()).all()
