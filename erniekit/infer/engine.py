@@ -282,8 +282,7 @@ class Engine:
         engine that will not step again."""
         self._take_pending(False)
         for req in [*self.rows, *self.waiting]:
-            if req is not None:
-                self._finish(req, "error", why)
+            self._finish(req, "error", why)
         self.rows, self.waiting = [], type(self.waiting)()
 
     # ---- the engine thread --------------------------------------------------------------------

@@ -253,14 +253,20 @@ def group_weight_grads(
     return dw
 
 
+def _forward(x: paddle.Tensor, ws: list[paddle.Tensor], sizes: list[int], used: list[int], decode: bool) -> list:
+    """Each weight's [M, N] output of x's row groups (`_products`), run by `run_products`."""
+    outs = [paddle.empty([x.shape[0], w.shape[2]], dtype=x.dtype) for w in ws]
+    run_products([q for w, out in zip(ws, outs) for q in _products(x, w, out, sizes, used, False)], decode)
+    return outs
+
+
 class _GroupedMatmul(PyLayer):
     """outs[p] = rows of group g of x @ ws[p][used[g]], for every projection p sharing x."""
 
     @staticmethod
     def forward(ctx, x, *args):
         *ws, sizes, used = args
-        outs = [paddle.empty([x.shape[0], w.shape[2]], dtype=x.dtype) for w in ws]
-        run_batch([q for w, out in zip(ws, outs) for q in _products(x, w, out, sizes, used, False)])
+        outs = _forward(x, ws, sizes, used, decode=False)
         ctx.save_for_backward(x, *ws)
         ctx.versions = native.versions(x, *ws)
         ctx.groups = (sizes, used)
@@ -326,9 +332,6 @@ def grouped_matmuls(
     most DECODE_ROWS rows: `run_products`, the small groups on the kn kernel)."""
     check_groups(x.shape, [w.shape for w in weights], sizes, used)
     if decode_sized(x.shape[0]):  # no gradient: the products alone, a few rows' on the kernel
-        x = x.contiguous()
-        outs = [paddle.empty([x.shape[0], w.shape[2]], dtype=x.dtype) for w in weights]
-        run_products([q for w, out in zip(weights, outs) for q in _products(x, w, out, sizes, used, False)], True)
-        return outs
+        return _forward(x.contiguous(), weights, sizes, used, decode=True)
     out = _GroupedMatmul.apply(x, *weights, list(sizes), list(used))
     return list(out) if isinstance(out, (tuple, list)) else [out]
