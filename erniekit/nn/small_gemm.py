@@ -270,13 +270,13 @@ def matmul_nk(x: paddle.Tensor, w: paddle.Tensor) -> paddle.Tensor:
 
 
 def numpy_kn(x: np.ndarray, w: np.ndarray, bias: np.ndarray | None = None) -> np.ndarray:
-    """The kn kernel's arithmetic in numpy (a reference: one pass per k)."""
+    """The kn kernel's arithmetic in numpy (a reference: one fused multiply-add pass per k)."""
     x, w = x.reshape(-1, w.shape[0]).astype(np.float32), w.astype(np.float32)
     halves = []
     for k0, k1 in ((0, w.shape[0] // 2), (w.shape[0] // 2, w.shape[0])):
         acc = np.zeros((x.shape[0], w.shape[1]), np.float32)
         for k in range(k0, k1):
-            acc = acc + x[:, k : k + 1] * w[k]
+            acc = native.fma32(x[:, k : k + 1], w[k], acc)
         halves.append(acc)
     y = halves[0] + halves[1]
     return y if bias is None else y + bias.astype(np.float32)

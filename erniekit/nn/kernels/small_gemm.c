@@ -5,18 +5,27 @@
  * under the memory's rate; the tied head reads its [V, H] weight transposed (nn/small_gemm.py has
  * the measurements).
  *
- * The arithmetic is fixed per output element, whatever the thread count or tiling, and uses no
- * fused multiply-add (built with -ffp-contract=off), so numpy reproduces it bit for bit:
- *   kn: y[m, n] = (P0 + P1) (+ b[n]), P0 = the in-order float32 sum over k < K / 2 of x[m, k] * w[k, n]
- *       (each product rounded), P1 the same over K / 2 <= k < K; w is [K, N] (nn.Linear's layout).
- *   nk: y[m, n] = the 16-lane sum of x[m, k] * w[n, k] (lane k % 16 in order, then the lanes in
- *       order: native.sum16); w is [N, K] (the tied head's embedding).
+ * The arithmetic is fixed per output element, whatever the thread count or tiling, so numpy
+ * reproduces it bit for bit (built with -ffp-contract=off: every operation rounds as written):
+ *   kn: y[m, n] = (P0 + P1) (+ b[n]), P0 = the in-order sum over k < K / 2 of x[m, k] * w[k, n] by
+ *       fused multiply-adds (P = fma(x[m, k], w[k, n], P), one rounding each: native.fma32), P1 the
+ *       same over K / 2 <= k < K; w is [K, N] (nn.Linear's layout).
+ *   nk: y[m, n] = the 16-lane sum of x[m, k] * w[n, k] (each product rounded; lane k % 16 in
+ *       order, then the lanes in order: native.sum16); w is [N, K] (the tied head's embedding).
  * The two halves of kn are what lets two threads each stream one contiguous half of w.
  * K and N must be multiples of 16 (nn/small_gemm.py checks).
+ *
+ * Why fused in kn: at 32-64 rows the packed kernel below is bound by its arithmetic, and a separate
+ * multiply and add are two instructions where an FMA is one. On an Intel Xeon (AVX-512, one core, a
+ * 6 x 64 tile on a panel in L1) 56 GFLOP/s -> 110; nk is bound by reading its weight, so it keeps
+ * its products rounded (its twin is shared with the other kernels' lane sums).
  */
 #include <omp.h>
 #include <stdint.h>
 #include <string.h>
+#if defined(__AVX512F__) || defined(__FMA__)
+#include <immintrin.h>
+#endif
 
 typedef float v16 __attribute__((vector_size(64), aligned(4), may_alias));
 
@@ -24,6 +33,37 @@ typedef float v16 __attribute__((vector_size(64), aligned(4), may_alias));
 
 static inline v16 load(const float *p) { return *(const v16 *)p; }
 static inline void store(float *p, v16 v) { *(v16 *)p = v; }
+
+/* vt: one vector register (16 floats with AVX-512, else 8); the kernels compute in these */
+#ifdef __AVX512F__
+typedef v16 vt;
+#define VT_FLOATS 16
+#define VPT 4
+
+static inline vt splat_t(float a) { return (vt){a, a, a, a, a, a, a, a, a, a, a, a, a, a, a, a}; }
+
+/* a * b + c, rounded once in each lane */
+static inline vt fmadd_t(vt a, vt b, vt c) { return (vt)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c); }
+#else
+typedef float vt __attribute__((vector_size(32), aligned(4), may_alias));
+#define VT_FLOATS 8
+#define VPT 2
+
+/* a in every lane (a lane loop compiles to 16-byte stores and a reload) */
+static inline vt splat_t(float a) { return (vt){a, a, a, a, a, a, a, a}; }
+
+/* a * b + c, rounded once in each lane (without the FMA instructions by libm's fmaf: slower, same bits) */
+static inline vt fmadd_t(vt a, vt b, vt c) {
+#ifdef __FMA__
+    return (vt)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
+#else
+    for (int l = 0; l < 8; l++) c[l] = __builtin_fmaf(a[l], b[l], c[l]);
+    return c;
+#endif
+}
+#endif
+static inline vt load_t(const float *p) { return *(const vt *)p; }
+static inline void store_t(float *p, vt v) { *(vt *)p = v; }
 
 /* out[m, n] (row stride N) = in-order sum over k0 <= k < k1 of x[m, k] * w[k, n], n0 <= n < n1 */
 static void kn_part(const float *x, const float *w, float *out, int64_t M, int64_t K, int64_t N, int64_t k0,
@@ -37,24 +77,25 @@ static void kn_part(const float *x, const float *w, float *out, int64_t M, int64
         int64_t k = k0;
         for (; k + 4 <= k1; k += 4) { /* four rows of w per pass over the accumulators */
             const float *r0 = w + k * N, *r1 = r0 + N, *r2 = r1 + N, *r3 = r2 + N;
-            for (int64_t j = c0; j < c1; j += 16) {
-                v16 a = load(r0 + j), b = load(r1 + j), c = load(r2 + j), d = load(r3 + j);
+            for (int64_t j = c0; j < c1; j += VT_FLOATS) {
+                vt a = load_t(r0 + j), b = load_t(r1 + j), c = load_t(r2 + j), d = load_t(r3 + j);
                 for (int64_t m = 0; m < M; m++) {
                     const float *xm = x + m * K + k;
                     float *o = out + m * N + j;
-                    v16 v = load(o);
-                    v = v + xm[0] * a;
-                    v = v + xm[1] * b;
-                    v = v + xm[2] * c;
-                    v = v + xm[3] * d;
-                    store(o, v);
+                    vt v = load_t(o);
+                    v = fmadd_t(splat_t(xm[0]), a, v);
+                    v = fmadd_t(splat_t(xm[1]), b, v);
+                    v = fmadd_t(splat_t(xm[2]), c, v);
+                    v = fmadd_t(splat_t(xm[3]), d, v);
+                    store_t(o, v);
                 }
             }
         }
         for (; k < k1; k++)
-            for (int64_t j = c0; j < c1; j += 16) {
-                v16 a = load(w + k * N + j);
-                for (int64_t m = 0; m < M; m++) store(out + m * N + j, load(out + m * N + j) + x[m * K + k] * a);
+            for (int64_t j = c0; j < c1; j += VT_FLOATS) {
+                vt a = load_t(w + k * N + j);
+                for (int64_t m = 0; m < M; m++)
+                    store_t(out + m * N + j, fmadd_t(splat_t(x[m * K + k]), a, load_t(out + m * N + j)));
             }
     }
 }
@@ -212,15 +253,6 @@ void erniekit_small_gemm_nk(const float *x, const float *w, float *y, int64_t M,
  * 2.6; with 16-column panels 1.7 ms (AMD EPYC without AVX-512, 2 threads, weights out of cache).
  * With 64-byte vectors there GCC kept the accumulators on the stack (34 tokens/s at batch-8 decode
  * against 109 unpacked). */
-#ifdef __AVX512F__
-typedef v16 vt;
-#define VT_FLOATS 16
-#define VPT 4
-#else
-typedef float vt __attribute__((vector_size(32), aligned(4), may_alias));
-#define VT_FLOATS 8
-#define VPT 2
-#endif
 #define PANEL (VT_FLOATS * VPT) /* columns per panel and per tile */
 
 void erniekit_small_gemm_pack(const float *w, float *p, int64_t K, int64_t N) {
@@ -235,8 +267,6 @@ void erniekit_small_gemm_pack_t(const float *w, float *p, int64_t K, int64_t N) 
             for (int64_t k = 0; k < K; k++) p[j * K + k * PANEL + c] = w[(j + c) * K + k];
 }
 
-static inline vt load_t(const float *p) { return *(const vt *)p; }
-static inline void store_t(float *p, vt v) { *(vt *)p = v; }
 
 /* acc[i] += x[m0 + i, k] * panel row k for k in [k0, k1), in order; the first n_ahead of those
  * iterations also prefetch a panel row each, from `ahead` on (stream_panel; 0 for the tile order) */
@@ -250,8 +280,8 @@ static inline __attribute__((always_inline)) void sum_rows(const float *x, const
         vt a[VPT];
         for (int v = 0; v < VPT; v++) a[v] = load_t(pk + VT_FLOATS * v);
         for (int i = 0; i < MB; i++) {
-            float xv = x[(m0 + i) * K + k];
-            for (int v = 0; v < VPT; v++) acc[i][v] = acc[i][v] + xv * a[v];
+            vt xv = splat_t(x[(m0 + i) * K + k]);
+            for (int v = 0; v < VPT; v++) acc[i][v] = fmadd_t(xv, a[v], acc[i][v]);
         }
     }
 }
@@ -302,12 +332,12 @@ static inline __attribute__((always_inline)) void one_row(const float *x, const 
     for (int q = 0; q < P; q++)
         for (int v = 0; v < VPT; v++) p0[q][v] = p1[q][v] = (vt){0};
     for (int64_t k = 0; k < kh; k++) {
-        float xa = x[k], xb = x[kh + k];
+        vt xa = splat_t(x[k]), xb = splat_t(x[kh + k]);
         for (int q = 0; q < P; q++)
             for (int v = 0; v < VPT; v++) {
                 const float *pq = panel + q * PANEL * K + VT_FLOATS * v;
-                p0[q][v] = p0[q][v] + xa * load_t(pq + k * PANEL);
-                p1[q][v] = p1[q][v] + xb * load_t(pq + (kh + k) * PANEL);
+                p0[q][v] = fmadd_t(xa, load_t(pq + k * PANEL), p0[q][v]);
+                p1[q][v] = fmadd_t(xb, load_t(pq + (kh + k) * PANEL), p1[q][v]);
             }
     }
     for (int q = 0; q < P; q++)
@@ -334,17 +364,29 @@ static void packed_one_row(const float *x, const float *p, const float *b, float
 }
 #endif
 
-/* Up to STREAM_TILES row tiles (the server's batches of up to 18 rows; batch-1 decoding without AVX-512) go a
- * chunk of STREAM_LINES panel rows at a time through every tile, each tile asking the memory for its
+/* Up to STREAM_TILES row tiles (batches of up to 18 rows without AVX-512, with it up to 66; batch-1
+ * decoding without AVX-512) go a chunk of STREAM_LINES panel rows at a time through every tile, each
+ * tile asking the memory for its
  * share of the next chunk as it starts: the weights stream while the tiles compute on the chunk in
  * cache, where tile by tile the first tile waited on the memory and the others left it idle. Each
  * accumulator waits in `save` between chunks, so it sums the same k in the same order: the same
  * bits. Measured on an AMD EPYC without AVX-512, 2 threads, the dense-1024 model's products and head
  * (interleaved, medians of 13-15): 1.03-1.09x at 1 row, 1.10-1.23x at 8, 1.03-1.23x at 16; at 32
  * and 64 rows it lost 2-21% (the chunks' share of x crowds the L1), so those keep the tile order.
- * Not measured with AVX-512. */
+ * With AVX-512 and fused multiply-adds the tiles compute twice as fast and the order of reads is
+ * what bounds them: every tile streamed its 256 KB panel (K = 1024) from L2, once per 6 rows. There
+ * all of PACKED_ROWS (64) stream, in chunks of 32 panel rows (8 KB, shared by up to 11 tiles in
+ * L1). Measured on an Intel Xeon (2 threads, 16 weights out of cache, 3 runs of medians of 21; GB/s
+ * of weight read, tile order -> this): [1024, 3072] and [3072, 1024] at 32 rows 6.1-8.3 -> 9.2-13.3,
+ * at 64 rows 4.4-4.6 -> 5.0-5.5; the dense-1024 head [1024, 32000] at 32 rows 6.6-7.2 -> 8.9-12.3;
+ * at 8 rows 1.0-1.1x. */
+#ifdef __AVX512F__
+#define STREAM_TILES 11
+#define STREAM_LINES 32
+#else
 #define STREAM_TILES 3
 #define STREAM_LINES 128
+#endif
 
 static inline __attribute__((always_inline)) void stream_tile(const float *x, const float *panel, vt save[6][VPT],
                                                               int64_t K, int64_t k0, int64_t k1, int64_t m0,

@@ -1,6 +1,8 @@
 """The C kernels' build and load (erniekit/nn/native.py): cached per source and CPU, off by
 ERNIEKIT_NATIVE_KERNELS=0, and without a working compiler the numpy path runs (same values)."""
 
+from fractions import Fraction
+
 import numpy as np
 import pytest
 
@@ -58,3 +60,33 @@ def test_the_package_ships_every_kernel_source_and_header():
     for name in [c.name for c in sources] + sorted(included):
         assert (kernels / name).exists(), name
         assert any(fnmatch.fnmatch(f"kernels/{name}", p) for p in patterns), (name, patterns)
+
+
+def _round_to_float32(exact: Fraction) -> np.float32:
+    """The float32 nearest to an exact rational, ties to even (decided in exact arithmetic)."""
+    guess = np.float32(float(exact))
+    cands = [np.nextafter(guess, np.float32(-np.inf)), guess, np.nextafter(guess, np.float32(np.inf))]
+    dist = [abs(Fraction(float(c)) - exact) for c in cands]
+    best = min(dist)
+    ties = [c for c, d in zip(cands, dist) if d == best]
+    return min(ties, key=lambda c: int(c.view(np.int32)) & 1)  # ties: the even last bit
+
+
+def test_fma32_rounds_a_times_b_plus_c_once():
+    """native.fma32 (the kn kernel's twin arithmetic) is the exactly rounded a * b + c, also where
+    rounding the float64 sum to float32 would round twice: (1 - 2^-22) 2^-23 x (1.5 + 2^-22 + 2^-23)
+    + 1 is 2^-68 x 3 below a float32 tie, which float64 cannot hold, so it lands on the tie."""
+    a, b = np.float32((1 - 2**-22) * 2**-23), np.float32(1.5 + 2**-22 + 2**-23)
+    hard = ([a, -a, 4 * a], [b, b, b], [1.0, -1.0, 4.0])
+    rng = np.random.default_rng(0)
+    x, y = rng.standard_normal(300).astype(np.float32), rng.standard_normal(300).astype(np.float32)
+    near = (-(x * y) * (1 + rng.standard_normal(300) * 1e-6)).astype(np.float32)  # cancellation
+    wide = (rng.standard_normal(300) * 2.0 ** rng.integers(-40, 40, 300)).astype(np.float32)
+    for a, b, c in (hard, (x, y, near), (x, y, wide)):
+        a, b, c = (np.asarray(v, np.float32) for v in (a, b, c))
+        want = [
+            _round_to_float32(Fraction(float(p)) * Fraction(float(q)) + Fraction(float(r))) for p, q, r in zip(a, b, c)
+        ]
+        np.testing.assert_array_equal(native.fma32(a, b, c).view(np.int32), np.array(want, np.float32).view(np.int32))
+    twice = (hard[0][0] * np.float64(hard[1][0]) + hard[2][0]).astype(np.float32)  # what the twin must not do
+    assert twice != native.fma32(np.float32(hard[0][0]), hard[1][0], np.float32(1.0))

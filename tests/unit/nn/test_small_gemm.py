@@ -8,6 +8,7 @@ import paddle
 import pytest
 
 from erniekit.nn import linear as lin
+from erniekit.nn import native
 from erniekit.nn import small_gemm as sg
 
 KERNEL_MODULE = sg
@@ -55,13 +56,18 @@ def test_nk_gives_its_numpy_twins_bits_and_the_product(kernel, bits, rows, k, n)
 
 
 def test_the_numpy_twins_are_the_sums_they_describe():
-    """kn: two in-order halves of k added; nk: 16 lanes (k % 16) in order, then the lanes."""
-    x, w = _arrays((1, 32), (32, 1), seed=3)
+    """kn: two in-order halves of k, each by fused multiply-adds (native.fma32: one rounding per k),
+    added; nk: 16 lanes (k % 16) of rounded products in order, then the lanes."""
+    x, w = _arrays((1, 32), (32, 1), seed=6)
     p = x[0] * w[:, 0]
     halves = [np.float32(0)] * 2
     for k in range(32):
-        halves[k // 16] = np.float32(halves[k // 16] + p[k])
+        halves[k // 16] = native.fma32(x[0, k], w[k, 0], halves[k // 16])
     assert sg.numpy_kn(x, w)[0, 0] == np.float32(halves[0] + halves[1])
+    unfused = [np.float32(0)] * 2
+    for k in range(32):
+        unfused[k // 16] = np.float32(unfused[k // 16] + p[k])
+    assert np.float32(unfused[0] + unfused[1]) != np.float32(halves[0] + halves[1])  # the data tells them apart
     lanes = [np.float32(0)] * 16
     for k in range(32):
         lanes[k % 16] = np.float32(lanes[k % 16] + p[k])
@@ -167,11 +173,14 @@ def _packable(k: int, n: int, seed: int):
 
 
 @pytest.mark.parametrize(
-    "rows,k", [(1, 256), (5, 256), (8, 256), (16, 256), (32, 256), (1, 400), (7, 400), (12, 400), (18, 400), (19, 400)]
+    "rows,k",
+    [(1, 256), (5, 256), (8, 256), (16, 256), (32, 256), (1, 400), (7, 400), (12, 400), (18, 400), (19, 400)]
+    + [(37, 400), (64, 400)],
 )
 def test_packed_weights_give_the_same_bits_up_to_packed_rows(kernel, bits, rows, k, monkeypatch):
-    """k 400: halves of 200, so the streamed chunks (kernels/small_gemm.c, STREAM_LINES 128) end
-    inside a half; 1-18 rows stream chunk by chunk, 19 and 32 go tile by tile."""
+    """k 400: halves of 200, so the streamed chunks (kernels/small_gemm.c, STREAM_LINES 128, or 32
+    with AVX-512) end inside a half; 1-18 rows stream chunk by chunk, 19-64 too with AVX-512 (11
+    tiles at 64 rows), tile by tile without."""
     monkeypatch.setattr(sg, "KN_MIN_BYTES", 0)
     holder = _packable(k, 192, seed=rows)
     w, b = holder.proj.weight, holder.proj.bias
