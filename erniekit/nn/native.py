@@ -82,6 +82,7 @@ def _build(name: str, src: Path) -> Path:
     if not cc:
         raise OSError("no C compiler (cc / gcc) on PATH")
     extra, link = _link_args(name)
+    link = [*link, "-lm"]  # libm: a kernel may call it (small_gemm's fmaf without FMA instructions)
     code = src.read_bytes() + b"".join(h.read_bytes() for h in sorted(src.parent.glob("*.h")))  # lanes.h
     flags = " ".join(_FLAGS + extra + link).encode()
     key = hashlib.sha256(code + flags + _cpu_flags().encode() + platform.machine().encode())
@@ -192,21 +193,22 @@ def exp_neg(x: np.ndarray) -> np.ndarray:
 
 
 def fma32(a: np.ndarray, b: np.ndarray, c: np.ndarray) -> np.ndarray:
-    """a * b + c for float32 arrays, rounded once, as a fused multiply-add computes it (numpy has no
+    """a * b + c for float32 values (others are cast to float32 first), rounded once, as a fused multiply-add computes it (numpy has no
     fma). Why not float32(float64(a) * b + c): the product is exact in float64 but the sum rounds
     twice, which is wrong in rare ties. The sum is rounded to odd in float64 instead (TwoSum finds
     whether it was exact; an inexact result with an even last bit moves one ulp toward the exact
     value), and float64 keeps 2 + 2 * 24 bits, enough for that single later rounding to float32 to
     be the correct one (Boldo and Melquiond, "Emulation of FMA and correctly rounded sums", 2008)."""
-    p = np.asarray(a, np.float64) * np.asarray(b, np.float64)  # exact: 24 + 24 bits
-    c = np.asarray(c, np.float64)
-    s = p + c
-    back = s - p
-    err = (p - (s - back)) + (c - back)  # s + err == p + c exactly
-    raw = s.view(np.int64)
-    move = (err != 0) & ((raw & 1) == 0) & np.isfinite(s)
-    away = (err > 0) == (s > 0)  # the exact sum lies farther from zero than s
-    odd = np.where(move, raw + np.where(away, 1, -1), raw).view(np.float64)
+    a, b, c = (np.asarray(v, np.float32).astype(np.float64) for v in (a, b, c))
+    with np.errstate(invalid="ignore"):  # inf and nan inputs give fmaf's inf and nan, without warnings
+        p = a * b  # exact: 24 + 24 bits
+        s = p + c
+        back = s - p
+        err = (p - (s - back)) + (c - back)  # s + err == p + c exactly
+        raw = s.view(np.int64)
+        move = (err != 0) & ((raw & 1) == 0) & np.isfinite(s)
+        away = (err > 0) == (s > 0)  # the exact sum lies farther from zero than s
+        odd = np.where(move, raw + np.where(away, 1, -1), raw).view(np.float64)
     return odd.astype(np.float32)
 
 

@@ -52,7 +52,8 @@ typedef float vt __attribute__((vector_size(32), aligned(4), may_alias));
 /* a in every lane (a lane loop compiles to 16-byte stores and a reload) */
 static inline vt splat_t(float a) { return (vt){a, a, a, a, a, a, a, a}; }
 
-/* a * b + c, rounded once in each lane (without the FMA instructions by libm's fmaf: slower, same bits) */
+/* a * b + c, rounded once in each lane; without the FMA instructions by libm's fmaf: the same bits,
+ * 15-20x slower, so nn/small_gemm.py leaves such builds alone (erniekit_small_gemm_fast_fma) */
 static inline vt fmadd_t(vt a, vt b, vt c) {
 #ifdef __FMA__
     return (vt)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
@@ -64,6 +65,15 @@ static inline vt fmadd_t(vt a, vt b, vt c) {
 #endif
 static inline vt load_t(const float *p) { return *(const vt *)p; }
 static inline void store_t(float *p, vt v) { *(vt *)p = v; }
+
+/* 1 where fmadd_t is an instruction (GCC and Clang define __FP_FAST_FMAF then), else 0 */
+int erniekit_small_gemm_fast_fma(void) {
+#if defined(__AVX512F__) || defined(__FP_FAST_FMAF)
+    return 1;
+#else
+    return 0;
+#endif
+}
 
 /* out[m, n] (row stride N) = in-order sum over k0 <= k < k1 of x[m, k] * w[k, n], n0 <= n < n1 */
 static void kn_part(const float *x, const float *w, float *out, int64_t M, int64_t K, int64_t N, int64_t k0,
@@ -372,11 +382,11 @@ static void packed_one_row(const float *x, const float *p, const float *b, float
  * accumulator waits in `save` between chunks, so it sums the same k in the same order: the same
  * bits. Measured on an AMD EPYC without AVX-512, 2 threads, the dense-1024 model's products and head
  * (interleaved, medians of 13-15): 1.03-1.09x at 1 row, 1.10-1.23x at 8, 1.03-1.23x at 16; at 32
- * and 64 rows it lost 2-21% (the chunks' share of x crowds the L1), so those keep the tile order.
- * With AVX-512 and fused multiply-adds the tiles compute twice as fast and the order of reads is
- * what bounds them: every tile streamed its 256 KB panel (K = 1024) from L2, once per 6 rows. There
- * all of PACKED_ROWS (64) stream, in chunks of 32 panel rows (8 KB, shared by up to 11 tiles in
- * L1). Measured on an Intel Xeon (2 threads, 16 weights out of cache, 3 runs of medians of 21; GB/s
+ * and 64 rows it lost 2-21% (the chunks' share of x crowds the L1), so without AVX-512 those keep
+ * the tile order. With AVX-512 and fused multiply-adds the tiles compute twice as fast and the
+ * order of reads is what bounds them: every tile streamed its 256 KB panel (K = 1024) from L2, once
+ * per 6 rows. There up to 66 rows (all of PACKED_ROWS, 64) stream, in chunks of 32 panel rows
+ * (8 KB, shared by up to 11 tiles in L1). Measured on an Intel Xeon (2 threads, 16 weights out of cache, 3 runs of medians of 21; GB/s
  * of weight read, tile order -> this): [1024, 3072] and [3072, 1024] at 32 rows 6.1-8.3 -> 9.2-13.3,
  * at 64 rows 4.4-4.6 -> 5.0-5.5; the dense-1024 head [1024, 32000] at 32 rows 6.6-7.2 -> 8.9-12.3;
  * at 8 rows 1.0-1.1x. */

@@ -110,6 +110,23 @@ def test_only_gradient_free_float32_calls_of_a_few_rows_take_the_kernel(kernel):
     assert sg.takes_kn(x, w, None)  # nothing here wants a gradient
 
 
+def test_a_build_without_fused_multiply_add_instructions_is_left_to_paddle(monkeypatch):
+    """The kernels' sums are fused multiply-adds: a build where those are libm calls (15-20x slower)
+    is not used, and says why; a build for a CPU with FMA is (not the `kernel` fixture: it would skip
+    this test where the check wrongly says no)."""
+    if native.load("small_gemm") is None:
+        pytest.skip(f"no C kernel here: {native.why_not}")
+    flags = native._cpu_flags().split()
+    if "fma" in flags or "avx512f" in flags:
+        assert sg._lookup() is not None, native.why_not
+    real = native.functions
+    no_fma = lambda *a: (*real(*a)[:6], lambda: 0)  # noqa: E731
+    monkeypatch.setattr(native, "functions", no_fma)
+    monkeypatch.setattr(native, "why_not", {})
+    assert sg._lookup() is None
+    assert "fused multiply-add" in native.why_not["small_gemm"]
+
+
 def test_nothing_takes_it_without_the_build(monkeypatch):
     monkeypatch.setattr(sg, "_cached", [None])
     with paddle.no_grad():
