@@ -578,3 +578,16 @@ def test_the_twenty_third_rounds_intel_table_quotes_its_record():
     doc = (ROOT / "docs" / "performance.md").read_text()
     section = doc.split("### Twenty-third round", 1)[1].split("\n### ", 1)[0].split("\n## ", 1)[0]
     _check_table(section, "vs_torch_intel_xeon_round23.json", 15)
+
+
+def test_the_twenty_fourth_rounds_tables_quote_their_records():
+    """The twenty-fourth round's three tables (before, after the fused sums, the decode and server
+    cases after both commits): every case of each recorded run, as written."""
+    doc = (ROOT / "docs" / "performance.md").read_text()
+    section = doc.split("### Twenty-fourth round", 1)[1].split("\n### ", 1)[0].split("\n## ", 1)[0]
+    parts = section.split("\n**")
+    tables = {"Before": ("vs_torch_intel_round24_before.json", 4), "After": ("vs_torch_intel_round24_fma.json", 4)}
+    tables["The decode and server cases"] = ("vs_torch_intel_xeon_round24.json", 7)
+    for title, (recorded, n) in tables.items():
+        (part,) = [p for p in parts if p.startswith(title)]
+        _check_table(part, recorded, n)
