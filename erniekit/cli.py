@@ -264,6 +264,13 @@ def _server_parser() -> argparse.ArgumentParser:
         default=256,
         help="requests queued or running at once (each holds its prompt and images until it ends); more get a 429",
     )
+    p.add_argument(
+        "--max-queued-per-client",
+        type=int,
+        default=None,
+        help="of those, what one client (peer address) may hold; more get a 429 (default: half of "
+        "--max-queued-requests; 0: no limit, e.g. behind a proxy, where every client has the proxy's address)",
+    )
     add_packed_weights_flag(p, "built-in engine on the CPU")
     p.add_argument(
         "--max-model-len",
@@ -306,6 +313,8 @@ def server(args: list[str]) -> int:
         raise ErniekitError(f"server: --port {ns.port} must be in 1..65535")
     if ns.max_batch < 1 or (ns.max_model_len is not None and ns.max_model_len < 2) or ns.max_queued_requests < 1:
         raise ErniekitError("server: --max-batch and --max-queued-requests must be >= 1 and --max-model-len >= 2")
+    if ns.max_queued_per_client is not None and ns.max_queued_per_client < 0:
+        raise ErniekitError(f"server: --max-queued-per-client {ns.max_queued_per_client} must be >= 0 (0: no limit)")
     if ns.max_body_bytes < 1024:
         raise ErniekitError(f"server: --max-body-bytes {ns.max_body_bytes} must be >= 1024 (a request needs room)")
     _check_base_model(ns.model_dir, ns.base_model, "server")

@@ -23,7 +23,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -108,6 +108,7 @@ class Request:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     prompt_only: bool = False
+    client: str | None = None  # who sent it (the server: the peer's address); free rows go to clients in turn
     # filled by the engine
     completion: list[int] = field(default_factory=list)
     token_logprobs: list[TokenLogprob] = field(default_factory=list)  # one per token taken (a stop token too)
@@ -228,6 +229,8 @@ class Engine:
         self.default_stops = sorted(set(stop_token_ids or []))
         self.pending: queue.Queue[Request] = queue.Queue()  # submitted, not yet seen by the engine thread
         self.waiting: deque[Request] = deque()  # seen, waiting for a row (the engine thread's alone)
+        self._turns = 0  # rows handed out so far, and the turn each client present last had one
+        self._last_turn: dict[str | None, int] = {}
         self.steps = 0  # decode forwards run (stats)
         self._stop = threading.Event()
         self._closing = threading.Lock()
@@ -316,11 +319,36 @@ class Engine:
                 else:
                     keep.append(r)
             self.waiting = keep
-        new: list[Request] = []
-        while self.waiting and len(self.rows) + len(new) < self.max_batch:
-            new.append(self.waiting.popleft())
-        if new:
-            self._prefill_isolated(new)
+        free = self.max_batch - len(self.rows)
+        if self.waiting and free > 0:
+            self._prefill_isolated(self._take_in_turn(free))
+
+    def _take_in_turn(self, free: int) -> list[Request]:
+        """Up to `free` waiting requests, each the oldest of the client with the fewest rows
+        running or taken so far, then the one whose last row is longest ago: one client's backlog
+        does not keep another's request waiting behind all of it (with one row, clients alternate).
+        One client (or none named) takes them in order of arrival."""
+        held = Counter(r.client for r in self.rows)
+        by_client: dict[str | None, deque[tuple[int, Request]]] = {}
+        for i, r in enumerate(self.waiting):
+            by_client.setdefault(r.client, deque()).append((i, r))
+        last = self._last_turn
+        new, taken = [], set()
+        while len(new) < free and by_client:
+            c = min(by_client, key=lambda c: (held[c], last.get(c, -1), by_client[c][0][0]))
+            i, r = by_client[c].popleft()
+            if not by_client[c]:
+                del by_client[c]
+            held[c] += 1
+            self._turns += 1
+            last[c] = self._turns
+            new.append(r)
+            taken.add(i)
+        self.waiting = deque(r for i, r in enumerate(self.waiting) if i not in taken)
+        # only clients still present keep their turn: the table stays as small as the queue
+        present = {r.client for r in self.waiting} | {r.client for r in self.rows} | {r.client for r in new}
+        self._last_turn = {c: t for c, t in last.items() if c in present}
+        return new
 
     def _take_pending(self, block: bool) -> None:
         """Move every submitted request into `waiting`; with `block`, wait up to 0.5 s for one."""

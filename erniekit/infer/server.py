@@ -52,6 +52,9 @@ MEDIA_WAIT_S = 30.0
 # requests with images or videos queued or running at once: each holds its patches until it ends
 MEDIA_IN_FLIGHT = 16
 DEFAULT_MAX_QUEUED = 256  # requests (prompts) queued or running at once; more get a 429 (--max-queued-requests)
+# the share of those one client (one peer address) may hold unless told (--max-queued-per-client), so
+# one client flooding the server leaves room for the others; the engine also admits in turn by client
+PER_CLIENT_SHARE = 2
 ROLES = ("system", "user", "assistant", "developer", "tool")
 MAX_MESSAGES = 2048  # per chat request, as OpenAI's API allows
 MAX_PROMPTS = 64  # prompts in one /v1/completions request (a choice each), all decoded side by side
@@ -294,11 +297,15 @@ class OpenAIServer:
         local_media_root: str | None = None,
         max_images: int = DEFAULT_MAX_IMAGES,
         max_queued: int = DEFAULT_MAX_QUEUED,
+        max_per_client: int | None = None,
     ):
         self.engine, self.tokenizer, self.model_name = engine, tokenizer, model_name
         # what every request holds until it ends (its prompt, its images' patches) is bounded by
         # how many may be queued or running at once: the engine's queue itself has no bound
         self.max_queued, self._in_flight, self._media_in_flight = max_queued, 0, 0
+        # per client (peer address): None -> max_queued / PER_CLIENT_SHARE; 0: no limit per client
+        self.max_per_client = max(1, max_queued // PER_CLIENT_SHARE) if max_per_client is None else max_per_client
+        self._client_in_flight: dict[str, int] = {}
         self._flight_lock = threading.Lock()
         # image_url parts may name files under this directory (--allowed-local-media-path); None: data: URIs only
         self.local_media_root = os.path.realpath(local_media_root) if local_media_root else None
@@ -870,16 +877,18 @@ class OpenAIServer:
         }
 
     # ---- running ---------------------------------------------------------------------------
-    def start(self, q: Parsed) -> tuple[list[Request], asyncio.Queue]:
+    def start(self, q: Parsed, client: str | None = None) -> tuple[list[Request], asyncio.Queue]:
         """Queue one engine request per prompt; their text pieces arrive on the returned asyncio
         queue as (prompt index, delta, finish, log-probabilities recorded by then): the count is
         taken on the engine thread as the piece is emitted, so a chunk's log-probabilities are
-        those of the tokens decided up to its text, whatever the engine has done since."""
+        those of the tokens decided up to its text, whatever the engine has done since. `client`
+        (the peer's address; None: not counted per client) bounds what one client holds and is
+        what the engine takes turns by."""
         loop = asyncio.get_running_loop()
         out: asyncio.Queue = asyncio.Queue()
         reqs: list[Request] = []
         media = any(images is not None or videos is not None for _, images, videos, _ in q.prompts)
-        self._admit(len(q.prompts), media)
+        self._admit(len(q.prompts), media, client)
         left = [len(q.prompts)]  # requests of this call not yet finished (the engine thread counts down)
 
         def done() -> None:
@@ -887,6 +896,12 @@ class OpenAIServer:
                 left[0] -= 1
                 self._in_flight -= 1
                 self._media_in_flight -= media and left[0] == 0
+                if client is not None:
+                    held = self._client_in_flight[client] - 1
+                    if held:
+                        self._client_in_flight[client] = held
+                    else:
+                        del self._client_in_flight[client]
 
         for i, (ids, images, videos, _mode) in enumerate(q.prompts):
 
@@ -905,6 +920,7 @@ class OpenAIServer:
                 logprobs=q.logprobs,
                 prompt_logprobs=q.logprobs if q.echo else None,
                 prompt_only=q.prompt_only,
+                client=client,
             )
             reqs.append(req)
         submitted = 0
@@ -920,10 +936,11 @@ class OpenAIServer:
             raise
         return reqs, out
 
-    def _admit(self, n: int, media: bool) -> None:
+    def _admit(self, n: int, media: bool, client: str | None = None) -> None:
         """Count `n` requests in (one call of /v1/completions may hold 64 prompts), or refuse them
-        with a 429 when the server holds max_queued already, or MEDIA_IN_FLIGHT requests with
-        images or videos: the OpenAI client retries a 429 after a pause."""
+        with a 429 when the server holds max_queued already, or `client` max_per_client, or
+        MEDIA_IN_FLIGHT requests with images or videos: the OpenAI client retries a 429 after a
+        pause."""
         if n > self.max_queued:
             raise BadRequest(
                 f"{n} prompts in one request, more than the server holds at once ({self.max_queued}, "
@@ -939,6 +956,15 @@ class OpenAIServer:
                     status=429,
                     kind="rate_limit_error",
                 )
+            held = self._client_in_flight.get(client, 0) if client is not None else 0
+            if client is not None and self.max_per_client and held + n > self.max_per_client:
+                raise BadRequest(
+                    f"this client holds {held} requests (at most {self.max_per_client} queued or running per "
+                    "client, --max-queued-per-client); retry later",
+                    code="too_many_requests",
+                    status=429,
+                    kind="rate_limit_error",
+                )
             if media and self._media_in_flight >= MEDIA_IN_FLIGHT:
                 raise BadRequest(
                     f"the server holds {MEDIA_IN_FLIGHT} requests with images or videos, the most it keeps at once; "
@@ -949,6 +975,8 @@ class OpenAIServer:
                 )
             self._in_flight += n
             self._media_in_flight += media
+            if client is not None:
+                self._client_in_flight[client] = held + n
 
     @staticmethod
     def usage(reqs: list[Request]) -> dict:
@@ -977,10 +1005,10 @@ class OpenAIServer:
 
         return chat_logprobs(self.token_texts, entries)
 
-    async def whole(self, chat: bool, q: Parsed) -> dict:
+    async def whole(self, chat: bool, q: Parsed, client: str | None = None) -> dict:
         """The whole reply (a choice per prompt); if this coroutine is cancelled (its client went
         away) the requests leave the batch at the next step instead of generating for nobody."""
-        reqs, out = self.start(q)
+        reqs, out = self.start(q, client)
         finish: list[str | None] = [None] * len(reqs)
         try:
             while any(f is None for f in finish):
@@ -1038,13 +1066,13 @@ class OpenAIServer:
             finish = "tool_calls" if finish == "stop" else finish
         return {"index": 0, "message": message, "finish_reason": finish, "logprobs": lp}
 
-    async def stream(self, chat: bool, q: Parsed):
+    async def stream(self, chat: bool, q: Parsed, client: str | None = None):
         """Server-sent events: OpenAI's chunk objects, then `data: [DONE]`. A thinking-format reply
         streams `reasoning_content` and `content` deltas, and each tool call as one `tool_calls`
         delta (index, id, name and its whole arguments) once its block is complete. Several prompts
         stream side by side, each chunk naming its choice's index. A chunk's logprobs cover the
         tokens decided since the previous chunk of its choice (held-back text can trail them)."""
-        reqs, out = self.start(q)
+        reqs, out = self.start(q, client)
         rid, now = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex, int(time.time())
         kind = "chat.completion.chunk" if chat else "text_completion"
         mode = q.prompts[0][3] if chat else None
@@ -1242,9 +1270,10 @@ def build_app(server: OpenAIServer):
             server.check_key(request.headers.get("authorization"))
             raw = await read_body(request)
             q = await parse_waiting_for_media(raw, chat)
+            client = request.client.host if request.client else None  # the peer (a proxy's address behind one)
             if q.stream:
-                return StreamingResponse(server.stream(chat, q), media_type="text/event-stream")
-            return await until_disconnect(request, server.whole(chat, q))
+                return StreamingResponse(server.stream(chat, q, client), media_type="text/event-stream")
+            return await until_disconnect(request, server.whole(chat, q, client))
         except BadRequest as e:
             return fail(e)
 
@@ -1472,6 +1501,7 @@ def run_server(ns) -> int:
         max_body_bytes=ns.max_body_bytes,
         local_media_root=media,
         max_queued=ns.max_queued_requests,
+        max_per_client=getattr(ns, "max_queued_per_client", None),
     )
     server.control_record = control_record
     app = build_app(server)

@@ -200,3 +200,30 @@ def test_server_cli_errors_are_one_line(ckpt):
         timeout=120,
     )
     assert r.returncode == 2 and "--backend fastdeploy needs" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+
+
+def test_requests_are_counted_by_their_peer_address(ckpt, monkeypatch):
+    """Over HTTP the server names each request's client by the connection's peer address: more
+    prompts than one client's share get a 429 naming --max-queued-per-client; the engine's
+    requests carry the address (what it takes turns by)."""
+    from fastapi.testclient import TestClient
+
+    from erniekit.infer.chat import load_chat_model
+    from erniekit.infer.engine import Engine
+    from erniekit.infer.server import OpenAIServer, build_app
+
+    model, tok = load_chat_model(ckpt)
+    engine = Engine(model, tok, max_batch=2, max_model_len=128, stop_token_ids=stop_ids(model, tok))
+    clients, submit = [], engine.submit
+    monkeypatch.setattr(engine, "submit", lambda req: (clients.append(req.client), submit(req))[1])
+    try:
+        app = build_app(OpenAIServer(engine, tok, MODEL, max_queued=4))  # 2 per client
+        with TestClient(app) as c:
+            body = {"model": MODEL, "prompt": ["1+1=", "2+2=", "3+3="], "max_tokens": 2}
+            r = c.post("/v1/completions", json=body)
+            assert r.status_code == 429 and "--max-queued-per-client" in r.json()["error"]["message"]
+            r = c.post("/v1/completions", json={**body, "prompt": ["1+1=", "2+2="]})
+            assert r.status_code == 200 and len(r.json()["choices"]) == 2
+        assert clients == ["testclient", "testclient"]  # Starlette's test client's peer address
+    finally:
+        engine.close()

@@ -205,6 +205,41 @@ def test_a_request_cancelled_while_it_waits_ends_at_once_behind_a_full_batch(mod
         engine.close()
 
 
+def test_free_rows_go_to_clients_in_turn_not_to_one_clients_backlog(model, tokenizer):
+    """Client a's long request holds the only row and a has two more queued before b's one: when
+    the row frees, b's request runs next (a had the last row), then a's in their order of arrival
+    (on the old first-come order b ran last)."""
+    engine = Engine(model, tokenizer, max_batch=1, max_model_len=512)
+    order: list[str] = []
+    all_done = threading.Event()
+
+    def emit_for(name):
+        def emit(delta, finish):
+            if finish is not None:
+                order.append(name)
+                if len(order) == 4:
+                    all_done.set()
+
+        return emit
+
+    running = Request([5, 6, 7], SamplingParams(max_new_tokens=500), emit_for("a1"), client="a")
+    queued = [
+        Request([8 + i, 9], SamplingParams(max_new_tokens=2), emit_for(name), client=name[0])
+        for i, name in enumerate(["a2", "a3", "b1"])
+    ]
+    try:
+        engine.submit(running)
+        while len(running.completion) < 2:
+            pass
+        for r in queued:  # submitted before the row frees: the engine sees all three when it does
+            engine.submit(r)
+        running.cancelled = True
+        assert all_done.wait(60), order
+        assert order == ["a1", "b1", "a2", "a3"]
+    finally:
+        engine.close()
+
+
 def test_a_client_hanging_up_while_the_engine_sweeps_the_waiting_requests_is_not_lost(model, tokenizer):
     """B's client goes away in the middle of the engine's sweep of cancelled waiting requests (made
     deterministic: reading A's flag the second time cancels B); B must still end ("cancelled"),

@@ -148,3 +148,40 @@ def test_the_server_raises_its_open_files_limit_toward_the_hard_one(monkeypatch)
     limits["now"] = (256, resource.RLIM_INFINITY)
     monkeypatch.setattr(resource, "setrlimit", macos)
     assert srv.raise_open_files_limit() == srv.MACOS_OPEN_MAX == limits["now"][0]
+
+
+def test_one_client_holds_at_most_its_share_and_the_others_still_get_in():
+    """Per client (peer address) at most half of --max-queued-requests unless told: a client that
+    floods the server gets the 429 while another still gets in; a finished request gives its
+    client's place back, and the count of a client with nothing left is dropped. 0: no limit."""
+    tok = default_tokenizer()
+
+    async def scenario():
+        engine = HoldingEngine(len(tok))
+        server = srv.OpenAIServer(engine, tok, "m", max_queued=4)
+        assert server.max_per_client == 2
+        server.start(_parsed(2), "10.0.0.1")
+        with pytest.raises(srv.BadRequest, match="this client holds 2 requests") as e:
+            server.start(_parsed(1), "10.0.0.1")
+        assert (e.value.status, e.value.code) == (429, "too_many_requests")
+        server.start(_parsed(2), "10.0.0.2")  # another client gets in
+        assert [r.client for r in engine.reqs] == ["10.0.0.1"] * 2 + ["10.0.0.2"] * 2  # the engine takes turns by it
+        engine.reqs[0].emit("", "stop")
+        server.start(_parsed(1), "10.0.0.1")  # its place is back
+        with pytest.raises(srv.BadRequest, match="the server holds 4 requests"):
+            server.start(_parsed(1))  # the total still bounds everyone
+        for r in engine.reqs[1:]:
+            r.emit("", "stop")
+        assert server._in_flight == 0 and server._client_in_flight == {}
+        unlimited = srv.OpenAIServer(HoldingEngine(len(tok)), tok, "m", max_queued=4, max_per_client=0)
+        unlimited.start(_parsed(4), "10.0.0.1")  # e.g. behind a proxy: every client has its address
+
+    asyncio.run(scenario())
+
+
+def test_the_per_client_limit_is_checked_before_the_model_loads():
+    from erniekit import cli
+    from erniekit.errors import ErniekitError
+
+    with pytest.raises(ErniekitError, match="--max-queued-per-client -1 must be >= 0"):
+        cli.server(["/nonexistent", "--max-queued-per-client", "-1"])
