@@ -268,8 +268,8 @@ def _server_parser() -> argparse.ArgumentParser:
         "--max-queued-per-client",
         type=int,
         default=None,
-        help="of those, what one client (peer address) may hold; more get a 429 (default: half of "
-        "--max-queued-requests; 0: no limit, e.g. behind a proxy, where every client has the proxy's address)",
+        help="of those, what one client (peer address, or X-Forwarded-For from a trusted proxy) may hold; "
+        "more get a 429 (default: half of --max-queued-requests; 0: no limit, e.g. behind an untrusted remote proxy)",
     )
     add_packed_weights_flag(p, "built-in engine on the CPU")
     p.add_argument(

@@ -304,6 +304,8 @@ class OpenAIServer:
         # how many may be queued or running at once: the engine's queue itself has no bound
         self.max_queued, self._in_flight, self._media_in_flight = max_queued, 0, 0
         # per client (peer address): None -> max_queued / PER_CLIENT_SHARE; 0: no limit per client
+        if max_per_client is not None and max_per_client < 0:
+            raise ValueError(f"max_per_client={max_per_client} must be >= 0 (0: no limit per client)")
         self.max_per_client = max(1, max_queued // PER_CLIENT_SHARE) if max_per_client is None else max_per_client
         self._client_in_flight: dict[str, int] = {}
         self._flight_lock = threading.Lock()
@@ -890,9 +892,13 @@ class OpenAIServer:
         media = any(images is not None or videos is not None for _, images, videos, _ in q.prompts)
         self._admit(len(q.prompts), media, client)
         left = [len(q.prompts)]  # requests of this call not yet finished (the engine thread counts down)
+        ended: set[int] = set()  # each request gives its place back once, even if it were finished twice
 
-        def done() -> None:
+        def done(i: int) -> None:
             with self._flight_lock:
+                if i in ended:
+                    return
+                ended.add(i)
                 left[0] -= 1
                 self._in_flight -= 1
                 self._media_in_flight -= media and left[0] == 0
@@ -907,7 +913,7 @@ class OpenAIServer:
 
             def emit(delta: str, finish: str | None, i: int = i) -> None:
                 if finish is not None:
-                    done()
+                    done(i)
                 loop.call_soon_threadsafe(out.put_nowait, (i, delta, finish, len(reqs[i].token_logprobs)))
 
             req = Request(
@@ -931,8 +937,8 @@ class OpenAIServer:
         except BaseException:
             for req in reqs:
                 req.cancelled = True  # the submitted ones finish (and count down) at the next step
-            for _ in reqs[submitted:]:
-                done()
+            for i in range(submitted, len(reqs)):
+                done(i)
             raise
         return reqs, out
 
@@ -945,6 +951,12 @@ class OpenAIServer:
             raise BadRequest(
                 f"{n} prompts in one request, more than the server holds at once ({self.max_queued}, "
                 "--max-queued-requests); send fewer",
+                "prompt",
+            )
+        if client is not None and self.max_per_client and n > self.max_per_client:
+            raise BadRequest(
+                f"{n} prompts in one request, more than one client may hold at once ({self.max_per_client}, "
+                "--max-queued-per-client); send fewer",
                 "prompt",
             )
         with self._flight_lock:
@@ -1066,13 +1078,15 @@ class OpenAIServer:
             finish = "tool_calls" if finish == "stop" else finish
         return {"index": 0, "message": message, "finish_reason": finish, "logprobs": lp}
 
-    async def stream(self, chat: bool, q: Parsed, client: str | None = None):
+    async def stream(self, chat: bool, q: Parsed, client: str | None = None, started=None):
         """Server-sent events: OpenAI's chunk objects, then `data: [DONE]`. A thinking-format reply
         streams `reasoning_content` and `content` deltas, and each tool call as one `tool_calls`
         delta (index, id, name and its whole arguments) once its block is complete. Several prompts
         stream side by side, each chunk naming its choice's index. A chunk's logprobs cover the
-        tokens decided since the previous chunk of its choice (held-back text can trail them)."""
-        reqs, out = self.start(q, client)
+        tokens decided since the previous chunk of its choice (held-back text can trail them).
+        `started`: what `start` returned, called by the route before the response's 200, so a
+        refusal is a 429 and not a broken stream."""
+        reqs, out = started if started is not None else self.start(q, client)
         rid, now = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex, int(time.time())
         kind = "chat.completion.chunk" if chat else "text_completion"
         mode = q.prompts[0][3] if chat else None
@@ -1271,8 +1285,9 @@ def build_app(server: OpenAIServer):
             raw = await read_body(request)
             q = await parse_waiting_for_media(raw, chat)
             client = request.client.host if request.client else None  # the peer (a proxy's address behind one)
-            if q.stream:
-                return StreamingResponse(server.stream(chat, q, client), media_type="text/event-stream")
+            if q.stream:  # admitted here: once the response starts, its status is 200
+                started = server.start(q, client)
+                return StreamingResponse(server.stream(chat, q, started=started), media_type="text/event-stream")
             return await until_disconnect(request, server.whole(chat, q, client))
         except BadRequest as e:
             return fail(e)

@@ -204,8 +204,8 @@ def test_server_cli_errors_are_one_line(ckpt):
 
 def test_requests_are_counted_by_their_peer_address(ckpt, monkeypatch):
     """Over HTTP the server names each request's client by the connection's peer address: more
-    prompts than one client's share get a 429 naming --max-queued-per-client; the engine's
-    requests carry the address (what it takes turns by)."""
+    prompts in one request than one client's share are refused (400: waiting would not help); the
+    engine's requests carry the address (what it takes turns by)."""
     from fastapi.testclient import TestClient
 
     from erniekit.infer.chat import load_chat_model
@@ -221,7 +221,7 @@ def test_requests_are_counted_by_their_peer_address(ckpt, monkeypatch):
         with TestClient(app) as c:
             body = {"model": MODEL, "prompt": ["1+1=", "2+2=", "3+3="], "max_tokens": 2}
             r = c.post("/v1/completions", json=body)
-            assert r.status_code == 429 and "--max-queued-per-client" in r.json()["error"]["message"]
+            assert r.status_code == 400 and "--max-queued-per-client" in r.json()["error"]["message"]
             r = c.post("/v1/completions", json={**body, "prompt": ["1+1=", "2+2="]})
             assert r.status_code == 200 and len(r.json()["choices"]) == 2
         assert clients == ["testclient", "testclient"]  # Starlette's test client's peer address

@@ -5,6 +5,7 @@ seeds, the context limit, a full time axis and cancellation."""
 from __future__ import annotations
 
 import threading
+import time
 
 import numpy as np
 import paddle
@@ -229,8 +230,10 @@ def test_free_rows_go_to_clients_in_turn_not_to_one_clients_backlog(model, token
     ]
     try:
         engine.submit(running)
-        while len(running.completion) < 2:
-            pass
+        deadline = time.monotonic() + 60
+        while len(running.completion) < 2 and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert len(running.completion) >= 2, running.error
         for r in queued:  # submitted before the row frees: the engine sees all three when it does
             engine.submit(r)
         running.cancelled = True

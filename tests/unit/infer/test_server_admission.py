@@ -173,10 +173,56 @@ def test_one_client_holds_at_most_its_share_and_the_others_still_get_in():
         for r in engine.reqs[1:]:
             r.emit("", "stop")
         assert server._in_flight == 0 and server._client_in_flight == {}
+        with pytest.raises(srv.BadRequest, match="more than one client may hold at once") as e:
+            server.start(_parsed(3), "10.0.0.3")  # waiting would not help: a 400, not a 429
+        assert e.value.status == 400
         unlimited = srv.OpenAIServer(HoldingEngine(len(tok)), tok, "m", max_queued=4, max_per_client=0)
-        unlimited.start(_parsed(4), "10.0.0.1")  # e.g. behind a proxy: every client has its address
+        unlimited.start(_parsed(4), "10.0.0.1")  # e.g. behind a remote proxy: every client has its address
+        with pytest.raises(ValueError, match="max_per_client=-1"):
+            srv.OpenAIServer(HoldingEngine(len(tok)), tok, "m", max_per_client=-1)
 
     asyncio.run(scenario())
+
+
+def test_a_request_finished_twice_gives_its_place_back_once():
+    """Should the engine finish a request twice (a failing step ends every running row, some of
+    which a step may have ended already), its place comes back once: the other requests' counts
+    and finish events are untouched."""
+    tok = default_tokenizer()
+
+    async def scenario():
+        engine = HoldingEngine(len(tok))
+        server = srv.OpenAIServer(engine, tok, "m", max_queued=8)
+        reqs, out = server.start(_parsed(2), "10.0.0.1")
+        reqs[0].emit("", "stop")
+        reqs[0].emit("", "error")
+        assert server._in_flight == 1 and server._client_in_flight == {"10.0.0.1": 1}
+        reqs[1].emit("", "stop")
+        await asyncio.sleep(0)
+        events = [out.get_nowait() for _ in range(out.qsize())]
+        assert [(i, f) for i, _, f, _ in events] == [(0, "stop"), (0, "error"), (1, "stop")]
+        assert server._in_flight == 0 and server._client_in_flight == {}
+
+    asyncio.run(scenario())
+
+
+def test_a_streamed_request_beyond_the_limits_gets_a_429_not_a_broken_stream():
+    """A stream's status goes out with its first bytes: the server admits a streamed request
+    before it starts the response, so a refusal is the same 429 JSON error as without stream."""
+    from fastapi.testclient import TestClient
+
+    tok = default_tokenizer()
+    server = srv.OpenAIServer(HoldingEngine(len(tok)), tok, "m", max_queued=2)  # 1 per client
+
+    async def hold():
+        server.start(_parsed(1), "testclient")  # Starlette's test client's peer address
+
+    asyncio.run(hold())
+    with TestClient(srv.build_app(server)) as c:
+        for stream in (True, False):
+            r = c.post("/v1/completions", json={"model": "m", "prompt": "1+1=", "max_tokens": 2, "stream": stream})
+            assert r.status_code == 429, (stream, r.text)
+            assert "--max-queued-per-client" in r.json()["error"]["message"]
 
 
 def test_the_per_client_limit_is_checked_before_the_model_loads():
