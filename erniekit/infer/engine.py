@@ -119,6 +119,7 @@ class Request:
     error: str | None = None
     ended_on_stop_token: bool = False  # the reply ended on a stop token: generated, not in `completion`
     cancelled: bool = False  # set by the caller (a client that went away): finishes at the next step
+    finished: bool = False  # set by the engine when it ends the request (once: a second end is ignored)
 
 
 class SlotCache:
@@ -376,7 +377,14 @@ class Engine:
             return
         for r, lps in zip(reqs, scored):
             r.prompt_token_logprobs = lps
-        self._place(reqs, batch, logits, deltas)
+        try:
+            self._place(reqs, batch, logits, deltas)
+        except Exception as e:
+            # the ones not yet given a row are nobody's now: end them (the loop then fails the rows)
+            for r in reqs:
+                if not r.finished and not any(x is r for x in self.rows):
+                    self._finish(r, "error", _describe(e))
+            raise
 
     def _prefill_forward(self, reqs: list[Request]) -> tuple[KVCache, np.ndarray, np.ndarray, list]:
         """The prompts left-padded into one batch (positions count real tokens, so each row's
@@ -622,7 +630,11 @@ class Engine:
         return False
 
     def _finish(self, req: Request, reason: str, error: str | None = None, text: str | None = None) -> bool:
-        """`text`: the reply cut at a stop string; else the whole decode."""
+        """`text`: the reply cut at a stop string; else the whole decode. Once per request: a
+        failing step ends every running row, and a row may have ended in that step already."""
+        if req.finished:
+            return True
+        req.finished = True
         req.error = error
         if text is not None or req.stream is not None:
             req.text = text if text is not None else req.stream.text()

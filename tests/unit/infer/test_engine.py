@@ -462,3 +462,39 @@ def test_a_reply_ended_by_a_stop_token_counts_it_among_the_tokens_taken(model, t
         engine.close()
     assert req.completion == free[: free.index(stop)] and req.ended_on_stop_token
     assert len(req.token_logprobs) == len(req.completion) + 1
+
+
+def test_a_failure_while_placing_prefilled_requests_ends_the_ones_it_had_not_placed(model, tokenizer, monkeypatch):
+    """Three prompts prefilled together; copying the second into its row raises. The first has a
+    row (the engine's loop then fails the running rows, as for any failed step); the second and
+    third end with the error at once instead of being dropped, their callers waiting forever.
+    Run on the test's thread, with the engine's own thread stopped."""
+    engine = Engine(model, tokenizer, max_batch=4, max_model_len=64)
+    engine.close()
+    ends, waits, emit_for = _endings(3)
+    reqs = [Request([5 + i, 6, 7], SamplingParams(max_new_tokens=4), emit_for(i)) for i in range(3)]
+    put, calls = engine.cache.put, []
+
+    def put_failing_second(*args):
+        calls.append(args)
+        if len(calls) == 2:
+            raise RuntimeError("copying the keys failed")
+        return put(*args)
+
+    monkeypatch.setattr(engine.cache, "put", put_failing_second)
+    with pytest.raises(RuntimeError, match="copying the keys failed"):
+        engine._prefill_isolated(reqs)
+    assert engine.rows == [reqs[0]] and not reqs[0].finished
+    assert ends == {1: "error", 2: "error"} and all("copying the keys failed" in reqs[i].error for i in (1, 2))
+
+
+def test_a_request_ends_once_even_if_ended_twice(model, tokenizer):
+    """A failing step ends every running row, some of which the step may have ended already: the
+    second end is ignored (its caller saw one finish, with the first reason)."""
+    engine = Engine(model, tokenizer, max_batch=1, max_model_len=64)
+    engine.close()
+    seen = []
+    req = Request([5, 6], SamplingParams(max_new_tokens=2), lambda delta, finish: seen.append(finish))
+    engine._finish(req, "stop")
+    engine._finish(req, "error", "the step failed")
+    assert seen == ["stop"] and req.error is None and req.finished
