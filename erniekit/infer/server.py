@@ -891,17 +891,15 @@ class OpenAIServer:
         reqs: list[Request] = []
         media = any(images is not None or videos is not None for _, images, videos, _ in q.prompts)
         self._admit(len(q.prompts), media, client)
-        left = [len(q.prompts)]  # requests of this call not yet finished (the engine thread counts down)
-        ended: set[int] = set()  # each request gives its place back once, even if it were finished twice
+        ended: set[int] = set()  # requests of this call that gave their place back (once each, even if finished twice)
 
         def done(i: int) -> None:
             with self._flight_lock:
                 if i in ended:
                     return
                 ended.add(i)
-                left[0] -= 1
                 self._in_flight -= 1
-                self._media_in_flight -= media and left[0] == 0
+                self._media_in_flight -= media and len(ended) == len(q.prompts)
                 if client is not None:
                     held = self._client_in_flight[client] - 1
                     if held:

@@ -193,12 +193,13 @@ def exp_neg(x: np.ndarray) -> np.ndarray:
 
 
 def fma32(a: np.ndarray, b: np.ndarray, c: np.ndarray) -> np.ndarray:
-    """a * b + c for float32 values (others are cast to float32 first), rounded once, as a fused multiply-add computes it (numpy has no
-    fma). Why not float32(float64(a) * b + c): the product is exact in float64 but the sum rounds
-    twice, which is wrong in rare ties. The sum is rounded to odd in float64 instead (TwoSum finds
-    whether it was exact; an inexact result with an even last bit moves one ulp toward the exact
-    value), and float64 keeps 2 + 2 * 24 bits, enough for that single later rounding to float32 to
-    be the correct one (Boldo and Melquiond, "Emulation of FMA and correctly rounded sums", 2008)."""
+    """a * b + c for float32 values (others are cast to float32 first), rounded once, as a fused
+    multiply-add computes it (numpy has no fma). Why not float32(float64(a) * b + c): the product
+    is exact in float64 but the sum rounds twice, which is wrong in rare ties. The sum is rounded
+    to odd in float64 instead (TwoSum finds whether it was exact; an inexact result with an even
+    last bit moves one ulp toward the exact value), and float64 keeps 2 + 2 * 24 bits, enough for
+    that single later rounding to float32 to be the correct one (Boldo and Melquiond, "Emulation
+    of FMA and correctly rounded sums", 2008)."""
     a, b, c = (np.asarray(v, np.float32).astype(np.float64) for v in (a, b, c))
     with np.errstate(invalid="ignore"):  # inf and nan inputs give fmaf's inf and nan, without warnings
         p = a * b  # exact: 24 + 24 bits

@@ -62,9 +62,10 @@ def _lookup():
         ("erniekit_small_gemm_kn_groups", [_P, _P, _P, _P, _I64, _P, _I64, _I64, _I64]),
         ("erniekit_small_gemm_fast_fma", []),
     )
-    if fns is not None:
-        fns[6].restype = ctypes.c_int
-    if fns is not None and not fns[6]():
+    if fns is None:
+        return None
+    fns[6].restype = ctypes.c_int
+    if not fns[6]():
         # the kernels' sums are fused multiply-adds; without the instruction libm computes each one
         # (the same bits, 15-20x slower than MKL's GEMM): those CPUs keep Paddle's ops
         native.why_not["small_gemm"] = "this CPU (or compiler) has no fused multiply-add instruction"
