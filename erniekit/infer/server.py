@@ -1187,6 +1187,22 @@ def build_app(server: OpenAIServer):
     # "/v1/completions/" is a 404 naming the routes, not a 307 whose Location echoes the Host header
     app.router.redirect_slashes = False
 
+    class EndingStream(StreamingResponse):
+        """A stream that cancels its requests however the response ends: a client gone before the
+        first chunk makes the send fail before the body's generator starts, and a generator that
+        never started runs no `finally` (its requests would generate to max_tokens for nobody)."""
+
+        def __init__(self, reqs: list[Request], body) -> None:
+            super().__init__(body, media_type="text/event-stream")
+            self.reqs = reqs
+
+        async def __call__(self, scope, receive, send) -> None:
+            try:
+                await super().__call__(scope, receive, send)
+            finally:
+                for req in self.reqs:
+                    req.cancelled = True
+
     def fail(e: BadRequest) -> JSONResponse:
         # after 408 / 413 the rest of the body is not wanted: close, so the client stops sending it
         headers = {"Connection": "close"} if e.status in (408, 413) else None
@@ -1285,7 +1301,7 @@ def build_app(server: OpenAIServer):
             client = request.client.host if request.client else None  # the peer (a proxy's address behind one)
             if q.stream:  # admitted here: once the response starts, its status is 200
                 started = server.start(q, client)
-                return StreamingResponse(server.stream(chat, q, started=started), media_type="text/event-stream")
+                return EndingStream(started[0], server.stream(chat, q, started=started))
             return await until_disconnect(request, server.whole(chat, q, client))
         except BadRequest as e:
             return fail(e)

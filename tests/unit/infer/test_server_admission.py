@@ -231,3 +231,48 @@ def test_the_per_client_limit_is_checked_before_the_model_loads():
 
     with pytest.raises(ErniekitError, match="--max-queued-per-client -1 must be >= 0"):
         cli.server(["/nonexistent", "--max-queued-per-client", "-1"])
+
+
+@pytest.mark.parametrize("spec", ["2.3", "2.4"])
+def test_a_stream_whose_client_left_before_its_first_byte_stops_generating(spec):
+    """The client is gone when the response starts (uvicorn's send fails): the body's generator
+    never starts, so only the response itself can cancel the requests; before, they generated to
+    max_tokens for nobody, holding a batch row and the client's place."""
+    import json
+
+    from starlette.requests import ClientDisconnect
+
+    tok = default_tokenizer()
+    engine = HoldingEngine(len(tok))
+    server = srv.OpenAIServer(engine, tok, "m", max_queued=4)
+    app = srv.build_app(server)
+    body = json.dumps({"model": "m", "prompt": ["1+1=", "2+2="], "max_tokens": 2, "stream": True}).encode()
+    messages = [{"type": "http.request", "body": body, "more_body": False}]
+
+    async def receive():
+        return messages.pop(0) if messages else {"type": "http.disconnect"}
+
+    async def send(message):
+        raise OSError("the peer closed the connection")
+
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0", "spec_version": spec},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": "/v1/completions",
+        "raw_path": b"/v1/completions",
+        "query_string": b"",
+        "root_path": "",
+        "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())],
+        "client": ("10.0.0.1", 5000),
+        "server": ("127.0.0.1", 8000),
+    }
+
+    async def scenario():
+        with pytest.raises((OSError, ClientDisconnect)):  # Starlette's, by spec version
+            await app(scope, receive, send)
+
+    asyncio.run(scenario())
+    assert len(engine.reqs) == 2 and all(r.cancelled for r in engine.reqs)
