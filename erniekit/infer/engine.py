@@ -20,6 +20,7 @@ decode forward that raises fails every running row: no row can be blamed for it.
 
 from __future__ import annotations
 
+import heapq
 import logging
 import queue
 import threading
@@ -334,17 +335,20 @@ class Engine:
         for i, r in enumerate(self.waiting):
             by_client.setdefault(r.client, deque()).append((i, r))
         last = self._last_turn
+        # a taking changes only its own client's key: a heap of clients, O((waiting + free) log clients)
+        turn = [(held[c], last.get(c, -1), q[0][0], c) for c, q in by_client.items()]
+        heapq.heapify(turn)
         new, taken = [], set()
-        while len(new) < free and by_client:
-            c = min(by_client, key=lambda c: (held[c], last.get(c, -1), by_client[c][0][0]))
+        while len(new) < free and turn:
+            _, _, _, c = heapq.heappop(turn)
             i, r = by_client[c].popleft()
-            if not by_client[c]:
-                del by_client[c]
             held[c] += 1
             self._turns += 1
             last[c] = self._turns
             new.append(r)
             taken.add(i)
+            if by_client[c]:
+                heapq.heappush(turn, (held[c], last[c], by_client[c][0][0], c))
         self.waiting = deque(r for i, r in enumerate(self.waiting) if i not in taken)
         # only clients still present keep their turn: the table stays as small as the queue
         present = {r.client for r in self.waiting} | {r.client for r in self.rows} | {r.client for r in new}

@@ -243,6 +243,50 @@ def test_free_rows_go_to_clients_in_turn_not_to_one_clients_backlog(model, token
         engine.close()
 
 
+def _naive_turns(rows, waiting, last, turns, free):
+    """The rule written plainly: each pick scans every client (fewest rows held, then the
+    longest since its last turn, then its oldest request)."""
+    from collections import Counter
+
+    held, waiting, picked = Counter(r.client for r in rows), list(waiting), []
+    while len(picked) < free and waiting:
+        firsts = {}
+        for i, r in enumerate(waiting):
+            firsts.setdefault(r.client, i)
+        c = min(firsts, key=lambda c: (held[c], last.get(c, -1), firsts[c]))
+        r = waiting.pop(firsts[c])
+        held[c] += 1
+        turns += 1
+        last[c] = turns
+        picked.append(r)
+    return picked, waiting, turns
+
+
+def test_taking_in_turn_matches_the_rule_written_plainly():
+    """The engine's heap of clients picks what a scan of every client picks, over refills that
+    carry the turn table from one to the next (random clients, unnamed requests included)."""
+    from collections import deque
+    from types import SimpleNamespace
+
+    rng = np.random.default_rng(3)
+    for trial in range(200):
+        names = [None, "a", "b", "c", "d", "e"][: 2 + trial % 5]
+        fake = SimpleNamespace(rows=[], waiting=deque(), _last_turn={}, _turns=0)
+        for _ in range(6):
+            for _ in range(int(rng.integers(0, 9))):
+                fake.waiting.append(SimpleNamespace(client=names[int(rng.integers(len(names)))]))
+            if fake.rows:  # some running rows finish
+                keep = rng.random(len(fake.rows)) < 0.5
+                fake.rows = [r for r, k in zip(fake.rows, keep) if k]
+            free = int(rng.integers(0, 5))
+            # from the engine's own table (it prunes clients no longer present)
+            want, want_waiting, _ = _naive_turns(fake.rows, fake.waiting, dict(fake._last_turn), fake._turns, free)
+            got = Engine._take_in_turn(fake, free)
+            assert [id(r) for r in got] == [id(r) for r in want], trial
+            assert [id(r) for r in fake.waiting] == [id(r) for r in want_waiting], trial
+            fake.rows += got
+
+
 def test_a_client_hanging_up_while_the_engine_sweeps_the_waiting_requests_is_not_lost(model, tokenizer):
     """B's client goes away in the middle of the engine's sweep of cancelled waiting requests (made
     deterministic: reading A's flag the second time cancels B); B must still end ("cancelled"),
