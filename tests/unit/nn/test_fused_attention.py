@@ -23,6 +23,7 @@ CASES = [
     (2, 1, 23, 3, 3, 16, True),
     (1, 16, 16, 8, 4, 64, False),
     (2, 9, 40, 2, 1, 128, True),
+    (2, 3, 19, 4, 2, 80, True),  # with AVX-512 the values' passes: one of 64 columns, then one of 16
 ]
 
 
