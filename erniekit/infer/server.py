@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
+import ipaddress
 import json
 import math
 import os
@@ -97,6 +98,23 @@ class ReplyMode:
         p = ReplyParser(thinking_open=True, tools_allowed=self.tools)
         p.feed(self.forced)  # its events (an empty reasoning) say nothing the client needs
         return p
+
+
+def client_of(host: str) -> str:
+    """Who a request counts against (`--max-queued-per-client`, turns in the batch): the peer's
+    address as uvicorn reports it (a proxy's, or X-Forwarded-For's from a trusted one), an IPv6
+    address by its /64 network (one host or site is handed a whole /64 and can pick a fresh
+    address for every connection) and an IPv4-mapped one by its IPv4 address. A name that is not
+    an address (Starlette's test client) counts as itself."""
+    try:
+        ip = ipaddress.ip_address(host.split("%", 1)[0])  # a link-local address may carry a %zone
+    except ValueError:
+        return host
+    if ip.version == 6 and ip.ipv4_mapped is not None:
+        return str(ip.ipv4_mapped)
+    if ip.version == 6:
+        return str(ipaddress.ip_network(f"{ip}/64", strict=False))
+    return str(ip)
 
 
 class BadRequest(Exception):
@@ -1298,7 +1316,7 @@ def build_app(server: OpenAIServer):
             server.check_key(request.headers.get("authorization"))
             raw = await read_body(request)
             q = await parse_waiting_for_media(raw, chat)
-            client = request.client.host if request.client else None  # the peer (a proxy's address behind one)
+            client = client_of(request.client.host) if request.client else None
             if q.stream:  # admitted here: once the response starts, its status is 200
                 started = server.start(q, client)
                 return EndingStream(started[0], server.stream(chat, q, started=started))

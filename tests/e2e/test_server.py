@@ -224,6 +224,9 @@ def test_requests_are_counted_by_their_peer_address(ckpt, monkeypatch):
             assert r.status_code == 400 and "--max-queued-per-client" in r.json()["error"]["message"]
             r = c.post("/v1/completions", json={**body, "prompt": ["1+1=", "2+2="]})
             assert r.status_code == 200 and len(r.json()["choices"]) == 2
-        assert clients == ["testclient", "testclient"]  # Starlette's test client's peer address
+        with TestClient(app, client=("2001:db8:7:9:a::5", 41000)) as c:  # an IPv6 peer counts as its /64
+            r = c.post("/v1/completions", json={**body, "prompt": "1+1="})
+            assert r.status_code == 200
+        assert clients == ["testclient", "testclient", "2001:db8:7:9::/64"]  # Starlette's test client, then IPv6
     finally:
         engine.close()

@@ -276,3 +276,14 @@ def test_a_stream_whose_client_left_before_its_first_byte_stops_generating(spec)
 
     asyncio.run(scenario())
     assert len(engine.reqs) == 2 and all(r.cancelled for r in engine.reqs)
+
+
+def test_an_ipv6_client_is_its_64_network_and_a_mapped_ipv4_client_its_ipv4_address():
+    """One host is handed a whole /64 and may pick a fresh address per connection: every address
+    of it counts against one share; other forms of the same peer count as that peer."""
+    assert srv.client_of("2001:db8:1:2:aaaa::1") == srv.client_of("2001:db8:1:2:ffff:1:2:3") == "2001:db8:1:2::/64"
+    assert srv.client_of("2001:db8:1:3::1") != srv.client_of("2001:db8:1:2::1")
+    assert srv.client_of("fe80::1%eth0") == "fe80::/64"
+    assert srv.client_of("::ffff:192.0.2.7") == srv.client_of("192.0.2.7") == "192.0.2.7"
+    assert srv.client_of("192.0.2.8") != srv.client_of("192.0.2.7")  # IPv4: each address its own
+    assert srv.client_of("testclient") == "testclient"
