@@ -100,18 +100,29 @@ class ReplyMode:
         return p
 
 
+_NAT64 = ipaddress.ip_network("64:ff9b::/96")  # RFC 6052's well-known prefix: an IPv4 client behind a NAT64 / SIIT
+
+
 def client_of(host: str) -> str:
     """Who a request counts against (`--max-queued-per-client`, turns in the batch): the peer's
-    address as uvicorn reports it (a proxy's, or X-Forwarded-For's from a trusted one), an IPv6
-    address by its /64 network (one host or site is handed a whole /64 and can pick a fresh
-    address for every connection) and an IPv4-mapped one by its IPv4 address. A name that is not
-    an address (Starlette's test client) counts as itself."""
+    address as uvicorn reports it (a proxy's, or X-Forwarded-For's from a trusted one, which may
+    carry a port or brackets), an IPv6 address by its /64 network (one host or site is handed a
+    whole /64 and can pick a fresh address for every connection), an IPv4 address embedded in
+    IPv6 (mapped, or translated by a NAT64) by that IPv4 address. Text that is no address
+    (Starlette's test client) counts as itself."""
+    bare = host.strip()
+    if bare.startswith("[") and "]" in bare:  # "[2001:db8::1]:443"
+        bare = bare[1 : bare.index("]")]
+    elif bare.count(":") == 1:  # "192.0.2.7:5678"
+        bare = bare.split(":", 1)[0]
     try:
-        ip = ipaddress.ip_address(host.split("%", 1)[0])  # a link-local address may carry a %zone
+        ip = ipaddress.ip_address(bare.split("%", 1)[0])  # a link-local address may carry a %zone
     except ValueError:
         return host
     if ip.version == 6 and ip.ipv4_mapped is not None:
         return str(ip.ipv4_mapped)
+    if ip.version == 6 and ip in _NAT64:
+        return str(ipaddress.IPv4Address(int(ip) & 0xFFFFFFFF))
     if ip.version == 6:
         return str(ipaddress.ip_network(f"{ip}/64", strict=False))
     return str(ip)
@@ -1206,9 +1217,11 @@ def build_app(server: OpenAIServer):
     app.router.redirect_slashes = False
 
     class EndingStream(StreamingResponse):
-        """A stream that cancels its requests however the response ends: a client gone before the
-        first chunk makes the send fail before the body's generator starts, and a generator that
-        never started runs no `finally` (its requests would generate to max_tokens for nobody)."""
+        """A stream that cancels its requests however the response ends. Under uvicorn (ASGI 2.3)
+        Starlette's disconnect listener closes the body's generator; under a server whose `send`
+        raises for a client that is gone (ASGI 2.4: Hypercorn, Granian) the generator may never
+        start, and one that never started runs no `finally`: its requests generated to max_tokens
+        for nobody, holding a batch row and the client's place."""
 
         def __init__(self, reqs: list[Request], body) -> None:
             super().__init__(body, media_type="text/event-stream")

@@ -235,9 +235,10 @@ def test_the_per_client_limit_is_checked_before_the_model_loads():
 
 @pytest.mark.parametrize("spec", ["2.3", "2.4"])
 def test_a_stream_whose_client_left_before_its_first_byte_stops_generating(spec):
-    """The client is gone when the response starts (uvicorn's send fails): the body's generator
-    never starts, so only the response itself can cancel the requests; before, they generated to
-    max_tokens for nobody, holding a batch row and the client's place."""
+    """The client is gone when the response starts and the server's send raises (ASGI servers
+    that do so: Hypercorn, Granian; uvicorn's returns and Starlette's disconnect listener ends the
+    stream): the body's generator never starts, so only the response itself can cancel the
+    requests; before, they generated to max_tokens for nobody, holding a row and the client's place."""
     import json
 
     from starlette.requests import ClientDisconnect
@@ -287,3 +288,8 @@ def test_an_ipv6_client_is_its_64_network_and_a_mapped_ipv4_client_its_ipv4_addr
     assert srv.client_of("::ffff:192.0.2.7") == srv.client_of("192.0.2.7") == "192.0.2.7"
     assert srv.client_of("192.0.2.8") != srv.client_of("192.0.2.7")  # IPv4: each address its own
     assert srv.client_of("testclient") == "testclient"
+    # a trusted proxy's X-Forwarded-For entry may carry a port or brackets; a NAT64 embeds IPv4
+    assert srv.client_of("192.0.2.7:5678") == srv.client_of("[::ffff:192.0.2.7]:443") == "192.0.2.7"
+    assert srv.client_of("[2001:db8:1:2::9]:443") == "2001:db8:1:2::/64"
+    assert srv.client_of("64:ff9b::c000:207") == "192.0.2.7"  # not every NAT64 client one /64
+    assert srv.client_of("64:ff9b::c000:208") != srv.client_of("64:ff9b::c000:207")
