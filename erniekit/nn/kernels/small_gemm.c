@@ -389,13 +389,19 @@ static void packed_one_row(const float *x, const float *p, const float *b, float
  * (8 KB, shared by up to 11 tiles in L1). Measured on an Intel Xeon (2 threads, 16 weights out of cache, 3 runs of medians of 21; GB/s
  * of weight read, tile order -> this): [1024, 3072] and [3072, 1024] at 32 rows 6.1-8.3 -> 9.2-13.3,
  * at 64 rows 4.4-4.6 -> 5.0-5.5; the dense-1024 head [1024, 32000] at 32 rows 6.6-7.2 -> 8.9-12.3;
- * at 8 rows 1.0-1.1x. */
+ * at 8 rows 1.0-1.1x. Up to 4 tiles (24 rows) take chunks of 16 lines: a dense-1024 decode step's
+ * products and head (320 MB, 2 threads, interleaved, medians of 21, four runs) 6-9% faster at 8
+ * rows, 3-6% at 12, 7-11% at 16, 5-7% at 24, the same at 4; at 32 rows 16 lines lost up to 13%. */
 #ifdef __AVX512F__
 #define STREAM_TILES 11
 #define STREAM_LINES 32
+#define SHORT_LINES 16 /* the chunk for up to SHORT_TILES tiles (24 rows) */
+#define SHORT_TILES 4
 #else
 #define STREAM_TILES 3
 #define STREAM_LINES 128
+#define SHORT_LINES 128
+#define SHORT_TILES 0
 #endif
 
 static inline __attribute__((always_inline)) void stream_tile(const float *x, const float *panel, vt save[6][VPT],
@@ -415,12 +421,13 @@ static inline __attribute__((always_inline)) void stream_tile(const float *x, co
 static void stream_panel(const float *x, const float *p, const float *b, float *y, int64_t M, int64_t K, int64_t N,
                          int64_t t, int64_t lines) {
     const float *panel = p + t * PANEL * K;
-    int64_t j = t * PANEL, tiles = (M + 5) / 6, share = (STREAM_LINES + tiles - 1) / tiles;
+    int64_t j = t * PANEL, tiles = (M + 5) / 6, chunk = tiles <= SHORT_TILES ? SHORT_LINES : STREAM_LINES;
+    int64_t share = (chunk + tiles - 1) / tiles;
     static _Thread_local vt save[STREAM_TILES][6][VPT] __attribute__((aligned(64))); /* per thread, off the stack */
     for (int h = 0; h < 2; h++) {
         int64_t k0 = h ? K / 2 : 0, k1 = h ? K : K / 2;
-        for (int64_t kc = k0; kc < k1; kc += STREAM_LINES) {
-            int64_t ke = kc + STREAM_LINES < k1 ? kc + STREAM_LINES : k1;
+        for (int64_t kc = k0; kc < k1; kc += chunk) {
+            int64_t ke = kc + chunk < k1 ? kc + chunk : k1;
             for (int64_t tile = 0; tile < tiles; tile++) {
                 int64_t m0 = tile * 6, start = t * K + ke + tile * share; /* the next chunk: ke on */
                 int64_t n_ahead = start >= lines ? 0 : (lines - start < share ? lines - start : share);

@@ -195,7 +195,7 @@ def _packable(k: int, n: int, seed: int):
     + [(37, 400), (64, 400)],
 )
 def test_packed_weights_give_the_same_bits_up_to_packed_rows(kernel, bits, rows, k, monkeypatch):
-    """k 400: halves of 200, so the streamed chunks (kernels/small_gemm.c, STREAM_LINES 128, or 32
+    """k 400: halves of 200, so the streamed chunks (kernels/small_gemm.c, STREAM_LINES 128, or 16-32
     with AVX-512) end inside a half; 1-18 rows stream chunk by chunk, 19-64 too with AVX-512 (11
     tiles at 64 rows), tile by tile without."""
     monkeypatch.setattr(sg, "KN_MIN_BYTES", 0)
