@@ -591,3 +591,11 @@ def test_the_twenty_fourth_rounds_tables_quote_their_records():
     for title, (recorded, n) in tables.items():
         (part,) = [p for p in parts if p.startswith(title)]
         _check_table(part, recorded, n)
+
+
+def test_the_twenty_fifth_rounds_table_quotes_its_record():
+    """The twenty-fifth round's decode and server cases: every case of the recorded run, as written."""
+    doc = (ROOT / "docs" / "performance.md").read_text()
+    section = doc.split("### Twenty-fifth round", 1)[1].split("\n### ", 1)[0].split("\n## ", 1)[0]
+    (part,) = [p for p in section.split("\n**") if p.startswith("The decode and server cases after this round")]
+    _check_table(part, "vs_torch_intel_xeon_round25.json", 7)
