@@ -391,11 +391,13 @@ static void packed_one_row(const float *x, const float *p, const float *b, float
  * at 64 rows 4.4-4.6 -> 5.0-5.5; the dense-1024 head [1024, 32000] at 32 rows 6.6-7.2 -> 8.9-12.3;
  * at 8 rows 1.0-1.1x. Up to 4 tiles (24 rows) take chunks of 16 lines: a dense-1024 decode step's
  * products and head (320 MB, 2 threads, interleaved, medians of 21, four runs) 6-9% faster at 8
- * rows, 3-6% at 12, 7-11% at 16, 5-7% at 24, the same at 4; at 32 rows 16 lines lost up to 13%. */
+ * rows, 3-6% at 12, 7-11% at 16, 5-7% at 24, the same at 4; at 32 rows 16 lines lost up to 13%.
+ * moe16-top4's [512, 512-8192] (in L3) 5-9% faster at 8 and 16 rows; the tiny MoE's head [128,
+ * 1024] (in cache, 2 chunks of 32 a half) 5-9% slower at 8 rows, so K under 512 keeps 32. */
 #ifdef __AVX512F__
 #define STREAM_TILES 11
 #define STREAM_LINES 32
-#define SHORT_LINES 16 /* the chunk for up to SHORT_TILES tiles (24 rows) */
+#define SHORT_LINES 16 /* the chunk for up to SHORT_TILES tiles (24 rows) and K >= 512 */
 #define SHORT_TILES 4
 #else
 #define STREAM_TILES 3
@@ -421,7 +423,7 @@ static inline __attribute__((always_inline)) void stream_tile(const float *x, co
 static void stream_panel(const float *x, const float *p, const float *b, float *y, int64_t M, int64_t K, int64_t N,
                          int64_t t, int64_t lines) {
     const float *panel = p + t * PANEL * K;
-    int64_t j = t * PANEL, tiles = (M + 5) / 6, chunk = tiles <= SHORT_TILES ? SHORT_LINES : STREAM_LINES;
+    int64_t j = t * PANEL, tiles = (M + 5) / 6, chunk = tiles <= SHORT_TILES && K >= 512 ? SHORT_LINES : STREAM_LINES;
     int64_t share = (chunk + tiles - 1) / tiles;
     static _Thread_local vt save[STREAM_TILES][6][VPT] __attribute__((aligned(64))); /* per thread, off the stack */
     for (int h = 0; h < 2; h++) {

@@ -192,12 +192,12 @@ def _packable(k: int, n: int, seed: int):
 @pytest.mark.parametrize(
     "rows,k",
     [(1, 256), (5, 256), (8, 256), (16, 256), (32, 256), (1, 400), (7, 400), (12, 400), (18, 400), (19, 400)]
-    + [(37, 400), (64, 400)],
+    + [(37, 400), (64, 400), (8, 528), (20, 528), (25, 528)],
 )
 def test_packed_weights_give_the_same_bits_up_to_packed_rows(kernel, bits, rows, k, monkeypatch):
-    """k 400: halves of 200, so the streamed chunks (kernels/small_gemm.c, STREAM_LINES 128, or 16-32
-    with AVX-512) end inside a half; 1-18 rows stream chunk by chunk, 19-64 too with AVX-512 (11
-    tiles at 64 rows), tile by tile without."""
+    """k 400 / 528: halves of 200 / 264, so the streamed chunks (kernels/small_gemm.c, STREAM_LINES
+    128, or with AVX-512 32, and 16 for up to 24 rows at k >= 512) end inside a half; 1-18 rows
+    stream chunk by chunk, 19-64 too with AVX-512 (11 tiles at 64 rows), tile by tile without."""
     monkeypatch.setattr(sg, "KN_MIN_BYTES", 0)
     holder = _packable(k, 192, seed=rows)
     w, b = holder.proj.weight, holder.proj.bias
