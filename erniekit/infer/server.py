@@ -143,6 +143,11 @@ class BadRequest(Exception):
         self.message, self.param, self.code, self.status, self.kind = message, param, code, status, kind
 
 
+def _retry_later(message: str) -> BadRequest:
+    """The 429 the OpenAI client retries after a pause: the server holds as much as it may now."""
+    return BadRequest(message, code="too_many_requests", status=429, kind="rate_limit_error")
+
+
 class NoMediaSlot(BadRequest):
     """Every media slot is taken (MEDIA_REQUESTS_AT_ONCE): the request is parsed again once one is
     free, a 503 after MEDIA_WAIT_S."""
@@ -988,29 +993,20 @@ class OpenAIServer:
             )
         with self._flight_lock:
             if self._in_flight + n > self.max_queued:
-                raise BadRequest(
+                raise _retry_later(
                     f"the server holds {self._in_flight} requests (at most {self.max_queued} queued or running, "
                     "--max-queued-requests); retry later",
-                    code="too_many_requests",
-                    status=429,
-                    kind="rate_limit_error",
                 )
             held = self._client_in_flight.get(client, 0) if client is not None else 0
             if client is not None and self.max_per_client and held + n > self.max_per_client:
-                raise BadRequest(
+                raise _retry_later(
                     f"this client holds {held} requests (at most {self.max_per_client} queued or running per "
                     "client, --max-queued-per-client); retry later",
-                    code="too_many_requests",
-                    status=429,
-                    kind="rate_limit_error",
                 )
             if media and self._media_in_flight >= MEDIA_IN_FLIGHT:
-                raise BadRequest(
+                raise _retry_later(
                     f"the server holds {MEDIA_IN_FLIGHT} requests with images or videos, the most it keeps at once; "
                     "retry later",
-                    code="too_many_requests",
-                    status=429,
-                    kind="rate_limit_error",
                 )
             self._in_flight += n
             self._media_in_flight += media
